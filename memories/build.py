@@ -1,0 +1,231 @@
+"""Build an external memory from samples: every target token y_i becomes one entry (f(c_i), y_i).
+
+Two build modes:
+
+* ``teacher`` (default, fast): c_i = prompt(source) + y_<i, all positions of a batch of samples captured in one
+  teacher-forced forward pass.
+* ``offsite``: c_i = prompt(source) + ŷ_<i, the model's own greedy predictions, one step at a time — how the PEMA
+  public code builds its memory with ``generate`` (value = the reference token y_i at step i). Slow; offered so
+  results can be compared faithfully.
+
+Monolingual samples (no source) first get a synthetic source from the backbone itself (German → English for
+translation, styled → plain for rewriting), as the memory-augmented adapter paper builds pairs from target-side
+text; the synthetic sources are kept in ``samples.jsonl`` so a person can inspect them.
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from backbone.model import Backbone, generate_greedy
+from backbone.prompts import REVERSE_TEMPLATES, Prompt
+from memories.parse import Sample
+from memories.store import FORMAT_VERSION, Memory, disk_bytes
+from studio.errors import UserError
+from studio.store import atomic_dir, write_json_atomic
+
+Progress = Callable[[float, str], None]
+ShouldStop = Callable[[], bool]
+
+
+class Cancelled(Exception):
+    """Raised inside long work when the user cancelled the job."""
+
+
+def _noop(*a) -> None:
+    pass
+
+
+def heldout_split(n: int, frac: float = 0.1, seed: int = 123, max_heldout: int = 500) -> np.ndarray:
+    """A fixed, seeded choice of held-out sample indices (at least 1 when there are ≥ 5 samples)."""
+    if n < 5 or frac <= 0:
+        return np.zeros(0, dtype=np.int64)
+    k = min(max_heldout, max(1, int(round(n * frac))))
+    return np.sort(np.random.default_rng(seed).permutation(n)[:k])
+
+
+def target_ids(backbone: Backbone, prompt: Prompt, tgt: str) -> list[int]:
+    """The target continuation's tokens, ending with the line-end token so a plug-in also learns to stop."""
+    ids = backbone.encode_target(prompt.target_prefix + tgt)
+    nl = backbone.encode_target("\n")
+    return ids + (nl if len(nl) == 1 else [backbone.tokenizer.eos_token_id])
+
+
+def synthesize_sources(backbone: Backbone, targets: list[str], task: str, progress: Progress = _noop,
+                       max_new_tokens: int = 96) -> list[str]:
+    """Ask the backbone for a plain source of each styled/German target (few-shot free, reverse template)."""
+    tpl = REVERSE_TEMPLATES.get(task, REVERSE_TEMPLATES["style"])
+    rev = Prompt(template=tpl, chat=backbone.chat)
+    ctxs = [backbone.encode_context(rev.render(t)) for t in targets]
+    outs = generate_greedy(backbone, ctxs, max_new_tokens=max_new_tokens, progress=progress)
+    srcs = [backbone.decode(o).strip() for o in outs]
+    # An empty synthetic source would make a useless pair: fall back on the target itself (identity pair).
+    return [s if s else t for s, t in zip(srcs, targets)]
+
+
+def _capture_teacher(backbone: Backbone, ctx: list[list[int]], tgt: list[list[int]], keys_out, values_out,
+                     sample_out, sample_index: list[int], batch_size: int, progress: Progress,
+                     should_stop: ShouldStop, scale: float = 1.0) -> float:
+    """Teacher-forced batched capture. Writes entries in order; returns the sum of squares of the keys."""
+    order = sorted(range(len(ctx)), key=lambda i: len(ctx[i]) + len(tgt[i]))  # length-sorted batches pad less
+    offsets = np.cumsum([0] + [len(t) for t in tgt])
+    pad = backbone.tokenizer.pad_token_id or 0
+    sumsq = 0.0
+    done = 0
+    for b0 in range(0, len(order), batch_size):
+        if should_stop():
+            raise Cancelled()
+        idx = order[b0:b0 + batch_size]
+        seqs = [ctx[i] + tgt[i][:-1] for i in idx]  # the last target token is predicted, never input
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.tensor(s)
+            mask[r, :len(s)] = 1
+        with torch.no_grad():
+            fc, _ = backbone.forward_fc(ids.to(backbone.device), attention_mask=mask.to(backbone.device))
+        fc = fc.float().cpu()
+        for r, i in enumerate(idx):
+            start = len(ctx[i]) - 1  # the position whose next token is y_0
+            k = fc[r, start:start + len(tgt[i])]
+            sumsq += float((k.double() ** 2).sum())
+            keys_out[offsets[i]:offsets[i + 1]] = k.numpy()
+            values_out[offsets[i]:offsets[i + 1]] = tgt[i]
+            sample_out[offsets[i]:offsets[i + 1]] = sample_index[i]
+        done += len(idx)
+        progress(done / len(order), f"captured {done}/{len(order)} samples")
+    return sumsq
+
+
+def _capture_offsite(backbone: Backbone, ctx: list[list[int]], tgt: list[list[int]], keys_out, values_out,
+                     sample_out, sample_index: list[int], progress: Progress, should_stop: ShouldStop) -> float:
+    """Per-step greedy generation (PEMA public code): at step i the context holds the model's own tokens."""
+    offsets = np.cumsum([0] + [len(t) for t in tgt])
+    sumsq = 0.0
+    for i in range(len(ctx)):
+        if should_stop():
+            raise Cancelled()
+        past = None
+        inp = torch.tensor([ctx[i]], device=backbone.device)
+        for step, y in enumerate(tgt[i]):
+            with torch.no_grad():
+                fc, out = backbone.forward_fc(inp, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            k = fc[0, -1].float().cpu()
+            sumsq += float((k.double() ** 2).sum())
+            keys_out[offsets[i] + step] = k.numpy()
+            values_out[offsets[i] + step] = y
+            sample_out[offsets[i] + step] = sample_index[i]
+            pred = int(backbone.head_logits(backbone.final_norm(fc[:, -1:]))[0, -1].argmax())
+            inp = torch.tensor([[pred]], device=backbone.device)
+        progress((i + 1) / len(ctx), f"generated {i + 1}/{len(ctx)} samples")
+    return sumsq
+
+
+def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path, *, prompt: Prompt | None = None,
+                 task: str = "translation", mode: str = "teacher", name: str = "", key_dtype: str = "float16",
+                 heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8, max_target_tokens: int = 256,
+                 progress: Progress = _noop, should_stop: ShouldStop = lambda: False) -> Memory:
+    """Build a memory folder atomically at ``out_dir`` and return it loaded.
+
+    ``progress(fraction, message)`` is called throughout; ``should_stop()`` returning True cancels (nothing is
+    left behind). Raises :class:`UserError` for bad input.
+    """
+    t0 = time.time()
+    if mode not in ("teacher", "offsite"):
+        raise UserError(f"Unknown build mode {mode!r}; use 'teacher' or 'offsite'.")
+    if key_dtype not in ("float16", "float32"):
+        raise UserError("key_dtype must be float16 or float32.")
+    if not samples:
+        raise UserError("No samples to build a memory from.")
+    prompt = prompt or Prompt.for_task(task, chat=backbone.chat)
+    srcs = [s.src for s in samples]
+    tgts = [s.tgt for s in samples]
+    synthetic = [s is None for s in srcs]
+    if any(synthetic):
+        todo = [i for i, s in enumerate(srcs) if s is None]
+        progress(0.0, f"Making synthetic sources for {len(todo)} monolingual samples with the backbone")
+        made = synthesize_sources(backbone, [tgts[i] for i in todo], task,
+                                  progress=lambda f, m: progress(0.5 * f, "synthetic sources: " + m))
+        for i, s in zip(todo, made):
+            srcs[i] = s
+    base = 0.5 if any(synthetic) else 0.0
+
+    held = set(heldout_split(len(samples), heldout_frac, seed).tolist())
+    ctx = [backbone.encode_context(prompt.render(s)) for s in srcs]
+    tgt = []
+    for i, t in enumerate(tgts):
+        ids = target_ids(backbone, prompt, t)
+        if len(ids) > max_target_tokens:
+            raise UserError(f"line {samples[i].line}: the target has {len(ids)} tokens "
+                            f"(limit {max_target_tokens}); split it into sentences.")
+        tgt.append(ids)
+
+    d = backbone.hidden_size
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        stats = {"samples": 0, "heldout_samples": 0, "entries": 0, "heldout_entries": 0}
+        sumsq = 0.0
+        for part, sel in (("", [i for i in range(len(samples)) if i not in held]),
+                          ("heldout_", sorted(held))):
+            n = int(sum(len(tgt[i]) for i in sel))
+            keys = np.lib.format.open_memmap(tmp / f"{part}keys.npy", mode="w+", dtype=key_dtype, shape=(n, d))
+            vals = np.lib.format.open_memmap(tmp / f"{part}values.npy", mode="w+", dtype=np.int32, shape=(n,))
+            smp = np.lib.format.open_memmap(tmp / f"{part}entry_sample.npy", mode="w+", dtype=np.int32,
+                                            shape=(n,))
+            share = (1 - base) * (len(sel) / len(samples))
+            lo = base + (0 if not part else (1 - base) * (1 - len(sel) / len(samples)))
+
+            def prog(f, m, lo=lo, share=share, part=part):
+                progress(lo + share * f, ("held-out " if part else "") + m)
+
+            if sel:
+                args = ([ctx[i] for i in sel], [tgt[i] for i in sel], keys, vals, smp, sel)
+                if mode == "teacher":
+                    s2 = _capture_teacher(backbone, *args, batch_size=batch_size, progress=prog,
+                                          should_stop=should_stop)
+                else:
+                    s2 = _capture_offsite(backbone, *args, progress=prog, should_stop=should_stop)
+                if not part:
+                    sumsq = s2
+            keys.flush(); vals.flush(); smp.flush()
+            del keys, vals, smp
+            stats[f"{part}samples"] = len(sel)
+            stats[f"{part}entries"] = n
+        n_train = max(1, stats["entries"])
+        stats["key_rms"] = float(np.sqrt(sumsq / (n_train * d))) if sumsq > 0 else 1.0
+        stats["build_seconds"] = round(time.time() - t0, 2)
+        stats["synthetic_sources"] = int(sum(synthetic))
+        stats["unique_target_tokens"] = int(len({t for ids in tgt for t in ids}))
+        with open(tmp / "samples.jsonl", "w", encoding="utf-8") as f:
+            import json
+            for i, s in enumerate(samples):
+                f.write(json.dumps({"src": srcs[i], "tgt": tgts[i], "synthetic_src": synthetic[i],
+                                    "split": "heldout" if i in held else "train", "line": s.line},
+                                   ensure_ascii=False) + "\n")
+        meta = {"format_version": FORMAT_VERSION, "id": out_dir.name, "name": name or out_dir.name,
+                "backbone": backbone.name, "fingerprint": backbone.fingerprint, "task": task, "mode": mode,
+                "prompt": prompt.to_dict(), "key_dtype": key_dtype, "hidden_size": d, "seed": seed,
+                "heldout_frac": heldout_frac, "created": time.time(), "stats": stats}
+        write_json_atomic(tmp / "meta.json", meta)
+    progress(1.0, f"Memory built: {stats['entries']} entries from {stats['samples']} samples "
+                  f"(+{stats['heldout_entries']} held-out) in {stats['build_seconds']}s")
+    return Memory.load(out_dir)
+
+
+def register_memory(catalog, memory: Memory) -> None:
+    """Add a built memory to the SQLite catalog."""
+    import json
+
+    s = memory.summary()
+    catalog.add_memory({"id": memory.id, "name": s["name"], "path": str(memory.path), "backbone": s["backbone"],
+                        "fingerprint": memory.fingerprint, "task": s["task"], "mode": s["mode"],
+                        "samples": s["samples"] + s["heldout_samples"], "entries": s["entries"],
+                        "bytes": disk_bytes(memory.path), "created": memory.meta["created"],
+                        "meta": json.dumps(memory.meta["stats"])})

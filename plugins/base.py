@@ -1,0 +1,201 @@
+"""The plug-in protocol shared by every method (in the spirit of PEFT's tuners: one config + one module each).
+
+A plug-in is trained from a memory (``fit``), saved as ``plugin_config.json`` + ``plugin_model.safetensors``
+(never pickle), loaded back only onto the backbone it was made for, and acts at decode time in one of two ways:
+
+* **output-level** (PEMA, kNN): ``extra_states`` may return pre-norm states to be projected through the frozen
+  norm + LM head *in the same matrix product* as the backbone's own f(c) (the head's weight traffic dominates a
+  CPU decoding step); ``mix`` then turns the step's LM log-probabilities of its rows into the final ones.
+* **in-network** (adapters, memory-tuning, LoRA, ...): ``attach(rows)`` registers forward hooks that change the
+  hidden states of *its own batch rows only*, so several methods share one batched forward pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from studio.errors import UserError
+from studio.store import atomic_dir, write_json_atomic
+
+Progress = Callable[[float, str], None]
+ShouldStop = Callable[[], bool]
+FORMAT_VERSION = 1
+
+
+def _noop(*a) -> None:
+    pass
+
+
+@dataclass
+class PluginConfig:
+    """Base of every method's config: JSON round trip and validation hooks."""
+
+    seed: int = 123
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PluginConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise UserError(f"Unknown setting(s) for {cls.__name__}: {', '.join(sorted(unknown))}.")
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise UserError for a bad value (subclasses check their own fields)."""
+
+    @staticmethod
+    def _check(cond: bool, msg: str) -> None:
+        if not cond:
+            raise UserError(msg)
+
+
+@dataclass
+class MixInput:
+    """What an output-level plug-in sees for its rows at one decoding step."""
+
+    fc: torch.Tensor            # (n, d) the step's f(c), pre-norm, backbone dtype
+    lm_logprobs: torch.Tensor   # (n, V) float32 log P_LM
+    extra_logits: torch.Tensor | None  # (n, V) float32 logits of the plug-in's extra states, if it asked for any
+    step: int                   # number of tokens generated so far in this row (0 for the first)
+    src_len: int                # SL: token length of the input sentence (instruction excluded)
+    settings: list[dict]        # decode-time settings per row
+
+
+@dataclass
+class MixOutput:
+    logprobs: torch.Tensor              # (n, V) final log P
+    plugin_logprobs: torch.Tensor | None = None  # (n, V) the plug-in's own distribution, for the trace
+    lam: list[float] | None = None      # λ_t per row
+    extras: list[dict] | None = None    # per-row trace extras (e.g. kNN neighbours)
+
+
+@dataclass
+class FitResult:
+    metrics: dict = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)  # one row per logged step: {"step","phase","loss",...}
+
+
+class Plugin(nn.Module):
+    """Base class. Subclasses set ``method``, ``Config``, ``level``, ``decode_defaults`` and implement ``fit``."""
+
+    method: ClassVar[str] = ""
+    title: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+    level: ClassVar[str] = "output"  # "output" | "network" | "none"
+    decode_defaults: ClassVar[dict] = {}
+    needs_memory_at_decode: ClassVar[bool] = False
+
+    def __init__(self, config: PluginConfig, backbone, memory_meta: dict | None = None):
+        super().__init__()
+        self.config = config
+        self.backbone_name = backbone.name
+        self.fingerprint = backbone.fingerprint
+        self.memory_meta = dict(memory_meta or {})
+        self.train_info: dict = {}
+        self._backbone = [backbone]  # a list, so nn.Module does not register the frozen model as a child
+
+    @property
+    def backbone(self):
+        return self._backbone[0]
+
+    # --- training ---------------------------------------------------------------------------------
+    def fit(self, memory, progress: Progress = _noop, should_stop: ShouldStop = lambda: False) -> FitResult:
+        raise NotImplementedError
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # --- decoding ---------------------------------------------------------------------------------
+    def settings(self, overrides: dict | None = None) -> dict:
+        s = dict(self.decode_defaults)
+        for k, v in (overrides or {}).items():
+            if k in s:
+                s[k] = type(s[k])(v) if s[k] is not None and not isinstance(s[k], bool) else v
+        self.validate_settings(s)
+        return s
+
+    def validate_settings(self, s: dict) -> None:
+        pass
+
+    def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
+        return None
+
+    def mix(self, inp: MixInput) -> MixOutput:
+        return MixOutput(logprobs=inp.lm_logprobs)
+
+    def attach(self, rows: torch.Tensor, settings: dict | None = None) -> list:
+        """Register forward hooks acting on batch rows ``rows`` only; return the handles."""
+        return []
+
+    def network_trace(self) -> dict | None:
+        """After a step: per-row attention over memory items etc. (in-network methods that have one)."""
+        return None
+
+    def prepare_decode(self) -> None:
+        """Called once before decoding (e.g. to move weights or build a search index)."""
+
+    # --- persistence ------------------------------------------------------------------------------
+    def extra_config(self) -> dict:
+        """Anything besides the config that ``load`` needs (e.g. the memory it reads at decode time)."""
+        return {}
+
+    def save(self, out_dir: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        with atomic_dir(out_dir) as tmp:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+            save_file(tensors, str(tmp / "plugin_model.safetensors"))
+            write_json_atomic(tmp / "plugin_config.json", {
+                "format_version": FORMAT_VERSION, "method": self.method, "config": self.config.to_dict(),
+                "backbone": self.backbone_name, "fingerprint": self.fingerprint, "memory": self.memory_meta,
+                "train_info": self.train_info, "trainable_parameters": self.trainable_parameters(),
+                "extra": self.extra_config(), "saved": time.time()})
+        return out_dir
+
+    @classmethod
+    def build_for_load(cls, config: PluginConfig, backbone, memory_meta: dict, extra: dict,
+                       tensors: dict[str, torch.Tensor]) -> "Plugin":
+        """Create an empty instance whose parameters have the shapes in ``tensors`` (override if needed)."""
+        return cls(config, backbone, memory_meta)
+
+    def to_backbone(self) -> "Plugin":
+        return self.to(device=self.backbone.device)
+
+
+def load_plugin(path: str | Path, backbone) -> Plugin:
+    """Load any saved plug-in: JSON config + safetensors only; refuses a foreign backbone."""
+    from safetensors.torch import load_file
+
+    from plugins.registry import get_method
+
+    path = Path(path)
+    cfg_path = path / "plugin_config.json"
+    if not cfg_path.exists():
+        raise UserError(f"No plug-in at {path} (plugin_config.json is missing).")
+    meta = json.loads(cfg_path.read_text(encoding="utf-8"))
+    backbone.check_fingerprint(meta["fingerprint"], "This plug-in")
+    cls = get_method(meta["method"])
+    config = cls.Config.from_dict(meta["config"])
+    tensors = load_file(str(path / "plugin_model.safetensors"))
+    plugin = cls.build_for_load(config, backbone, meta.get("memory", {}), meta.get("extra", {}), tensors)
+    missing, unexpected = plugin.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise UserError(f"The plug-in at {path} is damaged: missing {missing}, unexpected {unexpected}.")
+    plugin.train_info = meta.get("train_info", {})
+    plugin.plugin_path = path
+    plugin.eval()
+    return plugin.to_backbone()

@@ -1,0 +1,187 @@
+"""kNN-LM (Khandelwal et al., ICLR 2020) / kNN-MT (Khandelwal et al., ICLR 2021) over a memory.
+
+Datastore = the memory's training entries (keys f(c), values y); retriever = the k nearest keys by squared L2
+distance; combiner: P_kNN(y) ∝ Σ_{(k_j, v_j) ∈ N, v_j = y} exp(−d_j / T) and P = λ·P_kNN + (1−λ)·P_LM.
+k, T and λ are decode-time settings: nothing is rebuilt when they change.
+
+Search: exact (chunked torch matmul, keys held in RAM as float32) up to ``exact_max_entries``; beyond that FAISS
+IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the plug-in with ``faiss.write_index``,
+never pickled), keys left memory-mapped on disk. ``search_kind`` says which one is in use.
+
+Adaptation: keys and queries are divided by the memory's key RMS before distances are taken, so the temperature T
+has the same meaning across backbones (Gemma 3's raw pre-norm states have an RMS near 1,300).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memories.store import Memory
+from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
+from plugins.pema import mix_logprobs
+from plugins.registry import register
+from studio.errors import UserError
+
+
+@dataclass
+class KNNConfig(PluginConfig):
+    search: str = "auto"              # "auto" | "exact" | "faiss"
+    exact_max_entries: int = 500_000
+    ivf_lists: int = 0                # 0: about 4·√N
+    pq_m: int = 64                    # PQ sub-quantizers (must divide d; lowered automatically if not)
+    nprobe: int = 32
+    normalize_keys: bool = True
+    max_neighbours_traced: int = 8
+
+    def validate(self) -> None:
+        self._check(self.search in ("auto", "exact", "faiss"), "search must be auto, exact or faiss.")
+
+
+@register
+class KNN(Plugin):
+    method = "knn"
+    title = "kNN-LM / kNN-MT"
+    paper = "Khandelwal et al., Generalization through Memorization (ICLR 2020); Nearest Neighbor MT (ICLR 2021)"
+    Config = KNNConfig
+    level = "output"
+    decode_defaults = {"k": 16, "temperature": 10.0, "lambda": 0.3}
+    needs_memory_at_decode = True
+
+    def __init__(self, config: KNNConfig, backbone, memory_meta: dict | None = None):
+        super().__init__(config, backbone, memory_meta)
+        self.register_buffer("key_scale", torch.tensor(float((memory_meta or {}).get("key_rms", 1.0))))
+        self.memory: Memory | None = None
+        self.index = None
+        self.search_kind = ""
+
+    @classmethod
+    def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
+        p = cls(config, backbone, memory_meta)
+        path = Path(memory_meta.get("path", ""))
+        if not (path / "meta.json").exists():
+            raise UserError(f"The kNN plug-in reads its memory at decode time, but {path} is gone. "
+                            f"Rebuild the memory or train the kNN plug-in again.")
+        p.attach_memory(Memory.load(path, backbone))
+        return p
+
+    def attach_memory(self, memory: Memory) -> None:
+        self.memory = memory
+        self.key_scale.fill_(memory.key_scale if self.config.normalize_keys else 1.0)
+        self.memory_meta = {**self.memory_meta, "path": str(memory.path), "id": memory.id,
+                            "key_rms": memory.key_scale}
+        n = len(memory)
+        use_faiss = self.config.search == "faiss" or (self.config.search == "auto" and n > self.config.exact_max_entries)
+        self.values = torch.from_numpy(np.asarray(memory.values, dtype=np.int64))
+        self.entry_sample = np.asarray(memory.entry_sample)
+        if use_faiss:
+            self._build_faiss()
+        else:
+            keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)) / self.key_scale
+            self.keys = keys
+            self.key_sqnorm = (keys * keys).sum(1)
+            self.search_kind = f"exact (torch matmul over {n:,} keys)"
+
+    def _build_faiss(self) -> None:
+        import faiss
+
+        mem = self.memory
+        d = mem.keys.shape[1]
+        n = len(mem)
+        path = mem.path / "faiss_ivfpq.index"
+        if path.exists():
+            self.index = faiss.read_index(str(path))
+        else:
+            m = self.config.pq_m
+            while d % m:
+                m -= 1
+            nlist = self.config.ivf_lists or max(1, int(4 * np.sqrt(n)))
+            quant = faiss.IndexFlatL2(d)
+            index = faiss.IndexIVFPQ(quant, d, nlist, m, 8)
+            rng = np.random.default_rng(self.config.seed)
+            sample = np.sort(rng.choice(n, size=min(n, max(256 * nlist // 4, 40 * nlist, 10000)), replace=False))
+            index.train(np.asarray(mem.keys[sample], dtype=np.float32) / float(self.key_scale))
+            for b0 in range(0, n, 65536):
+                index.add(np.asarray(mem.keys[b0:b0 + 65536], dtype=np.float32) / float(self.key_scale))
+            tmp = path.with_suffix(".tmp")
+            faiss.write_index(index, str(tmp))
+            tmp.replace(path)
+            self.index = index
+        self.index.nprobe = self.config.nprobe
+        self.search_kind = f"FAISS IVF-PQ ({self.index.nlist} lists, nprobe {self.config.nprobe}, {n:,} keys)"
+
+    def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
+        progress(0.1, "preparing the datastore")
+        self.attach_memory(memory)
+        progress(1.0, f"datastore ready: {self.search_kind}")
+        self.train_info = {"search": self.search_kind, "entries": len(memory)}
+        return FitResult(metrics={"entries": len(memory), "search": self.search_kind})
+
+    def trainable_parameters(self) -> int:
+        return 0
+
+    # --- retrieval --------------------------------------------------------------------------------
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (squared L2 distances, entry indices), each (n, k), for queries already scaled."""
+        k = max(1, min(k, len(self.values)))
+        if self.index is not None:
+            dist, idx = self.index.search(queries.float().cpu().numpy(), k)
+            return torch.from_numpy(dist), torch.from_numpy(idx).long()
+        q = queries.float().cpu()
+        best_d, best_i = None, None
+        for b0 in range(0, len(self.keys), 262144):  # chunked so the distance matrix stays small
+            kc = self.keys[b0:b0 + 262144]
+            d = (q * q).sum(1, keepdim=True) - 2 * q @ kc.T + self.key_sqnorm[b0:b0 + 262144]
+            dv, di = d.topk(min(k, len(kc)), dim=1, largest=False)
+            di = di + b0
+            if best_d is None:
+                best_d, best_i = dv, di
+            else:
+                cat_d, cat_i = torch.cat([best_d, dv], 1), torch.cat([best_i, di], 1)
+                best_d, o = cat_d.topk(k, dim=1, largest=False)
+                best_i = cat_i.gather(1, o)
+        return best_d.clamp_min(0), best_i
+
+    def knn_logprobs(self, fc: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+        dist, idx = self.search(fc.float() / self.key_scale, k)
+        valid = idx >= 0
+        w = torch.where(valid, -dist / temperature, torch.full_like(dist, float("-inf")))
+        w = torch.log_softmax(w, dim=1)
+        vals = self.values[idx.clamp_min(0)]
+        V = self.backbone.vocab_size
+        probs = torch.zeros(len(fc), V)
+        probs.scatter_add_(1, vals, w.exp())
+        return torch.log(probs.clamp_min(0)), dist, idx
+
+    def validate_settings(self, s: dict) -> None:
+        PluginConfig._check(int(s["k"]) >= 1, "k must be ≥ 1.")
+        PluginConfig._check(float(s["temperature"]) > 0, "The kNN temperature must be positive.")
+        PluginConfig._check(0.0 <= float(s["lambda"]) <= 1.0, "The kNN λ must be in [0, 1].")
+
+    def mix(self, inp: MixInput) -> MixOutput:
+        n = len(inp.fc)
+        outs, plps, extras = [], [], []
+        # Rows may have different k/T; group rows with the same settings into one search.
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(inp.settings):
+            groups.setdefault((int(s["k"]), float(s["temperature"])), []).append(i)
+        plp = torch.empty(n, inp.lm_logprobs.shape[1])
+        extras = [None] * n
+        for (k, T), rows in groups.items():
+            lp, dist, idx = self.knn_logprobs(inp.fc[rows], k, T)
+            plp[rows] = lp
+            for j, r in enumerate(rows):
+                m = self.config.max_neighbours_traced
+                extras[r] = {"neighbours": [
+                    {"token": int(self.values[int(e)]), "distance": round(float(d), 3), "entry": int(e),
+                     "sample": int(self.entry_sample[int(e)])}
+                    for d, e in zip(dist[j, :m].tolist(), idx[j, :m].tolist()) if e >= 0]}
+        lams = [float(s["lambda"]) for s in inp.settings]
+        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams))
+        return MixOutput(logprobs=out, plugin_logprobs=plp, lam=lams, extras=extras)
+
+    def extra_config(self) -> dict:
+        return {"search": self.search_kind}

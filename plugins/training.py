@@ -1,0 +1,111 @@
+"""One small training loop for every plug-in: mini-batches over memory entries, Adam, an optional cosine
+learning-rate schedule, early stopping on the memory's held-out entries, a wall-clock budget, progress and
+cancellation. The best weights (by held-out loss) are restored at the end.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from memories.build import Cancelled
+
+
+@dataclass
+class LoopSettings:
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    batch_size: int = 256
+    max_epochs: int = 20
+    patience: int = 2
+    lr_schedule: str = "constant"  # "constant" (paper) | "cosine"
+    max_minutes: float = 0.0       # 0: no wall-clock budget
+    seed: int = 123
+    eval_every: int = 0            # steps between held-out evaluations; 0: once an epoch
+    warmup_steps: int = 0
+
+
+def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], n_train: int,
+                 train_loss: Callable[[np.ndarray], tuple[torch.Tensor, dict]],
+                 heldout_loss: Callable[[], float], s: LoopSettings, phase: str,
+                 progress: Callable[[float, str], None], should_stop: Callable[[], bool],
+                 history: list[dict], progress_span: tuple[float, float] = (0.0, 1.0)) -> dict:
+    """Train ``params`` by minimising ``train_loss(batch_indices)``; early-stop on ``heldout_loss()``.
+
+    Returns a summary: best held-out loss, epochs, steps, seconds, tokens/s, whether it stopped early.
+    """
+    params = [p for p in params if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=s.lr, betas=tuple(s.betas), eps=s.eps)
+    rng = np.random.default_rng(s.seed)
+    steps_per_epoch = max(1, math.ceil(n_train / s.batch_size))
+    total_steps = steps_per_epoch * s.max_epochs
+    eval_every = s.eval_every or steps_per_epoch
+    if s.lr_schedule == "cosine":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / max(1, s.warmup_steps))
+                                                  * 0.5 * (1 + math.cos(math.pi * min(t, total_steps) / total_steps)))
+    else:
+        sched = None
+    lo, hi = progress_span
+    t0 = time.time()
+    module.eval()
+    best = heldout_loss()
+    best_state = copy.deepcopy(module.state_dict())
+    history.append({"phase": phase, "step": 0, "epoch": 0.0, "heldout_loss": best, "time": 0.0})
+    bad = 0
+    step = 0
+    reason = "max_epochs"
+    seen = 0
+    done = False
+    for epoch in range(s.max_epochs):
+        order = rng.permutation(n_train)
+        module.train()
+        for b0 in range(0, n_train, s.batch_size):
+            if should_stop():
+                raise Cancelled()
+            idx = np.sort(order[b0:b0 + s.batch_size])  # sorted: friendlier reads from a memory-mapped file
+            loss, parts = train_loss(idx)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if sched:
+                sched.step()
+            step += 1
+            seen += len(idx)
+            if step % 10 == 0 or step == 1:
+                history.append({"phase": phase, "step": step, "epoch": step / steps_per_epoch,
+                                "loss": float(loss), **{k: float(v) for k, v in parts.items()},
+                                "time": time.time() - t0})
+            frac = min(1.0, step / total_steps)
+            progress(lo + (hi - lo) * frac, f"{phase}: epoch {epoch + 1}/{s.max_epochs} step {step} "
+                                             f"loss {float(loss):.4f} (best held-out {best:.4f})")
+            if step % eval_every == 0:
+                module.eval()
+                h = heldout_loss()
+                module.train()
+                history.append({"phase": phase, "step": step, "epoch": step / steps_per_epoch,
+                                "heldout_loss": h, "time": time.time() - t0})
+                if h < best - 1e-6:
+                    best, bad = h, 0
+                    best_state = copy.deepcopy(module.state_dict())
+                else:
+                    bad += 1
+                    if bad >= s.patience:
+                        reason, done = "early_stopping", True
+            if s.max_minutes and time.time() - t0 > 60 * s.max_minutes:
+                reason, done = "time_budget", True
+            if done:
+                break
+        if done:
+            break
+    module.load_state_dict(best_state)
+    module.eval()
+    secs = time.time() - t0
+    return {"phase": phase, "best_heldout_loss": best, "epochs": round(step / steps_per_epoch, 2), "steps": step,
+            "seconds": round(secs, 2), "entries_per_second": round(seen / max(secs, 1e-9), 1),
+            "stopped_by": reason}
