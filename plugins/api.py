@@ -1,0 +1,98 @@
+"""The plain functions the CLI, the app's job worker, the benchmarks and the tests all call.
+
+samples → memory (``memories.build``) → plug-in (``train_plugin``) → decode (``plugins.decode.compare``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from memories.store import Memory
+from plugins.base import Plugin, load_plugin
+from plugins.registry import available_methods, get_method
+from studio.errors import UserError
+from studio.store import Catalog, new_id
+
+Progress = Callable[[float, str], None]
+
+
+def _noop(*a) -> None:
+    pass
+
+
+def make_config(method: str, overrides: dict | None = None):
+    """The method's Config with the paper defaults, overridden by ``overrides`` (validated)."""
+    cls = get_method(method)
+    base = cls.Config().to_dict()
+    base.update(overrides or {})
+    return cls.Config.from_dict(base)
+
+
+def new_plugin(method: str, backbone, memory: Memory, overrides: dict | None = None) -> Plugin:
+    cls = get_method(method)
+    memory_meta = {"id": memory.id, "path": str(memory.path), "key_rms": memory.key_scale, "task": memory.task,
+                   "prompt": memory.meta["prompt"]}
+    return cls(make_config(method, overrides), backbone, memory_meta)
+
+
+def train_plugin(backbone, memory: Memory, method: str, overrides: dict | None = None, *,
+                 catalog: Catalog | None = None, out_dir: str | Path | None = None, name: str = "",
+                 progress: Progress = _noop, should_stop: Callable[[], bool] = lambda: False) -> tuple[Plugin, dict]:
+    """Train a plug-in of ``method`` on ``memory``; save it (JSON + safetensors) and register it in the catalog.
+
+    Returns the trained plug-in and its catalog row (with metrics and the loss history).
+    """
+    backbone.check_fingerprint(memory.fingerprint, "This memory")
+    plugin = new_plugin(method, backbone, memory, overrides)
+    t0 = time.time()
+    result = plugin.fit(memory, progress=progress, should_stop=should_stop)
+    plugin.train_info = {**plugin.train_info, "seconds": round(time.time() - t0, 2),
+                         "trainable_parameters": plugin.trainable_parameters()}
+    pid = new_id(f"{method}-")
+    if out_dir is None:
+        if catalog is None:
+            raise UserError("Give an output folder or a catalog to save the plug-in in.")
+        out_dir = catalog.root / "plugins" / pid
+    out_dir = Path(out_dir)
+    plugin.save(out_dir)
+    (out_dir / "history.json").write_text(json.dumps(result.history), encoding="utf-8")
+    plugin.plugin_path = out_dir
+    row = {"id": out_dir.name, "name": name or f"{get_method(method).title} on {memory.meta.get('name', memory.id)}",
+           "method": method, "memory_id": memory.id, "path": str(out_dir), "backbone": backbone.name,
+           "fingerprint": backbone.fingerprint, "params": plugin.trainable_parameters(),
+           "metrics": json.dumps({**result.metrics, "train_info": plugin.train_info}, default=str),
+           "created": time.time()}
+    if catalog is not None:
+        catalog.add_plugin(row)
+    return plugin, {**row, "history": result.history}
+
+
+def open_plugin(ref: str, backbone, catalog: Catalog | None = None) -> Plugin:
+    """Load a plug-in by catalog id or folder path."""
+    path = Path(ref)
+    if not (path / "plugin_config.json").exists() and catalog is not None:
+        row = catalog.plugin(ref)
+        if row is None:
+            raise UserError(f"No plug-in {ref!r} in the catalog ({catalog.root}).")
+        path = Path(row["path"])
+    return load_plugin(path, backbone)
+
+
+def open_memory(ref: str, backbone=None, catalog: Catalog | None = None) -> Memory:
+    """Load a memory by catalog id or folder path (checking the backbone when given)."""
+    path = Path(ref)
+    if not (path / "meta.json").exists() and catalog is not None:
+        row = catalog.memory(ref)
+        if row is None:
+            raise UserError(f"No memory {ref!r} in the catalog ({catalog.root}).")
+        path = Path(row["path"])
+    return Memory.load(path, backbone)
+
+
+def method_table() -> list[dict]:
+    """Every registered method with its level, paper, config defaults and decode-time settings (for UIs)."""
+    return [{"method": name, "title": cls.title, "level": cls.level, "paper": cls.paper,
+             "config": cls.Config().to_dict(), "decode": dict(cls.decode_defaults)}
+            for name, cls in sorted(available_methods().items())]

@@ -1,0 +1,53 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = Path(os.environ.get("PEMA_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from backbone.tiny import tiny_backbone
+
+    return tiny_backbone()
+
+
+@pytest.fixture(scope="session")
+def tiny_pairs():
+    return [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+            ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 3
+
+
+@pytest.fixture(scope="session")
+def tiny_memory(tiny, tiny_pairs, tmp_path_factory):
+    from backbone.prompts import Prompt
+    from memories.build import build_memory
+    from memories.parse import Sample
+
+    out = tmp_path_factory.mktemp("mem") / "m"
+    samples = [Sample(s, t, i + 1) for i, (s, t) in enumerate(tiny_pairs)]
+    return build_memory(tiny, samples, out, prompt=Prompt.for_task("translation"))
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    if not SHARED.exists():
+        pytest.skip(f"reference data not found at {SHARED} (set PEMA_SHARED_DATA)")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """The real embedded default backbone (de-quantized once and cached under the data directory)."""
+    if os.environ.get("PEMA_SKIP_REAL_BACKBONE"):
+        pytest.skip("PEMA_SKIP_REAL_BACKBONE is set")
+    from backbone import load_backbone
+
+    try:
+        return load_backbone("gemma-3-270m")
+    except Exception as e:  # missing package: say so instead of failing obscurely
+        pytest.skip(f"embedded Gemma backbone unavailable: {e}")
