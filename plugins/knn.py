@@ -99,7 +99,8 @@ class KNN(Plugin):
                 m -= 1
             nlist = self.config.ivf_lists or max(1, int(4 * np.sqrt(n)))
             quant = faiss.IndexFlatL2(d)
-            index = faiss.IndexIVFPQ(quant, d, nlist, m, 8)
+            nbits = 8 if n >= 256 * 40 else 4  # PQ codebooks need ≥ 2^nbits training points (tiny memories)
+            index = faiss.IndexIVFPQ(quant, d, nlist, m, nbits)
             rng = np.random.default_rng(self.config.seed)
             sample = np.sort(rng.choice(n, size=min(n, max(256 * nlist // 4, 40 * nlist, 10000)), replace=False))
             index.train(np.asarray(mem.keys[sample], dtype=np.float32) / float(self.key_scale))

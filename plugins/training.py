@@ -79,11 +79,11 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
             seen += len(idx)
             if step % 10 == 0 or step == 1:
                 history.append({"phase": phase, "step": step, "epoch": step / steps_per_epoch,
-                                "loss": float(loss), **{k: float(v) for k, v in parts.items()},
+                                "loss": float(loss.detach()), **{k: float(v) for k, v in parts.items()},
                                 "time": time.time() - t0})
             frac = min(1.0, step / total_steps)
             progress(lo + (hi - lo) * frac, f"{phase}: epoch {epoch + 1}/{s.max_epochs} step {step} "
-                                             f"loss {float(loss):.4f} (best held-out {best:.4f})")
+                                             f"loss {float(loss.detach()):.4f} (best held-out {best:.4f})")
             if step % eval_every == 0:
                 module.eval()
                 h = heldout_loss()
