@@ -69,7 +69,7 @@ class MixInput:
     lm_logprobs: torch.Tensor   # (n, V) float32 log P_LM
     extra_logits: torch.Tensor | None  # (n, V) float32 logits of the plug-in's extra states, if it asked for any
     step: int                   # number of tokens generated so far in this row (0 for the first)
-    src_len: int                # SL: token length of the input sentence (instruction excluded)
+    src_len: list[int]          # SL per row: token length of the row's input sentence (instruction excluded)
     settings: list[dict]        # decode-time settings per row
 
 

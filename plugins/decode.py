@@ -83,9 +83,22 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
             max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
             context_ids: list[int] | None = None) -> Comparison:
     """Decode ``source`` with every row at once and return each row's text, tokens and per-token trace."""
+    return decode_batch(backbone, [source], rows, prompt, max_new_tokens, num_beams, trace,
+                        [context_ids] if context_ids else None)[0]
+
+
+def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
+                 max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
+                 contexts: list[list[int]] | None = None) -> list[Comparison]:
+    """Decode several sources × every row in one batch (left-padded prompts); one Comparison per source.
+
+    Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j. Left padding is masked out; rotary
+    position offsets cancel in attention scores, so a padded row computes what it would alone (up to float
+    rounding).
+    """
     if not rows:
         raise UserError("Choose at least one method to compare.")
-    if not source or not source.strip():
+    if not sources or any(not s or not s.strip() for s in sources):
         raise UserError("Type a sentence to translate or rewrite.")
     if num_beams < 1:
         raise UserError("The number of beams must be ≥ 1.")
@@ -94,12 +107,12 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
             backbone.check_fingerprint(r.plugin.fingerprint, f"The plug-in of row {r.label!r}")
     t0 = time.time()
     prompt = prompt or Prompt(chat=backbone.chat)
-    ctx = context_ids or backbone.encode_context(prompt.render(source))
-    src_len = len(backbone.encode_target(source.strip()))
+    ctxs = contexts or [backbone.encode_context(prompt.render(s)) for s in sources]
+    src_lens = [len(backbone.encode_target(s.strip())) for s in sources]
     dev = backbone.device
-    B = num_beams
-    R = len(rows)
-    N = R * B
+    S, R, B = len(sources), len(rows), num_beams
+    SR = S * R
+    N = SR * B
     settings = [r.plugin.settings(r.settings) if r.plugin is not None else {} for r in rows]
     for r in rows:
         if r.plugin is not None:
@@ -116,43 +129,57 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
         elif r.plugin.level == "output":
             out_groups.setdefault(id(r.plugin), []).append(i)
     plugin_of = {id(r.plugin): r.plugin for r in rows if r.plugin is not None}
-
-    # Prefill: one batch row for all rows without in-network plug-ins, one per in-network group.
-    prefill_of_row = [0] * R
     net_list = list(net_groups.items())
+
+    # Prefill: per source, one batch row for all rows without in-network plug-ins and one per in-network group.
+    G = 1 + len(net_list)
+    group_of_row = [0] * R
     for g, (_, members) in enumerate(net_list, start=1):
         for i in members:
-            prefill_of_row[i] = g
-    G = 1 + len(net_list)
+            group_of_row[i] = g
+    width = max(len(c) for c in ctxs)
+    pad = backbone.tokenizer.pad_token_id or 0
+    ids = torch.full((S * G, width), pad, dtype=torch.long)
+    mask = torch.zeros((S * G, width), dtype=torch.long)
+    for s_i, c in enumerate(ctxs):
+        for g in range(G):
+            ids[s_i * G + g, width - len(c):] = torch.tensor(c)
+            mask[s_i * G + g, width - len(c):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
     handles = []
     try:
         for g, ((pid, _), members) in enumerate(net_list, start=1):
-            handles += plugin_of[pid].attach(torch.tensor([g], device=dev), settings[members[0]])
-        ids = torch.tensor([ctx], device=dev).repeat(G, 1)
+            handles += plugin_of[pid].attach(torch.tensor([s_i * G + g for s_i in range(S)], device=dev),
+                                             settings[members[0]])
         with torch.no_grad():
-            fc, out = backbone.forward_fc(ids, use_cache=True)
+            fc, out = backbone.forward_fc(ids, attention_mask=mask if S > 1 else None, use_cache=True)
     finally:
         for h in handles:
             h.remove()
     cache = out.past_key_values
-    src_rows = torch.tensor([prefill_of_row[b // B] for b in range(N)], device=dev)
+    src_rows = torch.tensor([(b // (R * B)) * G + group_of_row[(b // B) % R] for b in range(N)], device=dev)
     cache.batch_select_indices(src_rows)
+    mask = mask[src_rows]
     fc_last = fc[src_rows, -1]
 
     def rows_of(members: list[int]) -> torch.Tensor:
-        return torch.tensor([i * B + j for i in members for j in range(B)], device=dev)
+        return torch.tensor([(s_i * R + i) * B + j for s_i in range(S) for i in members for j in range(B)],
+                            device=dev)
 
     net_rows = [(plugin_of[pid], rows_of(m), settings[m[0]]) for (pid, _), m in net_list]
-    out_rows = [(plugin_of[pid], rows_of(m), [settings[i] for i in m for _ in range(B)])
-                for pid, m in out_groups.items()]
+    out_rows = []
+    for pid, m in out_groups.items():
+        rr = rows_of(m)
+        out_rows.append((plugin_of[pid], rr, [settings[(b // B) % R] for b in rr.tolist()],
+                         [src_lens[b // (R * B)] for b in rr.tolist()]))
 
-    scores = torch.zeros(R, B)
+    scores = torch.zeros(SR, B)
     if B > 1:
         scores[:, 1:] = float("-inf")  # all beams start identical: expand from the first only
     beam_tokens: list[list[int]] = [[] for _ in range(N)]
     beam_traces: list[list[dict]] = [[] for _ in range(N)]
-    finished: list[list[tuple[float, list[int], list[dict]]]] = [[] for _ in range(R)]
-    done = [False] * R
+    finished: list[list[tuple[float, list[int], list[dict]]]] = [[] for _ in range(SR)]
+    done = [False] * SR
     stop_ids = backbone.stop_ids
     steps = 0
     handles = []
@@ -163,20 +190,20 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
             steps = step + 1
             with torch.no_grad():
                 normed = backbone.final_norm(fc_last)
-                extra = [(pl, rr, sts, pl.extra_states(fc_last[rr], sts)) for pl, rr, sts in out_rows]
+                extra = [(pl, rr, sts, sls, pl.extra_states(fc_last[rr], sts)) for pl, rr, sts, sls in out_rows]
                 states = [normed] + [backbone.final_norm(e.to(backbone.dtype)) for *_, e in extra if e is not None]
                 logits = backbone.head_logits(torch.cat(states))  # one pass over the LM head's weights
                 lm_lp = torch.log_softmax(logits[:N], dim=-1)
                 final = lm_lp.clone()
                 info: list[dict] = [{} for _ in range(N)]
                 off = N
-                for pl, rr, sts, e in extra:
+                for pl, rr, sts, sls, e in extra:
                     ex_logits = None
                     if e is not None:
                         ex_logits = logits[off:off + len(rr)]
                         off += len(rr)
                     mo = pl.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[rr], extra_logits=ex_logits, step=step,
-                                         src_len=src_len, settings=sts))
+                                         src_len=sls, settings=sts))
                     final[rr] = mo.logprobs
                     if trace:
                         for j, b in enumerate(rr.tolist()):
@@ -190,13 +217,14 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
                         nt = pl.network_trace()
                         if nt:
                             for j, b in enumerate(rr.tolist()):
-                                info[b]["memory_attention"] = nt.get(j)
+                                if nt.get(j) is not None:
+                                    info[b]["memory_attention"] = nt.get(j)
             final = final.cpu()
             # Pick tokens per row (greedy = beam search with one beam).
-            next_tok = torch.full((N,), backbone.tokenizer.pad_token_id or 0, dtype=torch.long)
+            next_tok = torch.full((N,), pad, dtype=torch.long)
             src = torch.arange(N)
             new_tokens, new_traces = list(beam_tokens), list(beam_traces)
-            for r in range(R):
+            for r in range(SR):
                 if done[r]:
                     continue
                 blk = slice(r * B, (r + 1) * B)
@@ -210,7 +238,8 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
                     b = r * B + j
                     entry = None
                     if trace:
-                        entry = {"token": tok, "text": backbone.token_str(tok), "logprob": round(v - float(scores[r, j]), 4),
+                        entry = {"token": tok, "text": backbone.token_str(tok),
+                                 "logprob": round(v - float(scores[r, j]), 4),
                                  "top_lm": _top(lm_lp[b].cpu(), backbone), "top_final": _top(final[b], backbone),
                                  **info[b]}
                     if tok in stop_ids:
@@ -224,7 +253,7 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
                     done[r] = True
                     continue
                 for j in range(B):
-                    v, b, tok, entry = live[min(j, len(live) - 1)] if j < len(live) else (float("-inf"), *live[0][1:])
+                    v, b, tok, entry = live[j] if j < len(live) else (float("-inf"), *live[0][1:])
                     tgt = r * B + j
                     scores[r, j] = v
                     src[tgt] = b
@@ -236,25 +265,33 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
                 break
             if B > 1:
                 cache.reorder_cache(src.to(dev))
+                mask = mask[src.to(dev)]
+            mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=dev)], dim=1)
             with torch.no_grad():
-                fc, out = backbone.forward_fc(next_tok.unsqueeze(1).to(dev), past_key_values=cache, use_cache=True)
+                fc, out = backbone.forward_fc(next_tok.unsqueeze(1).to(dev), past_key_values=cache, use_cache=True,
+                                              attention_mask=mask if S > 1 else None)
             cache = out.past_key_values
             fc_last = fc[:, -1]
     finally:
         for h in handles:
             h.remove()
 
-    results = []
-    for r, row in enumerate(rows):
-        if finished[r]:
-            score, toks, tr = max(finished[r], key=lambda f: f[0])
-        else:  # ran out of tokens: the best live beam
-            j = int(scores[r].argmax())
-            score, toks, tr = float(scores[r, j]), beam_tokens[r * B + j], beam_traces[r * B + j]
-        body = [t for t in toks if t not in stop_ids]
-        raw = backbone.decode(body)
-        results.append(RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw,
-                                 tokens=toks, token_texts=[backbone.token_str(t) for t in toks], trace=tr,
-                                 settings=settings[r], score=round(float(score), 4)))
-    return Comparison(source=source, context_ids=ctx, src_len=src_len, rows=results, seconds=time.time() - t0,
-                      steps=steps, num_beams=B, backbone=backbone.name)
+    seconds = time.time() - t0
+    comparisons = []
+    for s_i, source in enumerate(sources):
+        results = []
+        for r_i, row in enumerate(rows):
+            r = s_i * R + r_i
+            if finished[r]:
+                score, toks, tr = max(finished[r], key=lambda f: f[0])
+            else:  # ran out of tokens: the best live beam
+                j = int(scores[r].argmax())
+                score, toks, tr = float(scores[r, j]), beam_tokens[r * B + j], beam_traces[r * B + j]
+            body = [t for t in toks if t not in stop_ids]
+            raw = backbone.decode(body)
+            results.append(RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw,
+                                     tokens=toks, token_texts=[backbone.token_str(t) for t in toks], trace=tr,
+                                     settings=settings[r_i], score=round(float(score), 4)))
+        comparisons.append(Comparison(source=source, context_ids=ctxs[s_i], src_len=src_lens[s_i], rows=results,
+                                      seconds=seconds, steps=steps, num_beams=B, backbone=backbone.name))
+    return comparisons

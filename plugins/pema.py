@@ -264,7 +264,7 @@ class PEMA(Plugin):
             masked[:, self.candidates] = logits[:, self.candidates]
             logits = masked
         p_pema = torch.log_softmax(logits, dim=-1)
-        lams = [gu_lambda(inp.step, float(s["lambda_max"]), inp.src_len, bool(s["gu"]), s["gu_variant"],
-                          float(s["gu_floor"])) for s in inp.settings]
+        lams = [gu_lambda(inp.step, float(s["lambda_max"]), sl, bool(s["gu"]), s["gu_variant"], float(s["gu_floor"]))
+                for s, sl in zip(inp.settings, inp.src_len)]
         out = mix_logprobs(inp.lm_logprobs, p_pema, torch.tensor(lams))
         return MixOutput(logprobs=out, plugin_logprobs=p_pema, lam=lams)

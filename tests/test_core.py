@@ -262,3 +262,16 @@ def test_compare_rejects_bad_requests(tiny):
         compare(tiny, "  ", [Row("base")])
     with pytest.raises(UserError):
         compare(tiny, "x", [])
+
+
+def test_decode_batch_of_sources_equals_one_at_a_time(tiny, tiny_memory):
+    from plugins.decode import decode_batch
+
+    knn = KNN(KNNConfig(), tiny)
+    knn.fit(tiny_memory)
+    rows = [Row("base"), Row("knn", knn, {"k": 2, "lambda": 0.8})]
+    sources = ["the cat sleeps", "good morning", "the house is small and the cat sleeps"]
+    many = decode_batch(tiny, sources, rows, PROMPT, max_new_tokens=8)
+    for src, c in zip(sources, many):
+        one = compare(tiny, src, rows, PROMPT, max_new_tokens=8)
+        assert [r.tokens for r in c.rows] == [r.tokens for r in one.rows]

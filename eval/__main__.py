@@ -1,0 +1,121 @@
+"""``python -m eval``: score methods on held-out data (sacreBLEU, chrF, task metrics) as a table and JSON.
+
+Examples::
+
+    # base vs PEMA vs kNN on 200 untouched WMT dev pairs (items 1000-1199)
+    python -m eval run --task translation --split dev --start 1000 --n 200 --plugin <pema-id> --plugin <knn-id>
+    # your own test file of pairs (JSONL / CSV / TSV)
+    python -m eval run --test-file pairs.jsonl --plugin <id> --json results.json
+    # a memory's held-out samples
+    python -m eval run --memory <memory-id> --plugin <id>
+    # λ_max sweep with and without Gradual Unrolling for a PEMA plug-in
+    python -m eval sweep --plugin <pema-id> --n 50
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from studio.cli import add_common, load_backbone_from_args, progress_bar, run_main
+from studio.errors import UserError
+
+
+def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
+    """Evaluation pairs from a test file, a memory's held-out split, or the shared reference data."""
+    if args.test_file:
+        from memories.parse import parse_samples_strict
+
+        path = Path(args.test_file)
+        if not path.exists():
+            raise UserError(f"No such file: {path}")
+        samples = parse_samples_strict(path.read_bytes(), path.name)
+        pairs = [(s.src, s.tgt) for s in samples] if all(s.src for s in samples) else [(s.tgt, None) for s in samples]
+        return pairs[args.start:args.start + args.n] if args.n else pairs[args.start:]
+    if args.memory:
+        from plugins.api import open_memory
+
+        mem = open_memory(args.memory, catalog=catalog)
+        return [(s["src"], s["tgt"]) for s in mem.split_samples("heldout")][: args.n or None]
+    from eval import datasets
+
+    if args.task == "translation":
+        return datasets.wmt_pairs(args.split, args.start, args.n)
+    if args.task == "formality":
+        return datasets.formality_pairs(args.split, args.start, args.n)
+    # style: plain modern English inputs (the WMT English side); no references
+    return [(en, None) for en, _ in datasets.wmt_pairs(args.split, args.start, args.n)]
+
+
+def style_extra(task: str, bb_name: str) -> dict:
+    if task != "style":
+        return {}
+    from eval.style import train_shakespeare_classifier
+
+    return {"style_classifier": train_shakespeare_classifier()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "sweep"):
+        p = sub.add_parser(name, help="score methods" if name == "run" else "λ_max sweep with/without GU")
+        p.add_argument("--task", default="translation", choices=["translation", "formality", "style"])
+        p.add_argument("--split", default="dev", choices=["train", "dev"])
+        p.add_argument("--start", type=int, default=1000, help="first item (default 1000: after the tuning items)")
+        p.add_argument("--n", type=int, default=200)
+        p.add_argument("--test-file", help="your own pairs (JSONL/CSV/TSV) instead of the reference data")
+        p.add_argument("--memory", help="evaluate on this memory's held-out samples")
+        p.add_argument("--plugin", action="append", default=[], help="plug-in id or folder (repeatable)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="decode-time setting for all rows")
+        p.add_argument("--shots", type=int, default=None)
+        p.add_argument("--batch", type=int, default=4, help="sentences per batched decode")
+        p.add_argument("--max-new-tokens", type=int, default=96)
+        p.add_argument("--json", help="also write the results (metrics + outputs) to this JSON file")
+        add_common(p)
+    args = ap.parse_args(argv)
+
+    from eval.run import evaluate, format_table, lambda_sweep
+    from eval.tasks import task_prompt, tuned_defaults
+    from plugins.__main__ import parse_sets
+    from plugins.api import open_plugin
+    from plugins.decode import Row
+    from studio.store import Catalog
+
+    cat = Catalog(args.data_dir)
+    pairs = load_pairs(args, cat)
+    bb = load_backbone_from_args(args)
+    plugins = [open_plugin(p, bb, cat) for p in args.plugin]
+    prompt = task_prompt(args.task, bb, shots=args.shots)
+    sets = parse_sets(args.set)
+    tuned = tuned_defaults(args.task, bb.name)["decode"]
+    extra = style_extra(args.task, bb.name)
+    if args.cmd == "run":
+        rows = [Row("base")]
+        for p in plugins:
+            st = {**tuned.get(p.method, {}), **{k: v for k, v in sets.items() if k in p.decode_defaults}}
+            rows.append(Row(p.method if [q.method for q in plugins].count(p.method) == 1
+                            else f"{p.method}:{p.plugin_path.name}", p, st))
+        with progress_bar("eval") as prog:
+            res = evaluate(bb, pairs, rows, prompt, args.task, batch_sources=args.batch,
+                           max_new_tokens=args.max_new_tokens, progress=prog, extra=extra)
+        print(format_table(res["methods"]))
+        print(f"\n{res['n']} items, {res['seconds']}s, backbone {bb.name}")
+    else:
+        pema = [p for p in plugins if p.method == "pema"]
+        if not pema:
+            raise UserError("sweep needs a PEMA plug-in (--plugin <pema-id>).")
+        with progress_bar("sweep") as prog:
+            res = {"sweep": lambda_sweep(bb, pairs, pema[0], prompt, task=args.task, progress=prog, extra=extra,
+                                         batch_sources=args.batch, max_new_tokens=args.max_new_tokens)}
+        for r in res["sweep"]:
+            print(json.dumps(r))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, ensure_ascii=False), encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,111 @@
+"""Run methods on held-out pairs and score them: one batched decode per chunk of sentences, all methods as rows.
+
+``evaluate`` is what ``python -m eval``, the app's Evaluate tab and the benchmarks call.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from backbone.prompts import Prompt
+from memories.build import Cancelled
+from plugins.decode import Row, decode_batch
+from studio.errors import UserError
+
+Progress = Callable[[float, str], None]
+
+
+def _noop(*a) -> None:
+    pass
+
+
+def score(task: str, sources: list[str], hyps: list[str], refs: list[str] | None, extra: dict | None = None) -> dict:
+    """The task's metrics for one method's outputs."""
+    from eval.metrics import bleu_chrf
+
+    out: dict = {}
+    if refs is not None and task != "style":
+        out.update(bleu_chrf(hyps, refs))
+    if task == "formality":
+        from eval.datasets import informal_pattern_counts
+
+        per = informal_pattern_counts(hyps)["per_text"]
+        out["informal_patterns"] = per["all"]  # informal patterns per output (lower is more formal)
+        out["informal_breakdown"] = {k: round(v, 3) for k, v in per.items() if k != "all"}
+    if task == "style":
+        from eval.metrics import content_similarity
+
+        extra = extra or {}
+        clf = extra.get("style_classifier")
+        if clf is not None:
+            sc = clf.score(hyps)
+            out["style_score"] = sum(sc) / len(sc)
+        sim = content_similarity(hyps, sources)
+        out["content_similarity"] = sum(sim) / len(sim)
+        if refs is not None:
+            out.update(bleu_chrf(hyps, refs))
+        if extra.get("perplexity_backbone") is not None:
+            from eval.style import perplexity
+
+            out["perplexity"] = perplexity(hyps, extra["perplexity_backbone"])
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], prompt: Prompt, task: str = "translation",
+             batch_sources: int = 4, max_new_tokens: int = 96, progress: Progress = _noop,
+             should_stop: Callable[[], bool] = lambda: False, extra: dict | None = None) -> dict:
+    """Decode every pair's source with every row; return per-method metrics and the outputs.
+
+    ``pairs`` are (source, reference) — the reference may be None (style transfer without references).
+    """
+    if not pairs:
+        raise UserError("No evaluation pairs.")
+    t0 = time.time()
+    sources = [s for s, _ in pairs]
+    hyps: dict[str, list[str]] = {r.label: [] for r in rows}
+    for b0 in range(0, len(sources), batch_sources):
+        if should_stop():
+            raise Cancelled()
+        chunk = sources[b0:b0 + batch_sources]
+        for comp in decode_batch(backbone, chunk, rows, prompt, max_new_tokens=max_new_tokens, trace=False):
+            for r in comp.rows:
+                hyps[r.label].append(r.text)
+        done = min(len(sources), b0 + batch_sources)
+        progress(done / len(sources), f"decoded {done}/{len(sources)} sentences × {len(rows)} methods")
+    refs = [r for _, r in pairs] if all(r is not None for _, r in pairs) else None
+    methods = []
+    for r in rows:
+        methods.append({"label": r.label, "method": r.method, "settings": r.plugin.settings(r.settings)
+                        if r.plugin else {}, **score(task, sources, hyps[r.label], refs, extra)})
+    outputs = [{"source": s, "reference": ref, **{lab: hyps[lab][i] for lab in hyps}}
+               for i, (s, ref) in enumerate(pairs)]
+    return {"task": task, "n": len(pairs), "seconds": round(time.time() - t0, 1), "methods": methods,
+            "outputs": outputs, "backbone": backbone.name}
+
+
+def lambda_sweep(backbone, pairs, plugin, prompt: Prompt, lambdas=(0.1, 0.3, 0.5, 0.7, 0.9), task="translation",
+                 progress: Progress = _noop, should_stop=lambda: False, extra: dict | None = None,
+                 **kw) -> list[dict]:
+    """PEMA's λ_max curves with and without Gradual Unrolling (the paper's Figures 4–5), all in one batch."""
+    rows = [Row("base")]
+    for lam in lambdas:
+        for gu in (True, False):
+            rows.append(Row(f"λ={lam} GU={'on' if gu else 'off'}", plugin, {"lambda_max": lam, "gu": gu}))
+    res = evaluate(backbone, pairs, rows, prompt, task, progress=progress, should_stop=should_stop, extra=extra, **kw)
+    base = res["methods"][0]
+    out = [{"lambda_max": 0.0, "gu": g, **{k: v for k, v in base.items() if isinstance(v, (int, float))}}
+           for g in (True, False)]
+    for m in res["methods"][1:]:
+        out.append({"lambda_max": m["settings"]["lambda_max"], "gu": m["settings"]["gu"],
+                    **{k: v for k, v in m.items() if isinstance(v, (int, float))}})
+    return out
+
+
+def format_table(methods: list[dict], keys: list[str] | None = None) -> str:
+    keys = keys or [k for k in methods[0] if isinstance(methods[0][k], (int, float)) and k != "n"]
+    head = ["method"] + keys
+    lines = [[m["label"]] + [f"{m.get(k, float('nan')):.2f}" if isinstance(m.get(k), (int, float)) else "-"
+                             for k in keys] for m in methods]
+    widths = [max(len(h), *(len(r[i]) for r in lines)) for i, h in enumerate(head)]
+    fmt = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in lines])

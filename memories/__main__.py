@@ -1,0 +1,139 @@
+"""``python -m memories``: build, list, inspect and delete external memories.
+
+Examples::
+
+    python -m memories build ../shared/data/wmt22-en-de/train.jsonl --limit 1000 --name wmt1k
+    python -m memories build my_style.txt --task style          # monolingual: synthetic sources
+    python -m memories build --corpus gettext-de --limit 2000   # a demo corpus shipped by installed packages
+    python -m memories list
+    python -m memories inspect <id> --samples 5
+    python -m memories delete <id>
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from studio.cli import add_common, dump_json, load_backbone_from_args, print_table, progress_bar, run_main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memories", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build a memory from a file of samples or a demo corpus")
+    b.add_argument("file", nargs="?", help="JSONL ({src,tgt} / {en,de} / {text}), CSV/TSV, or plain text")
+    b.add_argument("--corpus", help="a demo corpus instead of a file (see `python -m memories corpora`)")
+    b.add_argument("--format", default="auto", choices=["auto", "jsonl", "csv", "tsv", "text"])
+    b.add_argument("--task", default="translation", help="translation, formality, style (sets the prompt)")
+    b.add_argument("--template", help="your own prompt template with a {src} slot (overrides --task's)")
+    b.add_argument("--shots", type=int, default=None,
+                   help="few-shot examples in the prompt (default: the task's tuned value, else 0)")
+    b.add_argument("--paper-template", action="store_true", help="use the PEMA paper's Table 9 instruction")
+    b.add_argument("--mode", default="teacher", choices=["teacher", "offsite"])
+    b.add_argument("--limit", type=int, default=None, help="use the first N samples")
+    b.add_argument("--skip-invalid", action="store_true", help="skip bad lines instead of stopping")
+    b.add_argument("--heldout", type=float, default=0.1, help="held-out fraction (default 0.1)")
+    b.add_argument("--key-dtype", default="float16", choices=["float16", "float32"])
+    b.add_argument("--batch-size", type=int, default=8)
+    b.add_argument("--name", default="")
+    add_common(b)
+    ls = sub.add_parser("list", help="list memories")
+    ls.add_argument("--json", action="store_true")
+    add_common(ls, backbone=False)
+    ins = sub.add_parser("inspect", help="show a memory's statistics and samples")
+    ins.add_argument("id")
+    ins.add_argument("--samples", type=int, default=3)
+    add_common(ins, backbone=False)
+    de = sub.add_parser("delete", help="delete a memory")
+    de.add_argument("id")
+    add_common(de, backbone=False)
+    co = sub.add_parser("corpora", help="list the demo corpora available on this machine")
+    add_common(co, backbone=False)
+    args = ap.parse_args(argv)
+
+    from studio.store import Catalog
+
+    cat = Catalog(args.data_dir)
+    if args.cmd == "build":
+        return _build(args, cat)
+    if args.cmd == "list":
+        rows = cat.memories()
+        if args.json:
+            dump_json(rows)
+        else:
+            print_table([{**r, "MB": f"{r['bytes'] / 1e6:.1f}"} for r in rows],
+                        ["id", "name", "backbone", "task", "mode", "samples", "entries", "MB"])
+        return 0
+    if args.cmd == "inspect":
+        from plugins.api import open_memory
+
+        m = open_memory(args.id, catalog=cat)
+        dump_json({**m.summary(), "prompt": m.meta["prompt"], "stats": m.meta["stats"], "path": str(m.path)})
+        for s in m.samples[: args.samples]:
+            print(f"[{s['split']}] {s['src']!r} -> {s['tgt']!r}{' (synthetic source)' if s['synthetic_src'] else ''}")
+        return 0
+    if args.cmd == "delete":
+        if cat.memory(args.id) is None:
+            from studio.errors import UserError
+
+            raise UserError(f"No memory {args.id!r}.")
+        cat.delete_memory(args.id)
+        print(f"deleted {args.id}")
+        return 0
+    if args.cmd == "corpora":
+        from memories.corpora import available_corpora
+
+        for k, v in available_corpora().items():
+            print(f"{k}: {v}")
+        return 0
+    return 1
+
+
+def _build(args, cat) -> int:
+    from backbone.prompts import Prompt
+    from memories.build import build_memory, register_memory
+    from memories.parse import parse_samples_strict, samples_from_dicts
+    from studio.errors import UserError
+    from studio.store import new_id
+
+    if args.corpus:
+        from memories.corpora import load_corpus
+
+        samples = samples_from_dicts(load_corpus(args.corpus, args.limit))
+        label = args.corpus
+    elif args.file:
+        path = Path(args.file)
+        if not path.exists():
+            raise UserError(f"No such file: {path}")
+        samples = parse_samples_strict(path.read_bytes(), path.name, args.format, args.skip_invalid)
+        label = path.stem
+    else:
+        raise UserError("Give a file of samples or --corpus NAME.")
+    if args.limit:
+        samples = samples[: args.limit]
+    bb = load_backbone_from_args(args)
+    prompt = _prompt(args, bb)
+    out = cat.root / "memories" / new_id()
+    with progress_bar("memory") as prog:
+        mem = build_memory(bb, samples, out, prompt=prompt, task=args.task, mode=args.mode,
+                           name=args.name or label, key_dtype=args.key_dtype, heldout_frac=args.heldout,
+                           batch_size=args.batch_size, progress=prog)
+    register_memory(cat, mem)
+    s = mem.summary()
+    print(f"memory {mem.id}: {s['entries']} entries from {s['samples']} samples "
+          f"(+{s['heldout_samples']} held out) in {mem.meta['stats']['build_seconds']}s -> {mem.path}")
+    return 0
+
+
+def _prompt(args, bb):
+    from backbone.prompts import Prompt
+    from eval.tasks import task_prompt
+
+    if args.template:
+        return Prompt(template=args.template.replace("\\n", "\n"), chat=bb.chat)
+    return task_prompt(args.task, bb, shots=args.shots, paper=args.paper_template)
+
+
+if __name__ == "__main__":
+    run_main(main)

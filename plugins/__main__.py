@@ -1,0 +1,146 @@
+"""``python -m plugins``: train plug-ins on a memory, list them, and compare methods on a sentence.
+
+Examples::
+
+    python -m plugins methods                                   # every method with its paper defaults
+    python -m plugins train <memory-id> --method pema           # paper defaults, progress bar
+    python -m plugins train <memory-id> --method pema --set rank=256 --set kappa=0.3
+    python -m plugins train <memory-id> --method knn
+    python -m plugins list
+    python -m plugins compare "The house is small." --plugin <pema-id> --plugin <knn-id> \\
+        --set lambda_max=0.9 --set k=8
+    python -m plugins compare "..." --plugin <id> --json         # outputs + per-token traces as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from studio.cli import add_common, dump_json, load_backbone_from_args, print_table, progress_bar, run_main
+from studio.errors import UserError
+
+
+def parse_sets(items: list[str] | None) -> dict:
+    """``key=value`` pairs; values parsed as JSON when they can be (numbers, true/false), else strings."""
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise UserError(f"--set expects key=value, got {it!r}.")
+        k, v = it.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m plugins", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("methods", help="list the methods with their defaults")
+    m.add_argument("--json", action="store_true")
+    t = sub.add_parser("train", help="train a plug-in on a memory")
+    t.add_argument("memory", help="memory id (python -m memories list) or folder")
+    t.add_argument("--method", required=True)
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    t.add_argument("--name", default="")
+    add_common(t)
+    ls = sub.add_parser("list", help="list plug-ins")
+    ls.add_argument("--json", action="store_true")
+    add_common(ls, backbone=False)
+    de = sub.add_parser("delete", help="delete a plug-in")
+    de.add_argument("id")
+    add_common(de, backbone=False)
+    c = sub.add_parser("compare", help="decode a sentence with several methods side by side (one batch)")
+    c.add_argument("sentence")
+    c.add_argument("--plugin", action="append", default=[], help="plug-in id or folder (repeatable)")
+    c.add_argument("--no-base", action="store_true", help="leave out the base model row")
+    c.add_argument("--task", default=None, help="translation, formality, style (default: the memory's)")
+    c.add_argument("--shots", type=int, default=None)
+    c.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="decode-time setting for every row that has it (lambda_max, gu, k, temperature, ...)")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--beams", type=int, default=1)
+    c.add_argument("--json", action="store_true")
+    add_common(c)
+    args = ap.parse_args(argv)
+
+    from studio.store import Catalog
+
+    if args.cmd == "methods":
+        from plugins.api import method_table
+
+        rows = method_table()
+        if args.json:
+            dump_json(rows)
+        else:
+            for r in rows:
+                print(f"{r['method']:16s} {r['title']}  [{r['level']}]\n    {r['paper']}\n"
+                      f"    config: {json.dumps(r['config'])}\n    decode: {json.dumps(r['decode'])}")
+        return 0
+    cat = Catalog(args.data_dir)
+    if args.cmd == "list":
+        rows = cat.plugins()
+        if args.json:
+            dump_json(rows)
+        else:
+            print_table(rows, ["id", "method", "memory_id", "backbone", "params"])
+        return 0
+    if args.cmd == "delete":
+        if cat.plugin(args.id) is None:
+            raise UserError(f"No plug-in {args.id!r}.")
+        cat.delete_plugin(args.id)
+        print(f"deleted {args.id}")
+        return 0
+    if args.cmd == "train":
+        from plugins.api import open_memory, train_plugin
+
+        bb = load_backbone_from_args(args)
+        mem = open_memory(args.memory, bb, cat)
+        with progress_bar(args.method) as prog:
+            plugin, row = train_plugin(bb, mem, args.method, parse_sets(args.set), catalog=cat, name=args.name,
+                                       progress=prog)
+        print(f"plug-in {row['id']} ({args.method}, {row['params']:,} trainable parameters) -> {row['path']}")
+        print(json.dumps(plugin.train_info, default=str, indent=1))
+        return 0
+    if args.cmd == "compare":
+        return _compare(args, cat)
+    return 1
+
+
+def _compare(args, cat) -> int:
+    from eval.tasks import task_prompt, tuned_defaults
+    from plugins.api import open_plugin
+    from plugins.decode import Row, compare
+
+    bb = load_backbone_from_args(args)
+    plugins = [open_plugin(p, bb, cat) for p in args.plugin]
+    task = args.task or next((p.memory_meta.get("task") for p in plugins if p.memory_meta.get("task")),
+                             "translation")
+    prompt = task_prompt(task, bb, shots=args.shots)
+    if plugins and args.shots is None and plugins[0].memory_meta.get("prompt"):
+        from backbone.prompts import Prompt
+
+        prompt = Prompt.from_dict(plugins[0].memory_meta["prompt"])  # decode with the prompt the memory used
+    sets = parse_sets(args.set)
+    tuned = tuned_defaults(task, bb.name)["decode"]
+    rows = [] if args.no_base else [Row("base")]
+    for p in plugins:
+        st = {**tuned.get(p.method, {}), **{k: v for k, v in sets.items() if k in p.decode_defaults}}
+        label = p.method if sum(q.method == p.method for q in plugins) == 1 else f"{p.method}:{p.plugin_path.name}"
+        rows.append(Row(label, p, st))
+    res = compare(bb, args.sentence, rows, prompt, max_new_tokens=args.max_new_tokens, num_beams=args.beams)
+    if args.json:
+        dump_json(res.to_dict())
+        return 0
+    print(f"input: {args.sentence}\n")
+    width = max(len(r.label) for r in res.rows)
+    for r in res.rows:
+        print(f"{r.label.ljust(width)} | {r.text}")
+    print(f"\n{len(res.rows)} methods in one batched decode: {res.seconds:.2f}s, {res.steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
