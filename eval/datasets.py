@@ -103,7 +103,9 @@ _CONTRACTION_EXCLUDE = {"ain't", "amn't", "daresn't", "dasn't", "gon't", "he've"
                         "when've", "will've", "mayn't", "I'm'a", "I'm'o", "'tis", "'twas", "'cause", "'em", "ol'",
                         "o'"}
 
-_NOT_BEFORE_VERB = r"(?=\s+(?!(?:the|a|an|my|your|his|her|its|our|their|this|that|these|those|be|me|him|us|them)\b)[a-z])"
+# "going to" / "want to" / "got to" only before a verb-like word: "going to the store" must stay as it is.
+_NOT_BEFORE_VERB = (r"(?=\s+(?!(?:the|a|an|my|your|his|her|its|our|their|this|that|these|those|be|me|him|us|them)\b)"
+                    r"[a-z])")
 
 # (pattern, replacement): informal spellings a formal sentence can take. Patterns are case-insensitive.
 SLANG_RULES: list[tuple[str, str]] = [
@@ -167,7 +169,8 @@ def _load_contraction_map() -> dict[str, str]:
 CONTRACTIONS: dict[str, str] = _load_contraction_map()
 _CONTRACTION_RE = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(CONTRACTIONS, key=len, reverse=True))
                              + r")\b", re.IGNORECASE)
-_SLANG_RES = [(re.compile(p, re.IGNORECASE), r) for p, r in SLANG_RULES]
+# "(?!['’])": never touch a word that is part of a contraction ("you're" must not become "u're").
+_SLANG_RES = [(re.compile(p + r"(?!['’])", re.IGNORECASE), r) for p, r in SLANG_RULES]
 
 
 def _match_case(original: str, replacement: str) -> str:

@@ -68,31 +68,62 @@ def synthesize_sources(backbone: Backbone, targets: list[str], task: str, progre
     return [s if s else t for s, t in zip(srcs, targets)]
 
 
+def common_prefix_len(seqs: list[list[int]]) -> int:
+    """Length of the longest token prefix shared by all sequences (the instruction and few-shot examples)."""
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        i = 0
+        while i < n and s[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
 def _capture_teacher(backbone: Backbone, ctx: list[list[int]], tgt: list[list[int]], keys_out, values_out,
                      sample_out, sample_index: list[int], batch_size: int, progress: Progress,
-                     should_stop: ShouldStop, scale: float = 1.0) -> float:
-    """Teacher-forced batched capture. Writes entries in order; returns the sum of squares of the keys."""
+                     should_stop: ShouldStop) -> float:
+    """Teacher-forced batched capture. Writes entries in order; returns the sum of squares of the keys.
+
+    The prompt prefix every sample shares (instruction + few-shot examples) is encoded once and its KV cache
+    reused by every batch, so only each sample's own tokens are run.
+    """
+    import copy
+
     order = sorted(range(len(ctx)), key=lambda i: len(ctx[i]) + len(tgt[i]))  # length-sorted batches pad less
     offsets = np.cumsum([0] + [len(t) for t in tgt])
     pad = backbone.tokenizer.pad_token_id or 0
+    dev = backbone.device
+    P = max(0, min(common_prefix_len(ctx), min(len(c) for c in ctx) - 1))
+    prefix_cache = None
+    if P > 0:
+        with torch.no_grad():
+            _, out = backbone.forward_fc(torch.tensor([ctx[0][:P]], device=dev), use_cache=True)
+        prefix_cache = out.past_key_values
     sumsq = 0.0
     done = 0
     for b0 in range(0, len(order), batch_size):
         if should_stop():
             raise Cancelled()
         idx = order[b0:b0 + batch_size]
-        seqs = [ctx[i] + tgt[i][:-1] for i in idx]  # the last target token is predicted, never input
+        seqs = [ctx[i][P:] + tgt[i][:-1] for i in idx]  # the last target token is predicted, never input
         width = max(len(s) for s in seqs)
         ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros((len(idx), P + width), dtype=torch.long)
+        mask[:, :P] = 1
         for r, s in enumerate(seqs):
             ids[r, :len(s)] = torch.tensor(s)
-            mask[r, :len(s)] = 1
+            mask[r, P:P + len(s)] = 1
+        past = None
+        if prefix_cache is not None:
+            past = copy.deepcopy(prefix_cache)
+            past.batch_repeat_interleave(len(idx))
         with torch.no_grad():
-            fc, _ = backbone.forward_fc(ids.to(backbone.device), attention_mask=mask.to(backbone.device))
+            fc, _ = backbone.forward_fc(ids.to(dev), attention_mask=mask.to(dev), past_key_values=past,
+                                        use_cache=past is not None)
         fc = fc.float().cpu()
         for r, i in enumerate(idx):
-            start = len(ctx[i]) - 1  # the position whose next token is y_0
+            start = len(ctx[i]) - 1 - P  # the position whose next token is y_0
             k = fc[r, start:start + len(tgt[i])]
             sumsq += float((k.double() ** 2).sum())
             keys_out[offsets[i]:offsets[i + 1]] = k.numpy()

