@@ -20,7 +20,7 @@ Extraction (per side):
 Pairing (paper: source phrases are translated by the NMT model itself). Every *unique* extracted source phrase
 (up to ``max_translate`` of them, chosen round-robin over the samples so that every sample contributes, alternating
 multi-word phrases and words) is rendered with the memory's prompt and continued greedily by the frozen backbone
-(``backbone.model.generate_greedy``, length-sorted batches, at most ``2·tokens+6`` new tokens). A pair
+(``backbone.model.generate_greedy``, length-sorted batches, at most ``1.5·tokens+4`` new tokens). A pair
 (source phrase, target span) is kept when
 
 1. the normalized translation (case-folded, punctuation removed) occurs as a contiguous word sequence in the
@@ -314,7 +314,7 @@ def _noop(*a) -> None:
 def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] | None = None,
                          src_lang: str = "auto", max_pairs: int = 2000, max_translate: int = 512,
                          max_len_english: int = MAX_LEN_ENGLISH, max_len_other: int = MAX_LEN_OTHER,
-                         fuzzy_threshold: float = 0.6, batch_size: int = 16, progress: Progress = _noop,
+                         fuzzy_threshold: float = 0.6, batch_size: int = 64, progress: Progress = _noop,
                          should_stop: Callable[[], bool] = lambda: False, stats: dict | None = None
                          ) -> list[PhrasePair]:
     """Phrase pairs of ``samples`` (dicts/Samples/tuples with src and tgt) — see the module docstring.
@@ -346,7 +346,7 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
     else:
         phrases = [chunk_phrases(s, max_len_other) for s in srcs]
     # never translate the whole sentence again: it is paired with its target directly
-    phrases = [[p for p in ph if p != s] for ph, s in zip(phrases, srcs)]
+    phrases = [[p for p in ph if normalize(p) != normalize(s)] for ph, s in zip(phrases, srcs)]
 
     # choose the phrases to translate: round-robin over samples, alternating phrases and words
     def order(ph: list[str]) -> list[str]:
@@ -384,12 +384,12 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
     translation: dict[str, str] = {}
     from backbone.prompts import postprocess
 
-    group = max(batch_size, 32)
+    group = batch_size
     for g0 in range(0, len(todo), group):
         if should_stop():
             raise Cancelled()
         part = todo[g0:g0 + group]
-        outs = generate_greedy(backbone, [ctx[p] for p in part], max_new_tokens=min(64, 2 * max(plen[p] for p in part) + 6),
+        outs = generate_greedy(backbone, [ctx[p] for p in part], max_new_tokens=min(48, (3 * max(plen[p] for p in part)) // 2 + 4),
                                batch_size=batch_size)
         for p, o in zip(part, outs):
             translation[p] = postprocess(backbone.decode(o)).strip(" \"'“”„«»")
@@ -398,10 +398,14 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
     t2 = time.time()
 
     # align
-    sentence_pairs = [PhrasePair(s, t, idx[i], max(_word_len(s), _word_len(t)), "sentence")
-                      for i, (s, t) in enumerate(pairs_in)]
+    seen: set[tuple[str, str]] = set()
+    sentence_pairs = []
+    for i, (s, t) in enumerate(pairs_in):
+        key = (normalize(s), normalize(t))
+        if key not in seen:  # repeated samples make one memory item
+            seen.add(key)
+            sentence_pairs.append(PhrasePair(s, t, idx[i], max(_word_len(s), _word_len(t)), "sentence"))
     per_sample: list[list[PhrasePair]] = [[] for _ in pairs_in]
-    seen = {(normalize(p.src), normalize(p.tgt)) for p in sentence_pairs}
     n_exact = n_fuzzy = n_dropped = 0
     for i, (s, t) in enumerate(pairs_in):
         for p in phrases[i]:

@@ -1,0 +1,515 @@
+"""Residual adapter (Lin, Madotto & Fung, "Exploring Versatile Generative Language Model via Parameter-Efficient
+Transfer Learning", Findings of EMNLP 2020), plus the machinery every in-network plug-in of this package shares.
+
+Paper (its §2, eq. 1): after the l-th Transformer block, whose output is H ∈ R^{t×d},
+
+    Adapter(H) = ReLU(LN(H) · W_E) · W_D + H,        W_E ∈ R^{d×m},  W_D ∈ R^{m×d}
+
+with LN a layer normalisation with its own (trainable) gain and bias, m the bottleneck size (the paper uses
+m = 10…300 depending on the task) and the pretrained model frozen. One adapter per block, trained per task.
+
+How it is adapted to our decoder-only backbones (Llama, Gemma 3):
+    * "after each decoder block" = a forward hook on every ``decoder.layers[l]`` that rewrites its output H (the
+      residual stream leaving the block) as H + s_l · σ · (ReLU(LN(H)·W_E + b_E)·W_D + b_D). W_E and W_D carry
+      biases, as ``nn.Linear`` does in the paper's code; W_D and b_D start at exactly zero so the untrained
+      adapter is the identity.
+    * s_l (a saved buffer, not trained) is the RMS of H at block l, measured once on the memory's training
+      samples before training. Gemma 3's residual stream grows to an RMS near 1,400 at the last block, so a raw
+      delta would need W_D entries in the hundreds and Adam (whose steps are ~lr in parameter space) could not
+      get there in a few minutes. s_l·W_D is a pure re-parametrisation of the paper's W_D (same function class).
+    * σ is the decode-time setting ``scale`` (default 1.0; 0 switches the adapter off) — not in the paper.
+    * Training: teacher-forced NLL of the reference target tokens of the memory's samples, the backbone frozen,
+      Adam, early stopping on the memory's held-out samples (``plugins.seqtrain`` + ``plugins.training``).
+      The hooks are attached for each batch's forward pass only (autograd keeps what backward needs), so no hook
+      stays on the shared backbone between batches. Logits are computed at target positions only.
+    * Option ``softmax="candidates"`` (not the default): the training softmax runs over a candidate vocabulary
+      (memory values + stop tokens + the LM's top tokens on sampled memory contexts), as PEMA's fast mode, instead
+      of all V tokens — a sampled-softmax approximation that makes CPU training several times faster on Gemma's
+      262k vocabulary. Decoding always uses the full vocabulary.
+
+The shared part (``NetworkConfig``, ``NetworkPlugin``, ``rows_apply``) is used by ``plugins.lora`` and
+``plugins.memory_tuning`` too: attaching hooks restricted to a set of batch rows (``rows=None`` means all rows, as
+in training), works for multi-token (prefill, training) and one-token (decoding step) inputs alike.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugins.base import FitResult, Plugin, PluginConfig
+from plugins.registry import register
+from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
+from plugins.training import LoopSettings, run_training
+
+
+# --- shared by every in-network plug-in -------------------------------------------------------------------------
+@dataclass
+class NetworkConfig(PluginConfig):
+    """Training settings common to the in-network plug-ins (sequence-level training through the backbone)."""
+
+    lr: float = 1e-3                # Adam, β (0.9, 0.999), eps 1e-8
+    batch_size: int = 8             # samples (sequences) per step
+    max_epochs: int = 3
+    patience: int = 4               # held-out evaluations without improvement before stopping (4 = an epoch)
+    evals_per_epoch: int = 4        # held-out evaluations per epoch (more = a time budget wastes less)
+    max_heldout: int = 32           # at most this many held-out samples for early stopping (their eval is slow)
+    lr_schedule: str = "constant"   # "constant" | "cosine"
+    max_minutes: float = 5.0        # wall-clock training budget (0 = none)
+    softmax: str = "full"           # "full" (exact NLL) | "candidates" (fast: softmax over a candidate vocabulary)
+    candidate_top_k: int = 16       # with "candidates": the LM's top tokens per sampled memory context
+    candidate_contexts: int = 2048  # with "candidates": how many memory contexts to sample
+
+    def validate(self) -> None:
+        self._check(self.softmax in ("full", "candidates"), "softmax must be 'full' or 'candidates'.")
+        self._check(self.candidate_top_k >= 0 and self.candidate_contexts >= 0,
+                    "candidate_top_k and candidate_contexts must be ≥ 0.")
+        self._check(self.lr > 0, "The learning rate must be positive.")
+        self._check(self.batch_size >= 1, "The batch size must be ≥ 1.")
+        self._check(self.max_epochs >= 1, "max_epochs must be ≥ 1.")
+        self._check(self.patience >= 1, "patience must be ≥ 1.")
+        self._check(self.evals_per_epoch >= 1, "evals_per_epoch must be ≥ 1.")
+        self._check(self.max_heldout >= 1, "max_heldout must be ≥ 1.")
+        self._check(self.max_minutes >= 0, "max_minutes must be ≥ 0 (0 = no budget).")
+        self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
+
+
+def first_tensor(output):
+    """The hidden state of a module output (a tensor, or a tuple/list whose first element is the hidden state)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def replace_first(output, new: torch.Tensor):
+    if isinstance(output, tuple):
+        return (new, *output[1:])
+    if isinstance(output, list):
+        return [new, *output[1:]]
+    return new
+
+
+def module_input(args: tuple, kwargs: dict, name: str = "hidden_states") -> torch.Tensor:
+    """The first input of a module call, positional or keyword (HF calls ``self_attn(hidden_states=...)``)."""
+    if args:
+        return args[0]
+    if name in kwargs:
+        return kwargs[name]
+    return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
+               fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Return ``h`` with batch rows ``rows`` replaced by ``fn(x[rows], h[rows])`` (all rows when ``rows`` is None).
+
+    Shapes are (batch, tokens, features) for any number of tokens. Rows not selected are returned bit-identical.
+    """
+    if rows is None:
+        return fn(x, h).to(h.dtype)
+    if rows.numel() == 0:
+        return h
+    rows = rows.to(h.device)
+    new = h.clone()
+    new[rows] = fn(x.index_select(0, rows), h.index_select(0, rows)).to(h.dtype)
+    return new
+
+
+class BudgetGuard:
+    """Keeps the progress of a run that the wall-clock budget cuts off between two held-out evaluations.
+
+    ``run_training`` only evaluates every ``eval_every`` steps and, when the budget stops it, restores the best
+    *evaluated* state — on a slow CPU (a Gemma step can take 10–60 s) that can throw away every step since the last
+    evaluation, all of them when none happened yet. The guard wraps the held-out loss (mirroring run_training's
+    best state) and, when the next step would cross the budget, evaluates once more at the start of that step;
+    ``restore()`` then loads the best state it saw, which is never worse than run_training's.
+    """
+
+    def __init__(self, module: nn.Module, heldout: Callable[[], float], max_minutes: float, history: list[dict],
+                 phase: str):
+        self.module, self._heldout, self.budget = module, heldout, 60.0 * max_minutes
+        self.history, self.phase = history, phase
+        self.best, self.state = math.inf, None
+        self.t0: float | None = None
+        self.last: float | None = None
+        self.step_s = 0.0
+        self.steps = 0
+        self.evaluated_at = -1
+        self.extra_evals = 0
+
+    def heldout_loss(self) -> float:
+        if self.t0 is None:
+            self.t0 = time.time()
+        h = self._heldout()
+        if h < self.best - 1e-6:
+            self.best = h
+            self.state = copy.deepcopy(self.module.state_dict())
+        self.evaluated_at = self.steps
+        return h
+
+    def before_step(self) -> None:
+        now = time.time()
+        if self.last is not None:
+            self.step_s = now - self.last
+        self.last = now
+        if (self.budget and self.t0 is not None and self.steps > self.evaluated_at
+                and now - self.t0 + self.step_s > self.budget):
+            was_training = self.module.training
+            self.module.eval()
+            h = self.heldout_loss()
+            self.module.train(was_training)
+            self.extra_evals += 1
+            self.history.append({"phase": self.phase, "step": self.steps, "heldout_loss": h,
+                                 "time": time.time() - self.t0, "before_budget": True})
+        self.steps += 1
+
+    def restore(self, summary: dict) -> dict:
+        if self.state is not None:
+            self.module.load_state_dict(self.state)
+            self.module.eval()
+        return {**summary, "best_heldout_loss": min(self.best, summary.get("best_heldout_loss", math.inf)),
+                "extra_evals": self.extra_evals}
+
+
+class _Attachment:
+    """One ``attach`` call: its rows and settings, and what its hooks recorded for ``network_trace``."""
+
+    def __init__(self, rows, settings: dict):
+        self.rows = rows
+        self.settings = settings
+        self.live = True
+        self.trace: dict | None = None  # {"per_row": [dict per row of the forward pass that recorded it]}
+
+
+class _Handle:
+    """A handle for a group of hooks: ``remove()`` removes them all and marks the attachment finished."""
+
+    def __init__(self, handles: list, att: _Attachment):
+        self.handles, self.att = handles, att
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.att.live = False
+
+
+class NetworkPlugin(Plugin):
+    """Base of the in-network plug-ins: per-row hooks, scale calibration, sequence-level training, traces.
+
+    Subclasses implement ``_register_hooks(att) -> list[handle]`` (hooks acting on ``att.rows`` only; ``att.rows``
+    is None for all rows) and ``_trainable()`` (the parameters ``fit`` optimises), and may record a trace in
+    ``att.trace`` (``{"per_row": [dict, ...]}`` for the rows of the forward pass that recorded it).
+    """
+
+    level = "network"
+    decode_defaults = {"scale": 1.0}
+    Config = NetworkConfig
+
+    def __init__(self, config, backbone, memory_meta: dict | None = None):
+        super().__init__(config, backbone, memory_meta)
+        self._gen: list[_Attachment] = []   # attachments since the last time none was live
+        self._prev: list[_Attachment] = []  # the previous generation (the prefill, for the first step's trace)
+        self._trace_ptr = 0
+        self._cand = None  # (token ids, vocab → candidate index, head rows) while training with candidates
+
+    # --- decode-time settings -----------------------------------------------------------------------------
+    def validate_settings(self, s: dict) -> None:
+        PluginConfig._check(math.isfinite(float(s["scale"])) and 0.0 <= float(s["scale"]) <= 10.0,
+                            "scale must be between 0 and 10 (1 = as trained, 0 = off).")
+
+    # --- attaching ------------------------------------------------------------------------------------------
+    def attach(self, rows: torch.Tensor | None, settings: dict | None = None) -> list:
+        """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row); return handles."""
+        if not any(a.live for a in self._gen):
+            self._prev, self._gen = self._gen, []
+        s = dict(self.decode_defaults)
+        s.update(settings or {})
+        att = _Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s)
+        self._gen.append(att)
+        self._trace_ptr = 0
+        return [_Handle(self._register_hooks(att), att)]
+
+    def _register_hooks(self, att: _Attachment) -> list:
+        raise NotImplementedError
+
+    def network_trace(self) -> dict | None:
+        """The trace of the attachment whose turn it is (decode asks once per attached group, in attach order).
+
+        Keys are positions within that attachment's ``rows``. Before the first step's forward pass the trace of
+        the matching prefill attachment is used (one prefill row per source, broadcast to that source's rows).
+        """
+        if not self._gen:
+            return None
+        k = self._trace_ptr % len(self._gen)
+        self._trace_ptr += 1
+        att = self._gen[k]
+        tr = att.trace
+        if tr is None and k < len(self._prev):
+            tr = self._prev[k].trace
+        if tr is None or att.rows is None:
+            return None
+        per_row = tr["per_row"]
+        n, m = len(att.rows), len(per_row)
+        if m == 0 or n % m:
+            return None
+        rep = n // m
+        return {j: per_row[j // rep] for j in range(n)}
+
+    def _record(self, att: _Attachment, per_row: list[dict]) -> None:
+        att.trace = {"per_row": per_row}
+        self._trace_ptr = 0
+
+    # --- helpers for subclasses ---------------------------------------------------------------------------
+    @staticmethod
+    def _scale_of(att: _Attachment) -> float:
+        return float(att.settings.get("scale", 1.0))
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters()]
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self._trainable())
+
+    def _data(self, memory) -> tuple[SeqData, SeqData]:
+        bb = self.backbone
+        train = memory_sequences(bb, memory, "train")
+        held = memory_sequences(bb, memory, "heldout")
+        if not len(train) and not len(held):
+            from studio.errors import UserError
+            raise UserError("The memory has no samples to train on.")
+        if not len(train):
+            train = held
+        train, held = split_for_early_stopping(train, held, self.config.seed)
+        if len(held) > self.config.max_heldout:
+            held = SeqData(held.contexts[:self.config.max_heldout], held.targets[:self.config.max_heldout])
+        return train, held
+
+    def calibrate_rms(self, modules: list[nn.Module], data: SeqData, n: int = 16, output: bool = True) -> list[float]:
+        """RMS of each module's output (or first input) over the real tokens of up to ``n`` training samples."""
+        bb = self.backbone
+        sums = [0.0] * len(modules)
+        count = [0] * len(modules)
+        state = {}
+
+        def mk(i):
+            def hook(mod, args, kwargs, out):
+                t = first_tensor(out) if output else module_input(args, kwargs)
+                m = state["mask"]
+                if t.dim() == 3 and t.shape[:2] == m.shape:
+                    t = t[m]
+                t = t.detach().float()
+                sums[i] += float(t.pow(2).sum())
+                count[i] += t.numel()
+            return hook
+
+        handles = [m.register_forward_hook(mk(i), with_kwargs=True) for i, m in enumerate(modules)]
+        try:
+            with torch.no_grad():
+                idx = list(range(min(n, len(data))))
+                for b0 in range(0, len(idx), self.config.batch_size):
+                    ids, mask, _ = collate(bb, data, idx[b0:b0 + self.config.batch_size])
+                    state["mask"] = mask.bool()
+                    bb.forward_fc(ids, attention_mask=mask)
+        finally:
+            for h in handles:
+                h.remove()
+        out = []
+        for s, c in zip(sums, count):
+            r = math.sqrt(s / c) if c else 1.0
+            out.append(r if math.isfinite(r) and r > 1e-12 else 1.0)
+        return out
+
+    def seq_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int]:
+        """Mean NLL of the target tokens (logits only at target positions: the LM head is the costly part)."""
+        fc, _ = self.backbone.forward_fc(ids, attention_mask=mask)
+        sel = labels != -100
+        return self.target_nll(fc[sel], labels[sel]), int(sel.sum())
+
+    def target_nll(self, fc: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of pre-norm states ``fc`` (n, d) against ``targets`` through the frozen norm + LM head:
+        over the whole vocabulary, or over the candidate vocabulary when ``softmax="candidates"``."""
+        bb = self.backbone
+        cand = getattr(self, "_cand", None)
+        if cand is None:
+            return F.cross_entropy(bb.logits_from_fc(fc).float(), targets)
+        normed = bb.final_norm(fc.to(bb.dtype))
+        logits = F.linear(normed, cand[2]).float()
+        if bb.softcap:
+            logits = torch.tanh(logits / bb.softcap) * bb.softcap
+        return F.cross_entropy(logits, cand[1][targets])
+
+    def prepare_candidates(self, memory) -> dict:
+        """With ``softmax="candidates"`` (as PEMA's fast mode): every token occurring as a memory value, the
+        backbone's stop tokens and the LM's top tokens on a sample of memory contexts (keys = f(c))."""
+        cfg = self.config
+        self._cand = None
+        if cfg.softmax != "candidates":
+            return {"softmax": "full"}
+        import numpy as np
+        bb = self.backbone
+        toks = set(np.unique(np.asarray(memory.values)).tolist())
+        if len(memory.heldout_values):
+            toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())
+        toks |= set(bb.stop_ids)
+        n = len(memory)
+        if cfg.candidate_top_k and cfg.candidate_contexts and n:
+            pick = np.sort(np.random.default_rng(cfg.seed).choice(n, size=min(n, cfg.candidate_contexts),
+                                                                   replace=False))
+            with torch.no_grad():
+                for b0 in range(0, len(pick), 256):
+                    fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 256]], dtype=np.float32))
+                    top = bb.logits_from_fc(fc.to(bb.device)).topk(cfg.candidate_top_k, dim=-1).indices
+                    toks |= set(top.flatten().tolist())
+        ids = torch.tensor(sorted(toks), dtype=torch.long, device=bb.device)
+        remap = torch.zeros(bb.vocab_size, dtype=torch.long, device=bb.device)
+        remap[ids] = torch.arange(len(ids), device=bb.device)
+        self._cand = (ids, remap, bb.lm_head.weight[ids].detach())
+        return {"softmax": "candidates", "candidates": len(ids)}
+
+    def loop_settings(self, steps_per_epoch: int) -> LoopSettings:
+        cfg = self.config
+        return LoopSettings(lr=cfg.lr, batch_size=cfg.batch_size, max_epochs=cfg.max_epochs, patience=cfg.patience,
+                            lr_schedule=cfg.lr_schedule, max_minutes=cfg.max_minutes, seed=cfg.seed,
+                            eval_every=max(1, math.ceil(steps_per_epoch / cfg.evals_per_epoch)))
+
+    def fit_sequences(self, memory, progress, should_stop, prepare: Callable[[SeqData], dict] | None = None
+                      ) -> FitResult:
+        """Train ``_trainable()`` on the memory's samples with this plug-in's hooks on every row."""
+        cfg = self.config
+        bb = self.backbone
+        torch.manual_seed(cfg.seed)
+        self.to(bb.device)
+        progress(0.0, "preparing the memory's samples")
+        train, held = self._data(memory)
+        info = {**self.prepare_candidates(memory), **(prepare(train) if prepare else {})}
+        params = self._trainable()
+        for p in self.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        counts = {"tokens": 0, "targets": 0}
+
+        history: list[dict] = []
+        guard = BudgetGuard(self, lambda: heldout_loss(), cfg.max_minutes, history, self.method)
+
+        def train_loss(idx):
+            guard.before_step()
+            ids, mask, labels = collate(bb, train, idx.tolist())
+            handles = self.attach(None, {})
+            try:
+                loss, n_tgt = self.seq_loss(ids, mask, labels)
+            finally:  # the graph is built: backward needs no hook, so none stays on the shared backbone
+                for h in handles:
+                    h.remove()
+            counts["tokens"] += int(mask.sum())
+            counts["targets"] += n_tgt
+            return loss, {}
+
+        def heldout_loss():
+            tot, n = 0.0, 0
+            with torch.no_grad():
+                for b0 in range(0, len(held), cfg.batch_size):
+                    ids, mask, labels = collate(bb, held, range(b0, min(len(held), b0 + cfg.batch_size)))
+                    handles = self.attach(None, {})
+                    try:
+                        loss, k = self.seq_loss(ids, mask, labels)
+                    finally:
+                        for h in handles:
+                            h.remove()
+                    tot += float(loss) * k
+                    n += k
+            return tot / max(n, 1)
+
+        steps_per_epoch = max(1, math.ceil(len(train) / cfg.batch_size))
+        t0 = time.time()
+        summary = run_training(self, params, len(train), train_loss, guard.heldout_loss,
+                               self.loop_settings(steps_per_epoch), self.method, progress, should_stop, history,
+                               (0.05, 1.0))
+        summary = guard.restore(summary)
+        wall = time.time() - t0
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self._cand = None
+        metrics = {**summary, "train_samples": len(train), "heldout_samples": len(held),
+                   "tokens_per_second": round(counts["tokens"] / max(wall, 1e-9), 1),
+                   "target_tokens_per_second": round(counts["targets"] / max(wall, 1e-9), 1),
+                   "train_tokens_seen": counts["tokens"]}
+        self.train_info = {**info, **metrics}
+        return FitResult(metrics=metrics, history=history)
+
+
+# --- the adapter ------------------------------------------------------------------------------------------------
+@dataclass
+class AdapterConfig(NetworkConfig):
+    bottleneck: int = 64            # m (paper: 10–300 per task)
+    ln_eps: float = 1e-5
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(1 <= self.bottleneck <= 4096, "The adapter bottleneck m must be between 1 and 4096.")
+        self._check(self.ln_eps > 0, "ln_eps must be positive.")
+
+
+class ResidualAdapter(nn.Module):
+    """ReLU(LN(H)·W_E + b_E)·W_D + b_D (the delta; the residual H is added by the hook)."""
+
+    def __init__(self, d: int, m: int, eps: float):
+        super().__init__()
+        self.ln = nn.LayerNorm(d, eps=eps)
+        self.W_E = nn.Linear(d, m)
+        self.W_D = nn.Linear(m, d)
+        nn.init.zeros_(self.W_D.weight)
+        nn.init.zeros_(self.W_D.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.W_D(F.relu(self.W_E(self.ln(h))))
+
+
+@register
+class Adapter(NetworkPlugin):
+    method = "adapter"
+    title = "Residual adapter"
+    paper = ("Lin, Madotto & Fung, Exploring Versatile Generative Language Model via Parameter-Efficient Transfer "
+             "Learning, Findings of EMNLP 2020")
+    Config = AdapterConfig
+
+    def __init__(self, config: AdapterConfig, backbone, memory_meta: dict | None = None):
+        super().__init__(config, backbone, memory_meta)
+        d, L = backbone.hidden_size, backbone.num_layers
+        with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
+            torch.manual_seed(config.seed)
+            self.adapters = nn.ModuleList(ResidualAdapter(d, config.bottleneck, config.ln_eps) for _ in range(L))
+        self.register_buffer("out_scale", torch.ones(L))  # s_l: RMS of block l's output
+
+    def _register_hooks(self, att: _Attachment) -> list:
+        handles = []
+        for l, layer in enumerate(self.backbone.layers):
+            handles.append(layer.register_forward_hook(self._hook(l, att)))
+        return handles
+
+    def _hook(self, l: int, att: _Attachment):
+        ad = self.adapters[l]
+        scale = self._scale_of(att)
+
+        def fn(x, h):
+            delta = ad(x.float()) * (self.out_scale[l] * scale)
+            return h + delta.to(h.dtype)
+
+        def hook(mod, args, output):
+            if scale == 0.0:
+                return None
+            h = first_tensor(output)
+            return replace_first(output, rows_apply(h, h, att.rows, fn))
+        return hook
+
+    def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
+        def prepare(train):
+            rms = self.calibrate_rms(list(self.backbone.layers), train)
+            self.out_scale.copy_(torch.tensor(rms))
+            return {"out_scale": [round(r, 4) for r in rms], "bottleneck": self.config.bottleneck}
+
+        return self.fit_sequences(memory, progress, should_stop, prepare)

@@ -1,0 +1,278 @@
+"""LoRA on the last decoder layer's attention output projection — the PEMA paper's LoRA baseline.
+
+LoRA (Hu et al., ICLR 2022): a frozen linear map W₀ ∈ R^{d_out×d_in} becomes
+
+    h = W₀·x + ΔW·x,    ΔW = (α / r) · B·A,    A ∈ R^{r×d_in},  B ∈ R^{d_out×r}
+
+with A random (Kaiming-uniform), B = 0 at the start (so the untrained plug-in is the identity) and only A, B
+trained. The PEMA paper (Kim et al., NAACL 2024) compares against LoRA applied to the *last* layer's attention
+output projection with r = 512 and α = 1; those are the defaults here (r is capped at the hidden size d and at the
+projection's own dimensions).
+
+How it is adapted to our decoder-only backbones and to the shared-backbone protocol:
+    * Target: ``decoder.layers[L−1].self_attn.o_proj`` (Llama, Gemma 3; ``out_proj``/``dense``/``c_proj`` are
+      accepted for other families).
+    * Training uses ``peft`` (``LoraConfig`` + ``get_peft_model``, ``target_modules=["self_attn.o_proj"]``), but on
+      a private deep copy of the last decoder layer (its hooks cleared), never on the shared backbone: the
+      backbone's modules are not replaced even for a moment, so nothing else that uses the backbone while
+      LoRA trains can see a half-trained LoRA, and the tied embeddings / GGUF-loaded Gemma are never touched by
+      peft. After training, A and B are copied out of the peft layer, the peft model is unloaded
+      (``unload()``) and the copy dropped.
+    * Only the last layer changes, so the inputs of the last decoder layer (hidden states + the exact keyword
+      arguments the decoder passes it: rotary embeddings, attention mask, positions) are computed once with the
+      frozen backbone; each training step then runs only [last layer with LoRA → final norm → LM head at target
+      positions]. This is exact, not an approximation.
+    * The training objective is the teacher-forced NLL of the reference target tokens of the memory's samples
+      (fixed mini-batches of similar-length samples, their order shuffled every epoch), Adam, early stopping on
+      the memory's held-out samples (``plugins.training.run_training``); ``max_minutes`` covers the precomputation
+      too.
+    * Decoding: a forward hook on the backbone's own o_proj adds (x·Aᵀ·Bᵀ)·(α/r)·σ to the output of the batch
+      rows ``rows`` only; σ is the decode-time setting ``scale`` (default 1, not in the paper).
+    * With α = 1 and r = 512 the scaling α/r is 1/512, so the default learning rate (2e-3) is higher than usual
+      for LoRA; the LM head dominates the cost of a step (Gemma's vocabulary is 262k), so ``softmax="candidates"``
+      (see ``plugins.adapter``) makes LoRA training about 8× faster on CPU at the price of a sampled softmax.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugins.adapter import BudgetGuard, NetworkConfig, NetworkPlugin, _Attachment, first_tensor, replace_first, rows_apply
+from memories.build import Cancelled
+from plugins.base import FitResult
+from plugins.registry import register
+from plugins.seqtrain import SeqData, collate
+from plugins.training import run_training
+from studio.errors import UserError
+
+OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
+
+
+@dataclass
+class LoRAConfig(NetworkConfig):
+    rank: int = 512               # r (PEMA paper's LoRA baseline), capped at d and the projection's sizes
+    alpha: float = 1.0            # α (paper); the delta is scaled by α / r
+    dropout: float = 0.0          # LoRA dropout on the projection's input (peft ``lora_dropout``)
+    lr: float = 2e-3
+    max_epochs: int = 10          # steps are cheap: only the last layer and the LM head run
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(self.rank >= 1, "LoRA rank r must be ≥ 1.")
+        self._check(self.alpha > 0 and math.isfinite(self.alpha), "LoRA α must be a positive number.")
+        self._check(0.0 <= self.dropout < 1.0, "LoRA dropout must be in [0, 1).")
+
+
+class _StopForward(Exception):
+    def __init__(self, args, kwargs):
+        super().__init__("captured")
+        self.args, self.kwargs = args, kwargs
+
+
+def _detach(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, tuple):
+        return tuple(_detach(x) for x in v)
+    if isinstance(v, list):
+        return [_detach(x) for x in v]
+    return v
+
+
+def _clear_hooks(module: nn.Module) -> None:
+    for m in module.modules():
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+                     "_state_dict_hooks", "_load_state_dict_pre_hooks"):
+            d = getattr(m, name, None)
+            if d is not None and hasattr(d, "clear"):
+                d.clear()
+
+
+@register
+class LoRA(NetworkPlugin):
+    method = "lora"
+    title = "LoRA (last layer's attention output)"
+    paper = "Hu et al., LoRA: Low-Rank Adaptation of Large Language Models, ICLR 2022 (as the PEMA paper's baseline)"
+    Config = LoRAConfig
+
+    def __init__(self, config: LoRAConfig, backbone, memory_meta: dict | None = None):
+        super().__init__(config, backbone, memory_meta)
+        proj_name, proj = self.find_out_proj(backbone)
+        self.proj_name = proj_name
+        d_in, d_out = proj.in_features, proj.out_features
+        r = min(config.rank, backbone.hidden_size, d_in, d_out)
+        self.rank = r
+        g = torch.Generator().manual_seed(config.seed)
+        bound = 1.0 / math.sqrt(d_in)  # nn.init.kaiming_uniform_(a=√5), as peft initialises lora_A
+        self.lora_A = nn.Parameter((torch.rand(r, d_in, generator=g) * 2 - 1) * bound)
+        self.lora_B = nn.Parameter(torch.zeros(d_out, r))
+
+    @property
+    def scaling(self) -> float:
+        return self.config.alpha / self.rank
+
+    @staticmethod
+    def find_out_proj(backbone) -> tuple[str, nn.Linear]:
+        attn = getattr(backbone.layers[-1], "self_attn", None)
+        if attn is None:
+            raise UserError(f"LoRA: the backbone {backbone.name} has no self_attn in its last layer.")
+        for name in OUT_PROJ_NAMES:
+            m = getattr(attn, name, None)
+            if isinstance(m, nn.Linear):
+                return f"self_attn.{name}", m
+        raise UserError(f"LoRA: no attention output projection ({', '.join(OUT_PROJ_NAMES)}) found in the last "
+                        f"layer of {backbone.name}.")
+
+    def _proj(self) -> nn.Linear:
+        return self.find_out_proj(self.backbone)[1]
+
+    # --- decoding -----------------------------------------------------------------------------------------
+    def delta(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return F.linear(F.linear(x.float(), self.lora_A), self.lora_B) * (self.scaling * scale)
+
+    def _register_hooks(self, att: _Attachment) -> list:
+        scale = self._scale_of(att)
+
+        def fn(x, h):
+            return h + self.delta(x, scale).to(h.dtype)
+
+        def hook(mod, args, output):
+            if scale == 0.0:
+                return None
+            h = first_tensor(output)
+            return replace_first(output, rows_apply(h, args[0], att.rows, fn))
+
+        return [self._proj().register_forward_hook(hook)]
+
+    # --- training -----------------------------------------------------------------------------------------
+    def _last_layer_inputs(self, data: SeqData, batches: list[list[int]], should_stop=lambda: False) -> list[dict]:
+        """Run the frozen backbone up to the last layer once per batch; keep that layer's inputs."""
+        bb = self.backbone
+        layer = bb.layers[-1]
+
+        def pre(mod, args, kwargs):
+            raise _StopForward(args, kwargs)
+
+        out = []
+        for idx in batches:
+            if should_stop():
+                raise Cancelled()
+            ids, mask, labels = collate(bb, data, idx)
+            h = layer.register_forward_pre_hook(pre, with_kwargs=True)
+            try:
+                with torch.no_grad():
+                    bb.forward_fc(ids, attention_mask=mask)
+                raise RuntimeError("LoRA: the last decoder layer was never called")
+            except _StopForward as cap:
+                args, kwargs = _detach(cap.args), _detach(cap.kwargs)
+            finally:
+                h.remove()
+            if not args:
+                args = (kwargs.pop("hidden_states"),)
+            out.append({"args": args, "kwargs": kwargs, "labels": labels, "tokens": int(mask.sum()),
+                        "targets": int((labels != -100).sum())})
+        return out
+
+    @staticmethod
+    def _batches(data: SeqData, size: int) -> list[list[int]]:
+        """Fixed mini-batches of similar lengths (less padding); their order is shuffled every epoch."""
+        order = sorted(range(len(data)), key=lambda i: (len(data.contexts[i]) + len(data.targets[i]), i))
+        return [order[b:b + size] for b in range(0, len(order), size)]
+
+    def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
+        from peft import LoraConfig, get_peft_model
+
+        cfg = self.config
+        bb = self.backbone
+        torch.manual_seed(cfg.seed)
+        self.to(bb.device)
+        progress(0.0, "preparing the memory's samples")
+        train, held = self._data(memory)
+        cand_info = self.prepare_candidates(memory)
+        t_pre = time.time()
+        tb = self._batches(train, cfg.batch_size)
+        hb = self._batches(held, cfg.batch_size)
+        progress(0.01, f"computing the last layer's inputs for {len(train)} + {len(held)} samples")
+        tin = self._last_layer_inputs(train, tb, should_stop)
+        hin = self._last_layer_inputs(held, hb, should_stop)
+        pre_secs = time.time() - t_pre
+        # the budget covers the precomputation too (but always leaves a little time to train)
+        budget = max(cfg.max_minutes - pre_secs / 60.0, 0.25) if cfg.max_minutes else 0.0
+
+        # peft on a private copy of the last decoder layer: the shared backbone is never modified.
+        holder = nn.Module()
+        holder.layer = copy.deepcopy(bb.layers[-1])
+        _clear_hooks(holder.layer)
+        for p in holder.layer.parameters():
+            p.requires_grad_(False)
+        torch.manual_seed(cfg.seed)
+        pconf = LoraConfig(r=self.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=[self.proj_name], bias="none")
+        pm = get_peft_model(holder, pconf)
+        lora_layer = holder.layer.get_submodule(self.proj_name)
+        A, B = lora_layer.lora_A["default"], lora_layer.lora_B["default"]
+        with torch.no_grad():  # start from this plug-in's own initialisation (B = 0: identity)
+            A.weight.copy_(self.lora_A.to(A.weight))
+            B.weight.copy_(self.lora_B.to(B.weight))
+        trainable = nn.ModuleList([A, B, lora_layer.lora_dropout["default"]])
+        params = [A.weight, B.weight]
+        counts = {"tokens": 0, "targets": 0}
+
+        def loss_of(batch) -> torch.Tensor:
+            h = first_tensor(holder.layer(*batch["args"], **batch["kwargs"]))
+            labels = batch["labels"]
+            sel = labels != -100
+            return self.target_nll(h[sel], labels[sel])
+
+        history: list[dict] = []
+        guard = BudgetGuard(trainable, lambda: heldout_loss(), budget, history, self.method)
+
+        def train_loss(idx):
+            guard.before_step()
+            batch = tin[int(idx[0])]
+            counts["tokens"] += batch["tokens"]
+            counts["targets"] += batch["targets"]
+            return loss_of(batch), {}
+
+        def heldout_loss():
+            tot, n = 0.0, 0
+            with torch.no_grad():
+                for batch in hin:
+                    tot += float(loss_of(batch)) * batch["targets"]
+                    n += batch["targets"]
+            return tot / max(n, 1)
+
+        s = self.loop_settings(len(tin))
+        s.batch_size = 1  # one index = one fixed mini-batch of samples
+        s.max_minutes = budget
+        t0 = time.time()
+        try:
+            summary = run_training(trainable, params, len(tin), train_loss, guard.heldout_loss, s, self.method,
+                                   progress, should_stop, history, (0.05, 1.0))
+            summary = guard.restore(summary)
+            with torch.no_grad():
+                self.lora_A.copy_(A.weight.detach().float())
+                self.lora_B.copy_(B.weight.detach().float())
+        finally:
+            self._cand = None
+            pm.unload()
+            del pm, holder, trainable, tin, hin
+        wall = time.time() - t0
+        for p in self.parameters():
+            p.requires_grad_(False)
+        metrics = {**summary, "train_samples": len(train), "heldout_samples": len(held),
+                   "precompute_seconds": round(pre_secs, 2),
+                   "tokens_per_second": round(counts["tokens"] / max(wall, 1e-9), 1),
+                   "target_tokens_per_second": round(counts["targets"] / max(wall, 1e-9), 1),
+                   "train_tokens_seen": counts["tokens"]}
+        self.train_info = {"rank": self.rank, "alpha": cfg.alpha, "scaling": self.scaling,
+                           "target": f"layers.{bb.num_layers - 1}.{self.proj_name}", "trained_with": "peft",
+                           **cand_info, **metrics}
+        return FitResult(metrics=metrics, history=history)

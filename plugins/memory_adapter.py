@@ -1,0 +1,782 @@
+"""Memory-augmented adapters (Xu et al., "Pluggable Neural Machine Translation Models via Memory-augmented
+Adapters", LREC-COLING 2024), adapted from an encoder–decoder NMT model to a frozen decoder-only LM.
+
+Memory (``memories/phrases.py``): multi-granular phrase pairs (source phrase, target phrase) — spaCy subtrees and
+words of English sources, a marker-based chunker elsewhere, paired by translating each source phrase with the frozen
+backbone itself and finding the translation in the target sentence; every sentence pair is kept too. The pairs are
+sorted by length and split into equal shares over the adapted layers, **short to long from the lowest layer up**
+(the paper's best allocation; ``allocation`` also offers ``long_to_short`` and ``random``).
+
+Memory items. For pair i held by layer l the frozen backbone (no adapters) runs teacher-forced on
+``memory.prompt.render(src_phrase) + target_prefix + tgt_phrase``. Let ``a_l(t)`` be the output of layer l's
+self-attention block (``layers[l].self_attn``'s output, before Gemma's post-attention norm and before the
+residual add) at position t. Then
+
+    source-side item  m^src_{l,i} = mean of a_l(t) over the tokens of the source phrase (found as the tokens that
+                                    differ between the prompt rendered with the phrase and with an empty slot),
+    target-side item  m^tgt_{l,i} = mean of a_l(t) over the tokens of the target phrase,
+
+both divided by ``s_l``, the RMS of a_l over all captured (non-BOS) positions. They are buffers
+``blocks.<l>.mem_src`` / ``blocks.<l>.mem_tgt`` (saved in safetensors); the phrase texts are in the plug-in's
+``extra_config`` for the trace.
+
+Adapter (per adapted layer and memory side; the paper's equations). With anchor A, query Q, keys K = values V =
+the layer's memory items of that side, and learned W_q, W_k, W_v ∈ R^{d×d}, W_1 ∈ R^{2d×d}, W_2 ∈ R^{d×1}:
+
+    R = softmax(Q·W_q·W_kᵀ·Kᵀ / (T·√d)) · V · W_v
+    g = sigmoid(relu([A; R]·W_1)·W_2 + b_2)
+    O = g·A + (1−g)·R
+
+Where it acts (the decoder-only stand-in for the paper's two adapters). A decoder-only layer has one attention
+sublayer, whose attention over the prompt plays the role of the NMT decoder's cross-attention to the source, so
+**both adapters sit in series on the output of ``layers[l].self_attn``**, at every position (prompt and target):
+first the target-memory adapter (the paper's adapter after decoder self-attention) with A = Q = a_l/s_l, then the
+source-memory adapter (the paper's adapter after cross-attention) with A = Q = the first adapter's output; the
+result times s_l replaces the self-attention output (a forward hook on ``self_attn``, first element of its output
+tuple). Only batch rows given to ``attach`` are changed.
+
+Adaptations (besides the decoder-only placement), recorded here and in ``train_info``:
+    * scaling: A, Q and the memory are divided by the layer's activation RMS s_l and the result multiplied back;
+      the attention logits are divided by T·√d rather than T (d = 640 makes unscaled logits of raw states
+      meaningless at T = 0.5);
+    * initialisation so that the untrained adapter is nearly the identity: W_q = W_k = W_v = I (the untrained
+      adapter reads the memory items most similar to the current state), W_1 random, W_2 = 0 and a gate bias
+      b_2 = ``gate_bias`` (4 ⇒ g = 0.982, 1.8 % memory); b_2 is our addition to the paper's gate;
+    * layers: all layers by default (paper); ``layers="top:N"``, ``"bottom:N"``, ``"every:K"`` or ``"3,7,11"``
+      restrict adapters (and memory) to some layers — d×d matrices cost 2·(5d²+d+1) ≈ 4.1 M parameters per layer
+      at d = 640;
+    * training on the memory's samples (not on a parallel corpus), with the frozen backbone's teacher-forced
+      sequences (``plugins/seqtrain.py``) and the CPU budget ``max_minutes``.
+
+Training (paper): L = NLL(full memory) + α·NLL(memory after dropout) + β·½(KL(p‖q) + KL(q‖p)), p and q the output
+distributions with the full and the dropped memory; memory dropout drops each adapted layer's whole memory (both
+sides: that layer's adapters become the identity) with probability 0.1, independently per sequence; T = 0.5,
+α = β = 5. The two passes run as one doubled batch. Early stopping on the memory's held-out samples (NLL with the
+full memory) through ``plugins.training.run_training``; with a time budget, a guard evaluates the held-out set once
+more before the step that would cross it, so the steps taken since the last evaluation are not thrown away (the
+loop keeps the best *evaluated* weights). ``softmax="candidates"`` (an option, not the default) restricts the training
+softmax (NLL and KL) to a candidate vocabulary — the memory's target tokens, the stop tokens and the LM's top-16
+tokens on sampled memory contexts — which removes most of the LM-head cost of a CPU training step (Gemma's vocabulary
+has 262k tokens); decoding always uses the full vocabulary.
+
+Decoding: ``level = "network"``. Settings: ``temperature`` (default: the trained T), ``trace_top_k`` and the
+"+ kNN" mix of the paper (``knn_lambda``, ``knn_k``, ``knn_temperature``): ``mix`` implements kNN-MT over the same
+memory's datastore (its keys are the *base* model's f(c); queries are the adapted model's f(c)), but the comparison
+decoder calls ``mix`` only for output-level plug-ins, so ``knn_lambda > 0`` is refused until ``plugins.decode``
+sets ``SUPPORTS_NETWORK_MIX = True`` and also routes plug-ins with ``mixes_output`` through the output-level step;
+until then "+ kNN" is a kNN row over the same memory beside this one.
+
+``network_trace()`` returns, per row of the group, the attention over memory items at each adapted layer:
+``{j: {"layers": {l: [[phrase_index, weight], ...top k]}, "source_layers": {...}, "memory_share": {l: [1−g_tgt,
+1−g_src]}}}``; ``phrase_texts()[phrase_index]`` labels them.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memories.build import Cancelled
+from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
+from plugins.registry import register
+from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
+from plugins.training import LoopSettings, run_training
+from studio.errors import UserError
+
+SIDES = ("tgt", "src")
+
+
+@dataclass
+class MemoryAdapterConfig(PluginConfig):
+    temperature: float = 0.5        # T of the memory attention (paper 0.5)
+    alpha: float = 5.0              # weight of the NLL with dropped memory (paper 5)
+    beta: float = 5.0               # weight of the symmetric KL (paper 5)
+    memory_dropout: float = 0.1     # probability of dropping one layer's memory (paper 0.1)
+    lr: float = 1e-4
+    batch_size: int = 4             # sequences per step (each runs twice: full and dropped memory)
+    max_epochs: int = 5
+    patience: int = 2               # held-out evaluations without improvement before stopping
+    eval_every: int = 5             # steps between held-out evaluations
+    max_heldout: int = 16           # held-out sequences used for early stopping
+    lr_schedule: str = "constant"
+    max_minutes: float = 4.0        # wall-clock budget of the training loop (0 = none)
+    softmax: str = "full"           # "full" (exact) | "candidates" (faster CPU training, see the docstring)
+    candidate_top_k: int = 16       # "candidates": LM top tokens per sampled memory context
+    candidate_contexts: int = 1024  # "candidates": how many memory contexts to sample
+    layers: str = "all"             # "all" | "top:N" | "bottom:N" | "every:K" | "0,4,8"
+    allocation: str = "short_to_long"   # "short_to_long" (paper's best) | "long_to_short" | "random"
+    memory_side: str = "both"       # "both" | "target" | "source"
+    gate_bias: float = 4.0          # initial gate logit (toward the anchor A)
+    max_pairs: int = 2000           # phrase pairs in the memory
+    max_translate: int = 192        # unique source phrases translated by the backbone (the slow part)
+    max_phrase_len_en: int = 8      # paper: 8 words for English
+    max_phrase_len_other: int = 10  # paper: 10 for other languages
+    fuzzy_threshold: float = 0.6    # fallback alignment: character-trigram Dice
+    capture_batch_size: int = 16
+    seed: int = 123
+
+    def validate(self) -> None:
+        c = self._check
+        c(self.temperature > 0, "The memory temperature T must be positive.")
+        c(self.alpha >= 0 and self.beta >= 0, "α and β must be ≥ 0.")
+        c(0.0 <= self.memory_dropout < 1.0, "Memory dropout must be in [0, 1).")
+        c(self.lr > 0, "The learning rate must be positive.")
+        c(self.batch_size >= 1, "The batch size must be ≥ 1.")
+        c(self.max_epochs >= 0, "max_epochs must be ≥ 0.")
+        c(self.patience >= 1, "patience must be ≥ 1.")
+        c(self.eval_every >= 0, "eval_every must be ≥ 0.")
+        c(self.max_heldout >= 1, "max_heldout must be ≥ 1.")
+        c(self.max_minutes >= 0, "max_minutes must be ≥ 0.")
+        c(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
+        c(self.softmax in ("full", "candidates"), "softmax must be 'full' or 'candidates'.")
+        c(self.candidate_top_k >= 0 and self.candidate_contexts >= 0, "Candidate settings must be ≥ 0.")
+        c(self.allocation in ("short_to_long", "long_to_short", "random"),
+          "allocation must be short_to_long, long_to_short or random.")
+        c(self.memory_side in ("both", "target", "source"), "memory_side must be both, target or source.")
+        c(self.max_pairs >= 1, "max_pairs must be ≥ 1.")
+        c(self.max_translate >= 0, "max_translate must be ≥ 0.")
+        c(self.max_phrase_len_en >= 1 and self.max_phrase_len_other >= 1, "Maximum phrase lengths must be ≥ 1.")
+        c(0.0 < self.fuzzy_threshold <= 1.0, "fuzzy_threshold must be in (0, 1].")
+        c(self.capture_batch_size >= 1, "capture_batch_size must be ≥ 1.")
+        parse_layers(self.layers, None)
+
+
+def parse_layers(spec: str, num_layers: int | None) -> list[int]:
+    """Layer indices of a ``layers`` spec; with ``num_layers`` None only the syntax is checked."""
+    spec = str(spec).strip().lower()
+    bad = UserError(f"Bad layers setting {spec!r}: use 'all', 'top:N', 'bottom:N', 'every:K' or a list like '0,4,8'.")
+    L = num_layers
+    try:
+        if spec == "all":
+            out = list(range(L)) if L else []
+        elif spec.startswith(("top:", "bottom:", "every:")):
+            kind, n = spec.split(":")
+            n = int(n)
+            if n < 1:
+                raise bad
+            if L is None:
+                return []
+            out = {"top": list(range(max(0, L - n), L)), "bottom": list(range(min(n, L))),
+                   "every": list(range(L - 1, -1, -n))[::-1]}[kind]
+        else:
+            out = sorted({int(x) for x in spec.split(",") if x.strip()})
+            if not out:
+                raise bad
+    except ValueError:
+        raise bad from None
+    if L is not None:
+        wrong = [i for i in out if not 0 <= i < L]
+        if wrong:
+            raise UserError(f"Layer(s) {wrong} do not exist: the backbone has layers 0..{L - 1}.")
+    return out
+
+
+def allocate(lengths: list[int], layers: list[int], how: str = "short_to_long", seed: int = 0
+             ) -> dict[int, list[int]]:
+    """Spread items (by index) over ``layers`` in equal shares: by length, short to long from the lowest layer up
+    (or long to short, or at random). With fewer items than layers, evenly spaced layers get one item each."""
+    n = len(lengths)
+    if n == 0 or not layers:
+        return {}
+    if how == "random":
+        order = np.random.default_rng(seed).permutation(n)
+    else:
+        order = np.array(sorted(range(n), key=lambda i: (lengths[i], i)))
+    k = min(n, len(layers))
+    shares = np.array_split(order, k)
+    if k < len(layers):
+        chosen = [layers[round(j * (len(layers) - 1) / (k - 1))] for j in range(k)] if k > 1 else [layers[-1]]
+    else:
+        chosen = list(layers)
+    if how == "long_to_short":
+        chosen = chosen[::-1]
+    return {layer: [int(i) for i in share] for layer, share in sorted(zip(chosen, shares), key=lambda x: x[0])}
+
+
+class MemoryAdapter(nn.Module):
+    """One memory-augmented adapter (see the module docstring for the equations)."""
+
+    def __init__(self, d: int, gate_bias: float, g: torch.Generator):
+        super().__init__()
+        self.d = d
+        self.W_q = nn.Parameter(torch.eye(d))
+        self.W_k = nn.Parameter(torch.eye(d))
+        self.W_v = nn.Parameter(torch.eye(d))
+        bound = 1.0 / math.sqrt(2 * d)
+        self.W_1 = nn.Parameter((torch.rand(2 * d, d, generator=g) * 2 - 1) * bound)
+        self.W_2 = nn.Parameter(torch.zeros(d, 1))
+        self.b_2 = nn.Parameter(torch.full((1,), float(gate_bias)))
+
+    def prepare(self, mem: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-forward products of the memory: (W_q·W_kᵀ·Kᵀ/(T√d), V·W_v, V·W_v·W_1[d:])."""
+        k = mem @ self.W_k
+        qk = (self.W_q @ k.T) / (temperature * math.sqrt(self.d))
+        v = mem @ self.W_v
+        return qk, v, v @ self.W_1[self.d:]
+
+    def forward(self, x: torch.Tensor, prep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qk, v, vw = prep
+        att = torch.softmax(x @ qk, dim=-1)
+        r = att @ v
+        h = F.relu(x @ self.W_1[:self.d] + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
+        g = torch.sigmoid(h @ self.W_2 + self.b_2)
+        return g * x + (1 - g) * r, att, g
+
+
+class LayerBlock(nn.Module):
+    """The memory of one layer (both sides, divided by the layer scale) and its adapters."""
+
+    def __init__(self, d: int, n: int, sides: tuple[str, ...], gate_bias: float, g: torch.Generator):
+        super().__init__()
+        self.register_buffer("mem_tgt", torch.zeros(n, d))
+        self.register_buffer("mem_src", torch.zeros(n, d))
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("phrase_ids", torch.zeros(n, dtype=torch.long))
+        self.sides = sides
+        self.adapters = nn.ModuleDict({s: MemoryAdapter(d, gate_bias, g) for s in sides})
+
+    def prepare(self, temperature: float) -> dict:
+        return {s: self.adapters[s].prepare(getattr(self, f"mem_{s}"), temperature) for s in self.sides}
+
+    def apply(self, a: torch.Tensor, prep: dict, keep: torch.Tensor | None = None):
+        """Adapt self-attention outputs ``a`` (B, T, d); ``keep`` (B,) False drops this layer's memory."""
+        x = a.float() / self.scale
+        out = x
+        info = {}
+        for s in self.sides:
+            o, att, g = self.adapters[s](out, prep[s])
+            if keep is not None:
+                o = torch.where(keep.view(-1, 1, 1), o, out)
+            out = o
+            info[s] = (att, g)
+        return (out * self.scale).to(a.dtype), info
+
+
+class _Group:
+    """One ``attach`` call: its rows, settings, hooks and the latest per-layer attention (for the trace)."""
+
+    def __init__(self, rows, settings: dict, key: str):
+        self.rows = rows
+        self.settings = settings
+        self.key = key
+        self.latest: dict | None = None
+        self.building: dict = {}
+        self.alive = True
+
+
+class _Handle:
+    def __init__(self, owner: "MemoryAdapterPlugin", handles: list, group: _Group):
+        self.owner, self.handles, self.group = owner, handles, group
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.group.alive = False
+        if self.group in self.owner._groups:
+            self.owner._groups.remove(self.group)
+
+
+class _BudgetGuard:
+    """``run_training`` evaluates every ``eval_every`` steps and, when the time budget stops it, restores the best
+    *evaluated* weights — with Gemma steps of 10–80 s on a busy 2-core CPU that can discard every step taken. The
+    guard mirrors the best state, evaluates once more before a step that would cross the budget, and ``restore``
+    loads the best state it saw (never worse than run_training's)."""
+
+    def __init__(self, module: nn.Module, heldout, max_minutes: float, history: list[dict]):
+        self.module, self._heldout, self.budget, self.history = module, heldout, 60.0 * max_minutes, history
+        self.best, self.state = math.inf, None
+        self.t0 = self.last = None
+        self.step_s, self.steps, self.evaluated_at, self.extra_evals = 0.0, 0, -1, 0
+        self.step_times: list[float] = []
+
+    def heldout_loss(self) -> float:
+        if self.t0 is None:
+            self.t0 = time.time()
+        h = self._heldout()
+        if h < self.best - 1e-6:
+            self.best = h
+            self.state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        self.evaluated_at = self.steps
+        return h
+
+    def before_step(self) -> None:
+        now = time.time()
+        if self.last is not None:
+            self.step_s = now - self.last
+            self.step_times.append(self.step_s)
+        self.last = now
+        if self.budget and self.t0 is not None and self.steps > self.evaluated_at \
+                and now - self.t0 + self.step_s > self.budget:
+            was = self.module.training
+            self.module.eval()
+            h = self.heldout_loss()
+            self.module.train(was)
+            self.extra_evals += 1
+            self.history.append({"phase": "memory_adapter", "step": self.steps, "heldout_loss": h,
+                                 "time": now - self.t0, "before_budget": True})
+            self.last = time.time()
+        self.steps += 1
+
+    def mean_step(self) -> float:
+        return float(np.median(self.step_times)) if self.step_times else 0.0
+
+    def restore(self, summary: dict) -> dict:
+        if self.state is not None and self.best < summary.get("best_heldout_loss", math.inf) - 1e-9:
+            self.module.load_state_dict(self.state)
+            self.module.eval()
+        return {**summary, "best_heldout_loss": min(self.best, summary.get("best_heldout_loss", math.inf)),
+                "extra_evals": self.extra_evals}
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _slot_span(ctx: list[int], empty: list[int]) -> tuple[int, int]:
+    """Token span of the source slot: what differs between the prompt with the phrase and with an empty slot."""
+    p = 0
+    while p < min(len(ctx), len(empty)) and ctx[p] == empty[p]:
+        p += 1
+    s = 0
+    while s < min(len(ctx), len(empty)) - p and ctx[-1 - s] == empty[-1 - s]:
+        s += 1
+    a, b = p, len(ctx) - s
+    if b <= a:
+        a, b = max(0, b - 1), max(1, b)
+    return a, b
+
+
+@register
+class MemoryAdapterPlugin(Plugin):
+    method = "memory_adapter"
+    title = "Memory-augmented adapter"
+    paper = ("Xu et al., Pluggable Neural Machine Translation Models via Memory-augmented Adapters, "
+             "LREC-COLING 2024")
+    Config = MemoryAdapterConfig
+    level = "network"
+    mixes_output: ClassVar[bool] = True  # "+ kNN": needs plugins.decode to call mix() for this network plug-in
+    decode_defaults = {"temperature": 0.5, "trace_top_k": 5, "knn_lambda": 0.0, "knn_k": 16,
+                       "knn_temperature": 10.0}
+
+    def __init__(self, config: MemoryAdapterConfig, backbone, memory_meta: dict | None = None):
+        super().__init__(config, backbone, memory_meta)
+        self.decode_defaults = {**type(self).decode_defaults, "temperature": float(config.temperature)}
+        self.blocks = nn.ModuleDict()
+        self.phrases: list[dict] = []
+        self.phrase_stats: dict = {}
+        self._groups: list[_Group] = []
+        self._last_by_key: dict[str, dict] = {}
+        self._rr = 0
+        self._knn = None
+        self._prep_cache: dict[float, dict] = {}  # decode-time memory products per temperature
+
+    # --- structure --------------------------------------------------------------------------------
+    @property
+    def sides(self) -> tuple[str, ...]:
+        return {"both": SIDES, "target": ("tgt",), "source": ("src",)}[self.config.memory_side]
+
+    @property
+    def adapted_layers(self) -> list[int]:
+        return sorted(int(k) for k in self.blocks)
+
+    def _build_blocks(self, sizes: dict[int, int]) -> None:
+        g = torch.Generator().manual_seed(self.config.seed)
+        d = self.backbone.hidden_size
+        self.blocks = nn.ModuleDict({str(l): LayerBlock(d, n, self.sides, self.config.gate_bias, g)
+                                     for l, n in sorted(sizes.items()) if n > 0})
+
+    @classmethod
+    def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
+        p = cls(config, backbone, memory_meta)
+        sizes = {int(k.split(".")[1]): int(v.shape[0]) for k, v in tensors.items()
+                 if k.startswith("blocks.") and k.endswith(".mem_tgt")}
+        p._build_blocks(sizes)
+        p.phrases = list(extra.get("phrases", []))
+        p.phrase_stats = dict(extra.get("phrase_stats", {}))
+        return p
+
+    def extra_config(self) -> dict:
+        return {"phrases": self.phrases, "phrase_stats": self.phrase_stats, "layers": self.adapted_layers}
+
+    def phrase_texts(self) -> list[str]:
+        """Labels of the memory items, indexed by the phrase index used in the trace."""
+        return [f"{p['src']} → {p['tgt']}" for p in self.phrases]
+
+    # --- memory ---------------------------------------------------------------------------------------
+    def build_memory(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> dict:
+        """Extract phrase pairs from the memory's training samples, allocate them to layers and capture the
+        memory items. Leaves the adapters at their (nearly identity) initialisation."""
+        from memories.phrases import phrase_pairs_for_memory
+
+        cfg, bb = self.config, self.backbone
+        layers = parse_layers(cfg.layers, bb.num_layers)
+        if not memory.split_samples("train"):
+            raise UserError("The memory has no training samples.")
+        stats: dict = {}
+        pairs = phrase_pairs_for_memory(
+            bb, memory, "train", max_pairs=cfg.max_pairs, max_translate=cfg.max_translate,
+            max_len_english=cfg.max_phrase_len_en, max_len_other=cfg.max_phrase_len_other,
+            fuzzy_threshold=cfg.fuzzy_threshold, progress=lambda f, m: progress(0.8 * f, m),
+            should_stop=should_stop, stats=stats)
+        alloc = allocate([p.length for p in pairs], layers, cfg.allocation, cfg.seed)
+        self.phrases = []
+        for layer, idx in alloc.items():
+            for i in idx:
+                self.phrases.append({**pairs[i].to_dict(), "layer": layer})
+        self._build_blocks({l: len(idx) for l, idx in alloc.items()})
+        self._prep_cache = {}
+        t0 = time.time()
+        self._capture(memory.prompt, lambda f, m: progress(0.8 + 0.2 * f, m), should_stop)
+        stats["seconds_capture"] = round(time.time() - t0, 2)
+        stats["items_per_layer"] = {l: len(idx) for l, idx in alloc.items()}
+        self.phrase_stats = stats
+        self.to(bb.device)
+        return stats
+
+    def _capture(self, prompt, progress, should_stop) -> None:
+        bb = self.backbone
+        d = bb.hidden_size
+        empty = bb.encode_context(prompt.render(""))
+        items = []
+        for p in self.phrases:
+            ctx = bb.encode_context(prompt.render(p["src"]))
+            tgt = bb.encode_target(prompt.target_prefix + p["tgt"]) or bb.encode_target(p["tgt"])
+            items.append((p["layer"], ctx + tgt, _slot_span(ctx, empty), (len(ctx), len(ctx) + len(tgt))))
+        sums = {s: torch.zeros(len(items), d, dtype=torch.float64) for s in SIDES}
+        sumsq = {l: 0.0 for l in self.adapted_layers}
+        count = {l: 0 for l in self.adapted_layers}
+        order = sorted(range(len(items)), key=lambda i: (items[i][0], len(items[i][1])))
+        pad = bb.tokenizer.pad_token_id or 0
+        bs = self.config.capture_batch_size
+        done = 0
+        for b0 in range(0, len(order), bs):
+            if should_stop():
+                raise Cancelled()
+            idx = order[b0:b0 + bs]
+            top = max(items[i][0] for i in idx)
+            width = max(len(items[i][1]) for i in idx)
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for r, i in enumerate(idx):
+                seq = items[i][1]
+                ids[r, :len(seq)] = torch.tensor(seq)
+                mask[r, :len(seq)] = 1
+            outs: dict[int, torch.Tensor] = {}
+            handles = []
+
+            def make(layer):
+                def hook(module, args, output):
+                    outs[layer] = (output[0] if isinstance(output, tuple) else output).detach().float()
+                    if layer == top:
+                        raise _StopForward()
+                return hook
+
+            for l in self.adapted_layers:
+                if l <= top:
+                    handles.append(bb.layers[l].self_attn.register_forward_hook(make(l)))
+            try:
+                with torch.no_grad():
+                    bb.forward_fc(ids.to(bb.device), attention_mask=mask.to(bb.device))
+            except _StopForward:
+                pass
+            finally:
+                for h in handles:
+                    h.remove()
+            valid = mask.clone()
+            valid[:, 0] = 0  # BOS / first position: attention-sink outliers
+            valid = valid.to(bb.device).bool()
+            for l, a in outs.items():
+                sumsq[l] += float((a[valid].double() ** 2).sum())
+                count[l] += int(valid.sum())
+            for r, i in enumerate(idx):
+                layer, _, (sa, sb), (ta, tb) = items[i]
+                a = outs[layer][r]
+                sums["src"][i] = a[sa:sb].double().mean(0).cpu()
+                sums["tgt"][i] = a[ta:tb].double().mean(0).cpu()
+            done += len(idx)
+            progress(done / len(order), f"memory items {done}/{len(order)}")
+        start = 0
+        for l in self.adapted_layers:
+            blk = self.blocks[str(l)]
+            n = blk.mem_tgt.shape[0]
+            scale = math.sqrt(sumsq[l] / max(1, count[l] * d)) or 1.0
+            with torch.no_grad():
+                blk.scale.fill_(scale)
+                blk.mem_src.copy_((sums["src"][start:start + n] / scale).float())
+                blk.mem_tgt.copy_((sums["tgt"][start:start + n] / scale).float())
+                blk.phrase_ids.copy_(torch.arange(start, start + n))
+            start += n
+
+    # --- hooks ------------------------------------------------------------------------------------------
+    def _register(self, rows, preps: dict, keep: torch.Tensor | None = None, group: _Group | None = None) -> list:
+        bb = self.backbone
+        layers = self.adapted_layers
+        handles = []
+        for l in layers:
+            blk = self.blocks[str(l)]
+            layer_keep = None if keep is None else keep[:, layers.index(l)]
+
+            def hook(module, args, output, blk=blk, l=l, layer_keep=layer_keep):
+                h = output[0] if isinstance(output, tuple) else output
+                sub = h if rows is None else h.index_select(0, rows)
+                new, info = blk.apply(sub, preps[l], layer_keep)
+                h2 = new if rows is None else h.index_copy(0, rows, new)
+                if group is not None:
+                    if l == layers[0]:
+                        group.building = {}
+                        self._rr = 0
+                    group.building[l] = {s: (att[:, -1].detach().float().cpu(), g[:, -1, 0].detach().float().cpu())
+                                         for s, (att, g) in info.items()}
+                    if l == layers[-1]:
+                        group.latest = group.building
+                        self._last_by_key[group.key] = group.latest
+                return (h2,) + tuple(output[1:]) if isinstance(output, tuple) else h2
+
+            handles.append(bb.layers[l].self_attn.register_forward_hook(hook))
+        return handles
+
+    def load_state_dict(self, *args, **kw):
+        self._prep_cache = {}
+        return super().load_state_dict(*args, **kw)
+
+    def _apply(self, fn, *args, **kw):  # .to(), .float(), ...: cached products would be stale
+        self._prep_cache = {}
+        return super()._apply(fn, *args, **kw)
+
+    def _prepare_all(self, temperature: float) -> dict:
+        return {l: self.blocks[str(l)].prepare(temperature) for l in self.adapted_layers}
+
+    def attach(self, rows: torch.Tensor, settings: dict | None = None) -> list:
+        """Hooks adapting batch rows ``rows`` only (memory products precomputed once, without gradients)."""
+        if not len(self.blocks):
+            return []
+        import json
+
+        s = settings if settings and "temperature" in settings else self.settings(settings)
+        temp = float(s["temperature"])
+        if temp not in self._prep_cache:
+            with torch.no_grad():
+                self._prep_cache[temp] = self._prepare_all(temp)
+        preps = self._prep_cache[temp]
+        rows = rows.to(self.backbone.device)
+        group = _Group(rows, s, json.dumps(s, sort_keys=True, default=str))
+        self._groups.append(group)
+        return [_Handle(self, self._register(rows, preps, None, group), group)]
+
+    def network_trace(self) -> dict | None:
+        """The latest forward's memory attention of one attached group (groups in attach order, round robin)."""
+        live = [g for g in self._groups if g.alive]
+        if not live:
+            return None
+        grp = live[self._rr % len(live)]
+        self._rr += 1
+        latest = grp.latest or self._last_by_key.get(grp.key)
+        if not latest:
+            return None
+        k = int(grp.settings.get("trace_top_k", 5))
+        out: dict[int, dict] = {}
+        n_rows = next(iter(next(iter(latest.values())).values()))[0].shape[0]
+        for j in range(n_rows):
+            entry = {"layers": {}, "source_layers": {}, "memory_share": {}}
+            for l, per_side in latest.items():
+                ids = self.blocks[str(l)].phrase_ids
+                share = []
+                for side, key in (("tgt", "layers"), ("src", "source_layers")):
+                    if side not in per_side:
+                        share.append(None)
+                        continue
+                    att, g = per_side[side]
+                    w, i = att[j].topk(min(k, att.shape[1]))
+                    entry[key][l] = [[int(ids[int(a)]), round(float(b), 4)] for a, b in zip(i.tolist(), w.tolist())]
+                    share.append(round(1.0 - float(g[j]), 4))
+                entry["memory_share"][l] = share
+            out[j] = entry
+        return out
+
+    # --- training ---------------------------------------------------------------------------------------
+    def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
+        """Build the phrase memory (``build_memory``), then train the adapters (``train_adapters``)."""
+        t0 = time.time()
+        progress(0.0, "building the phrase memory")
+        self.build_memory(memory, lambda f, m: progress(0.35 * f, m), should_stop)
+        return self.train_adapters(memory, lambda f, m: progress(0.35 + 0.65 * f, m), should_stop,
+                                   seconds_memory=time.time() - t0)
+
+    def train_adapters(self, memory, progress=lambda f, m: None, should_stop=lambda: False,
+                       seconds_memory: float = 0.0) -> FitResult:
+        """Train the adapters of an already built phrase memory on the memory's samples."""
+        cfg, bb = self.config, self.backbone
+        if not len(self.blocks):
+            raise UserError("Build the phrase memory first (build_memory).")
+        torch.manual_seed(cfg.seed)
+        self._prep_cache = {}
+        stats, t_mem = self.phrase_stats, seconds_memory
+
+        train = memory_sequences(bb, memory, "train")
+        held = memory_sequences(bb, memory, "heldout")
+        train, held = split_for_early_stopping(train, held, cfg.seed)
+        if len(held) > cfg.max_heldout:
+            pick = sorted(np.random.default_rng(cfg.seed).permutation(len(held))[:cfg.max_heldout].tolist())
+            held = SeqData([held.contexts[i] for i in pick], [held.targets[i] for i in pick])
+        layers = self.adapted_layers
+        rng = torch.Generator().manual_seed(cfg.seed)
+        use_drop = cfg.alpha > 0 or cfg.beta > 0
+        counter = {"tokens": 0}
+        cand = remap = w_cand = None
+        if cfg.softmax == "candidates":
+            progress(0.0, "choosing the candidate vocabulary")
+            cand = self._candidates(memory)
+            remap = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=bb.device)
+            remap[cand] = torch.arange(len(cand), device=bb.device)
+            w_cand = bb.lm_head.weight[cand].detach()
+
+        def forward_logits(ids, mask, labels, keep, preps):
+            handles = self._register(None, preps, keep)
+            try:
+                fc, _ = bb.forward_fc(ids, attention_mask=mask)
+            finally:
+                for h in handles:
+                    h.remove()
+            sel = labels != -100
+            if cand is None:
+                return bb.logits_from_fc(fc[sel]), labels[sel]
+            normed = bb.final_norm(fc[sel].to(bb.dtype))
+            logits = F.linear(normed, w_cand).float()
+            if bb.softcap:
+                logits = torch.tanh(logits / bb.softcap) * bb.softcap
+            return logits, remap[labels[sel]]
+
+        def train_loss(idx):
+            ids, mask, labels = collate(bb, train, idx)
+            B = len(idx)
+            preps = self._prepare_all(cfg.temperature)
+            if use_drop:
+                drop = torch.rand(B, len(layers), generator=rng) < cfg.memory_dropout
+                keep = torch.cat([torch.ones(B, len(layers), dtype=torch.bool), ~drop]).to(bb.device)
+                ids, mask, labels = (torch.cat([t, t]) for t in (ids, mask, labels))
+            else:
+                keep = None
+            logits, y = forward_logits(ids, mask, labels, keep, preps)
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            K = len(y) // 2 if use_drop else len(y)
+            counter["tokens"] += K
+            nll_full = F.nll_loss(lp[:K], y[:K])
+            parts = {"nll": nll_full.detach()}
+            loss = nll_full
+            if use_drop:
+                p, q = lp[:K], lp[K:]
+                nll_drop = F.nll_loss(q, y[K:])
+                kl = 0.5 * ((p.exp() - q.exp()) * (p - q)).sum(-1).mean()  # ½(KL(p‖q) + KL(q‖p))
+                loss = loss + cfg.alpha * nll_drop + cfg.beta * kl
+                parts.update(nll_dropped=nll_drop.detach(), kl=kl.detach())
+            return loss, parts
+
+        def heldout_loss():
+            tot, n = 0.0, 0
+            with torch.no_grad():
+                preps = self._prepare_all(cfg.temperature)
+                for b0 in range(0, len(held), 8):
+                    ids, mask, labels = collate(bb, held, range(b0, min(len(held), b0 + 8)))
+                    logits, y = forward_logits(ids, mask, labels, None, preps)
+                    tot += float(F.cross_entropy(logits.float(), y, reduction="sum"))
+                    n += len(y)
+            return tot / max(n, 1)
+
+        params = [p for p in self.parameters()]
+        for p in params:
+            p.requires_grad_(True)
+        history: list[dict] = []
+        guard = _BudgetGuard(self, heldout_loss, cfg.max_minutes, history)
+        loop = LoopSettings(lr=cfg.lr, batch_size=cfg.batch_size, max_epochs=cfg.max_epochs, patience=cfg.patience,
+                            lr_schedule=cfg.lr_schedule, max_minutes=cfg.max_minutes, seed=cfg.seed,
+                            eval_every=cfg.eval_every)
+        t1 = time.time()
+
+        def guarded_loss(idx):
+            guard.before_step()
+            return train_loss(idx)
+
+        summary = run_training(self, params, len(train), guarded_loss, guard.heldout_loss, loop, "memory_adapter",
+                               progress, should_stop, history, (0.05, 1.0))
+        summary = guard.restore(summary)
+        t_train = time.time() - t1
+        for p in params:
+            p.requires_grad_(False)
+        self._prep_cache = {}
+        initial = next((h["heldout_loss"] for h in history if "heldout_loss" in h), None)
+        metrics = {"training": summary, "phrase_memory": stats, "memory_items": len(self.phrases),
+                   "adapted_layers": layers, "train_sequences": len(train), "heldout_sequences": len(held),
+                   "initial_heldout_nll": initial, "seconds_memory": round(t_mem, 2),
+                   "seconds_training": round(t_train, 2), "seconds_per_step": round(guard.mean_step(), 2),
+                   "candidates": int(len(cand)) if cand is not None else bb.vocab_size,
+                   "target_tokens_per_second": round(counter["tokens"] / max(t_train, 1e-9), 2)}
+        self.train_info = {"temperature": cfg.temperature, "alpha": cfg.alpha, "beta": cfg.beta,
+                           "memory_dropout": cfg.memory_dropout, "allocation": cfg.allocation,
+                           "memory_side": cfg.memory_side, "softmax": cfg.softmax, "placement": "self_attn output (both adapters in series)",
+                           "attention_scaling": "1/(T*sqrt(d)), inputs divided by the layer RMS", **metrics}
+        return FitResult(metrics=metrics, history=history)
+
+    def _candidates(self, memory) -> torch.Tensor:
+        """Training-only candidate vocabulary: every memory value (train and held-out), the stop tokens and the
+        LM's top tokens on a sample of memory contexts (as PEMA's ``softmax="candidates"``)."""
+        bb, cfg = self.backbone, self.config
+        toks = set(np.unique(np.asarray(memory.values)).tolist())
+        if len(memory.heldout_values):
+            toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())
+        toks |= set(bb.stop_ids)
+        n = len(memory)
+        if cfg.candidate_top_k and cfg.candidate_contexts and n:
+            rng = np.random.default_rng(cfg.seed)
+            pick = np.sort(rng.choice(n, size=min(n, cfg.candidate_contexts), replace=False))
+            with torch.no_grad():
+                for b0 in range(0, len(pick), 256):
+                    fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 256]], dtype=np.float32))
+                    top = bb.logits_from_fc(fc.to(bb.device)).topk(cfg.candidate_top_k, dim=-1).indices
+                    toks |= set(top.flatten().tolist())
+        return torch.tensor(sorted(toks), dtype=torch.long, device=bb.device)
+
+    # --- decoding ---------------------------------------------------------------------------------------
+    def validate_settings(self, s: dict) -> None:
+        PluginConfig._check(float(s["temperature"]) > 0, "The memory temperature must be positive.")
+        PluginConfig._check(int(s["trace_top_k"]) >= 1, "trace_top_k must be ≥ 1.")
+        PluginConfig._check(0.0 <= float(s["knn_lambda"]) <= 1.0, "knn_lambda must be in [0, 1].")
+        PluginConfig._check(int(s["knn_k"]) >= 1, "knn_k must be ≥ 1.")
+        PluginConfig._check(float(s["knn_temperature"]) > 0, "knn_temperature must be positive.")
+        if float(s["knn_lambda"]) > 0:
+            import plugins.decode as decode
+
+            if not getattr(decode, "SUPPORTS_NETWORK_MIX", False):
+                raise UserError("'+ kNN' (knn_lambda > 0) is not available in this comparison decoder yet: add a "
+                                "kNN row over the same memory beside the memory-augmented adapter instead.")
+
+    def _knn_plugin(self):
+        if self._knn is None:
+            from memories.store import Memory
+            from plugins.knn import KNN, KNNConfig
+
+            path = self.memory_meta.get("path", "")
+            try:
+                mem = Memory.load(path, self.backbone)
+            except UserError:
+                raise UserError(f"'+ kNN' reads the plug-in's memory at {path or '(unknown)'}, which is gone.") from None
+            knn = KNN(KNNConfig(), self.backbone, self.memory_meta)
+            knn.attach_memory(mem)
+            self._knn = knn
+        return self._knn
+
+    def mix(self, inp: MixInput) -> MixOutput:
+        """"+ kNN" (paper): kNN-MT over the memory's datastore mixed into this row's distribution."""
+        lams = [float(s.get("knn_lambda", 0.0)) for s in inp.settings]
+        if max(lams, default=0.0) <= 0:
+            return MixOutput(logprobs=inp.lm_logprobs, lam=lams)
+        knn_settings = [{"k": int(s["knn_k"]), "temperature": float(s["knn_temperature"]),
+                         "lambda": float(s["knn_lambda"])} for s in inp.settings]
+        return self._knn_plugin().mix(MixInput(fc=inp.fc, lm_logprobs=inp.lm_logprobs, extra_logits=None,
+                                               step=inp.step, src_len=inp.src_len, settings=knn_settings))

@@ -1,0 +1,334 @@
+"""Background jobs: rows of the catalog's ``jobs`` table, run in FIFO order by a small pool of worker threads.
+
+A job is ``(kind, args)``; a *handler* registered for the kind does the work::
+
+    def handler(job: JobContext) -> dict:      # the result, stored as JSON
+        job.progress(0.5, "half way")           # throttled writes to the row (progress, message)
+        job.log("a line for the log")
+        job.metric({"phase": "joint", "step": 10, "loss": 1.2})   # the live loss curve
+        if job.should_stop(): raise Cancelled()  # the engine's loops already do this
+
+States: ``queued → running → done | failed | cancelled``; rows found ``running`` when a queue starts (the app was
+stopped or crashed mid-job) become ``interrupted``. Rows left ``queued`` are run again.
+
+Errors: a :class:`UserError`'s message is stored as is (it is written for the user); any other exception is
+stored as ``"<Type>: <message>"`` with a short traceback appended to the log. Handlers must register catalog rows
+only once their work has fully succeeded (the engine writes folders atomically), so a failed or cancelled job
+leaves nothing half-made behind.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from memories.build import Cancelled
+from studio.errors import UserError
+from studio.store import Catalog, new_id
+
+STATES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
+FINAL_STATES = ("done", "failed", "cancelled", "interrupted")
+MAX_LOG_LINES = 400
+MAX_METRIC_POINTS = 1500
+INTERRUPTED_MESSAGE = "Interrupted: the app stopped while this job was running. Start it again."
+
+# "reconstruction: epoch 2/10 step 40 loss 0.1234 (best held-out 0.2)" — the engine's training progress line.
+_LOSS_LINE = re.compile(r"^(?P<phase>[\w .-]+): epoch (?P<epoch>\d+)/(?P<epochs>\d+) step (?P<step>\d+) "
+                        r"loss (?P<loss>[-+0-9.eEinfa]+)")
+
+
+def parse_loss_message(message: str) -> dict | None:
+    """The loss point in a training progress message, or None (used to draw the live loss curve)."""
+    m = _LOSS_LINE.match(message or "")
+    if not m:
+        return None
+    try:
+        loss = float(m["loss"])
+    except ValueError:
+        return None
+    return {"phase": m["phase"].strip(), "epoch": int(m["epoch"]), "step": int(m["step"]), "loss": loss}
+
+
+def _loads(text: str | None, default):
+    if not text:
+        return default
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return default
+
+
+def row_to_job(row: dict) -> dict:
+    """A catalog row with its JSON columns decoded."""
+    job = dict(row)
+    job["args"] = _loads(row.get("args"), {})
+    job["result"] = _loads(row.get("result"), None)
+    job["metrics"] = _loads(row.get("metrics"), [])
+    job["cancel"] = bool(row.get("cancel"))
+    return job
+
+
+@dataclass
+class JobContext:
+    """What a handler sees: its args and throttled reporting back to the job row."""
+
+    id: str
+    kind: str
+    args: dict
+    queue: "JobQueue"
+    throttle: float = 0.5
+    _last_write: float = 0.0
+    _progress: float = 0.0
+    _message: str = ""
+    _log: list = field(default_factory=list)
+    _metrics: list = field(default_factory=list)
+    _last_logged: float = 0.0
+    _last_phase: str = ""
+    _dirty: bool = False
+    checkpoint: Callable[[], None] = lambda: None  # e.g. hand the backbone to an interactive user
+
+    # reporting ---------------------------------------------------------------------------------
+    def progress(self, frac: float, message: str = "") -> None:
+        try:
+            frac = float(frac)
+        except (TypeError, ValueError):
+            frac = self._progress
+        self._progress = min(1.0, max(0.0, frac))
+        if message:
+            self._message = str(message)
+            point = parse_loss_message(self._message)
+            if point is not None:
+                self._add_metric(point)
+            # log the first message of a phase and then at most one line every 2 s
+            phase = self._message.split(":", 1)[0]
+            now = time.time()
+            if phase != self._last_phase or now - self._last_logged > 2.0:
+                self._last_phase, self._last_logged = phase, now
+                self._append_log(self._message)
+        self._dirty = True
+        self.flush(force=self._progress >= 1.0)
+
+    def log(self, line: str) -> None:
+        self._append_log(line)
+        self._dirty = True
+        self.flush()
+
+    def metric(self, point: dict) -> None:
+        self._add_metric(point)
+        self._dirty = True
+        self.flush()
+
+    def set_metrics(self, points: list[dict]) -> None:
+        """Replace the live curve (e.g. with the full history once training has finished)."""
+        self._metrics = list(points)[-MAX_METRIC_POINTS:]
+        self._dirty = True
+
+    def should_stop(self) -> bool:
+        self.checkpoint()
+        return self.queue.cancel_requested(self.id)
+
+    # internals ---------------------------------------------------------------------------------
+    def _append_log(self, line: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self._log.append(f"[{stamp}] {line}")
+        if len(self._log) > MAX_LOG_LINES:
+            del self._log[: len(self._log) - MAX_LOG_LINES]
+
+    def _add_metric(self, point: dict) -> None:
+        self._metrics.append({**point, "t": round(time.time(), 2)})
+        if len(self._metrics) > MAX_METRIC_POINTS:  # keep the curve's shape: drop every other old point
+            head = self._metrics[: MAX_METRIC_POINTS // 2][::2]
+            self._metrics = head + self._metrics[MAX_METRIC_POINTS // 2:]
+
+    def flush(self, force: bool = False) -> None:
+        now = time.time()
+        if not self._dirty or (not force and now - self._last_write < self.throttle):
+            return
+        self._last_write, self._dirty = now, False
+        self.queue._update(self.id, progress=round(self._progress, 4), message=self._message[:500],
+                           log="\n".join(self._log), metrics=json.dumps(self._metrics))
+
+
+Handler = Callable[[JobContext], dict | None]
+
+
+class JobQueue:
+    """FIFO job queue on the catalog's ``jobs`` table with ``workers`` threads (1 by default: one CPU backbone)."""
+
+    def __init__(self, catalog: Catalog, handlers: dict[str, Handler] | None = None, workers: int = 1,
+                 throttle: float = 0.5):
+        self.catalog = catalog
+        self.handlers: dict[str, Handler] = dict(handlers or {})
+        self.workers = max(1, int(workers))
+        self.throttle = throttle
+        self._wake = threading.Condition()
+        self._claim = threading.Lock()
+        self._cancel: set[str] = set()
+        self._cancel_by_user: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._paused = threading.Event()  # set: workers wait (e.g. until the backbone is loaded)
+
+    # lifecycle -------------------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Mark rows left ``running`` by a previous process as ``interrupted``; return how many."""
+        db = self.catalog.db
+        rows = list(db["jobs"].rows_where("state = ?", ["running"]))
+        for r in rows:
+            log = (r.get("log") or "") + f"\n[{time.strftime('%H:%M:%S')}] {INTERRUPTED_MESSAGE}"
+            db["jobs"].update(r["id"], {"state": "interrupted", "message": INTERRUPTED_MESSAGE,
+                                        "error": INTERRUPTED_MESSAGE, "finished": time.time(),
+                                        "log": log.strip()})
+        return len(rows)
+
+    def start(self) -> "JobQueue":
+        self.recover()
+        self._stopping = False
+        for i in range(self.workers):
+            t = threading.Thread(target=self._work, name=f"pema-job-worker-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the workers: running jobs stop at their next checkpoint and are marked ``interrupted``."""
+        self._stopping = True
+        with self._wake:
+            self._wake.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+        self._threads = []
+
+    def pause(self) -> None:
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+        with self._wake:
+            self._wake.notify_all()
+
+    # API ---------------------------------------------------------------------------------------------
+    def submit(self, kind: str, args: dict | None = None) -> str:
+        if kind not in self.handlers:
+            raise UserError(f"Unknown job kind {kind!r}.")
+        jid = new_id(f"{kind}-")
+        now = time.time()
+        # created is made strictly increasing so that FIFO order is exact even within one clock tick
+        with self._claim:
+            last = next(iter(self.catalog.db.query("select max(created) as m from jobs")), {}).get("m") or 0
+            created = max(now, last + 1e-6)
+            self.catalog.db["jobs"].insert({
+                "id": jid, "kind": kind, "args": json.dumps(args or {}, default=str), "state": "queued",
+                "progress": 0.0, "message": "Waiting for a worker", "log": "", "error": "", "result": "",
+                "metrics": "[]", "created": created, "started": None, "finished": None, "cancel": 0})
+        with self._wake:
+            self._wake.notify_all()
+        return jid
+
+    def get(self, job_id: str) -> dict | None:
+        rows = list(self.catalog.db["jobs"].rows_where("id = ?", [job_id]))
+        return row_to_job(rows[0]) if rows else None
+
+    def list(self, kinds: tuple[str, ...] | None = None, states: tuple[str, ...] | None = None,
+             limit: int = 50) -> list[dict]:
+        where, params = [], []
+        if kinds:
+            where.append(f"kind in ({','.join('?' * len(kinds))})")
+            params += list(kinds)
+        if states:
+            where.append(f"state in ({','.join('?' * len(states))})")
+            params += list(states)
+        rows = self.catalog.db["jobs"].rows_where(" and ".join(where) or None, params or None,
+                                                  order_by="created desc", limit=limit)
+        return [row_to_job(r) for r in rows]
+
+    def cancel(self, job_id: str) -> dict:
+        """Cancel a queued job at once, or ask a running one to stop at its next checkpoint."""
+        with self._claim:
+            job = self.get(job_id)
+            if job is None:
+                raise UserError(f"No job {job_id!r}.")
+            if job["state"] == "queued":
+                self._update(job_id, state="cancelled", cancel=1, message="Cancelled before it started",
+                             finished=time.time())
+            elif job["state"] == "running":
+                self._cancel.add(job_id)
+                self._cancel_by_user.add(job_id)
+                self._update(job_id, cancel=1, message="Cancelling…")
+        return self.get(job_id)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return job_id in self._cancel or self._stopping
+
+    def wait(self, job_id: str, timeout: float = 60.0, poll: float = 0.1) -> dict:
+        """Block until the job reaches a final state (tests, CLI)."""
+        t0 = time.time()
+        while True:
+            job = self.get(job_id)
+            if job is None or job["state"] in FINAL_STATES or time.time() - t0 > timeout:
+                return job
+            time.sleep(poll)
+
+    # worker ------------------------------------------------------------------------------------------
+    def _update(self, job_id: str, **fields) -> None:
+        self.catalog.db["jobs"].update(job_id, fields)
+
+    def _next(self) -> dict | None:
+        """Claim the oldest queued job (atomically across this process's workers)."""
+        with self._claim:
+            rows = list(self.catalog.db["jobs"].rows_where("state = ?", ["queued"], order_by="created",
+                                                           limit=1))
+            if not rows:
+                return None
+            row = rows[0]
+            self._update(row["id"], state="running", started=time.time(), message="Starting")
+            return row_to_job({**row, "state": "running"})
+
+    def _work(self) -> None:
+        while not self._stopping:
+            job = None
+            if not self._paused.is_set():
+                job = self._next()
+            if job is None:
+                with self._wake:
+                    self._wake.wait(timeout=1.0)
+                continue
+            self._run(job)
+
+    def _run(self, job: dict) -> None:
+        jid = job["id"]
+        ctx = JobContext(id=jid, kind=job["kind"], args=job["args"], queue=self, throttle=self.throttle)
+        ctx.log(f"Started {job['kind']}")
+        fields: dict = {}
+        try:
+            handler = self.handlers[job["kind"]]
+            result = handler(ctx)
+            fields = {"state": "done", "progress": 1.0, "result": json.dumps(result or {}, default=str),
+                      "message": (result or {}).get("message") or "Done"}
+            ctx._append_log(fields["message"])
+        except Cancelled:
+            if self._stopping and jid not in self._cancel_by_user:
+                fields = {"state": "interrupted", "message": INTERRUPTED_MESSAGE, "error": INTERRUPTED_MESSAGE}
+                ctx._append_log("Stopped with the app; nothing was saved. " + INTERRUPTED_MESSAGE)
+            else:
+                fields = {"state": "cancelled", "message": "Cancelled"}
+                ctx._append_log("Cancelled; nothing was saved.")
+        except UserError as e:
+            fields = {"state": "failed", "error": str(e), "message": str(e)}
+            ctx._append_log(f"Failed: {e}")
+        except Exception as e:  # noqa: BLE001 — a job must never take the worker down
+            msg = f"{type(e).__name__}: {e}"
+            fields = {"state": "failed", "error": msg, "message": f"Failed: {msg}"}
+            tb = traceback.format_exc(limit=-6).strip().splitlines()
+            ctx._append_log("Failed with an unexpected error:\n" + "\n".join(tb[-16:]))
+        finally:
+            self._cancel.discard(jid)
+            self._cancel_by_user.discard(jid)
+        fields["finished"] = time.time()
+        ctx._dirty = True
+        ctx.flush(force=True)
+        self._update(jid, **fields)

@@ -1,0 +1,251 @@
+"""Memory-augmented adapter (Xu et al.) and its multi-granular phrase memory, on the tiny backbone."""
+import re
+
+import pytest
+import torch
+
+from studio.errors import UserError
+
+FOX = "The quick brown fox jumps over the lazy dog in the park."
+GOLD_DE = "Es war noch nie leicht, ein rationales Gespräch über den Wert von Gold zu führen."
+FAST = {"max_minutes": 0.5, "max_epochs": 4, "lr": 3e-2, "batch_size": 4, "eval_every": 3, "max_translate": 16}
+
+
+def _words(p):
+    return len(re.findall(r"\w+", p))
+
+
+# --- phrases -------------------------------------------------------------------------------------------------------
+def test_english_phrases_subtrees_words_and_max_len():
+    from memories.phrases import english_parser, english_phrases
+
+    if english_parser() is None:
+        pytest.skip("spaCy English model not installed")
+    ph = english_phrases(FOX)
+    for want in ("The quick brown fox", "over the lazy dog in the park", "the lazy dog in the park", "in the park",
+                 "jumps over the lazy dog in the park", "fox", "dog", "park", "jumps"):
+        assert want in ph, want
+    assert "the" not in ph and "." not in ph and "over" not in ph  # no lone function words / punctuation
+    assert all(_words(p) <= 8 for p in ph)
+    assert FOX.rstrip(".") not in ph  # 12 words > 8
+    short = english_phrases(FOX, max_len=4)
+    assert all(_words(p) <= 4 for p in short)
+    assert "The quick brown fox" in short and "in the park" in short
+    assert "over the lazy dog in the park" not in short
+
+
+def test_german_chunker():
+    from memories.phrases import chunk_phrases, is_english
+
+    ph = chunk_phrases(GOLD_DE, max_len=10)
+    for want in ("ein rationales Gespräch", "über den Wert", "von Gold", "über den Wert von Gold", "Gespräch", "Gold",
+                 "zu führen"):
+        assert want in ph, want
+    assert not any("," in p or "." in p.rstrip(".")[-1:] for p in ph)  # never across punctuation
+    assert "den" not in ph and "von" not in ph  # lone marker words are not phrases
+    assert all(_words(p) <= 10 for p in ph)
+    assert all(_words(p) <= 3 for p in chunk_phrases(GOLD_DE, max_len=3))
+    assert not is_english([GOLD_DE]) and is_english([FOX])
+
+
+def test_phrase_pairing_exact_fuzzy_sentence_and_caps(tiny, monkeypatch):
+    import backbone.model as bm
+    from backbone.prompts import Prompt
+    from memories.phrases import extract_phrase_pairs
+
+    table = {"The small house": "das kleine Haus", "house": "Haus", "small": "klein", "old": "alt",
+             "The black cat": "die schwarze Katzen", "cat": "Hund", "black": "schwarze"}
+    calls = []
+
+    def fake_generate(backbone, contexts, max_new_tokens=64, batch_size=8, progress=None):
+        outs = []
+        for c in contexts:
+            src = re.search(r"English: (.*)\nGerman:", backbone.decode(c)).group(1)
+            calls.append(src)
+            outs.append(backbone.encode_target(" " + table.get(src, "xyz")))
+        return outs
+
+    monkeypatch.setattr(bm, "generate_greedy", fake_generate)
+    samples = [{"src": "The small house is old.", "tgt": "Das kleine Haus ist alt."},
+               {"src": "The black cat sleeps.", "tgt": "Die schwarze Katze schläft."},
+               {"src": "The small house is old.", "tgt": "Das kleine Haus ist alt."}]
+    stats = {}
+    pairs = extract_phrase_pairs(tiny, samples, Prompt.for_task("translation"), indices=[5, 6, 7], stats=stats)
+    got = {(p.src, p.tgt, p.match) for p in pairs}
+    assert ("The small house", "kleine Haus", "exact") not in got  # the first match wins: "Das kleine Haus"
+    assert ("The small house", "Das kleine Haus", "exact") in got
+    assert ("house", "Haus", "exact") in got and ("old", "alt", "exact") in got
+    assert ("The black cat", "Die schwarze Katze", "fuzzy") in got  # "die schwarze Katzen" ≈ the target span
+    assert not any(p.src == "cat" for p in pairs)  # wrong translation, no similar span: dropped
+    sent = [p for p in pairs if p.match == "sentence"]
+    assert len(sent) == 2 and {p.sample_index for p in sent} == {5, 6}  # repeated sample kept once
+    assert len(calls) == len(set(calls))  # each unique phrase translated once
+    assert all(p.length == max(_words(p.src), _words(p.tgt)) for p in pairs)
+    capped = extract_phrase_pairs(tiny, samples, Prompt.for_task("translation"), max_pairs=3, max_translate=2)
+    assert len(capped) == 3 and sum(p.match == "sentence" for p in capped) == 2
+    assert stats["pairs"] == len(pairs) and stats["extractor"].startswith("spacy")
+
+
+def test_allocation_short_to_long():
+    from plugins.memory_adapter import allocate, parse_layers
+
+    lengths = [5, 1, 3, 8, 2, 13]
+    a = allocate(lengths, [0, 1, 2])
+    assert a == {0: [1, 4], 1: [2, 0], 2: [3, 5]}
+    assert allocate(lengths, [0, 1, 2], "long_to_short") == {0: [3, 5], 1: [2, 0], 2: [1, 4]}
+    assert allocate([4, 2], [0, 1, 2, 3]) == {0: [1], 3: [0]}
+    assert parse_layers("top:2", 18) == [16, 17] and parse_layers("every:6", 18) == [5, 11, 17]
+    assert parse_layers("0, 3", 4) == [0, 3] and parse_layers("all", 3) == [0, 1, 2]
+
+
+# --- the plug-in ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def untrained(tiny, tiny_memory):
+    from plugins.api import new_plugin
+
+    p = new_plugin("memory_adapter", tiny, tiny_memory, FAST)
+    p.build_memory(tiny_memory)
+    return p
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tiny_memory):
+    from plugins.api import new_plugin
+
+    p = new_plugin("memory_adapter", tiny, tiny_memory, FAST)
+    result = p.fit(tiny_memory)
+    return p, result
+
+
+def _train_logprobs(tiny, memory, plugin):
+    from plugins.seqtrain import collate, memory_sequences, target_logits
+
+    data = memory_sequences(tiny, memory, "train")
+    ids, mask, labels = collate(tiny, data, range(len(data)))
+    handles = plugin.attach(torch.arange(len(data))) if plugin is not None else []
+    try:
+        with torch.no_grad():
+            lp = torch.log_softmax(target_logits(tiny, ids, mask).float(), -1)
+    finally:
+        for h in handles:
+            h.remove()
+    sel = labels != -100
+    return lp, lp[sel].gather(1, labels[sel][:, None])[:, 0]
+
+
+def test_memory_items_and_untrained_adapter_is_nearly_identity(tiny, tiny_memory, untrained):
+    p = untrained
+    assert p.adapted_layers == [0, 1]
+    n = sum(int(b.mem_tgt.shape[0]) for b in p.blocks.values())
+    assert n == len(p.phrases) == len(p.phrase_texts()) >= 4
+    lengths = [ph["length"] for ph in p.phrases]
+    assert lengths == sorted(lengths)  # short to long, lowest layer first
+    assert all(torch.isfinite(b.mem_src).all() and b.mem_src.abs().sum() > 0 for b in p.blocks.values())
+    base, _ = _train_logprobs(tiny, tiny_memory, None)
+    adapted, _ = _train_logprobs(tiny, tiny_memory, p)
+    assert float((adapted - base).abs().max()) < 0.1
+    assert torch.equal(adapted.argmax(-1), base.argmax(-1))
+
+
+def test_training_lowers_loss_and_raises_reference_probability(tiny, tiny_memory, trained):
+    p, result = trained
+    hist = [h["heldout_loss"] for h in result.history if "heldout_loss" in h]
+    assert min(hist[1:]) < hist[0]
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert losses[-1] < losses[0]
+    assert {"nll", "nll_dropped", "kl"} <= set(next(h for h in result.history if "loss" in h))
+    _, ref_base = _train_logprobs(tiny, tiny_memory, None)
+    _, ref_trained = _train_logprobs(tiny, tiny_memory, p)
+    assert float(ref_trained.mean()) > float(ref_base.mean()) + 0.1
+    assert p.trainable_parameters() == 2 * 2 * (5 * 64 * 64 + 64 + 1)
+    assert all(not q.requires_grad for q in p.parameters())
+
+
+def test_save_load_round_trip(tiny, tiny_memory, trained, tmp_path):
+    from plugins.base import load_plugin
+
+    p, _ = trained
+    p.save(tmp_path / "ma")
+    q = load_plugin(tmp_path / "ma", tiny)
+    assert q.method == "memory_adapter" and q.adapted_layers == p.adapted_layers
+    assert q.phrase_texts() == p.phrase_texts()
+    a, _ = _train_logprobs(tiny, tiny_memory, p)
+    b, _ = _train_logprobs(tiny, tiny_memory, q)
+    assert torch.equal(a, b)
+
+
+def test_batched_compare_matches_single_rows(tiny, tiny_memory, trained):
+    from backbone.prompts import Prompt
+    from plugins.api import new_plugin
+    from plugins.decode import Row, compare
+
+    p, _ = trained
+    knn = new_plugin("knn", tiny, tiny_memory)
+    knn.fit(tiny_memory)
+    prompt = Prompt.for_task("translation")
+    rows = [Row("base"), Row("ma", p), Row("knn", knn), Row("ma-hot", p, {"temperature": 2.0})]
+    src = "the house is small"
+    batched = compare(tiny, src, rows, prompt=prompt, max_new_tokens=8)
+    for r in rows:
+        single = compare(tiny, src, [r], prompt=prompt, max_new_tokens=8)
+        assert batched.row(r.label).tokens == single.rows[0].tokens, r.label
+        assert batched.row(r.label).score == pytest.approx(single.rows[0].score, abs=1e-3)
+    # the adapter really acts on its own row only, and changes it
+    assert batched.row("ma").trace[0]["top_lm"] != batched.row("base").trace[0]["top_lm"]
+
+
+def test_bad_config_and_settings(tiny, tiny_memory, trained):
+    from plugins.api import make_config, new_plugin
+
+    for bad in ({"temperature": 0}, {"layers": "top:x"}, {"memory_side": "left"}, {"allocation": "middle"},
+                {"memory_dropout": 1.0}, {"no_such_setting": 1}):
+        with pytest.raises(UserError):
+            make_config("memory_adapter", bad)
+    with pytest.raises(UserError):
+        new_plugin("memory_adapter", tiny, tiny_memory, {"layers": "5"}).fit(tiny_memory)
+    p, _ = trained
+    with pytest.raises(UserError):
+        p.settings({"temperature": -1})
+    with pytest.raises(UserError):  # "+ kNN" needs decoder support (see plugins/memory_adapter.py)
+        p.settings({"knn_lambda": 0.5})
+    assert p.settings()["temperature"] == FAST.get("temperature", 0.5)
+
+
+def test_trace_attention_sums_to_one(tiny, tiny_memory, trained):
+    from backbone.prompts import Prompt
+    from plugins.decode import Row, compare
+
+    p, _ = trained
+    texts = p.phrase_texts()
+    cmp = compare(tiny, "the cat sleeps", [Row("base"), Row("ma", p, {"trace_top_k": 1000})],
+                  prompt=Prompt.for_task("translation"), max_new_tokens=4)
+    assert cmp.row("base").trace[0].get("memory_attention") is None
+    tr = cmp.row("ma").trace
+    assert len(tr) >= 1
+    for step in tr:
+        att = step["memory_attention"]
+        assert set(att["layers"]) == set(att["source_layers"]) == set(p.adapted_layers)
+        for key in ("layers", "source_layers"):
+            for layer, items in att[key].items():
+                assert sum(w for _, w in items) == pytest.approx(1.0, abs=1e-3)
+                assert all(p.phrases[i]["layer"] == layer for i, _ in items)
+                assert all(0 <= i < len(texts) for i, _ in items)
+        assert all(0 <= s <= 1 for shares in att["memory_share"].values() for s in shares)
+    top5 = compare(tiny, "the cat sleeps", [Row("ma", p)], prompt=Prompt.for_task("translation"),
+                   max_new_tokens=2).rows[0].trace[0]["memory_attention"]
+    assert all(len(v) <= 5 for v in top5["layers"].values())
+
+
+def test_knn_mix_over_the_same_memory(tiny, trained):
+    from plugins.base import MixInput
+
+    p, _ = trained
+    V = tiny.vocab_size
+    lm = torch.log_softmax(torch.randn(2, V), -1)
+    fc = torch.randn(2, tiny.hidden_size)
+    s = [{"knn_lambda": 0.0, "knn_k": 4, "knn_temperature": 10.0}, {"knn_lambda": 0.5, "knn_k": 4,
+                                                                    "knn_temperature": 10.0}]
+    out = p.mix(MixInput(fc=fc, lm_logprobs=lm, extra_logits=None, step=0, src_len=3, settings=s))
+    assert torch.allclose(out.logprobs[0], lm[0])
+    assert not torch.allclose(out.logprobs[1], lm[1])
+    assert float(out.logprobs[1].exp().sum()) == pytest.approx(1.0, abs=1e-4)

@@ -1,0 +1,214 @@
+"""In-network plug-ins (residual adapter, LoRA on the last o_proj, Memory-Tuning) on the tiny backbone: identity
+when untrained, training lowers the target NLL, save/load round trip, per-row hooks in the batched decode, config
+validation, and LoRA's peft training leaving the shared backbone untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plugins.api import make_config, new_plugin, train_plugin
+from plugins.base import load_plugin
+from plugins.decode import Row, compare, decode_batch
+from plugins.seqtrain import collate, heldout_nll, memory_sequences, target_logits
+from studio.errors import UserError
+
+METHODS = ["adapter", "lora", "memory_tuning"]
+# Small, fast settings for the 64-dim tiny model (the defaults are sized for Gemma 3 270M).
+FAST = {
+    "adapter": {"bottleneck": 16, "lr": 1e-2, "batch_size": 4, "max_epochs": 12, "evals_per_epoch": 1,
+                "patience": 3, "max_minutes": 0},
+    # α = r makes the LoRA scaling 1 so that a few steps visibly move the tiny model (paper: α = 1).
+    "lora": {"alpha": 64.0, "lr": 1e-2, "batch_size": 4, "max_epochs": 12, "evals_per_epoch": 1, "patience": 3,
+             "max_minutes": 0},
+    "memory_tuning": {"slots": 10, "lr": 1e-2, "batch_size": 4, "max_epochs": 12, "evals_per_epoch": 1,
+                      "patience": 3, "max_minutes": 0},
+}
+SOURCE = "the house is small"
+
+
+def _logits(bb, data, plugin=None, rows=None, n=4):
+    ids, mask, _ = collate(bb, data, range(min(n, len(data))))
+    handles = plugin.attach(rows, {}) if plugin is not None else []
+    try:
+        with torch.no_grad():
+            return target_logits(bb, ids, mask)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _nll(bb, data, plugin=None):
+    handles = plugin.attach(None, {}) if plugin is not None else []
+    try:
+        return heldout_nll(bb, data)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.fixture(scope="module")
+def train_data(tiny, tiny_memory):
+    return memory_sequences(tiny, tiny_memory, "train")
+
+
+@pytest.fixture(scope="module")
+def base_state(tiny):
+    return {k: v.clone() for k, v in tiny.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tiny_memory, train_data, base_state, tmp_path_factory):
+    """Each method trained once: (plug-in, its folder, base logits before any training)."""
+    before = _logits(tiny, train_data)
+    out = {}
+    for m in METHODS:
+        path = tmp_path_factory.mktemp("plugins") / m
+        plugin, row = train_plugin(tiny, tiny_memory, m, FAST[m], out_dir=path)
+        out[m] = (plugin, path, row)
+    return out, before
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_untrained_plugin_is_identity(tiny, tiny_memory, train_data, method):
+    plugin = new_plugin(method, tiny, tiny_memory, FAST[method])
+    assert torch.equal(_logits(tiny, train_data), _logits(tiny, train_data, plugin))
+    if method == "memory_tuning":
+        for variant in ("MT-F", "MT-M"):
+            p = new_plugin(method, tiny, tiny_memory, {**FAST[method], "variant": variant})
+            assert torch.equal(_logits(tiny, train_data), _logits(tiny, train_data, p))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_training_raises_reference_probability(tiny, train_data, trained, method):
+    plugins, _ = trained
+    plugin, _, row = plugins[method]
+    base_nll = _nll(tiny, train_data)
+    after = _nll(tiny, train_data, plugin)
+    assert after < base_nll - 0.1, (method, base_nll, after)
+    hist = [h for h in row["history"] if "heldout_loss" in h]
+    assert hist[-1]["heldout_loss"] <= hist[0]["heldout_loss"]
+    info = plugin.train_info
+    assert info["trainable_parameters"] == plugin.trainable_parameters() > 0
+    assert info["best_heldout_loss"] < hist[0]["heldout_loss"]
+    assert info["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hooks_change_only_their_rows(tiny, train_data, trained, method):
+    plugin = trained[0][method][0]
+    base = _logits(tiny, train_data, n=3)
+    mixed = _logits(tiny, train_data, plugin, rows=torch.tensor([1]), n=3)
+    full = _logits(tiny, train_data, plugin, n=3)
+    assert torch.equal(mixed[0], base[0]) and torch.equal(mixed[2], base[2])
+    assert torch.allclose(mixed[1], full[1], atol=1e-5)
+    assert not torch.allclose(mixed[1], base[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_save_load_round_trip(tiny, train_data, trained, method):
+    plugin, path, _ = trained[0][method]
+    loaded = load_plugin(path, tiny)
+    assert loaded.method == method and loaded.trainable_parameters() == plugin.trainable_parameters()
+    assert loaded.train_info["best_heldout_loss"] == plugin.train_info["best_heldout_loss"]
+    assert torch.equal(_logits(tiny, train_data, plugin), _logits(tiny, train_data, loaded))
+
+
+def test_lora_training_leaves_backbone_untouched(tiny, train_data, trained, base_state):
+    _, before = trained
+    assert torch.equal(_logits(tiny, train_data), before)
+    now = tiny.model.state_dict()
+    assert set(now) == set(base_state)
+    assert all(torch.equal(now[k], base_state[k]) for k in now)
+    o = tiny.layers[-1].self_attn.o_proj
+    assert type(o) is torch.nn.Linear and not o._forward_hooks and not o._forward_pre_hooks
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
+    assert not hasattr(tiny.model, "peft_config")
+    plugin = trained[0]["lora"][0]
+    assert plugin.train_info["trained_with"] == "peft" and plugin.rank == 64  # r = 512 capped at d = 64
+
+
+@pytest.mark.parametrize("method,other", [("adapter", "lora"), ("lora", "memory_tuning"),
+                                          ("memory_tuning", "adapter")])
+def test_batched_rows_equal_single_decodes(tiny, tiny_memory, trained, method, other):
+    plugins = trained[0]
+    pl, ot = plugins[method][0], plugins[other][0]
+    kw = dict(prompt=tiny_memory.prompt, max_new_tokens=8)
+    rows = [Row("base"), Row(method, pl), Row(other, ot), Row("off", pl, {"scale": 0.0})]
+    batched = compare(tiny, SOURCE, rows, **kw)
+    single = {r.label: compare(tiny, SOURCE, [r], **kw).rows[0] for r in rows}
+    for r in batched.rows:
+        assert r.tokens == single[r.label].tokens, r.label
+    assert batched.row("base").tokens == batched.row("off").tokens  # scale 0 switches the plug-in off
+    assert batched.row(method).tokens != batched.row("base").tokens  # the trained plug-in does change its row
+
+
+def test_memory_attention_trace_and_multi_source_beams(tiny, tiny_memory, trained):
+    mt = trained[0]["memory_tuning"][0]
+    ad = trained[0]["adapter"][0]
+    kw = dict(prompt=tiny_memory.prompt, max_new_tokens=6)
+    c = compare(tiny, SOURCE, [Row("base"), Row("mt", mt)], **kw)
+    att = c.row("mt").trace[0]["memory_attention"]
+    assert att["layer"] == tiny.num_layers - 1 and len(att["weights"]) == mt.config.slots
+    assert abs(sum(att["weights"]) - 1) < 1e-2 and "attention_lambda" in att
+    assert all("memory_attention" not in t for t in c.row("base").trace)
+    # two sources × [base, adapter, mt] with two beams each equals each source and row decoded alone
+    srcs = [SOURCE, "the cat sleeps"]
+    rows = [Row("base"), Row("ad", ad), Row("mt", mt)]
+    many = decode_batch(tiny, srcs, rows, num_beams=2, **kw)
+    for s, comp in zip(srcs, many):
+        for r in rows:
+            assert comp.row(r.label).tokens == compare(tiny, s, [r], num_beams=2, **kw).rows[0].tokens
+
+
+def test_bad_configurations_raise_user_error(tiny, trained):
+    bad = [("adapter", {"bottleneck": 0}), ("adapter", {"lr": -1}), ("adapter", {"lr_schedule": "linear"}),
+           ("lora", {"rank": 0}), ("lora", {"alpha": 0}), ("lora", {"dropout": 1.5}),
+           ("memory_tuning", {"variant": "MT-X"}), ("memory_tuning", {"query_dim": 8}),
+           ("memory_tuning", {"slots": 0}), ("memory_tuning", {"nonsense": 1})]
+    for method, over in bad:
+        with pytest.raises(UserError):
+            make_config(method, over)
+    with pytest.raises(UserError):
+        trained[0]["adapter"][0].settings({"scale": -1})
+
+
+def test_paper_defaults():
+    a, lo, mt = make_config("adapter"), make_config("lora"), make_config("memory_tuning")
+    assert 10 <= a.bottleneck <= 300
+    assert (lo.rank, lo.alpha) == (512, 1.0)
+    assert (mt.variant, mt.slots, mt.query_dim, mt.key_dim) == ("MT-MF", 50, 16, 16)
+    assert all(c.max_minutes > 0 for c in (a, lo, mt))
+
+
+def test_candidate_softmax_trains(tiny, tiny_memory, train_data, tmp_path):
+    plugin, _ = train_plugin(tiny, tiny_memory, "lora", {**FAST["lora"], "softmax": "candidates", "max_epochs": 6},
+                             out_dir=tmp_path / "lora-cand")
+    assert plugin.train_info["softmax"] == "candidates" and plugin.train_info["candidates"] > 0
+    assert _nll(tiny, train_data, plugin) < _nll(tiny, train_data) - 0.1  # full-vocabulary NLL improves too
+
+
+def test_budget_guard_keeps_progress_cut_off_by_the_budget(monkeypatch):
+    """run_training stops on the budget between evaluations; the guard evaluates before the last step."""
+    import plugins.adapter as ad
+    from plugins.training import LoopSettings, run_training
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(ad.time, "time", lambda: clock["t"])
+    import plugins.training as tr
+    monkeypatch.setattr(tr.time, "time", lambda: clock["t"])
+    w = torch.nn.Parameter(torch.tensor([5.0]))
+    mod = torch.nn.Module()
+    mod.w = w
+    history: list[dict] = []
+    guard = ad.BudgetGuard(mod, lambda: float(w.detach().abs()), 1.0, history, "t")
+
+    def loss(idx):
+        guard.before_step()
+        clock["t"] += 25.0  # a slow step: the 60 s budget ends after the 3rd step, before any evaluation
+        return w.abs().sum(), {}
+
+    s = LoopSettings(lr=1.0, batch_size=1, max_epochs=1, eval_every=100, max_minutes=1.0)
+    summary = run_training(mod, [w], 10, loss, guard.heldout_loss, s, "t", lambda *a: None, lambda: False, history)
+    assert summary["stopped_by"] == "time_budget" and float(w.detach()) == 5.0  # run_training alone lost them
+    summary = guard.restore(summary)
+    assert float(w.detach()) < 5.0 and summary["extra_evals"] >= 1 and summary["best_heldout_loss"] < 5.0

@@ -1,0 +1,138 @@
+"""Explicit API endpoints (``gradio_client`` / HTTP), named with ``api_name``. Each calls one Studio method and
+returns plain JSON; a user error comes back as the client's error with the same message as in the page.
+
+    /status /preview /build /job /jobs /cancel /memories /memory /delete_memory /methods /train /plugins
+    /compare /share /shared /evaluate
+
+Note: no ``from __future__ import annotations`` here — ``gr.api`` reads the real type hints.
+"""
+import functools
+from typing import Optional
+
+import gradio as gr
+
+from studio.errors import UserError
+
+
+def _api(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            raise gr.Error(str(e), print_exception=False) from None
+
+    return wrapper
+
+
+NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
+         "train", "plugins", "compare", "share", "shared", "evaluate"]
+
+
+def register(studio) -> None:
+    """Register the endpoints inside the current ``gr.Blocks`` context."""
+
+    @_api
+    def status() -> dict:
+        """Backbone loading state: state (loading/ready/failed), progress 0-1, message."""
+        return studio.status()
+
+    @_api
+    def preview(text: str, filename: str = "samples.jsonl", corpus: str = "", limit: int = 0) -> dict:
+        """Parse samples (file contents as text, or a demo corpus) and report samples and per-line problems."""
+        if corpus:
+            return studio.preview(corpus=corpus, limit=limit or 200)
+        return studio.preview(text, filename or None)
+
+    @_api
+    def build(text: str, filename: str = "samples.jsonl", name: str = "", task: str = "translation",
+              mode: str = "teacher", corpus: str = "", limit: int = 0, skip_invalid: bool = False) -> dict:
+        """Validate samples and queue a memory build; returns {"job_id"}. Bad samples fail here (no job)."""
+        if corpus:
+            jid = studio.submit_build(corpus=corpus, limit=limit or None, name=name, task=task, mode=mode)
+        else:
+            jid = studio.submit_build(text, filename or None, name=name, task=task, mode=mode,
+                                      skip_invalid=skip_invalid)
+        return {"job_id": jid}
+
+    @_api
+    def job(job_id: str) -> dict:
+        """One job: state, progress, message, log, error, result, metrics (loss history)."""
+        return studio.job(job_id)
+
+    @_api
+    def jobs(limit: int = 30) -> list:
+        """The latest jobs, newest first."""
+        return studio.list_jobs(limit=limit)
+
+    @_api
+    def cancel(job_id: str) -> dict:
+        """Cancel a queued job, or ask a running one to stop."""
+        return studio.cancel_job(job_id)
+
+    @_api
+    def memories() -> list:
+        """The catalog's memories with their statistics."""
+        return studio.memories()
+
+    @_api
+    def memory(memory_id: str) -> dict:
+        """One memory: summary, statistics, prompt, samples (incl. synthetic sources)."""
+        return studio.memory_detail(memory_id)
+
+    @_api
+    def delete_memory(memory_id: str) -> dict:
+        return {"message": studio.delete_memory(memory_id)}
+
+    @_api
+    def methods() -> list:
+        """Every plug-in method with its paper defaults and decode-time settings."""
+        return studio.methods()
+
+    @_api
+    def train(memory_id: str, method: str = "pema", config: Optional[dict] = None, name: str = "") -> dict:
+        """Validate the settings and queue plug-in training; returns {"job_id"}."""
+        return {"job_id": studio.submit_train(memory_id, method, config or {}, name)}
+
+    @_api
+    def plugins() -> list:
+        """The trained plug-ins with metrics and trainable parameter counts."""
+        return studio.plugins()
+
+    @_api
+    def compare(source: str, task: str = "translation", methods: Optional[list] = None,
+                knobs: Optional[dict] = None, extra: Optional[dict] = None, max_new_tokens: int = 48,
+                num_beams: int = 1) -> dict:
+        """Decode a sentence with "base" and/or plug-in ids in one batch; the payload has an "id" to share."""
+        return studio.compare(source, task, methods or ["base"], knobs or {}, extra or {}, max_new_tokens,
+                              num_beams)
+
+    @_api
+    def share(comparison_id: str, layer: int = -1) -> dict:
+        """Store a recent comparison for read-only viewing; returns {"id", "link"} (open /?c=<id>).
+
+        (Not "path": gradio_client would take a dict with a "path" key for a file to download.)"""
+        sid = studio.share(comparison_id, None if layer < 0 else layer)
+        return {"id": sid, "link": f"/?c={sid}"}
+
+    @_api
+    def shared(share_id: str) -> dict:
+        """The stored payload of a shared comparison."""
+        return studio.shared(share_id)
+
+    @_api
+    def evaluate(methods: Optional[list] = None, memory_id: str = "", test_text: str = "",
+                 test_filename: str = "test.tsv", task: str = "translation", limit: int = 50,
+                 sweep_plugin: str = "", lambdas: Optional[list] = None) -> dict:
+        """Queue an evaluation (or a λ_max sweep with sweep_plugin); returns {"job_id"}."""
+        jid = studio.submit_evaluate(methods=methods, memory_id=memory_id or None, test_data=test_text or None,
+                                     test_filename=test_filename, task=task, limit=limit,
+                                     sweep_plugin=sweep_plugin or None, lambdas=lambdas)
+        return {"job_id": jid}
+
+    assert [f.__name__ for f in (status, preview, build, job, jobs, cancel, memories, memory, delete_memory,
+                                  methods, train, plugins, compare, share, shared, evaluate)] == NAMES
+    for fn in (status, preview, build, job, jobs, cancel, memories, memory, delete_memory, methods, train, plugins,
+               compare, share, shared, evaluate):
+        gr.api(fn, api_name=fn.__name__, concurrency_id="decode" if fn.__name__ in ("compare", "share") else None,
+               concurrency_limit=1 if fn.__name__ in ("compare", "share") else None)

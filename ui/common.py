@@ -1,0 +1,121 @@
+"""Small Gradio helpers shared by the tabs: error handling, choices, the theme and the page's CSS."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import gradio as gr
+
+from studio.errors import UserError
+
+MAX_UPLOAD_BYTES = 200 * 1024 * 1024
+
+
+def user_errors(fn):
+    """Show a :class:`UserError` as a Gradio error toast with its message as is (it is written for the user)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            raise gr.Error(str(e), print_exception=False) from None
+
+    return wrapper
+
+
+def read_upload(path: str | None) -> tuple[bytes | None, str | None]:
+    """Bytes and original name of a ``gr.File(type="filepath")`` value."""
+    if not path:
+        return None, None
+    p = Path(path)
+    if p.stat().st_size > MAX_UPLOAD_BYTES:
+        raise UserError(f"The file is {p.stat().st_size / 1e6:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 10**6} MB.")
+    return p.read_bytes(), p.name
+
+
+def memory_choices(studio) -> list[tuple[str, str]]:
+    return [(f"{m['name']} · {m['task']} · {m['samples']} samples" + ("" if m["usable"] else " (other backbone)"),
+             m["id"]) for m in studio.memories()]
+
+
+def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+    out = []
+    for p in studio.plugins():
+        if usable_only and not p["usable"]:
+            continue
+        if methods and p["method"] not in methods:
+            continue
+        out.append((f"{p['name']} [{p['method']}]", p["id"]))
+    return out
+
+
+# Components start with public values only (the page config is sent to every visitor, shared links included);
+# the owner's memories and plug-ins are filled in when the workspace loads.
+BASE_CHOICE = [("Base model (no plug-in)", "base")]
+
+
+def method_choices(studio) -> list[tuple[str, str]]:
+    return BASE_CHOICE + plugin_choices(studio)
+
+
+def keep_value(choices: list[tuple[str, str]], value, default_first: bool = True):
+    ids = [c[1] for c in choices]
+    if isinstance(value, list):
+        return [v for v in value if v in ids]
+    if value in ids:
+        return value
+    return ids[0] if ids and default_first else None
+
+
+THEME = gr.themes.Soft(
+    primary_hue="blue", neutral_hue="slate",
+    # local font stacks only: the app must render offline (no Google Fonts request)
+    font=["ui-sans-serif", "system-ui", "-apple-system", "Segoe UI", "Roboto", "sans-serif"],
+    font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"],
+).set(block_padding="10px 12px", layout_gap="12px")
+
+CSS = """
+.gradio-container { max-width: 1400px !important; }
+#pema-title h1 { margin: 0; font-size: 1.5rem; }
+#pema-title p { margin: 2px 0 0 0; color: var(--body-text-color-subdued); }
+.pema-status { padding: 6px 10px; border-radius: 6px; font-size: 0.9rem; }
+.pema-status.ok { background: rgba(22,163,74,.10); border: 1px solid rgba(22,163,74,.35); }
+.pema-status.warn { background: rgba(202,138,4,.10); border: 1px solid rgba(202,138,4,.35); }
+.pema-status.err { background: rgba(220,38,38,.10); border: 1px solid rgba(220,38,38,.35); }
+.pema-pb { font-size: 0.9rem; }
+.pema-pb-title { font-weight: 600; margin-bottom: 4px; }
+.pema-pb-track { height: 10px; background: var(--neutral-200); border-radius: 5px; overflow: hidden; }
+.dark .pema-pb-track { background: var(--neutral-700); }
+.pema-pb-fill { height: 100%; border-radius: 5px; transition: width .4s ease; }
+.pema-pb-msg { margin-top: 4px; color: var(--body-text-color); overflow-wrap: anywhere; }
+.pema-badge { color: white; border-radius: 4px; padding: 0 6px; font-size: 0.8rem; }
+.pema-error { margin-top: 6px; padding: 6px 10px; border-radius: 6px; background: rgba(220,38,38,.08);
+              border: 1px solid rgba(220,38,38,.35); overflow-wrap: anywhere; font-size: 0.9rem; }
+.pema-error ul { margin: 4px 0 0 18px; }
+.pema-muted { color: var(--body-text-color-subdued); font-size: 0.9rem; }
+.pema-timing { font-size: 0.9rem; margin-bottom: 8px; }
+.pema-ref { font-size: 0.95rem; margin-bottom: 8px; }
+.pema-ref span { font-weight: 600; margin-right: 6px; color: var(--body-text-color-subdued); }
+.pema-cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(260px, 1fr)); gap: 10px; }
+.pema-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 10px 12px;
+             background: var(--block-background-fill); min-width: 0; }
+.pema-card.base { border-style: dashed; }
+.pema-card-head { display: flex; justify-content: space-between; gap: 8px; align-items: baseline;
+                  margin-bottom: 6px; }
+.pema-card-head b { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.pema-method { font-size: 0.75rem; padding: 1px 6px; border-radius: 4px; background: var(--neutral-100);
+               color: var(--neutral-700); white-space: nowrap; }
+.dark .pema-method { background: var(--neutral-700); color: var(--neutral-100); }
+.pema-card-text { font-size: 1.02rem; line-height: 1.5; overflow-wrap: anywhere; min-height: 1.5em; }
+.pema-card-text ins, .pema-timing ins { background: rgba(22,163,74,.18); text-decoration: none;
+                                           border-radius: 3px; padding: 0 2px; }
+.pema-card-text del, .pema-timing del { background: rgba(220,38,38,.14); color: #b91c1c; border-radius: 3px;
+                                           padding: 0 2px; }
+.pema-card-foot { margin-top: 8px; font-size: 0.78rem; color: var(--body-text-color-subdued); }
+.pema-shared { padding: 10px 12px; border-radius: 8px; border: 1px solid var(--border-color-primary);
+               background: var(--block-background-fill); }
+.pema-shared-src { font-size: 1.1rem; margin: 6px 0; overflow-wrap: anywhere; }
+.pema-actions { align-items: flex-end !important; }
+.pema-help { font-size: 0.88rem; color: var(--body-text-color-subdued); }
+"""

@@ -1,0 +1,305 @@
+"""Compare tab: one sentence, several methods decoded in one batch, outputs side by side with differences from the
+base model highlighted; live decode controls (every move re-decodes); token-level views; Share."""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import gradio as gr
+
+from backbone.prompts import TASKS
+from studio.errors import UserError
+from ui import plots, render
+from ui.common import BASE_CHOICE, keep_value, memory_choices, method_choices, user_errors
+
+TOKEN_COLORS = {"selected": "#2563eb", "λ high": "#fb923c", "λ low": "#fde68a"}
+NEIGHBOUR_HEADERS = ["#", "token", "distance", "memory sample: source", "memory sample: target"]
+
+
+def row_of(payload: dict | None, label: str | None) -> dict | None:
+    """The row called ``label``, else the most interesting one: PEMA, another plug-in, the base model."""
+    if not payload:
+        return None
+    rows = payload["rows"]
+    return (next((r for r in rows if r["label"] == label), None)
+            or next((r for r in rows if r["method"] == "pema"), None)
+            or next((r for r in rows if r["method"] != "base"), rows[0] if rows else None))
+
+
+def token_views(payload: dict | None, label: str | None, idx: int, neighbours=None) -> tuple:
+    """(chips, λ curve, top-token bars, neighbour rows, neighbour plot, memory-attention heat map) for one token.
+
+    ``neighbours(label, idx)`` returns the kNN neighbours with their memory samples (owner's view); without it
+    only what the trace itself holds (token and distance) is shown — the shared view.
+    """
+    row = row_of(payload, label)
+    if row is None:
+        e = plots.empty("Run a comparison first")
+        return [], e, e, [], e, e
+    n = len(row.get("trace") or [])
+    idx = max(0, min(int(idx or 0), n - 1)) if n else 0
+    entry = row["trace"][idx] if n else None
+    lam = plots.lambda_curve(payload["rows"], (row["label"], idx))
+    bars = plots.token_bars(entry)
+    nb_rows, nb_plot = [], plots.empty("No kNN neighbours for this method")
+    if entry and entry.get("neighbours"):
+        if neighbours is not None:
+            nbs = neighbours(row["label"], idx)
+        else:
+            nbs = [{"token": _tok_text(payload, row, nb), "distance": nb.get("distance")} for nb in entry["neighbours"]]
+        nb_rows = [[i + 1, nb.get("token", ""), nb.get("distance"), nb.get("source", "—"), nb.get("target", "—")]
+                   for i, nb in enumerate(nbs)]
+        nb_plot = plots.neighbour_bars(nbs)
+    mem_att = plots.memory_attention_heatmap(row)
+    return render.token_chips(row, idx), lam, bars, nb_rows, nb_plot, mem_att
+
+
+def _tok_text(payload, row, nb) -> str:
+    """A neighbour's value token as text, from the token texts that the payload already holds."""
+    tid = nb.get("token")
+    for r in payload["rows"]:
+        for t, s in zip(r.get("tokens", []), r.get("token_texts", [])):
+            if t == tid:
+                return s
+        for e in r.get("trace", []):
+            for key in ("top_lm", "top_plugin", "top_final"):
+                for t, s, _ in e.get(key) or []:
+                    if t == tid:
+                        return s
+    return f"#{tid}"
+
+
+def build(studio) -> SimpleNamespace:
+    payload = gr.State(None)
+    reference = gr.State(None)
+    att_cache: OrderedDict = OrderedDict()
+    n_layers = max(1, int(studio.status().get("layers") or 1))
+
+    with gr.Row(equal_height=True):
+        source = gr.Textbox(label="Sentence", lines=2, max_lines=4, scale=5, elem_id="compare-source",
+                            placeholder="Type a sentence to translate or rewrite, then press Compare")
+        with gr.Column(scale=1, min_width=170):
+            task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="compare-task")
+            run = gr.Button("Compare", variant="primary", elem_id="compare-run")
+    with gr.Accordion("…or pick a held-out sample of a memory", open=False):
+        with gr.Row():
+            hmem = gr.Dropdown([], label="Memory", scale=2)
+            hsample = gr.Dropdown([], label="Held-out sample", scale=3)
+    methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
+                               elem_id="compare-methods")
+    with gr.Row(equal_height=True, elem_id="live-controls"):
+        lam = gr.Slider(0, 1, 0.8, step=0.05, label="PEMA λ_max", elem_id="lambda-max", min_width=260, visible=False)
+        gu = gr.Checkbox(True, label="Gradual Unrolling", min_width=150, elem_id="gu", visible=False)
+        k = gr.Slider(1, 64, 16, step=1, label="kNN k", min_width=150, visible=False)
+        temp = gr.Slider(0.5, 100, 10, step=0.5, label="kNN temperature", min_width=150, visible=False)
+        klam = gr.Slider(0, 1, 0.3, step=0.05, label="kNN λ", min_width=150, visible=False)
+    knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods (PEMA, kNN); every "
+                        "move re-decodes all methods in one batch. Other methods' settings are under "
+                        "“More decode settings”.</div>")
+    with gr.Accordion("More decode settings", open=False):
+        with gr.Row():
+            max_new = gr.Slider(4, 128, 48, step=1, label="Max new tokens")
+            beams = gr.Slider(1, 4, 1, step=1, label="Beams (1 = greedy)")
+        extra = gr.Code("{}", language="json", lines=4, max_lines=12,
+                        label="Other decode settings per method (or plug-in id); edit and press Compare")
+    extra_auto = gr.State("{}")
+    cards = gr.HTML(render.output_cards(None), elem_id="compare-outputs")
+    with gr.Row(equal_height=True):
+        share_btn = gr.Button("Share this comparison", scale=1, elem_id="share-btn")
+        share_link = gr.Textbox(show_label=False, placeholder="The link appears here", buttons=["copy"],
+                                interactive=False, scale=4, elem_id="share-link", container=False)
+    with gr.Column(visible=False) as token_section:
+        gr.Markdown("#### Token by token")
+        with gr.Row(equal_height=True):
+            row_pick = gr.Dropdown([], label="Method", scale=2, elem_id="inspect-method")
+            tok = gr.Slider(0, 1, 0, step=1, label="Output token", scale=3, elem_id="inspect-token")
+            layer = gr.Slider(0, max(1, n_layers - 1), max(0, n_layers - 1), step=1,
+                              label="Backbone attention layer", scale=2, elem_id="attention-layer")
+        chips = gr.HighlightedText([], color_map=TOKEN_COLORS, combine_adjacent=False, show_legend=True,
+                                   label="Output tokens — click one", elem_id="token-chips")
+        with gr.Row(equal_height=True):
+            lam_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
+            bars_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
+        with gr.Row(equal_height=True, visible=False) as nb_row:
+            nb_df = gr.Dataframe(headers=NEIGHBOUR_HEADERS, interactive=False, max_height=300, wrap=True,
+                                 label="kNN neighbours of the chosen token, with their memory samples")
+            nb_plot = gr.Plot(plots.empty("No kNN neighbours yet"), show_label=False)
+        with gr.Row(equal_height=True):
+            with gr.Column(visible=False, min_width=400) as mem_col:
+                mem_att = gr.Plot(plots.empty("Attention over memory items (in-network methods)"), show_label=False)
+            att_plot = gr.Plot(plots.empty("Backbone attention appears after a comparison"), show_label=False)
+
+    # --- which controls apply -----------------------------------------------------------------------------------
+    table = {m["method"]: m for m in studio.methods()}
+    slider_keys = {"pema": ("lambda_max", "gu"), "knn": ("k", "temperature", "lambda")}
+
+    def chosen_methods(ids):
+        by_id = {p["id"]: p["method"] for p in studio.plugins()}
+        return [by_id[i] for i in ids or [] if i in by_id]
+
+    def on_methods(ids, text, auto):
+        ms = chosen_methods(ids)
+        other = {}
+        for m in dict.fromkeys(ms):
+            rest = {k: v for k, v in (table.get(m, {}).get("decode") or {}).items()
+                    if k not in slider_keys.get(m, ())}
+            if rest:
+                other[m] = rest
+        gen = render.settings_json(other) if other else "{}"
+        new_text = gen if (text or "{}").strip() in ("", "{}", (auto or "{}").strip()) else gr.skip()
+        pema, knn = gr.update(visible="pema" in ms), gr.update(visible="knn" in ms)
+        return (pema, pema, knn, knn, knn, gr.update(visible=not ({"pema", "knn"} & set(ms))), new_text, gen)
+
+    methods.change(on_methods, [methods, extra, extra_auto], [lam, gu, k, temp, klam, knob_hint, extra, extra_auto],
+                   show_progress="hidden")
+
+    # --- helpers ------------------------------------------------------------------------------------------------
+    def attention(p, label, lay):
+        if not p:
+            return plots.empty("Backbone attention appears after a comparison")
+        row = row_of(p, label)
+        key = (p["id"], row["label"], int(lay))
+        if key not in att_cache:
+            try:
+                att_cache[key] = studio.attention(p, row["label"], int(lay))
+            except UserError as e:
+                return plots.empty(str(e)[:120])
+            while len(att_cache) > 32:
+                att_cache.popitem(last=False)
+        return plots.input_attention_heatmap(att_cache[key], f"{row['label']}: backbone attention, layer {int(lay)}")
+
+    def views(p, label, idx, lay, with_attention=True):
+        """The token views of the chosen method; the neighbour and memory-attention panels show only when that
+        method reports them."""
+        nbf = (lambda lb, i: studio.neighbours(p["id"], lb, i)) if p else None
+        ch, lp, bp, nr, npl, ma = token_views(p, label, idx, nbf)
+        att = attention(p, label, lay) if with_attention else gr.skip()
+        row = row_of(p, label)
+        trace = row["trace"] if row else []
+        has_nb = any(t.get("neighbours") for t in trace)
+        has_mem = any(t.get("memory_attention") for t in trace)
+        return ch, lp, bp, nr, npl, ma, att, gr.update(visible=has_nb), gr.update(visible=has_mem)
+
+    def parse_extra(text):
+        try:
+            d = json.loads(text or "{}")
+        except json.JSONDecodeError as e:
+            raise UserError(f"The per-method settings are not valid JSON: {e.msg}.") from None
+        if not isinstance(d, dict):
+            raise UserError('Per-method settings must be a JSON object like {"pema": {"gu_variant": "code"}}.')
+        return d
+
+    # --- compare ------------------------------------------------------------------------------------------------
+    inputs = [source, task, methods, lam, gu, k, temp, klam, max_new, beams, extra, reference, row_pick, layer]
+    outputs = [payload, cards, row_pick, tok, share_link, layer, token_section, chips, lam_plot, bars_plot, nb_df,
+               nb_plot, mem_att, att_plot, nb_row, mem_col]
+
+    @user_errors
+    def do_compare(src, tk, ms, lm, g, kk, tt, kl, mx, bm, ex, ref, label, lay):
+        knobs = {"lambda_max": float(lm), "gu": bool(g), "k": int(kk), "temperature": float(tt), "lambda": float(kl)}
+        refs = ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip() else None
+        p = studio.compare(src, tk, list(ms or []), knobs, parse_extra(ex), int(mx), int(bm), reference=refs)
+        labels = [r["label"] for r in p["rows"]]
+        keep = label if label in labels else row_of(p, None)["label"]
+        row = row_of(p, keep)
+        n = max(1, len(row["trace"]))
+        top = max(0, int(studio.status().get("layers") or 1) - 1)
+        lay = min(int(lay), top)
+        return (p, render.output_cards(p), gr.update(choices=labels, value=keep),
+                gr.update(maximum=max(1, n - 1), value=0), "", gr.update(maximum=max(1, top), value=lay),
+                gr.update(visible=True), *views(p, keep, 0, lay))
+
+    def live(p, *args):
+        """A live control moved: re-decode at once — once a comparison has been run (Compare pressed)."""
+        if not p or not args[0] or not args[0].strip() or not args[2]:
+            return tuple(gr.skip() for _ in outputs)
+        return do_compare(*args)
+
+    run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode", show_progress_on=cards)
+    source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
+                  show_progress_on=cards)
+    for ctl in (lam, k, temp, klam, max_new, beams, gu, methods):
+        ctl.input(live, [payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
+                  show_progress_on=cards, api_visibility="private", concurrency_id="decode")
+
+    # --- token inspector ----------------------------------------------------------------------------------------
+    insp_out = [chips, lam_plot, bars_plot, nb_df, nb_plot, mem_att, att_plot, nb_row, mem_col]
+
+    def on_row(p, label, lay):
+        row = row_of(p, label)
+        n = max(1, len(row["trace"])) if row else 1
+        return (gr.update(maximum=max(1, n - 1), value=0), *views(p, label, 0, lay))
+
+    row_pick.input(on_row, [payload, row_pick, layer], [tok, *insp_out], show_progress="hidden")
+    tok.input(lambda p, lb, i, lay: views(p, lb, i, lay, with_attention=False), [payload, row_pick, tok, layer],
+              insp_out, trigger_mode="always_last", show_progress="hidden")
+    layer.input(lambda p, lb, lay: attention(p, lb, lay), [payload, row_pick, layer], att_plot,
+                trigger_mode="always_last", show_progress="hidden")
+
+    def on_chip(p, lb, lay, evt: gr.SelectData):
+        i = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
+        return (gr.update(value=i), *views(p, lb, i, lay, with_attention=False))
+
+    chips.select(on_chip, [payload, row_pick, layer], [tok, *insp_out], show_progress="hidden")
+
+    # --- held-out samples ---------------------------------------------------------------------------------------
+    def on_hmem(mid):
+        if not mid:
+            return gr.update(choices=[], value=None)
+        try:
+            held = studio.heldout_samples(mid)
+        except UserError:
+            held = []
+        return gr.update(choices=[((s["src"] or "")[:90], i) for i, s in enumerate(held)], value=None)
+
+    hmem.change(on_hmem, hmem, hsample, show_progress="hidden")
+
+    def on_sample(mid, i):
+        if mid is None or i is None:
+            return gr.skip(), gr.skip()
+        held = studio.heldout_samples(mid)
+        if not 0 <= int(i) < len(held):
+            return gr.skip(), gr.skip()
+        s = held[int(i)]
+        return s["src"], {"src": s["src"], "tgt": s["tgt"]}
+
+    hsample.input(on_sample, [hmem, hsample], [source, reference], show_progress="hidden")
+
+    # --- share --------------------------------------------------------------------------------------------------
+    @user_errors
+    def do_share(p, lay, request: gr.Request):
+        if not p:
+            raise UserError("Run a comparison first, then share it.")
+        sid = studio.share(p["id"], int(lay))
+        return share_url(request, sid)
+
+    share_btn.click(do_share, [payload, layer], share_link, api_visibility="private")
+
+    def refresh(current=None, mem_value=None):
+        choices = method_choices(studio)
+        mchoices = memory_choices(studio)
+        return (gr.update(choices=choices, value=keep_value(choices, current or ["base"])),
+                gr.update(choices=mchoices, value=keep_value(mchoices, mem_value, default_first=False)))
+
+    def on_load():
+        st = studio.status()
+        top = max(0, int(st.get("layers") or 1) - 1)
+        lay = gr.update(maximum=max(1, top), value=top) if st["ready"] else gr.skip()
+        return (*refresh(), lay)
+
+    return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
+                           on_load=on_load, load_outputs=[methods, hmem, layer])
+
+
+def share_url(request: gr.Request | None, sid: str) -> str:
+    """The public link of a shared comparison, from the request's (forwarded) host."""
+    path = f"/?c={sid}"
+    if request is None:
+        return path
+    h = request.headers
+    host = h.get("x-forwarded-host") or h.get("host")
+    if not host:
+        return path
+    proto = (h.get("x-forwarded-proto") or "http").split(",")[0].strip()
+    return f"{proto}://{host}{path}"

@@ -1,0 +1,190 @@
+"""Memories tab: upload / paste / demo corpus → preview with per-line problems → build in the background → list,
+inspect, delete."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gradio as gr
+
+from backbone.prompts import TASKS
+from studio.errors import UserError
+from studio.jobs import FINAL_STATES
+from ui import render
+from ui.common import keep_value, memory_choices, read_upload, user_errors
+
+SOURCES = ["Upload a file", "Paste text", "Demo corpus"]
+PASTE_HINT = ('One sample a line: {"src": "...", "tgt": "..."} JSON lines, "source<TAB>target", '
+              "or plain target-side text (the backbone then writes a synthetic source).")
+SAMPLE_HEADERS = ["line", "split", "source", "synthetic?", "target"]
+
+
+def build(studio) -> SimpleNamespace:
+    build_job = gr.State(None)
+    seen = gr.State(None)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=340):
+            gr.Markdown("#### 1 · Your samples")
+            source = gr.Radio(SOURCES, value=SOURCES[0], show_label=False, container=False)
+            upload = gr.File(label="JSONL, CSV/TSV pairs or plain text", type="filepath",
+                             file_types=[".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt"])
+            paste = gr.Textbox(label="Paste samples", lines=7, max_lines=14, visible=False, placeholder=PASTE_HINT)
+            corpora = studio.corpora()
+            with gr.Row(visible=False) as corpus_row:
+                corpus = gr.Dropdown([(f"{k} — {v}", k) for k, v in corpora.items()],
+                                     value=next(iter(corpora), None), label="Demo corpus", scale=3,
+                                     info=None if corpora else "No demo corpus is available on this machine.")
+                limit = gr.Number(200, label="Samples", precision=0, minimum=5, maximum=20000, scale=1)
+            gr.Markdown("#### 2 · Build the memory")
+            with gr.Row():
+                name = gr.Textbox(label="Name", placeholder="e.g. my product manuals", scale=2)
+                task = gr.Dropdown(list(TASKS), value="translation", label="Task", scale=1)
+            with gr.Row():
+                mode = gr.Radio([("teacher-forced (fast)", "teacher"), ("offsite (slow)", "offsite")],
+                                value="teacher", label="Build mode", scale=2,
+                                info="offsite: the model's own predictions as context, as PEMA's code")
+                skip = gr.Checkbox(False, label="Skip invalid lines", scale=1)
+            with gr.Row():
+                build_btn = gr.Button("Build memory", variant="primary", elem_id="build-memory", scale=3)
+                cancel_btn = gr.Button("Cancel build", scale=1)
+            build_status = gr.HTML(elem_id="build-status")
+        with gr.Column(scale=3, min_width=420):
+            gr.Markdown("#### Preview")
+            preview_html = gr.HTML(render.preview_summary({}), elem_id="preview-summary")
+            preview_df = gr.Dataframe(headers=["line", "source", "target"], interactive=False, max_height=330,
+                                      wrap=True, column_widths=["60px", "45%", "45%"])
+    gr.Markdown("#### Your memories")
+    mem_df = gr.Dataframe(headers=render.MEMORY_HEADERS, interactive=False, max_height=240, wrap=True)
+    with gr.Row(equal_height=False, elem_classes="pema-actions"):
+        pick = gr.Dropdown([], label="Inspect a memory", scale=4)
+        delete_btn = gr.Button("Delete memory", variant="stop", scale=1, size="sm")
+    detail = gr.HTML()
+    samples_df = gr.Dataframe(headers=SAMPLE_HEADERS, interactive=False, max_height=320, wrap=True,
+                              column_widths=["7%", "9%", "38%", "8%", "38%"], label="Samples")
+    data_dir = gr.HTML()
+    timer = gr.Timer(1.0)
+
+    # --- preview ----------------------------------------------------------------------------------------------
+    def on_source(src):
+        return (gr.update(visible=src == SOURCES[0]), gr.update(visible=src == SOURCES[1]),
+                gr.update(visible=src == SOURCES[2]))
+
+    def do_preview(src, path, text, corpus_name, n):
+        try:
+            if src == SOURCES[0]:
+                data, fname = read_upload(path)
+                pv = studio.preview(data, fname)
+            elif src == SOURCES[1]:
+                pv = studio.preview(text or "", None)
+            else:
+                if not corpus_name:
+                    return render.preview_summary({}), gr.update(value=[])
+                pv = studio.preview(corpus=corpus_name, limit=int(n or 200))
+        except UserError as e:
+            pv = {"count": 0, "problems": [str(e)], "problem_count": 1, "rows": [], "ok": False}
+        return render.preview_summary(pv), gr.update(value=pv["rows"])
+
+    source.change(on_source, source, [upload, paste, corpus_row])
+    pv_inputs = [source, upload, paste, corpus, limit]
+    for ev in (source.change, upload.change, corpus.change, limit.change):
+        ev(do_preview, pv_inputs, [preview_html, preview_df], trigger_mode="always_last", show_progress="hidden")
+    paste.change(do_preview, pv_inputs, [preview_html, preview_df], trigger_mode="always_last",
+                 show_progress="hidden")
+
+    # --- build ------------------------------------------------------------------------------------------------
+    @user_errors
+    def do_build(src, path, text, corpus_name, n, nm, tk, md, sk):
+        if src == SOURCES[0]:
+            data, fname = read_upload(path)
+            if data is None:
+                raise UserError("Upload a file first.")
+            jid = studio.submit_build(data, fname, name=nm, task=tk, mode=md, skip_invalid=sk)
+        elif src == SOURCES[1]:
+            jid = studio.submit_build(text or "", None, name=nm, task=tk, mode=md, skip_invalid=sk)
+        else:
+            if not corpus_name:
+                raise UserError("Pick a demo corpus first.")
+            jid = studio.submit_build(corpus=corpus_name, limit=int(n or 200), name=nm, task=tk, mode=md)
+        return jid, render.job_card(studio.job(jid))
+
+    build_btn.click(do_build, [source, upload, paste, corpus, limit, name, task, mode, skip],
+                    [build_job, build_status], api_visibility="private")
+
+    @user_errors
+    def do_cancel(jid):
+        if not jid:
+            raise UserError("No memory is being built.")
+        return render.job_card(studio.cancel_job(jid))
+
+    cancel_btn.click(do_cancel, build_job, build_status, api_visibility="private")
+
+    def tick(jid, last):
+        if not jid:
+            return gr.skip(), gr.skip(), gr.skip(), last
+        job = studio.jobs.get(jid)
+        if job is None:
+            return gr.skip(), gr.skip(), gr.skip(), last
+        key = (jid, job["state"], round(job["progress"], 3), job["message"])
+        if key == last:
+            return gr.skip(), gr.skip(), gr.skip(), last
+        card = render.job_card(job)
+        if job["state"] in FINAL_STATES and (last is None or last[1] not in FINAL_STATES or last[0] != jid):
+            table, choices = render.memories_table(studio.memories()), memory_choices(studio)
+            new = (job.get("result") or {}).get("memory_id")
+            return card, table, gr.update(choices=choices, value=new or keep_value(choices, None)), key
+        return card, gr.skip(), gr.skip(), key
+
+    timer.tick(tick, [build_job, seen], [build_status, mem_df, pick, seen], show_progress="hidden",
+               api_visibility="private")
+
+    # --- list / inspect / delete --------------------------------------------------------------------------------
+    def show(mid):
+        if not mid:
+            return "", []
+        try:
+            d = studio.memory_detail(mid)
+        except UserError as e:
+            return f"<div class='pema-error'>{render.esc(e)}</div>", []
+        s, st = d["summary"], d["stats"]
+        shown, total = len(d["samples"]), d["total_samples"]
+        more = f" · showing the first {shown} of {total} samples" if total > shown else ""
+        html = (f"<div class='pema-status ok'><b>{render.esc(s['name'])}</b> · {render.esc(s['task'])} · "
+                f"{render.esc(s['mode'])} build · {s['samples']} training + {s['heldout_samples']} held-out "
+                f"samples · "
+                f"{s['entries']:,} entries (+{s['heldout_entries']:,} held-out) · "
+                f"{st.get('synthetic_sources', 0)} synthetic sources · built in {st.get('build_seconds', '?')}s · "
+                f"backbone {render.esc(s['backbone'])}"
+                f"<br><span class='pema-muted'>Prompt: <code>{render.esc((d['prompt'] or {}).get('template'))}</code>"
+                f"{more}"
+                f"</span></div>")
+        rows = [[x["line"], x["split"], x["src"], "yes" if x["synthetic_src"] else "", x["tgt"]] for x in d["samples"]]
+        return html, rows
+
+    pick.change(show, pick, [detail, samples_df], show_progress="hidden")
+
+    @user_errors
+    def do_delete(mid):
+        if not mid:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        msg = studio.delete_memory(mid)
+        gr.Info(msg)
+        choices = memory_choices(studio)
+        return render.memories_table(studio.memories()), gr.update(choices=choices, value=None), "", []
+
+    delete_btn.click(do_delete, pick, [mem_df, pick, detail, samples_df],
+                     js="(m) => (m && confirm('Delete this memory? This cannot be undone.')) ? m : null",
+                     api_visibility="private")
+
+    def refresh(jid=None):
+        choices = memory_choices(studio)
+        return render.memories_table(studio.memories()), gr.update(choices=choices)
+
+    def on_load():
+        """Page (re)load: the memory list and the latest unfinished build job."""
+        active = studio.jobs.list(kinds=("build_memory",), states=("queued", "running"), limit=1)
+        jid = active[0]["id"] if active else None
+        table, dd = refresh()
+        where = f"<div class='pema-muted'>Data directory: <code>{render.esc(studio.root)}</code></div>"
+        return table, dd, jid, render.job_card(studio.job(jid)) if jid else "", where
+
+    return SimpleNamespace(refresh=refresh, refresh_outputs=[mem_df, pick], on_load=on_load,
+                           load_outputs=[mem_df, pick, build_job, build_status, data_dir])

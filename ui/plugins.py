@@ -1,0 +1,200 @@
+"""Plug-ins tab: choose a memory, a method and its hyperparameters (paper defaults), train in the background;
+watch queued/running jobs with a live loss curve and log; cancel; list trained plug-ins."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import gradio as gr
+
+from studio.errors import UserError
+from studio.jobs import FINAL_STATES
+from ui import plots, render
+from ui.common import keep_value, memory_choices, user_errors
+
+
+def _method_info(m: dict | None) -> str:
+    if not m:
+        return ""
+    level = {"output": "output-level: mixes the next-token distribution",
+             "network": "in-network: changes the backbone's hidden states of its own rows",
+             }.get(m["level"], m["level"])
+    dec = ", ".join(f"{k}={v}" for k, v in m.get("decode", {}).items()) or "none"
+    return (f"<div class='pema-help'><b>{render.esc(m['title'])}</b> — {render.esc(level)}.<br>"
+            f"{render.esc(m['paper'])}<br>Decode-time settings (live in Compare): {render.esc(dec)}</div>")
+
+
+def build(studio) -> SimpleNamespace:
+    methods = {m["method"]: m for m in studio.methods()}
+    first = "pema" if "pema" in methods else next(iter(methods), None)
+    selected_job = gr.State(None)
+    seen = gr.State(None)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=340):
+            gr.Markdown("#### Train a plug-in")
+            memory = gr.Dropdown([], label="Memory", elem_id="train-memory")
+            method = gr.Dropdown([(m["title"], k) for k, m in methods.items()], value=first, label="Method",
+                                 elem_id="train-method")
+            info = gr.HTML(_method_info(methods.get(first)))
+            name = gr.Textbox(label="Name (optional)", placeholder="defaults to “<method> on <memory>”")
+            config = gr.Code(render.settings_json(methods[first]["config"]) if first else "{}", language="json",
+                             label="Hyperparameters (paper defaults; edit the JSON)", lines=10, max_lines=18)
+            with gr.Row():
+                reset = gr.Button("Paper defaults", size="sm")
+                train = gr.Button("Train in background", variant="primary", elem_id="train-plugin")
+            train_msg = gr.HTML()
+        with gr.Column(scale=3, min_width=440):
+            gr.Markdown("#### Jobs")
+            jobs_df = gr.Dataframe(headers=render.JOB_HEADERS, interactive=False, max_height=190, wrap=False,
+                                   elem_id="jobs-table",
+                                   column_widths=["12%", "32%", "12%", "12%", "17%", "15%"])
+            with gr.Row(equal_height=False, elem_classes="pema-actions"):
+                job_pick = gr.Dropdown([], label="Show job", scale=4)
+                cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=1)
+            job_html = gr.HTML(render.job_card(None), elem_id="job-card")
+            loss = gr.Plot(plots.loss_curve([]), show_label=False)
+            log = gr.Textbox(label="Log", lines=6, max_lines=6, autoscroll=True, interactive=False)
+    gr.Markdown("#### Your plug-ins")
+    plug_df = gr.Dataframe(headers=render.PLUGIN_HEADERS, interactive=False, max_height=220, wrap=True,
+                           column_widths=["19%", "8%", "14%", "10%", "27%", "10%", "12%"])
+    with gr.Row(equal_height=False, elem_classes="pema-actions"):
+        plug_pick = gr.Dropdown([], label="Inspect a plug-in", scale=4)
+        plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1)
+    plug_detail = gr.Code(language="json", label="Plug-in details", visible=False, lines=8, max_lines=16)
+    timer = gr.Timer(1.0)
+
+    # --- training form ------------------------------------------------------------------------------------------
+    def on_method(m):
+        mm = methods.get(m)
+        return _method_info(mm), render.settings_json(mm["config"]) if mm else "{}"
+
+    method.change(on_method, method, [info, config], show_progress="hidden")
+    reset.click(on_method, method, [info, config], show_progress="hidden", api_visibility="private")
+
+    @user_errors
+    def do_train(mem, m, cfg_text, nm):
+        try:
+            cfg = json.loads(cfg_text or "{}")
+        except json.JSONDecodeError as e:
+            raise UserError(f"The hyperparameters are not valid JSON: {e.msg} (line {e.lineno}).") from None
+        jid = studio.submit_train(mem, m, cfg, nm)
+        job = studio.job(jid)
+        choices = job_choices()
+        return (f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>.</div>", jid,
+                gr.update(choices=choices, value=jid), render.job_card(job), plots.loss_curve([]), "")
+
+    train.click(do_train, [memory, method, config, name],
+                [train_msg, selected_job, job_pick, job_html, loss, log], api_visibility="private")
+
+    # --- jobs ---------------------------------------------------------------------------------------------------
+    def memory_names():
+        return {m["id"]: m["name"] for m in studio.memories()}
+
+    def job_choices():
+        return [(f"{render.KIND_LABEL.get(j['kind'], j['kind'])} · {j['state']} · {j['id']}", j["id"])
+                for j in studio.list_jobs(limit=30)]
+
+    def show_job(jid):
+        job = studio.jobs.get(jid) if jid else None
+        if job is None:
+            return render.job_card(None), plots.loss_curve([]), ""
+        title = "Training loss" if job["kind"] == "train_plugin" else "Progress"
+        return render.job_card(job), plots.loss_curve(job["metrics"], title), job.get("log") or ""
+
+    def pick_job(jid):
+        card, fig, lg = show_job(jid)
+        return jid, card, fig, lg, None
+
+    job_pick.change(pick_job, job_pick, [selected_job, job_html, loss, log, seen], show_progress="hidden")
+
+    def select_row(evt: gr.SelectData):
+        row = evt.row_value or []
+        return gr.update(value=row[-1]) if row else gr.skip()
+
+    jobs_df.select(select_row, None, job_pick, show_progress="hidden", api_visibility="private")
+
+    @user_errors
+    def do_cancel(jid):
+        if not jid:
+            raise UserError("Choose a job to cancel.")
+        job = studio.cancel_job(jid)
+        return render.job_card(job), render.jobs_table(studio.list_jobs(), memory_names())
+
+    cancel.click(do_cancel, selected_job, [job_html, jobs_df], api_visibility="private")
+
+    def tick(jid, last):
+        jobs = studio.list_jobs(limit=30)
+        digest = tuple((j["id"], j["state"], round(j["progress"], 3), j["message"]) for j in jobs)
+        if last is not None and last[0] == digest and last[1] == jid:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last
+        table = render.jobs_table(jobs, memory_names())
+        before = {(x[0], x[1]) for x in last[0]} if last is not None else set()
+        finished_now = last is not None and any(
+            j["state"] in FINAL_STATES and (j["id"], j["state"]) not in before for j in jobs)
+        n_metrics = -1
+        if jid:
+            card, fig, lg = show_job(jid)
+            job = studio.jobs.get(jid)
+            n_metrics = len(job["metrics"]) if job else -1
+            if last is not None and last[1] == jid and last[2] == n_metrics:
+                fig = gr.skip()  # the curve did not change: do not redraw it
+        else:
+            card, fig, lg = gr.skip(), gr.skip(), gr.skip()
+        picker = gr.update(choices=job_choices()) if last is None or len(last[0]) != len(digest) or finished_now \
+            else gr.skip()
+        if finished_now:
+            plist = studio.plugins()
+            pdf, pdd = render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist])
+        else:
+            pdf, pdd = gr.skip(), gr.skip()
+        return table, card, fig, lg, picker, pdf, pdd, (digest, jid, n_metrics)
+
+    timer.tick(tick, [selected_job, seen], [jobs_df, job_html, loss, log, job_pick, plug_df, plug_pick, seen],
+               show_progress="hidden", api_visibility="private")
+
+    # --- plug-in list -------------------------------------------------------------------------------------------
+    def show_plugin(pid):
+        if not pid:
+            return gr.update(visible=False)
+        try:
+            d = studio.plugin_detail(pid)
+        except UserError as e:
+            return gr.update(visible=True, value=json.dumps({"error": str(e)}))
+        d.pop("history", None)
+        return gr.update(visible=True, value=json.dumps(d, indent=2, default=str))
+
+    plug_pick.change(show_plugin, plug_pick, plug_detail, show_progress="hidden")
+
+    @user_errors
+    def do_delete(pid):
+        if not pid:
+            return gr.skip(), gr.skip(), gr.skip()
+        gr.Info(studio.delete_plugin(pid))
+        plist = studio.plugins()
+        return (render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist], value=None),
+                gr.update(visible=False))
+
+    plug_delete.click(do_delete, plug_pick, [plug_df, plug_pick, plug_detail],
+                      js="(p) => (p && confirm('Delete this plug-in?')) ? p : null", api_visibility="private")
+
+    def refresh(mem_value=None):
+        choices = memory_choices(studio)
+        plist = studio.plugins()
+        return (gr.update(choices=choices, value=keep_value(choices, mem_value)), render.plugins_table(plist),
+                gr.update(choices=[(p["name"], p["id"]) for p in plist]))
+
+    def on_load():
+        """Page (re)load: lists, and the running (else latest) job with its curve and log."""
+        jobs = studio.list_jobs(limit=30)
+        active = ([j for j in jobs if j["state"] == "running"]
+                  or [j for j in jobs if j["kind"] == "train_plugin" and j["metrics"]]
+                  or [j for j in jobs if j["kind"] == "train_plugin"])
+        jid = active[0]["id"] if active else None
+        mem_dd, pdf, pdd = refresh()
+        card, fig, lg = show_job(jid)
+        return (mem_dd, pdf, pdd, render.jobs_table(jobs, memory_names()),
+                gr.update(choices=job_choices(), value=jid), jid, card, fig, lg)
+
+    return SimpleNamespace(refresh=refresh, refresh_inputs=[memory], refresh_outputs=[memory, plug_df, plug_pick],
+                           on_load=on_load, load_outputs=[memory, plug_df, plug_pick, jobs_df, job_pick,
+                                                          selected_job, job_html, loss, log])

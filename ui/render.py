@@ -1,0 +1,199 @@
+"""HTML and table renderers: plain functions from service data to strings/rows (no Gradio here).
+
+Everything that came from a user (sentences, names, samples, shared payloads) goes through :func:`esc`.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+
+STATE_BADGE = {"queued": "#64748b", "running": "#2563eb", "done": "#16a34a", "failed": "#dc2626",
+               "cancelled": "#a16207", "interrupted": "#a16207"}
+KIND_LABEL = {"build_memory": "Build memory", "train_plugin": "Train plug-in", "evaluate": "Evaluate"}
+KIND_SHORT = {"build_memory": "build", "train_plugin": "train", "evaluate": "evaluate"}
+
+
+def esc(x) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def when(ts: float | None, short: bool = False) -> str:
+    if not ts:
+        return ""
+    return _dt.datetime.fromtimestamp(ts).strftime("%b %d %H:%M" if short else "%Y-%m-%d %H:%M")
+
+
+def progress_bar(frac: float, message: str = "", state: str = "running", title: str = "") -> str:
+    pct = max(0.0, min(1.0, float(frac or 0))) * 100
+    color = STATE_BADGE.get(state, "#2563eb")
+    head = f"<div class='pema-pb-title'>{esc(title)}</div>" if title else ""
+    return (f"<div class='pema-pb'>{head}<div class='pema-pb-track'><div class='pema-pb-fill' "
+            f"style='width:{pct:.1f}%;background:{color}'></div></div>"
+            f"<div class='pema-pb-msg'><span class='pema-badge' style='background:{color}'>{esc(state)}</span> "
+            f"{pct:.0f}% — {esc(message)}</div></div>")
+
+
+def status_header(st: dict) -> str:
+    """The page header's backbone line (a progress bar while loading)."""
+    if st.get("state") == "ready":
+        return (f"<div class='pema-status ok'>Backbone <b>{esc(st['backbone'])}</b> ready on {esc(st['device'])} · "
+                f"{st.get('layers', 0)} layers</div>")
+    if st.get("state") == "failed":
+        return f"<div class='pema-status err'>{esc(st.get('message'))}</div>"
+    return progress_bar(st.get("progress", 0), f"{st.get('message', '')} ({st.get('elapsed', 0):.0f}s)",
+                        "running", title=f"Loading the backbone {st.get('backbone', '')} — you can look around "
+                                         f"meanwhile; jobs wait for it")
+
+
+def job_card(job: dict | None) -> str:
+    if not job:
+        return "<div class='pema-muted'>No job selected.</div>"
+    title = f"{KIND_LABEL.get(job['kind'], job['kind'])} · {job['id']}"
+    html_ = progress_bar(job.get("progress", 0), job.get("message", ""), job["state"], title)
+    if job["state"] == "failed" and job.get("error"):
+        html_ += f"<div class='pema-error'>{esc(job['error'])}</div>"
+    return html_
+
+
+def job_what(job: dict, memory_names: dict | None = None) -> str:
+    a = job.get("args", {})
+    names = memory_names or {}
+    if job["kind"] == "train_plugin":
+        mem = names.get(a.get("memory_id"), a.get("memory_id", ""))
+        return a.get("name") or f"{a.get('method', '')} on {mem}"
+    if job["kind"] == "evaluate":
+        return ("λ sweep" if a.get("mode") == "sweep" else "methods") + f" on {a.get('data', '')}"
+    return a.get("name") or ""
+
+
+def jobs_table(jobs: list[dict], memory_names: dict | None = None) -> list[list]:
+    return [[KIND_SHORT.get(j["kind"], j["kind"]), job_what(j, memory_names), j["state"],
+             f"{100 * float(j.get('progress') or 0):.0f}%", when(j["created"], short=True), j["id"]] for j in jobs]
+
+
+JOB_HEADERS = ["kind", "what", "state", "progress", "queued", "id"]
+
+
+def memories_table(mems: list[dict]) -> list[list]:
+    return [[m["name"], m["task"], m["samples"], m["entries"], m["backbone"] + ("" if m["usable"] else " ⚠"),
+             m["size"], when(m["created"]), m["id"]] for m in mems]
+
+
+MEMORY_HEADERS = ["name", "task", "samples", "entries", "backbone", "size on disk", "created", "id"]
+
+
+def _metric_summary(metrics: dict) -> str:
+    keys = [k for k in ("best_heldout_loss", "heldout_loss", "heldout_nll", "entries", "search") if k in metrics]
+    parts = []
+    for k in keys[:3]:
+        v = metrics[k]
+        parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    if not parts:
+        for k, v in metrics.items():
+            if isinstance(v, dict) and "best_heldout_loss" in v:
+                parts.append(f"{k}: held-out {v['best_heldout_loss']:.4g}")
+    return ", ".join(parts[:3])
+
+
+def plugins_table(plugins: list[dict]) -> list[list]:
+    return [[p["name"], p["method"], p["memory"], f"{p['params']:,}", _metric_summary(p.get("metrics") or {}),
+             when(p["created"], short=True), p["backbone"] + ("" if p["usable"] else " ⚠")] for p in plugins]
+
+
+PLUGIN_HEADERS = ["name", "method", "memory", "parameters", "metrics", "created", "backbone"]
+
+
+def preview_summary(pv: dict) -> str:
+    if not pv.get("count") and not pv.get("problems"):
+        return "<div class='pema-muted'>Upload a file, paste samples or pick a demo corpus to preview it.</div>"
+    parts = [f"<b>{pv['count']}</b> sample(s) parsed" + (f" ({esc(pv['format'])})" if pv.get("format") else "")]
+    if pv.get("monolingual"):
+        parts.append(f"{pv['monolingual']} without a source (the backbone will write a synthetic one)")
+    cls = "ok" if pv.get("ok") else ("warn" if pv.get("count") else "err")
+    out = f"<div class='pema-status {cls}'>{' · '.join(parts)}</div>"
+    if pv.get("problems"):
+        n = pv.get("problem_count", len(pv["problems"]))
+        items = "".join(f"<li>{esc(p)}</li>" for p in pv["problems"][:30])
+        more = f"<li>… and {n - 30} more</li>" if n > 30 else ""
+        out += (f"<div class='pema-error'><b>{n} problem(s)</b> — fix them, or tick “skip invalid lines” to "
+                f"build from the valid samples only:<ul>{items}{more}</ul></div>")
+    return out
+
+
+def _diff_html(diff: list[list]) -> str:
+    out = []
+    for seg, tag in diff:
+        if not seg:
+            continue
+        if tag == "added":
+            out.append(f"<ins>{esc(seg)}</ins>")
+        elif tag == "removed":
+            out.append(f"<del>{esc(seg)}</del>")
+        else:
+            out.append(esc(seg))
+    return " ".join(out) or "<span class='pema-muted'>(empty output)</span>"
+
+
+def _settings_text(settings: dict) -> str:
+    keep = {k: v for k, v in (settings or {}).items() if not isinstance(v, (dict, list))}
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in keep.items())
+
+
+def output_cards(payload: dict | None, shared: bool = False) -> str:
+    """Side-by-side output cards; each method's differences from the base output are highlighted."""
+    if not payload:
+        return ("<div class='pema-muted'>Type a sentence, choose methods and press <b>Compare</b>. Outputs "
+                "appear here side by side.</div>")
+    t = payload.get("timings", {})
+    n = len(payload["rows"])
+    head = (f"<div class='pema-timing'>One batched decode of {n} method(s): <b>{t.get('decode_s', 0):.2f}s</b> "
+            f"({payload.get('steps', 0)} steps, {t.get('tokens', 0)} tokens, {t.get('tokens_per_s', 0):.0f} tok/s"
+            + (f", plug-ins loaded in {t['load_plugins_s']:.2f}s" if t.get("load_plugins_s", 0) > 0.05 else "")
+            + f") · total {t.get('total_s', 0):.2f}s · differences from the base output: <ins>added</ins> "
+            f"<del>removed</del></div>")
+    ref = (f"<div class='pema-ref'><span>Reference</span> {esc(payload['reference'])}</div>"
+           if payload.get("reference") else "")
+    cards = []
+    base = payload.get("base_label")
+    for r in payload["rows"]:
+        is_base = r["label"] == base
+        body = esc(r["text"]) if is_base else _diff_html(r.get("diff") or [[r["text"], "same"]])
+        if not r["text"]:
+            body = "<span class='pema-muted'>(empty output)</span>"
+        cards.append(
+            f"<div class='pema-card{' base' if is_base else ''}'>"
+            f"<div class='pema-card-head'><b>{esc(r['label'])}</b><span class='pema-method'>{esc(r['method'])}"
+            f"</span></div><div class='pema-card-text'>{body}</div>"
+            f"<div class='pema-card-foot'>{r.get('n_tokens', len(r.get('tokens', [])))} tokens · score "
+            f"{r.get('score', 0):.2f}{' · ' + esc(_settings_text(r.get('settings'))) if r.get('settings') else ''}"
+            f"</div></div>")
+    return f"{head}{ref}<div class='pema-cards'>{''.join(cards)}</div>"
+
+
+def shared_header(payload: dict) -> str:
+    return (f"<div class='pema-shared'><div><b>Shared comparison</b> (read-only) · task {esc(payload.get('task'))}"
+            f" · backbone {esc(payload.get('backbone'))} · shared {esc(when(payload.get('shared')))}</div>"
+            f"<div class='pema-shared-src'>{esc(payload.get('source'))}</div>"
+            f"<div class='pema-muted'>Prompt template: <code>{esc(payload.get('prompt_template'))}</code> · "
+            f"<a href='./'>open your own studio</a></div></div>")
+
+
+def token_chips(row: dict | None, selected: int) -> list[tuple[str, str | None]]:
+    """HighlightedText value for a row's output tokens; the selected one is marked, λ_t shown by category."""
+    if not row:
+        return []
+    out = []
+    for i, t in enumerate(row.get("token_texts") or []):
+        text = t.replace("\n", "⏎") or "∅"
+        if i == selected:
+            cat = "selected"
+        else:
+            lam = (row["trace"][i].get("lambda") if i < len(row.get("trace", [])) else None)
+            cat = None if lam is None else ("λ high" if lam >= 0.5 else ("λ low" if lam > 0 else None))
+        out.append((text, cat))
+    return out
+
+
+def settings_json(d: dict) -> str:
+    return json.dumps(d, indent=2, ensure_ascii=False)

@@ -1,0 +1,84 @@
+"""The read-only view of a shared comparison (``/?c=<id>``). It renders the stored payload only: no memory, plug-in,
+job or sample of the studio's owner is read, and kNN neighbours show token and distance without their samples."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gradio as gr
+
+from studio.errors import UserError
+from ui import plots, render
+from ui.compare import TOKEN_COLORS, row_of, token_views
+
+SETTINGS_HEADERS = ["method", "kind", "decode settings", "tokens"]
+
+
+def build(studio) -> SimpleNamespace:
+    payload = gr.State(None)
+    header = gr.HTML(elem_id="shared-header")
+    with gr.Column() as body:
+        cards = gr.HTML(elem_id="shared-outputs")
+        settings = gr.Dataframe(headers=SETTINGS_HEADERS, interactive=False, max_height=200, wrap=True,
+                                label="Methods and their settings")
+        gr.Markdown("#### Token by token")
+        with gr.Row(equal_height=True):
+            row_pick = gr.Dropdown([], label="Method", scale=2)
+            tok = gr.Slider(0, 1, 0, step=1, label="Output token", scale=3)
+        chips = gr.HighlightedText([], color_map=TOKEN_COLORS, combine_adjacent=False, show_legend=True,
+                                   label="Output tokens — click one")
+        with gr.Row(equal_height=True):
+            lam_plot = gr.Plot(show_label=False)
+            bars_plot = gr.Plot(show_label=False)
+        with gr.Row(equal_height=True):
+            nb_plot = gr.Plot(show_label=False, visible=False)
+            mem_att = gr.Plot(show_label=False, visible=False)
+            att_plot = gr.Plot(show_label=False)
+
+    def att_fig(p, label):
+        row = row_of(p, label)
+        att = (p.get("attention") or {}).get(row["label"]) if row else None
+        return plots.input_attention_heatmap(att) if att else plots.empty("No attention map was stored")
+
+    def views(p, label, idx):
+        ch, lp, bp, _, npl, ma = token_views(p, label, idx, neighbours=None)
+        trace = (row_of(p, label) or {}).get("trace") or []
+        has_nb = any(t.get("neighbours") for t in trace)
+        has_mem = any(t.get("memory_attention") for t in trace)
+        return (ch, lp, bp, gr.update(value=npl, visible=has_nb), gr.update(value=ma, visible=has_mem),
+                att_fig(p, label))
+
+    outs = [chips, lam_plot, bars_plot, nb_plot, mem_att, att_plot]
+
+    def open_shared(sid: str):
+        """Outputs for the whole view from the stored payload (or an error message)."""
+        try:
+            p = studio.shared(sid)
+        except UserError as e:
+            msg = f"<div class='pema-status err'>{render.esc(e)} <a href='./'>Open the studio</a></div>"
+            e_fig = plots.empty("")
+            return (None, msg, gr.update(visible=False), "", [], gr.update(choices=[]), gr.update(), [], e_fig, e_fig,
+                    gr.update(visible=False), gr.update(visible=False), e_fig)
+        labels = [r["label"] for r in p["rows"]]
+        first = row_of(p, None)["label"]
+        row = row_of(p, first)
+        rows = [[r["label"], r["method"], render._settings_text(r.get("settings")), r.get("n_tokens")]
+                for r in p["rows"]]
+        return (p, render.shared_header(p), gr.update(visible=True), render.output_cards(p, shared=True), rows,
+                gr.update(choices=labels, value=first), gr.update(maximum=max(1, len(row["trace"]) - 1), value=0),
+                *views(p, first, 0))
+
+    def on_row(p, label):
+        row = row_of(p, label)
+        return (gr.update(maximum=max(1, len(row["trace"]) - 1) if row else 1, value=0), *views(p, label, 0))
+
+    row_pick.input(on_row, [payload, row_pick], [tok, *outs], show_progress="hidden")
+    tok.input(views, [payload, row_pick, tok], outs, trigger_mode="always_last", show_progress="hidden")
+
+    def on_chip(p, label, evt: gr.SelectData):
+        i = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
+        return (gr.update(value=i), *views(p, label, i))
+
+    chips.select(on_chip, [payload, row_pick], [tok, *outs], show_progress="hidden")
+
+    return SimpleNamespace(open=open_shared,
+                           outputs=[payload, header, body, cards, settings, row_pick, tok, *outs])
