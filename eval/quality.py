@@ -1,0 +1,117 @@
+"""Quality runs for BENCHMARKS.md: build a memory from N training pairs of a task, train plug-ins, tune decode
+settings on early dev items, and report on later dev items that tuning never saw.
+
+    python -m eval.quality --task translation --train 1000 --tune 0:40 --report 1000:200 --methods pema,knn
+    python -m eval.quality --task formality --train 1000 --tune 0:40 --report 1000:200
+
+Results go to ``out/quality-<task>-<train>.json`` and a markdown table on stdout. Tuned decode settings can be
+written into ``eval/tuned_defaults.json`` with ``--save-defaults`` (the app and CLI then start from them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from studio.cli import progress_bar, run_main
+
+
+def task_pairs(task: str, split: str, start: int, n: int):
+    from eval import datasets
+
+    if task == "translation":
+        return datasets.wmt_pairs(split, start, n)
+    if task == "formality":
+        return datasets.formality_pairs(split, start, n)
+    raise SystemExit(f"task {task} not supported here")
+
+
+GRID = {"pema": [{"lambda_max": lam, "gu": gu} for lam in (0.3, 0.5, 0.7, 0.9) for gu in (True, False)],
+        "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (8, 32) for t in (10.0, 100.0)
+                for lam in (0.2, 0.4)]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="translation", choices=["translation", "formality"])
+    ap.add_argument("--train", type=int, default=1000, help="training pairs for the memory")
+    ap.add_argument("--tune", default="0:40", help="START:N of dev items used for tuning")
+    ap.add_argument("--report", default="1000:200", help="START:N of dev items reported (never tuned on)")
+    ap.add_argument("--methods", default="pema,knn")
+    ap.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", help="training config override")
+    ap.add_argument("--backbone", default=None)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--save-defaults", action="store_true")
+    args = ap.parse_args(argv)
+
+    from backbone import load_backbone
+    from eval.run import evaluate, format_table
+    from eval.tasks import TUNED_PATH, task_prompt
+    from memories.build import build_memory
+    from memories.parse import Sample
+    from plugins.api import train_plugin
+    from plugins.decode import Row
+    from studio.store import Catalog, new_id
+
+    cat = Catalog(args.data_dir)
+    bb = load_backbone(args.backbone, data_dir=args.data_dir)
+    prompt = task_prompt(args.task, bb)
+    t0 = time.time()
+    train = task_pairs(args.task, "train", 0, args.train)
+    with progress_bar("memory") as prog:
+        mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(train)],
+                           cat.root / "memories" / new_id(f"q-{args.task}-"), prompt=prompt, task=args.task,
+                           name=f"{args.task}-{args.train}", batch_size=16, progress=prog)
+    build_s = time.time() - t0
+    overrides: dict[str, dict] = {}
+    for it in args.set or []:
+        k, v = it.split("=", 1)
+        m, key = k.split(".", 1)
+        overrides.setdefault(m, {})[key] = json.loads(v)
+    plugins, train_info = {}, {}
+    for m in args.methods.split(","):
+        with progress_bar(m) as prog:
+            p, row = train_plugin(bb, mem, m, overrides.get(m), catalog=cat, progress=prog)
+        plugins[m] = p
+        train_info[m] = {"id": row["id"], "params": row["params"], **p.train_info}
+
+    ts, tn = map(int, args.tune.split(":"))
+    rs, rn = map(int, args.report.split(":"))
+    tune_pairs = task_pairs(args.task, "dev", ts, tn)
+    tuned = {}
+    tune_tables = {}
+    for m, p in plugins.items():
+        rows = [Row("base")] + [Row(json.dumps(g), p, g) for g in GRID.get(m, [{}])]
+        with progress_bar(f"tune {m}") as prog:
+            res = evaluate(bb, tune_pairs, rows, prompt, args.task, batch_sources=max(1, args.batch // 2),
+                           progress=prog)
+        key = "chrf"
+        best = max(res["methods"][1:], key=lambda r: r[key] + r.get("sacrebleu", 0))
+        tuned[m] = json.loads(best["label"])
+        tune_tables[m] = res["methods"]
+    report_pairs = task_pairs(args.task, "dev", rs, rn)
+    rows = [Row("base")] + [Row(m, p, tuned[m]) for m, p in plugins.items()]
+    with progress_bar("report") as prog:
+        rep = evaluate(bb, report_pairs, rows, prompt, args.task, batch_sources=args.batch, progress=prog)
+    out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),
+           "memory_build_seconds": round(build_s, 1), "tune_items": args.tune, "report_items": args.report,
+           "tuned": tuned, "train_info": train_info, "tune": tune_tables, "report": rep["methods"],
+           "outputs": rep["outputs"][:20], "report_seconds": rep["seconds"]}
+    Path("out").mkdir(exist_ok=True)
+    path = Path("out") / f"quality-{args.task}-{args.train}-{bb.name}.json"
+    path.write_text(json.dumps(out, indent=1, ensure_ascii=False, default=str), encoding="utf-8")
+    print(format_table(rep["methods"]))
+    print(f"tuned: {json.dumps(tuned)}\nwrote {path}")
+    if args.save_defaults:
+        data = json.loads(TUNED_PATH.read_text()) if TUNED_PATH.exists() else {}
+        t = data.setdefault(args.task, {})
+        t.setdefault("backbones", {}).setdefault(bb.name, {})["decode"] = tuned
+        TUNED_PATH.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
