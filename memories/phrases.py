@@ -82,7 +82,7 @@ class PhrasePair:
         return asdict(self)
 
 
-# --- English: spaCy dependency parse ---------------------------------------------------------------------------------
+# --- English: spaCy dependency parse -------------------------------------------------------------------------------
 _PARSER: dict = {}
 
 
@@ -169,7 +169,7 @@ def english_phrases_many(texts: list[str], max_len: int = MAX_LEN_ENGLISH) -> li
     return [_doc_phrases(doc, max_len) for doc in nlp.pipe(texts, batch_size=64)]
 
 
-# --- any language: marker-based chunker --------------------------------------------------------------------------------
+# --- any language: marker-based chunker ----------------------------------------------------------------------------
 def chunk_phrases(text: str, max_len: int = MAX_LEN_OTHER, markers: Iterable[str] = MARKERS) -> list[str]:
     """Language-agnostic phrases: content words, marker-opened chunks and runs of consecutive chunks."""
     markers = markers if isinstance(markers, (set, frozenset)) else frozenset(markers)
@@ -236,7 +236,7 @@ def _dedupe(items: Iterable[str]) -> list[str]:
     return out
 
 
-# --- alignment helpers ---------------------------------------------------------------------------------------------------
+# --- alignment helpers ---------------------------------------------------------------------------------------------
 def normalize(text: str) -> str:
     return " ".join(w.casefold() for w in _WORD.findall(text))
 
@@ -310,7 +310,7 @@ def _noop(*a) -> None:
     pass
 
 
-# --- pairing -------------------------------------------------------------------------------------------------------------
+# --- pairing -------------------------------------------------------------------------------------------------------
 def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] | None = None,
                          src_lang: str = "auto", max_pairs: int = 2000, max_translate: int = 512,
                          max_len_english: int = MAX_LEN_ENGLISH, max_len_other: int = MAX_LEN_OTHER,
@@ -389,7 +389,8 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
         if should_stop():
             raise Cancelled()
         part = todo[g0:g0 + group]
-        outs = generate_greedy(backbone, [ctx[p] for p in part], max_new_tokens=min(48, (3 * max(plen[p] for p in part)) // 2 + 4),
+        longest = max(plen[p] for p in part)
+        outs = generate_greedy(backbone, [ctx[p] for p in part], max_new_tokens=min(48, (3 * longest) // 2 + 4),
                                batch_size=batch_size)
         for p, o in zip(part, outs):
             translation[p] = postprocess(backbone.decode(o)).strip(" \"'“”„«»")

@@ -10,18 +10,23 @@ m = 10…300 depending on the task) and the pretrained model frozen. One adapter
 
 How it is adapted to our decoder-only backbones (Llama, Gemma 3):
     * "after each decoder block" = a forward hook on every ``decoder.layers[l]`` that rewrites its output H (the
-      residual stream leaving the block) as H + s_l · σ · (ReLU(LN(H)·W_E + b_E)·W_D + b_D). W_E and W_D carry
-      biases, as ``nn.Linear`` does in the paper's code; W_D and b_D start at exactly zero so the untrained
-      adapter is the identity.
-    * s_l (a saved buffer, not trained) is the RMS of H at block l, measured once on the memory's training
-      samples before training. Gemma 3's residual stream grows to an RMS near 1,400 at the last block, so a raw
-      delta would need W_D entries in the hundreds and Adam (whose steps are ~lr in parameter space) could not
-      get there in a few minutes. s_l·W_D is a pure re-parametrisation of the paper's W_D (same function class).
+      residual stream leaving the block) as H + σ · s_l ⊙ (ReLU(LN(H)·W_E + b_E)·W_D + b_D). W_E and W_D carry
+      biases (``nn.Linear``; the paper's equation leaves them out); W_D and b_D start at exactly zero, so the
+      untrained adapter is the identity (W_E, LN: PyTorch's default initialisation).
+    * s_l ∈ R^d (a saved buffer, not trained; applied element-wise) is the per-feature RMS of H at block l,
+      measured once on the memory's training samples before training. Gemma 3's residual stream grows to an RMS
+      near 1,400 at the last block, with a few "massive" features hundreds of times larger than the typical ones
+      (median |H| ≈ 225 there, 0.6 at block 0), so a raw delta would need W_D entries in the hundreds and Adam
+      (whose steps are ~lr in parameter space) could not get there in minutes, while one scalar scale would make
+      the typical features move far too fast. W_D·diag(s_l) is a pure re-parametrisation of the paper's W_D (same
+      function class): each step changes every feature by an amount relative to its own typical size.
     * σ is the decode-time setting ``scale`` (default 1.0; 0 switches the adapter off) — not in the paper.
     * Training: teacher-forced NLL of the reference target tokens of the memory's samples, the backbone frozen,
       Adam, early stopping on the memory's held-out samples (``plugins.seqtrain`` + ``plugins.training``).
       The hooks are attached for each batch's forward pass only (autograd keeps what backward needs), so no hook
       stays on the shared backbone between batches. Logits are computed at target positions only.
+    * ``max_minutes`` bounds the training time; ``BudgetGuard`` evaluates once more just before the budget runs
+      out, so a budget-stopped run keeps its last steps (``run_training`` alone restores the last *evaluated* best).
     * Option ``softmax="candidates"`` (not the default): the training softmax runs over a candidate vocabulary
       (memory values + stop tokens + the LM's top tokens on sampled memory contexts), as PEMA's fast mode, instead
       of all V tokens — a sampled-softmax approximation that makes CPU training several times faster on Gemma's
@@ -216,6 +221,14 @@ class NetworkPlugin(Plugin):
         self._trace_ptr = 0
         self._cand = None  # (token ids, vocab → candidate index, head rows) while training with candidates
 
+    @classmethod
+    def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
+        # Plug-ins saved before the scales became per-feature hold one scale per layer: broadcast them over d.
+        for k, v in list(tensors.items()):
+            if k.endswith("_scale") and v.dim() == 1:
+                tensors[k] = v[:, None].expand(-1, backbone.hidden_size).contiguous()
+        return cls(config, backbone, memory_meta)
+
     # --- decode-time settings -----------------------------------------------------------------------------
     def validate_settings(self, s: dict) -> None:
         PluginConfig._check(math.isfinite(float(s["scale"])) and 0.0 <= float(s["scale"]) <= 10.0,
@@ -288,22 +301,22 @@ class NetworkPlugin(Plugin):
             held = SeqData(held.contexts[:self.config.max_heldout], held.targets[:self.config.max_heldout])
         return train, held
 
-    def calibrate_rms(self, modules: list[nn.Module], data: SeqData, n: int = 16, output: bool = True) -> list[float]:
-        """RMS of each module's output (or first input) over the real tokens of up to ``n`` training samples."""
+    def calibrate_rms(self, modules: list[nn.Module], data: SeqData, n: int = 16) -> list[torch.Tensor]:
+        """Per-feature RMS (a (d,) tensor) of each module's output over the real tokens of up to ``n`` training
+        samples, floored at 1% of its mean so that no feature gets a zero scale."""
         bb = self.backbone
-        sums = [0.0] * len(modules)
+        sums: list[torch.Tensor | None] = [None] * len(modules)
         count = [0] * len(modules)
         state = {}
 
         def mk(i):
             def hook(mod, args, kwargs, out):
-                t = first_tensor(out) if output else module_input(args, kwargs)
+                t = first_tensor(out)
                 m = state["mask"]
-                if t.dim() == 3 and t.shape[:2] == m.shape:
-                    t = t[m]
-                t = t.detach().float()
-                sums[i] += float(t.pow(2).sum())
-                count[i] += t.numel()
+                t = (t[m] if t.dim() == 3 and t.shape[:2] == m.shape else t.reshape(-1, t.shape[-1]))
+                sq = t.detach().float().pow(2).sum(0).cpu()
+                sums[i] = sq if sums[i] is None else sums[i] + sq
+                count[i] += t.shape[0]
             return hook
 
         handles = [m.register_forward_hook(mk(i), with_kwargs=True) for i, m in enumerate(modules)]
@@ -318,10 +331,20 @@ class NetworkPlugin(Plugin):
             for h in handles:
                 h.remove()
         out = []
-        for s, c in zip(sums, count):
-            r = math.sqrt(s / c) if c else 1.0
-            out.append(r if math.isfinite(r) and r > 1e-12 else 1.0)
+        for sq, c in zip(sums, count):
+            if sq is None or not c:
+                out.append(None)
+                continue
+            r = (sq / c).sqrt()
+            r = torch.nan_to_num(r, nan=0.0, posinf=0.0)
+            floor = max(float(r.mean()) * 1e-2, 1e-6)
+            out.append(r.clamp_min(floor))
         return out
+
+    @staticmethod
+    def scale_summary(scales: list[torch.Tensor]) -> list[float]:
+        """Per-layer overall RMS of the per-feature scales, for ``train_info``."""
+        return [round(float(s.pow(2).mean().sqrt()), 4) for s in scales]
 
     def seq_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int]:
         """Mean NLL of the target tokens (logits only at target positions: the LM head is the costly part)."""
@@ -483,7 +506,7 @@ class Adapter(NetworkPlugin):
         with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
             torch.manual_seed(config.seed)
             self.adapters = nn.ModuleList(ResidualAdapter(d, config.bottleneck, config.ln_eps) for _ in range(L))
-        self.register_buffer("out_scale", torch.ones(L))  # s_l: RMS of block l's output
+        self.register_buffer("out_scale", torch.ones(L, d))  # s_l: per-feature RMS of block l's output
 
     def _register_hooks(self, att: _Attachment) -> list:
         handles = []
@@ -509,7 +532,9 @@ class Adapter(NetworkPlugin):
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         def prepare(train):
             rms = self.calibrate_rms(list(self.backbone.layers), train)
-            self.out_scale.copy_(torch.tensor(rms))
-            return {"out_scale": [round(r, 4) for r in rms], "bottleneck": self.config.bottleneck}
+            for l, r in enumerate(rms):
+                if r is not None:
+                    self.out_scale[l].copy_(r.to(self.out_scale))
+            return {"out_scale_rms": self.scale_summary(list(self.out_scale)), "bottleneck": self.config.bottleneck}
 
         return self.fit_sequences(memory, progress, should_stop, prepare)

@@ -68,7 +68,11 @@ until then "+ kNN" is a kNN row over the same memory beside this one.
 
 ``network_trace()`` returns, per row of the group, the attention over memory items at each adapted layer:
 ``{j: {"layers": {l: [[phrase_index, weight], ...top k]}, "source_layers": {...}, "memory_share": {l: [1−g_tgt,
-1−g_src]}}}``; ``phrase_texts()[phrase_index]`` labels them.
+1−g_src]}}}``; ``phrase_texts()[phrase_index]`` labels them. When one plug-in is attached for several groups
+(same plug-in, different settings), ``network_trace()`` answers for the live groups in attach order, one per call —
+the order in which ``plugins.decode`` asks. At decode time the memory products (W_q·W_kᵀ·Kᵀ, V·W_v, V·W_v·W_1b) are
+computed once per temperature and cached, so a step costs about d² + 3·d·n per adapter and token (n items in the
+layer); capturing the memory items stops each forward pass after the highest layer a batch needs.
 """
 from __future__ import annotations
 
@@ -98,7 +102,7 @@ class MemoryAdapterConfig(PluginConfig):
     alpha: float = 5.0              # weight of the NLL with dropped memory (paper 5)
     beta: float = 5.0               # weight of the symmetric KL (paper 5)
     memory_dropout: float = 0.1     # probability of dropping one layer's memory (paper 0.1)
-    lr: float = 1e-4
+    lr: float = 3e-4
     batch_size: int = 4             # sequences per step (each runs twice: full and dropped memory)
     max_epochs: int = 5
     patience: int = 2               # held-out evaluations without improvement before stopping
@@ -719,8 +723,13 @@ class MemoryAdapterPlugin(Plugin):
                    "target_tokens_per_second": round(counter["tokens"] / max(t_train, 1e-9), 2)}
         self.train_info = {"temperature": cfg.temperature, "alpha": cfg.alpha, "beta": cfg.beta,
                            "memory_dropout": cfg.memory_dropout, "allocation": cfg.allocation,
-                           "memory_side": cfg.memory_side, "softmax": cfg.softmax, "placement": "self_attn output (both adapters in series)",
-                           "attention_scaling": "1/(T*sqrt(d)), inputs divided by the layer RMS", **metrics}
+                           "memory_side": cfg.memory_side, "softmax": cfg.softmax,
+                           "placement": "self_attn output (both adapters in series)",
+                           "attention_scaling": "1/(T*sqrt(d)), inputs divided by the layer RMS", **metrics,
+                           # flat copies for benchmark tables
+                           "steps": summary["steps"], "epochs": summary["epochs"], "seconds": summary["seconds"],
+                           "stopped_by": summary["stopped_by"],
+                           "tokens_per_second": metrics["target_tokens_per_second"]}
         return FitResult(metrics=metrics, history=history)
 
     def _candidates(self, memory) -> torch.Tensor:
@@ -765,7 +774,8 @@ class MemoryAdapterPlugin(Plugin):
             try:
                 mem = Memory.load(path, self.backbone)
             except UserError:
-                raise UserError(f"'+ kNN' reads the plug-in's memory at {path or '(unknown)'}, which is gone.") from None
+                raise UserError(f"'+ kNN' reads the plug-in's memory at {path or '(unknown)'}, "
+                                "which is gone.") from None
             knn = KNN(KNNConfig(), self.backbone, self.memory_meta)
             knn.attach_memory(mem)
             self._knn = knn

@@ -42,10 +42,10 @@ all heads).
 Further adaptations (all recorded in ``train_info``):
     * Queries use the RMS-normalised input x̂ = x / rms(x) (parameter-free), so the softmax temperature does not
       depend on the backbone's norm gains.
-    * s_l (a saved buffer, not trained) is the RMS of the hooked module's output at layer l, measured on the
-      memory's training samples before training: the memory's output is s_l·ΔH. Gemma's MLP outputs have RMS ~0.1
-      and its attention outputs ~1, Llama's differ again; s_l makes one learning rate fit all (a pure
-      re-parametrisation of W_o).
+    * s_l ∈ R^d (a saved buffer, not trained) is the per-feature RMS of the hooked module's output at layer l,
+      measured on the memory's training samples before training; the memory's output is s_l ⊙ ΔH. Gemma's MLP
+      outputs have an RMS ~0.1 and its attention outputs ~1, Llama's differ again, and a few features are far
+      larger than the rest; s_l makes one learning rate fit all (a pure re-parametrisation of W_o).
     * W_o of MT-F starts at zero (identity at start); W_o of MT-M is small random, its gate g is zero.
     * Decode-time setting ``scale`` σ multiplies ΔH (MT-F) and λ (MT-M); 1 = as trained, 0 = off.
 
@@ -117,10 +117,28 @@ class SlotMemory(nn.Module):
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(memory output ΔH, attention weights over slots, their scores, normalised x̂), all float32."""
         xh = rms_normalize(x.float())
-        scores = (self.W_query(xh) @ self.W_key(self.M).T) * self.temp       # (..., k)
+        if torch.is_grad_enabled():
+            scores = (self.W_query(xh) @ self.W_key(self.M).T) * self.temp       # (..., k)
+            a = torch.softmax(scores, dim=-1)
+            return self.W_o(a @ self.W_value(self.M)), a, scores, xh
+        # Decoding / evaluation: the slot keys and values are constants, so fold them once into two (d×k), (k×d)
+        # matrices — the same products, two small matmuls a layer instead of six (they dominate a CPU step).
+        qk, vo = self._folded()
+        scores = xh @ qk
         a = torch.softmax(scores, dim=-1)
-        out = self.W_o(a @ self.W_value(self.M))
-        return out, a, scores, xh
+        return a @ vo, a, scores, xh
+
+    def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ver = tuple(p._version for p in (self.M, self.W_query.weight, self.W_key.weight, self.W_value.weight,
+                                         self.W_o.weight)) + (self.M.device, self.M.data_ptr())
+        cache = getattr(self, "_fold_cache", None)
+        if cache is None or cache[0] != ver:
+            with torch.no_grad():
+                qk = (self.W_query.weight.T @ self.W_key(self.M).T * self.temp).contiguous()   # (d, k)
+                vo = self.W_o(self.W_value(self.M)).contiguous()                                # (k, d)
+            cache = (ver, qk, vo)
+            self._fold_cache = cache
+        return cache[1], cache[2]
 
     def gate(self, scores: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
         z = xh @ self.w_z + self.b_z
@@ -147,9 +165,9 @@ class MemoryTuning(NetworkPlugin):
             if self.use_attn:
                 self.attn_mem = nn.ModuleList(SlotMemory(d, config, gated=True) for _ in range(L))
         if self.use_ffn:
-            self.register_buffer("ffn_scale", torch.ones(L))
+            self.register_buffer("ffn_scale", torch.ones(L, d))
         if self.use_attn:
-            self.register_buffer("attn_scale", torch.ones(L))
+            self.register_buffer("attn_scale", torch.ones(L, d))
 
     # --- hooks --------------------------------------------------------------------------------------------
     def _register_hooks(self, att: _Attachment) -> list:
@@ -226,12 +244,15 @@ class MemoryTuning(NetworkPlugin):
                    ([ly.self_attn for ly in layers] if self.use_attn else [])
             rms = self.calibrate_rms(mods, train)
             L = len(layers)
-            if self.use_ffn:
-                self.ffn_scale.copy_(torch.tensor(rms[:L]))
-                info["ffn_scale"] = [round(r, 4) for r in rms[:L]]
-            if self.use_attn:
-                self.attn_scale.copy_(torch.tensor(rms[-L:]))
-                info["attn_scale"] = [round(r, 4) for r in rms[-L:]]
+            for name, part in (("ffn_scale", rms[:L] if self.use_ffn else None),
+                               ("attn_scale", rms[-L:] if self.use_attn else None)):
+                if part is None:
+                    continue
+                buf = getattr(self, name)
+                for l, r in enumerate(part):
+                    if r is not None:
+                        buf[l].copy_(r.to(buf))
+                info[name + "_rms"] = self.scale_summary(list(buf))
             return info
 
         return self.fit_sequences(memory, progress, should_stop, prepare)

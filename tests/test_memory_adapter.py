@@ -190,8 +190,9 @@ def test_batched_compare_matches_single_rows(tiny, tiny_memory, trained):
         single = compare(tiny, src, [r], prompt=prompt, max_new_tokens=8)
         assert batched.row(r.label).tokens == single.rows[0].tokens, r.label
         assert batched.row(r.label).score == pytest.approx(single.rows[0].score, abs=1e-3)
-    # the adapter really acts on its own row only, and changes it
+    # the adapter really acts on its own row only, and changes it; no hook stays on the shared backbone
     assert batched.row("ma").trace[0]["top_lm"] != batched.row("base").trace[0]["top_lm"]
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
 
 
 def test_bad_config_and_settings(tiny, tiny_memory, trained):

@@ -26,6 +26,16 @@ FAST = {
 SOURCE = "the house is small"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are far too small to gain from threads, and on a busy 2-core box OpenMP's spin-waiting
+    makes every small multi-row matmul take ~16 ms with 2 threads (the module ran 2m48s instead of 14 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _logits(bb, data, plugin=None, rows=None, n=4):
     ids, mask, _ = collate(bb, data, range(min(n, len(data))))
     handles = plugin.attach(rows, {}) if plugin is not None else []
