@@ -3,20 +3,29 @@
     python -m eval.bench build      # teacher-forced batched capture vs per-step generation (PEMA code's way)
     python -m eval.bench train      # peak extra memory + entries/s: PEMA vs last-layer LoRA (peft) and others
     python -m eval.bench decode     # per-token time: PEMA, exact kNN over 100k entries, 4-method batch vs base
-    python -m eval.bench all
+    python -m eval.bench all        # one run: the train children save their plug-ins, decode times them
+    python -m eval.bench train pema,lora   # a subset of methods
 
 Each training run happens in a fresh subprocess so its peak resident memory (ru_maxrss) can be measured above
 the loaded backbone's. Uses ../shared/data/wmt22-en-de/train.jsonl.
 """
 from __future__ import annotations
 
+import gc
 import json
+import os
 import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
+
+# Idle OpenMP threads spin-wait by default and starve the other core on a busy 2-core machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 N_PAIRS = 200
 
@@ -44,7 +53,38 @@ def bench_build(bb) -> dict:
                 "per_step_tokens_per_s": round(tokens / t2, 1), "speedup": round(t2 / t1, 1)}
 
 
-def _train_child(method: str, overrides: dict, mem_path: str) -> dict:
+def _rss_kb() -> int:
+    """Current resident set size (Linux /proc), in kB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # not Linux: the lifetime peak, a poorer proxy
+
+
+class _PeakSampler:
+    """Samples the resident set size every 10 ms while training runs: the peak above the pre-training baseline
+    is the training's own memory (activations, gradients, optimiser state, copies), whatever allocates it."""
+
+    def __init__(self):
+        self.peak_kb, self._stop = 0, threading.Event()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak_kb = max(self.peak_kb, _rss_kb())
+            self._stop.wait(0.01)
+
+    def __enter__(self):
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *a):
+        self._stop.set()
+        self._t.join()
+        self.peak_kb = max(self.peak_kb, _rss_kb())
+
+
+def _train_child(method: str, overrides: dict, mem_path: str, out_dir: str) -> dict:
     """Runs in a subprocess: load backbone, note RSS, train, note peak RSS."""
     from backbone import load_backbone
     from memories.store import Memory
@@ -52,19 +92,18 @@ def _train_child(method: str, overrides: dict, mem_path: str) -> dict:
 
     bb = load_backbone()
     mem = Memory.load(mem_path, bb)
-    _ = [len(mem.samples), float(mem.keys[:1].sum())]
-    base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    _ = [len(mem.samples), float(np.asarray(mem.keys).sum())]  # page the memory in before the baseline
+    gc.collect()
+    base_kb = _rss_kb()
+    sampler = _PeakSampler()
     t0 = time.time()
-    with tempfile.TemporaryDirectory() as out:
-        p, row = train_plugin(bb, mem, method, overrides, out_dir=Path(out) / "p")
+    with sampler:
+        p, row = train_plugin(bb, mem, method, overrides, out_dir=Path(out_dir) / method)
     secs = time.time() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     info = p.train_info
     return {"method": method, "params": p.trainable_parameters(), "train_seconds": round(secs, 1),
-            "extra_peak_mb": round((peak_kb - base_kb) / 1024, 1), "backbone_rss_mb": round(base_kb / 1024, 1),
-            "train_info": {k: v for k, v in info.items() if k in ("reconstruction", "joint", "epochs", "steps",
-                                                                 "seconds", "entries_per_second", "stopped_by",
-                                                                 "tokens_per_second", "phase")}}
+            "extra_peak_mb": round((sampler.peak_kb - base_kb) / 1024, 1), "baseline_rss_mb": round(base_kb / 1024, 1),
+            "train_info": {k: v for k, v in info.items() if isinstance(v, (int, float, str, dict))}}
 
 
 TRAIN_RUNS = {
@@ -77,21 +116,21 @@ TRAIN_RUNS = {
 }
 
 
-def bench_train(bb, methods=None) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        mem, _ = _mem(bb, N_PAIRS, tmp)
-        out = []
-        for m in methods or TRAIN_RUNS:
-            cmd = [sys.executable, "-m", "eval.bench", "_child", m, json.dumps(TRAIN_RUNS[m]), str(mem.path)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                out.append({"method": m, "error": r.stderr.strip().splitlines()[-1:]})
-                continue
-            res = json.loads(r.stdout.strip().splitlines()[-1])
-            res["memory_entries"] = len(mem)
-            out.append(res)
-            print(json.dumps(res), file=sys.stderr)
-        return out
+def bench_train(mem, plugin_dir: Path, methods=None) -> list[dict]:
+    out = []
+    for m in methods or TRAIN_RUNS:
+        cmd = [sys.executable, "-m", "eval.bench", "_child", m, json.dumps(TRAIN_RUNS[m]), str(mem.path),
+               str(plugin_dir)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            out.append({"method": m, "error": r.stderr.strip().splitlines()[-3:]})
+            print(json.dumps(out[-1]), file=sys.stderr)
+            continue
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        res["memory_entries"] = len(mem)
+        out.append(res)
+        print(json.dumps(res), file=sys.stderr)
+    return out
 
 
 def _time_decode(bb, rows, prompt, sources, max_new_tokens=24, reps=1):
@@ -123,74 +162,87 @@ class _FixedSteps:
         self.bb.stop_ids = self.saved
 
 
-def bench_decode(bb) -> dict:
-    import numpy as np
-
-    from eval.datasets import wmt_pairs
+def _datastore_100k(mem, path: Path):
+    """A 100k-entry copy of ``mem`` for timing only: the real keys tiled with small noise (search cost depends on
+    the number and size of the keys, not on where they came from)."""
     from memories.store import Memory
+
+    path.mkdir()
+    for f in mem.path.iterdir():
+        if f.is_file():
+            (path / f.name).write_bytes(f.read_bytes())
+    reps = int(np.ceil(100_000 / len(mem)))
+    keys = np.tile(np.asarray(mem.keys, np.float32), (reps, 1))[:100_000]
+    keys += np.random.default_rng(0).normal(0, 0.01 * mem.key_scale, keys.shape).astype(np.float32)
+    np.save(path / "keys.npy", keys.astype(np.float16))
+    np.save(path / "values.npy", np.tile(np.asarray(mem.values), reps)[:100_000])
+    np.save(path / "entry_sample.npy", np.tile(np.asarray(mem.entry_sample), reps)[:100_000])
+    meta = json.loads((path / "meta.json").read_text())
+    meta["stats"]["entries"] = 100_000
+    (path / "meta.json").write_text(json.dumps(meta))
+    return Memory.load(path)
+
+
+def bench_decode(bb, mem, plugin_dir: Path, tokens: int = 24) -> dict:
+    """Per-token decode time of each plug-in alone, of exact kNN over 100k entries, and of a 4-method batch,
+    all relative to the base model, with every decode forced to run exactly ``tokens`` steps."""
+    from eval.datasets import wmt_pairs
     from plugins.api import train_plugin
+    from plugins.base import load_plugin
     from plugins.decode import Row
 
     sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
-    with tempfile.TemporaryDirectory() as tmp:
-        mem, _ = _mem(bb, N_PAIRS, tmp)
-        prompt = mem.prompt
-        pema, _ = train_plugin(bb, mem, "pema", {"max_epochs_rct": 1, "max_epochs_joint": 1},
-                               out_dir=Path(tmp) / "pema")
-        # A 100k-entry datastore for timing only: the real keys tiled with small noise (search cost depends on
-        # the number and size of keys, not on where they came from).
-        big = Path(tmp) / "big"
-        big.mkdir()
-        for f in mem.path.iterdir():
-            if f.is_file():
-                (big / f.name).write_bytes(f.read_bytes())
-        reps = int(np.ceil(100_000 / len(mem)))
-        keys = np.tile(np.asarray(mem.keys, np.float32), (reps, 1))[:100_000]
-        keys += np.random.default_rng(0).normal(0, 0.01 * mem.key_scale, keys.shape).astype(np.float32)
-        np.save(big / "keys.npy", keys.astype(np.float16))
-        np.save(big / "values.npy", np.tile(np.asarray(mem.values), reps)[:100_000])
-        np.save(big / "entry_sample.npy", np.tile(np.asarray(mem.entry_sample), reps)[:100_000])
-        meta = json.loads((big / "meta.json").read_text())
-        meta["stats"]["entries"] = 100_000
-        (big / "meta.json").write_text(json.dumps(meta))
-        knn, _ = train_plugin(bb, Memory.load(big, bb), "knn", {"search": "exact"}, out_dir=Path(tmp) / "knn")
-        extra = {}
-        try:
-            ad, _ = train_plugin(bb, mem, "adapter", {"max_epochs": 1}, out_dir=Path(tmp) / "ad")
-            extra["adapter"] = ad
-        except Exception as e:  # noqa: BLE001
-            print("adapter unavailable:", e, file=sys.stderr)
-        with _FixedSteps(bb):
-            t_base = _time_decode(bb, [Row("base")], prompt, sources)
-            t_pema = _time_decode(bb, [Row("pema", pema)], prompt, sources)
-            t_knn = _time_decode(bb, [Row("knn", knn)], prompt, sources)
-            four = [Row("base"), Row("pema", pema), Row("knn", knn)] + \
-                   ([Row("adapter", extra["adapter"])] if "adapter" in extra else [Row("pema-nogu", pema, {"gu": False})])
-            t_four = _time_decode(bb, four, prompt, sources)
-        return {"base_ms_per_token": round(1000 * t_base, 1), "pema_ms_per_token": round(1000 * t_pema, 1),
-                "knn100k_ms_per_token": round(1000 * t_knn, 1), "four_rows_ms_per_step": round(1000 * t_four, 1),
-                "pema_over_base": round(t_pema / t_base, 3), "knn100k_over_base": round(t_knn / t_base, 3),
-                "four_methods_over_one": round(t_four / t_base, 3), "four_rows": [r.label for r in four],
-                "knn_search": knn.search_kind}
+    prompt = mem.prompt
+    plugins = {d.name: load_plugin(d, bb) for d in sorted(Path(plugin_dir).iterdir()) if d.is_dir()}
+    big = _datastore_100k(mem, Path(plugin_dir).parent / "big")
+    knn, _ = train_plugin(bb, big, "knn", {"search": "exact"}, out_dir=Path(plugin_dir).parent / "knn100k")
+    res: dict = {"tokens_per_decode": tokens, "sources": len(sources), "knn_search": knn.search_kind}
+    with _FixedSteps(bb):
+        t_base = _time_decode(bb, [Row("base")], prompt, sources, tokens)
+        res["base_ms_per_token"] = round(1000 * t_base, 1)
+        per = {}
+        for name, p in [*plugins.items(), ("knn100k", knn)]:
+            t = _time_decode(bb, [Row(name, p)], prompt, sources, tokens)
+            per[name] = {"ms_per_token": round(1000 * t, 1), "over_base": round(t / t_base, 3)}
+            print(name, per[name], file=sys.stderr)
+        res["per_method"] = per
+        four = [Row("base")] + [Row(n, plugins[n]) for n in ("pema", "adapter") if n in plugins] + [Row("knn", knn)]
+        t_four = _time_decode(bb, four, prompt, sources, tokens)
+        res["four_rows"] = [r.label for r in four]
+        res["four_rows_ms_per_step"] = round(1000 * t_four, 1)
+        res["four_methods_over_one"] = round(t_four / t_base, 3)
+    return res
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_child":
-        print(json.dumps(_train_child(argv[1], json.loads(argv[2]), argv[3])))
+        print(json.dumps(_train_child(argv[1], json.loads(argv[2]), argv[3], argv[4])))
         return 0
     what = argv[0] if argv else "all"
+    if what not in ("build", "train", "decode", "all"):
+        raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | all")
     from backbone import load_backbone
 
     bb = load_backbone()
-    res = {}
+    res: dict = {"backbone": bb.name, "torch_threads": __import__("torch").get_num_threads()}
     if what in ("build", "all"):
         res["build"] = bench_build(bb)
         print(json.dumps(res["build"]), file=sys.stderr)
-    if what in ("train", "all"):
-        res["train"] = bench_train(bb, argv[1].split(",") if len(argv) > 1 and what == "train" else None)
-    if what in ("decode", "all"):
-        res["decode"] = bench_decode(bb)
+    if what in ("train", "decode", "all"):
+        with tempfile.TemporaryDirectory() as tmp:
+            mem, secs = _mem(bb, N_PAIRS, tmp)
+            res["memory"] = {"pairs": N_PAIRS, "entries": len(mem), "build_seconds": round(secs, 1)}
+            plugin_dir = Path(tmp) / "plugins"
+            methods = argv[1].split(",") if len(argv) > 1 else None
+            if what == "decode":  # decode alone: short trainings just to have plug-ins to time
+                for m in methods or TRAIN_RUNS:
+                    from plugins.api import train_plugin
+                    train_plugin(bb, mem, m, TRAIN_RUNS[m], out_dir=plugin_dir / m)
+            else:
+                res["train"] = bench_train(mem, plugin_dir, methods)
+            if what in ("decode", "all"):
+                res["decode"] = bench_decode(bb, mem, plugin_dir)
     Path("out").mkdir(exist_ok=True)
     Path(f"out/bench-{what}.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str))

@@ -53,6 +53,9 @@ class PEMAConfig(PluginConfig):
     candidate_contexts: int = 2048  # how many memory contexts to sample for the LM's top tokens
     max_minutes: float = 10.0       # wall-clock budget per phase (0 = none)
     normalize_input: bool = True    # divide f(c) by the memory's key RMS
+    # joint-phase start: "random" (paper: A re-initialised, B_pd fresh) | "rct" (A re-initialised, B_pd = B_rct)
+    # | "warm" (A kept, B_pd = B_rct: P_PEMA starts at the reconstruction's P, close to P_LM)
+    pd_init: str = "random"
     seed: int = 123
 
     def validate(self) -> None:
@@ -62,6 +65,7 @@ class PEMAConfig(PluginConfig):
         self._check(0.0 <= self.dropout < 1.0, "Dropout must be in [0, 1).")
         self._check(self.batch_size >= 1, "The batch size must be ≥ 1.")
         self._check(self.softmax in ("candidates", "full"), "softmax must be 'candidates' or 'full'.")
+        self._check(self.pd_init in ("random", "rct", "warm"), "pd_init must be 'random', 'rct' or 'warm'.")
         self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
 
 
@@ -214,7 +218,10 @@ class PEMA(Plugin):
         # Phase 2: joint retraining. Re-initialise A, freeze B_rct, train A and B_pd.
         with torch.no_grad():
             g = torch.Generator().manual_seed(cfg.seed + 1)
-            self.A.copy_(self._init(self.rank, bb.hidden_size, g))
+            if cfg.pd_init != "warm":
+                self.A.copy_(self._init(self.rank, bb.hidden_size, g))
+            if cfg.pd_init in ("rct", "warm"):  # start B_pd at the reconstruction decoder
+                self.B_pd.copy_(self.B_rct)
         self.B_rct.requires_grad_(False)
         self.B_pd.requires_grad_(True)
         kappa = cfg.kappa
@@ -245,7 +252,7 @@ class PEMA(Plugin):
             p.requires_grad_(False)
         metrics = {"reconstruction": s1, "joint": s2, "heldout_entries": int(len(hx)),
                    "train_entries": int(len(keys)), "candidates": int(len(self.candidates)) or bb.vocab_size}
-        self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input,
+        self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input, "pd_init": cfg.pd_init,
                            "key_scale": float(self.key_scale), "lr_schedule": cfg.lr_schedule, **metrics}
         return FitResult(metrics=metrics, history=history)
 

@@ -84,7 +84,9 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
             frac = min(1.0, step / total_steps)
             progress(lo + (hi - lo) * frac, f"{phase}: epoch {epoch + 1}/{s.max_epochs} step {step} "
                                              f"loss {float(loss.detach()):.4f} (best held-out {best:.4f})")
-            if step % eval_every == 0:
+            out_of_time = bool(s.max_minutes) and time.time() - t0 > 60 * s.max_minutes
+            # evaluate on schedule, and once more when the budget ends, so the last steps are not thrown away
+            if step % eval_every == 0 or out_of_time:
                 module.eval()
                 h = heldout_loss()
                 module.train()
@@ -97,7 +99,7 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
                     bad += 1
                     if bad >= s.patience:
                         reason, done = "early_stopping", True
-            if s.max_minutes and time.time() - t0 > 60 * s.max_minutes:
+            if out_of_time and not done:
                 reason, done = "time_budget", True
             if done:
                 break
