@@ -39,12 +39,17 @@ def main(argv=None) -> int:
     ap.add_argument("--train", type=int, default=1000, help="training pairs for the memory")
     ap.add_argument("--tune", default="0:40", help="START:N of dev items used for tuning")
     ap.add_argument("--report", default="1000:200", help="START:N of dev items reported (never tuned on)")
-    ap.add_argument("--methods", default="pema,knn")
+    ap.add_argument("--methods", default="pema,knn",
+                    help="comma-separated methods; LABEL=METHOD trains a variant under its own label "
+                         "(e.g. pema-warm=pema with --set pema-warm.pd_init=\"warm\")")
     ap.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", help="training config override")
     ap.add_argument("--backbone", default=None)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--save-defaults", action="store_true")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also train PEMA without the reconstruction (A, B_pd on L_pd only: the paper's '+B_pd') "
+                         "and report base < +B_pd < +B_pd+GU < full PEMA at the tuned λ_max")
     args = ap.parse_args(argv)
 
     from backbone import load_backbone
@@ -72,9 +77,10 @@ def main(argv=None) -> int:
         m, key = k.split(".", 1)
         overrides.setdefault(m, {})[key] = json.loads(v)
     plugins, train_info = {}, {}
-    for m in args.methods.split(","):
+    for spec in args.methods.split(","):
+        m, method = spec.split("=", 1) if "=" in spec else (spec, spec)
         with progress_bar(m) as prog:
-            p, row = train_plugin(bb, mem, m, overrides.get(m), catalog=cat, progress=prog)
+            p, row = train_plugin(bb, mem, method, overrides.get(m), catalog=cat, progress=prog)
         plugins[m] = p
         train_info[m] = {"id": row["id"], "params": row["params"], **p.train_info}
 
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
     tuned = {}
     tune_tables = {}
     for m, p in plugins.items():
-        rows = [Row("base")] + [Row(json.dumps(g), p, g) for g in GRID.get(m, [{}])]
+        rows = [Row("base")] + [Row(json.dumps(g), p, g) for g in GRID.get(p.method, [{}])]
         with progress_bar(f"tune {m}") as prog:
             res = evaluate(bb, tune_pairs, rows, prompt, args.task, batch_sources=max(1, args.batch // 2),
                            progress=prog)
@@ -94,6 +100,16 @@ def main(argv=None) -> int:
         tune_tables[m] = res["methods"]
     report_pairs = task_pairs(args.task, "dev", rs, rn)
     rows = [Row("base")] + [Row(m, p, tuned[m]) for m, p in plugins.items()]
+    if args.ablation and "pema" in plugins:
+        with progress_bar("pema +B_pd") as prog:
+            bpd, row = train_plugin(bb, mem, "pema", {**overrides.get("pema", {}), "max_epochs_rct": 0, "kappa": 0.0},
+                                    catalog=cat, progress=prog)
+        train_info["pema +B_pd"] = {"id": row["id"], "params": row["params"], **bpd.train_info}
+        lam = tuned["pema"].get("lambda_max", 0.7)
+        rows += [Row("ablation: +B_pd", bpd, {"lambda_max": lam, "gu": False}),
+                 Row("ablation: +B_pd+GU", bpd, {"lambda_max": lam, "gu": True}),
+                 Row("ablation: PEMA (B_rct+B_pd) no GU", plugins["pema"], {"lambda_max": lam, "gu": False}),
+                 Row("ablation: PEMA (B_rct+B_pd)+GU", plugins["pema"], {"lambda_max": lam, "gu": True})]
     with progress_bar("report") as prog:
         rep = evaluate(bb, report_pairs, rows, prompt, args.task, batch_sources=args.batch, progress=prog)
     out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),
@@ -108,7 +124,9 @@ def main(argv=None) -> int:
     if args.save_defaults:
         data = json.loads(TUNED_PATH.read_text()) if TUNED_PATH.exists() else {}
         t = data.setdefault(args.task, {})
-        t.setdefault("backbones", {}).setdefault(bb.name, {})["decode"] = tuned
+        # variants trained under their own label (e.g. pema-warm) are reported, not made the app's defaults
+        t.setdefault("backbones", {}).setdefault(bb.name, {})["decode"] = {
+            m: v for m, v in tuned.items() if m == plugins[m].method}
         TUNED_PATH.write_text(json.dumps(data, indent=1), encoding="utf-8")
     return 0
 

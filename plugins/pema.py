@@ -56,6 +56,8 @@ class PEMAConfig(PluginConfig):
     # joint-phase start: "random" (paper: A re-initialised, B_pd fresh) | "rct" (A re-initialised, B_pd = B_rct)
     # | "warm" (A kept, B_pd = B_rct: P_PEMA starts at the reconstruction's P, close to P_LM)
     pd_init: str = "random"
+    decode_vocab: str = "candidates"  # after candidate training, P_PEMA over "candidates" | "full" vocabulary
+    rct_init: str = "random"        # phase-1 start: "random" (paper) | "pca" (the linear autoencoder's optimum)
     seed: int = 123
 
     def validate(self) -> None:
@@ -65,6 +67,8 @@ class PEMAConfig(PluginConfig):
         self._check(0.0 <= self.dropout < 1.0, "Dropout must be in [0, 1).")
         self._check(self.batch_size >= 1, "The batch size must be ≥ 1.")
         self._check(self.softmax in ("candidates", "full"), "softmax must be 'candidates' or 'full'.")
+        self._check(self.decode_vocab in ("candidates", "full"), "decode_vocab must be 'candidates' or 'full'.")
+        self._check(self.rct_init in ("random", "pca"), "rct_init must be 'random' or 'pca'.")
         self._check(self.pd_init in ("random", "rct", "warm"), "pd_init must be 'random', 'rct' or 'warm'.")
         self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
 
@@ -157,8 +161,8 @@ class PEMA(Plugin):
         rng = np.random.default_rng(self.config.seed)
         pick = np.sort(rng.choice(n, size=min(n, self.config.candidate_contexts), replace=False))
         with torch.no_grad():
-            for b0 in range(0, len(pick), 256):
-                fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 256]], dtype=np.float32))
+            for b0 in range(0, len(pick), 32):  # 32 rows × V float32 logits: ~34 MB on Gemma, not ~270 MB
+                fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 32]], dtype=np.float32))
                 top = bb.logits_from_fc(fc.to(bb.device)).topk(self.config.candidate_top_k, dim=-1).indices
                 toks |= set(top.flatten().tolist())
         toks |= set(bb.stop_ids)
@@ -200,6 +204,17 @@ class PEMA(Plugin):
                     max_minutes=cfg.max_minutes, seed=cfg.seed)
 
         # Phase 1: initial reconstruction (A, B_rct).
+        if cfg.rct_init == "pca":
+            # A bias-free linear autoencoder's optimum is the projection on the top-r right singular vectors of
+            # the keys (Eckart–Young): start phase 1 there instead of at random.
+            progress(0.03, "initialising the reconstruction from the keys' principal directions")
+            pick = np.sort(np.random.default_rng(cfg.seed).choice(len(keys), size=min(len(keys), 20000),
+                                                                 replace=False))
+            _, _, vt = torch.linalg.svd(self.scaled(torch.from_numpy(np.asarray(keys[pick], dtype=np.float32))),
+                                        full_matrices=False)
+            with torch.no_grad():
+                self.A.copy_(vt[:self.rank])
+                self.B_rct.copy_(vt[:self.rank].T)
         self.B_pd.requires_grad_(False)
 
         def rct_loss(idx):
@@ -252,7 +267,8 @@ class PEMA(Plugin):
             p.requires_grad_(False)
         metrics = {"reconstruction": s1, "joint": s2, "heldout_entries": int(len(hx)),
                    "train_entries": int(len(keys)), "candidates": int(len(self.candidates)) or bb.vocab_size}
-        self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input, "pd_init": cfg.pd_init,
+        self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input, "pd_init": cfg.pd_init, "rct_init": cfg.rct_init,
+                           "decode_vocab": cfg.decode_vocab,
                            "key_scale": float(self.key_scale), "lr_schedule": cfg.lr_schedule, **metrics}
         return FitResult(metrics=metrics, history=history)
 
@@ -266,7 +282,7 @@ class PEMA(Plugin):
 
     def pema_logprobs_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """log P_PEMA from W_hd·norm(h_pd) logits (restricted to the candidates when trained that way)."""
-        if len(self.candidates):
+        if len(self.candidates) and self.config.decode_vocab == "candidates":
             masked = torch.full_like(logits, float("-inf"))
             masked[:, self.candidates] = logits[:, self.candidates]
             logits = masked

@@ -168,6 +168,24 @@ def test_pema_phases_lower_losses_and_raise_target_probability(tiny, tiny_memory
         assert 0 < len(p.candidates) < tiny.vocab_size
 
 
+def test_pema_pca_start_reconstructs_and_warm_start_begins_at_the_lm(tiny, tiny_memory):
+    """rct_init=pca starts phase 1 at the linear autoencoder's optimum (full rank: exact reconstruction);
+    pd_init=warm then starts P_PEMA at the LM's distribution; decode_vocab switches the candidate restriction."""
+    d = tiny.hidden_size
+    cfg = PEMAConfig(rank=d, max_epochs_rct=0, max_epochs_joint=0, dropout=0.0, rct_init="pca", pd_init="warm",
+                     decode_vocab="full")
+    p = PEMA(cfg, tiny, {"key_rms": tiny_memory.key_scale})
+    res = p.fit(tiny_memory)
+    assert res.metrics["reconstruction"]["best_heldout_loss"] < 1e-8
+    x = torch.from_numpy(np.asarray(tiny_memory.keys[:8], dtype=np.float32))
+    lm = torch.log_softmax(tiny.logits_from_fc(x).float(), -1)
+    assert torch.allclose(p.pema_logprobs(x), lm, atol=1e-3)
+    p.config.decode_vocab = "candidates"
+    assert torch.isinf(p.pema_logprobs(x)).any()  # restricted to the candidates again
+    with pytest.raises(UserError, match="pd_init"):
+        PEMAConfig(pd_init="nope").validate()
+
+
 def test_pema_save_load_round_trip_and_foreign_backbone(tiny, tiny_memory, tmp_path):
     from backbone.tiny import tiny_backbone
 
