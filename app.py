@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see backbone/__init__.py
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

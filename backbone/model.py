@@ -44,6 +44,15 @@ ALIASES = {"gemma": "gemma-3-270m", "gemma3": "gemma-3-270m", "smollm2": "smollm
 DEFAULT_BACKBONE = "gemma-3-270m"
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x · weightᵀ. For the few rows of a decode step, ``weight @ xᵀ`` is computed instead: CPU BLAS then streams
+    the (V, d) head once for all rows (measured on 2 cores, Gemma's 262,144 × 640 head: 4 rows 67–90 ms instead of
+    205 ms with ``F.linear``; 1 row about the same)."""
+    if x.dim() == 2 and x.shape[0] <= 64 and x.device.type == "cpu":
+        return (weight @ x.T).T.contiguous()
+    return torch.nn.functional.linear(x, weight)
+
+
 @dataclass
 class Backbone:
     """A frozen causal LM plus the pieces plug-ins use. Build with :func:`load_backbone` or ``tiny_backbone``."""
@@ -94,10 +103,24 @@ class Backbone:
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """LM head on already-normed states (float32 result), with the model's logit soft-capping if any."""
-        logits = torch.nn.functional.linear(normed.to(self.dtype), self.lm_head.weight).float()
+        logits = _project(normed.to(self.dtype), self.lm_head.weight).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def head_logits_subset(self, normed: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+        """Like ``head_logits`` but computed only for the token ids ``vocab`` (−inf elsewhere): a fraction of the
+        LM head's cost when the vocabulary is large (Gemma: 262,144 rows)."""
+        cached = getattr(self, "_subset_rows", None)  # (vocab tensor held alive, its version, gathered rows)
+        if cached is None or cached[0] is not vocab or cached[1] != vocab._version:
+            cached = (vocab, vocab._version, self.lm_head.weight[vocab.to(self.lm_head.weight.device)])
+            self._subset_rows = cached  # gathered once per vocabulary, not at every step
+        part = _project(normed.to(self.dtype), cached[2]).float()
+        if self.softcap:
+            part = torch.tanh(part / self.softcap) * self.softcap
+        out = torch.full((normed.shape[0], self.vocab_size), float("-inf"), device=part.device)
+        out[:, vocab.to(part.device)] = part
+        return out
 
     def logits_from_fc(self, fc: torch.Tensor) -> torch.Tensor:
         """W_hd · norm(h): the frozen final norm and LM head applied to a pre-norm state (f(c) or h_pd)."""

@@ -133,6 +133,11 @@ class Plugin(nn.Module):
     def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
         return None
 
+    def head_vocab(self) -> torch.Tensor | None:
+        """Token ids the extra states' logits are needed for (others are −inf), or None for all of them. A
+        restricted vocabulary lets the decode project those states through only these rows of the LM head."""
+        return None
+
     def mix(self, inp: MixInput) -> MixOutput:
         return MixOutput(logprobs=inp.lm_logprobs)
 

@@ -191,17 +191,23 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
             with torch.no_grad():
                 normed = backbone.final_norm(fc_last)
                 extra = [(pl, rr, sts, sls, pl.extra_states(fc_last[rr], sts)) for pl, rr, sts, sls in out_rows]
-                states = [normed] + [backbone.final_norm(e.to(backbone.dtype)) for *_, e in extra if e is not None]
-                logits = backbone.head_logits(torch.cat(states))  # one pass over the LM head's weights
+                # States whose plug-in needs every token's logit share one pass over the LM head's weights with
+                # f(c); a plug-in with a restricted vocabulary (PEMA after candidate training) uses only its rows.
+                full_vocab = [e is not None and pl.head_vocab() is None for pl, _, _, _, e in extra]
+                states = [normed] + [backbone.final_norm(x[4].to(backbone.dtype)) for x, f in zip(extra, full_vocab) if f]
+                logits = backbone.head_logits(torch.cat(states))
                 lm_lp = torch.log_softmax(logits[:N], dim=-1)
                 final = lm_lp.clone()
                 info: list[dict] = [{} for _ in range(N)]
                 off = N
-                for pl, rr, sts, sls, e in extra:
+                for (pl, rr, sts, sls, e), full in zip(extra, full_vocab):
                     ex_logits = None
-                    if e is not None:
+                    if full:
                         ex_logits = logits[off:off + len(rr)]
                         off += len(rr)
+                    elif e is not None:
+                        ex_logits = backbone.head_logits_subset(backbone.final_norm(e.to(backbone.dtype)),
+                                                                pl.head_vocab())
                     mo = pl.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[rr], extra_logits=ex_logits, step=step,
                                          src_len=sls, settings=sts))
                     final[rr] = mo.logprobs

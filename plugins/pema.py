@@ -280,6 +280,10 @@ class PEMA(Plugin):
     def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor:
         return self.h_pd(self.scaled(fc))
 
+    def head_vocab(self) -> torch.Tensor | None:
+        restricted = len(self.candidates) and self.config.decode_vocab == "candidates"
+        return self.candidates if restricted else None
+
     def pema_logprobs_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """log P_PEMA from W_hd·norm(h_pd) logits (restricted to the candidates when trained that way)."""
         if len(self.candidates) and self.config.decode_vocab == "candidates":

@@ -293,3 +293,15 @@ def test_decode_batch_of_sources_equals_one_at_a_time(tiny, tiny_memory):
     for src, c in zip(sources, many):
         one = compare(tiny, src, rows, PROMPT, max_new_tokens=8)
         assert [r.tokens for r in c.rows] == [r.tokens for r in one.rows]
+
+
+def test_head_logits_subset_equals_the_masked_full_head(tiny):
+    """PEMA's candidate-restricted decode projects through only the candidates' rows of the LM head."""
+    normed = tiny.final_norm(torch.randn(3, tiny.hidden_size))
+    vocab = torch.tensor([0, 5, 17, tiny.vocab_size - 1])
+    full = tiny.head_logits(normed)
+    sub = tiny.head_logits_subset(normed, vocab)
+    assert torch.allclose(sub[:, vocab], full[:, vocab], atol=1e-5)
+    keep = torch.zeros(tiny.vocab_size, dtype=torch.bool)
+    keep[vocab] = True
+    assert torch.isinf(sub[:, ~keep]).all()
