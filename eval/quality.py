@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--save-defaults", action="store_true")
+    ap.add_argument("--memory", default=None, help="reuse a memory (id or path) instead of building one")
+    ap.add_argument("--plugin", action="append", default=[], metavar="LABEL=ID",
+                    help="reuse a trained plug-in for LABEL instead of training it (e.g. pema=pema-1a2b)")
     ap.add_argument("--ablation", action="store_true",
                     help="also train PEMA without the reconstruction (A, B_pd on L_pd only: the paper's '+B_pd') "
                          "and report base < +B_pd < +B_pd+GU < full PEMA at the tuned λ_max")
@@ -55,9 +58,9 @@ def main(argv=None) -> int:
     from backbone import load_backbone
     from eval.run import evaluate, format_table
     from eval.tasks import TUNED_PATH, task_prompt
-    from memories.build import build_memory
+    from memories.build import build_memory, register_memory
     from memories.parse import Sample
-    from plugins.api import train_plugin
+    from plugins.api import open_memory, open_plugin, train_plugin
     from plugins.decode import Row
     from studio.store import Catalog, new_id
 
@@ -65,11 +68,15 @@ def main(argv=None) -> int:
     bb = load_backbone(args.backbone, data_dir=args.data_dir)
     prompt = task_prompt(args.task, bb)
     t0 = time.time()
-    train = task_pairs(args.task, "train", 0, args.train)
-    with progress_bar("memory") as prog:
-        mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(train)],
-                           cat.root / "memories" / new_id(f"q-{args.task}-"), prompt=prompt, task=args.task,
-                           name=f"{args.task}-{args.train}", batch_size=16, progress=prog)
+    if args.memory:
+        mem = open_memory(args.memory, bb, cat)
+    else:
+        train = task_pairs(args.task, "train", 0, args.train)
+        with progress_bar("memory") as prog:
+            mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(train)],
+                               cat.root / "memories" / new_id(f"q-{args.task}-"), prompt=prompt, task=args.task,
+                               name=f"{args.task}-{args.train}", batch_size=16, progress=prog)
+        register_memory(cat, mem)  # so that a later run can reuse it with --memory ID
     build_s = time.time() - t0
     overrides: dict[str, dict] = {}
     for it in args.set or []:
@@ -77,10 +84,15 @@ def main(argv=None) -> int:
         m, key = k.split(".", 1)
         overrides.setdefault(m, {})[key] = json.loads(v)
     plugins, train_info = {}, {}
+    reuse = dict(x.split("=", 1) for x in args.plugin)
     for spec in args.methods.split(","):
         m, method = spec.split("=", 1) if "=" in spec else (spec, spec)
-        with progress_bar(m) as prog:
-            p, row = train_plugin(bb, mem, method, overrides.get(m), catalog=cat, progress=prog)
+        if m in reuse:
+            p = open_plugin(reuse[m], bb, cat)
+            row = {"id": reuse[m], "params": p.trainable_parameters()}
+        else:
+            with progress_bar(m) as prog:
+                p, row = train_plugin(bb, mem, method, overrides.get(m), catalog=cat, progress=prog)
         plugins[m] = p
         train_info[m] = {"id": row["id"], "params": row["params"], **p.train_info}
 
@@ -101,15 +113,20 @@ def main(argv=None) -> int:
     report_pairs = task_pairs(args.task, "dev", rs, rn)
     rows = [Row("base")] + [Row(m, p, tuned[m]) for m, p in plugins.items()]
     if args.ablation and "pema" in plugins:
-        with progress_bar("pema +B_pd") as prog:
-            bpd, row = train_plugin(bb, mem, "pema", {**overrides.get("pema", {}), "max_epochs_rct": 0, "kappa": 0.0},
-                                    catalog=cat, progress=prog)
+        if "pema+B_pd" in reuse:
+            bpd = open_plugin(reuse["pema+B_pd"], bb, cat)
+            row = {"id": reuse["pema+B_pd"], "params": bpd.trainable_parameters()}
+        else:
+            with progress_bar("pema +B_pd") as prog:
+                bpd, row = train_plugin(bb, mem, "pema", {**overrides.get("pema", {}), "max_epochs_rct": 0,
+                                                          "kappa": 0.0}, catalog=cat, progress=prog)
         train_info["pema +B_pd"] = {"id": row["id"], "params": row["params"], **bpd.train_info}
         lam = tuned["pema"].get("lambda_max", 0.7)
         rows += [Row("ablation: +B_pd", bpd, {"lambda_max": lam, "gu": False}),
                  Row("ablation: +B_pd+GU", bpd, {"lambda_max": lam, "gu": True}),
-                 Row("ablation: PEMA (B_rct+B_pd) no GU", plugins["pema"], {"lambda_max": lam, "gu": False}),
-                 Row("ablation: PEMA (B_rct+B_pd)+GU", plugins["pema"], {"lambda_max": lam, "gu": True})]
+                 # full PEMA at the tuned λ_max with GU flipped (the tuned row above is the other one)
+                 Row(f"ablation: PEMA (B_rct+B_pd){'' if tuned['pema'].get('gu', True) else '+GU'}",
+                     plugins["pema"], {"lambda_max": lam, "gu": not tuned["pema"].get("gu", True)})]
     with progress_bar("report") as prog:
         rep = evaluate(bb, report_pairs, rows, prompt, args.task, batch_sources=args.batch, progress=prog)
     out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),

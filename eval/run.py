@@ -67,7 +67,10 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
         if should_stop():
             raise Cancelled()
         chunk = sources[b0:b0 + batch_sources]
-        for comp in decode_batch(backbone, chunk, rows, prompt, max_new_tokens=max_new_tokens, trace=False):
+        # An output far longer than its input is a runaway (repetition); capping the batch's length at twice the
+        # longest source (+16 tokens) keeps one such row from making the whole batch decode to max_new_tokens.
+        cap = min(max_new_tokens, 2 * max(len(backbone.encode_target(s.strip())) for s in chunk) + 16)
+        for comp in decode_batch(backbone, chunk, rows, prompt, max_new_tokens=cap, trace=False):
             for r in comp.rows:
                 hyps[r.label].append(r.text)
         done = min(len(sources), b0 + batch_sources)
