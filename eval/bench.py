@@ -3,8 +3,10 @@
     python -m eval.bench build      # teacher-forced batched capture vs per-step generation (PEMA code's way)
     python -m eval.bench train      # peak extra memory + entries/s: PEMA vs last-layer LoRA (peft) and others
     python -m eval.bench decode     # per-token time: PEMA, exact kNN over 100k entries, 4-method batch vs base
+    python -m eval.bench softmax    # PEMA's exact full-vocabulary training vs the fast candidate softmax
     python -m eval.bench all        # one run: the train children save their plug-ins, decode times them
     python -m eval.bench train pema,lora   # a subset of methods
+    python -m eval.bench train pema,lora --backbone smollm2-135m-instruct   # another backbone (head share 21%)
 
 Each training run happens in a fresh subprocess so its peak resident memory (ru_maxrss) can be measured above
 the loaded backbone's. Uses ../shared/data/wmt22-en-de/train.jsonl.
@@ -28,6 +30,13 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 N_PAIRS = 200
+
+
+def head_share(bb) -> float:
+    """Share of the backbone's weights in the LM head (counted once when tied to the embeddings)."""
+    head = bb.model.get_output_embeddings().weight
+    total = sum(p.numel() for p in {id(p): p for p in bb.model.parameters()}.values())
+    return round(head.numel() / total, 3)
 
 
 def _mem(bb, n, tmp, mode="teacher", batch_size=16):
@@ -90,7 +99,7 @@ def _train_child(method: str, overrides: dict, mem_path: str, out_dir: str) -> d
     from memories.store import Memory
     from plugins.api import train_plugin
 
-    bb = load_backbone()
+    bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE"))
     mem = Memory.load(mem_path, bb)
     _ = [len(mem.samples), float(np.asarray(mem.keys).sum())]  # page the memory in before the baseline
     gc.collect()
@@ -220,28 +229,77 @@ def bench_decode(bb, mem, plugin_dir: Path, tokens: int = 24) -> dict:
     return res
 
 
+def _heldout_scores(bb, plugin, mem, lam: float = 0.5, n: int = 2000) -> dict:
+    """Mean log-probability of the memory's held-out reference tokens under P_PEMA (over the whole vocabulary:
+    what the decode sees with ``decode_vocab="full"``), under the λ-mixture with P_LM (GU off), and under P_LM."""
+    import torch
+
+    from plugins.pema import mix_logprobs
+
+    keys = torch.from_numpy(np.asarray(mem.heldout_keys[:n], np.float32))
+    y = torch.from_numpy(np.asarray(mem.heldout_values[:n], np.int64))[:, None]
+    saved = plugin.config.decode_vocab
+    plugin.config.decode_vocab = "full"
+    out = {"pema": 0.0, "mixture": 0.0, "lm": 0.0, "tokens": len(y)}
+    with torch.no_grad():
+        for i in range(0, len(y), 256):
+            fc, yy = keys[i:i + 256], y[i:i + 256]
+            lm = torch.log_softmax(bb.logits_from_fc(fc).float(), -1)
+            pp = plugin.pema_logprobs(fc).float()
+            mx = mix_logprobs(lm, pp, torch.full((len(fc),), lam))
+            for k, lp in (("pema", pp), ("mixture", mx), ("lm", lm)):
+                out[k] += lp.gather(1, yy).sum().item()
+    plugin.config.decode_vocab = saved
+    return {k: (round(v / len(y), 4) if k != "tokens" else v) for k, v in out.items()}
+
+
+def bench_softmax(bb, mem, plugin_dir: Path) -> dict:
+    """The same PEMA training (PCA start, 3 joint epochs, no early stop) with the exact full-vocabulary softmax and
+    with the fast candidate softmax: joint seconds per epoch and held-out reference log-probabilities."""
+    from plugins.api import train_plugin
+
+    common = {"rct_init": "pca", "max_epochs_rct": 1, "max_epochs_joint": 3, "patience": 99, "batch_size": 64,
+              "max_minutes": 0}
+    out = {}
+    for kind in ("candidates", "full"):
+        t0 = time.time()
+        p, _ = train_plugin(bb, mem, "pema", {**common, "softmax": kind}, out_dir=plugin_dir / f"pema-{kind}")
+        joint = p.train_info["joint"]
+        out[kind] = {"train_seconds": round(time.time() - t0, 1), "joint": joint,
+                     "heldout_logprob": _heldout_scores(bb, p, mem)}
+        print(kind, json.dumps(out[kind], default=str), file=sys.stderr)
+    return out
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--backbone" in argv:  # children inherit it through the environment
+        i = argv.index("--backbone")
+        os.environ["PEMA_BENCH_BACKBONE"] = argv[i + 1]
+        del argv[i:i + 2]
     if argv and argv[0] == "_child":
         print(json.dumps(_train_child(argv[1], json.loads(argv[2]), argv[3], argv[4])))
         return 0
     what = argv[0] if argv else "all"
-    if what not in ("build", "train", "decode", "all"):
-        raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | all")
+    if what not in ("build", "train", "decode", "softmax", "all"):
+        raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | all")
     from backbone import load_backbone
 
-    bb = load_backbone()
-    res: dict = {"backbone": bb.name, "torch_threads": __import__("torch").get_num_threads()}
+    bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE"))
+    res: dict = {"backbone": bb.name, "torch_threads": __import__("torch").get_num_threads(),
+                 "head_share": head_share(bb)}
     if what in ("build", "all"):
         res["build"] = bench_build(bb)
         print(json.dumps(res["build"]), file=sys.stderr)
-    if what in ("train", "decode", "all"):
+    if what in ("train", "decode", "softmax", "all"):
         with tempfile.TemporaryDirectory() as tmp:
             mem, secs = _mem(bb, N_PAIRS, tmp)
             res["memory"] = {"pairs": N_PAIRS, "entries": len(mem), "build_seconds": round(secs, 1)}
             plugin_dir = Path(tmp) / "plugins"
             methods = argv[1].split(",") if len(argv) > 1 else None
-            if what == "decode":  # decode alone: short trainings just to have plug-ins to time
+            if what == "softmax":
+                res["softmax"] = bench_softmax(bb, mem, plugin_dir)
+            elif what == "decode":  # decode alone: short trainings just to have plug-ins to time
                 from plugins.api import train_plugin
 
                 for m in methods or TRAIN_RUNS:
@@ -251,7 +309,7 @@ def main(argv=None) -> int:
             if what in ("decode", "all"):
                 res["decode"] = bench_decode(bb, mem, plugin_dir)
     Path("out").mkdir(exist_ok=True)
-    Path(f"out/bench-{what}.json").write_text(json.dumps(res, indent=1, default=str))
+    Path(f"out/bench-{what}-{bb.name}.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str))
     return 0
 
