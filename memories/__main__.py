@@ -91,7 +91,6 @@ def main(argv=None) -> int:
 
 
 def _build(args, cat) -> int:
-    from backbone.prompts import Prompt
     from memories.build import build_memory, register_memory
     from memories.parse import parse_samples_strict, samples_from_dicts
     from studio.errors import UserError

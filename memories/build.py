@@ -14,7 +14,6 @@ text; the synthetic sources are kept in ``samples.jsonl`` so a person can inspec
 """
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Callable

@@ -38,7 +38,6 @@ in training), works for multi-token (prefill, training) and one-token (decoding 
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from torch import nn
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
-from plugins.training import LoopSettings, run_training
+from plugins.training import BudgetGuard, LoopSettings, run_training
 
 
 # --- shared by every in-network plug-in -------------------------------------------------------------------------
@@ -121,62 +120,6 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
     new = h.clone()
     new[rows] = fn(x.index_select(0, rows), h.index_select(0, rows)).to(h.dtype)
     return new
-
-
-class BudgetGuard:
-    """Keeps the progress of a run that the wall-clock budget cuts off between two held-out evaluations.
-
-    ``run_training`` only evaluates every ``eval_every`` steps and, when the budget stops it, restores the best
-    *evaluated* state — on a slow CPU (a Gemma step can take 10–60 s) that can throw away every step since the last
-    evaluation, all of them when none happened yet. The guard wraps the held-out loss (mirroring run_training's
-    best state) and, when the next step would cross the budget, evaluates once more at the start of that step;
-    ``restore()`` then loads the best state it saw, which is never worse than run_training's.
-    """
-
-    def __init__(self, module: nn.Module, heldout: Callable[[], float], max_minutes: float, history: list[dict],
-                 phase: str):
-        self.module, self._heldout, self.budget = module, heldout, 60.0 * max_minutes
-        self.history, self.phase = history, phase
-        self.best, self.state = math.inf, None
-        self.t0: float | None = None
-        self.last: float | None = None
-        self.step_s = 0.0
-        self.steps = 0
-        self.evaluated_at = -1
-        self.extra_evals = 0
-
-    def heldout_loss(self) -> float:
-        if self.t0 is None:
-            self.t0 = time.time()
-        h = self._heldout()
-        if h < self.best - 1e-6:
-            self.best = h
-            self.state = copy.deepcopy(self.module.state_dict())
-        self.evaluated_at = self.steps
-        return h
-
-    def before_step(self) -> None:
-        now = time.time()
-        if self.last is not None:
-            self.step_s = now - self.last
-        self.last = now
-        if (self.budget and self.t0 is not None and self.steps > self.evaluated_at
-                and now - self.t0 + self.step_s > self.budget):
-            was_training = self.module.training
-            self.module.eval()
-            h = self.heldout_loss()
-            self.module.train(was_training)
-            self.extra_evals += 1
-            self.history.append({"phase": self.phase, "step": self.steps, "heldout_loss": h,
-                                 "time": time.time() - self.t0, "before_budget": True})
-        self.steps += 1
-
-    def restore(self, summary: dict) -> dict:
-        if self.state is not None:
-            self.module.load_state_dict(self.state)
-            self.module.eval()
-        return {**summary, "best_heldout_loss": min(self.best, summary.get("best_heldout_loss", math.inf)),
-                "extra_evals": self.extra_evals}
 
 
 class _Attachment:

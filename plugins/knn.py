@@ -164,7 +164,7 @@ class KNN(Plugin):
 
     def mix(self, inp: MixInput) -> MixOutput:
         n = len(inp.fc)
-        outs, plps, extras = [], [], []
+        extras = []
         # Rows may have different k/T; group rows with the same settings into one search.
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(inp.settings):

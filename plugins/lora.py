@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.adapter import BudgetGuard, NetworkConfig, NetworkPlugin, _Attachment, first_tensor, replace_first, rows_apply
+from plugins.training import BudgetGuard
+from plugins.adapter import NetworkConfig, NetworkPlugin, _Attachment, first_tensor, replace_first, rows_apply
 from memories.build import Cancelled
 from plugins.base import FitResult
 from plugins.registry import register

@@ -90,7 +90,7 @@ from memories.build import Cancelled
 from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
-from plugins.training import LoopSettings, run_training
+from plugins.training import BudgetGuard, LoopSettings, run_training
 from studio.errors import UserError
 
 SIDES = ("tgt", "src")
@@ -285,58 +285,6 @@ class _Handle:
         self.group.alive = False
         if self.group in self.owner._groups:
             self.owner._groups.remove(self.group)
-
-
-class _BudgetGuard:
-    """``run_training`` evaluates every ``eval_every`` steps and, when the time budget stops it, restores the best
-    *evaluated* weights — with Gemma steps of 10–80 s on a busy 2-core CPU that can discard every step taken. The
-    guard mirrors the best state, evaluates once more before a step that would cross the budget, and ``restore``
-    loads the best state it saw (never worse than run_training's)."""
-
-    def __init__(self, module: nn.Module, heldout, max_minutes: float, history: list[dict]):
-        self.module, self._heldout, self.budget, self.history = module, heldout, 60.0 * max_minutes, history
-        self.best, self.state = math.inf, None
-        self.t0 = self.last = None
-        self.step_s, self.steps, self.evaluated_at, self.extra_evals = 0.0, 0, -1, 0
-        self.step_times: list[float] = []
-
-    def heldout_loss(self) -> float:
-        if self.t0 is None:
-            self.t0 = time.time()
-        h = self._heldout()
-        if h < self.best - 1e-6:
-            self.best = h
-            self.state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        self.evaluated_at = self.steps
-        return h
-
-    def before_step(self) -> None:
-        now = time.time()
-        if self.last is not None:
-            self.step_s = now - self.last
-            self.step_times.append(self.step_s)
-        self.last = now
-        if self.budget and self.t0 is not None and self.steps > self.evaluated_at \
-                and now - self.t0 + self.step_s > self.budget:
-            was = self.module.training
-            self.module.eval()
-            h = self.heldout_loss()
-            self.module.train(was)
-            self.extra_evals += 1
-            self.history.append({"phase": "memory_adapter", "step": self.steps, "heldout_loss": h,
-                                 "time": now - self.t0, "before_budget": True})
-            self.last = time.time()
-        self.steps += 1
-
-    def mean_step(self) -> float:
-        return float(np.median(self.step_times)) if self.step_times else 0.0
-
-    def restore(self, summary: dict) -> dict:
-        if self.state is not None and self.best < summary.get("best_heldout_loss", math.inf) - 1e-9:
-            self.module.load_state_dict(self.state)
-            self.module.eval()
-        return {**summary, "best_heldout_loss": min(self.best, summary.get("best_heldout_loss", math.inf)),
-                "extra_evals": self.extra_evals}
 
 
 class _StopForward(Exception):
@@ -697,7 +645,7 @@ class MemoryAdapterPlugin(Plugin):
         for p in params:
             p.requires_grad_(True)
         history: list[dict] = []
-        guard = _BudgetGuard(self, heldout_loss, cfg.max_minutes, history)
+        guard = BudgetGuard(self, heldout_loss, cfg.max_minutes, history, "memory_adapter")
         loop = LoopSettings(lr=cfg.lr, batch_size=cfg.batch_size, max_epochs=cfg.max_epochs, patience=cfg.patience,
                             lr_schedule=cfg.lr_schedule, max_minutes=cfg.max_minutes, seed=cfg.seed,
                             eval_every=cfg.eval_every)

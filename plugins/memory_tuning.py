@@ -58,7 +58,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plugins.adapter import NetworkConfig, NetworkPlugin, _Attachment, first_tensor, module_input, replace_first, rows_apply

@@ -111,3 +111,62 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
     return {"phase": phase, "best_heldout_loss": best, "epochs": round(step / steps_per_epoch, 2), "steps": step,
             "seconds": round(secs, 2), "entries_per_second": round(seen / max(secs, 1e-9), 1),
             "stopped_by": reason}
+
+
+class BudgetGuard:
+    """Keeps the progress of a run that the wall-clock budget would cut off between two held-out evaluations.
+
+    For in-network plug-ins a training step on the real backbone can take 10–80 s on a busy 2-core CPU; running
+    one more step past the budget and then evaluating (what ``run_training`` does) overshoots by a whole step. The
+    guard wraps the held-out loss (mirroring the best state) and, when the *next* step would cross the budget,
+    evaluates at the start of that step; ``restore()`` loads the best state it saw when that beats run_training's.
+    """
+
+    def __init__(self, module: torch.nn.Module, heldout: Callable[[], float], max_minutes: float,
+                 history: list[dict], phase: str):
+        self.module, self._heldout, self.budget = module, heldout, 60.0 * max_minutes
+        self.history, self.phase = history, phase
+        self.best, self.state = math.inf, None
+        self.t0: float | None = None
+        self.last: float | None = None
+        self.step_s, self.steps, self.evaluated_at, self.extra_evals = 0.0, 0, -1, 0
+        self.step_times: list[float] = []
+
+    def heldout_loss(self) -> float:
+        if self.t0 is None:
+            self.t0 = time.time()
+        h = self._heldout()
+        if h < self.best - 1e-6:
+            self.best = h
+            self.state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        self.evaluated_at = self.steps
+        return h
+
+    def before_step(self) -> None:
+        now = time.time()
+        if self.last is not None:
+            self.step_s = now - self.last
+            self.step_times.append(self.step_s)
+        self.last = now
+        if (self.budget and self.t0 is not None and self.steps > self.evaluated_at
+                and now - self.t0 + self.step_s > self.budget):
+            was_training = self.module.training
+            self.module.eval()
+            h = self.heldout_loss()
+            self.module.train(was_training)
+            self.extra_evals += 1
+            self.history.append({"phase": self.phase, "step": self.steps, "heldout_loss": h,
+                                 "time": time.time() - self.t0, "before_budget": True})
+            self.last = time.time()
+        self.steps += 1
+
+    def mean_step(self) -> float:
+        """Median seconds per training step (robust to the evaluation steps)."""
+        return float(np.median(self.step_times)) if self.step_times else 0.0
+
+    def restore(self, summary: dict) -> dict:
+        if self.state is not None and self.best < summary.get("best_heldout_loss", math.inf) - 1e-9:
+            self.module.load_state_dict(self.state)
+            self.module.eval()
+        return {**summary, "best_heldout_loss": min(self.best, summary.get("best_heldout_loss", math.inf)),
+                "extra_evals": self.extra_evals}
