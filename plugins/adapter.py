@@ -50,7 +50,7 @@ from torch import nn
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
-from plugins.training import BudgetGuard, LoopSettings, run_training
+from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 
 
 # --- shared by every in-network plug-in -------------------------------------------------------------------------
@@ -315,22 +315,8 @@ class NetworkPlugin(Plugin):
         self._cand = None
         if cfg.softmax != "candidates":
             return {"softmax": "full"}
-        import numpy as np
         bb = self.backbone
-        toks = set(np.unique(np.asarray(memory.values)).tolist())
-        if len(memory.heldout_values):
-            toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())
-        toks |= set(bb.stop_ids)
-        n = len(memory)
-        if cfg.candidate_top_k and cfg.candidate_contexts and n:
-            pick = np.sort(np.random.default_rng(cfg.seed).choice(n, size=min(n, cfg.candidate_contexts),
-                                                                   replace=False))
-            with torch.no_grad():
-                for b0 in range(0, len(pick), 256):
-                    fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 256]], dtype=np.float32))
-                    top = bb.logits_from_fc(fc.to(bb.device)).topk(cfg.candidate_top_k, dim=-1).indices
-                    toks |= set(top.flatten().tolist())
-        ids = torch.tensor(sorted(toks), dtype=torch.long, device=bb.device)
+        ids = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts, cfg.seed)
         remap = torch.zeros(bb.vocab_size, dtype=torch.long, device=bb.device)
         remap[ids] = torch.arange(len(ids), device=bb.device)
         self._cand = (ids, remap, bb.lm_head.weight[ids].detach())

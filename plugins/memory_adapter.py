@@ -90,7 +90,7 @@ from memories.build import Cancelled
 from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
-from plugins.training import BudgetGuard, LoopSettings, run_training
+from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 from studio.errors import UserError
 
 SIDES = ("tgt", "src")
@@ -584,7 +584,7 @@ class MemoryAdapterPlugin(Plugin):
         cand = remap = w_cand = None
         if cfg.softmax == "candidates":
             progress(0.0, "choosing the candidate vocabulary")
-            cand = self._candidates(memory)
+            cand = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts, cfg.seed)
             remap = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=bb.device)
             remap[cand] = torch.arange(len(cand), device=bb.device)
             w_cand = bb.lm_head.weight[cand].detach()
@@ -679,25 +679,6 @@ class MemoryAdapterPlugin(Plugin):
                            "stopped_by": summary["stopped_by"],
                            "tokens_per_second": metrics["target_tokens_per_second"]}
         return FitResult(metrics=metrics, history=history)
-
-    def _candidates(self, memory) -> torch.Tensor:
-        """Training-only candidate vocabulary: every memory value (train and held-out), the stop tokens and the
-        LM's top tokens on a sample of memory contexts (as PEMA's ``softmax="candidates"``)."""
-        bb, cfg = self.backbone, self.config
-        toks = set(np.unique(np.asarray(memory.values)).tolist())
-        if len(memory.heldout_values):
-            toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())
-        toks |= set(bb.stop_ids)
-        n = len(memory)
-        if cfg.candidate_top_k and cfg.candidate_contexts and n:
-            rng = np.random.default_rng(cfg.seed)
-            pick = np.sort(rng.choice(n, size=min(n, cfg.candidate_contexts), replace=False))
-            with torch.no_grad():
-                for b0 in range(0, len(pick), 256):
-                    fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 256]], dtype=np.float32))
-                    top = bb.logits_from_fc(fc.to(bb.device)).topk(cfg.candidate_top_k, dim=-1).indices
-                    toks |= set(top.flatten().tolist())
-        return torch.tensor(sorted(toks), dtype=torch.long, device=bb.device)
 
     # --- decoding ---------------------------------------------------------------------------------------
     def validate_settings(self, s: dict) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
 from plugins.registry import register
-from plugins.training import LoopSettings, run_training
+from plugins.training import LoopSettings, candidate_vocabulary, run_training
 
 
 @dataclass
@@ -153,21 +153,6 @@ class PEMA(Plugin):
         return logits
 
     # --- training ---------------------------------------------------------------------------------
-    def _candidates(self, memory) -> torch.Tensor:
-        bb = self.backbone
-        toks = set(np.unique(np.asarray(memory.values)).tolist())
-        toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist()) if len(memory.heldout_values) else set()
-        n = len(memory)
-        rng = np.random.default_rng(self.config.seed)
-        pick = np.sort(rng.choice(n, size=min(n, self.config.candidate_contexts), replace=False))
-        with torch.no_grad():
-            for b0 in range(0, len(pick), 32):  # 32 rows × V float32 logits: ~34 MB on Gemma, not ~270 MB
-                fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 32]], dtype=np.float32))
-                top = bb.logits_from_fc(fc.to(bb.device)).topk(self.config.candidate_top_k, dim=-1).indices
-                toks |= set(top.flatten().tolist())
-        toks |= set(bb.stop_ids)
-        return torch.tensor(sorted(toks), dtype=torch.long)
-
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         cfg = self.config
         bb = self.backbone
@@ -183,7 +168,8 @@ class PEMA(Plugin):
 
         if cfg.softmax == "candidates":
             progress(0.0, "choosing the candidate vocabulary")
-            self.candidates = self._candidates(memory)
+            self.candidates = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts,
+                                                   cfg.seed).cpu()
             remap = torch.full((bb.vocab_size,), -1, dtype=torch.long)
             remap[self.candidates] = torch.arange(len(self.candidates))
             cand = self.candidates

@@ -170,3 +170,22 @@ class BudgetGuard:
             self.module.eval()
         return {**summary, "best_heldout_loss": min(self.best, summary.get("best_heldout_loss", math.inf)),
                 "extra_evals": self.extra_evals}
+
+
+def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int) -> torch.Tensor:
+    """The fast-softmax candidate vocabulary shared by every method that offers ``softmax="candidates"``: every token
+    that occurs as a memory value (train and held-out), the backbone's stop tokens, and the LM's ``top_k`` tokens on
+    ``contexts`` seeded sampled memory contexts (keys = f(c)). Sorted token ids (long) on the backbone's device."""
+    toks = set(np.unique(np.asarray(memory.values)).tolist())
+    if len(memory.heldout_values):
+        toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())
+    toks |= set(backbone.stop_ids)
+    n = len(memory)
+    if top_k and contexts and n:
+        pick = np.sort(np.random.default_rng(seed).choice(n, size=min(n, contexts), replace=False))
+        with torch.no_grad():
+            for b0 in range(0, len(pick), 32):  # 32 rows × V float32 logits: ~34 MB on Gemma, not ~270 MB
+                fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 32]], dtype=np.float32))
+                top = backbone.logits_from_fc(fc.to(backbone.device)).topk(top_k, dim=-1).indices
+                toks |= set(top.flatten().tolist())
+    return torch.tensor(sorted(toks), dtype=torch.long, device=backbone.device)

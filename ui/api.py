@@ -6,23 +6,13 @@ returns plain JSON; a user error comes back as the client's error with the same 
 
 Note: no ``from __future__ import annotations`` here — ``gr.api`` reads the real type hints.
 """
-import functools
 from typing import Optional
 
 import gradio as gr
 
-from studio.errors import UserError
+from ui.common import user_errors
 
-
-def _api(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except UserError as e:
-            raise gr.Error(str(e), print_exception=False) from None
-
-    return wrapper
+_api = user_errors  # API endpoints report a UserError as the same Gradio error the UI shows
 
 
 NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
