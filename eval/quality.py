@@ -3,6 +3,13 @@ settings on early dev items, and report on later dev items that tuning never saw
 
     python -m eval.quality --task translation --train 1000 --tune 0:40 --report 1000:200 --methods pema,knn
     python -m eval.quality --task formality --train 1000 --tune 0:40 --report 1000:200
+    python -m eval.quality --task style --train 500 --tune 0:24 --report 1000:100
+
+The style task (Shakespeare) is monolingual: the memory is built from N Shakespeare train lines through synthetic
+plain sources made by the backbone; tuning and report inputs are plain English (the WMT dev English side) with no
+references, scored by the project's style classifier (its held-out accuracy is in the results), content similarity
+to the input and perplexity under the other embedded backbone. Tuning picks the highest style score among the
+settings that keep ≥ 0.8 of the base's content similarity (the issue's bar).
 
 Results go to ``out/quality-<task>-<train>.json`` and a markdown table on stdout. Tuned decode settings can be
 written into ``eval/tuned_defaults.json`` with ``--save-defaults`` (the app and CLI then start from them).
@@ -24,7 +31,22 @@ def task_pairs(task: str, split: str, start: int, n: int):
         return datasets.wmt_pairs(split, start, n)
     if task == "formality":
         return datasets.formality_pairs(split, start, n)
+    if task == "style":
+        if split == "train":  # monolingual targets: the memory makes their plain sources
+            return [(None, line) for line in datasets.shakespeare_lines("train", start, n)]
+        return [(en, None) for en, _de in datasets.wmt_pairs(split, start, n)]
     raise SystemExit(f"task {task} not supported here")
+
+
+def best_setting(task: str, rows: list[dict]) -> dict:
+    """The tuning criterion: chrF + sacreBLEU, or for style the highest style score among the settings that keep
+    ≥ 0.8 of the base's content similarity (rows[0] is the base; if none does, the most similar one)."""
+    if task != "style":
+        return max(rows[1:], key=lambda r: r["chrf"] + r.get("sacrebleu", 0))
+    keep = [r for r in rows[1:] if r["content_similarity"] >= 0.8 * rows[0]["content_similarity"]]
+    if keep:
+        return max(keep, key=lambda r: r.get("style_score", 0.0))
+    return max(rows[1:], key=lambda r: r["content_similarity"])
 
 
 GRID = {"pema": [{"lambda_max": lam, "gu": gu} for lam in (0.3, 0.5, 0.7, 0.9) for gu in (True, False)],
@@ -32,10 +54,22 @@ GRID = {"pema": [{"lambda_max": lam, "gu": gu} for lam in (0.3, 0.5, 0.7, 0.9) f
                 for lam in (0.2, 0.4)]}
 
 
+def other_backbone(bb, data_dir):
+    """The other embedded backbone (for the style task's perplexity), or None when it cannot be loaded."""
+    from backbone import load_backbone
+
+    other = "smollm2-135m-instruct" if bb.name != "smollm2-135m-instruct" else "gemma-3-270m"
+    try:
+        return load_backbone(other, data_dir=data_dir)
+    except Exception as e:  # noqa: BLE001 - perplexity is optional; say why it is missing
+        print(f"perplexity skipped: {other} did not load ({e})")
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="translation", choices=["translation", "formality"])
+    ap.add_argument("--task", default="translation", choices=["translation", "formality", "style"])
     ap.add_argument("--train", type=int, default=1000, help="training pairs for the memory")
     ap.add_argument("--tune", default="0:40", help="START:N of dev items used for tuning")
     ap.add_argument("--report", default="1000:200", help="START:N of dev items reported (never tuned on)")
@@ -62,7 +96,7 @@ def main(argv=None) -> int:
     from memories.parse import Sample
     from plugins.api import open_memory, open_plugin, train_plugin
     from plugins.decode import Row
-    from studio.store import Catalog, new_id
+    from studio.store import Catalog, new_id, write_json_atomic
 
     cat = Catalog(args.data_dir)
     bb = load_backbone(args.backbone, data_dir=args.data_dir)
@@ -99,15 +133,24 @@ def main(argv=None) -> int:
     ts, tn = map(int, args.tune.split(":"))
     rs, rn = map(int, args.report.split(":"))
     tune_pairs = task_pairs(args.task, "dev", ts, tn)
+    tune_extra = report_extra = None
+    style_info = {}
+    if args.task == "style":
+        from eval.style import heldout_accuracy, train_shakespeare_classifier
+
+        clf = train_shakespeare_classifier()
+        style_info = {"classifier_heldout": heldout_accuracy(clf)}
+        tune_extra = {"style_classifier": clf}
+        report_extra = {**tune_extra, "perplexity_backbone": other_backbone(bb, args.data_dir)}
+        style_info["perplexity_backbone"] = getattr(report_extra["perplexity_backbone"], "name", None)
     tuned = {}
     tune_tables = {}
     for m, p in plugins.items():
         rows = [Row("base")] + [Row(json.dumps(g), p, g) for g in GRID.get(p.method, [{}])]
         with progress_bar(f"tune {m}") as prog:
             res = evaluate(bb, tune_pairs, rows, prompt, args.task, batch_sources=max(1, args.batch // 2),
-                           progress=prog)
-        key = "chrf"
-        best = max(res["methods"][1:], key=lambda r: r[key] + r.get("sacrebleu", 0))
+                           progress=prog, extra=tune_extra)
+        best = best_setting(args.task, res["methods"])
         tuned[m] = json.loads(best["label"])
         tune_tables[m] = res["methods"]
     report_pairs = task_pairs(args.task, "dev", rs, rn)
@@ -128,11 +171,12 @@ def main(argv=None) -> int:
                  Row(f"ablation: PEMA (B_rct+B_pd){'' if tuned['pema'].get('gu', True) else '+GU'}",
                      plugins["pema"], {"lambda_max": lam, "gu": not tuned["pema"].get("gu", True)})]
     with progress_bar("report") as prog:
-        rep = evaluate(bb, report_pairs, rows, prompt, args.task, batch_sources=args.batch, progress=prog)
+        rep = evaluate(bb, report_pairs, rows, prompt, args.task, batch_sources=args.batch, progress=prog,
+                       extra=report_extra)
     out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),
            "memory_build_seconds": round(build_s, 1), "tune_items": args.tune, "report_items": args.report,
            "tuned": tuned, "train_info": train_info, "tune": tune_tables, "report": rep["methods"],
-           "outputs": rep["outputs"][:20], "report_seconds": rep["seconds"]}
+           "outputs": rep["outputs"][:20], "report_seconds": rep["seconds"], **style_info}
     Path("out").mkdir(exist_ok=True)
     path = Path("out") / f"quality-{args.task}-{args.train}-{bb.name}.json"
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False, default=str), encoding="utf-8")
@@ -144,7 +188,7 @@ def main(argv=None) -> int:
         # variants trained under their own label (e.g. pema-warm) are reported, not made the app's defaults
         t.setdefault("backbones", {}).setdefault(bb.name, {})["decode"] = {
             m: v for m, v in tuned.items() if m == plugins[m].method}
-        TUNED_PATH.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        write_json_atomic(TUNED_PATH, data)
     return 0
 
 

@@ -1,0 +1,34 @@
+"""The benchmark helpers' logic: tuning criteria and the scaling curve's collection (no backbone needed)."""
+import json
+
+from eval import quality, scaling
+
+
+def test_best_setting_translation_maximises_chrf_plus_bleu():
+    rows = [{"label": "base", "chrf": 30, "sacrebleu": 5},
+            {"label": "a", "chrf": 31, "sacrebleu": 1}, {"label": "b", "chrf": 29, "sacrebleu": 6}]
+    assert quality.best_setting("translation", rows)["label"] == "b"
+
+
+def test_best_setting_style_keeps_content_similarity():
+    base = {"label": "base", "style_score": 0.2, "content_similarity": 0.8}
+    too_far = {"label": "far", "style_score": 0.9, "content_similarity": 0.5}  # < 0.8 × 0.8
+    kept = {"label": "kept", "style_score": 0.4, "content_similarity": 0.7}
+    assert quality.best_setting("style", [base, too_far, kept])["label"] == "kept"
+    # none keeps the content: the most similar setting wins, never the most stylish one
+    assert quality.best_setting("style", [base, too_far, {**kept, "content_similarity": 0.6}])["label"] == "kept"
+
+
+def test_scaling_collects_points_and_skips_ablation_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling, "OUT", tmp_path)
+    d = {"memory_entries": 1234, "train_info": {"pema": {"seconds": 12.0}},
+         "report": [{"label": "base", "sacrebleu": 3.0, "chrf": 20.0},
+                    {"label": "pema", "sacrebleu": 4.0, "chrf": 22.0},
+                    {"label": "ablation: +B_pd", "sacrebleu": 9.0, "chrf": 9.0}]}
+    (tmp_path / "quality-translation-200-bb.json").write_text(json.dumps(d))
+    rows = scaling.collect("translation", [200, 5000], "bb")  # 5000 has no result yet: skipped
+    assert [(r["pairs"], r["method"]) for r in rows] == [(200, "base"), (200, "pema")]
+    table = scaling.markdown(rows, "translation")
+    assert "| 200 | 1,234 | pema | 4.00 | 22.00 | 12 |" in table
+    scaling.chart(rows, "translation", tmp_path / "c.html")
+    assert "plotly" in (tmp_path / "c.html").read_text()
