@@ -44,13 +44,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.training import BudgetGuard
-from plugins.adapter import NetworkConfig, NetworkPlugin, _Attachment, first_tensor, replace_first, rows_apply
 from memories.build import Cancelled
 from plugins.base import FitResult
+from plugins.network import (
+    Attachment,
+    NetworkConfig,
+    NetworkPlugin,
+    first_tensor,
+    replace_first,
+    rows_apply,
+)
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate
-from plugins.training import run_training
+from plugins.training import BudgetGuard, run_training
 from studio.errors import UserError
 
 OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
@@ -139,7 +145,7 @@ class LoRA(NetworkPlugin):
     def delta(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return F.linear(F.linear(x.float(), self.lora_A), self.lora_B) * (self.scaling * scale)
 
-    def _register_hooks(self, att: _Attachment) -> list:
+    def _register_hooks(self, att: Attachment) -> list:
         scale = self._scale_of(att)
 
         def fn(x, h):

@@ -60,8 +60,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plugins.adapter import NetworkConfig, NetworkPlugin, _Attachment, first_tensor, module_input, replace_first, rows_apply
 from plugins.base import FitResult
+from plugins.network import (
+    Attachment,
+    NetworkConfig,
+    NetworkPlugin,
+    first_tensor,
+    module_input,
+    replace_first,
+    rows_apply,
+)
 from plugins.registry import register
 
 VARIANTS = ("MT-F", "MT-M", "MT-MF")
@@ -169,7 +177,7 @@ class MemoryTuning(NetworkPlugin):
             self.register_buffer("attn_scale", torch.ones(L, d))
 
     # --- hooks --------------------------------------------------------------------------------------------
-    def _register_hooks(self, att: _Attachment) -> list:
+    def _register_hooks(self, att: Attachment) -> list:
         handles = []
         L = self.backbone.num_layers
         for l, layer in enumerate(self.backbone.layers):
@@ -181,7 +189,7 @@ class MemoryTuning(NetworkPlugin):
                     self._attn_hook(l, att, trace and not self.use_ffn, trace), with_kwargs=True))
         return handles
 
-    def _ffn_hook(self, l: int, att: _Attachment, trace: bool):
+    def _ffn_hook(self, l: int, att: Attachment, trace: bool):
         mem = self.ffn_mem[l]
         scale = self._scale_of(att)
 
@@ -198,7 +206,7 @@ class MemoryTuning(NetworkPlugin):
             return replace_first(output, rows_apply(h, module_input(args, kwargs, "x"), att.rows, fn))
         return hook
 
-    def _attn_hook(self, l: int, att: _Attachment, trace: bool, trace_lambda: bool):
+    def _attn_hook(self, l: int, att: Attachment, trace: bool, trace_lambda: bool):
         mem = self.attn_mem[l]
         scale = self._scale_of(att)
 
@@ -218,7 +226,7 @@ class MemoryTuning(NetworkPlugin):
             return replace_first(output, rows_apply(h, module_input(args, kwargs), att.rows, fn))
         return hook
 
-    def _trace_weights(self, att: _Attachment, l: int, component: str, a: torch.Tensor,
+    def _trace_weights(self, att: Attachment, l: int, component: str, a: torch.Tensor,
                        lam: torch.Tensor | None = None) -> None:
         """Record, per row, the attention over the slots at the newest position (and MT-M's λ when known)."""
         w = a[:, -1, :].detach().float().cpu()

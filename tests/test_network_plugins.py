@@ -199,7 +199,7 @@ def test_candidate_softmax_trains(tiny, tiny_memory, train_data, tmp_path):
 
 def test_training_keeps_progress_cut_off_by_the_budget(monkeypatch):
     """A budget that ends between two held-out evaluations must not throw away the steps since the last one."""
-    import plugins.adapter as ad
+    import plugins.network as ad
     from plugins.training import LoopSettings, run_training
 
     clock = {"t": 0.0}

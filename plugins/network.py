@@ -1,0 +1,374 @@
+"""The machinery every in-network plug-in shares (residual adapter, LoRA, memory-tuning): ``NetworkConfig`` (the
+sequence-level training settings), ``NetworkPlugin`` (attach forward hooks for one forward pass, restricted to a set
+of batch rows — ``rows=None`` means all rows, as in training —, for multi-token (prefill, training) and one-token
+(decoding step) inputs alike; teacher-forced training on the memory's samples with early stopping and a time
+budget) and small helpers to read and rewrite a module's input/output (``module_input``, ``first_tensor``,
+``replace_first``, ``rows_apply``).
+
+Hooks change only the hidden states of their own method's rows, so in-network rows share one comparison batch
+with the output-level methods (PEMA, kNN) and the base row.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugins.base import FitResult, Plugin, PluginConfig
+from plugins.seqtrain import (
+    SeqData,
+    collate,
+    memory_sequences,
+    split_for_early_stopping,
+)
+from plugins.training import (
+    BudgetGuard,
+    LoopSettings,
+    candidate_vocabulary,
+    run_training,
+)
+
+
+@dataclass
+class NetworkConfig(PluginConfig):
+    """Training settings common to the in-network plug-ins (sequence-level training through the backbone)."""
+
+    lr: float = 1e-3                # Adam, β (0.9, 0.999), eps 1e-8
+    batch_size: int = 8             # samples (sequences) per step
+    max_epochs: int = 3
+    patience: int = 4               # held-out evaluations without improvement before stopping (4 = an epoch)
+    evals_per_epoch: int = 4        # held-out evaluations per epoch (more = a time budget wastes less)
+    max_heldout: int = 32           # at most this many held-out samples for early stopping (their eval is slow)
+    lr_schedule: str = "constant"   # "constant" | "cosine"
+    max_minutes: float = 5.0        # wall-clock training budget (0 = none)
+    softmax: str = "full"           # "full" (exact NLL) | "candidates" (fast: softmax over a candidate vocabulary)
+    candidate_top_k: int = 16       # with "candidates": the LM's top tokens per sampled memory context
+    candidate_contexts: int = 2048  # with "candidates": how many memory contexts to sample
+
+    def validate(self) -> None:
+        self._check(self.softmax in ("full", "candidates"), "softmax must be 'full' or 'candidates'.")
+        self._check(self.candidate_top_k >= 0 and self.candidate_contexts >= 0,
+                    "candidate_top_k and candidate_contexts must be ≥ 0.")
+        self._check(self.lr > 0, "The learning rate must be positive.")
+        self._check(self.batch_size >= 1, "The batch size must be ≥ 1.")
+        self._check(self.max_epochs >= 1, "max_epochs must be ≥ 1.")
+        self._check(self.patience >= 1, "patience must be ≥ 1.")
+        self._check(self.evals_per_epoch >= 1, "evals_per_epoch must be ≥ 1.")
+        self._check(self.max_heldout >= 1, "max_heldout must be ≥ 1.")
+        self._check(self.max_minutes >= 0, "max_minutes must be ≥ 0 (0 = no budget).")
+        self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
+
+
+def first_tensor(output):
+    """The hidden state of a module output (a tensor, or a tuple/list whose first element is the hidden state)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def replace_first(output, new: torch.Tensor):
+    if isinstance(output, tuple):
+        return (new, *output[1:])
+    if isinstance(output, list):
+        return [new, *output[1:]]
+    return new
+
+
+def module_input(args: tuple, kwargs: dict, name: str = "hidden_states") -> torch.Tensor:
+    """The first input of a module call, positional or keyword (HF calls ``self_attn(hidden_states=...)``)."""
+    if args:
+        return args[0]
+    if name in kwargs:
+        return kwargs[name]
+    return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
+               fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Return ``h`` with batch rows ``rows`` replaced by ``fn(x[rows], h[rows])`` (all rows when ``rows`` is None).
+
+    Shapes are (batch, tokens, features) for any number of tokens. Rows not selected are returned bit-identical.
+    """
+    if rows is None:
+        return fn(x, h).to(h.dtype)
+    if rows.numel() == 0:
+        return h
+    rows = rows.to(h.device)
+    new = h.clone()
+    new[rows] = fn(x.index_select(0, rows), h.index_select(0, rows)).to(h.dtype)
+    return new
+
+
+class Attachment:
+    """One ``attach`` call: its rows and settings, and what its hooks recorded for ``network_trace``."""
+
+    def __init__(self, rows, settings: dict):
+        self.rows = rows
+        self.settings = settings
+        self.live = True
+        self.trace: dict | None = None  # {"per_row": [dict per row of the forward pass that recorded it]}
+
+
+class _Handle:
+    """A handle for a group of hooks: ``remove()`` removes them all and marks the attachment finished."""
+
+    def __init__(self, handles: list, att: Attachment):
+        self.handles, self.att = handles, att
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.att.live = False
+
+
+class NetworkPlugin(Plugin):
+    """Base of the in-network plug-ins: per-row hooks, scale calibration, sequence-level training, traces.
+
+    Subclasses implement ``_register_hooks(att) -> list[handle]`` (hooks acting on ``att.rows`` only; ``att.rows``
+    is None for all rows) and ``_trainable()`` (the parameters ``fit`` optimises), and may record a trace in
+    ``att.trace`` (``{"per_row": [dict, ...]}`` for the rows of the forward pass that recorded it).
+    """
+
+    level = "network"
+    decode_defaults = {"scale": 1.0}
+    Config = NetworkConfig
+
+    def __init__(self, config, backbone, memory_meta: dict | None = None):
+        super().__init__(config, backbone, memory_meta)
+        self._gen: list[Attachment] = []   # attachments since the last time none was live
+        self._prev: list[Attachment] = []  # the previous generation (the prefill, for the first step's trace)
+        self._trace_ptr = 0
+        self._cand = None  # (token ids, vocab → candidate index, head rows) while training with candidates
+
+    @classmethod
+    def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
+        # Plug-ins saved before the scales became per-feature hold one scale per layer: broadcast them over d.
+        for k, v in list(tensors.items()):
+            if k.endswith("_scale") and v.dim() == 1:
+                tensors[k] = v[:, None].expand(-1, backbone.hidden_size).contiguous()
+        return cls(config, backbone, memory_meta)
+
+    # --- decode-time settings -----------------------------------------------------------------------------
+    def validate_settings(self, s: dict) -> None:
+        PluginConfig._check(math.isfinite(float(s["scale"])) and 0.0 <= float(s["scale"]) <= 10.0,
+                            "scale must be between 0 and 10 (1 = as trained, 0 = off).")
+
+    # --- attaching ------------------------------------------------------------------------------------------
+    def attach(self, rows: torch.Tensor | None, settings: dict | None = None) -> list:
+        """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row); return handles."""
+        if not any(a.live for a in self._gen):
+            self._prev, self._gen = self._gen, []
+        s = dict(self.decode_defaults)
+        s.update(settings or {})
+        att = Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s)
+        self._gen.append(att)
+        self._trace_ptr = 0
+        return [_Handle(self._register_hooks(att), att)]
+
+    def _register_hooks(self, att: Attachment) -> list:
+        raise NotImplementedError
+
+    def network_trace(self) -> dict | None:
+        """The trace of the attachment whose turn it is (decode asks once per attached group, in attach order).
+
+        Keys are positions within that attachment's ``rows``. Before the first step's forward pass the trace of
+        the matching prefill attachment is used (one prefill row per source, broadcast to that source's rows).
+        """
+        if not self._gen:
+            return None
+        k = self._trace_ptr % len(self._gen)
+        self._trace_ptr += 1
+        att = self._gen[k]
+        tr = att.trace
+        if tr is None and k < len(self._prev):
+            tr = self._prev[k].trace
+        if tr is None or att.rows is None:
+            return None
+        per_row = tr["per_row"]
+        n, m = len(att.rows), len(per_row)
+        if m == 0 or n % m:
+            return None
+        rep = n // m
+        return {j: per_row[j // rep] for j in range(n)}
+
+    def _record(self, att: Attachment, per_row: list[dict]) -> None:
+        att.trace = {"per_row": per_row}
+        self._trace_ptr = 0
+
+    # --- helpers for subclasses ---------------------------------------------------------------------------
+    @staticmethod
+    def _scale_of(att: Attachment) -> float:
+        return float(att.settings.get("scale", 1.0))
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters()]
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self._trainable())
+
+    def _data(self, memory) -> tuple[SeqData, SeqData]:
+        bb = self.backbone
+        train = memory_sequences(bb, memory, "train")
+        held = memory_sequences(bb, memory, "heldout")
+        if not len(train) and not len(held):
+            from studio.errors import UserError
+            raise UserError("The memory has no samples to train on.")
+        if not len(train):
+            train = held
+        train, held = split_for_early_stopping(train, held, self.config.seed)
+        if len(held) > self.config.max_heldout:
+            held = SeqData(held.contexts[:self.config.max_heldout], held.targets[:self.config.max_heldout])
+        return train, held
+
+    def calibrate_rms(self, modules: list[nn.Module], data: SeqData, n: int = 16) -> list[torch.Tensor]:
+        """Per-feature RMS (a (d,) tensor) of each module's output over the real tokens of up to ``n`` training
+        samples, floored at 1% of its mean so that no feature gets a zero scale."""
+        bb = self.backbone
+        sums: list[torch.Tensor | None] = [None] * len(modules)
+        count = [0] * len(modules)
+        state = {}
+
+        def mk(i):
+            def hook(mod, args, kwargs, out):
+                t = first_tensor(out)
+                m = state["mask"]
+                t = (t[m] if t.dim() == 3 and t.shape[:2] == m.shape else t.reshape(-1, t.shape[-1]))
+                sq = t.detach().float().pow(2).sum(0).cpu()
+                sums[i] = sq if sums[i] is None else sums[i] + sq
+                count[i] += t.shape[0]
+            return hook
+
+        handles = [m.register_forward_hook(mk(i), with_kwargs=True) for i, m in enumerate(modules)]
+        try:
+            with torch.no_grad():
+                idx = list(range(min(n, len(data))))
+                for b0 in range(0, len(idx), self.config.batch_size):
+                    ids, mask, _ = collate(bb, data, idx[b0:b0 + self.config.batch_size])
+                    state["mask"] = mask.bool()
+                    bb.forward_fc(ids, attention_mask=mask)
+        finally:
+            for h in handles:
+                h.remove()
+        out = []
+        for sq, c in zip(sums, count):
+            if sq is None or not c:
+                out.append(None)
+                continue
+            r = (sq / c).sqrt()
+            r = torch.nan_to_num(r, nan=0.0, posinf=0.0)
+            floor = max(float(r.mean()) * 1e-2, 1e-6)
+            out.append(r.clamp_min(floor))
+        return out
+
+    @staticmethod
+    def scale_summary(scales: list[torch.Tensor]) -> list[float]:
+        """Per-layer overall RMS of the per-feature scales, for ``train_info``."""
+        return [round(float(s.pow(2).mean().sqrt()), 4) for s in scales]
+
+    def seq_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int]:
+        """Mean NLL of the target tokens (logits only at target positions: the LM head is the costly part)."""
+        fc, _ = self.backbone.forward_fc(ids, attention_mask=mask)
+        sel = labels != -100
+        return self.target_nll(fc[sel], labels[sel]), int(sel.sum())
+
+    def target_nll(self, fc: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of pre-norm states ``fc`` (n, d) against ``targets`` through the frozen norm + LM head:
+        over the whole vocabulary, or over the candidate vocabulary when ``softmax="candidates"``."""
+        bb = self.backbone
+        cand = getattr(self, "_cand", None)
+        if cand is None:
+            return F.cross_entropy(bb.logits_from_fc(fc).float(), targets)
+        normed = bb.final_norm(fc.to(bb.dtype))
+        logits = F.linear(normed, cand[2]).float()
+        if bb.softcap:
+            logits = torch.tanh(logits / bb.softcap) * bb.softcap
+        return F.cross_entropy(logits, cand[1][targets])
+
+    def prepare_candidates(self, memory) -> dict:
+        """With ``softmax="candidates"`` (as PEMA's fast mode): every token occurring as a memory value, the
+        backbone's stop tokens and the LM's top tokens on a sample of memory contexts (keys = f(c))."""
+        cfg = self.config
+        self._cand = None
+        if cfg.softmax != "candidates":
+            return {"softmax": "full"}
+        bb = self.backbone
+        ids = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts, cfg.seed)
+        remap = torch.zeros(bb.vocab_size, dtype=torch.long, device=bb.device)
+        remap[ids] = torch.arange(len(ids), device=bb.device)
+        self._cand = (ids, remap, bb.lm_head.weight[ids].detach())
+        return {"softmax": "candidates", "candidates": len(ids)}
+
+    def loop_settings(self, steps_per_epoch: int) -> LoopSettings:
+        cfg = self.config
+        return LoopSettings(lr=cfg.lr, batch_size=cfg.batch_size, max_epochs=cfg.max_epochs, patience=cfg.patience,
+                            lr_schedule=cfg.lr_schedule, max_minutes=cfg.max_minutes, seed=cfg.seed,
+                            eval_every=max(1, math.ceil(steps_per_epoch / cfg.evals_per_epoch)))
+
+    def fit_sequences(self, memory, progress, should_stop, prepare: Callable[[SeqData], dict] | None = None
+                      ) -> FitResult:
+        """Train ``_trainable()`` on the memory's samples with this plug-in's hooks on every row."""
+        cfg = self.config
+        bb = self.backbone
+        torch.manual_seed(cfg.seed)
+        self.to(bb.device)
+        progress(0.0, "preparing the memory's samples")
+        train, held = self._data(memory)
+        info = {**self.prepare_candidates(memory), **(prepare(train) if prepare else {})}
+        params = self._trainable()
+        for p in self.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        counts = {"tokens": 0, "targets": 0}
+
+        history: list[dict] = []
+        guard = BudgetGuard(self, lambda: heldout_loss(), cfg.max_minutes, history, self.method)
+
+        def train_loss(idx):
+            guard.before_step()
+            ids, mask, labels = collate(bb, train, idx.tolist())
+            handles = self.attach(None, {})
+            try:
+                loss, n_tgt = self.seq_loss(ids, mask, labels)
+            finally:  # the graph is built: backward needs no hook, so none stays on the shared backbone
+                for h in handles:
+                    h.remove()
+            counts["tokens"] += int(mask.sum())
+            counts["targets"] += n_tgt
+            return loss, {}
+
+        def heldout_loss():
+            tot, n = 0.0, 0
+            with torch.no_grad():
+                for b0 in range(0, len(held), cfg.batch_size):
+                    ids, mask, labels = collate(bb, held, range(b0, min(len(held), b0 + cfg.batch_size)))
+                    handles = self.attach(None, {})
+                    try:
+                        loss, k = self.seq_loss(ids, mask, labels)
+                    finally:
+                        for h in handles:
+                            h.remove()
+                    tot += float(loss) * k
+                    n += k
+            return tot / max(n, 1)
+
+        steps_per_epoch = max(1, math.ceil(len(train) / cfg.batch_size))
+        t0 = time.time()
+        summary = run_training(self, params, len(train), train_loss, guard.heldout_loss,
+                               self.loop_settings(steps_per_epoch), self.method, progress, should_stop, history,
+                               (0.05, 1.0))
+        summary = guard.restore(summary)
+        wall = time.time() - t0
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self._cand = None
+        metrics = {**summary, "train_samples": len(train), "heldout_samples": len(held),
+                   "tokens_per_second": round(counts["tokens"] / max(wall, 1e-9), 1),
+                   "target_tokens_per_second": round(counts["targets"] / max(wall, 1e-9), 1),
+                   "train_tokens_seen": counts["tokens"]}
+        self.train_info = {**info, **metrics}
+        return FitResult(metrics=metrics, history=history)
