@@ -21,18 +21,27 @@ FEW_SHOT = {
         ("Open the file and save your changes.", "Öffnen Sie die Datei und speichern Sie Ihre Änderungen."),
     ],
     "formality": [
+        # News-length sentences first (the default uses 3 examples): with only short chat lines as examples the
+        # 270M base model answered long inputs with an example's output ("I am sorry, but I will be late.").
+        ("um the city council said it'll vote on the new budget next week lol",
+         "The city council said it will vote on the new budget next week."),
+        ("officials haven't confirmed how many ppl were hurt in the fire tho they r expected to speak tmrw",
+         "Officials have not confirmed how many people were hurt in the fire, though they are expected to speak "
+         "tomorrow."),
+        ("like, the company's profits rose sooo much in the last quarter, analysts say",
+         "The company's profits rose so much in the last quarter, analysts say."),
         ("gonna be late lol sorry", "I am sorry, but I will be late."),
-        ("u coming to the meeting tmrw?", "Are you coming to the meeting tomorrow?"),
-        ("thx for the help, it was sooo useful", "Thank you for your help; it was very useful."),
-        ("idk what they want tbh", "To be honest, I do not know what they want."),
-        ("the prices r going up again", "The prices are going up again."),
+        ("thx for the help, it was sooo useful", "Thank you for your help; it was so useful."),
     ],
     "style": [
-        ("Are you going to the market?", "Art thou going to the market?"),
-        ("I don't know what you mean.", "I know not what thou mean'st."),
-        ("Please give me your hand.", "I prithee, give me thy hand."),
+        # Long sentences first, for the same reason as the formality examples.
+        ("The king has told his soldiers that they will march to the city tomorrow morning.",
+         "The king hath told his soldiers that they shall march unto the city on the morrow."),
+        ("I do not believe that you have told me the whole truth about what happened last night.",
+         "I do not believe thou hast told me the whole truth of what befell last night."),
         ("Why are you so sad today?", "Wherefore art thou so sad today?"),
-        ("He has gone away and will not come back.", "He is gone hence and shall not return."),
+        ("Are you going to the market?", "Art thou going to the market?"),
+        ("Please give me your hand.", "I prithee, give me thy hand."),
     ],
 }
 
