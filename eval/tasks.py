@@ -13,6 +13,18 @@ from studio.errors import UserError
 # Few-shot examples written for this project (not taken from any evaluation set).
 FEW_SHOT = {
     "translation": [
+        # News-length examples first (the default uses 3): with the short ones only, Gemma 3 270M base scored 4.21
+        # sacreBLEU / 21.3 chrF on WMT dev 0-23, with these 8.02 / 28.1 (see BENCHMARKS.md §5).
+        ("The minister said on Tuesday that the government would present a new plan to reduce energy prices next "
+         "month.",
+         "Der Minister sagte am Dienstag, die Regierung werde im nächsten Monat einen neuen Plan zur Senkung der "
+         "Energiepreise vorlegen."),
+        ("According to the police, two people were injured in the accident, which happened shortly after midnight.",
+         "Nach Angaben der Polizei wurden bei dem Unfall, der sich kurz nach Mitternacht ereignete, zwei Menschen "
+         "verletzt."),
+        ("The company, which employs more than 5,000 people, reported a sharp rise in profits for the last quarter.",
+         "Das Unternehmen, das mehr als 5.000 Menschen beschäftigt, meldete für das letzte Quartal einen starken "
+         "Gewinnanstieg."),
         ("The weather is nice today.", "Das Wetter ist heute schön."),
         ("I would like to book a room for two nights.", "Ich möchte ein Zimmer für zwei Nächte buchen."),
         ("The government announced new measures on Tuesday.",
@@ -26,8 +38,8 @@ FEW_SHOT = {
         ("um the city council said it'll vote on the new budget next week lol",
          "The city council said it will vote on the new budget next week."),
         ("officials haven't confirmed how many ppl were hurt in the fire tho they r expected to speak tmrw",
-         "Officials have not confirmed how many people were hurt in the fire, though they are expected to speak "
-         "tomorrow."),
+         ("Officials have not confirmed how many people were hurt in the fire, though they are expected to speak "
+         "tomorrow.")),
         ("like, the company's profits rose sooo much in the last quarter, analysts say",
          "The company's profits rose so much in the last quarter, analysts say."),
         ("gonna be late lol sorry", "I am sorry, but I will be late."),
