@@ -124,13 +124,16 @@ class Backbone:
 
     def logits_from_fc(self, fc: torch.Tensor) -> torch.Tensor:
         """W_hd · norm(h): the frozen final norm and LM head applied to a pre-norm state (f(c) or h_pd)."""
-        return self.head_logits(self.final_norm(fc.to(self.dtype)))
+        return self.head_logits(self.final_norm(fc.to(self.device, self.dtype)))
 
     # --- f(c) capture -----------------------------------------------------------------------------
     def forward_fc(self, input_ids: torch.Tensor, attention_mask=None, past_key_values=None,
                    use_cache: bool = False, output_attentions: bool = False):
         """Run the decoder (no LM head) and return ``(f(c), outputs)``: f(c) is the final norm's input."""
         captured = {}
+        input_ids = input_ids.to(self.device)  # callers may build ids on the CPU; the model may sit on a GPU
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
 
         def pre_hook(module, args):
             captured["fc"] = args[0]

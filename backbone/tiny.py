@@ -33,7 +33,10 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
-def tiny_backbone(seed: int = 0, hidden: int = 64, layers: int = 2) -> Backbone:
+def tiny_backbone(seed: int = 0, hidden: int = 64, layers: int = 2, device: str | None = None) -> Backbone:
+    """``device`` defaults to ``$PEMA_TINY_DEVICE`` or the CPU (``PEMA_TINY_DEVICE=cuda`` runs the unit tests on a GPU)."""
+    import os
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tiny_tokenizer()
@@ -46,4 +49,5 @@ def tiny_backbone(seed: int = 0, hidden: int = 64, layers: int = 2) -> Backbone:
     # Larger-than-default init so that the random model's outputs are not nearly uniform.
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_(0, 1.0)
+    model.to(device or os.environ.get("PEMA_TINY_DEVICE") or "cpu")
     return Backbone(model=model, tokenizer=tok, name=f"tiny-llama-{hidden}x{layers}-seed{seed}")

@@ -151,6 +151,7 @@ class Plugin(nn.Module):
 
     def prepare_decode(self) -> None:
         """Called once before decoding (e.g. to move weights or build a search index)."""
+        self.to_backbone()
 
     # --- persistence ------------------------------------------------------------------------------
     def extra_config(self) -> dict:
@@ -178,7 +179,10 @@ class Plugin(nn.Module):
         return cls(config, backbone, memory_meta)
 
     def to_backbone(self) -> "Plugin":
-        return self.to(device=self.backbone.device)
+        """Put the weights where the backbone is (a no-op when they are there already)."""
+        dev = self.backbone.device
+        t = next(iter(self.state_dict().values()), None)
+        return self if t is None or t.device == dev else self.to(device=dev)
 
 
 def load_plugin(path: str | Path, backbone) -> Plugin:

@@ -74,12 +74,13 @@ class KNN(Plugin):
                             "key_rms": memory.key_scale}
         n = len(memory)
         use_faiss = self.config.search == "faiss" or (self.config.search == "auto" and n > self.config.exact_max_entries)
-        self.values = torch.from_numpy(np.asarray(memory.values, dtype=np.int64))
+        dev = self.backbone.device  # exact search runs where the backbone runs (a GPU when there is one)
+        self.values = torch.from_numpy(np.asarray(memory.values, dtype=np.int64)).to(dev)
         self.entry_sample = np.asarray(memory.entry_sample)
         if use_faiss:
             self._build_faiss()
         else:
-            keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)) / self.key_scale
+            keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)).to(dev) / float(self.key_scale)
             self.keys = keys
             self.key_sqnorm = (keys * keys).sum(1)
             self.search_kind = f"exact (torch matmul over {n:,} keys)"
@@ -129,8 +130,8 @@ class KNN(Plugin):
         k = max(1, min(k, len(self.values)))
         if self.index is not None:
             dist, idx = self.index.search(queries.float().cpu().numpy(), k)
-            return torch.from_numpy(dist), torch.from_numpy(idx).long()
-        q = queries.float().cpu()
+            return torch.from_numpy(dist).to(queries.device), torch.from_numpy(idx).long().to(queries.device)
+        q = queries.float().to(self.keys.device)
         best_d, best_i = None, None
         for b0 in range(0, len(self.keys), 262144):  # chunked so the distance matrix stays small
             kc = self.keys[b0:b0 + 262144]
@@ -147,14 +148,14 @@ class KNN(Plugin):
 
     def knn_logprobs(self, fc: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
-        dist, idx = self.search(fc.float() / self.key_scale, k)
+        dist, idx = self.search(fc.float() / float(self.key_scale), k)
         valid = idx >= 0
         w = torch.where(valid, -dist / temperature, torch.full_like(dist, float("-inf")))
         w = torch.log_softmax(w, dim=1)
-        vals = self.values[idx.clamp_min(0)]
+        vals = self.values[idx.clamp_min(0).to(self.values.device)].to(fc.device)
         V = self.backbone.vocab_size
-        probs = torch.zeros(len(fc), V)
-        probs.scatter_add_(1, vals, w.exp())
+        probs = torch.zeros(len(fc), V, device=fc.device)
+        probs.scatter_add_(1, vals, w.exp().to(fc.device))
         return torch.log(probs.clamp_min(0)), dist, idx
 
     def validate_settings(self, s: dict) -> None:
@@ -169,7 +170,7 @@ class KNN(Plugin):
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(inp.settings):
             groups.setdefault((int(s["k"]), float(s["temperature"])), []).append(i)
-        plp = torch.empty(n, inp.lm_logprobs.shape[1])
+        plp = torch.empty(n, inp.lm_logprobs.shape[1], device=inp.lm_logprobs.device)
         extras = [None] * n
         for (k, T), rows in groups.items():
             lp, dist, idx = self.knn_logprobs(inp.fc[rows], k, T)

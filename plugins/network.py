@@ -160,6 +160,7 @@ class NetworkPlugin(Plugin):
     # --- attaching ------------------------------------------------------------------------------------------
     def attach(self, rows: torch.Tensor | None, settings: dict | None = None) -> list:
         """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row); return handles."""
+        self.to_backbone()
         if not any(a.live for a in self._gen):
             self._prev, self._gen = self._gen, []
         s = dict(self.decode_defaults)
@@ -272,8 +273,8 @@ class NetworkPlugin(Plugin):
     def seq_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int]:
         """Mean NLL of the target tokens (logits only at target positions: the LM head is the costly part)."""
         fc, _ = self.backbone.forward_fc(ids, attention_mask=mask)
-        sel = labels != -100
-        return self.target_nll(fc[sel], labels[sel]), int(sel.sum())
+        sel = labels.to(fc.device) != -100
+        return self.target_nll(fc[sel], labels.to(fc.device)[sel]), int(sel.sum())
 
     def target_nll(self, fc: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of pre-norm states ``fc`` (n, d) against ``targets`` through the frozen norm + LM head:

@@ -156,6 +156,8 @@ class PEMA(Plugin):
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         cfg = self.config
         bb = self.backbone
+        dev = bb.device  # train where the frozen head lives (a GPU when there is one)
+        self.to(dev)
         torch.manual_seed(cfg.seed)
         self.key_scale.fill_(memory.key_scale if cfg.normalize_input else 1.0)
         keys, values = memory.keys, np.asarray(memory.values, dtype=np.int64)
@@ -163,23 +165,23 @@ class PEMA(Plugin):
         if len(hk) == 0:  # tiny memories: early-stop on a slice of the training entries
             cut = max(1, len(keys) // 10)
             hk, hv = keys[-cut:], values[-cut:]
-        hx = self.scaled(torch.from_numpy(np.asarray(hk, dtype=np.float32)))
-        hy = torch.from_numpy(hv)
+        hx = self.scaled(torch.from_numpy(np.asarray(hk, dtype=np.float32)).to(dev))
+        hy = torch.from_numpy(hv).to(dev)
 
         if cfg.softmax == "candidates":
             progress(0.0, "choosing the candidate vocabulary")
             self.candidates = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts,
-                                                   cfg.seed).cpu()
-            remap = torch.full((bb.vocab_size,), -1, dtype=torch.long)
-            remap[self.candidates] = torch.arange(len(self.candidates))
+                                                   cfg.seed).to(dev)
+            remap = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=dev)
+            remap[self.candidates] = torch.arange(len(self.candidates), device=dev)
             cand = self.candidates
         else:
-            self.candidates = torch.zeros(0, dtype=torch.long)
+            self.candidates = torch.zeros(0, dtype=torch.long, device=dev)
             remap, cand = None, None
 
         def batch(idx):
-            x = self.scaled(torch.from_numpy(np.asarray(keys[idx], dtype=np.float32)))
-            y = torch.from_numpy(values[idx])
+            x = self.scaled(torch.from_numpy(np.asarray(keys[idx], dtype=np.float32)).to(dev))
+            y = torch.from_numpy(values[idx]).to(dev)
             return x, y
 
         def target(y):
@@ -196,8 +198,8 @@ class PEMA(Plugin):
             progress(0.03, "initialising the reconstruction from the keys' principal directions")
             pick = np.sort(np.random.default_rng(cfg.seed).choice(len(keys), size=min(len(keys), 20000),
                                                                  replace=False))
-            _, _, vt = torch.linalg.svd(self.scaled(torch.from_numpy(np.asarray(keys[pick], dtype=np.float32))),
-                                        full_matrices=False)
+            _, _, vt = torch.linalg.svd(self.scaled(torch.from_numpy(np.asarray(keys[pick], dtype=np.float32))
+                                                    .to(dev)), full_matrices=False)
             with torch.no_grad():
                 self.A.copy_(vt[:self.rank])
                 self.B_rct.copy_(vt[:self.rank].T)
@@ -220,7 +222,7 @@ class PEMA(Plugin):
         with torch.no_grad():
             g = torch.Generator().manual_seed(cfg.seed + 1)
             if cfg.pd_init != "warm":
-                self.A.copy_(self._init(self.rank, bb.hidden_size, g))
+                self.A.copy_(self._init(self.rank, bb.hidden_size, g).to(dev))
             if cfg.pd_init in ("rct", "warm"):  # start B_pd at the reconstruction decoder
                 self.B_pd.copy_(self.B_rct)
         self.B_rct.requires_grad_(False)
@@ -281,6 +283,7 @@ class PEMA(Plugin):
     def pema_logprobs(self, fc: torch.Tensor) -> torch.Tensor:
         """log P_PEMA(·|c) for pre-norm states f(c) (n, d) — outside a decode."""
         with torch.no_grad():
+            fc = fc.to(self.backbone.device)
             return self.pema_logprobs_from_logits(self.backbone.logits_from_fc(self.h_pd(self.scaled(fc))))
 
     def mix(self, inp: MixInput) -> MixOutput:

@@ -29,7 +29,7 @@ def test_memory_keys_are_fc_at_the_right_positions(tiny, tiny_memory):
     tgt = target_ids(tiny, mem.prompt, s["tgt"])
     fc, _ = tiny.forward_fc(torch.tensor([ctx + tgt[:-1]]))
     first = int(np.flatnonzero(mem.entry_sample == mem.samples.index(s))[0])
-    want = fc[0, len(ctx) - 1:len(ctx) - 1 + len(tgt)].numpy()
+    want = fc[0, len(ctx) - 1:len(ctx) - 1 + len(tgt)].cpu().numpy()
     got = np.asarray(mem.keys[first:first + len(tgt)], dtype=np.float32)
     assert np.allclose(got, want, atol=2e-2 * np.abs(want).max())  # float16 storage
     assert mem.values[first:first + len(tgt)].tolist() == tgt
@@ -144,8 +144,9 @@ def test_mix_logprobs_extremes():
 
 
 def _target_logprob(plugin, mem):
-    x = torch.from_numpy(np.asarray(mem.keys, np.float32))
-    y = torch.from_numpy(np.asarray(mem.values, np.int64))
+    dev = plugin.backbone.device  # the tiny backbone sits on $PEMA_TINY_DEVICE (cpu unless set)
+    x = torch.from_numpy(np.asarray(mem.keys, np.float32)).to(dev)
+    y = torch.from_numpy(np.asarray(mem.values, np.int64)).to(dev)
     with torch.no_grad():
         lp = torch.log_softmax(plugin.backbone.logits_from_fc(plugin.h_pd(plugin.scaled(x))), -1)
         lm = torch.log_softmax(plugin.backbone.logits_from_fc(x), -1)
@@ -177,7 +178,7 @@ def test_pema_pca_start_reconstructs_and_warm_start_begins_at_the_lm(tiny, tiny_
     p = PEMA(cfg, tiny, {"key_rms": tiny_memory.key_scale})
     res = p.fit(tiny_memory)
     assert res.metrics["reconstruction"]["best_heldout_loss"] < 1e-8
-    x = torch.from_numpy(np.asarray(tiny_memory.keys[:8], dtype=np.float32))
+    x = torch.from_numpy(np.asarray(tiny_memory.keys[:8], dtype=np.float32)).to(tiny.device)
     lm = torch.log_softmax(tiny.logits_from_fc(x).float(), -1)
     assert torch.allclose(p.pema_logprobs(x), lm, atol=1e-3)
     p.config.decode_vocab = "candidates"
@@ -195,7 +196,7 @@ def test_pema_save_load_round_trip_and_foreign_backbone(tiny, tiny_memory, tmp_p
     cfg = json.loads((tmp_path / "p" / "plugin_config.json").read_text())
     assert cfg["method"] == "pema" and cfg["config"]["kappa"] == 0.2
     q = load_plugin(tmp_path / "p", tiny)
-    x = torch.randn(3, tiny.hidden_size)
+    x = torch.randn(3, tiny.hidden_size, device=tiny.device)
     assert torch.equal(p.h_pd(p.scaled(x)), q.h_pd(q.scaled(x)))
     assert torch.equal(p.candidates, q.candidates)
     with pytest.raises(UserError, match="another backbone"):
@@ -236,7 +237,7 @@ def test_knn_faiss_search_agrees_with_exact(tiny, tiny_memory):
     q = torch.from_numpy(np.asarray(tiny_memory.keys[:5], np.float32))
     _, ie = exact.search(q / exact.key_scale, 1)
     _, ifa = fa.search(q / fa.key_scale, 1)
-    same = (tiny_memory.values[ie[:, 0].numpy()] == tiny_memory.values[ifa[:, 0].numpy()]).mean()
+    same = (tiny_memory.values[ie[:, 0].cpu().numpy()] == tiny_memory.values[ifa[:, 0].cpu().numpy()]).mean()
     assert same >= 0.6  # PQ is approximate; the nearest entry's token mostly agrees
 
 
@@ -297,11 +298,11 @@ def test_decode_batch_of_sources_equals_one_at_a_time(tiny, tiny_memory):
 
 def test_head_logits_subset_equals_the_masked_full_head(tiny):
     """PEMA's candidate-restricted decode projects through only the candidates' rows of the LM head."""
-    normed = tiny.final_norm(torch.randn(3, tiny.hidden_size))
-    vocab = torch.tensor([0, 5, 17, tiny.vocab_size - 1])
+    normed = tiny.final_norm(torch.randn(3, tiny.hidden_size, device=tiny.device))
+    vocab = torch.tensor([0, 5, 17, tiny.vocab_size - 1], device=tiny.device)
     full = tiny.head_logits(normed)
     sub = tiny.head_logits_subset(normed, vocab)
     assert torch.allclose(sub[:, vocab], full[:, vocab], atol=1e-5)
-    keep = torch.zeros(tiny.vocab_size, dtype=torch.bool)
+    keep = torch.zeros(tiny.vocab_size, dtype=torch.bool, device=tiny.device)
     keep[vocab] = True
     assert torch.isinf(sub[:, ~keep]).all()
