@@ -97,6 +97,7 @@ class Plugin(nn.Module):
     level: ClassVar[str] = "output"  # "output" | "network" | "none"
     decode_defaults: ClassVar[dict] = {}
     needs_memory_at_decode: ClassVar[bool] = False
+    mixes_output: ClassVar[bool] = False  # an in-network plug-in whose ``mix`` also runs after the LM head
 
     def __init__(self, config: PluginConfig, backbone, memory_meta: dict | None = None):
         super().__init__()

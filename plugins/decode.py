@@ -126,15 +126,17 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
             continue
         if r.plugin.level == "network":
             net_groups.setdefault((id(r.plugin), _key(settings[i])), []).append(i)
-        elif r.plugin.level == "output":
+        if r.plugin.level == "output" or r.plugin.mixes_output:
             out_groups.setdefault(id(r.plugin), []).append(i)
     plugin_of = {id(r.plugin): r.plugin for r in rows if r.plugin is not None}
     net_list = list(net_groups.items())
 
-    # Prefill: per source, one batch row for all rows without in-network plug-ins and one per in-network group.
-    G = 1 + len(net_list)
+    # Prefill: per source, one batch row for all rows without in-network plug-ins (if there are any) and one per
+    # in-network group.
+    shared = int(any(r.plugin is None or r.plugin.level != "network" for r in rows))
+    G = shared + len(net_list)
     group_of_row = [0] * R
-    for g, (_, members) in enumerate(net_list, start=1):
+    for g, (_, members) in enumerate(net_list, start=shared):
         for i in members:
             group_of_row[i] = g
     width = max(len(c) for c in ctxs)
@@ -148,7 +150,7 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     ids, mask = ids.to(dev), mask.to(dev)
     handles = []
     try:
-        for g, ((pid, _), members) in enumerate(net_list, start=1):
+        for g, ((pid, _), members) in enumerate(net_list, start=shared):
             handles += plugin_of[pid].attach(torch.tensor([s_i * G + g for s_i in range(S)], device=dev),
                                              settings[members[0]])
         with torch.no_grad():

@@ -60,11 +60,10 @@ tokens on sampled memory contexts — which removes most of the LM-head cost of 
 has 262k tokens); decoding always uses the full vocabulary.
 
 Decoding: ``level = "network"``. Settings: ``temperature`` (default: the trained T), ``trace_top_k`` and the
-"+ kNN" mix of the paper (``knn_lambda``, ``knn_k``, ``knn_temperature``): ``mix`` implements kNN-MT over the same
-memory's datastore (its keys are the *base* model's f(c); queries are the adapted model's f(c)), but the comparison
-decoder calls ``mix`` only for output-level plug-ins, so ``knn_lambda > 0`` is refused until ``plugins.decode``
-sets ``SUPPORTS_NETWORK_MIX = True`` and also routes plug-ins with ``mixes_output`` through the output-level step;
-until then "+ kNN" is a kNN row over the same memory beside this one.
+"+ kNN" mix of the paper (``knn_lambda``, ``knn_k``, ``knn_temperature``; off at λ = 0): ``mix`` implements kNN-MT
+over the same memory's datastore (its keys are the *base* model's f(c); queries are the adapted model's f(c), as the
+paper queries its datastore with the adapted NMT model's decoder states). ``mixes_output = True`` makes the comparison
+decoder call ``mix`` on this plug-in's rows after the LM head, like an output-level plug-in.
 
 ``network_trace()`` returns, per row of the group, the attention over memory items at each adapted layer:
 ``{j: {"layers": {l: [[phrase_index, weight], ...top k]}, "source_layers": {...}, "memory_share": {l: [1−g_tgt,
@@ -313,7 +312,7 @@ class MemoryAdapterPlugin(Plugin):
              "LREC-COLING 2024")
     Config = MemoryAdapterConfig
     level = "network"
-    mixes_output: ClassVar[bool] = True  # "+ kNN": needs plugins.decode to call mix() for this network plug-in
+    mixes_output: ClassVar[bool] = True  # "+ kNN": the decoder also calls mix() on this plug-in's rows
     decode_defaults = {"temperature": 0.5, "trace_top_k": 5, "knn_lambda": 0.0, "knn_k": 16,
                        "knn_temperature": 10.0}
 
@@ -687,12 +686,6 @@ class MemoryAdapterPlugin(Plugin):
         PluginConfig._check(0.0 <= float(s["knn_lambda"]) <= 1.0, "knn_lambda must be in [0, 1].")
         PluginConfig._check(int(s["knn_k"]) >= 1, "knn_k must be ≥ 1.")
         PluginConfig._check(float(s["knn_temperature"]) > 0, "knn_temperature must be positive.")
-        if float(s["knn_lambda"]) > 0:
-            import plugins.decode as decode
-
-            if not getattr(decode, "SUPPORTS_NETWORK_MIX", False):
-                raise UserError("'+ kNN' (knn_lambda > 0) is not available in this comparison decoder yet: add a "
-                                "kNN row over the same memory beside the memory-augmented adapter instead.")
 
     def _knn_plugin(self):
         if self._knn is None:

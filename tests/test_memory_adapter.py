@@ -207,8 +207,8 @@ def test_bad_config_and_settings(tiny, tiny_memory, trained):
     p, _ = trained
     with pytest.raises(UserError):
         p.settings({"temperature": -1})
-    with pytest.raises(UserError):  # "+ kNN" needs decoder support (see plugins/memory_adapter.py)
-        p.settings({"knn_lambda": 0.5})
+    with pytest.raises(UserError):
+        p.settings({"knn_lambda": 1.5})
     assert p.settings()["temperature"] == FAST.get("temperature", 0.5)
 
 
@@ -250,3 +250,20 @@ def test_knn_mix_over_the_same_memory(tiny, trained):
     assert torch.allclose(out.logprobs[0], lm[0])
     assert not torch.allclose(out.logprobs[1], lm[1])
     assert float(out.logprobs[1].exp().sum()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_plus_knn_rows_in_the_batched_decode(tiny, trained):
+    """The paper's "+ kNN": with λ = 1 and k = 1 every token is the nearest memory entry's value; with λ = 0 the row
+    decodes exactly as the adapter alone."""
+    from backbone.prompts import Prompt
+    from plugins.decode import Row, compare
+
+    p, _ = trained
+    prompt = Prompt.for_task("translation")
+    cmp = compare(tiny, "the cat sleeps", [Row("ma", p), Row("ma+knn", p, {"knn_lambda": 1.0, "knn_k": 1})],
+                  prompt=prompt, max_new_tokens=5)
+    alone = compare(tiny, "the cat sleeps", [Row("ma", p)], prompt=prompt, max_new_tokens=5)
+    assert cmp.row("ma").tokens == alone.rows[0].tokens
+    tr = cmp.row("ma+knn").trace
+    assert tr and all(step["neighbours"] and step["token"] == step["neighbours"][0]["token"] for step in tr)
+    assert all(step["lambda"] == 1.0 for step in tr)

@@ -13,9 +13,13 @@ FONT = dict(family="system-ui, -apple-system, Segoe UI, sans-serif", size=12)
 
 
 def _layout(fig: go.Figure, title: str = "", height: int = 300, **kw) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)) if title else None,
+    # The title sits at the top edge and the legend in its own line below it, so the two never overlap in a
+    # narrow column.
+    legend_line = title and len(fig.data) > 1
+    fig.update_layout(title=dict(text=title, x=0.01, xanchor="left", y=0.985, yanchor="top", yref="container",
+                                 font=dict(size=14)) if title else None,
                       template="plotly_white", height=height, font=FONT,
-                      margin=dict(l=48, r=16, t=40 if title else 16, b=40),
+                      margin=dict(l=48, r=16, t=(64 if legend_line else 40) if title else 16, b=40),
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1), **kw)
     return fig
 
