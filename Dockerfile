@@ -1,4 +1,6 @@
-# PEMA Studio as a Hugging Face Docker Space (CPU; CUDA is used automatically when the Space has a GPU).
+# PEMA Studio as a Hugging Face Docker Space. CPU by default; on GPU hardware build with a CUDA build of torch
+# (TORCH_INDEX_URL below, e.g. a Space variable — Spaces pass their variables to the build as build arguments) and
+# the app then runs on the GPU (--device auto picks CUDA when torch sees one).
 #
 #   docker build -t pema-studio .
 #   docker run -p 7860:7860 -v pema-data:/data pema-studio        # open http://localhost:7860
@@ -10,7 +12,7 @@
 FROM python:3.11-slim
 
 # PyTorch's CPU wheel index (plain PyPI serves the much larger CUDA build for Linux); override with
-# --build-arg TORCH_INDEX_URL=... for a mirror.
+# --build-arg TORCH_INDEX_URL=... for a mirror, or with PyTorch's CUDA wheel index (…/whl/cuXYZ) for a GPU Space.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONUNBUFFERED=1 \
