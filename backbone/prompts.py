@@ -83,6 +83,18 @@ class Prompt:
         return cls(**{k: d[k] for k in ("template", "examples", "separator", "chat") if k in d})
 
 
+def common_prefix_len(seqs: list[list[int]]) -> int:
+    """Length of the longest token prefix shared by all sequences (the instruction and few-shot examples)."""
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        i = 0
+        while i < n and s[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
 def postprocess(text: str) -> str:
     """The paper's post-processing: keep the first line of the generated text, stripped."""
     return text.split("\n", 1)[0].strip()

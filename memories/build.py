@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from backbone.model import Backbone, generate_greedy
-from backbone.prompts import REVERSE_TEMPLATES, Prompt
+from backbone.prompts import REVERSE_TEMPLATES, Prompt, common_prefix_len
 from memories.parse import Sample
 from memories.store import FORMAT_VERSION, Memory, disk_bytes
 from studio.errors import UserError
@@ -65,18 +65,6 @@ def synthesize_sources(backbone: Backbone, targets: list[str], task: str, progre
     srcs = [backbone.decode(o).strip() for o in outs]
     # An empty synthetic source would make a useless pair: fall back on the target itself (identity pair).
     return [s if s else t for s, t in zip(srcs, targets)]
-
-
-def common_prefix_len(seqs: list[list[int]]) -> int:
-    """Length of the longest token prefix shared by all sequences (the instruction and few-shot examples)."""
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for s in seqs[1:]:
-        i = 0
-        while i < n and s[i] == first[i]:
-            i += 1
-        n = i
-    return n
 
 
 def _capture_teacher(backbone: Backbone, ctx: list[list[int]], tgt: list[list[int]], keys_out, values_out,

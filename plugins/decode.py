@@ -12,14 +12,19 @@ finished hypothesis scores at least as well as its best live one, which is exact
 """
 from __future__ import annotations
 
+import copy
+import itertools
 import json
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from backbone.model import Backbone
-from backbone.prompts import Prompt, postprocess
+from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, Plugin
 from studio.errors import UserError
 
@@ -79,18 +84,94 @@ def _key(settings: dict) -> str:
     return json.dumps(settings, sort_keys=True, default=str)
 
 
+class PrefixKV:
+    """A small LRU of prompt-prefix KV caches for single-source decodes.
+
+    Every comparison with the same prompt starts with the same instruction and few-shot examples (hundreds of
+    tokens with the built-in prompts), and the app re-decodes the same rows each time a slider moves. The prefix's
+    KV cache is kept per (backbone, prefill groups, prefix tokens); a group of in-network rows is keyed by its
+    plug-in (held weakly, with its weights' version counters, so that a retrained or freed plug-in never matches)
+    and settings. Multi-source batches are left-padded and do not use it.
+    """
+
+    MIN_TOKENS = 16  # shorter shared prefixes are not worth a cache entry
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def shared_len(backbone: Backbone, prompt: Prompt, source: str, ctx: list[int]) -> int:
+        """Tokens of ``ctx`` that the prompt renders the same for any source (at least one token is left over)."""
+        # Tokens at the slot's edge may merge with the source's first characters, so the prefix is what the
+        # prompt renders the same for two unrelated sources and for this one.
+        others = [backbone.encode_context(prompt.render(s)) for s in ("0", "Xy")]
+        n = min(common_prefix_len([ctx, *others]), len(ctx) - 1)
+        return n if n >= PrefixKV.MIN_TOKENS else 0
+
+    @staticmethod
+    def _version(plugin) -> int:
+        return sum(t._version for t in itertools.chain(plugin.parameters(), plugin.buffers()))
+
+    def _key(self, backbone, groups: list) -> tuple:
+        return (id(backbone.model),
+                tuple((id(p), k, self._version(p)) if p is not None else None for p, k in groups))
+
+    def get(self, backbone, groups: list, ctx: list[int]):
+        """``(P, cache)``: a copy of the longest stored prefix cache for these groups whose tokens start ``ctx``
+        (at least one token of ``ctx`` left over), or ``(0, None)``."""
+        key = self._key(backbone, groups)
+        owners = [backbone.model] + [p for p, _ in groups]
+        with self._lock:
+            best = None
+            for (k, prefix), (refs, cache) in list(self._entries.items()):
+                if k != key:
+                    continue
+                if any(r() is not o for r, o in zip(refs, owners)):
+                    del self._entries[(k, prefix)]  # an id was reused by another object
+                    continue
+                n = len(prefix)
+                if n < len(ctx) and tuple(ctx[:n]) == prefix and (best is None or n > len(best[0])):
+                    best = (prefix, cache)
+            if best is None:
+                return 0, None
+            self._entries.move_to_end((key, best[0]))
+        return len(best[0]), copy.deepcopy(best[1])
+
+    def put(self, backbone, groups: list, prefix: list[int], cache) -> None:
+        refs = [weakref.ref(backbone.model)] + [weakref.ref(p) if p is not None else (lambda: None)
+                                                for p, _ in groups]
+        entry_key = (self._key(backbone, groups), tuple(prefix))
+        with self._lock:
+            self._entries[entry_key] = (refs, copy.deepcopy(cache))
+            self._entries.move_to_end(entry_key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+PREFIX_KV = PrefixKV()
+
+
 def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,
             max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
-            context_ids: list[int] | None = None) -> Comparison:
+            context_ids: list[int] | None = None, use_prefix_cache: bool = True) -> Comparison:
     """Decode ``source`` with every row at once and return each row's text, tokens and per-token trace."""
     return decode_batch(backbone, [source], rows, prompt, max_new_tokens, num_beams, trace,
-                        [context_ids] if context_ids else None)[0]
+                        [context_ids] if context_ids else None, use_prefix_cache)[0]
 
 
 def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
                  max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
-                 contexts: list[list[int]] | None = None) -> list[Comparison]:
+                 contexts: list[list[int]] | None = None, use_prefix_cache: bool = True) -> list[Comparison]:
     """Decode several sources × every row in one batch (left-padded prompts); one Comparison per source.
+
+    A single source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
+    earlier decode with the same prefill groups (``PREFIX_KV``), so only the source's own tokens are prefilled.
 
     Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j. Left padding is masked out; rotary
     position offsets cancel in attention scores, so a padded row computes what it would alone (up to float
@@ -154,7 +235,17 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
             handles += plugin_of[pid].attach(torch.tensor([s_i * G + g for s_i in range(S)], device=dev),
                                              settings[members[0]])
         with torch.no_grad():
-            fc, out = backbone.forward_fc(ids, attention_mask=mask if S > 1 else None, use_cache=True)
+            P, past = 0, None
+            if S == 1 and use_prefix_cache:
+                groups = [(None, None)] * shared + [(plugin_of[pid], k) for pid, k in net_groups]
+                P, past = PREFIX_KV.get(backbone, groups, ctxs[0])
+                if past is None:
+                    P = PREFIX_KV.shared_len(backbone, prompt, sources[0], ctxs[0])
+                    if P:
+                        past = backbone.forward_fc(ids[:, :P], use_cache=True)[1].past_key_values
+                        PREFIX_KV.put(backbone, groups, ctxs[0][:P], past)
+            fc, out = backbone.forward_fc(ids[:, P:], attention_mask=mask if S > 1 else None, past_key_values=past,
+                                          use_cache=True)
     finally:
         for h in handles:
             h.remove()

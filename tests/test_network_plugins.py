@@ -225,3 +225,36 @@ def test_training_keeps_progress_cut_off_by_the_budget(monkeypatch):
     # ...and the guard's restore never makes it worse
     summary = guard.restore(summary)
     assert float(w.detach()) <= 2.0 and summary["extra_evals"] >= 1 and summary["best_heldout_loss"] <= 2.0
+
+
+def test_prefix_kv_cache_decodes_as_a_full_prefill(tiny, tiny_memory, trained):
+    """A single-source decode reuses the KV cache of the prompt's shared prefix (instruction + few-shot examples):
+    same tokens as a full prefill, for base and in-network rows; a plug-in whose weights change gets a new entry."""
+    from backbone.prompts import Prompt
+    from plugins.decode import PREFIX_KV
+
+    prompt = Prompt.for_task("translation", examples=[("the house is small", "das Haus ist klein"),
+                                                      ("good morning", "Guten Morgen")])
+    ad = trained[0]["adapter"][0]
+    rows = [Row("base"), Row("ad", ad), Row("ad-half", ad, {"scale": 0.5})]
+    ctx = tiny.encode_context(prompt.render("the cat sleeps"))
+    assert PREFIX_KV.shared_len(tiny, prompt, "the cat sleeps", ctx) >= PREFIX_KV.MIN_TOKENS
+    PREFIX_KV.clear()
+    full = compare(tiny, "the cat sleeps", rows, prompt, max_new_tokens=8, use_prefix_cache=False)
+    assert not PREFIX_KV._entries
+    miss = compare(tiny, "the cat sleeps", rows, prompt, max_new_tokens=8)
+    hit = compare(tiny, "hello world", rows, prompt, max_new_tokens=8)  # another source, same prefix
+    assert len(PREFIX_KV._entries) == 1
+    hit_full = compare(tiny, "hello world", rows, prompt, max_new_tokens=8, use_prefix_cache=False)
+    for r in rows:
+        assert miss.row(r.label).tokens == full.row(r.label).tokens, r.label
+        assert hit.row(r.label).tokens == hit_full.row(r.label).tokens, r.label
+    assert full.row("ad").tokens != full.row("base").tokens or full.row("ad").score != full.row("base").score
+    saved = {k: v.clone() for k, v in ad.state_dict().items()}
+    try:
+        with torch.no_grad():
+            ad.adapters[0].W_D.weight.mul_(2.0)  # weights changed in place: the old entry must not match
+        compare(tiny, "the cat sleeps", rows, prompt, max_new_tokens=2)
+        assert len(PREFIX_KV._entries) == 2
+    finally:
+        ad.load_state_dict(saved)
