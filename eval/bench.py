@@ -148,15 +148,17 @@ def bench_train(mem, plugin_dir: Path, methods=None) -> list[dict]:
     return out
 
 
-def _time_decode(bb, rows, prompt, sources, max_new_tokens=24, reps=1):
+def _time_decode(bb, rows, prompt, sources, max_new_tokens=24, reps=1, prefix_cache=True):
+    """Seconds per generated token, prefill included (the warm-up fills the prompt-prefix KV cache)."""
     from plugins.decode import compare
 
-    compare(bb, sources[0], rows, prompt, max_new_tokens=4)  # warm-up
+    compare(bb, sources[0], rows, prompt, max_new_tokens=4, use_prefix_cache=prefix_cache)  # warm-up
     tot_t, tot_steps = 0.0, 0
     for _ in range(reps):
         for s in sources:
             t0 = time.time()
-            c = compare(bb, s, rows, prompt, max_new_tokens=max_new_tokens, trace=False)
+            c = compare(bb, s, rows, prompt, max_new_tokens=max_new_tokens, trace=False,
+                        use_prefix_cache=prefix_cache)
             tot_t += time.time() - t0
             tot_steps += c.steps
     return tot_t / tot_steps
@@ -226,6 +228,12 @@ def bench_decode(bb, mem, plugin_dir: Path, tokens: int = 24) -> dict:
         res["four_rows"] = [r.label for r in four]
         res["four_rows_ms_per_step"] = round(1000 * t_four, 1)
         res["four_methods_over_one"] = round(t_four / t_base, 3)
+        # the same two decodes with every prompt prefilled in full (no prompt-prefix KV cache)
+        t_base_full = _time_decode(bb, [Row("base")], prompt, sources, tokens, prefix_cache=False)
+        t_four_full = _time_decode(bb, four, prompt, sources, tokens, prefix_cache=False)
+        res["full_prefill"] = {"base_ms_per_token": round(1000 * t_base_full, 1),
+                               "four_rows_ms_per_step": round(1000 * t_four_full, 1),
+                               "four_methods_over_one": round(t_four_full / t_base_full, 3)}
     return res
 
 
