@@ -4,6 +4,7 @@
     python -m eval.bench train      # peak extra memory + entries/s: PEMA vs last-layer LoRA (peft) and others
     python -m eval.bench decode     # per-token time: PEMA, exact kNN over 100k entries, 4-method batch vs base
     python -m eval.bench softmax    # PEMA's exact full-vocabulary training vs the fast candidate softmax
+    python -m eval.bench head       # LM-head projection of 1-32 rows: F.linear vs W @ xᵀ (decode-step BLAS choice)
     python -m eval.bench all        # one run: the train children save their plug-ins, decode times them
     python -m eval.bench train pema,lora   # a subset of methods
     python -m eval.bench train pema,lora --backbone smollm2-135m-instruct   # another backbone (head share 21%)
@@ -261,6 +262,27 @@ def _heldout_scores(bb, plugin, mem, lam: float = 0.5, n: int = 2000) -> dict:
     return {k: (round(v / len(y), 4) if k != "tokens" else v) for k, v in out.items()}
 
 
+def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dict:
+    """ms per LM-head projection of a few rows: ``F.linear`` (x·Wᵀ) vs ``W @ xᵀ`` (see ``backbone.model._project``)."""
+    import torch
+
+    w = bb.lm_head.weight
+    out = {}
+    with torch.no_grad():
+        for m in rows:
+            x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
+            res = {}
+            for name, f in (("linear", lambda: torch.nn.functional.linear(x, w)), ("w_xt", lambda: (w @ x.T).T)):
+                f(), f()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    f()
+                res[name] = round(1000 * (time.perf_counter() - t0) / reps, 1)
+            out[m] = res
+            print(m, res, file=sys.stderr)
+    return out
+
+
 def bench_softmax(bb, mem, plugin_dir: Path) -> dict:
     """The same PEMA training (PCA start, 3 joint epochs, no early stop) with the exact full-vocabulary softmax and
     with the fast candidate softmax: joint seconds per epoch and held-out reference log-probabilities."""
@@ -289,13 +311,15 @@ def main(argv=None) -> int:
         print(json.dumps(_train_child(argv[1], json.loads(argv[2]), argv[3], argv[4])))
         return 0
     what = argv[0] if argv else "all"
-    if what not in ("build", "train", "decode", "softmax", "all"):
-        raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | all")
+    if what not in ("build", "train", "decode", "softmax", "head", "all"):
+        raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | head | all")
     from backbone import load_backbone
 
     bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE"))
     res: dict = {"backbone": bb.name, "torch_threads": __import__("torch").get_num_threads(),
                  "head_share": head_share(bb)}
+    if what == "head":
+        res["head"] = bench_head(bb)
     if what in ("build", "all"):
         res["build"] = bench_build(bb)
         print(json.dumps(res["build"]), file=sys.stderr)
