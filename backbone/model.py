@@ -189,6 +189,13 @@ class Backbone:
         nl = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
         if len(nl) == 1:
             ids.add(int(nl[0]))
+        # Every token that contains a line break ends the line too ("\n\n" is what a model says after an answer
+        # when the prompt's examples are separated by blank lines). Found from the vocabulary's token strings
+        # (SentencePiece "\n" or "<0x0A>", byte-level "Ċ") and confirmed by decoding.
+        toks = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        for i, t in enumerate(toks):
+            if t and ("\n" in t or "Ċ" in t or "<0x0A>" in t) and "\n" in self.tokenizer.decode([i]):
+                ids.add(i)
         return ids
 
     def _fingerprint(self) -> str:

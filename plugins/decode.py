@@ -386,8 +386,7 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
             else:  # ran out of tokens: the best live beam
                 j = int(scores[r].argmax())
                 score, toks, tr = float(scores[r, j]), beam_tokens[r * B + j], beam_traces[r * B + j]
-            body = [t for t in toks if t not in stop_ids]
-            raw = backbone.decode(body)
+            raw = backbone.decode(toks).rstrip("\n")  # a stop token may carry text before its line break
             results.append(RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw,
                                      tokens=toks, token_texts=[backbone.token_str(t) for t in toks], trace=tr,
                                      settings=settings[r_i], score=round(float(score), 4)))
