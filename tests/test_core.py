@@ -306,3 +306,13 @@ def test_head_logits_subset_equals_the_masked_full_head(tiny):
     keep = torch.zeros(tiny.vocab_size, dtype=torch.bool, device=tiny.device)
     keep[vocab] = True
     assert torch.isinf(sub[:, ~keep]).all()
+
+
+def test_every_line_break_token_stops_generation(tiny):
+    """Generation ends at the end of the line: every token whose text holds a line break (e.g. "\\n\\n", which a
+    model says after an answer when the prompt's examples are separated by blank lines) is a stop token."""
+    texts = [tiny.tokenizer.decode([i]) for i in range(len(tiny.tokenizer))]
+    breaks = {i for i, t in enumerate(texts) if "\n" in t}
+    assert breaks  # the tiny tokenizer has "\n" only; tests/test_integration.py checks "\n\n" on Gemma
+    assert breaks <= tiny.stop_ids
+    assert tiny.stop_ids - breaks <= {tiny.tokenizer.eos_token_id}

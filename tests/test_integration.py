@@ -25,7 +25,11 @@ def wmt_memory(gemma, shared_data, tmp_path_factory):
 
 def test_embedded_backbone_facts(gemma):
     assert gemma.hidden_size == 640 and gemma.vocab_size == 262144
-    assert gemma.tokenizer.decode([next(iter(gemma.stop_ids - {gemma.tokenizer.eos_token_id}))]) == "\n"
+    breaks = {i for i in gemma.stop_ids if "\n" in gemma.tokenizer.decode([i])}
+    for text in ("\n", "\n\n"):  # "\n\n" ends an answer when the prompt's examples are separated by blank lines
+        ids = gemma.encode_target(text)
+        assert len(ids) == 1 and ids[0] in breaks, text
+    assert all(set(gemma.tokenizer.decode([i])) == {"\n"} for i in breaks)  # Gemma's are pure runs of "\n"
 
 
 def test_pema_learns_its_memory_and_decodes_next_to_base_and_knn(gemma, wmt_memory, tmp_path):
