@@ -447,6 +447,19 @@ class Studio:
 
         return method_table()
 
+    def tuned_knobs(self, task: str) -> dict:
+        """Starting values of the live controls for ``task``: the decode settings tuned on dev data for this
+        backbone (``eval/tuned_defaults.json``, written by ``python -m eval.quality --save-defaults``), else the
+        fallbacks."""
+        from backbone.model import resolve_name
+        from eval.tasks import tuned_defaults
+
+        dec = tuned_defaults(task, resolve_name(self.backbone_name))["decode"]
+        pema, knn = dec.get("pema", {}), dec.get("knn", {})
+        return {"lambda_max": float(pema.get("lambda_max", 0.8)), "gu": bool(pema.get("gu", True)),
+                "k": int(knn.get("k", 16)), "temperature": float(knn.get("temperature", 10.0)),
+                "lambda": float(knn.get("lambda", 0.3))}
+
     def submit_train(self, memory_id: str, method: str, config: dict | None = None, name: str = "") -> str:
         """Validate the method and its settings now, then queue the training job."""
         from plugins.api import make_config

@@ -464,3 +464,29 @@ def test_real_backbone_build_train_compare_share(tmp_path):
     finally:
         demo.close()
         studio.close()
+
+
+def test_live_controls_start_from_the_tasks_tuned_settings(tmp_path):
+    """The Compare tab's sliders start from eval/tuned_defaults.json for the studio's backbone and task."""
+    import json
+
+    from eval.tasks import TUNED_PATH
+    from studio.service import Studio
+
+    tuned = json.loads(TUNED_PATH.read_text())
+    st = Studio(tmp_path / "d", backbone="gemma", load=False, start_jobs=False)  # an alias of gemma-3-270m
+    try:
+        for task in ("translation", "formality", "style"):
+            want = tuned[task]["backbones"]["gemma-3-270m"]["decode"]
+            got = st.tuned_knobs(task)
+            assert (got["lambda_max"], got["gu"]) == (want["pema"]["lambda_max"], want["pema"]["gu"])
+            assert (got["k"], got["temperature"], got["lambda"]) == (want["knn"]["k"], want["knn"]["temperature"],
+                                                                    want["knn"]["lambda"])
+    finally:
+        st.close()
+    other = Studio(tmp_path / "e", backbone="tiny", load=False, start_jobs=False)  # nothing tuned: fallbacks
+    try:
+        assert other.tuned_knobs("translation") == {"lambda_max": 0.8, "gu": True, "k": 16, "temperature": 10.0,
+                                                    "lambda": 0.3}
+    finally:
+        other.close()

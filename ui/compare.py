@@ -88,12 +88,15 @@ def build(studio) -> SimpleNamespace:
             hsample = gr.Dropdown([], label="Held-out sample", scale=3)
     methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
                                elem_id="compare-methods")
+    start = studio.tuned_knobs("translation")  # the task's tuned decode settings (they follow the Task choice)
     with gr.Row(equal_height=True, elem_id="live-controls"):
-        lam = gr.Slider(0, 1, 0.8, step=0.05, label="PEMA λ_max", elem_id="lambda-max", min_width=260, visible=False)
-        gu = gr.Checkbox(True, label="Gradual Unrolling", min_width=150, elem_id="gu", visible=False)
-        k = gr.Slider(1, 64, 16, step=1, label="kNN k", min_width=150, visible=False)
-        temp = gr.Slider(0.5, 100, 10, step=0.5, label="kNN temperature", min_width=150, visible=False)
-        klam = gr.Slider(0, 1, 0.3, step=0.05, label="kNN λ", min_width=150, visible=False)
+        lam = gr.Slider(0, 1, start["lambda_max"], step=0.05, label="PEMA λ_max", elem_id="lambda-max", min_width=260,
+                        visible=False)
+        gu = gr.Checkbox(start["gu"], label="Gradual Unrolling", min_width=150, elem_id="gu", visible=False)
+        k = gr.Slider(1, 64, start["k"], step=1, label="kNN k", min_width=150, visible=False)
+        temp = gr.Slider(0.5, 100, start["temperature"], step=0.5, label="kNN temperature", min_width=150,
+                         visible=False)
+        klam = gr.Slider(0, 1, start["lambda"], step=0.05, label="kNN λ", min_width=150, visible=False)
     knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods (PEMA, kNN); every "
                         "move re-decodes all methods in one batch. Other methods' settings are under "
                         "“More decode settings”.</div>")
@@ -216,6 +219,12 @@ def build(studio) -> SimpleNamespace:
             return tuple(gr.skip() for _ in outputs)
         return do_compare(*args)
 
+    def on_task(tk):
+        t = studio.tuned_knobs(tk)
+        return (gr.update(value=t["lambda_max"]), gr.update(value=t["gu"]), gr.update(value=t["k"]),
+                gr.update(value=t["temperature"]), gr.update(value=t["lambda"]))
+
+    task.input(on_task, task, [lam, gu, k, temp, klam], api_visibility="private", show_progress="hidden")
     run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode", show_progress_on=cards)
     source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
                   show_progress_on=cards)
