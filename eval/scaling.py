@@ -61,15 +61,19 @@ def chart(rows: list[dict], task: str, path: Path) -> None:
 
     keys = METRIC[task]
     fig = make_subplots(rows=1, cols=len(keys), subplot_titles=keys)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    palette = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626", "#0891b2", "#ca8a04"]
+    color = {m: palette[i % len(palette)] for i, m in enumerate(methods)}  # one colour per method in every panel
     for j, k in enumerate(keys, start=1):
-        for method in dict.fromkeys(r["method"] for r in rows):
+        for method in methods:
             pts = [r for r in rows if r["method"] == method and r[k] is not None]
             fig.add_trace(go.Scatter(x=[r["pairs"] for r in pts], y=[r[k] for r in pts], mode="lines+markers",
-                                     name=method, legendgroup=method, showlegend=j == 1), row=1, col=j)
+                                     name=method, legendgroup=method, showlegend=j == 1,
+                                     line=dict(color=color[method]), marker=dict(color=color[method])), row=1, col=j)
         fig.update_xaxes(type="log", title_text="training pairs", row=1, col=j)
     fig.update_layout(title=f"{task}: quality vs training pairs behind the memory", height=420)
     path.parent.mkdir(exist_ok=True)
-    fig.write_html(str(path), include_plotlyjs="cdn")
+    fig.write_html(str(path), include_plotlyjs=True)  # self-contained: the chart must open offline
 
 
 def main(argv=None) -> int:
