@@ -49,8 +49,8 @@ def _project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (torch 2.13, MKL, OMP_WAIT_POLICY=PASSIVE), Gemma's 262,144 × 640 head in float32, ms per call:
 
         rows            1     2     3     4     6     7     8    12    16    32
-        F.linear      25    27    30    54    59    86    85   118    55    78
-        weight @ xᵀ   24    74    72    74    59    54    62    58    57    98
+        F.linear      25    25    28    51    56    77    80   111    60    82
+        weight @ xᵀ   27    62    56    52    57    55    50    53    49    78
 
     so ``weight @ xᵀ`` only for 7–15 rows (SmolLM2's 49,152 × 576 head: the same picture). Reproduce with
     ``python -m eval.bench head``."""
