@@ -452,13 +452,13 @@ class Studio:
         backbone (``eval/tuned_defaults.json``, written by ``python -m eval.quality --save-defaults``), else the
         fallbacks."""
         from backbone.model import resolve_name
-        from eval.tasks import tuned_defaults
+        from eval.tasks import FALLBACK, tuned_defaults
 
         dec = tuned_defaults(task, resolve_name(self.backbone_name))["decode"]
-        pema, knn = dec.get("pema", {}), dec.get("knn", {})
-        return {"lambda_max": float(pema.get("lambda_max", 0.8)), "gu": bool(pema.get("gu", True)),
-                "k": int(knn.get("k", 16)), "temperature": float(knn.get("temperature", 10.0)),
-                "lambda": float(knn.get("lambda", 0.3))}
+        pema = {**FALLBACK["decode"]["pema"], **dec.get("pema", {})}
+        knn = {**FALLBACK["decode"]["knn"], **dec.get("knn", {})}
+        return {"lambda_max": float(pema["lambda_max"]), "gu": bool(pema["gu"]), "k": int(knn["k"]),
+                "temperature": float(knn["temperature"]), "lambda": float(knn["lambda"])}
 
     def submit_train(self, memory_id: str, method: str, config: dict | None = None, name: str = "") -> str:
         """Validate the method and its settings now, then queue the training job."""
