@@ -49,7 +49,8 @@ def best_setting(task: str, rows: list[dict]) -> dict:
     return max(rows[1:], key=lambda r: r["content_similarity"])
 
 
-GRID = {"pema": [{"lambda_max": lam, "gu": gu} for lam in (0.3, 0.5, 0.7, 0.9) for gu in (True, False)],
+GRID = {"pema": [{"lambda_max": lam, "gu": False} for lam in (0.1, 0.2)]
+        + [{"lambda_max": lam, "gu": gu} for lam in (0.3, 0.5, 0.7, 0.9) for gu in (True, False)],
         "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (8, 32) for t in (10.0, 100.0)
                 for lam in (0.2, 0.4)]}
 
@@ -173,10 +174,17 @@ def main(argv=None) -> int:
     with progress_bar("report") as prog:
         rep = evaluate(bb, report_pairs, rows, prompt, args.task, batch_sources=args.batch, progress=prog,
                        extra=report_extra)
+    if args.task != "style":  # paired bootstrap of every row against the base on the same report items
+        from eval.metrics import paired_bootstrap
+
+        refs = [o["reference"] for o in rep["outputs"]]
+        for r in rep["methods"][1:]:
+            r["vs_base"] = paired_bootstrap([o["base"] for o in rep["outputs"]],
+                                            [o[r["label"]] for o in rep["outputs"]], refs)
     out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),
            "memory_build_seconds": round(build_s, 1), "tune_items": args.tune, "report_items": args.report,
            "tuned": tuned, "train_info": train_info, "tune": tune_tables, "report": rep["methods"],
-           "outputs": rep["outputs"][:20], "report_seconds": rep["seconds"], **style_info}
+           "outputs": rep["outputs"], "report_seconds": rep["seconds"], **style_info}
     Path("out").mkdir(exist_ok=True)
     path = Path("out") / f"quality-{args.task}-{args.train}-{bb.name}.json"
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False, default=str), encoding="utf-8")

@@ -104,10 +104,10 @@ def lambda_sweep(backbone, pairs, plugin, prompt: Prompt, lambdas=(0.1, 0.3, 0.5
     return out
 
 
-def format_table(methods: list[dict], keys: list[str] | None = None) -> str:
+def format_table(methods: list[dict], keys: list[str] | None = None, digits: int = 2) -> str:
     keys = keys or [k for k in methods[0] if isinstance(methods[0][k], (int, float)) and k != "n"]
     head = ["method"] + keys
-    lines = [[m["label"]] + [f"{m.get(k, float('nan')):.2f}" if isinstance(m.get(k), (int, float)) else "-"
+    lines = [[m["label"]] + [f"{m.get(k, float('nan')):.{digits}f}" if isinstance(m.get(k), (int, float)) else "-"
                              for k in keys] for m in methods]
     widths = [max(len(h), *(len(r[i]) for r in lines)) for i, h in enumerate(head)]
     fmt = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731

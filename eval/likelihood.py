@@ -1,0 +1,171 @@
+"""Teacher-forced scoring of output-level plug-ins (PEMA, kNN) on many dev pairs: a cheap tuning signal.
+
+A BLEU sweep decodes every dev sentence once per setting (minutes per setting for 100 sentences on 2 cores), so
+the BLEU tuning in ``eval.quality`` sees only a few dozen items. Here each dev pair's reference is fed to the
+backbone once (a memory of dev hidden states, the same capture as a training memory), and every decode setting is
+scored on every reference token from those states: the mean negative log-likelihood of the reference token
+(what kNN-LM tunes on) and top-1 agreement (how often the greedy choice at that step is the reference token,
+given the reference prefix). Both use the plug-in's own ``mix`` with the decode step and source length of each
+token, so Gradual Unrolling's λ_t is the one a decode would use.
+
+    python -m eval.likelihood --plugin pema-1a2b --task translation --dev 0:1000
+    python -m eval.likelihood --plugin pema-1a2b --plugin knn-3c4d --dev 0:1000 --json out/lik.json
+
+What it cannot see: exposure bias (a free-running decode conditions on its own earlier choices), so the BLEU of
+the chosen setting is still measured by ``eval.quality`` on report items.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from studio.cli import progress_bar, run_main
+
+DEFAULT_GRID = {
+    "pema": [{"lambda_max": lam, "gu": gu} for gu in (False, True) for lam in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)],
+    "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (8, 32) for t in (10.0, 100.0)
+            for lam in (0.1, 0.2, 0.4)],
+}
+
+
+def entry_steps(entry_sample: np.ndarray) -> np.ndarray:
+    """The decode step of every entry: its position within its sample (entries of a sample are consecutive)."""
+    es = np.asarray(entry_sample)
+    if len(es) == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.r_[True, es[1:] != es[:-1]]
+    first = np.maximum.accumulate(np.where(starts, np.arange(len(es)), 0))
+    return np.arange(len(es)) - first
+
+
+def dev_memory(backbone, prompt, pairs: list[tuple[str, str]], cache_root: Path, task: str, progress=None):
+    """A memory of the dev pairs' hidden states (no held-out split), cached by content under ``cache_root``."""
+    from memories.build import build_memory
+    from memories.parse import Sample
+    from memories.store import Memory
+
+    h = hashlib.sha256(json.dumps([backbone.fingerprint, prompt.to_dict(), pairs], ensure_ascii=False)
+                       .encode()).hexdigest()[:16]
+    path = Path(cache_root) / f"dev-{task}-{h}"
+    if (path / "meta.json").exists():
+        return Memory.load(path, backbone)
+    return build_memory(backbone, [Sample(s, t, i + 1) for i, (s, t) in enumerate(pairs)], path, prompt=prompt,
+                        task=task, heldout_frac=0.0, key_dtype="float32", batch_size=16,
+                        progress=progress or (lambda f, m: None))
+
+
+def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps: np.ndarray,
+                   src_lens: np.ndarray, grid: list[dict], chunk: int = 128, progress=lambda f, m: None) -> list[dict]:
+    """Mean NLL and top-1 agreement of the reference tokens under the base model and under each setting."""
+    from plugins.base import MixInput
+
+    plugin.prepare_decode()
+    settings = [plugin.settings(g) for g in grid]
+    nll = np.zeros(len(grid) + 1)
+    hit = np.zeros(len(grid) + 1)
+    order = np.lexsort((np.arange(len(steps)), steps))  # group by step: MixInput has one step for its rows
+    groups = np.split(order, np.flatnonzero(np.diff(steps[order])) + 1) if len(order) else []
+    batches = [g[i:i + chunk] for g in groups for i in range(0, len(g), chunk)]
+    done = 0
+    with torch.no_grad():
+        for b in batches:
+            fc = torch.from_numpy(np.asarray(keys[np.sort(b)], dtype=np.float32)).to(backbone.device)
+            b = np.sort(b)
+            y = torch.from_numpy(np.asarray(values[b], dtype=np.int64)).to(backbone.device)
+            lm_lp = torch.log_softmax(backbone.logits_from_fc(fc), dim=-1)
+            rows = [lm_lp]
+            for s in settings:
+                extra = plugin.extra_states(fc.to(backbone.dtype), [s] * len(b))
+                ex_logits = None
+                if extra is not None:
+                    vocab = plugin.head_vocab()
+                    normed = backbone.final_norm(extra.to(backbone.dtype))
+                    ex_logits = (backbone.head_logits(normed) if vocab is None
+                                 else backbone.head_logits_subset(normed, vocab))
+                mo = plugin.mix(MixInput(fc=fc.to(backbone.dtype), lm_logprobs=lm_lp, extra_logits=ex_logits,
+                                         step=int(steps[b[0]]), src_len=[int(x) for x in src_lens[b]],
+                                         settings=[s] * len(b)))
+                rows.append(mo.logprobs)
+            for j, lp in enumerate(rows):
+                nll[j] -= float(lp.gather(1, y[:, None]).sum())
+                hit[j] += float((lp.argmax(1) == y).sum())
+            done += len(b)
+            progress(done / len(steps), f"scored {done}/{len(steps)} reference tokens × {len(rows)} settings")
+    n = max(1, len(steps))
+    out = [{"label": "base", "settings": {}, "nll": nll[0] / n, "top1": hit[0] / n}]
+    out += [{"label": json.dumps(g), "settings": g, "nll": nll[j + 1] / n, "top1": hit[j + 1] / n}
+            for j, g in enumerate(grid)]
+    return [{**r, "nll": round(r["nll"], 4), "top1": round(r["top1"], 4)} for r in out]
+
+
+def apply_config(plugin, items: list[str]) -> None:
+    """``KEY=JSON`` overrides of a loaded plug-in's config (fields read at decode time, e.g. PEMA's
+    ``decode_vocab``); validated like a training config."""
+    for it in items:
+        key, val = it.split("=", 1)
+        if not hasattr(plugin.config, key):
+            raise SystemExit(f"{plugin.method} has no config field {key!r}")
+        setattr(plugin.config, key, json.loads(val))
+    plugin.config.validate()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.likelihood", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plugin", action="append", required=True, help="output-level plug-in id (repeatable)")
+    ap.add_argument("--task", default="translation", choices=["translation", "formality"])
+    ap.add_argument("--dev", default="0:1000", help="START:N of dev pairs (keep them apart from report items)")
+    ap.add_argument("--grid", default=None, help='JSON list of settings (default: a λ/GU or k/T/λ grid)')
+    ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                    help='change a decode-time config field of the plug-ins, e.g. decode_vocab=\'"candidates+lm"\'')
+    ap.add_argument("--backbone", default=None)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--json", default=None, help="also write the table as JSON here")
+    args = ap.parse_args(argv)
+
+    from backbone import load_backbone
+    from backbone.prompts import Prompt
+    from eval.tasks import task_prompt
+    from eval.quality import task_pairs
+    from eval.run import format_table
+    from plugins.api import open_plugin
+    from studio.store import Catalog
+
+    cat = Catalog(args.data_dir)
+    bb = load_backbone(args.backbone, data_dir=args.data_dir)
+    start, n = map(int, args.dev.split(":"))
+    pairs = task_pairs(args.task, "dev", start, n)
+    result = {"task": args.task, "backbone": bb.name, "dev_items": args.dev, "plugins": {}}
+    mem = None
+    for ref in args.plugin:
+        plugin = open_plugin(ref, bb, cat)
+        apply_config(plugin, args.config)
+        if plugin.level != "output":
+            raise SystemExit(f"{ref} is an in-network plug-in; teacher-forced mixing applies to output-level ones")
+        prompt = Prompt.from_dict(plugin.memory_meta["prompt"]) if plugin.memory_meta.get("prompt") \
+            else task_prompt(args.task, bb)
+        if mem is None or mem.prompt.to_dict() != prompt.to_dict():
+            with progress_bar("dev memory") as prog:
+                mem = dev_memory(bb, prompt, pairs, cat.root / "eval-cache", args.task, prog)
+            steps = entry_steps(mem.entry_sample)
+            src_len = np.array([len(bb.encode_target(s["src"].strip())) for s in mem.samples])
+            src_lens = src_len[np.asarray(mem.entry_sample)]
+        grid = json.loads(args.grid) if args.grid else DEFAULT_GRID.get(plugin.method, [{}])
+        with progress_bar(f"score {ref}") as prog:
+            rows = score_settings(bb, plugin, mem.keys, mem.values, steps, src_lens, grid, progress=prog)
+        result["plugins"][ref] = {"method": plugin.method, "tokens": int(len(steps)), "rows": rows}
+        print(f"\n{ref} ({plugin.method}), {len(steps)} reference tokens of dev {args.dev}")
+        print(format_table([{"label": r["label"], "nll": r["nll"], "top1": r["top1"]} for r in rows], digits=4))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
