@@ -27,6 +27,26 @@ def result_path(task: str, n: int, backbone: str) -> Path:
     return OUT / f"quality-{task}-{n}-{backbone}.json"
 
 
+REPORT_ITEMS = QUALITY_ARGS[QUALITY_ARGS.index("--report") + 1]
+
+
+def on_common_items(d: dict, task: str, items: str = REPORT_ITEMS) -> dict[str, dict] | None:
+    """A result reported on more dev items than the curve's (e.g. 1000:200 against 1000:100) is re-scored on the
+    curve's items from its saved outputs, so every point of the curve is measured on the same sentences."""
+    if d.get("report_items") == items or task == "style":
+        return None
+    start, n = map(int, items.split(":"))
+    r_start, r_n = map(int, d.get("report_items", "0:0").split(":"))
+    outs = d.get("outputs", [])
+    if not (r_start <= start and start + n <= r_start + r_n and len(outs) == r_n):
+        return None
+    from eval.metrics import bleu_chrf
+
+    sub = outs[start - r_start:start - r_start + n]
+    refs = [o["reference"] for o in sub]
+    return {m["label"]: bleu_chrf([o[m["label"]] for o in sub], refs) for m in d["report"]}
+
+
 def collect(task: str, sizes: list[int], backbone: str) -> list[dict]:
     """One row per (size, method) found in the results: the report's metrics plus memory size and train time."""
     rows = []
@@ -35,12 +55,14 @@ def collect(task: str, sizes: list[int], backbone: str) -> list[dict]:
         if not p.exists():
             continue
         d = json.loads(p.read_text(encoding="utf-8"))
+        rescored = on_common_items(d, task)
         for m in d["report"]:
             if m["label"].startswith("ablation"):
                 continue
             info = d.get("train_info", {}).get(m["label"], {})
+            scores = {**m, **(rescored or {}).get(m["label"], {})}
             rows.append({"pairs": n, "entries": d["memory_entries"], "method": m["label"],
-                         "train_seconds": info.get("seconds"), **{k: m.get(k) for k in METRIC[task]}})
+                         "train_seconds": info.get("seconds"), **{k: scores.get(k) for k in METRIC[task]}})
     return rows
 
 

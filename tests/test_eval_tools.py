@@ -32,3 +32,20 @@ def test_scaling_collects_points_and_skips_ablation_rows(tmp_path, monkeypatch):
     assert "| 200 | 1,234 | pema | 4.00 | 22.00 | 12 |" in table
     scaling.chart(rows, "translation", tmp_path / "c.html")
     assert "plotly" in (tmp_path / "c.html").read_text()
+
+
+def test_scaling_rescores_a_longer_report_on_the_curves_items(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling, "OUT", tmp_path)
+    start, n = map(int, scaling.REPORT_ITEMS.split(":"))
+    refs = [f"Satz Nummer {i} ist hier." for i in range(2 * n)]
+    # "pema" is perfect on the curve's items and wrong on the extra ones; the stored score covers all of them
+    outs = [{"source": "s", "reference": r, "base": "x", "pema": r if i < n else "nein"} for i, r in enumerate(refs)]
+    d = {"memory_entries": 9, "report_items": f"{start}:{2 * n}", "outputs": outs,
+         "report": [{"label": "base", "sacrebleu": 0.0, "chrf": 1.0}, {"label": "pema", "sacrebleu": 50.0, "chrf": 50.0}]}
+    (tmp_path / "quality-translation-10000-bb.json").write_text(json.dumps(d))
+    rows = {r["method"]: r for r in scaling.collect("translation", [10000], "bb")}
+    assert round(rows["pema"]["sacrebleu"], 6) == 100.0 and round(rows["pema"]["chrf"], 6) == 100.0
+    d["outputs"] = outs[:20]  # only some outputs kept (older results): the stored scores stay
+    (tmp_path / "quality-translation-10000-bb.json").write_text(json.dumps(d))
+    rows = {r["method"]: r for r in scaling.collect("translation", [10000], "bb")}
+    assert rows["pema"]["sacrebleu"] == 50.0
