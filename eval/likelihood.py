@@ -10,6 +10,7 @@ token, so Gradual Unrolling's λ_t is the one a decode would use.
 
     python -m eval.likelihood --plugin pema-1a2b --task translation --dev 0:1000
     python -m eval.likelihood --plugin pema-1a2b --plugin knn-3c4d --dev 0:1000 --json out/lik.json
+    python -m eval.likelihood --plugin pema-1a2b --heldout     # its memory's held-out samples (in-domain)
 
 What it cannot see: exposure bias (a free-running decode conditions on its own earlier choices), so the BLEU of
 the chosen setting is still measured by ``eval.quality`` on report items.
@@ -56,6 +57,7 @@ def dev_memory(backbone, prompt, pairs: list[tuple[str, str]], cache_root: Path,
         return Memory.load(path, backbone)
     return build_memory(backbone, [Sample(s, t, i + 1) for i, (s, t) in enumerate(pairs)], path, prompt=prompt,
                         task=task, heldout_frac=0.0, key_dtype="float32", batch_size=16,
+                        max_target_tokens=1024,  # score long reference sentences too (training memories stop at 256)
                         progress=progress or (lambda f, m: None))
 
 
@@ -120,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plugin", action="append", required=True, help="output-level plug-in id (repeatable)")
     ap.add_argument("--task", default="translation", choices=["translation", "formality"])
     ap.add_argument("--dev", default="0:1000", help="START:N of dev pairs (keep them apart from report items)")
+    ap.add_argument("--heldout", action="store_true",
+                    help="score on the held-out samples of each plug-in's own memory instead of dev pairs "
+                         "(in-domain: the same corpus as the training pairs)")
     ap.add_argument("--grid", default=None, help='JSON list of settings (default: a λ/GU or k/T/λ grid)')
     ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                     help='change a decode-time config field of the plug-ins, e.g. decode_vocab=\'"candidates+lm"\'')
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
     from eval.tasks import task_prompt
     from eval.quality import task_pairs
     from eval.run import format_table
-    from plugins.api import open_plugin
+    from plugins.api import open_memory, open_plugin
     from studio.store import Catalog
 
     cat = Catalog(args.data_dir)
@@ -149,17 +154,24 @@ def main(argv=None) -> int:
             raise SystemExit(f"{ref} is an in-network plug-in; teacher-forced mixing applies to output-level ones")
         prompt = Prompt.from_dict(plugin.memory_meta["prompt"]) if plugin.memory_meta.get("prompt") \
             else task_prompt(args.task, bb)
-        if mem is None or mem.prompt.to_dict() != prompt.to_dict():
-            with progress_bar("dev memory") as prog:
-                mem = dev_memory(bb, prompt, pairs, cat.root / "eval-cache", args.task, prog)
-            steps = entry_steps(mem.entry_sample)
-            src_len = np.array([len(bb.encode_target(s["src"].strip())) for s in mem.samples])
-            src_lens = src_len[np.asarray(mem.entry_sample)]
+        if args.heldout:  # the plug-in's own memory's held-out samples: same corpus as its training pairs
+            mem = open_memory(plugin.memory_meta["id"], bb, cat)
+            keys, values, sample_of = mem.heldout_keys, mem.heldout_values, np.asarray(mem.heldout_entry_sample)
+            where = f"the held-out samples of memory {mem.id}"
+        else:
+            if mem is None or mem.prompt.to_dict() != prompt.to_dict():
+                with progress_bar("dev memory") as prog:
+                    mem = dev_memory(bb, prompt, pairs, cat.root / "eval-cache", args.task, prog)
+            keys, values, sample_of = mem.keys, mem.values, np.asarray(mem.entry_sample)
+            where = f"dev {args.dev}"
+        steps = entry_steps(sample_of)
+        src_len = np.array([len(bb.encode_target(s["src"].strip())) for s in mem.samples])
         grid = json.loads(args.grid) if args.grid else DEFAULT_GRID.get(plugin.method, [{}])
         with progress_bar(f"score {ref}") as prog:
-            rows = score_settings(bb, plugin, mem.keys, mem.values, steps, src_lens, grid, progress=prog)
-        result["plugins"][ref] = {"method": plugin.method, "tokens": int(len(steps)), "rows": rows}
-        print(f"\n{ref} ({plugin.method}), {len(steps)} reference tokens of dev {args.dev}")
+            rows = score_settings(bb, plugin, keys, values, steps, src_len[sample_of], grid, progress=prog)
+        result["plugins"][ref] = {"method": plugin.method, "scored_on": where, "tokens": int(len(steps)),
+                                  "rows": rows}
+        print(f"\n{ref} ({plugin.method}), {len(steps)} reference tokens of {where}")
         print(format_table([{"label": r["label"], "nll": r["nll"], "top1": r["top1"]} for r in rows], digits=4))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
