@@ -76,8 +76,8 @@ def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps
     done = 0
     with torch.no_grad():
         for b in batches:
-            fc = torch.from_numpy(np.asarray(keys[np.sort(b)], dtype=np.float32)).to(backbone.device)
-            b = np.sort(b)
+            b = np.sort(b)  # sorted: friendlier reads from a memory-mapped file
+            fc = torch.from_numpy(np.asarray(keys[b], dtype=np.float32)).to(backbone.device)
             y = torch.from_numpy(np.asarray(values[b], dtype=np.int64)).to(backbone.device)
             lm_lp = torch.log_softmax(backbone.logits_from_fc(fc), dim=-1)
             rows = [lm_lp]
