@@ -109,10 +109,13 @@ def apply_config(plugin, items: list[str]) -> None:
     """``KEY=JSON`` overrides of a loaded plug-in's config (fields read at decode time, e.g. PEMA's
     ``decode_vocab``); validated like a training config."""
     for it in items:
-        key, val = it.split("=", 1)
+        key, _, val = it.partition("=")
         if not hasattr(plugin.config, key):
             raise SystemExit(f"{plugin.method} has no config field {key!r}")
-        setattr(plugin.config, key, json.loads(val))
+        try:
+            setattr(plugin.config, key, json.loads(val))
+        except json.JSONDecodeError:
+            raise SystemExit(f"--config {it}: the value must be JSON (a string needs quotes: {key}='\"...\"')")
     plugin.config.validate()
 
 
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
                          "(in-domain: the same corpus as the training pairs)")
     ap.add_argument("--grid", default=None, help='JSON list of settings (default: a λ/GU or k/T/λ grid)')
     ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                    help='change a decode-time config field of the plug-ins, e.g. decode_vocab=\'"candidates+lm"\'')
+                    help='change a decode-time config field of the plug-ins, e.g. decode_vocab=\'"full"\'')
     ap.add_argument("--backbone", default=None)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--json", default=None, help="also write the table as JSON here")

@@ -55,3 +55,15 @@ def test_paired_bootstrap_separates_a_real_gain_from_chance():
     same = paired_bootstrap(bad, list(bad), refs, n_samples=200)
     assert better["sacrebleu"]["p_value"] < 0.05 and better["chrf"]["p_value"] < 0.05
     assert same["sacrebleu"]["p_value"] > 0.5 and same["chrf"]["p_value"] > 0.5
+
+
+def test_apply_config_changes_a_field_and_rejects_bad_input(tiny, tiny_memory, tmp_path):
+    from eval.likelihood import apply_config
+    from plugins.api import new_plugin
+
+    p = new_plugin("pema", tiny, tiny_memory, {"rank": 8})
+    apply_config(p, ['decode_vocab="full"'])
+    assert p.config.decode_vocab == "full"
+    for bad in ("decode_vocab=full", "no_such_field=1", 'decode_vocab="neither"'):
+        with pytest.raises((SystemExit, Exception)):
+            apply_config(p, [bad])
