@@ -78,18 +78,19 @@ def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps
         for b in batches:
             b = np.sort(b)  # sorted: friendlier reads from a memory-mapped file
             fc = torch.from_numpy(np.asarray(keys[b], dtype=np.float32)).to(backbone.device)
+            fc_bb = fc.to(backbone.dtype)  # what a decode hands the plug-in
             y = torch.from_numpy(np.asarray(values[b], dtype=np.int64)).to(backbone.device)
             lm_lp = torch.log_softmax(backbone.logits_from_fc(fc), dim=-1)
             rows = [lm_lp]
             for s in settings:
-                extra = plugin.extra_states(fc.to(backbone.dtype), [s] * len(b))
+                extra = plugin.extra_states(fc_bb, [s] * len(b))
                 ex_logits = None
                 if extra is not None:
                     vocab = plugin.head_vocab()
                     normed = backbone.final_norm(extra.to(backbone.dtype))
                     ex_logits = (backbone.head_logits(normed) if vocab is None
                                  else backbone.head_logits_subset(normed, vocab))
-                mo = plugin.mix(MixInput(fc=fc.to(backbone.dtype), lm_logprobs=lm_lp, extra_logits=ex_logits,
+                mo = plugin.mix(MixInput(fc=fc_bb, lm_logprobs=lm_lp, extra_logits=ex_logits,
                                          step=int(steps[b[0]]), src_len=[int(x) for x in src_lens[b]],
                                          settings=[s] * len(b)))
                 rows.append(mo.logprobs)
