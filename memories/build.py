@@ -48,6 +48,11 @@ def heldout_split(n: int, frac: float = 0.1, seed: int = 123, max_heldout: int =
     return np.sort(np.random.default_rng(seed).permutation(n)[:k])
 
 
+# Longest target (in backbone tokens) a memory takes: a longer one is almost always a whole paragraph pasted as
+# one sample, and capturing it would dominate the batch's padding.
+MAX_TARGET_TOKENS = 256
+
+
 def target_ids(backbone: Backbone, prompt: Prompt, tgt: str) -> list[int]:
     """The target continuation's tokens, ending with the line-end token so a plug-in also learns to stop."""
     ids = backbone.encode_target(prompt.target_prefix + tgt)
@@ -148,7 +153,7 @@ def _capture_offsite(backbone: Backbone, ctx: list[list[int]], tgt: list[list[in
 
 def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path, *, prompt: Prompt | None = None,
                  task: str = "translation", mode: str = "teacher", name: str = "", key_dtype: str = "float16",
-                 heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8, max_target_tokens: int = 256,
+                 heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8, max_target_tokens: int = MAX_TARGET_TOKENS,
                  progress: Progress = _noop, should_stop: ShouldStop = lambda: False) -> Memory:
     """Build a memory folder atomically at ``out_dir`` and return it loaded.
 

@@ -49,3 +49,13 @@ def test_scaling_rescores_a_longer_report_on_the_curves_items(tmp_path, monkeypa
     (tmp_path / "quality-translation-10000-bb.json").write_text(json.dumps(d))
     rows = {r["method"]: r for r in scaling.collect("translation", [10000], "bb")}
     assert rows["pema"]["sacrebleu"] == 50.0
+
+
+def test_pairs_that_fit_drops_targets_a_memory_refuses(tiny):
+    from backbone.prompts import Prompt
+    from memories.build import MAX_TARGET_TOKENS, target_ids
+
+    prompt = Prompt(template="{src} =", chat=False)
+    short, long_ = ("a", "ein Haus"), ("b", " ".join(["Haus"] * (MAX_TARGET_TOKENS + 5)))
+    assert len(target_ids(tiny, prompt, long_[1])) > MAX_TARGET_TOKENS
+    assert quality.pairs_that_fit(tiny, prompt, [short, long_, short]) == ([short, short], 1)
