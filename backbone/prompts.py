@@ -30,6 +30,16 @@ REVERSE_TEMPLATES = {
     "style": "Shakespeare: {src}\nModern:",
 }
 
+# The same for an instruct (chat) backbone: inside a user turn the completion-style templates above are not a task
+# (SmolLM2-135M-Instruct answered "Shakespeare: …" with an essay on the word's etymology); an instruction that asks
+# for the rewritten line only gives usable sources.
+CHAT_REVERSE_TEMPLATES = {
+    "translation": "Translate this German sentence into English. Reply with the translation only.\n\n{src}",
+    "formality": "Rewrite this sentence as a casual, informal chat message. Reply with the message only.\n\n{src}",
+    "style": "Rewrite this line from a Shakespeare play in plain, modern English. "
+             "Reply with the rewritten line only.\n\n{src}",
+}
+
 TASKS = tuple(PAPER_TEMPLATES)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from backbone.model import Backbone, generate_greedy
-from backbone.prompts import REVERSE_TEMPLATES, Prompt, common_prefix_len
+from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES, Prompt, common_prefix_len
 from memories.parse import Sample
 from memories.store import FORMAT_VERSION, Memory, disk_bytes
 from studio.errors import UserError
@@ -62,8 +62,10 @@ def target_ids(backbone: Backbone, prompt: Prompt, tgt: str) -> list[int]:
 
 def synthesize_sources(backbone: Backbone, targets: list[str], task: str, progress: Progress = _noop,
                        max_new_tokens: int = 96) -> list[str]:
-    """Ask the backbone for a plain source of each styled/German target (few-shot free, reverse template)."""
-    tpl = REVERSE_TEMPLATES.get(task, REVERSE_TEMPLATES["style"])
+    """Ask the backbone for a plain source of each styled/German target (few-shot free, reverse template; an
+    instruct backbone gets an instruction instead)."""
+    templates = CHAT_REVERSE_TEMPLATES if backbone.chat else REVERSE_TEMPLATES
+    tpl = templates.get(task, templates["style"])
     rev = Prompt(template=tpl, chat=backbone.chat)
     ctxs = [backbone.encode_context(rev.render(t)) for t in targets]
     outs = generate_greedy(backbone, ctxs, max_new_tokens=max_new_tokens, progress=progress)

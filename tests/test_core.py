@@ -66,6 +66,20 @@ def test_monolingual_samples_get_synthetic_sources(tiny, tmp_path):
     assert m.meta["stats"]["synthetic_sources"] == 2
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_synthetic_sources_use_an_instruction_on_chat_backbones(tiny, monkeypatch, chat):
+    from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES
+    from memories import build
+
+    seen = []
+    monkeypatch.setattr(tiny, "chat", chat)
+    monkeypatch.setattr(tiny, "encode_context", lambda text: seen.append(text) or [1])
+    monkeypatch.setattr(build, "generate_greedy", lambda bb, ctxs, **kw: [[] for _ in ctxs])
+    assert build.synthesize_sources(tiny, ["thou art kind"], "style") == ["thou art kind"]  # empty → identity
+    want = (CHAT_REVERSE_TEMPLATES if chat else REVERSE_TEMPLATES)["style"].format(src="thou art kind")
+    assert seen == [want]
+
+
 def test_wrong_backbone_is_refused(tiny_memory):
     from backbone.tiny import tiny_backbone
 
