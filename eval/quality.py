@@ -11,6 +11,10 @@ references, scored by the project's style classifier (its held-out accuracy is i
 to the input and perplexity under the other embedded backbone. Tuning picks the highest style score among the
 settings that keep ≥ 0.8 of the base's content similarity (the issue's bar).
 
+``--tune-prompt`` first chooses the prompt (the line format or the PEMA paper's instruction, with 0, 1 or 3 built-in
+examples) by the bare model's score on the tuning items, then builds the memory with it; with ``--save-defaults``
+the choice becomes the task's prompt on that backbone (app, CLI and later runs).
+
 Results go to ``out/quality-<task>-<train>.json`` and a markdown table on stdout. Tuned decode settings can be
 written into ``eval/tuned_defaults.json`` with ``--save-defaults`` (the app and CLI then start from them).
 """
@@ -60,6 +64,33 @@ def best_setting(task: str, rows: list[dict]) -> dict:
     return max(rows[1:], key=lambda r: r["content_similarity"])
 
 
+PROMPT_GRID = [{"paper_prompt": paper, "shots": shots} for paper in (False, True) for shots in (0, 1, 3)]
+
+
+def best_prompt(task: str, rows: list[dict]) -> dict:
+    """The prompt-tuning criterion (every row is the bare model under one prompt): chrF + sacreBLEU, or for style
+    style score × content similarity — with no base row to keep 0.8 of, a prompt must both restyle and keep the
+    content (a prompt that makes the model repeat a few-shot example scores a high style and no similarity)."""
+    if task != "style":
+        return max(rows, key=lambda r: r["chrf"] + r.get("sacrebleu", 0))
+    return max(rows, key=lambda r: r.get("style_score", 0.0) * r["content_similarity"])
+
+
+def tune_prompt(bb, task: str, pairs, batch: int, extra: dict | None) -> tuple[dict, list[dict]]:
+    """Decode the tuning items with the bare model under every prompt of ``PROMPT_GRID``; the best and the table."""
+    from eval.run import Row, evaluate
+    from eval.tasks import task_prompt
+
+    rows = []
+    for cand in PROMPT_GRID:
+        prompt = task_prompt(task, bb, shots=cand["shots"], paper=cand["paper_prompt"])
+        with progress_bar(f"prompt {json.dumps(cand)}") as prog:
+            res = evaluate(bb, pairs, [Row("base")], prompt, task, batch_sources=batch, progress=prog, extra=extra)
+        rows.append({"label": json.dumps(cand), **{k: v for k, v in res["methods"][0].items()
+                                                  if k not in ("label", "method", "settings")}})
+    return json.loads(best_prompt(task, rows)["label"]), rows
+
+
 GRID = {"pema": [{"lambda_max": lam, "gu": False} for lam in (0.1, 0.2)]
         + [{"lambda_max": lam, "gu": gu} for lam in (0.3, 0.5, 0.7, 0.9) for gu in (True, False)],
         "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (8, 32) for t in (10.0, 100.0)
@@ -99,11 +130,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation", action="store_true",
                     help="also train PEMA without the reconstruction (A, B_pd on L_pd only: the paper's '+B_pd') "
                          "and report base < +B_pd < +B_pd+GU < full PEMA at the tuned λ_max")
+    ap.add_argument("--tune-prompt", action="store_true",
+                    help="first choose the prompt (line format or the paper's instruction, 0/1/3 examples) by the "
+                         "bare model on the tuning items; the memory is built with it (not with --memory)")
+    ap.add_argument("--prompt-only", action="store_true",
+                    help="only tune the prompt (no memory, no plug-ins): out/prompt-<task>-<backbone>.json")
     args = ap.parse_args(argv)
+    args.tune_prompt = args.tune_prompt or args.prompt_only
+    if args.tune_prompt and args.memory:
+        raise SystemExit("--tune-prompt chooses the prompt a memory is built with; it cannot reuse --memory")
 
     from backbone import load_backbone
     from eval.run import evaluate, format_table
-    from eval.tasks import TUNED_PATH, task_prompt
+    from eval.tasks import task_prompt
     from memories.build import MAX_TARGET_TOKENS, build_memory, register_memory
     from memories.parse import Sample
     from plugins.api import open_memory, open_plugin, train_plugin
@@ -112,11 +151,41 @@ def main(argv=None) -> int:
 
     cat = Catalog(args.data_dir)
     bb = load_backbone(args.backbone, data_dir=args.data_dir)
-    prompt = task_prompt(args.task, bb)
+    ts, tn = map(int, args.tune.split(":"))
+    rs, rn = map(int, args.report.split(":"))
+    tune_pairs = task_pairs(args.task, "dev", ts, tn)
+    tune_extra = report_extra = None
+    style_info = {}
+    if args.task == "style":
+        from eval.style import heldout_accuracy, train_shakespeare_classifier
+
+        clf = train_shakespeare_classifier()
+        style_info = {"classifier_heldout": heldout_accuracy(clf)}
+        tune_extra = {"style_classifier": clf}
+        report_extra = {**tune_extra, "perplexity_backbone": other_backbone(bb, args.data_dir)}
+        style_info["perplexity_backbone"] = getattr(report_extra["perplexity_backbone"], "name", None)
+    prompt_choice, prompt_table = None, []
+    if args.tune_prompt:
+        prompt_choice, prompt_table = tune_prompt(bb, args.task, tune_pairs, args.batch, tune_extra)
+        print(format_table(prompt_table))
+        print(f"prompt: {json.dumps(prompt_choice)}")
+        prompt = task_prompt(args.task, bb, shots=prompt_choice["shots"], paper=prompt_choice["paper_prompt"])
+        if args.prompt_only:
+            Path("out").mkdir(exist_ok=True)
+            path = Path("out") / f"prompt-{args.task}-{bb.name}.json"
+            write_json_atomic(path, {"task": args.task, "backbone": bb.name, "tune_items": args.tune,
+                                     "prompt": prompt.to_dict(), "chosen": prompt_choice, "prompt_tuning": prompt_table})
+            print(f"wrote {path}")
+            if args.save_defaults:
+                save_defaults(args.task, bb.name, prompt=prompt_choice)
+            return 0
+    else:
+        prompt = task_prompt(args.task, bb)
     t0 = time.time()
     skipped_long = 0
     if args.memory:
         mem = open_memory(args.memory, bb, cat)
+        prompt = mem.prompt  # decode as the memory was built, whatever the tuned defaults say now
     else:
         train = task_pairs(args.task, "train", 0, args.train)
         train, skipped_long = pairs_that_fit(bb, prompt, train)
@@ -147,19 +216,6 @@ def main(argv=None) -> int:
         plugins[m] = p
         train_info[m] = {"id": row["id"], "params": row["params"], **p.train_info}
 
-    ts, tn = map(int, args.tune.split(":"))
-    rs, rn = map(int, args.report.split(":"))
-    tune_pairs = task_pairs(args.task, "dev", ts, tn)
-    tune_extra = report_extra = None
-    style_info = {}
-    if args.task == "style":
-        from eval.style import heldout_accuracy, train_shakespeare_classifier
-
-        clf = train_shakespeare_classifier()
-        style_info = {"classifier_heldout": heldout_accuracy(clf)}
-        tune_extra = {"style_classifier": clf}
-        report_extra = {**tune_extra, "perplexity_backbone": other_backbone(bb, args.data_dir)}
-        style_info["perplexity_backbone"] = getattr(report_extra["perplexity_backbone"], "name", None)
     tuned = {}
     tune_tables = {}
     for m, p in plugins.items():
@@ -200,6 +256,7 @@ def main(argv=None) -> int:
     out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),
            "memory_build_seconds": round(build_s, 1), "skipped_long_pairs": skipped_long,
            "tune_items": args.tune, "report_items": args.report,
+           "prompt": prompt.to_dict(), "prompt_tuning": prompt_table,
            "tuned": tuned, "train_info": train_info, "tune": tune_tables, "report": rep["methods"],
            "outputs": rep["outputs"], "report_seconds": rep["seconds"], **style_info}
     Path("out").mkdir(exist_ok=True)
@@ -208,13 +265,25 @@ def main(argv=None) -> int:
     print(format_table(rep["methods"]))
     print(f"tuned: {json.dumps(tuned)}\nwrote {path}")
     if args.save_defaults:
-        data = json.loads(TUNED_PATH.read_text()) if TUNED_PATH.exists() else {}
-        t = data.setdefault(args.task, {})
         # variants trained under their own label (e.g. pema-warm) are reported, not made the app's defaults
-        t.setdefault("backbones", {}).setdefault(bb.name, {})["decode"] = {
-            m: v for m, v in tuned.items() if m == plugins[m].method}
-        write_json_atomic(TUNED_PATH, data)
+        save_defaults(args.task, bb.name, decode={m: v for m, v in tuned.items() if m == plugins[m].method},
+                      prompt=prompt_choice)
     return 0
+
+
+def save_defaults(task: str, backbone_name: str, decode: dict | None = None, prompt: dict | None = None) -> None:
+    """Write tuned decode settings and/or the tuned prompt (``shots``, ``paper_prompt``) of a task on a backbone
+    into ``eval/tuned_defaults.json``, which the app, the CLI and ``eval.tasks.task_prompt`` read."""
+    from eval.tasks import TUNED_PATH
+    from studio.store import write_json_atomic
+
+    data = json.loads(TUNED_PATH.read_text(encoding="utf-8")) if TUNED_PATH.exists() else {}
+    entry = data.setdefault(task, {}).setdefault("backbones", {}).setdefault(backbone_name, {})
+    if decode is not None:
+        entry["decode"] = decode
+    if prompt is not None:
+        entry.update(prompt)
+    write_json_atomic(TUNED_PATH, data)
 
 
 if __name__ == "__main__":

@@ -76,11 +76,13 @@ def tuned_defaults(task: str, backbone_name: str | None = None) -> dict:
     return out
 
 
-def task_prompt(task: str, backbone, shots: int | None = None, paper: bool = False) -> Prompt:
-    """The prompt for a task: the line format with ``shots`` built-in examples (tuned default), or the paper's
-    Table 9 instruction with ``paper=True``; chat-wrapped on instruct backbones."""
+def task_prompt(task: str, backbone, shots: int | None = None, paper: bool | None = None) -> Prompt:
+    """The prompt for a task: the line format, or the paper's Table 9 instruction with ``paper=True``, with
+    ``shots`` built-in examples; chat-wrapped on instruct backbones. What is not given comes from the task's tuned
+    defaults for this backbone (``python -m eval.quality --tune-prompt --save-defaults``), else 3 shots, line format."""
     if task not in FEW_SHOT:
         raise UserError(f"Unknown task {task!r}; choose translation, formality or style.")
-    if shots is None:
-        shots = int(tuned_defaults(task, getattr(backbone, "name", None)).get("shots", 3))
+    tuned = tuned_defaults(task, getattr(backbone, "name", None))
+    shots = int(tuned.get("shots", 3)) if shots is None else shots
+    paper = bool(tuned.get("paper_prompt", False)) if paper is None else paper
     return Prompt.for_task(task, examples=FEW_SHOT[task][:shots], paper=paper, chat=getattr(backbone, "chat", False))

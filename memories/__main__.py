@@ -28,8 +28,9 @@ def main(argv=None) -> int:
     b.add_argument("--task", default="translation", help="translation, formality, style (sets the prompt)")
     b.add_argument("--template", help="your own prompt template with a {src} slot (overrides --task's)")
     b.add_argument("--shots", type=int, default=None,
-                   help="few-shot examples in the prompt (default: the task's tuned value, else 0)")
-    b.add_argument("--paper-template", action="store_true", help="use the PEMA paper's Table 9 instruction")
+                   help="few-shot examples in the prompt (default: the task's tuned value, else 3)")
+    b.add_argument("--paper-template", action="store_true", default=None,
+                   help="use the PEMA paper's Table 9 instruction (default: the task's tuned prompt format)")
     b.add_argument("--mode", default="teacher", choices=["teacher", "offsite"])
     b.add_argument("--limit", type=int, default=None, help="use the first N samples")
     b.add_argument("--skip-invalid", action="store_true", help="skip bad lines instead of stopping")

@@ -356,7 +356,7 @@ class Studio:
         return self.jobs.submit("build_memory", args)
 
     def _job_build(self, job: JobContext) -> dict:
-        from backbone.prompts import Prompt
+        from eval.tasks import task_prompt
         from memories.build import build_memory, register_memory
         from memories.parse import parse_samples_strict
         from studio.store import new_id
@@ -377,7 +377,7 @@ class Studio:
                 mid = new_id("mem-")
                 job.log(f"Building memory {a['name']!r} from {len(samples)} samples ({a['mode']} mode)")
                 mem = build_memory(bb, samples, self.root / "memories" / mid,
-                                   prompt=Prompt.for_task(a["task"], chat=bb.chat), task=a["task"], mode=a["mode"],
+                                   prompt=task_prompt(a["task"], bb), task=a["task"], mode=a["mode"],
                                    name=a["name"], progress=job.progress, should_stop=job.should_stop)
             register_memory(self.catalog, mem)  # only now, after the folder is complete
             s = mem.summary()
@@ -592,14 +592,15 @@ class Studio:
         return rows
 
     def _prompt(self, task: str, rows) -> Any:
-        """The memory's prompt of the chosen plug-ins when it is for this task, else the task's template."""
+        """The memory's prompt of the chosen plug-ins when it is for this task, else the task's tuned prompt."""
         from backbone.prompts import Prompt
+        from eval.tasks import task_prompt
 
         for r in rows:
             meta = getattr(r.plugin, "memory_meta", None) or {}
             if r.plugin is not None and meta.get("prompt") and meta.get("task") == task:
                 return Prompt.from_dict(meta["prompt"])
-        return Prompt.for_task(task, chat=self.backbone.chat)
+        return task_prompt(task, self.backbone)
 
     def compare(self, source: str, task: str = "translation", methods: list[str] | None = None,
                 knobs: dict | None = None, extra: dict | None = None, max_new_tokens: int = 48,

@@ -105,6 +105,12 @@ def test_build_and_train_leave_catalog_rows_and_history(flow):
     assert mem["name"] == "my memory" and mem["samples"] == 12 and mem["entries"] > 0 and mem["usable"]
     detail = client.predict(flow["memory_id"], api_name="/memory")
     assert {s["split"] for s in detail["samples"]} == {"train", "heldout"}
+    # built with the task's tuned prompt (few-shot examples included), the one the benchmarks measured
+    from eval.tasks import task_prompt
+
+    meta = json.loads((flow["studio"].root / "memories" / flow["memory_id"] / "meta.json").read_text())
+    assert meta["prompt"] == task_prompt("translation", flow["studio"].backbone).to_dict()
+    assert meta["prompt"]["examples"]
     plugins = {p["id"]: p for p in client.predict(api_name="/plugins")}
     assert plugins[flow["pema_id"]]["params"] > 0 and plugins[flow["pema_id"]]["method"] == "pema"
     assert plugins[flow["knn_id"]]["params"] == 0

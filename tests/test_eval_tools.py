@@ -59,3 +59,40 @@ def test_pairs_that_fit_drops_targets_a_memory_refuses(tiny):
     short, long_ = ("a", "ein Haus"), ("b", " ".join(["Haus"] * (MAX_TARGET_TOKENS + 5)))
     assert len(target_ids(tiny, prompt, long_[1])) > MAX_TARGET_TOKENS
     assert quality.pairs_that_fit(tiny, prompt, [short, long_, short]) == ([short, short], 1)
+
+
+def test_best_prompt_needs_style_and_content_together():
+    rows = [{"label": "copies-an-example", "style_score": 0.95, "content_similarity": 0.05},
+            {"label": "restyles", "style_score": 0.5, "content_similarity": 0.6},
+            {"label": "copies-the-input", "style_score": 0.1, "content_similarity": 1.0}]
+    assert quality.best_prompt("style", rows)["label"] == "restyles"
+    rows = [{"label": "a", "chrf": 30, "sacrebleu": 5}, {"label": "b", "chrf": 33, "sacrebleu": 4}]
+    assert quality.best_prompt("translation", rows)["label"] == "b"  # every row is a base: none is skipped
+
+
+def test_task_prompt_follows_the_tuned_prompt_of_its_backbone(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from eval import tasks
+
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"style": {"backbones": {"chatty": {"shots": 0, "paper_prompt": True}}}}))
+    monkeypatch.setattr(tasks, "TUNED_PATH", path)
+    chatty, other = SimpleNamespace(name="chatty", chat=True), SimpleNamespace(name="other", chat=False)
+    p = tasks.task_prompt("style", chatty)
+    assert p.examples == [] and p.template == tasks.Prompt.for_task("style", paper=True).template and p.chat
+    q = tasks.task_prompt("style", other)  # not tuned for it: 3 examples, line format
+    assert len(q.examples) == 3 and q.template == tasks.Prompt.for_task("style").template
+    assert tasks.task_prompt("style", chatty, shots=1, paper=False).examples == tasks.FEW_SHOT["style"][:1]
+
+
+def test_save_defaults_keeps_what_it_is_not_given(tmp_path, monkeypatch):
+    from eval import tasks
+
+    path = tmp_path / "tuned.json"
+    monkeypatch.setattr(tasks, "TUNED_PATH", path)
+    quality.save_defaults("formality", "bb", decode={"pema": {"lambda_max": 0.3, "gu": True}})
+    quality.save_defaults("formality", "bb", prompt={"shots": 0, "paper_prompt": False})  # prompt-only run
+    entry = json.loads(path.read_text())["formality"]["backbones"]["bb"]
+    assert entry == {"decode": {"pema": {"lambda_max": 0.3, "gu": True}}, "shots": 0, "paper_prompt": False}
+    assert tasks.tuned_defaults("formality", "bb")["shots"] == 0
