@@ -162,8 +162,6 @@ def main(argv=None) -> int:
         clf = train_shakespeare_classifier()
         style_info = {"classifier_heldout": heldout_accuracy(clf)}
         tune_extra = {"style_classifier": clf}
-        report_extra = {**tune_extra, "perplexity_backbone": other_backbone(bb, args.data_dir)}
-        style_info["perplexity_backbone"] = getattr(report_extra["perplexity_backbone"], "name", None)
     prompt_choice, prompt_table = None, []
     if args.tune_prompt:
         prompt_choice, prompt_table = tune_prompt(bb, args.task, tune_pairs, args.batch, tune_extra)
@@ -181,6 +179,9 @@ def main(argv=None) -> int:
             return 0
     else:
         prompt = task_prompt(args.task, bb)
+    if args.task == "style":  # the report's perplexity needs the other backbone; --prompt-only never loads it
+        report_extra = {**tune_extra, "perplexity_backbone": other_backbone(bb, args.data_dir)}
+        style_info["perplexity_backbone"] = getattr(report_extra["perplexity_backbone"], "name", None)
     t0 = time.time()
     skipped_long = 0
     if args.memory:
