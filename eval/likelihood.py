@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +28,20 @@ import torch
 
 from studio.cli import progress_bar, run_main
 
+# Scoring a setting costs little more than its λ_t (P_plugin is shared, see score_settings), so the grids are
+# finer than the BLEU grid of eval.quality, which decodes once per setting.
 DEFAULT_GRID = {
-    "pema": [{"lambda_max": lam, "gu": gu} for gu in (False, True) for lam in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)],
-    "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (8, 32) for t in (10.0, 100.0)
-            for lam in (0.1, 0.2, 0.4)],
+    "pema": [{"lambda_max": lam, "gu": gu} for gu in (False, True)
+             for lam in (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9)],
+    "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (4, 8, 16, 32) for t in (1.0, 10.0, 100.0)
+            for lam in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)],
 }
+
+
+def best_likelihood_setting(rows: list[dict]) -> dict:
+    """The tuning criterion: the highest top-1 agreement (a greedy decode emits the argmax), then the lowest NLL.
+    rows[0] is the base model."""
+    return max(rows[1:], key=lambda r: (r["top1"], -r["nll"]))["settings"]
 
 
 def entry_steps(entry_sample: np.ndarray) -> np.ndarray:
@@ -61,13 +71,54 @@ def dev_memory(backbone, prompt, pairs: list[tuple[str, str]], cache_root: Path,
                         progress=progress or (lambda f, m: None))
 
 
+def _extra_logits(backbone, plugin, fc_bb: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
+    """The logits of the plug-in's extra states, as a decode computes them (``plugins.decode``)."""
+    extra = plugin.extra_states(fc_bb, settings)
+    if extra is None:
+        return None
+    vocab = plugin.head_vocab()
+    normed = backbone.final_norm(extra.to(backbone.dtype))
+    return backbone.head_logits(normed) if vocab is None else backbone.head_logits_subset(normed, vocab)
+
+
+def interpolated_scores(lm_lp: torch.Tensor, plp: torch.Tensor, lams: torch.Tensor, y: torch.Tensor,
+                        top_k: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """log P(y) and the argmax of the mixture λ·P_plugin + (1−λ)·P_LM, without mixing the whole vocabulary.
+
+    The argmax is searched among the top-k tokens of either side; a token outside both has P_LM and P_plugin no
+    larger than the k-th values, so (the mixture being increasing in both) its mixed probability is bounded by the
+    mixture of the k-th values. Rows whose best candidate does not beat that bound are mixed in full, so the
+    result is exact. ``lams``: (n,) λ_t per row."""
+    from plugins.base import mix_logprobs
+
+    y = y[:, None]
+    logp_y = mix_logprobs(lm_lp.gather(1, y), plp.gather(1, y), lams)[:, 0]
+    k = min(top_k, lm_lp.shape[1])
+    lm_top, p_top = lm_lp.topk(k, dim=1), plp.topk(k, dim=1)
+    cand = torch.cat([lm_top.indices, p_top.indices], 1)
+    best, arg = mix_logprobs(lm_lp.gather(1, cand), plp.gather(1, cand), lams).max(1)
+    pred = cand.gather(1, arg[:, None])[:, 0]
+    bound = mix_logprobs(lm_top.values[:, -1:], p_top.values[:, -1:], lams)[:, 0]
+    unsure = ~(best > bound)
+    if bool(unsure.any()):
+        pred[unsure] = mix_logprobs(lm_lp[unsure], plp[unsure], lams[unsure]).argmax(1)
+    return logp_y, pred
+
+
 def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps: np.ndarray,
                    src_lens: np.ndarray, grid: list[dict], chunk: int = 128, progress=lambda f, m: None) -> list[dict]:
-    """Mean NLL and top-1 agreement of the reference tokens under the base model and under each setting."""
+    """Mean NLL and top-1 agreement of the reference tokens under the base model and under each setting.
+
+    An interpolating plug-in (PEMA, kNN) gets P_plugin once per distribution (``Plugin.distribution_key``: PEMA
+    has one for every λ_max/GU setting, kNN one per k/T) and each setting only its λ_t (``interpolated_scores``);
+    any other output-level plug-in is scored through its full ``mix`` per setting."""
     from plugins.base import MixInput
 
     plugin.prepare_decode()
     settings = [plugin.settings(g) for g in grid]
+    by_dist: dict[tuple, list[int]] = {}
+    for j, s in enumerate(settings):
+        by_dist.setdefault(plugin.distribution_key(s) if plugin.interpolates else (j,), []).append(j)
     nll = np.zeros(len(grid) + 1)
     hit = np.zeros(len(grid) + 1)
     order = np.lexsort((np.arange(len(steps)), steps))  # group by step: MixInput has one step for its rows
@@ -81,29 +132,55 @@ def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps
             fc_bb = fc.to(backbone.dtype)  # what a decode hands the plug-in
             y = torch.from_numpy(np.asarray(values[b], dtype=np.int64)).to(backbone.device)
             lm_lp = torch.log_softmax(backbone.logits_from_fc(fc), dim=-1)
-            rows = [lm_lp]
-            for s in settings:
-                extra = plugin.extra_states(fc_bb, [s] * len(b))
-                ex_logits = None
-                if extra is not None:
-                    vocab = plugin.head_vocab()
-                    normed = backbone.final_norm(extra.to(backbone.dtype))
-                    ex_logits = (backbone.head_logits(normed) if vocab is None
-                                 else backbone.head_logits_subset(normed, vocab))
-                mo = plugin.mix(MixInput(fc=fc_bb, lm_logprobs=lm_lp, extra_logits=ex_logits,
-                                         step=int(steps[b[0]]), src_len=[int(x) for x in src_lens[b]],
-                                         settings=[s] * len(b)))
-                rows.append(mo.logprobs)
-            for j, lp in enumerate(rows):
-                nll[j] -= float(lp.gather(1, y[:, None]).sum())
-                hit[j] += float((lp.argmax(1) == y).sum())
+            nll[0] -= float(lm_lp.gather(1, y[:, None]).sum())
+            hit[0] += float((lm_lp.argmax(1) == y).sum())
+            for js in by_dist.values():
+                first = [settings[js[0]]] * len(b)
+                inp = MixInput(fc=fc_bb, lm_logprobs=lm_lp, extra_logits=_extra_logits(backbone, plugin, fc_bb, first),
+                               step=int(steps[b[0]]), src_len=[int(x) for x in src_lens[b]], settings=first)
+                plp = plugin.plugin_logprobs(inp)[0] if plugin.interpolates else None
+                for j in js:
+                    inp.settings = [settings[j]] * len(b)
+                    if plugin.interpolates:
+                        lams = torch.tensor(plugin.mix_lambdas(inp), dtype=lm_lp.dtype, device=lm_lp.device)
+                        logp_y, pred = interpolated_scores(lm_lp, plp, lams, y)
+                    else:
+                        lp = plugin.mix(inp).logprobs
+                        logp_y, pred = lp.gather(1, y[:, None])[:, 0], lp.argmax(1)
+                    nll[j + 1] -= float(logp_y.sum())
+                    hit[j + 1] += float((pred == y).sum())
             done += len(b)
-            progress(done / len(steps), f"scored {done}/{len(steps)} reference tokens × {len(rows)} settings")
+            progress(done / len(steps), f"scored {done}/{len(steps)} reference tokens × {len(grid) + 1} settings")
     n = max(1, len(steps))
     out = [{"label": "base", "settings": {}, "nll": nll[0] / n, "top1": hit[0] / n}]
     out += [{"label": json.dumps(g), "settings": g, "nll": nll[j + 1] / n, "top1": hit[j + 1] / n}
             for j, g in enumerate(grid)]
     return [{**r, "nll": round(r["nll"], 4), "top1": round(r["top1"], 4)} for r in out]
+
+
+def tune_settings(backbone, plugin, pairs: list[tuple[str, str]], prompt, task: str, cache_root: Path,
+                  grid: list[dict] | None = None, progress=None) -> tuple[dict, list[dict]]:
+    """Score ``grid`` (default: DEFAULT_GRID of the method) teacher-forced on ``pairs``; the best setting
+    (``best_likelihood_setting``) and the table. The dev memory is cached, so several plug-ins share it."""
+    progress = progress or (lambda f, m: None)
+    mem = dev_memory(backbone, prompt, pairs, cache_root, task, lambda f, m: progress(0.5 * f, m))
+    sample_of = np.asarray(mem.entry_sample)
+    src_len = np.array([len(backbone.encode_target(s["src"].strip())) for s in mem.samples])
+    rows = score_settings(backbone, plugin, mem.keys, mem.values, entry_steps(sample_of), src_len[sample_of],
+                          grid or DEFAULT_GRID.get(plugin.method, [{}]), progress=lambda f, m: progress(0.5 + 0.5 * f, m))
+    return best_likelihood_setting(rows), rows
+
+
+class FullMix:
+    """A plug-in seen as non-interpolating: ``score_settings`` then mixes the whole vocabulary per setting."""
+
+    interpolates = False
+
+    def __init__(self, plugin):
+        self._plugin = plugin
+
+    def __getattr__(self, name):
+        return getattr(self._plugin, name)
 
 
 def apply_config(plugin, items: list[str]) -> None:
@@ -132,6 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default=None, help='JSON list of settings (default: a λ/GU or k/T/λ grid)')
     ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                     help='change a decode-time config field of the plug-ins, e.g. decode_vocab=\'"full"\'')
+    ap.add_argument("--full-mix", action="store_true",
+                    help="score every setting through the plug-in's whole-vocabulary mix (slow: the reference "
+                         "that the shared-distribution scoring is checked against)")
     ap.add_argument("--backbone", default=None)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
@@ -171,11 +251,15 @@ def main(argv=None) -> int:
         steps = entry_steps(sample_of)
         src_len = np.array([len(bb.encode_target(s["src"].strip())) for s in mem.samples])
         grid = json.loads(args.grid) if args.grid else DEFAULT_GRID.get(plugin.method, [{}])
+        scored = FullMix(plugin) if args.full_mix else plugin
+        t0 = time.time()
         with progress_bar(f"score {ref}") as prog:
-            rows = score_settings(bb, plugin, keys, values, steps, src_len[sample_of], grid, progress=prog)
+            rows = score_settings(bb, scored, keys, values, steps, src_len[sample_of], grid, progress=prog)
+        seconds = round(time.time() - t0, 1)
         result["plugins"][ref] = {"method": plugin.method, "scored_on": where, "tokens": int(len(steps)),
-                                  "rows": rows}
-        print(f"\n{ref} ({plugin.method}), {len(steps)} reference tokens of {where}")
+                                  "full_mix": args.full_mix, "seconds": seconds, "rows": rows}
+        print(f"\n{ref} ({plugin.method}), {len(steps)} reference tokens of {where}, {len(grid)} settings "
+              f"scored in {seconds} s; best: {json.dumps(best_likelihood_setting(rows))}")
         print(format_table([{"label": r["label"], "nll": r["nll"], "top1": r["top1"]} for r in rows], digits=4))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -109,12 +109,16 @@ def other_backbone(bb, data_dir):
         return None
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="translation", choices=["translation", "formality", "style"])
     ap.add_argument("--train", type=int, default=1000, help="training pairs for the memory")
     ap.add_argument("--tune", default="0:40", help="START:N of dev items used for tuning")
+    ap.add_argument("--tune-likelihood", default=None, metavar="START:N",
+                    help="tune the output-level plug-ins (PEMA, kNN) teacher-forced on these dev items instead of "
+                         "decoding the --tune items once per setting (eval.likelihood: highest top-1 agreement "
+                         "with the reference tokens, then lowest NLL; a finer grid); translation and formality")
     ap.add_argument("--report", default="1000:200", help="START:N of dev items reported (never tuned on)")
     ap.add_argument("--methods", default="pema,knn",
                     help="comma-separated methods; LABEL=METHOD trains a variant under its own label "
@@ -139,21 +143,132 @@ def main(argv=None) -> int:
     args.tune_prompt = args.tune_prompt or args.prompt_only
     if args.tune_prompt and args.memory:
         raise SystemExit("--tune-prompt chooses the prompt a memory is built with; it cannot reuse --memory")
+    if args.tune_likelihood and args.task == "style":
+        raise SystemExit("--tune-likelihood needs references to score; the style task has none (use --tune)")
+    return args
+
+
+def span(text: str) -> tuple[int, int]:
+    """``START:N`` → (start, n)."""
+    try:
+        start, n = map(int, text.split(":"))
+    except ValueError:
+        raise SystemExit(f"expected START:N (e.g. 0:1000), got {text!r}") from None
+    return start, n
+
+
+def open_or_build_memory(args, bb, cat, prompt):
+    """The memory of ``--memory``, or one built from the first ``--train`` pairs with ``prompt`` (registered, so a
+    later run can reuse it). Returns (memory, build seconds, pairs skipped as too long)."""
+    from memories.build import MAX_TARGET_TOKENS, build_memory, register_memory
+    from memories.parse import Sample
+    from plugins.api import open_memory
+    from studio.store import new_id
+
+    t0 = time.time()
+    if args.memory:
+        return open_memory(args.memory, bb, cat), 0.0, 0
+    train, skipped_long = pairs_that_fit(bb, prompt, task_pairs(args.task, "train", 0, args.train))
+    if skipped_long:
+        print(f"skipped {skipped_long} of {args.train} training pairs whose target has more than "
+              f"{MAX_TARGET_TOKENS} {bb.name} tokens")
+    with progress_bar("memory") as prog:
+        mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(train)],
+                           cat.root / "memories" / new_id(f"q-{args.task}-"), prompt=prompt, task=args.task,
+                           name=f"{args.task}-{args.train}", batch_size=16, progress=prog)
+    register_memory(cat, mem)
+    return mem, time.time() - t0, skipped_long
+
+
+def train_or_open_plugins(args, bb, cat, mem) -> tuple[dict, dict, dict]:
+    """Every ``--methods`` entry: reused (``--plugin LABEL=ID``) or trained. Returns (plug-ins by label, training
+    info by label, config overrides by label)."""
+    from plugins.api import open_plugin, train_plugin
+
+    overrides: dict[str, dict] = {}
+    for it in args.set or []:
+        k, v = it.split("=", 1)
+        m, key = k.split(".", 1)
+        overrides.setdefault(m, {})[key] = json.loads(v)
+    plugins, train_info = {}, {}
+    reuse = dict(x.split("=", 1) for x in args.plugin)
+    for spec in args.methods.split(","):
+        m, method = spec.split("=", 1) if "=" in spec else (spec, spec)
+        if m in reuse:
+            p = open_plugin(reuse[m], bb, cat)
+            row = {"id": reuse[m], "params": p.trainable_parameters()}
+        else:
+            with progress_bar(m) as prog:
+                p, row = train_plugin(bb, mem, method, overrides.get(m), catalog=cat, progress=prog)
+        plugins[m] = p
+        train_info[m] = {"id": row["id"], "params": row["params"], **p.train_info}
+    return plugins, train_info, overrides
+
+
+def tune_decode(args, bb, cat, plugins: dict, prompt, tune_pairs, tune_extra) -> tuple[dict, dict]:
+    """Each plug-in's best decode settings and its tuning table: teacher-forced on ``--tune-likelihood`` items for
+    interpolating plug-ins when asked, else by decoding the ``--tune`` items once per ``GRID`` setting. A plug-in
+    with a single setting (the in-network ones) is not tuned."""
+    from eval.run import evaluate
+    from plugins.decode import Row
+
+    tuned, tables = {}, {}
+    lik_pairs = task_pairs(args.task, "dev", *span(args.tune_likelihood)) if args.tune_likelihood else None
+    for m, p in plugins.items():
+        if lik_pairs is not None and p.interpolates:
+            from eval.likelihood import tune_settings
+
+            with progress_bar(f"tune {m} (teacher-forced)") as prog:
+                tuned[m], tables[m] = tune_settings(bb, p, lik_pairs, prompt, args.task, cat.root / "eval-cache",
+                                                    progress=prog)
+            continue
+        grid = GRID.get(p.method, [{}])
+        if len(grid) == 1:
+            tuned[m], tables[m] = grid[0], []
+            continue
+        rows = [Row("base")] + [Row(json.dumps(g), p, g) for g in grid]
+        with progress_bar(f"tune {m}") as prog:
+            res = evaluate(bb, tune_pairs, rows, prompt, args.task, batch_sources=max(1, args.batch // 2),
+                           progress=prog, extra=tune_extra)
+        tuned[m] = json.loads(best_setting(args.task, res["methods"])["label"])
+        tables[m] = res["methods"]
+    return tuned, tables
+
+
+def ablation_rows(args, bb, cat, mem, plugins, tuned, overrides, train_info) -> list:
+    """The paper's ablation (+B_pd, +B_pd+GU, full PEMA with GU flipped) at the tuned λ_max."""
+    from plugins.api import open_plugin, train_plugin
+    from plugins.decode import Row
+
+    reuse = dict(x.split("=", 1) for x in args.plugin)
+    if "pema+B_pd" in reuse:
+        bpd = open_plugin(reuse["pema+B_pd"], bb, cat)
+        row = {"id": reuse["pema+B_pd"], "params": bpd.trainable_parameters()}
+    else:
+        with progress_bar("pema +B_pd") as prog:
+            bpd, row = train_plugin(bb, mem, "pema", {**overrides.get("pema", {}), "max_epochs_rct": 0,
+                                                      "kappa": 0.0}, catalog=cat, progress=prog)
+    train_info["pema +B_pd"] = {"id": row["id"], "params": row["params"], **bpd.train_info}
+    lam = tuned["pema"].get("lambda_max", 0.7)
+    gu = tuned["pema"].get("gu", True)
+    return [Row("ablation: +B_pd", bpd, {"lambda_max": lam, "gu": False}),
+            Row("ablation: +B_pd+GU", bpd, {"lambda_max": lam, "gu": True}),
+            # full PEMA at the tuned λ_max with GU flipped (the tuned row is the other one)
+            Row(f"ablation: PEMA (B_rct+B_pd){'' if gu else '+GU'}", plugins["pema"], {"lambda_max": lam, "gu": not gu})]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     from backbone import load_backbone
     from eval.run import evaluate, format_table
     from eval.tasks import task_prompt
-    from memories.build import MAX_TARGET_TOKENS, build_memory, register_memory
-    from memories.parse import Sample
-    from plugins.api import open_memory, open_plugin, train_plugin
     from plugins.decode import Row
-    from studio.store import Catalog, new_id, write_json_atomic
+    from studio.store import Catalog, write_json_atomic
 
     cat = Catalog(args.data_dir)
     bb = load_backbone(args.backbone, data_dir=args.data_dir)
-    ts, tn = map(int, args.tune.split(":"))
-    rs, rn = map(int, args.report.split(":"))
-    tune_pairs = task_pairs(args.task, "dev", ts, tn)
+    tune_pairs = task_pairs(args.task, "dev", *span(args.tune))
     tune_extra = report_extra = None
     style_info = {}
     if args.task == "style":
@@ -182,71 +297,18 @@ def main(argv=None) -> int:
     if args.task == "style":  # the report's perplexity needs the other backbone; --prompt-only never loads it
         report_extra = {**tune_extra, "perplexity_backbone": other_backbone(bb, args.data_dir)}
         style_info["perplexity_backbone"] = getattr(report_extra["perplexity_backbone"], "name", None)
-    t0 = time.time()
-    skipped_long = 0
-    if args.memory:
-        mem = open_memory(args.memory, bb, cat)
-        prompt = mem.prompt  # decode as the memory was built, whatever the tuned defaults say now
-    else:
-        train = task_pairs(args.task, "train", 0, args.train)
-        train, skipped_long = pairs_that_fit(bb, prompt, train)
-        if skipped_long:
-            print(f"skipped {skipped_long} of {args.train} training pairs whose target has more than "
-                  f"{MAX_TARGET_TOKENS} {bb.name} tokens")
-        with progress_bar("memory") as prog:
-            mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(train)],
-                               cat.root / "memories" / new_id(f"q-{args.task}-"), prompt=prompt, task=args.task,
-                               name=f"{args.task}-{args.train}", batch_size=16, progress=prog)
-        register_memory(cat, mem)  # so that a later run can reuse it with --memory ID
-    build_s = time.time() - t0
-    overrides: dict[str, dict] = {}
-    for it in args.set or []:
-        k, v = it.split("=", 1)
-        m, key = k.split(".", 1)
-        overrides.setdefault(m, {})[key] = json.loads(v)
-    plugins, train_info = {}, {}
-    reuse = dict(x.split("=", 1) for x in args.plugin)
-    for spec in args.methods.split(","):
-        m, method = spec.split("=", 1) if "=" in spec else (spec, spec)
-        if m in reuse:
-            p = open_plugin(reuse[m], bb, cat)
-            row = {"id": reuse[m], "params": p.trainable_parameters()}
-        else:
-            with progress_bar(m) as prog:
-                p, row = train_plugin(bb, mem, method, overrides.get(m), catalog=cat, progress=prog)
-        plugins[m] = p
-        train_info[m] = {"id": row["id"], "params": row["params"], **p.train_info}
 
-    tuned = {}
-    tune_tables = {}
-    for m, p in plugins.items():
-        rows = [Row("base")] + [Row(json.dumps(g), p, g) for g in GRID.get(p.method, [{}])]
-        with progress_bar(f"tune {m}") as prog:
-            res = evaluate(bb, tune_pairs, rows, prompt, args.task, batch_sources=max(1, args.batch // 2),
-                           progress=prog, extra=tune_extra)
-        best = best_setting(args.task, res["methods"])
-        tuned[m] = json.loads(best["label"])
-        tune_tables[m] = res["methods"]
-    report_pairs = task_pairs(args.task, "dev", rs, rn)
+    mem, build_s, skipped_long = open_or_build_memory(args, bb, cat, prompt)
+    prompt = mem.prompt  # decode as the memory was built, whatever the tuned defaults say now
+    plugins, train_info, overrides = train_or_open_plugins(args, bb, cat, mem)
+    tuned, tune_tables = tune_decode(args, bb, cat, plugins, prompt, tune_pairs, tune_extra)
+
     rows = [Row("base")] + [Row(m, p, tuned[m]) for m, p in plugins.items()]
     if args.ablation and "pema" in plugins:
-        if "pema+B_pd" in reuse:
-            bpd = open_plugin(reuse["pema+B_pd"], bb, cat)
-            row = {"id": reuse["pema+B_pd"], "params": bpd.trainable_parameters()}
-        else:
-            with progress_bar("pema +B_pd") as prog:
-                bpd, row = train_plugin(bb, mem, "pema", {**overrides.get("pema", {}), "max_epochs_rct": 0,
-                                                          "kappa": 0.0}, catalog=cat, progress=prog)
-        train_info["pema +B_pd"] = {"id": row["id"], "params": row["params"], **bpd.train_info}
-        lam = tuned["pema"].get("lambda_max", 0.7)
-        rows += [Row("ablation: +B_pd", bpd, {"lambda_max": lam, "gu": False}),
-                 Row("ablation: +B_pd+GU", bpd, {"lambda_max": lam, "gu": True}),
-                 # full PEMA at the tuned λ_max with GU flipped (the tuned row above is the other one)
-                 Row(f"ablation: PEMA (B_rct+B_pd){'' if tuned['pema'].get('gu', True) else '+GU'}",
-                     plugins["pema"], {"lambda_max": lam, "gu": not tuned["pema"].get("gu", True)})]
+        rows += ablation_rows(args, bb, cat, mem, plugins, tuned, overrides, train_info)
     with progress_bar("report") as prog:
-        rep = evaluate(bb, report_pairs, rows, prompt, args.task, batch_sources=args.batch, progress=prog,
-                       extra=report_extra)
+        rep = evaluate(bb, task_pairs(args.task, "dev", *span(args.report)), rows, prompt, args.task,
+                       batch_sources=args.batch, progress=prog, extra=report_extra)
     if args.task != "style":  # paired bootstrap of every row against the base on the same report items
         from eval.metrics import paired_bootstrap
 
@@ -256,13 +318,13 @@ def main(argv=None) -> int:
                                             [o[r["label"]] for o in rep["outputs"]], refs)
     out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),
            "memory_build_seconds": round(build_s, 1), "skipped_long_pairs": skipped_long,
-           "tune_items": args.tune, "report_items": args.report,
+           "tune_items": args.tune, "tune_likelihood_items": args.tune_likelihood, "report_items": args.report,
            "prompt": prompt.to_dict(), "prompt_tuning": prompt_table,
            "tuned": tuned, "train_info": train_info, "tune": tune_tables, "report": rep["methods"],
            "outputs": rep["outputs"], "report_seconds": rep["seconds"], **style_info}
     Path("out").mkdir(exist_ok=True)
     path = Path("out") / f"quality-{args.task}-{args.train}-{bb.name}.json"
-    path.write_text(json.dumps(out, indent=1, ensure_ascii=False, default=str), encoding="utf-8")
+    write_json_atomic(path, json.loads(json.dumps(out, default=str)))  # default=str: numpy scalars in tables
     print(format_table(rep["methods"]))
     print(f"tuned: {json.dumps(tuned)}\nwrote {path}")
     if args.save_defaults:

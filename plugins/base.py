@@ -87,8 +87,25 @@ class FitResult:
     history: list[dict] = field(default_factory=list)  # one row per logged step: {"step","phase","loss",...}
 
 
+def mix_logprobs(lm_logprobs: torch.Tensor, plugin_logprobs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """log(λ·P_plugin + (1−λ)·P_LM) row-wise, stable in log space; λ of 0 or 1 selects one side exactly.
+    Works on any column subset (e.g. only the reference token's column): each column is mixed on its own."""
+    lam = lam.to(lm_logprobs).unsqueeze(1)
+    a = plugin_logprobs + torch.log(lam.clamp_min(1e-30))
+    b = lm_logprobs + torch.log((1 - lam).clamp_min(1e-30))
+    out = torch.logaddexp(a, b)
+    out = torch.where(lam >= 1.0, plugin_logprobs, out)
+    return torch.where(lam <= 0.0, lm_logprobs, out)
+
+
 class Plugin(nn.Module):
-    """Base class. Subclasses set ``method``, ``Config``, ``level``, ``decode_defaults`` and implement ``fit``."""
+    """Base class. Subclasses set ``method``, ``Config``, ``level``, ``decode_defaults`` and implement ``fit``.
+
+    Output-level plug-ins that *interpolate* (PEMA, kNN-LM/MT: P = λ_t·P_plugin + (1−λ_t)·P_LM) set
+    ``interpolates`` and implement ``plugin_logprobs`` and ``mix_lambdas``; the base ``mix`` combines them. The
+    split lets a scorer evaluate many λ settings on the same states while computing P_plugin once per
+    ``distribution_key`` (eval.likelihood).
+    """
 
     method: ClassVar[str] = ""
     title: ClassVar[str] = ""
@@ -98,6 +115,7 @@ class Plugin(nn.Module):
     decode_defaults: ClassVar[dict] = {}
     needs_memory_at_decode: ClassVar[bool] = False
     mixes_output: ClassVar[bool] = False  # an in-network plug-in whose ``mix`` also runs after the LM head
+    interpolates: ClassVar[bool] = False  # ``mix`` is λ_t·P_plugin + (1−λ_t)·P_LM (see the class docstring)
 
     def __init__(self, config: PluginConfig, backbone, memory_meta: dict | None = None):
         super().__init__()
@@ -140,7 +158,25 @@ class Plugin(nn.Module):
         return None
 
     def mix(self, inp: MixInput) -> MixOutput:
-        return MixOutput(logprobs=inp.lm_logprobs)
+        if not self.interpolates:
+            return MixOutput(logprobs=inp.lm_logprobs)
+        plp, extras = self.plugin_logprobs(inp)
+        lams = self.mix_lambdas(inp)
+        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams))
+        return MixOutput(logprobs=out, plugin_logprobs=plp, lam=lams, extras=extras)
+
+    def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, list[dict] | None]:
+        """Interpolating plug-ins: log P_plugin (n, V) of the rows, and per-row trace extras (or None)."""
+        raise NotImplementedError
+
+    def mix_lambdas(self, inp: MixInput) -> list[float]:
+        """Interpolating plug-ins: λ_t of every row at this step."""
+        raise NotImplementedError
+
+    def distribution_key(self, settings: dict) -> tuple:
+        """The part of a row's settings that changes P_plugin (the rest changes only λ_t): rows with the same key
+        share one ``plugin_logprobs``. Default: all of them."""
+        return tuple(sorted(settings.items()))
 
     def attach(self, rows: torch.Tensor, settings: dict | None = None) -> list:
         """Register forward hooks acting on batch rows ``rows`` only; return the handles."""

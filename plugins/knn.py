@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from memories.store import Memory
-from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
-from plugins.pema import mix_logprobs
+from plugins.base import FitResult, MixInput, Plugin, PluginConfig
 from plugins.registry import register
 from studio.errors import UserError
 
@@ -47,6 +46,7 @@ class KNN(Plugin):
     paper = "Khandelwal et al., Generalization through Memorization (ICLR 2020); Nearest Neighbor MT (ICLR 2021)"
     Config = KNNConfig
     level = "output"
+    interpolates = True
     decode_defaults = {"k": 16, "temperature": 10.0, "lambda": 0.3}
     needs_memory_at_decode = True
 
@@ -163,15 +163,14 @@ class KNN(Plugin):
         PluginConfig._check(float(s["temperature"]) > 0, "The kNN temperature must be positive.")
         PluginConfig._check(0.0 <= float(s["lambda"]) <= 1.0, "The kNN λ must be in [0, 1].")
 
-    def mix(self, inp: MixInput) -> MixOutput:
+    def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, list[dict]]:
         n = len(inp.fc)
-        extras = []
         # Rows may have different k/T; group rows with the same settings into one search.
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(inp.settings):
-            groups.setdefault((int(s["k"]), float(s["temperature"])), []).append(i)
+            groups.setdefault(self.distribution_key(s), []).append(i)
         plp = torch.empty(n, inp.lm_logprobs.shape[1], device=inp.lm_logprobs.device)
-        extras = [None] * n
+        extras: list[dict] = [{} for _ in range(n)]
         for (k, T), rows in groups.items():
             lp, dist, idx = self.knn_logprobs(inp.fc[rows], k, T)
             plp[rows] = lp
@@ -181,9 +180,13 @@ class KNN(Plugin):
                     {"token": int(self.values[int(e)]), "distance": round(float(d), 3), "entry": int(e),
                      "sample": int(self.entry_sample[int(e)])}
                     for d, e in zip(dist[j, :m].tolist(), idx[j, :m].tolist()) if e >= 0]}
-        lams = [float(s["lambda"]) for s in inp.settings]
-        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams))
-        return MixOutput(logprobs=out, plugin_logprobs=plp, lam=lams, extras=extras)
+        return plp, extras
+
+    def mix_lambdas(self, inp: MixInput) -> list[float]:
+        return [float(s["lambda"]) for s in inp.settings]  # kNN-LM/MT: a constant λ
+
+    def distribution_key(self, settings: dict) -> tuple:
+        return int(settings["k"]), float(settings["temperature"])
 
     def extra_config(self) -> dict:
         return {"search": self.search_kind}

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
+from plugins.base import FitResult, MixInput, Plugin, PluginConfig, mix_logprobs  # noqa: F401 (re-export)
 from plugins.registry import register
 from plugins.training import LoopSettings, candidate_vocabulary, run_training
 
@@ -88,16 +88,6 @@ def gu_lambda(step: int, lambda_max: float, src_len: int, gu: bool = True, varia
     return cs * cs if cs > 1e-12 else 0.0
 
 
-def mix_logprobs(lm_logprobs: torch.Tensor, plugin_logprobs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """log(λ·P_plugin + (1−λ)·P_LM) row-wise, stable in log space; λ of 0 or 1 selects one side exactly."""
-    lam = lam.to(lm_logprobs).unsqueeze(1)
-    a = plugin_logprobs + torch.log(lam.clamp_min(1e-30))
-    b = lm_logprobs + torch.log((1 - lam).clamp_min(1e-30))
-    out = torch.logaddexp(a, b)
-    out = torch.where(lam >= 1.0, plugin_logprobs, out)
-    return torch.where(lam <= 0.0, lm_logprobs, out)
-
-
 @register
 class PEMA(Plugin):
     method = "pema"
@@ -105,6 +95,7 @@ class PEMA(Plugin):
     paper = "Kim et al., PEMA: An Offsite-Tunable Plug-in External Memory Adaptation for Language Models, NAACL 2024"
     Config = PEMAConfig
     level = "output"
+    interpolates = True
     decode_defaults = {"lambda_max": 0.8, "gu": True, "gu_variant": "paper", "gu_floor": 0.0}
 
     def __init__(self, config: PEMAConfig, backbone, memory_meta: dict | None = None):
@@ -286,9 +277,12 @@ class PEMA(Plugin):
             fc = fc.to(self.backbone.device)
             return self.pema_logprobs_from_logits(self.backbone.logits_from_fc(self.h_pd(self.scaled(fc))))
 
-    def mix(self, inp: MixInput) -> MixOutput:
-        p_pema = self.pema_logprobs_from_logits(inp.extra_logits)
-        lams = [gu_lambda(inp.step, float(s["lambda_max"]), sl, bool(s["gu"]), s["gu_variant"], float(s["gu_floor"]))
+    def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, None]:
+        return self.pema_logprobs_from_logits(inp.extra_logits), None
+
+    def mix_lambdas(self, inp: MixInput) -> list[float]:
+        return [gu_lambda(inp.step, float(s["lambda_max"]), sl, bool(s["gu"]), s["gu_variant"], float(s["gu_floor"]))
                 for s, sl in zip(inp.settings, inp.src_len)]
-        out = mix_logprobs(inp.lm_logprobs, p_pema, torch.tensor(lams))
-        return MixOutput(logprobs=out, plugin_logprobs=p_pema, lam=lams)
+
+    def distribution_key(self, settings: dict) -> tuple:
+        return ()  # P_PEMA depends on f(c) only; λ_max and GU set λ_t

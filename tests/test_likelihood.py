@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from eval.likelihood import dev_memory, entry_steps, score_settings
+from eval.likelihood import FullMix, dev_memory, entry_steps, score_settings
 
 
 def test_entry_steps_count_positions_within_each_sample():
@@ -71,3 +71,78 @@ def test_apply_config_changes_a_field_and_rejects_bad_input(tiny, tiny_memory, t
             apply_config(p, [bad])
     with pytest.raises(UserError, match="decode_vocab"):
         apply_config(p, ['decode_vocab="neither"'])
+
+
+def test_interpolated_scores_equal_mixing_the_whole_vocabulary():
+    import torch
+
+    from eval.likelihood import interpolated_scores
+    from plugins.base import mix_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    n, V = 64, 500
+    lm = torch.log_softmax(torch.randn(n, V, generator=g) * 3, 1)
+    dense = torch.log_softmax(torch.randn(n, V, generator=g) * 3, 1)
+    sparse = torch.full((n, V), float("-inf"))  # kNN-like: mass on a few tokens only
+    sparse[:, :5] = torch.log_softmax(torch.randn(n, 5, generator=g), 1)
+    y = torch.randint(0, V, (n,), generator=g)
+    for plp in (dense, sparse):
+        for lam in (0.0, 0.3, 0.7, 1.0):
+            lams = torch.full((n,), lam)
+            full = mix_logprobs(lm, plp, lams)
+            for k in (1, 3, 16):
+                logp_y, pred = interpolated_scores(lm, plp, lams, y, top_k=k)
+                assert torch.allclose(logp_y, full.gather(1, y[:, None])[:, 0], equal_nan=True)
+                assert torch.equal(pred, full.argmax(1))
+    # The mixture's argmax can be neither side's top token: P_LM (.5, .45, .05), P_plugin (.05, .45, .5), λ .5 mix
+    # to (.275, .45, .275). With top_k=1 the candidates are tokens 0 and 2, the bound exposes them, the full mix runs.
+    lm3 = torch.tensor([[0.5, 0.45, 0.05]]).log()
+    pl3 = torch.tensor([[0.05, 0.45, 0.5]]).log()
+    _, pred = interpolated_scores(lm3, pl3, torch.tensor([0.5]), torch.tensor([1]), top_k=1)
+    assert pred.tolist() == [1]
+
+
+def test_score_settings_of_knn_match_its_full_mix(tiny, tiny_memory, tiny_pairs, tmp_path):
+    from plugins.api import train_plugin
+
+    knn, _ = train_plugin(tiny, tiny_memory, "knn", {}, out_dir=tmp_path / "knn")
+    mem = dev_memory(tiny, tiny_memory.prompt, tiny_pairs[:4], tmp_path, "translation")
+    steps = entry_steps(mem.entry_sample)
+    src_lens = np.array([len(tiny.encode_target(s["src"])) for s in mem.samples])[np.asarray(mem.entry_sample)]
+    grid = [{"k": k, "temperature": t, "lambda": lam} for k in (1, 4) for t in (1.0, 10.0) for lam in (0.2, 0.9)]
+
+    fast = score_settings(tiny, knn, mem.keys, mem.values, steps, src_lens, grid)
+    full = score_settings(tiny, FullMix(knn), mem.keys, mem.values, steps, src_lens, grid)
+    assert [r["top1"] for r in fast] == [r["top1"] for r in full]
+    assert [r["nll"] for r in fast] == pytest.approx([r["nll"] for r in full], abs=1e-4)
+    assert len({r["nll"] for r in fast}) > 2  # the settings differ: the comparison is not vacuous
+
+
+def test_best_likelihood_setting_prefers_top1_then_lower_nll():
+    from eval.likelihood import best_likelihood_setting
+
+    rows = [{"settings": {}, "top1": 0.9, "nll": 0.1},  # the base row is never chosen
+            {"settings": {"a": 1}, "top1": 0.5, "nll": 2.0}, {"settings": {"a": 2}, "top1": 0.6, "nll": 3.0},
+            {"settings": {"a": 3}, "top1": 0.6, "nll": 2.5}]
+    assert best_likelihood_setting(rows) == {"a": 3}
+
+
+def test_quality_tune_decode_teacher_forced_tunes_interpolating_plugins_only(tiny, tiny_memory, tiny_pairs,
+                                                                             tmp_path, monkeypatch):
+    import argparse
+    from types import SimpleNamespace
+
+    from eval import quality
+    from eval.likelihood import DEFAULT_GRID, best_likelihood_setting
+    from plugins.api import new_plugin, train_plugin
+
+    pema, _ = train_plugin(tiny, tiny_memory, "pema", {"rank": 8, "max_epochs_rct": 1, "max_epochs_joint": 2},
+                           out_dir=tmp_path / "pema")
+    adapter = new_plugin("adapter", tiny, tiny_memory, {})
+    monkeypatch.setattr(quality, "task_pairs", lambda task, split, start, n: tiny_pairs[start:start + n])
+    args = argparse.Namespace(task="translation", tune_likelihood="0:3", batch=2)
+    tuned, tables = quality.tune_decode(args, tiny, SimpleNamespace(root=tmp_path), {"pema": pema, "adapter": adapter},
+                                        tiny_memory.prompt, tune_pairs=[], tune_extra=None)
+    assert [r["label"] for r in tables["pema"]][0] == "base" and len(tables["pema"]) == 1 + len(DEFAULT_GRID["pema"])
+    assert tuned["pema"] == best_likelihood_setting(tables["pema"])
+    assert tuned["adapter"] == {} and tables["adapter"] == []  # nothing to tune: no decode was spent on it
