@@ -81,49 +81,60 @@ def _extra_logits(backbone, plugin, fc_bb: torch.Tensor, settings: list[dict]) -
     return backbone.head_logits(normed) if vocab is None else backbone.head_logits_subset(normed, vocab)
 
 
-def interpolated_scores(lm_lp: torch.Tensor, plp: torch.Tensor, lams: torch.Tensor, y: torch.Tensor,
-                        top_k: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """log P(y) and the argmax of the mixture λ·P_plugin + (1−λ)·P_LM, without mixing the whole vocabulary.
+def interpolated_scores(lm_lp: torch.Tensor, plp: torch.Tensor, lams: list[torch.Tensor], y: torch.Tensor,
+                        top_k: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each λ vector (n,): log P(y) and the argmax of the mixture λ·P_plugin + (1−λ)·P_LM, without mixing the
+    whole vocabulary.
 
     The argmax is searched among the top-k tokens of either side; a token outside both has P_LM and P_plugin no
     larger than the k-th values, so (the mixture being increasing in both) its mixed probability is bounded by the
     mixture of the k-th values. Rows whose best candidate does not beat that bound are mixed in full, so the
-    result is exact. ``lams``: (n,) λ_t per row."""
+    result is exact. The top-k and the gathers are shared by all λ vectors."""
     from plugins.base import mix_logprobs
 
     y = y[:, None]
-    logp_y = mix_logprobs(lm_lp.gather(1, y), plp.gather(1, y), lams)[:, 0]
+    lm_y, p_y = lm_lp.gather(1, y), plp.gather(1, y)
     k = min(top_k, lm_lp.shape[1])
     lm_top, p_top = lm_lp.topk(k, dim=1), plp.topk(k, dim=1)
     cand = torch.cat([lm_top.indices, p_top.indices], 1)
-    best, arg = mix_logprobs(lm_lp.gather(1, cand), plp.gather(1, cand), lams).max(1)
-    pred = cand.gather(1, arg[:, None])[:, 0]
-    bound = mix_logprobs(lm_top.values[:, -1:], p_top.values[:, -1:], lams)[:, 0]
-    unsure = ~(best > bound)
-    if bool(unsure.any()):
-        pred[unsure] = mix_logprobs(lm_lp[unsure], plp[unsure], lams[unsure]).argmax(1)
-    return logp_y, pred
+    lm_c, p_c = lm_lp.gather(1, cand), plp.gather(1, cand)
+    lm_k, p_k = lm_top.values[:, -1:], p_top.values[:, -1:]
+    out = []
+    for lam in lams:
+        logp_y = mix_logprobs(lm_y, p_y, lam)[:, 0]
+        best, arg = mix_logprobs(lm_c, p_c, lam).max(1)
+        pred = cand.gather(1, arg[:, None])[:, 0]
+        unsure = ~(best > mix_logprobs(lm_k, p_k, lam)[:, 0])
+        if bool(unsure.any()):
+            pred[unsure] = mix_logprobs(lm_lp[unsure], plp[unsure], lam[unsure]).argmax(1)
+        out.append((logp_y, pred))
+    return out
 
 
-def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps: np.ndarray,
-                   src_lens: np.ndarray, grid: list[dict], chunk: int = 128, progress=lambda f, m: None) -> list[dict]:
-    """Mean NLL and top-1 agreement of the reference tokens under the base model and under each setting.
+def score_plugins(backbone, jobs: list[tuple], keys: np.ndarray, values: np.ndarray, steps: np.ndarray,
+                  src_lens: np.ndarray, chunk: int = 128, progress=lambda f, m: None) -> list[list[dict]]:
+    """Mean NLL and top-1 agreement of the reference tokens under the base model and under each (plug-in, grid)
+    job's settings; one table per job, each starting with the base row.
 
-    An interpolating plug-in (PEMA, kNN) gets P_plugin once per distribution (``Plugin.distribution_key``: PEMA
-    has one for every λ_max/GU setting, kNN one per k/T) and each setting only its λ_t (``interpolated_scores``);
-    any other output-level plug-in is scored through its full ``mix`` per setting."""
+    The LM head runs once per token for all jobs. An interpolating plug-in (PEMA, kNN) gets P_plugin once per
+    distribution (``Plugin.distribution_key``: PEMA has one for every λ_max/GU setting, kNN one per k/T) and each
+    setting only its λ_t (``interpolated_scores``); any other output-level plug-in is scored through its full
+    ``mix`` per setting."""
     from plugins.base import MixInput
 
-    plugin.prepare_decode()
-    settings = [plugin.settings(g) for g in grid]
-    by_dist: dict[tuple, list[int]] = {}
-    for j, s in enumerate(settings):
-        by_dist.setdefault(plugin.distribution_key(s) if plugin.interpolates else (j,), []).append(j)
-    nll = np.zeros(len(grid) + 1)
-    hit = np.zeros(len(grid) + 1)
+    prepared = []
+    for plugin, grid in jobs:
+        plugin.prepare_decode()
+        settings = [plugin.settings(g) for g in grid]
+        by_dist: dict[tuple, list[int]] = {}
+        for j, s in enumerate(settings):
+            by_dist.setdefault(plugin.distribution_key(s) if plugin.interpolates else (j,), []).append(j)
+        prepared.append((plugin, settings, by_dist, np.zeros(len(grid)), np.zeros(len(grid))))
+    base_nll = base_hit = 0.0
     order = np.lexsort((np.arange(len(steps)), steps))  # group by step: MixInput has one step for its rows
     groups = np.split(order, np.flatnonzero(np.diff(steps[order])) + 1) if len(order) else []
     batches = [g[i:i + chunk] for g in groups for i in range(0, len(g), chunk)]
+    n_settings = 1 + sum(len(g) for _, g in jobs)
     done = 0
     with torch.no_grad():
         for b in batches:
@@ -132,43 +143,55 @@ def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps
             fc_bb = fc.to(backbone.dtype)  # what a decode hands the plug-in
             y = torch.from_numpy(np.asarray(values[b], dtype=np.int64)).to(backbone.device)
             lm_lp = torch.log_softmax(backbone.logits_from_fc(fc), dim=-1)
-            nll[0] -= float(lm_lp.gather(1, y[:, None]).sum())
-            hit[0] += float((lm_lp.argmax(1) == y).sum())
-            for js in by_dist.values():
-                first = [settings[js[0]]] * len(b)
-                inp = MixInput(fc=fc_bb, lm_logprobs=lm_lp, extra_logits=_extra_logits(backbone, plugin, fc_bb, first),
-                               step=int(steps[b[0]]), src_len=[int(x) for x in src_lens[b]], settings=first)
-                plp = plugin.plugin_logprobs(inp)[0] if plugin.interpolates else None
-                for j in js:
-                    inp.settings = [settings[j]] * len(b)
+            base_nll -= float(lm_lp.gather(1, y[:, None]).sum())
+            base_hit += float((lm_lp.argmax(1) == y).sum())
+            for plugin, settings, by_dist, nll, hit in prepared:
+                for js in by_dist.values():
+                    first = [settings[js[0]]] * len(b)
+                    inp = MixInput(fc=fc_bb, lm_logprobs=lm_lp, step=int(steps[b[0]]),
+                                   extra_logits=_extra_logits(backbone, plugin, fc_bb, first),
+                                   src_len=[int(x) for x in src_lens[b]], settings=first)
                     if plugin.interpolates:
-                        lams = torch.tensor(plugin.mix_lambdas(inp), dtype=lm_lp.dtype, device=lm_lp.device)
-                        logp_y, pred = interpolated_scores(lm_lp, plp, lams, y)
+                        lams = []
+                        for j in js:
+                            inp.settings = [settings[j]] * len(b)
+                            lams.append(torch.tensor(plugin.mix_lambdas(inp), dtype=lm_lp.dtype, device=lm_lp.device))
+                        scores = interpolated_scores(lm_lp, plugin.plugin_logprobs(inp)[0], lams, y)
                     else:
-                        lp = plugin.mix(inp).logprobs
-                        logp_y, pred = lp.gather(1, y[:, None])[:, 0], lp.argmax(1)
-                    nll[j + 1] -= float(logp_y.sum())
-                    hit[j + 1] += float((pred == y).sum())
+                        scores = []
+                        for j in js:
+                            inp.settings = [settings[j]] * len(b)
+                            lp = plugin.mix(inp).logprobs
+                            scores.append((lp.gather(1, y[:, None])[:, 0], lp.argmax(1)))
+                    for j, (logp_y, pred) in zip(js, scores):
+                        nll[j] -= float(logp_y.sum())
+                        hit[j] += float((pred == y).sum())
             done += len(b)
-            progress(done / len(steps), f"scored {done}/{len(steps)} reference tokens × {len(grid) + 1} settings")
+            progress(done / len(steps), f"scored {done}/{len(steps)} reference tokens × {n_settings} settings")
     n = max(1, len(steps))
-    out = [{"label": "base", "settings": {}, "nll": nll[0] / n, "top1": hit[0] / n}]
-    out += [{"label": json.dumps(g), "settings": g, "nll": nll[j + 1] / n, "top1": hit[j + 1] / n}
-            for j, g in enumerate(grid)]
-    return [{**r, "nll": round(r["nll"], 4), "top1": round(r["top1"], 4)} for r in out]
+    base = {"label": "base", "settings": {}, "nll": round(base_nll / n, 4), "top1": round(base_hit / n, 4)}
+    return [[base] + [{"label": json.dumps(g), "settings": g, "nll": round(nll[j] / n, 4), "top1": round(hit[j] / n, 4)}
+                      for j, g in enumerate(grid)]
+            for (_, grid), (_, _, _, nll, hit) in zip(jobs, prepared)]
 
 
-def tune_settings(backbone, plugin, pairs: list[tuple[str, str]], prompt, task: str, cache_root: Path,
-                  grid: list[dict] | None = None, progress=None) -> tuple[dict, list[dict]]:
-    """Score ``grid`` (default: DEFAULT_GRID of the method) teacher-forced on ``pairs``; the best setting
-    (``best_likelihood_setting``) and the table. The dev memory is cached, so several plug-ins share it."""
+def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps: np.ndarray,
+                   src_lens: np.ndarray, grid: list[dict], chunk: int = 128, progress=lambda f, m: None) -> list[dict]:
+    """``score_plugins`` for one plug-in: its table, base row first."""
+    return score_plugins(backbone, [(plugin, grid)], keys, values, steps, src_lens, chunk, progress)[0]
+
+
+def tune_settings(backbone, plugins: list, pairs: list[tuple[str, str]], prompt, task: str, cache_root: Path,
+                  progress=None) -> list[tuple[dict, list[dict]]]:
+    """Score each plug-in's DEFAULT_GRID teacher-forced on ``pairs`` (one pass, the LM head shared); per plug-in the
+    best setting (``best_likelihood_setting``) and the table. The dev memory is cached by content."""
     progress = progress or (lambda f, m: None)
-    mem = dev_memory(backbone, prompt, pairs, cache_root, task, lambda f, m: progress(0.5 * f, m))
+    mem = dev_memory(backbone, prompt, pairs, cache_root, task, lambda f, m: progress(0.2 * f, m))
     sample_of = np.asarray(mem.entry_sample)
     src_len = np.array([len(backbone.encode_target(s["src"].strip())) for s in mem.samples])
-    rows = score_settings(backbone, plugin, mem.keys, mem.values, entry_steps(sample_of), src_len[sample_of],
-                          grid or DEFAULT_GRID.get(plugin.method, [{}]), progress=lambda f, m: progress(0.5 + 0.5 * f, m))
-    return best_likelihood_setting(rows), rows
+    tables = score_plugins(backbone, [(p, DEFAULT_GRID.get(p.method, [{}])) for p in plugins], mem.keys, mem.values,
+                           entry_steps(sample_of), src_len[sample_of], progress=lambda f, m: progress(0.2 + 0.8 * f, m))
+    return [(best_likelihood_setting(t), t) for t in tables]
 
 
 class FullMix:

@@ -213,14 +213,19 @@ def tune_decode(args, bb, cat, plugins: dict, prompt, tune_pairs, tune_extra) ->
     from plugins.decode import Row
 
     tuned, tables = {}, {}
-    lik_pairs = task_pairs(args.task, "dev", *span(args.tune_likelihood)) if args.tune_likelihood else None
-    for m, p in plugins.items():
-        if lik_pairs is not None and p.interpolates:
-            from eval.likelihood import tune_settings
+    if args.tune_likelihood:  # all interpolating plug-ins in one teacher-forced pass
+        from eval.likelihood import tune_settings
 
-            with progress_bar(f"tune {m} (teacher-forced)") as prog:
-                tuned[m], tables[m] = tune_settings(bb, p, lik_pairs, prompt, args.task, cat.root / "eval-cache",
-                                                    progress=prog)
+        lik = [m for m, p in plugins.items() if p.interpolates]
+        pairs = task_pairs(args.task, "dev", *span(args.tune_likelihood))
+        if lik:
+            with progress_bar(f"tune {','.join(lik)} (teacher-forced)") as prog:
+                res = tune_settings(bb, [plugins[m] for m in lik], pairs, prompt, args.task, cat.root / "eval-cache",
+                                    progress=prog)
+            for m, (best, table) in zip(lik, res):
+                tuned[m], tables[m] = best, table
+    for m, p in plugins.items():
+        if m in tuned:
             continue
         grid = GRID.get(p.method, [{}])
         if len(grid) == 1:
@@ -254,7 +259,8 @@ def ablation_rows(args, bb, cat, mem, plugins, tuned, overrides, train_info) -> 
     return [Row("ablation: +B_pd", bpd, {"lambda_max": lam, "gu": False}),
             Row("ablation: +B_pd+GU", bpd, {"lambda_max": lam, "gu": True}),
             # full PEMA at the tuned λ_max with GU flipped (the tuned row is the other one)
-            Row(f"ablation: PEMA (B_rct+B_pd){'' if gu else '+GU'}", plugins["pema"], {"lambda_max": lam, "gu": not gu})]
+            Row(f"ablation: PEMA (B_rct+B_pd){'' if gu else '+GU'}", plugins["pema"],
+                {"lambda_max": lam, "gu": not gu})]
 
 
 def main(argv=None) -> int:

@@ -91,15 +91,16 @@ def test_interpolated_scores_equal_mixing_the_whole_vocabulary():
             lams = torch.full((n,), lam)
             full = mix_logprobs(lm, plp, lams)
             for k in (1, 3, 16):
-                logp_y, pred = interpolated_scores(lm, plp, lams, y, top_k=k)
+                [(logp_y, pred)] = interpolated_scores(lm, plp, [lams], y, top_k=k)
                 assert torch.allclose(logp_y, full.gather(1, y[:, None])[:, 0], equal_nan=True)
                 assert torch.equal(pred, full.argmax(1))
     # The mixture's argmax can be neither side's top token: P_LM (.5, .45, .05), P_plugin (.05, .45, .5), λ .5 mix
     # to (.275, .45, .275). With top_k=1 the candidates are tokens 0 and 2, the bound exposes them, the full mix runs.
     lm3 = torch.tensor([[0.5, 0.45, 0.05]]).log()
     pl3 = torch.tensor([[0.05, 0.45, 0.5]]).log()
-    _, pred = interpolated_scores(lm3, pl3, torch.tensor([0.5]), torch.tensor([1]), top_k=1)
-    assert pred.tolist() == [1]
+    [(_, pred), (_, pred_lm)] = interpolated_scores(lm3, pl3, [torch.tensor([0.5]), torch.tensor([0.0])],
+                                                    torch.tensor([1]), top_k=1)
+    assert pred.tolist() == [1] and pred_lm.tolist() == [0]
 
 
 def test_score_settings_of_knn_match_its_full_mix(tiny, tiny_memory, tiny_pairs, tmp_path):
@@ -116,6 +117,15 @@ def test_score_settings_of_knn_match_its_full_mix(tiny, tiny_memory, tiny_pairs,
     assert [r["top1"] for r in fast] == [r["top1"] for r in full]
     assert [r["nll"] for r in fast] == pytest.approx([r["nll"] for r in full], abs=1e-4)
     assert len({r["nll"] for r in fast}) > 2  # the settings differ: the comparison is not vacuous
+    # several plug-ins in one pass (the LM head shared) score as each does alone
+    from eval.likelihood import score_plugins
+
+    pema, _ = train_plugin(tiny, tiny_memory, "pema", {"rank": 8, "max_epochs_rct": 1, "max_epochs_joint": 2},
+                           out_dir=tmp_path / "pema")
+    pema_grid = [{"lambda_max": 0.5, "gu": True}, {"lambda_max": 0.9, "gu": False}]
+    both = score_plugins(tiny, [(knn, grid), (pema, pema_grid)], mem.keys, mem.values, steps, src_lens)
+    assert both[0] == fast
+    assert both[1] == score_settings(tiny, pema, mem.keys, mem.values, steps, src_lens, pema_grid)
 
 
 def test_best_likelihood_setting_prefers_top1_then_lower_nll():
