@@ -496,3 +496,17 @@ def test_live_controls_start_from_the_tasks_tuned_settings(tmp_path):
                                                     "lambda": 0.3}
     finally:
         other.close()
+
+
+def test_plugin_choices_tell_variants_of_one_method_on_one_memory_apart():
+    from types import SimpleNamespace
+
+    from ui.common import plugin_choices
+
+    rows = [{"id": "pema-20261123-121815-fe6ca0", "name": "translation-1000", "method": "pema", "usable": True},
+            {"id": "pema-20261123-122132-203c26", "name": "translation-1000", "method": "pema", "usable": True},
+            {"id": "knn-20261123-122717-1d6993", "name": "translation-1000", "method": "knn", "usable": True}]
+    choices = plugin_choices(SimpleNamespace(plugins=lambda: rows))
+    assert choices == [("translation-1000 [pema · fe6ca0]", rows[0]["id"]),
+                       ("translation-1000 [pema · 203c26]", rows[1]["id"]),
+                       ("translation-1000 [knn]", rows[2]["id"])]

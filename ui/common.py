@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from pathlib import Path
 
 import gradio as gr
@@ -47,7 +48,9 @@ def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | 
         if methods and p["method"] not in methods:
             continue
         out.append((f"{p['name']} [{p['method']}]", p["id"]))
-    return out
+    # Several plug-ins of one method on one memory (e.g. κ or rank variants) would read alike: add the id's tail.
+    counts = Counter(label for label, _ in out)
+    return [(f"{label[:-1]} · {pid.rsplit('-', 1)[-1]}]" if counts[label] > 1 else label, pid) for label, pid in out]
 
 
 # Components start with public values only (the page config is sent to every visitor, shared links included);
