@@ -13,7 +13,8 @@ token, so Gradual Unrolling's λ_t is the one a decode would use.
     python -m eval.likelihood --plugin pema-1a2b --heldout     # its memory's held-out samples (in-domain)
 
 What it cannot see: exposure bias (a free-running decode conditions on its own earlier choices), so the BLEU of
-the chosen setting is still measured by ``eval.quality`` on report items.
+the chosen setting is still measured by ``eval.quality`` on report items. Use it as a screen: on formality its
+top-1 choice (PEMA λ 0.4 without GU) collapsed the decode (BENCHMARKS.md §6).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 
 from studio.cli import progress_bar, run_main
 
-# Scoring a setting costs little more than its λ_t (P_plugin is shared, see score_settings), so the grids are
+# Scoring a setting costs little more than its λ_t (P_plugin is shared, see score_plugins), so the grids are
 # finer than the BLEU grid of eval.quality, which decodes once per setting.
 DEFAULT_GRID = {
     "pema": [{"lambda_max": lam, "gu": gu} for gu in (False, True)
