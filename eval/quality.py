@@ -143,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tune_prompt = args.tune_prompt or args.prompt_only
     if args.tune_prompt and args.memory:
         raise SystemExit("--tune-prompt chooses the prompt a memory is built with; it cannot reuse --memory")
+    if any("=" not in x for x in args.plugin):
+        raise SystemExit("--plugin takes LABEL=ID, e.g. --plugin pema=pema-1a2b")
+    args.reuse = dict(x.split("=", 1) for x in args.plugin)  # LABEL → plug-in id
     if args.tune_likelihood and args.task == "style":
         raise SystemExit("--tune-likelihood needs references to score; the style task has none (use --tune)")
     return args
@@ -191,7 +194,7 @@ def train_or_open_plugins(args, bb, cat, mem) -> tuple[dict, dict, dict]:
         m, key = k.split(".", 1)
         overrides.setdefault(m, {})[key] = json.loads(v)
     plugins, train_info = {}, {}
-    reuse = dict(x.split("=", 1) for x in args.plugin)
+    reuse = args.reuse
     for spec in args.methods.split(","):
         m, method = spec.split("=", 1) if "=" in spec else (spec, spec)
         if m in reuse:
@@ -245,7 +248,7 @@ def ablation_rows(args, bb, cat, mem, plugins, tuned, overrides, train_info) -> 
     from plugins.api import open_plugin, train_plugin
     from plugins.decode import Row
 
-    reuse = dict(x.split("=", 1) for x in args.plugin)
+    reuse = args.reuse
     if "pema+B_pd" in reuse:
         bpd = open_plugin(reuse["pema+B_pd"], bb, cat)
         row = {"id": reuse["pema+B_pd"], "params": bpd.trainable_parameters()}
