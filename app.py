@@ -18,12 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see backbone/__init__.py
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see ground/__init__.py
+
+from backbone.model import DEFAULT_BACKBONE, EMBEDDED  # noqa: E402  (after the environment above is set)
+from studio.service import Studio  # noqa: E402
+from ui.app import launch_app  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from backbone.model import DEFAULT_BACKBONE, EMBEDDED
-
     p = argparse.ArgumentParser(description="PEMA Studio: customize a frozen LM with your own text, no fine-tuning.")
     p.add_argument("--backbone", default=os.environ.get("PEMA_BACKBONE", DEFAULT_BACKBONE),
                    help=f"embedded short name ({', '.join(EMBEDDED)}), a Hugging Face id, a local folder, or 'tiny'")
@@ -42,9 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def start(argv: list[str] | None = None, block: bool = True):
     """Create the Studio and serve the app. With ``block=False`` returns ``(studio, demo, url)`` (tests)."""
-    from studio.service import Studio
-    from ui.app import launch_app
-
     args = parse_args(argv)
     studio = Studio(args.data_dir, backbone=args.backbone, device=args.device, workers=args.workers,
                     backbone_cache=args.backbone_cache)

@@ -17,7 +17,7 @@ import torch
 
 from backbone.model import Backbone
 from backbone.prompts import Prompt
-from studio.errors import UserError
+from ground.errors import UserError
 
 
 @contextmanager

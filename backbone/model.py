@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from studio.errors import UserError
+from ground.errors import UserError
+from ground.store import data_dir as _data_dir
 
 Progress = Callable[[float, str], None]
 
@@ -268,8 +270,6 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from studio.store import data_dir as _data_dir
-
     name = resolve_name(name or DEFAULT_BACKBONE)
     dev = pick_device(device)
     dt = _dtype(dtype, dev)
@@ -296,7 +296,6 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             if cached.exists():
-                import shutil
                 shutil.rmtree(cached)
             os.replace(tmp, cached)
             model = model.to(dt)

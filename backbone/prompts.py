@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 # The PEMA paper's Table 9 templates.
 PAPER_TEMPLATES = {

@@ -17,15 +17,23 @@ import argparse
 import json
 from pathlib import Path
 
-from studio.cli import add_common, load_backbone_from_args, progress_bar, run_main
-from studio.errors import UserError
+from backbone.cli import load_backbone_from_args
+from backbone.tasks import task_prompt, tuned_defaults
+from eval import datasets
+from eval.run import evaluate, format_table, lambda_sweep
+from eval.style import train_shakespeare_classifier
+from ground.cli import add_common, progress_bar, run_main
+from ground.errors import UserError
+from ground.store import Catalog
+from memories.parse import parse_samples_strict
+from plugins.__main__ import parse_sets
+from plugins.api import open_memory, open_plugin
+from plugins.decode import Row
 
 
 def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
     """Evaluation pairs from a test file, a memory's held-out split, or the shared reference data."""
     if args.test_file:
-        from memories.parse import parse_samples_strict
-
         path = Path(args.test_file)
         if not path.exists():
             raise UserError(f"No such file: {path}")
@@ -33,11 +41,8 @@ def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
         pairs = [(s.src, s.tgt) for s in samples] if all(s.src for s in samples) else [(s.tgt, None) for s in samples]
         return pairs[args.start:args.start + args.n] if args.n else pairs[args.start:]
     if args.memory:
-        from plugins.api import open_memory
-
         mem = open_memory(args.memory, catalog=catalog)
         return [(s["src"], s["tgt"]) for s in mem.split_samples("heldout")][: args.n or None]
-    from eval import datasets
 
     if args.task == "translation":
         return datasets.wmt_pairs(args.split, args.start, args.n)
@@ -50,7 +55,6 @@ def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
 def style_extra(task: str, bb_name: str) -> dict:
     if task != "style":
         return {}
-    from eval.style import train_shakespeare_classifier
 
     return {"style_classifier": train_shakespeare_classifier()}
 
@@ -75,13 +79,6 @@ def main(argv=None) -> int:
         p.add_argument("--json", help="also write the results (metrics + outputs) to this JSON file")
         add_common(p)
     args = ap.parse_args(argv)
-
-    from eval.run import evaluate, format_table, lambda_sweep
-    from eval.tasks import task_prompt, tuned_defaults
-    from plugins.__main__ import parse_sets
-    from plugins.api import open_plugin
-    from plugins.decode import Row
-    from studio.store import Catalog
 
     cat = Catalog(args.data_dir)
     pairs = load_pairs(args, cat)

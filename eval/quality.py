@@ -16,7 +16,7 @@ examples) by the bare model's score on the tuning items, then builds the memory 
 the choice becomes the task's prompt on that backbone (app, CLI and later runs).
 
 Results go to ``out/quality-<task>-<train>.json`` and a markdown table on stdout. Tuned decode settings can be
-written into ``eval/tuned_defaults.json`` with ``--save-defaults`` (the app and CLI then start from them).
+written into ``backbone/tuned_defaults.json`` with ``--save-defaults`` (the app and CLI then start from them).
 """
 from __future__ import annotations
 
@@ -25,7 +25,21 @@ import json
 import time
 from pathlib import Path
 
-from studio.cli import progress_bar, run_main
+from backbone import load_backbone
+from backbone import tasks
+from backbone.tasks import task_prompt
+from eval.datasets import task_pairs
+from eval.likelihood import tune_settings
+from eval.metrics import paired_bootstrap
+from eval.run import evaluate, format_table
+from eval.style import heldout_accuracy, train_shakespeare_classifier
+from ground.cli import progress_bar, run_main
+from ground.store import Catalog, new_id, write_json_atomic
+from memories.build import MAX_TARGET_TOKENS, build_memory, register_memory, target_ids
+from memories.parse import Sample
+from plugins.api import open_memory, open_plugin, train_plugin
+from plugins.decode import Row
+from plugins.settings import decode_grid
 
 
 def pairs_that_fit(backbone, prompt, pairs: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int]:
@@ -33,24 +47,8 @@ def pairs_that_fit(backbone, prompt, pairs: list[tuple[str, str]]) -> tuple[list
 
     The memory builder refuses a longer target (a user is told to split it); a benchmark skips and counts it
     instead. The limit is in backbone tokens, so it bites SmolLM2 on German (a WMT paragraph), not Gemma."""
-    from memories.build import MAX_TARGET_TOKENS, target_ids
-
     kept = [p for p in pairs if len(target_ids(backbone, prompt, p[1])) <= MAX_TARGET_TOKENS]
     return kept, len(pairs) - len(kept)
-
-
-def task_pairs(task: str, split: str, start: int, n: int):
-    from eval import datasets
-
-    if task == "translation":
-        return datasets.wmt_pairs(split, start, n)
-    if task == "formality":
-        return datasets.formality_pairs(split, start, n)
-    if task == "style":
-        if split == "train":  # monolingual targets: the memory makes their plain sources
-            return [(None, line) for line in datasets.shakespeare_lines("train", start, n)]
-        return [(en, None) for en, _de in datasets.wmt_pairs(split, start, n)]
-    raise SystemExit(f"task {task} not supported here")
 
 
 def best_setting(task: str, rows: list[dict]) -> dict:
@@ -78,9 +76,6 @@ def best_prompt(task: str, rows: list[dict]) -> dict:
 
 def tune_prompt(bb, task: str, pairs, batch: int, extra: dict | None) -> tuple[dict, list[dict]]:
     """Decode the tuning items with the bare model under every prompt of ``PROMPT_GRID``; the best and the table."""
-    from eval.run import Row, evaluate
-    from eval.tasks import task_prompt
-
     rows = []
     for cand in PROMPT_GRID:
         prompt = task_prompt(task, bb, shots=cand["shots"], paper=cand["paper_prompt"])
@@ -91,16 +86,8 @@ def tune_prompt(bb, task: str, pairs, batch: int, extra: dict | None) -> tuple[d
     return json.loads(best_prompt(task, rows)["label"]), rows
 
 
-GRID = {"pema": [{"lambda_max": lam, "gu": False} for lam in (0.1, 0.2)]
-        + [{"lambda_max": lam, "gu": gu} for lam in (0.3, 0.5, 0.7, 0.9) for gu in (True, False)],
-        "knn": [{"k": k, "temperature": t, "lambda": lam} for k in (8, 32) for t in (10.0, 100.0)
-                for lam in (0.2, 0.4)]}
-
-
 def other_backbone(bb, data_dir):
     """The other embedded backbone (for the style task's perplexity), or None when it cannot be loaded."""
-    from backbone import load_backbone
-
     other = "smollm2-135m-instruct" if bb.name != "smollm2-135m-instruct" else "gemma-3-270m"
     try:
         return load_backbone(other, data_dir=data_dir)
@@ -163,11 +150,6 @@ def span(text: str) -> tuple[int, int]:
 def open_or_build_memory(args, bb, cat, prompt):
     """The memory of ``--memory``, or one built from the first ``--train`` pairs with ``prompt`` (registered, so a
     later run can reuse it). Returns (memory, build seconds, pairs skipped as too long)."""
-    from memories.build import MAX_TARGET_TOKENS, build_memory, register_memory
-    from memories.parse import Sample
-    from plugins.api import open_memory
-    from studio.store import new_id
-
     t0 = time.time()
     if args.memory:
         return open_memory(args.memory, bb, cat), 0.0, 0
@@ -186,8 +168,6 @@ def open_or_build_memory(args, bb, cat, prompt):
 def train_or_open_plugins(args, bb, cat, mem) -> tuple[dict, dict, dict]:
     """Every ``--methods`` entry: reused (``--plugin LABEL=ID``) or trained. Returns (plug-ins by label, training
     info by label, config overrides by label)."""
-    from plugins.api import open_plugin, train_plugin
-
     overrides: dict[str, dict] = {}
     for it in args.set or []:
         k, v = it.split("=", 1)
@@ -210,14 +190,10 @@ def train_or_open_plugins(args, bb, cat, mem) -> tuple[dict, dict, dict]:
 
 def tune_decode(args, bb, cat, plugins: dict, prompt, tune_pairs, tune_extra) -> tuple[dict, dict]:
     """Each plug-in's best decode settings and its tuning table: teacher-forced on ``--tune-likelihood`` items for
-    interpolating plug-ins when asked, else by decoding the ``--tune`` items once per ``GRID`` setting. A plug-in
+    interpolating plug-ins when asked, else by decoding the ``--tune`` items once per setting of its declared grid (``plugins.settings.decode_grid``). A plug-in
     with a single setting (the in-network ones) is not tuned."""
-    from eval.run import evaluate
-    from plugins.decode import Row
-
     tuned, tables = {}, {}
     if args.tune_likelihood:  # all interpolating plug-ins in one teacher-forced pass
-        from eval.likelihood import tune_settings
 
         lik = [m for m, p in plugins.items() if p.interpolates]
         pairs = task_pairs(args.task, "dev", *span(args.tune_likelihood))
@@ -230,7 +206,7 @@ def tune_decode(args, bb, cat, plugins: dict, prompt, tune_pairs, tune_extra) ->
     for m, p in plugins.items():
         if m in tuned:
             continue
-        grid = GRID.get(p.method, [{}])
+        grid = decode_grid(type(p))
         if len(grid) == 1:
             tuned[m], tables[m] = grid[0], []
             continue
@@ -245,9 +221,6 @@ def tune_decode(args, bb, cat, plugins: dict, prompt, tune_pairs, tune_extra) ->
 
 def ablation_rows(args, bb, cat, mem, plugins, tuned, overrides, train_info) -> list:
     """The paper's ablation (+B_pd, +B_pd+GU, full PEMA with GU flipped) at the tuned λ_max."""
-    from plugins.api import open_plugin, train_plugin
-    from plugins.decode import Row
-
     reuse = args.reuse
     if "pema+B_pd" in reuse:
         bpd = open_plugin(reuse["pema+B_pd"], bb, cat)
@@ -269,20 +242,12 @@ def ablation_rows(args, bb, cat, mem, plugins, tuned, overrides, train_info) -> 
 def main(argv=None) -> int:
     args = parse_args(argv)
 
-    from backbone import load_backbone
-    from eval.run import evaluate, format_table
-    from eval.tasks import task_prompt
-    from plugins.decode import Row
-    from studio.store import Catalog, write_json_atomic
-
     cat = Catalog(args.data_dir)
     bb = load_backbone(args.backbone, data_dir=args.data_dir)
     tune_pairs = task_pairs(args.task, "dev", *span(args.tune))
     tune_extra = report_extra = None
     style_info = {}
     if args.task == "style":
-        from eval.style import heldout_accuracy, train_shakespeare_classifier
-
         clf = train_shakespeare_classifier()
         style_info = {"classifier_heldout": heldout_accuracy(clf)}
         tune_extra = {"style_classifier": clf}
@@ -319,7 +284,6 @@ def main(argv=None) -> int:
         rep = evaluate(bb, task_pairs(args.task, "dev", *span(args.report)), rows, prompt, args.task,
                        batch_sources=args.batch, progress=prog, extra=report_extra)
     if args.task != "style":  # paired bootstrap of every row against the base on the same report items
-        from eval.metrics import paired_bootstrap
 
         refs = [o["reference"] for o in rep["outputs"]]
         for r in rep["methods"][1:]:
@@ -345,17 +309,14 @@ def main(argv=None) -> int:
 
 def save_defaults(task: str, backbone_name: str, decode: dict | None = None, prompt: dict | None = None) -> None:
     """Write tuned decode settings and/or the tuned prompt (``shots``, ``paper_prompt``) of a task on a backbone
-    into ``eval/tuned_defaults.json``, which the app, the CLI and ``eval.tasks.task_prompt`` read."""
-    from eval.tasks import TUNED_PATH
-    from studio.store import write_json_atomic
-
-    data = json.loads(TUNED_PATH.read_text(encoding="utf-8")) if TUNED_PATH.exists() else {}
+    into ``backbone/tuned_defaults.json``, which the app, the CLI and ``backbone.tasks.task_prompt`` read."""
+    data = json.loads(tasks.TUNED_PATH.read_text(encoding="utf-8")) if tasks.TUNED_PATH.exists() else {}
     entry = data.setdefault(task, {}).setdefault("backbones", {}).setdefault(backbone_name, {})
     if decode is not None:
         entry["decode"] = decode
     if prompt is not None:
         entry.update(prompt)
-    write_json_atomic(TUNED_PATH, data)
+    write_json_atomic(tasks.TUNED_PATH, data)
 
 
 if __name__ == "__main__":

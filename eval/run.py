@@ -7,10 +7,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ground.errors import Cancelled
 from backbone.prompts import Prompt
-from memories.build import Cancelled
+from eval.datasets import informal_pattern_counts
+from eval.metrics import bleu_chrf, content_similarity
+from eval.style import perplexity
+from ground.errors import UserError
 from plugins.decode import Row, decode_batch
-from studio.errors import UserError
 
 Progress = Callable[[float, str], None]
 
@@ -21,20 +24,14 @@ def _noop(*a) -> None:
 
 def score(task: str, sources: list[str], hyps: list[str], refs: list[str] | None, extra: dict | None = None) -> dict:
     """The task's metrics for one method's outputs."""
-    from eval.metrics import bleu_chrf
-
     out: dict = {}
     if refs is not None and task != "style":
         out.update(bleu_chrf(hyps, refs))
     if task == "formality":
-        from eval.datasets import informal_pattern_counts
-
         per = informal_pattern_counts(hyps)["per_text"]
         out["informal_patterns"] = per["all"]  # informal patterns per output (lower is more formal)
         out["informal_breakdown"] = {k: round(v, 3) for k, v in per.items() if k != "all"}
     if task == "style":
-        from eval.metrics import content_similarity
-
         extra = extra or {}
         clf = extra.get("style_classifier")
         if clf is not None:
@@ -45,8 +42,6 @@ def score(task: str, sources: list[str], hyps: list[str], refs: list[str] | None
         if refs is not None:
             out.update(bleu_chrf(hyps, refs))
         if extra.get("perplexity_backbone") is not None:
-            from eval.style import perplexity
-
             out["perplexity"] = perplexity(hyps, extra["perplexity_backbone"])
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
@@ -88,12 +83,15 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
 
 def lambda_sweep(backbone, pairs, plugin, prompt: Prompt, lambdas=(0.1, 0.3, 0.5, 0.7, 0.9), task="translation",
                  progress: Progress = _noop, should_stop=lambda: False, extra: dict | None = None,
-                 **kw) -> list[dict]:
-    """PEMA's λ_max curves with and without Gradual Unrolling (the paper's Figures 4–5), all in one batch."""
+                 settings: dict | None = None, **kw) -> list[dict]:
+    """PEMA's λ_max curves with and without Gradual Unrolling (the paper's Figures 4–5), all in one batch.
+    ``settings``: the plug-in's other decode settings (λ_max and GU are swept). λ_max = 0 is the base model's row
+    (decoded once)."""
     rows = [Row("base")]
-    for lam in lambdas:
+    for lam in sorted({float(x) for x in lambdas} - {0.0}):
         for gu in (True, False):
-            rows.append(Row(f"λ={lam} GU={'on' if gu else 'off'}", plugin, {"lambda_max": lam, "gu": gu}))
+            rows.append(Row(f"λ={lam} GU={'on' if gu else 'off'}", plugin,
+                            {**(settings or {}), "lambda_max": lam, "gu": gu}))
     res = evaluate(backbone, pairs, rows, prompt, task, progress=progress, should_stop=should_stop, extra=extra, **kw)
     base = res["methods"][0]
     out = [{"lambda_max": 0.0, "gu": g, **{k: v for k, v in base.items() if isinstance(v, (int, float))}}

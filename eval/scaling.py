@@ -14,7 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-from studio.cli import run_main
+from eval import quality
+from eval.metrics import bleu_chrf
+from ground.cli import run_main
 
 OUT = Path("out")
 QUALITY_ARGS = ["--tune", "0:24", "--report", "1000:100", "--methods", "pema,knn",
@@ -40,7 +42,6 @@ def on_common_items(d: dict, task: str, items: str = REPORT_ITEMS) -> dict[str, 
     outs = d.get("outputs", [])
     if not (r_start <= start and start + n <= r_start + r_n and len(outs) == r_n):
         return None
-    from eval.metrics import bleu_chrf
 
     sub = outs[start - r_start:start - r_start + n]
     refs = [o["reference"] for o in sub]
@@ -108,8 +109,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.run:
-        from eval import quality
-
         for n in sizes:
             if not result_path(args.task, n, args.backbone).exists():
                 quality.main(["--task", args.task, "--train", str(n), "--backbone", args.backbone, *QUALITY_ARGS])

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from studio.errors import UserError
+from eval.datasets import shakespeare_lines, wmt_pairs
+from ground.errors import UserError
 
 FORMAT = "pema-style-classifier/1"
 CONFIG_FILE = "style_classifier.json"
@@ -175,8 +176,6 @@ class StyleClassifier:
 def train_shakespeare_classifier(root: str | Path | None = None, n_positive: int | None = None,
                                  n_negative: int | None = None, seed: int = 0, **fit_kwargs) -> StyleClassifier:
     """Train on Shakespeare train lines (style) vs the WMT train English side (plain), from the reference data."""
-    from eval.datasets import shakespeare_lines, wmt_pairs
-
     pos = shakespeare_lines("train", 0, n_positive, root=root)
     neg = [en for en, _de in wmt_pairs("train", 0, n_negative, root=root)]
     return StyleClassifier().fit(pos, neg, seed=seed, **fit_kwargs)
@@ -185,8 +184,6 @@ def train_shakespeare_classifier(root: str | Path | None = None, n_positive: int
 def heldout_accuracy(clf: StyleClassifier, root: str | Path | None = None) -> dict:
     """Accuracy on Shakespeare dev (positive) vs WMT dev English (negative), plus per-class recall, since the
     two sets differ in size (500 vs 2,203)."""
-    from eval.datasets import shakespeare_lines, wmt_pairs
-
     pos = shakespeare_lines("dev", root=root)
     neg = [en for en, _de in wmt_pairs("dev", root=root)]
     sp, sn = clf.score(pos), clf.score(neg)

@@ -14,7 +14,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from studio.cli import add_common, dump_json, load_backbone_from_args, print_table, progress_bar, run_main
+from backbone.cli import load_backbone_from_args
+from backbone.prompts import Prompt
+from backbone.tasks import task_prompt
+from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
+from ground.errors import UserError
+from ground.store import Catalog, new_id
+from memories.build import build_memory, register_memory
+from memories.corpora import available_corpora, load_corpus
+from memories.parse import parse_samples_strict, samples_from_dicts
+from plugins.api import open_memory
 
 
 def main(argv=None) -> int:
@@ -53,8 +62,6 @@ def main(argv=None) -> int:
     add_common(co, backbone=False)
     args = ap.parse_args(argv)
 
-    from studio.store import Catalog
-
     cat = Catalog(args.data_dir)
     if args.cmd == "build":
         return _build(args, cat)
@@ -67,8 +74,6 @@ def main(argv=None) -> int:
                         ["id", "name", "backbone", "task", "mode", "samples", "entries", "MB"])
         return 0
     if args.cmd == "inspect":
-        from plugins.api import open_memory
-
         m = open_memory(args.id, catalog=cat)
         dump_json({**m.summary(), "prompt": m.meta["prompt"], "stats": m.meta["stats"], "path": str(m.path)})
         for s in m.samples[: args.samples]:
@@ -76,15 +81,11 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "delete":
         if cat.memory(args.id) is None:
-            from studio.errors import UserError
-
             raise UserError(f"No memory {args.id!r}.")
         cat.delete_memory(args.id)
         print(f"deleted {args.id}")
         return 0
     if args.cmd == "corpora":
-        from memories.corpora import available_corpora
-
         for k, v in available_corpora().items():
             print(f"{k}: {v}")
         return 0
@@ -92,14 +93,7 @@ def main(argv=None) -> int:
 
 
 def _build(args, cat) -> int:
-    from memories.build import build_memory, register_memory
-    from memories.parse import parse_samples_strict, samples_from_dicts
-    from studio.errors import UserError
-    from studio.store import new_id
-
     if args.corpus:
-        from memories.corpora import load_corpus
-
         samples = samples_from_dicts(load_corpus(args.corpus, args.limit))
         label = args.corpus
     elif args.file:
@@ -127,9 +121,6 @@ def _build(args, cat) -> int:
 
 
 def _prompt(args, bb):
-    from backbone.prompts import Prompt
-    from eval.tasks import task_prompt
-
     if args.template:
         return Prompt(template=args.template.replace("\\n", "\n"), chat=bb.chat)
     return task_prompt(args.task, bb, shots=args.shots, paper=args.paper_template)

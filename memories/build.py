@@ -25,15 +25,11 @@ from backbone.model import Backbone, generate_greedy
 from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES, Prompt, common_prefix_len
 from memories.parse import Sample
 from memories.store import FORMAT_VERSION, Memory, disk_bytes
-from studio.errors import UserError
-from studio.store import atomic_dir, write_json_atomic
+from ground.errors import Cancelled, UserError
+from ground.store import atomic_dir, write_json_atomic
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
-
-
-class Cancelled(Exception):
-    """Raised inside long work when the user cancelled the job."""
 
 
 def _noop(*a) -> None:
@@ -46,6 +42,54 @@ def heldout_split(n: int, frac: float = 0.1, seed: int = 123, max_heldout: int =
         return np.zeros(0, dtype=np.int64)
     k = min(max_heldout, max(1, int(round(n * frac))))
     return np.sort(np.random.default_rng(seed).permutation(n)[:k])
+
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes become inf in float16
+
+
+class KeyFile:
+    """The keys ``.npy`` of one split, written row by row into a memory-mapped array of the requested dtype.
+
+    float16 halves the disk and RAM of a memory, but it stops at ±65,504 and Gemma 3's raw f(c) has an RMS near
+    1,300 with a few much larger "massive" features: a key beyond the range would be stored as inf (and turn every
+    kNN distance and PEMA loss that touches it into inf/NaN). So before each write the rows are checked: the first
+    time a float16 file would overflow, the whole file switches to float32 (the rows already written are copied
+    exactly) and the build goes on; ``dtype`` says what was stored. A non-finite hidden state from the backbone
+    itself is a UserError.
+    """
+
+    def __init__(self, path: Path, dtype: str, shape: tuple[int, int]):
+        self.path, self.shape = Path(path), shape
+        self.arr = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=shape)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.arr.dtype)
+
+    def __setitem__(self, index, rows) -> None:
+        rows = np.asarray(rows)
+        if rows.size and not np.isfinite(rows).all():
+            raise UserError("The backbone produced non-finite hidden states (NaN or inf) for this input, so no "
+                            "memory can be built from them; try another dtype for the backbone (e.g. --dtype "
+                            "float32).")
+        if self.arr.dtype == np.float16 and rows.size and float(np.abs(rows).max()) > FLOAT16_MAX:
+            self._widen()
+        self.arr[index] = rows
+
+    def _widen(self) -> None:
+        import os
+
+        tmp = self.path.with_name(self.path.stem + ".float32.npy")
+        wide = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=self.shape)
+        for b0 in range(0, self.shape[0], 65536):
+            wide[b0:b0 + 65536] = self.arr[b0:b0 + 65536]
+        self.arr.flush()
+        del self.arr
+        os.replace(tmp, self.path)
+        self.arr = wide
+
+    def flush(self) -> None:
+        self.arr.flush()
 
 
 # Longest target (in backbone tokens) a memory takes: a longer one is almost always a whole paragraph pasted as
@@ -197,10 +241,11 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
     with atomic_dir(out_dir) as tmp:
         stats = {"samples": 0, "heldout_samples": 0, "entries": 0, "heldout_entries": 0}
         sumsq = 0.0
+        stored_dtype = key_dtype  # becomes float32 when float16 keys would overflow (KeyFile)
         for part, sel in (("", [i for i in range(len(samples)) if i not in held]),
                           ("heldout_", sorted(held))):
             n = int(sum(len(tgt[i]) for i in sel))
-            keys = np.lib.format.open_memmap(tmp / f"{part}keys.npy", mode="w+", dtype=key_dtype, shape=(n, d))
+            keys = KeyFile(tmp / f"{part}keys.npy", stored_dtype, (n, d))
             vals = np.lib.format.open_memmap(tmp / f"{part}values.npy", mode="w+", dtype=np.int32, shape=(n,))
             smp = np.lib.format.open_memmap(tmp / f"{part}entry_sample.npy", mode="w+", dtype=np.int32,
                                             shape=(n,))
@@ -220,6 +265,7 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
                 if not part:
                     sumsq = s2
             keys.flush(); vals.flush(); smp.flush()
+            stored_dtype = keys.dtype
             del keys, vals, smp
             stats[f"{part}samples"] = len(sel)
             stats[f"{part}entries"] = n
@@ -236,7 +282,8 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
                                    ensure_ascii=False) + "\n")
         meta = {"format_version": FORMAT_VERSION, "id": out_dir.name, "name": name or out_dir.name,
                 "backbone": backbone.name, "fingerprint": backbone.fingerprint, "task": task, "mode": mode,
-                "prompt": prompt.to_dict(), "key_dtype": key_dtype, "hidden_size": d, "seed": seed,
+                "prompt": prompt.to_dict(), "key_dtype": stored_dtype, "requested_key_dtype": key_dtype,
+                "hidden_size": d, "seed": seed,
                 "heldout_frac": heldout_frac, "created": time.time(), "stats": stats}
         write_json_atomic(tmp / "meta.json", meta)
     progress(1.0, f"Memory built: {stats['entries']} entries from {stats['samples']} samples "

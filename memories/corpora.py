@@ -20,7 +20,7 @@ import struct
 from importlib import metadata, util
 from pathlib import Path
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 DEFAULT_LOCALE_DIR = "/usr/share/locale/de/LC_MESSAGES"
 

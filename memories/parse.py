@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 MAX_CHARS = 2000  # per side: longer "sentences" are almost always a wrong file or a missing line break
 MAX_BYTES = 200 * 1024 * 1024

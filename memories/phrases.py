@@ -43,7 +43,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from studio.errors import UserError
+from backbone.model import generate_greedy
+from backbone.prompts import postprocess
+from ground.errors import Cancelled, UserError
 
 Progress = Callable[[float, str], None]
 
@@ -322,9 +324,6 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
     ``indices[i]`` is the sample index recorded for sample i (default i). ``stats``, if given, is filled with
     counts and timings.
     """
-    from backbone.model import generate_greedy
-    from memories.build import Cancelled
-
     if max_pairs < 1:
         raise UserError("max_pairs must be ≥ 1.")
     if src_lang not in ("auto", "en", "other"):
@@ -382,7 +381,6 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
     plen = {p: len(backbone.encode_target(p)) for p in todo}
     todo.sort(key=lambda p: (plen[p], len(ctx[p])))
     translation: dict[str, str] = {}
-    from backbone.prompts import postprocess
 
     group = batch_size
     for g0 in range(0, len(todo), group):

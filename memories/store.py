@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from backbone.prompts import Prompt
-from studio.errors import UserError
+from ground.errors import UserError
 
 FORMAT_VERSION = 1
 

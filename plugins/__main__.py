@@ -16,8 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from studio.cli import add_common, dump_json, load_backbone_from_args, print_table, progress_bar, run_main
-from studio.errors import UserError
+from backbone.cli import load_backbone_from_args
+from backbone.prompts import Prompt
+from backbone.tasks import task_prompt, tuned_defaults
+from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
+from ground.errors import UserError
+from ground.store import Catalog
+from plugins.api import method_table, open_memory, open_plugin, train_plugin
+from plugins.decode import Row, compare
 
 
 def parse_sets(items: list[str] | None) -> dict:
@@ -66,11 +72,7 @@ def main(argv=None) -> int:
     add_common(c)
     args = ap.parse_args(argv)
 
-    from studio.store import Catalog
-
     if args.cmd == "methods":
-        from plugins.api import method_table
-
         rows = method_table()
         if args.json:
             dump_json(rows)
@@ -94,8 +96,6 @@ def main(argv=None) -> int:
         print(f"deleted {args.id}")
         return 0
     if args.cmd == "train":
-        from plugins.api import open_memory, train_plugin
-
         bb = load_backbone_from_args(args)
         mem = open_memory(args.memory, bb, cat)
         with progress_bar(args.method) as prog:
@@ -110,18 +110,12 @@ def main(argv=None) -> int:
 
 
 def _compare(args, cat) -> int:
-    from eval.tasks import task_prompt, tuned_defaults
-    from plugins.api import open_plugin
-    from plugins.decode import Row, compare
-
     bb = load_backbone_from_args(args)
     plugins = [open_plugin(p, bb, cat) for p in args.plugin]
     task = args.task or next((p.memory_meta.get("task") for p in plugins if p.memory_meta.get("task")),
                              "translation")
     prompt = task_prompt(task, bb, shots=args.shots)
     if plugins and args.shots is None and plugins[0].memory_meta.get("prompt"):
-        from backbone.prompts import Prompt
-
         prompt = Prompt.from_dict(plugins[0].memory_meta["prompt"])  # decode with the prompt the memory used
     sets = parse_sets(args.set)
     tuned = tuned_defaults(task, bb.name)["decode"]

@@ -21,8 +21,10 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from studio.errors import UserError
-from studio.store import atomic_dir, write_json_atomic
+from ground.errors import UserError
+from ground.store import atomic_dir, write_json_atomic
+from plugins.settings import Setting, coerce_all, config_settings
+from plugins.registry import get_method
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
@@ -44,13 +46,18 @@ class PluginConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PluginConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise UserError(f"Unknown setting(s) for {cls.__name__}: {', '.join(sorted(unknown))}.")
-        cfg = cls(**d)
+        """A config from JSON-like values, each checked against its declaration (type, range; unknown names
+        refused), then the method's own cross-field ``validate``."""
+        if not isinstance(d, dict):
+            raise UserError(f"The settings of {cls.__name__} must be an object of name: value pairs.")
+        cfg = cls(**coerce_all(config_settings(cls), d, cls.__name__))
         cfg.validate()
         return cfg
+
+    @classmethod
+    def declared(cls) -> list[Setting]:
+        """The training settings this config declares (``plugins.settings.setting`` metadata on its fields)."""
+        return config_settings(cls)
 
     def validate(self) -> None:
         """Raise UserError for a bad value (subclasses check their own fields)."""
@@ -99,7 +106,7 @@ def mix_logprobs(lm_logprobs: torch.Tensor, plugin_logprobs: torch.Tensor, lam: 
 
 
 class Plugin(nn.Module):
-    """Base class. Subclasses set ``method``, ``Config``, ``level``, ``decode_defaults`` and implement ``fit``.
+    """Base class. Subclasses set ``method``, ``Config``, ``level``, ``decode_settings`` and implement ``fit``.
 
     Output-level plug-ins that *interpolate* (PEMA, kNN-LM/MT: P = λ_t·P_plugin + (1−λ_t)·P_LM) set
     ``interpolates`` and implement ``plugin_logprobs`` and ``mix_lambdas``; the base ``mix`` combines them. The
@@ -112,7 +119,7 @@ class Plugin(nn.Module):
     paper: ClassVar[str] = ""
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     level: ClassVar[str] = "output"  # "output" | "network" | "none"
-    decode_defaults: ClassVar[dict] = {}
+    decode_settings: ClassVar[tuple[Setting, ...]] = ()  # declared once; UIs, CLIs and tuners are generated
     needs_memory_at_decode: ClassVar[bool] = False
     mixes_output: ClassVar[bool] = False  # an in-network plug-in whose ``mix`` also runs after the LM head
     interpolates: ClassVar[bool] = False  # ``mix`` is λ_t·P_plugin + (1−λ_t)·P_LM (see the class docstring)
@@ -138,16 +145,20 @@ class Plugin(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # --- decoding ---------------------------------------------------------------------------------
+    @property
+    def decode_defaults(self) -> dict:
+        """The declared decode settings' defaults (before any tuned value; see ``plugins.settings.row_settings``)."""
+        return {s.name: s.default for s in self.decode_settings}
+
     def settings(self, overrides: dict | None = None) -> dict:
-        s = dict(self.decode_defaults)
-        for k, v in (overrides or {}).items():
-            if k in s:
-                s[k] = type(s[k])(v) if s[k] is not None and not isinstance(s[k], bool) else v
+        """This plug-in's complete decode settings: the declared defaults with ``overrides`` checked against the
+        declarations (an unknown name, a wrong type or a value out of range is a UserError naming it)."""
+        s = {**self.decode_defaults, **coerce_all(self.decode_settings, dict(overrides or {}), self.title)}
         self.validate_settings(s)
         return s
 
     def validate_settings(self, s: dict) -> None:
-        pass
+        """Checks that involve several settings at once (single values are checked by their declarations)."""
 
     def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
         return None
@@ -225,8 +236,6 @@ class Plugin(nn.Module):
 def load_plugin(path: str | Path, backbone) -> Plugin:
     """Load any saved plug-in: JSON config + safetensors only; refuses a foreign backbone."""
     from safetensors.torch import load_file
-
-    from plugins.registry import get_method
 
     path = Path(path)
     cfg_path = path / "plugin_config.json"

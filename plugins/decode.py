@@ -26,7 +26,7 @@ import torch
 from backbone.model import Backbone
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, Plugin
-from studio.errors import UserError
+from ground.errors import UserError
 
 TOP = 5
 

@@ -5,8 +5,11 @@ distance; combiner: P_kNN(y) ∝ Σ_{(k_j, v_j) ∈ N, v_j = y} exp(−d_j / T) 
 k, T and λ are decode-time settings: nothing is rebuilt when they change.
 
 Search: exact (chunked torch matmul, keys held in RAM as float32) up to ``exact_max_entries``; beyond that FAISS
-IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the plug-in with ``faiss.write_index``,
-never pickled), keys left memory-mapped on disk. ``search_kind`` says which one is in use.
+IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the memory with ``faiss.write_index``,
+never pickled, its file name keyed by every setting that changes it), keys left memory-mapped on disk. As kNN-LM
+does, the k neighbours the approximate index returns get their exact squared L2 distances recomputed from the
+stored keys (k rows per query) and are re-sorted by them, so P_kNN's weights are exact. ``search_kind`` says which
+search is in use.
 
 Adaptation: keys and queries are divided by the memory's key RMS before distances are taken, so the temperature T
 has the same meaning across backbones (Gemma 3's raw pre-norm states have an RMS near 1,300).
@@ -22,7 +25,8 @@ import torch
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, Plugin, PluginConfig
 from plugins.registry import register
-from studio.errors import UserError
+from plugins.settings import Setting
+from ground.errors import UserError
 
 
 @dataclass
@@ -47,7 +51,15 @@ class KNN(Plugin):
     Config = KNNConfig
     level = "output"
     interpolates = True
-    decode_defaults = {"k": 16, "temperature": 10.0, "lambda": 0.3}
+    decode_settings = (
+        Setting("k", 16, "neighbours retrieved per output token", low=1, high=128, live=True, step=1, label="kNN k",
+                grid=(8, 32), fine_grid=(4, 8, 16, 32)),
+        Setting("temperature", 10.0, "T in p_kNN ∝ Σ exp(−d/T) over the neighbours (d: squared L2 distance)",
+                low=0.5, high=100.0, live=True, step=0.5, label="kNN temperature", grid=(10.0, 100.0),
+                fine_grid=(1.0, 10.0, 100.0)),
+        Setting("lambda", 0.3, "λ: p_kNN's weight in the mix λ·p_kNN + (1−λ)·p_LM", low=0.0, high=1.0, live=True,
+                step=0.05, label="kNN λ", grid=(0.2, 0.4), fine_grid=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6)),
+    )
     needs_memory_at_decode = True
 
     def __init__(self, config: KNNConfig, backbone, memory_meta: dict | None = None):
@@ -91,16 +103,19 @@ class KNN(Plugin):
         mem = self.memory
         d = mem.keys.shape[1]
         n = len(mem)
-        path = mem.path / "faiss_ivfpq.index"
+        m = self.config.pq_m
+        while d % m:
+            m -= 1
+        nlist = self.config.ivf_lists or max(1, int(4 * np.sqrt(n)))
+        nbits = 8 if n >= 256 * 40 else 4  # PQ codebooks need ≥ 2^nbits training points (tiny memories)
+        # The index is cached next to the memory, keyed by everything that changes it: whether keys are divided by
+        # the memory's key RMS, the IVF lists, the PQ sub-quantizers and bits, and the seed of the training sample.
+        scale = "normkeys" if self.config.normalize_keys else "rawkeys"
+        path = mem.path / f"faiss_ivfpq_{scale}_{nlist}lists_{m}x{nbits}pq_seed{self.config.seed}.index"
         if path.exists():
             self.index = faiss.read_index(str(path))
         else:
-            m = self.config.pq_m
-            while d % m:
-                m -= 1
-            nlist = self.config.ivf_lists or max(1, int(4 * np.sqrt(n)))
             quant = faiss.IndexFlatL2(d)
-            nbits = 8 if n >= 256 * 40 else 4  # PQ codebooks need ≥ 2^nbits training points (tiny memories)
             index = faiss.IndexIVFPQ(quant, d, nlist, m, nbits)
             rng = np.random.default_rng(self.config.seed)
             sample = np.sort(rng.choice(n, size=min(n, max(256 * nlist // 4, 40 * nlist, 10000)), replace=False))
@@ -112,7 +127,8 @@ class KNN(Plugin):
             tmp.replace(path)
             self.index = index
         self.index.nprobe = self.config.nprobe
-        self.search_kind = f"FAISS IVF-PQ ({self.index.nlist} lists, nprobe {self.config.nprobe}, {n:,} keys)"
+        self.search_kind = (f"FAISS IVF-PQ ({self.index.nlist} lists, {m}×{nbits}-bit PQ, nprobe "
+                            f"{self.config.nprobe}, {n:,} keys; exact L2 re-rank)")
 
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         progress(0.1, "preparing the datastore")
@@ -125,11 +141,26 @@ class KNN(Plugin):
         return 0
 
     # --- retrieval --------------------------------------------------------------------------------
+    def _exact_rerank(self, q: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """kNN-LM recomputes exact distances for the neighbours the approximate index returns: squared L2 between
+        each (scaled) query and its k stored keys, read from the memory (k rows per query), re-sorted ascending.
+        Missing neighbours (index −1) get an infinite distance and stay last."""
+        safe = np.where(idx >= 0, idx, 0)
+        rows, inverse = np.unique(safe.ravel(), return_inverse=True)
+        stored = np.asarray(self.memory.keys[rows], dtype=np.float32) / float(self.key_scale)
+        vecs = stored[inverse.reshape(safe.shape)]                      # (n, k, d)
+        dist = ((vecs - q[:, None, :]) ** 2).sum(-1, dtype=np.float64).astype(np.float32)
+        dist[idx < 0] = np.inf
+        order = np.argsort(dist, axis=1, kind="stable")
+        return np.take_along_axis(dist, order, 1), np.take_along_axis(idx, order, 1)
+
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (squared L2 distances, entry indices), each (n, k), for queries already scaled."""
         k = max(1, min(k, len(self.values)))
         if self.index is not None:
-            dist, idx = self.index.search(queries.float().cpu().numpy(), k)
+            q = queries.float().cpu().numpy()
+            _, idx = self.index.search(q, k)
+            dist, idx = self._exact_rerank(q, idx)
             return torch.from_numpy(dist).to(queries.device), torch.from_numpy(idx).long().to(queries.device)
         q = queries.float().to(self.keys.device)
         best_d, best_i = None, None
@@ -157,11 +188,6 @@ class KNN(Plugin):
         probs = torch.zeros(len(fc), V, device=fc.device)
         probs.scatter_add_(1, vals, w.exp().to(fc.device))
         return torch.log(probs.clamp_min(0)), dist, idx
-
-    def validate_settings(self, s: dict) -> None:
-        PluginConfig._check(int(s["k"]) >= 1, "k must be ≥ 1.")
-        PluginConfig._check(float(s["temperature"]) > 0, "The kNN temperature must be positive.")
-        PluginConfig._check(0.0 <= float(s["lambda"]) <= 1.0, "The kNN λ must be in [0, 1].")
 
     def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, list[dict]]:
         n = len(inp.fc)

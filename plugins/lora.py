@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memories.build import Cancelled
+from ground.errors import Cancelled
 from plugins.base import FitResult
 from plugins.network import (
     Attachment,
@@ -57,7 +57,7 @@ from plugins.network import (
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate
 from plugins.training import BudgetGuard, run_training
-from studio.errors import UserError
+from ground.errors import UserError
 
 OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
 

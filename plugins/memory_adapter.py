@@ -85,12 +85,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memories.build import Cancelled
+from ground.errors import Cancelled
+from ground.errors import UserError
+from memories.phrases import phrase_pairs_for_memory
+from memories.store import Memory
 from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
+from plugins.knn import KNN, KNNConfig
 from plugins.registry import register
+from plugins.settings import Setting
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
 from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
-from studio.errors import UserError
 
 SIDES = ("tgt", "src")
 
@@ -313,12 +317,18 @@ class MemoryAdapterPlugin(Plugin):
     Config = MemoryAdapterConfig
     level = "network"
     mixes_output: ClassVar[bool] = True  # "+ kNN": the decoder also calls mix() on this plug-in's rows
-    decode_defaults = {"temperature": 0.5, "trace_top_k": 5, "knn_lambda": 0.0, "knn_k": 16,
-                       "knn_temperature": 10.0}
+    decode_settings = (
+        Setting("temperature", 0.5, "T of the attention over the phrase memory (default: the trained one)",
+                low=0.01, high=100.0, step=0.05, label="memory temperature"),
+        Setting("trace_top_k", 5, "memory items shown per token in the trace", low=1, high=50),
+        Setting("knn_lambda", 0.0, "'+ kNN' (paper): weight of kNN-MT over the memory's datastore (0 = off)",
+                low=0.0, high=1.0, step=0.05),
+        Setting("knn_k", 16, "'+ kNN': neighbours per token", low=1, high=128),
+        Setting("knn_temperature", 10.0, "'+ kNN': T in exp(−d/T)", low=0.5, high=100.0),
+    )
 
     def __init__(self, config: MemoryAdapterConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)
-        self.decode_defaults = {**type(self).decode_defaults, "temperature": float(config.temperature)}
         self.blocks = nn.ModuleDict()
         self.phrases: list[dict] = []
         self.phrase_stats: dict = {}
@@ -364,8 +374,6 @@ class MemoryAdapterPlugin(Plugin):
     def build_memory(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> dict:
         """Extract phrase pairs from the memory's training samples, allocate them to layers and capture the
         memory items. Leaves the adapters at their (nearly identity) initialisation."""
-        from memories.phrases import phrase_pairs_for_memory
-
         cfg, bb = self.config, self.backbone
         layers = parse_layers(cfg.layers, bb.num_layers)
         if not memory.split_samples("train"):
@@ -680,18 +688,13 @@ class MemoryAdapterPlugin(Plugin):
         return FitResult(metrics=metrics, history=history)
 
     # --- decoding ---------------------------------------------------------------------------------------
-    def validate_settings(self, s: dict) -> None:
-        PluginConfig._check(float(s["temperature"]) > 0, "The memory temperature must be positive.")
-        PluginConfig._check(int(s["trace_top_k"]) >= 1, "trace_top_k must be ≥ 1.")
-        PluginConfig._check(0.0 <= float(s["knn_lambda"]) <= 1.0, "knn_lambda must be in [0, 1].")
-        PluginConfig._check(int(s["knn_k"]) >= 1, "knn_k must be ≥ 1.")
-        PluginConfig._check(float(s["knn_temperature"]) > 0, "knn_temperature must be positive.")
+    @property
+    def decode_defaults(self) -> dict:
+        """The declared defaults, with the memory temperature the adapter was trained at."""
+        return {**super().decode_defaults, "temperature": float(self.config.temperature)}
 
     def _knn_plugin(self):
         if self._knn is None:
-            from memories.store import Memory
-            from plugins.knn import KNN, KNNConfig
-
             path = self.memory_meta.get("path", "")
             try:
                 mem = Memory.load(path, self.backbone)

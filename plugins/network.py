@@ -19,19 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ground.errors import UserError
 from plugins.base import FitResult, Plugin, PluginConfig
-from plugins.seqtrain import (
-    SeqData,
-    collate,
-    memory_sequences,
-    split_for_early_stopping,
-)
-from plugins.training import (
-    BudgetGuard,
-    LoopSettings,
-    candidate_vocabulary,
-    run_training,
-)
+from plugins.settings import Setting
+from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
+from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 
 
 @dataclass
@@ -134,7 +126,10 @@ class NetworkPlugin(Plugin):
     """
 
     level = "network"
-    decode_defaults = {"scale": 1.0}
+    decode_settings = (
+        Setting("scale", 1.0, "multiplies the plug-in's change of the hidden states (1 = as trained, 0 = off)",
+                low=0.0, high=10.0, step=0.1, label="scale"),
+    )
     Config = NetworkConfig
 
     def __init__(self, config, backbone, memory_meta: dict | None = None):
@@ -153,10 +148,6 @@ class NetworkPlugin(Plugin):
         return cls(config, backbone, memory_meta)
 
     # --- decode-time settings -----------------------------------------------------------------------------
-    def validate_settings(self, s: dict) -> None:
-        PluginConfig._check(math.isfinite(float(s["scale"])) and 0.0 <= float(s["scale"]) <= 10.0,
-                            "scale must be between 0 and 10 (1 = as trained, 0 = off).")
-
     # --- attaching ------------------------------------------------------------------------------------------
     def attach(self, rows: torch.Tensor | None, settings: dict | None = None) -> list:
         """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row); return handles."""
@@ -216,7 +207,6 @@ class NetworkPlugin(Plugin):
         train = memory_sequences(bb, memory, "train")
         held = memory_sequences(bb, memory, "heldout")
         if not len(train) and not len(held):
-            from studio.errors import UserError
             raise UserError("The memory has no samples to train on.")
         if not len(train):
             train = held

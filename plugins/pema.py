@@ -1,18 +1,35 @@
 """PEMA: Plug-in External Memory Adaptation (Kim et al., NAACL 2024), with Gradual Unrolling.
 
-Model (paper §3, public code ``pema``):
-    h_rct = B_rct · A · f(c),   h_pd = B_pd · A · f(c),   A ∈ R^{r×d}, B_rct, B_pd ∈ R^{d×r}
+Model (paper §3, public code ``pema``, ``train_rct_pd.py``'s ``LoraLinear``):
+    h_rct = s · B_rct · A · drop(f(c)),   h_pd = s · B_pd · A · drop(f(c)),   A ∈ R^{r×d}, B_rct, B_pd ∈ R^{d×r}
+    s = α/r (``lora_alpha`` / r): the public code multiplies both outputs by ``scaling = lora_alpha / r`` with
+    ``lora_alpha=1`` and r = 512, i.e. s = 1/512 (the paper does not mention it). ``drop`` is the dropout on the
+    adapter input (p = 0.2); the public code draws it separately for h_pd and for h_rct, and so does ``fit``.
+    Init as the public code's ``reset_parameters``: A Kaiming-uniform (a = √5, bound 1/√d), B_rct and B_pd zero
+    (``b_init="zeros"``; ``b_init="random"`` — B like A — is what this project did before, kept as an option).
     P_PEMA(w|c) = softmax(W_hd · norm(h_pd))   with the backbone's frozen final norm and LM head W_hd.
 Training:
     phase 1 (initial reconstruction): A, B_rct minimise MSE(h_rct, f(c));
-    phase 2 (joint retraining): A re-initialised, B_rct frozen; A, B_pd minimise κ·L_rct + (1−κ)·L_pd,
-    L_pd the cross-entropy of P_PEMA against the memory's value y.
+    phase 2 (joint retraining): A re-initialised (Kaiming-uniform again; the public code builds a fresh
+    ``LoraLinear``, so B_pd also starts at 0), B_rct frozen; A, B_pd minimise κ·L_rct + (1−κ)·L_pd, L_pd the
+    cross-entropy of P_PEMA against the memory's value y. With B_pd = 0, L_rct (through the frozen B_rct) moves A
+    and L_pd moves B_pd from the first step, so both train.
+    Early stopping uses a seeded tenth of the memory's *training* samples (``early_stopping_split``), never the
+    memory's held-out samples, which ``eval --memory`` and ``eval.likelihood --heldout`` report.
 Decoding:
     P = λ_t·P_PEMA + (1−λ_t)·P_LM, mixed in log space with logsumexp.
     Gradual Unrolling (paper): SL = token length of the input sentence (instruction excluded), SS = λ_max/SL,
     CS starts at λ_max and falls by SS after each generated token; λ_t = CS² while CS > 0, else 0.
-    ``gu_variant="code"`` is the public code's schedule: the first token mixes with λ_max unsquared, tokens
-    1..SL−1 use CS², and after SL tokens λ_t = ``gu_floor`` (default 0). With GU off λ_t = λ_max.
+    ``gu_variant="code"`` is the public code's schedule (``generation/utils.py``, greedy search): the first token
+    mixes with λ_max *unsquared*; after each token CS falls by SS only while CS − SS > 0, and then stays at its
+    last value SS (λ never reaches 0); λ_t = CS²/y + (y−1)/y with y = 1/(1 − p/100), p = ``gu_min`` (the code's
+    ``gradual_unrolling_min`` percentage, default 0: λ_t = CS²), from the second token on. Differences: the code
+    keeps one CS for the whole batch and decrements only while ``(CS − SS > 0).all()`` — here every row has its
+    own schedule; the code subtracts in float32, here the count of decrements is exact. The code's SL is
+    ``label_ids.ge(2).sum()``, the token length of instruction + source + "German:" + *reference*; a decode has
+    no reference, so SL = the tokens of the memory prompt's template (no few-shot examples, no chat wrapper) +
+    the source's tokens + the source's tokens again as the stand-in for the reference length (``code_sl``; it
+    also takes a reference length, for evaluations that have one). With GU off λ_t = λ_max.
 
 Adaptations, all recorded in the plug-in's ``train_info``:
     * f(c) is divided by the memory's key RMS (``key_scale``) before the adapter. Gemma 3's pre-norm states have
@@ -21,7 +38,13 @@ Adaptations, all recorded in the plug-in's ``train_info``:
     * ``softmax="candidates"`` (fast CPU training): L_pd's softmax runs over a candidate vocabulary — every
       token that occurs as a memory value plus the LM's top tokens on a sample of memory contexts — instead of
       all V tokens; at decode P_PEMA is then restricted to the same candidates, so training and decoding agree.
-      ``softmax="full"`` is the exact method.
+      ``softmax="full"`` is the exact method. It is the default on every device: with it a step costs
+      O(batch·r·d + batch·|candidates|·d) instead of O(batch·V·d), which is what makes a paper-sized batch (2,048
+      entries) cheap on a CPU, and on Gemma's 262k vocabulary it saves most of a GPU step too. The candidates
+      come from the *training* entries only (held-out targets never enter them).
+    * ``batch_size`` 2,048 entries per step: the public scripts use 2,048 (joint phase) to 20,480/40,960
+      (reconstruction); 2,048 is their joint-phase value and, with the candidate softmax, one step on Gemma
+      takes well under a second on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -34,7 +57,8 @@ from torch import nn
 
 from plugins.base import FitResult, MixInput, Plugin, PluginConfig, mix_logprobs  # noqa: F401 (re-export)
 from plugins.registry import register
-from plugins.training import LoopSettings, candidate_vocabulary, run_training
+from plugins.settings import Setting
+from plugins.training import LoopSettings, candidate_vocabulary, early_stopping_split, run_training
 
 
 @dataclass
@@ -43,7 +67,9 @@ class PEMAConfig(PluginConfig):
     kappa: float = 0.2         # κ weight of L_rct in the joint phase
     lr: float = 1e-3           # Adam, β (0.9, 0.999), eps 1e-8
     dropout: float = 0.2       # on the adapter input
-    batch_size: int = 256
+    # entries per step. Public scripts: 2,048 (joint phase) to 20,480 / 40,960 (reconstruction); 2,048 is the
+    # joint-phase value and, with the candidate softmax, cheap on a 2-core CPU (README "PEMA").
+    batch_size: int = 2048
     max_epochs_rct: int = 10
     max_epochs_joint: int = 20
     patience: int = 2
@@ -58,6 +84,10 @@ class PEMAConfig(PluginConfig):
     pd_init: str = "random"
     decode_vocab: str = "candidates"  # after candidate training, P_PEMA over "candidates" | "full" vocabulary
     rct_init: str = "random"        # phase-1 start: "random" (paper) | "pca" (the linear autoencoder's optimum)
+    # α of the public code's LoraLinear: h = (α/r)·B·A·x with lora_alpha = 1, r = 512. 0 = no factor (plug-ins
+    # saved before this setting existed load with 0, so they decode as they were trained).
+    lora_alpha: float = 1.0
+    b_init: str = "zeros"           # B_rct, B_pd start: "zeros" (public code) | "random" (Kaiming-uniform, as A)
     seed: int = 123
 
     def validate(self) -> None:
@@ -71,20 +101,28 @@ class PEMAConfig(PluginConfig):
         self._check(self.rct_init in ("random", "pca"), "rct_init must be 'random' or 'pca'.")
         self._check(self.pd_init in ("random", "rct", "warm"), "pd_init must be 'random', 'rct' or 'warm'.")
         self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
+        self._check(0.0 <= self.lora_alpha < float("inf"), "lora_alpha must be ≥ 0 (0: no α/r factor).")
+        self._check(self.b_init in ("zeros", "random"), "b_init must be 'zeros' or 'random'.")
 
 
 def gu_lambda(step: int, lambda_max: float, src_len: int, gu: bool = True, variant: str = "paper",
-              floor: float = 0.0) -> float:
-    """λ_t of Gradual Unrolling after ``step`` generated tokens (see the module docstring)."""
+              gu_min: float = 0.0) -> float:
+    """λ_t of Gradual Unrolling after ``step`` generated tokens (see the module docstring). ``src_len`` is SL:
+    for ``variant="code"`` pass the code's SL (``PEMA.code_sl``); ``gu_min`` (percent) acts in that variant only."""
     if not gu:
         return lambda_max
     sl = max(1, int(src_len))
+    if variant == "code":
+        # Public code: λ_apply = λ_max for the first token; after each token, only while CS − SS > 0, CS −= SS and
+        # λ_apply = CS²/y + (y−1)/y. CS − SS > 0 holds for the first SL−1 decrements (exact arithmetic).
+        decrements = min(step, sl - 1)
+        if decrements <= 0 or lambda_max <= 0:
+            return lambda_max
+        cs = lambda_max * (sl - decrements) / sl
+        y = 1.0 / (1.0 - gu_min / 100.0)
+        return cs * cs / y + (y - 1.0) / y
     ss = lambda_max / sl
     cs = lambda_max - step * ss
-    if variant == "code":
-        if step == 0:
-            return lambda_max
-        return cs * cs if step < sl and cs > 0 else floor
     return cs * cs if cs > 1e-12 else 0.0
 
 
@@ -96,7 +134,17 @@ class PEMA(Plugin):
     Config = PEMAConfig
     level = "output"
     interpolates = True
-    decode_defaults = {"lambda_max": 0.8, "gu": True, "gu_variant": "paper", "gu_floor": 0.0}
+    decode_settings = (
+        Setting("lambda_max", 0.8, "λ_max: P_PEMA's weight in the mix (with GU, at the first output token); paper "
+                "default 0.8", low=0.0, high=1.0, live=True, step=0.05, label="PEMA λ_max",
+                grid=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9), fine_grid=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9)),
+        Setting("gu", True, "Gradual Unrolling: λ_t falls from λ_max to 0 over the input sentence's length",
+                live=True, label="Gradual Unrolling", grid=(True, False)),
+        Setting("gu_variant", "paper", "GU schedule: 'paper' (the paper's equations) or 'code' (the public code's)",
+                choices=("paper", "code")),
+        Setting("gu_min", 0.0, "'code' variant: the public code's gradual_unrolling_min p in percent; λ_t = "
+                "CS²/y + (y−1)/y with y = 1/(1 − p/100) from the second token (0: λ_t = CS²)", low=0.0, high=99.0),
+    )
 
     def __init__(self, config: PEMAConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)
@@ -105,8 +153,9 @@ class PEMA(Plugin):
         self.rank = r
         g = torch.Generator().manual_seed(config.seed)
         self.A = nn.Parameter(self._init(r, d, g))
-        self.B_rct = nn.Parameter(self._init(d, r, g))
-        self.B_pd = nn.Parameter(self._init(d, r, g))
+        self.B_rct = nn.Parameter(self._init_b(d, r, g))
+        self.B_pd = nn.Parameter(self._init_b(d, r, g))
+        self._template_tokens: int | None = None
         self.register_buffer("key_scale", torch.tensor(float((memory_meta or {}).get("key_rms", 1.0))))
         self.register_buffer("candidates", torch.zeros(0, dtype=torch.long))
         self.drop = nn.Dropout(config.dropout)
@@ -117,11 +166,28 @@ class PEMA(Plugin):
         bound = 1.0 / np.sqrt(cols)
         return (torch.rand(rows, cols, generator=g) * 2 - 1) * bound
 
+    def _init_b(self, rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+        # Public code (LoraLinear.reset_parameters): lora_B = 0. "random": Kaiming-uniform like A (this project's
+        # earlier start; the draw still advances the generator so A's phase-2 draw is unchanged by the choice).
+        b = self._init(rows, cols, g)
+        return b if self.config.b_init == "random" else torch.zeros_like(b)
+
+    @property
+    def scaling(self) -> float:
+        """s = α/r of the public code's LoraLinear (1 when ``lora_alpha`` is 0: plug-ins saved before it existed)."""
+        a = float(self.config.lora_alpha)
+        return a / self.rank if a > 0 else 1.0
+
     @classmethod
     def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
+        if "scaling" not in extra:  # saved before the α/r factor existed: trained (and decoded) without it
+            config.lora_alpha = 0.0
         p = cls(config, backbone, memory_meta)
         p.candidates = torch.zeros_like(tensors["candidates"])
         return p
+
+    def extra_config(self) -> dict:
+        return {"scaling": self.scaling}
 
     # --- model ------------------------------------------------------------------------------------
     def scaled(self, fc: torch.Tensor) -> torch.Tensor:
@@ -129,10 +195,25 @@ class PEMA(Plugin):
         return x / self.key_scale if self.config.normalize_input else x
 
     def h_rct(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.A), self.B_rct)
+        """s·B_rct·A·x (s = α/r), as the public code's ``r_result @ lora_B_rctᵀ``."""
+        return F.linear(F.linear(x, self.A), self.B_rct) * self.scaling
 
     def h_pd(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.A), self.B_pd)
+        """s·B_pd·A·x (s = α/r), as the public code's ``result``."""
+        return F.linear(F.linear(x, self.A), self.B_pd) * self.scaling
+
+    def rct_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """Phase 1: L_rct = MSE(s·B_rct·A·drop(x), x) for scaled keys x (dropout only in train mode)."""
+        return F.mse_loss(self.h_rct(self.drop(x)), x)
+
+    def joint_losses(self, x: torch.Tensor, y: torch.Tensor, cand: torch.Tensor | None = None):
+        """Phase 2: (κ·L_rct + (1−κ)·L_pd, L_rct, L_pd) for scaled keys x and targets y (token ids, or indices
+        into ``cand`` when the softmax runs over candidates). Dropout on the adapter input, drawn separately for
+        the two terms as the public code's ``LoraLinear.forward`` does."""
+        l_rct = F.mse_loss(self.h_rct(self.drop(x)), x)
+        l_pd = F.cross_entropy(self._pd_logits(self.h_pd(self.drop(x)), cand), y)
+        kappa = self.config.kappa
+        return kappa * l_rct + (1 - kappa) * l_pd, l_rct, l_pd
 
     def _pd_logits(self, h_pd: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
         bb = self.backbone
@@ -152,17 +233,16 @@ class PEMA(Plugin):
         torch.manual_seed(cfg.seed)
         self.key_scale.fill_(memory.key_scale if cfg.normalize_input else 1.0)
         keys, values = memory.keys, np.asarray(memory.values, dtype=np.int64)
-        hk, hv = memory.heldout_keys, np.asarray(memory.heldout_values, dtype=np.int64)
-        if len(hk) == 0:  # tiny memories: early-stop on a slice of the training entries
-            cut = max(1, len(keys) // 10)
-            hk, hv = keys[-cut:], values[-cut:]
-        hx = self.scaled(torch.from_numpy(np.asarray(hk, dtype=np.float32)).to(dev))
-        hy = torch.from_numpy(hv).to(dev)
+        # Early stopping on a seeded tenth of the *training* samples, never on the memory's held-out samples
+        # (those are what evaluations report).
+        train_rows, stop_rows = early_stopping_split(np.asarray(memory.entry_sample), seed=cfg.seed)
+        hx = self.scaled(torch.from_numpy(np.asarray(keys[stop_rows], dtype=np.float32)).to(dev))
+        hy = torch.from_numpy(values[stop_rows]).to(dev)
 
         if cfg.softmax == "candidates":
             progress(0.0, "choosing the candidate vocabulary")
             self.candidates = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts,
-                                                   cfg.seed).to(dev)
+                                                   cfg.seed, include_heldout=False).to(dev)
             remap = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=dev)
             remap[self.candidates] = torch.arange(len(self.candidates), device=dev)
             cand = self.candidates
@@ -171,8 +251,9 @@ class PEMA(Plugin):
             remap, cand = None, None
 
         def batch(idx):
-            x = self.scaled(torch.from_numpy(np.asarray(keys[idx], dtype=np.float32)).to(dev))
-            y = torch.from_numpy(values[idx]).to(dev)
+            rows = train_rows[idx]  # sorted, as idx is
+            x = self.scaled(torch.from_numpy(np.asarray(keys[rows], dtype=np.float32)).to(dev))
+            y = torch.from_numpy(values[rows]).to(dev)
             return x, y
 
         def target(y):
@@ -187,25 +268,25 @@ class PEMA(Plugin):
             # A bias-free linear autoencoder's optimum is the projection on the top-r right singular vectors of
             # the keys (Eckart–Young): start phase 1 there instead of at random.
             progress(0.03, "initialising the reconstruction from the keys' principal directions")
-            pick = np.sort(np.random.default_rng(cfg.seed).choice(len(keys), size=min(len(keys), 20000),
-                                                                 replace=False))
+            pick = train_rows[np.sort(np.random.default_rng(cfg.seed).choice(
+                len(train_rows), size=min(len(train_rows), 20000), replace=False))]
             _, _, vt = torch.linalg.svd(self.scaled(torch.from_numpy(np.asarray(keys[pick], dtype=np.float32))
                                                     .to(dev)), full_matrices=False)
-            with torch.no_grad():
+            with torch.no_grad():  # s·B_rct·A = V_rᵀ·V_r: B_rct carries 1/s
                 self.A.copy_(vt[:self.rank])
-                self.B_rct.copy_(vt[:self.rank].T)
+                self.B_rct.copy_(vt[:self.rank].T / self.scaling)
         self.B_pd.requires_grad_(False)
 
         def rct_loss(idx):
             x, _ = batch(idx)
-            loss = F.mse_loss(self.h_rct(self.drop(x)), x)
+            loss = self.rct_loss(x)
             return loss, {"l_rct": loss.detach()}
 
         def rct_heldout():
             with torch.no_grad():
-                return float(F.mse_loss(self.h_rct(hx), hx))
+                return float(self.rct_loss(hx))
 
-        s1 = run_training(self, [self.A, self.B_rct], len(keys), rct_loss, rct_heldout,
+        s1 = run_training(self, [self.A, self.B_rct], len(train_rows), rct_loss, rct_heldout,
                           LoopSettings(max_epochs=cfg.max_epochs_rct, **loop), "reconstruction", progress,
                           should_stop, history, (0.05, 0.3))
 
@@ -218,43 +299,36 @@ class PEMA(Plugin):
                 self.B_pd.copy_(self.B_rct)
         self.B_rct.requires_grad_(False)
         self.B_pd.requires_grad_(True)
-        kappa = cfg.kappa
-
-        def joint_parts(x_in, x, y):
-            a = F.linear(x_in, self.A)
-            l_rct = F.mse_loss(F.linear(a, self.B_rct), x)
-            l_pd = F.cross_entropy(self._pd_logits(F.linear(a, self.B_pd), cand), target(y))
-            return kappa * l_rct + (1 - kappa) * l_pd, l_rct, l_pd
 
         def joint_loss(idx):
             x, y = batch(idx)
-            loss, l_rct, l_pd = joint_parts(self.drop(x), x, y)
+            loss, l_rct, l_pd = self.joint_losses(x, target(y), cand)
             return loss, {"l_rct": l_rct.detach(), "l_pd": l_pd.detach()}
 
-        def joint_heldout():
+        def joint_heldout():  # run_training calls it in eval mode: no dropout
             with torch.no_grad():
                 tot = 0.0
                 for b0 in range(0, len(hx), 1024):
                     x, y = hx[b0:b0 + 1024], hy[b0:b0 + 1024]
-                    tot += float(joint_parts(x, x, y)[0]) * len(x)
+                    tot += float(self.joint_losses(x, target(y), cand)[0]) * len(x)
                 return tot / len(hx)
 
-        s2 = run_training(self, [self.A, self.B_pd], len(keys), joint_loss, joint_heldout,
+        s2 = run_training(self, [self.A, self.B_pd], len(train_rows), joint_loss, joint_heldout,
                           LoopSettings(max_epochs=cfg.max_epochs_joint, **loop), "joint", progress,
                           should_stop, history, (0.3, 1.0))
         for p in self.parameters():
             p.requires_grad_(False)
-        metrics = {"reconstruction": s1, "joint": s2, "heldout_entries": int(len(hx)),
-                   "train_entries": int(len(keys)), "candidates": int(len(self.candidates)) or bb.vocab_size}
+        metrics = {"reconstruction": s1, "joint": s2, "early_stop_entries": int(len(hx)),
+                   "train_entries": int(len(train_rows)), "candidates": int(len(self.candidates)) or bb.vocab_size}
         self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input, "pd_init": cfg.pd_init, "rct_init": cfg.rct_init,
-                           "decode_vocab": cfg.decode_vocab,
+                           "decode_vocab": cfg.decode_vocab, "scaling": self.scaling, "b_init": cfg.b_init,
+                           "early_stopping": "a seeded tenth of the training samples (never the held-out ones)",
                            "key_scale": float(self.key_scale), "lr_schedule": cfg.lr_schedule, **metrics}
         return FitResult(metrics=metrics, history=history)
 
     # --- decoding ---------------------------------------------------------------------------------
     def validate_settings(self, s: dict) -> None:
-        PluginConfig._check(0.0 <= float(s["lambda_max"]) <= 1.0, "λ_max must be in [0, 1].")
-        PluginConfig._check(s["gu_variant"] in ("paper", "code"), "gu_variant must be 'paper' or 'code'.")
+        pass  # every value is checked by its declaration
 
     def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor:
         return self.h_pd(self.scaled(fc))
@@ -280,8 +354,30 @@ class PEMA(Plugin):
     def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, None]:
         return self.pema_logprobs_from_logits(inp.extra_logits), None
 
+    def settings(self, overrides: dict | None = None) -> dict:
+        o = dict(overrides or {})
+        if "gu_floor" in o:  # saved before gu_min replaced it: a floor f ≈ the code's minimum λ, p = 100·f
+            floor = o.pop("gu_floor")
+            o.setdefault("gu_min", min(99.0, 100.0 * float(floor)))
+        return super().settings(o)
+
+    def template_tokens(self) -> int:
+        """Tokens of the memory prompt's template without the source, few-shot examples or chat wrapper — the
+        analogue of the public code's "Translate this from English to German: \\n … \\nGerman: "."""
+        if self._template_tokens is None:
+            prompt = self.memory_meta.get("prompt") or {}
+            tpl = prompt.get("template") if isinstance(prompt, dict) else None
+            self._template_tokens = len(self.backbone.encode_target(tpl.format(src=""))) if tpl else 0
+        return self._template_tokens
+
+    def code_sl(self, src_len: int, ref_len: int | None = None) -> int:
+        """SL of ``gu_variant="code"``: the public code counts instruction + source + "German:" + reference
+        tokens. Without a reference (any decode) the source's length stands in for the reference's."""
+        return self.template_tokens() + int(src_len) + int(src_len if ref_len is None else ref_len)
+
     def mix_lambdas(self, inp: MixInput) -> list[float]:
-        return [gu_lambda(inp.step, float(s["lambda_max"]), sl, bool(s["gu"]), s["gu_variant"], float(s["gu_floor"]))
+        return [gu_lambda(inp.step, float(s["lambda_max"]), self.code_sl(sl) if s["gu_variant"] == "code" else sl,
+                          bool(s["gu"]), s["gu_variant"], float(s["gu_min"]))
                 for s, sl in zip(inp.settings, inp.src_len)]
 
     def distribution_key(self, settings: dict) -> tuple:

@@ -1,7 +1,7 @@
 """Method registry: ``@register`` a Plugin subclass under its ``method`` name (like PEFT's tuner mapping)."""
 from __future__ import annotations
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 METHODS: dict[str, type] = {}
 

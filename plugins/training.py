@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from memories.build import Cancelled
+from ground.errors import Cancelled
 
 
 @dataclass
@@ -172,12 +172,34 @@ class BudgetGuard:
                 "extra_evals": self.extra_evals}
 
 
-def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int) -> torch.Tensor:
+def early_stopping_split(entry_sample: np.ndarray, frac: float = 0.1, seed: int = 123,
+                         max_samples: int = 500) -> tuple[np.ndarray, np.ndarray]:
+    """Split a memory's *training* entries by sample into (entries to train on, entries to early-stop on): a seeded
+    ``frac`` of the samples (at least one, at most ``max_samples``) with all their entries. The memory's held-out
+    samples are never used for early stopping: they are what ``eval --memory`` and ``eval.likelihood --heldout``
+    report. A memory with a single training sample cannot spare one: then both are all of its entries."""
+    entry_sample = np.asarray(entry_sample)
+    every = np.arange(len(entry_sample))
+    samples = np.unique(entry_sample)
+    if len(samples) < 2:
+        return every, every
+    k = min(max_samples, len(samples) - 1, max(1, int(round(len(samples) * frac))))
+    stop = np.random.default_rng(seed).permutation(samples)[:k]
+    held = np.isin(entry_sample, stop)
+    return every[~held], every[held]
+
+
+def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int,
+                         include_heldout: bool = True) -> torch.Tensor:
     """The fast-softmax candidate vocabulary shared by every method that offers ``softmax="candidates"``: every token
-    that occurs as a memory value (train and held-out), the backbone's stop tokens, and the LM's ``top_k`` tokens on
-    ``contexts`` seeded sampled memory contexts (keys = f(c)). Sorted token ids (long) on the backbone's device."""
+    that occurs as a memory value, the backbone's stop tokens, and the LM's ``top_k`` tokens on ``contexts`` seeded
+    sampled memory contexts (keys = f(c), training entries). Sorted token ids (long) on the backbone's device.
+
+    ``include_heldout`` also adds the held-out samples' target tokens. That leaks the evaluation split into the
+    model (a token seen only in held-out targets becomes reachable), so PEMA passes False; the in-network methods
+    still early-stop on the held-out samples and need their targets among the candidates."""
     toks = set(np.unique(np.asarray(memory.values)).tolist())
-    if len(memory.heldout_values):
+    if include_heldout and len(memory.heldout_values):
         toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())
     toks |= set(backbone.stop_ids)
     n = len(memory)

@@ -1,9 +1,3 @@
-"""Shared services of PEMA Studio: errors, the data directory and catalog, background jobs."""
-import os
-
-# Idle OpenMP threads spin-wait by default; on a small shared CPU that starves the other work (measured: small
-# matmuls ~50x slower on 2 busy cores). Must be set before torch starts its thread pool; users can override it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-from studio.errors import UserError
-
-__all__ = ["UserError"]
+"""Floor 6, the application: the Studio service the web app calls (backbone gate, memories, plug-ins, comparisons
+and shares, evaluations)."""
+import ground  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts its thread pool)

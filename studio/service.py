@@ -27,9 +27,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from studio.errors import UserError
-from studio.jobs import JobContext, JobQueue
-from studio.store import Catalog
+from backbone.attention import input_attention
+from backbone.model import DEFAULT_BACKBONE, load_backbone, resolve_name
+from backbone.prompts import Prompt, TASKS
+from backbone.tasks import task_prompt
+from backbone.tiny import tiny_backbone
+from eval import run as eval_run
+from ground.errors import Cancelled, UserError
+from ground.jobs import JobContext, JobQueue
+from ground.store import Catalog, new_id
+from memories.build import build_memory, register_memory
+from memories.corpora import available_corpora, load_corpus
+from memories.parse import Sample, detect_format, parse_samples, parse_samples_strict
+from memories.store import Memory
+from plugins.api import make_config, method_table, open_memory, open_plugin, train_plugin
+from plugins.decode import Row, compare as decode_compare
+from plugins.registry import available_methods, get_method
+from plugins.settings import coerce_all, resolve_row_settings, row_settings, tuned_decode_settings
 
 TINY_NAMES = ("tiny", "tiny-llama")
 MAX_PREVIEW_ROWS = 100
@@ -149,8 +163,6 @@ class Studio:
                  backbone_cache: str | Path | None = None):
         """``backbone_cache``: another data directory whose ``backbones/`` may already hold the de-quantized
         weights (e.g. baked into a Docker image); used when it has the requested backbone, else ``data_dir``."""
-        from backbone.model import DEFAULT_BACKBONE
-
         self.catalog = Catalog(data_dir)
         self.root = self.catalog.root
         self.backbone_name = backbone or DEFAULT_BACKBONE
@@ -204,13 +216,9 @@ class Studio:
 
         try:
             if self.backbone_name.lower() in TINY_NAMES:
-                from backbone.tiny import tiny_backbone
-
                 progress(0.3, "Building the tiny test backbone")
                 bb = tiny_backbone()
             else:
-                from backbone.model import load_backbone, resolve_name
-
                 cache_root = self.root
                 name = resolve_name(self.backbone_name)
                 if self.backbone_cache and (self.backbone_cache / "backbones" / name / "config.json").exists():
@@ -264,8 +272,6 @@ class Studio:
             job.progress(0.0, "Waiting for the backbone to load")
             while not self._ready.wait(1.0):
                 if job.should_stop():
-                    from memories.build import Cancelled
-
                     raise Cancelled()
         return self.backbone
 
@@ -280,21 +286,11 @@ class Studio:
     def corpora(self) -> dict[str, str]:
         """Demo corpora this machine provides ({name: description}); empty when the module is missing."""
         try:
-            from memories.corpora import available_corpora
-        except ImportError:
-            return {}
-        try:
             return dict(available_corpora())
         except Exception:  # noqa: BLE001 — a broken demo corpus must not break the page
             return {}
 
     def _corpus_samples(self, name: str, limit: int | None):
-        try:
-            from memories.corpora import load_corpus
-        except ImportError:
-            raise UserError("Demo corpora are not available in this installation.") from None
-        from memories.parse import Sample
-
         rows = load_corpus(name, limit=int(limit) if limit else None)
         if not rows:
             raise UserError(f"The demo corpus {name!r} is empty on this machine.")
@@ -307,8 +303,6 @@ class Studio:
         Returns ``{"count", "monolingual", "problems": [...], "problem_count", "rows": [[line, src, tgt]],
         "format", "ok"}``; per-line problems name their line.
         """
-        from memories.parse import detect_format, parse_samples
-
         if corpus:
             samples, problems, fmt = self._corpus_samples(corpus, limit or 200), [], "demo corpus"
         else:
@@ -329,9 +323,6 @@ class Studio:
                      task: str = "translation", mode: str = "teacher", corpus: str | None = None,
                      limit: int | None = None, skip_invalid: bool = False) -> str:
         """Validate the samples now (a bad upload fails here, before any job) and queue a memory build."""
-        from backbone.prompts import TASKS
-        from memories.parse import parse_samples_strict
-
         if task not in TASKS:
             raise UserError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)}.")
         if mode not in ("teacher", "offsite"):
@@ -356,11 +347,6 @@ class Studio:
         return self.jobs.submit("build_memory", args)
 
     def _job_build(self, job: JobContext) -> dict:
-        from eval.tasks import task_prompt
-        from memories.build import build_memory, register_memory
-        from memories.parse import parse_samples_strict
-        from studio.store import new_id
-
         a = job.args
         upload = Path(a["upload"]) if a.get("upload") else None
         try:
@@ -403,8 +389,6 @@ class Studio:
         return out
 
     def _memory(self, memory_id: str):
-        from memories.store import Memory
-
         row = self.catalog.memory(memory_id)
         if row is None:
             raise UserError(f"No memory {memory_id!r}: it may have been deleted.")
@@ -443,27 +427,19 @@ class Studio:
 
     # --- plug-ins -----------------------------------------------------------------------------------------------
     def methods(self) -> list[dict]:
-        from plugins.api import method_table
-
         return method_table()
 
-    def tuned_knobs(self, task: str) -> dict:
-        """Starting values of the live controls for ``task``: the decode settings tuned on dev data for this
-        backbone (``eval/tuned_defaults.json``, written by ``python -m eval.quality --save-defaults``), else the
-        fallbacks."""
-        from backbone.model import resolve_name
-        from eval.tasks import FALLBACK, tuned_defaults
-
-        dec = tuned_defaults(task, resolve_name(self.backbone_name))["decode"]
-        pema = {**FALLBACK["decode"]["pema"], **dec.get("pema", {})}
-        knn = {**FALLBACK["decode"]["knn"], **dec.get("knn", {})}
-        return {"lambda_max": float(pema["lambda_max"]), "gu": bool(pema["gu"]), "k": int(knn["k"]),
-                "temperature": float(knn["temperature"]), "lambda": float(knn["lambda"])}
+    def start_settings(self, task: str) -> dict[str, dict]:
+        """Every method's decode settings as a comparison of ``task`` starts them: the declared defaults with the
+        values tuned on dev data for this backbone (``backbone/tuned_defaults.json``, written by ``python -m
+        eval.quality --save-defaults``). ``{method: {name: value}}``; Compare and Evaluate both start here."""
+        name = resolve_name(self.backbone_name)
+        return {m: {**{s.name: s.default for s in cls.decode_settings},
+                    **coerce_all(cls.decode_settings, tuned_decode_settings(m, task, name), cls.title)}
+                for m, cls in available_methods().items() if cls.decode_settings}
 
     def submit_train(self, memory_id: str, method: str, config: dict | None = None, name: str = "") -> str:
         """Validate the method and its settings now, then queue the training job."""
-        from plugins.api import make_config
-
         if not memory_id:
             raise UserError("Choose a memory to train on.")
         if self.catalog.memory(memory_id) is None:
@@ -480,9 +456,6 @@ class Studio:
                                                  "name": (name or "").strip()})
 
     def _job_train(self, job: JobContext) -> dict:
-        from plugins.api import open_memory, train_plugin
-        from plugins.registry import get_method
-
         a = job.args
         bb = self._job_backbone(job)
         mem = open_memory(a["memory_id"], bb, catalog=self.catalog)
@@ -535,8 +508,6 @@ class Studio:
 
     def _plugin(self, plugin_id: str):
         """A loaded plug-in (cached: loading reads safetensors and, for kNN, the memory's keys)."""
-        from plugins.api import open_plugin
-
         with self._plugin_lock:
             if plugin_id in self._plugins:
                 self._plugins.move_to_end(plugin_id)
@@ -564,11 +535,12 @@ class Studio:
         return self.jobs.cancel(job_id)
 
     # --- comparing ----------------------------------------------------------------------------------------------
-    def _rows(self, methods: list[str], knobs: dict | None, extra: dict | None):
-        """``Row``s for the chosen methods: "base" or plug-in ids. Slider knobs go to the methods that have them."""
-        from plugins.decode import Row
-
-        knobs, extra = dict(knobs or {}), dict(extra or {})
+    def _rows(self, methods: list[str], task: str, settings: dict | None):
+        """``Row``s for the chosen methods ("base" or plug-in ids), each with its complete decode settings:
+        declared defaults ← tuned for (task, backbone) ← ``settings`` addressed to the row by method name, plug-in
+        id or label (``{key: {name: value}}``; a name the row's method does not declare is an error)."""
+        if settings is not None and not isinstance(settings, dict):
+            raise UserError('Decode settings must be an object like {"pema": {"lambda_max": 0.5}}.')
         rows, labels = [], set()
         if not methods:
             raise UserError("Choose at least one method to compare.")
@@ -583,19 +555,12 @@ class Studio:
             if label in labels:
                 label = f"{label} [{m[-6:]}]"
             labels.add(label)
-            defaults = getattr(plugin, "decode_defaults", {}) or {}
-            settings = {k: v for k, v in knobs.items() if k in defaults}
-            for key in (plugin.method, m, label):
-                if isinstance(extra.get(key), dict):
-                    settings.update(extra[key])
-            rows.append(Row(label, plugin, settings))
+            own = resolve_row_settings((plugin.method, m, label), settings)
+            rows.append(Row(label, plugin, row_settings(plugin, task, self.backbone.name, own)))
         return rows
 
     def _prompt(self, task: str, rows) -> Any:
         """The memory's prompt of the chosen plug-ins when it is for this task, else the task's tuned prompt."""
-        from backbone.prompts import Prompt
-        from eval.tasks import task_prompt
-
         for r in rows:
             meta = getattr(r.plugin, "memory_meta", None) or {}
             if r.plugin is not None and meta.get("prompt") and meta.get("task") == task:
@@ -603,16 +568,13 @@ class Studio:
         return task_prompt(task, self.backbone)
 
     def compare(self, source: str, task: str = "translation", methods: list[str] | None = None,
-                knobs: dict | None = None, extra: dict | None = None, max_new_tokens: int = 48,
-                num_beams: int = 1, reference: str | None = None) -> dict:
+                settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
+                reference: str | None = None) -> dict:
         """Decode ``source`` with every chosen method in one batch; return a JSON-able comparison payload.
 
-        ``methods``: "base" and/or plug-in ids. ``knobs``: the live controls (``lambda_max``, ``gu``, ``k``,
-        ``temperature``, ``lambda``) given to every method whose decode settings have that name; ``extra``:
-        ``{method, plug-in id or label: {setting: value}}`` for anything else.
+        ``methods``: "base" and/or plug-in ids. ``settings``: ``{method | plug-in id | label: {name: value}}``,
+        each block given only to the rows it names (see ``_rows``); each row's complete settings are in the payload.
         """
-        from plugins.decode import compare as decode_compare
-
         if not source or not source.strip():
             raise UserError("Type a sentence to translate or rewrite.")
         if int(max_new_tokens) < 1:
@@ -620,7 +582,7 @@ class Studio:
         t0 = time.time()
         methods = list(methods or ["base"])
         with self._interactive("a comparison") as bb:
-            rows = self._rows(methods, knobs, extra)
+            rows = self._rows(methods, task, settings)
             t_load = time.time() - t0
             prompt = self._prompt(task, rows)
             comp = decode_compare(bb, source.strip(), rows, prompt=prompt, max_new_tokens=int(max_new_tokens),
@@ -639,7 +601,7 @@ class Studio:
                    "reference": reference or None, "backbone": bb.name, "prompt": prompt.to_dict(),
                    "context_ids": comp.context_ids, "src_len": comp.src_len, "base_label": base.label,
                    "rows": out_rows, "steps": comp.steps, "num_beams": comp.num_beams,
-                   "max_new_tokens": int(max_new_tokens), "knobs": _json_safe(knobs or {}),
+                   "max_new_tokens": int(max_new_tokens),
                    "timings": {"load_plugins_s": round(t_load, 3), "decode_s": round(comp.seconds, 3),
                                "total_s": round(total, 3), "tokens": n_tok,
                                "tokens_per_s": round(n_tok / max(comp.seconds, 1e-9), 1)},
@@ -685,9 +647,6 @@ class Studio:
 
     def attention(self, comparison: dict, label: str, layer: int = -1) -> dict:
         """The backbone's attention from one row's output tokens to the input sentence's tokens."""
-        from backbone.attention import input_attention
-        from backbone.prompts import Prompt
-
         row = next((r for r in comparison["rows"] if r["label"] == label), None)
         if row is None:
             raise UserError(f"No output {label!r} in this comparison.")
@@ -718,7 +677,7 @@ class Studio:
             "version": 1, "source": p["source"], "task": p["task"], "reference": p.get("reference"),
             "backbone": p["backbone"], "prompt_template": p["prompt"].get("template"),
             "base_label": p["base_label"], "steps": p["steps"], "num_beams": p["num_beams"],
-            "max_new_tokens": p.get("max_new_tokens"), "knobs": p.get("knobs", {}), "timings": p["timings"],
+            "max_new_tokens": p.get("max_new_tokens"), "timings": p["timings"],
             "rows": [{"label": r["label"], "method": r["method"], "text": r["text"], "tokens": r["tokens"],
                       "token_texts": r["token_texts"], "settings": r["settings"], "score": r["score"],
                       "n_tokens": r["n_tokens"], "diff": r["diff"],
@@ -736,28 +695,14 @@ class Studio:
         return p
 
     # --- evaluating ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def evaluation_available() -> bool:
-        import importlib.util
-
-        try:
-            return importlib.util.find_spec("eval.run") is not None
-        except (ImportError, ValueError):
-            return False
-
     def submit_evaluate(self, *, methods: list[str] | None = None, memory_id: str | None = None,
                         test_data: bytes | str | None = None, test_filename: str | None = None,
-                        task: str = "translation", limit: int = 50, knobs: dict | None = None,
-                        extra: dict | None = None, sweep_plugin: str | None = None,
+                        task: str = "translation", limit: int = 50, settings: dict | None = None,
+                        sweep_plugin: str | None = None,
                         lambdas: list[float] | None = None, max_new_tokens: int = 48) -> str:
         """Queue an evaluation of ``methods`` (or, with ``sweep_plugin``, a λ_max sweep with and without GU) on a
         memory's held-out split or an uploaded test file of source/reference pairs."""
-        from memories.parse import parse_samples_strict
-
-        if not self.evaluation_available():
-            raise UserError("Evaluation is not available in this installation: the module eval/run.py "
-                            "(evaluate, lambda_sweep) is missing.")
-        args: dict = {"task": task, "limit": int(limit or 0), "knobs": knobs or {}, "extra": extra or {},
+        args: dict = {"task": task, "limit": int(limit or 0), "settings": settings or {},
                       "max_new_tokens": int(max_new_tokens)}
         if test_data:
             samples = parse_samples_strict(test_data, test_filename)
@@ -787,10 +732,6 @@ class Studio:
         return self.jobs.submit("evaluate", args)
 
     def _job_evaluate(self, job: JobContext) -> dict:
-        try:
-            from eval import run as eval_run
-        except ImportError as e:
-            raise UserError(f"Evaluation is not available in this installation ({e}).") from None
         a = job.args
         bb = self._job_backbone(job)
         if a.get("pairs"):
@@ -804,15 +745,16 @@ class Studio:
             job.log(f"Evaluating on {len(pairs)} pairs ({a.get('data', '')})")
             if a["mode"] == "sweep":
                 plugin = self._plugin(a["plugin_id"])
-                rows = self._rows([a["plugin_id"]], a.get("knobs"), a.get("extra"))
+                rows = self._rows([a["plugin_id"]], a["task"], a.get("settings"))
                 prompt = self._prompt(a["task"], rows)
                 sweep = eval_run.lambda_sweep(bb, pairs, plugin, prompt, a["lambdas"], task=a["task"],
+                                              settings=rows[0].settings,
                                               max_new_tokens=a["max_new_tokens"], progress=job.progress,
                                               should_stop=job.should_stop)
                 result = {"mode": "sweep", "sweep": _json_safe(sweep), "plugin": rows[0].label}
                 msg = f"λ sweep done: {len(sweep)} points on {len(pairs)} pairs"
             else:
-                rows = self._rows(a["methods"], a.get("knobs"), a.get("extra"))
+                rows = self._rows(a["methods"], a["task"], a.get("settings"))
                 prompt = self._prompt(a["task"], rows)
                 res = eval_run.evaluate(bb, pairs, rows, prompt, a["task"], max_new_tokens=a["max_new_tokens"],
                                         progress=job.progress, should_stop=job.should_stop)
@@ -825,13 +767,15 @@ class Studio:
     def results_csv(result: dict) -> str:
         """An evaluation result as CSV text (the methods table, or the λ sweep)."""
         rows = result.get("sweep") if result.get("mode") == "sweep" else result.get("methods")
-        rows = rows or []
+        context = {"n": result.get("pairs", result.get("n")), "data": result.get("data"),
+                   "backbone": result.get("backbone")}
+        rows = [{**r, **{k: v for k, v in context.items() if v is not None}} for r in rows or []]
         buf = io.StringIO()
         cols: list[str] = []
         for r in rows:
-            cols += [k for k, v in r.items() if k not in cols and not isinstance(v, (list, dict))]
+            cols += [k for k, v in r.items() if k not in cols and (k == "settings" or not isinstance(v, (list, dict)))]
         w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow(r)
+            w.writerow({k: json.dumps(v, ensure_ascii=False) if isinstance(v, dict) else v for k, v in r.items()})
         return buf.getvalue()

@@ -120,7 +120,7 @@ def test_compare_live_slider_share(page, app):
     for label in page.locator("#compare-methods label").all():
         if "PEMA demo" in label.inner_text() or "kNN demo" in label.inner_text():
             label.click()
-    page.wait_for_selector("#lambda-max input[type=range]")  # the PEMA controls appear once PEMA is chosen
+    page.wait_for_selector("#set-pema-lambda-max input[type=range]")  # the PEMA controls appear once PEMA is chosen
     t0 = time.time()
     page.locator("#compare-run").click()
     page.wait_for_function("document.querySelectorAll('#compare-outputs .pema-card').length === 3")
@@ -135,7 +135,7 @@ def test_compare_live_slider_share(page, app):
     page.screenshot(path=str(SHOTS / "compare-full.png"), full_page=True)
 
     # Move the λ_max slider to 0: every method is decoded again at once, and PEMA falls back to the base model.
-    slider = page.locator("#lambda-max input[type=range]")
+    slider = page.locator("#set-pema-lambda-max input[type=range]")
     slider.focus()
     t0 = time.time()
     page.keyboard.press("Home")
@@ -181,11 +181,11 @@ def test_tabs_upload_preview_and_jobs(page, app, tmp_path):
 
     page.get_by_role("tab", name="Evaluate").click()
     time.sleep(1)
-    if app["studio"].evaluation_available():  # the held-out split of the memory, base vs PEMA, in the background
-        for label in page.locator("#tabs label, label").filter(has_text="PEMA demo [pema]").all():
-            if label.is_visible():
-                label.click()
-        page.locator("#eval-run").click()
+    # the held-out split of the memory, base vs PEMA, in the background
+    for label in page.locator("#tabs label, label").filter(has_text="PEMA demo [pema]").all():
+        if label.is_visible():
+            label.click()
+    page.locator("#eval-run").click()
         page.wait_for_function("document.querySelector('#eval-scores')?.innerText.includes('PEMA demo')",
                                timeout=120_000)
         time.sleep(1)

@@ -14,8 +14,8 @@ from plugins.base import load_plugin
 from plugins.decode import Row, compare
 from plugins.knn import KNN, KNNConfig
 from plugins.pema import PEMA, PEMAConfig, gu_lambda, mix_logprobs
-from studio.errors import UserError
-from studio.store import Catalog
+from ground.errors import UserError
+from ground.store import Catalog
 
 PROMPT = Prompt.for_task("translation")
 
@@ -89,7 +89,7 @@ def test_wrong_backbone_is_refused(tiny_memory):
 
 
 def test_cancel_and_failures_leave_nothing_behind(tiny, tmp_path):
-    from memories.build import Cancelled
+    from ground.errors import Cancelled
 
     with pytest.raises(Cancelled):
         build_memory(tiny, [Sample("a", "b", 1)] * 3, tmp_path / "x", should_stop=lambda: True)
@@ -143,9 +143,37 @@ def test_gradual_unrolling_schedule():
     # Paper: SL = 4, λ_max = 0.8 → SS = 0.2; CS = 0.8, 0.6, 0.4, 0.2, 0 → λ_t = CS².
     assert [round(gu_lambda(t, 0.8, 4), 6) for t in range(6)] == [0.64, 0.36, 0.16, 0.04, 0.0, 0.0]
     assert gu_lambda(3, 0.8, 4, gu=False) == 0.8
-    # Public code: first token unsquared, then CS² until SL tokens, then the floor.
-    assert [round(gu_lambda(t, 0.8, 4, variant="code", floor=0.1), 6) for t in range(6)] == \
-        [0.8, 0.36, 0.16, 0.04, 0.1, 0.1]
+
+
+def _public_code_gu(lambda_max: float, sl: int, p: float, steps: int) -> list[float]:
+    """λ of each generated token, written out from agwaBom/PEMA: ema_generate.py turns gradual_unrolling_min p
+    into y = 1/(1 − p·0.01); generation/utils.py (greedy_search) sets lambda_current = lambda_apply = λ_max and
+    lambda_step = λ_max / SL, then per token *first* mixes with lambda_apply and *then*
+    ``if (lambda_current - lambda_step > 0): lambda_current -= lambda_step;
+    lambda_apply = lambda_current**2 / y + (y - 1) / y``. Exact fractions (the code's float32 is not the point)."""
+    from fractions import Fraction
+
+    y = 1 / (1 - Fraction(p) * Fraction(1, 100))
+    current = apply = Fraction(lambda_max)
+    step = Fraction(lambda_max) / sl
+    out = []
+    for _ in range(steps):
+        out.append(float(apply))  # this token is mixed with lambda_apply
+        if current - step > 0:
+            current -= step
+            apply = current ** 2 / y + (y - 1) / y
+    return out
+
+
+@pytest.mark.parametrize("lambda_max, sl, p", [(0.8, 4, 0.0), (0.9, 3, 25.0), (0.5, 6, 50.0), (0.7, 1, 10.0)])
+def test_gradual_unrolling_code_variant_is_the_public_loop(lambda_max, sl, p):
+    want = _public_code_gu(lambda_max, sl, p, steps=sl + 4)
+    got = [gu_lambda(t, lambda_max, sl, variant="code", gu_min=p) for t in range(sl + 4)]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert got[0] == lambda_max                     # first token unsquared
+    assert got[-1] == got[-2] == got[max(0, sl - 1)]  # stuck at the last value after SL−1 decrements, not 0
+    if sl > 1:
+        assert got[-1] > 0
 
 
 def test_mix_logprobs_extremes():

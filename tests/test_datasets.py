@@ -15,7 +15,7 @@ from eval.metrics import bleu_chrf, content_similarity_report, tfidf_cosines
 from eval.style import StyleClassifier, heldout_accuracy, perplexity, train_shakespeare_classifier
 from memories.corpora import (DEFAULT_LOCALE_DIR, available_corpora, bible_verses, gettext_pairs, is_sentence_like,
                               load_corpus, parse_mo)
-from studio.errors import UserError
+from ground.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def test_best_prompt_needs_style_and_content_together():
 def test_task_prompt_follows_the_tuned_prompt_of_its_backbone(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from eval import tasks
+    from backbone import tasks
 
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps({"style": {"backbones": {"chatty": {"shots": 0, "paper_prompt": True}}}}))
@@ -87,7 +87,7 @@ def test_task_prompt_follows_the_tuned_prompt_of_its_backbone(tmp_path, monkeypa
 
 
 def test_save_defaults_keeps_what_it_is_not_given(tmp_path, monkeypatch):
-    from eval import tasks
+    from backbone import tasks
 
     path = tmp_path / "tuned.json"
     monkeypatch.setattr(tasks, "TUNED_PATH", path)

@@ -64,7 +64,7 @@ def test_apply_config_changes_a_field_and_rejects_bad_input(tiny, tiny_memory, t
     p = new_plugin("pema", tiny, tiny_memory, {"rank": 8})
     apply_config(p, ['decode_vocab="full"'])
     assert p.config.decode_vocab == "full"
-    from studio.errors import UserError
+    from ground.errors import UserError
 
     for bad in ("decode_vocab=full", "no_such_field=1"):
         with pytest.raises(SystemExit):
@@ -143,7 +143,9 @@ def test_quality_tune_decode_teacher_forced_tunes_interpolating_plugins_only(tin
     from types import SimpleNamespace
 
     from eval import quality
-    from eval.likelihood import DEFAULT_GRID, best_likelihood_setting
+    from eval.likelihood import best_likelihood_setting
+    from plugins.pema import PEMA
+    from plugins.settings import decode_grid
     from plugins.api import new_plugin, train_plugin
 
     pema, _ = train_plugin(tiny, tiny_memory, "pema", {"rank": 8, "max_epochs_rct": 1, "max_epochs_joint": 2},
@@ -153,6 +155,6 @@ def test_quality_tune_decode_teacher_forced_tunes_interpolating_plugins_only(tin
     args = argparse.Namespace(task="translation", tune_likelihood="0:3", batch=2)
     tuned, tables = quality.tune_decode(args, tiny, SimpleNamespace(root=tmp_path), {"pema": pema, "adapter": adapter},
                                         tiny_memory.prompt, tune_pairs=[], tune_extra=None)
-    assert [r["label"] for r in tables["pema"]][0] == "base" and len(tables["pema"]) == 1 + len(DEFAULT_GRID["pema"])
+    assert [r["label"] for r in tables["pema"]][0] == "base" and len(tables["pema"]) == 1 + len(decode_grid(PEMA, fine=True))
     assert tuned["pema"] == best_likelihood_setting(tables["pema"])
     assert tuned["adapter"] == {} and tables["adapter"] == []  # nothing to tune: no decode was spent on it

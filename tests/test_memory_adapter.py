@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 FOX = "The quick brown fox jumps over the lazy dog in the park."
 GOLD_DE = "Es war noch nie leicht, ein rationales Gespräch über den Wert von Gold zu führen."

@@ -10,7 +10,7 @@ from plugins.api import make_config, new_plugin, train_plugin
 from plugins.base import load_plugin
 from plugins.decode import Row, compare, decode_batch
 from plugins.seqtrain import collate, heldout_nll, memory_sequences, target_logits
-from studio.errors import UserError
+from ground.errors import UserError
 
 METHODS = ["adapter", "lora", "memory_tuning"]
 # Small, fast settings for the 64-dim tiny model (the defaults are sized for Gemma 3 270M).

@@ -91,11 +91,10 @@ def register(studio) -> None:
 
     @_api
     def compare(source: str, task: str = "translation", methods: Optional[list] = None,
-                knobs: Optional[dict] = None, extra: Optional[dict] = None, max_new_tokens: int = 48,
-                num_beams: int = 1) -> dict:
-        """Decode a sentence with "base" and/or plug-in ids in one batch; the payload has an "id" to share."""
-        return studio.compare(source, task, methods or ["base"], knobs or {}, extra or {}, max_new_tokens,
-                              num_beams)
+                settings: Optional[dict] = None, max_new_tokens: int = 48, num_beams: int = 1) -> dict:
+        """Decode a sentence with "base" and/or plug-in ids in one batch; the payload has an "id" to share.
+        ``settings``: {method | plug-in id: {name: value}} (see /methods for each method's declared settings)."""
+        return studio.compare(source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams)
 
     @_api
     def share(comparison_id: str, layer: int = -1) -> dict:
@@ -113,11 +112,12 @@ def register(studio) -> None:
     @_api
     def evaluate(methods: Optional[list] = None, memory_id: str = "", test_text: str = "",
                  test_filename: str = "test.tsv", task: str = "translation", limit: int = 50,
-                 sweep_plugin: str = "", lambdas: Optional[list] = None) -> dict:
-        """Queue an evaluation (or a λ_max sweep with sweep_plugin); returns {"job_id"}."""
+                 sweep_plugin: str = "", lambdas: Optional[list] = None, settings: Optional[dict] = None) -> dict:
+        """Queue an evaluation (or a λ_max sweep with sweep_plugin); returns {"job_id"}. ``settings`` as for
+        /compare (default: the same tuned settings Compare starts from)."""
         jid = studio.submit_evaluate(methods=methods, memory_id=memory_id or None, test_data=test_text or None,
                                      test_filename=test_filename, task=task, limit=limit,
-                                     sweep_plugin=sweep_plugin or None, lambdas=lambdas)
+                                     sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings)
         return {"job_id": jid}
 
     assert [f.__name__ for f in (status, preview, build, job, jobs, cancel, memories, memory, delete_memory,

@@ -27,7 +27,7 @@ def build_app(studio) -> gr.Blocks:
                 with gr.Tab("Compare", id="compare") as t_cmp:
                     cmp = compare.build(studio)
                 with gr.Tab("Evaluate", id="evaluate") as t_eval:
-                    ev = evaluate.build(studio)
+                    ev = evaluate.build(studio, cmp.settings_inputs, cmp.settings_of)
         with gr.Column(visible=False) as shared_col:
             sh = shared.build(studio)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 
@@ -51,6 +51,26 @@ def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | 
     # Several plug-ins of one method on one memory (e.g. κ or rank variants) would read alike: add the id's tail.
     counts = Counter(label for label, _ in out)
     return [(f"{label[:-1]} · {pid.rsplit('-', 1)[-1]}]" if counts[label] > 1 else label, pid) for label, pid in out]
+
+
+def setting_control(method: str, desc: dict, value, **kw):
+    """A Gradio control generated from a declared setting (``Setting.describe()``): a checkbox for a bool, a
+    dropdown for choices, a slider for a bounded number, else a number box; its help text is the info line."""
+    common = dict(label=desc["label"], info=desc["help"] or None, elem_id=setting_elem_id(method, desc["name"]), **kw)
+    if desc["type"] == "bool":
+        return gr.Checkbox(bool(value), **common)
+    if desc["choices"]:
+        return gr.Dropdown(desc["choices"], value=value, **common)
+    if desc["type"] in ("int", "float") and desc["low"] is not None and desc["high"] is not None:
+        step = desc["step"] or (1 if desc["type"] == "int" else (desc["high"] - desc["low"]) / 100)
+        return gr.Slider(desc["low"], desc["high"], value, step=step, **common)
+    if desc["type"] in ("int", "float"):
+        return gr.Number(value, precision=0 if desc["type"] == "int" else None, **common)
+    return gr.Textbox(str(value), **common)
+
+
+def setting_elem_id(method: str, name: str) -> str:
+    return f"set-{method}-{name}".replace("_", "-")
 
 
 # Components start with public values only (the page config is sent to every visitor, shared links included);

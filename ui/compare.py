@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import gradio as gr
 
 from backbone.prompts import TASKS
-from studio.errors import UserError
+from ground.errors import UserError
 from ui import plots, render
-from ui.common import BASE_CHOICE, keep_value, memory_choices, method_choices, user_errors
+from ui.common import BASE_CHOICE, keep_value, memory_choices, method_choices, setting_control, user_errors
 
 TOKEN_COLORS = {"selected": "#2563eb", "λ high": "#fb923c", "λ low": "#fde68a"}
 NEIGHBOUR_HEADERS = ["#", "token", "distance", "memory sample: source", "memory sample: target"]
@@ -88,24 +88,29 @@ def build(studio) -> SimpleNamespace:
             hsample = gr.Dropdown([], label="Held-out sample", scale=3)
     methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
                                elem_id="compare-methods")
-    start = studio.tuned_knobs("translation")  # the task's tuned decode settings (they follow the Task choice)
+    # Live controls are generated from the methods' declared decode settings (``live=True``); each is addressed
+    # to its own method only. They start at the task's tuned values and follow the Task choice.
+    table = {m["method"]: m for m in studio.methods()}
+    start = studio.start_settings("translation")
+    live_keys: list[tuple[str, str]] = []  # (method, setting name) of every live control, in component order
+    live_ctls = []
     with gr.Row(equal_height=True, elem_id="live-controls"):
-        lam = gr.Slider(0, 1, start["lambda_max"], step=0.05, label="PEMA λ_max", elem_id="lambda-max", min_width=260,
-                        visible=False)
-        gu = gr.Checkbox(start["gu"], label="Gradual Unrolling", min_width=150, elem_id="gu", visible=False)
-        k = gr.Slider(1, 64, start["k"], step=1, label="kNN k", min_width=150, visible=False)
-        temp = gr.Slider(0.5, 100, start["temperature"], step=0.5, label="kNN temperature", min_width=150,
-                         visible=False)
-        klam = gr.Slider(0, 1, start["lambda"], step=0.05, label="kNN λ", min_width=150, visible=False)
-    knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods (PEMA, kNN); every "
-                        "move re-decodes all methods in one batch. Other methods' settings are under "
-                        "“More decode settings”.</div>")
+        for m, info in table.items():
+            for d in info["decode_settings"]:
+                if d["live"]:
+                    live_keys.append((m, d["name"]))
+                    live_ctls.append(setting_control(m, d, start[m][d["name"]], visible=False, min_width=180))
+    knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods that have them; every "
+                        "move re-decodes all methods in one batch. Other settings are under “More decode "
+                        "settings”.</div>")
     with gr.Accordion("More decode settings", open=False):
         with gr.Row():
             max_new = gr.Slider(4, 128, 48, step=1, label="Max new tokens")
             beams = gr.Slider(1, 4, 1, step=1, label="Beams (1 = greedy)")
         extra = gr.Code("{}", language="json", lines=4, max_lines=12,
                         label="Other decode settings per method (or plug-in id); edit and press Compare")
+        gr.Markdown("Each output card lists the complete settings its row was decoded with.",
+                    elem_classes=["pema-help"])
     extra_auto = gr.State("{}")
     cards = gr.HTML(render.output_cards(None), elem_id="compare-outputs")
     with gr.Row(equal_height=True):
@@ -134,8 +139,7 @@ def build(studio) -> SimpleNamespace:
             att_plot = gr.Plot(plots.empty("Backbone attention appears after a comparison"), show_label=False)
 
     # --- which controls apply -----------------------------------------------------------------------------------
-    table = {m["method"]: m for m in studio.methods()}
-    slider_keys = {"pema": ("lambda_max", "gu"), "knn": ("k", "temperature", "lambda")}
+    live_names = {m: {n for mm, n in live_keys if mm == m} for m in table}
 
     def chosen_methods(ids):
         by_id = {p["id"]: p["method"] for p in studio.plugins()}
@@ -145,16 +149,17 @@ def build(studio) -> SimpleNamespace:
         ms = chosen_methods(ids)
         other = {}
         for m in dict.fromkeys(ms):
-            rest = {k: v for k, v in (table.get(m, {}).get("decode") or {}).items()
-                    if k not in slider_keys.get(m, ())}
+            rest = {d["name"]: d["default"] for d in table.get(m, {}).get("decode_settings", [])
+                    if d["name"] not in live_names.get(m, ())}
             if rest:
                 other[m] = rest
         gen = render.settings_json(other) if other else "{}"
         new_text = gen if (text or "{}").strip() in ("", "{}", (auto or "{}").strip()) else gr.skip()
-        pema, knn = gr.update(visible="pema" in ms), gr.update(visible="knn" in ms)
-        return (pema, pema, knn, knn, knn, gr.update(visible=not ({"pema", "knn"} & set(ms))), new_text, gen)
+        shown = [gr.update(visible=m in ms) for m, _n in live_keys]
+        any_live = any(m in ms for m, _n in live_keys)
+        return (*shown, gr.update(visible=not any_live), new_text, gen)
 
-    methods.change(on_methods, [methods, extra, extra_auto], [lam, gu, k, temp, klam, knob_hint, extra, extra_auto],
+    methods.change(on_methods, [methods, extra, extra_auto], [*live_ctls, knob_hint, extra, extra_auto],
                    show_progress="hidden")
 
     # --- helpers ------------------------------------------------------------------------------------------------
@@ -184,25 +189,16 @@ def build(studio) -> SimpleNamespace:
         has_mem = any(t.get("memory_attention") for t in trace)
         return ch, lp, bp, nr, npl, ma, att, gr.update(visible=has_nb), gr.update(visible=has_mem)
 
-    def parse_extra(text):
-        try:
-            d = json.loads(text or "{}")
-        except json.JSONDecodeError as e:
-            raise UserError(f"The per-method settings are not valid JSON: {e.msg}.") from None
-        if not isinstance(d, dict):
-            raise UserError('Per-method settings must be a JSON object like {"pema": {"gu_variant": "code"}}.')
-        return d
-
     # --- compare ------------------------------------------------------------------------------------------------
-    inputs = [source, task, methods, lam, gu, k, temp, klam, max_new, beams, extra, reference, row_pick, layer]
+    inputs = [source, task, methods, max_new, beams, extra, reference, row_pick, layer, *live_ctls]
     outputs = [payload, cards, row_pick, tok, share_link, layer, token_section, chips, lam_plot, bars_plot, nb_df,
                nb_plot, mem_att, att_plot, nb_row, mem_col]
 
     @user_errors
-    def do_compare(src, tk, ms, lm, g, kk, tt, kl, mx, bm, ex, ref, label, lay):
-        knobs = {"lambda_max": float(lm), "gu": bool(g), "k": int(kk), "temperature": float(tt), "lambda": float(kl)}
+    def do_compare(src, tk, ms, mx, bm, ex, ref, label, lay, *live_values):
         refs = ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip() else None
-        p = studio.compare(src, tk, list(ms or []), knobs, parse_extra(ex), int(mx), int(bm), reference=refs)
+        settings = decode_settings_of(live_keys, live_values, ex)
+        p = studio.compare(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs)
         labels = [r["label"] for r in p["rows"]]
         keep = label if label in labels else row_of(p, None)["label"]
         row = row_of(p, keep)
@@ -220,15 +216,14 @@ def build(studio) -> SimpleNamespace:
         return do_compare(*args)
 
     def on_task(tk):
-        t = studio.tuned_knobs(tk)
-        return (gr.update(value=t["lambda_max"]), gr.update(value=t["gu"]), gr.update(value=t["k"]),
-                gr.update(value=t["temperature"]), gr.update(value=t["lambda"]))
+        t = studio.start_settings(tk)
+        return tuple(gr.update(value=t[m][n]) for m, n in live_keys)
 
-    task.input(on_task, task, [lam, gu, k, temp, klam], api_visibility="private", show_progress="hidden")
+    task.input(on_task, task, live_ctls, api_visibility="private", show_progress="hidden")
     run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode", show_progress_on=cards)
     source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
                   show_progress_on=cards)
-    for ctl in (lam, k, temp, klam, max_new, beams, gu, methods):
+    for ctl in (*live_ctls, max_new, beams, methods):
         ctl.input(live, [payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
                   show_progress_on=cards, api_visibility="private", concurrency_id="decode")
 
@@ -298,7 +293,27 @@ def build(studio) -> SimpleNamespace:
         return (*refresh(), lay)
 
     return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
-                           on_load=on_load, load_outputs=[methods, hmem, layer])
+                           on_load=on_load, load_outputs=[methods, hmem, layer],
+                           # what Evaluate decodes with by default: this tab's controls
+                           settings_inputs=[*live_ctls, extra],
+                           settings_of=lambda *vals: decode_settings_of(live_keys, vals[:-1], vals[-1]))
+
+
+def decode_settings_of(live_keys: list[tuple[str, str]], live_values, extra_text: str | None) -> dict:
+    """Per-method decode settings from the live controls' values and the "more settings" JSON
+    (``{method | plug-in id: {name: value}}``); each live value goes to its own method only."""
+    try:
+        extra = json.loads(extra_text or "{}")
+    except json.JSONDecodeError as e:
+        raise UserError(f"The per-method settings are not valid JSON: {e.msg}.") from None
+    if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
+        raise UserError('Per-method settings must be a JSON object like {"pema": {"gu_variant": "code"}}.')
+    out: dict = {}
+    for (m, n), v in zip(live_keys, live_values):
+        out.setdefault(m, {})[n] = v
+    for key, block in extra.items():
+        out.setdefault(key, {}).update(block)
+    return out
 
 
 def share_url(request: gr.Request | None, sid: str) -> str:

@@ -2,6 +2,7 @@
 scores table + bar chart; a λ_max sweep with and without Gradual Unrolling → line chart; CSV download."""
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,8 +10,8 @@ from types import SimpleNamespace
 import gradio as gr
 
 from backbone.prompts import TASKS
-from studio.errors import UserError
-from studio.jobs import FINAL_STATES
+from ground.errors import UserError
+from ground.jobs import FINAL_STATES
 from ui import plots, render
 from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, plugin_choices, read_upload,
                        user_errors)
@@ -25,8 +26,15 @@ def _table(result: dict | None) -> tuple[list[str], list[list]]:
     rows = rows or []
     cols: list[str] = []
     for r in rows:
-        cols += [k for k, v in r.items() if k not in cols and not isinstance(v, (list, dict))]
-    fmt = lambda v: round(v, 2) if isinstance(v, float) else v  # noqa: E731
+        cols += [k for k, v in r.items() if k not in cols and (k == "settings" or not isinstance(v, (list, dict)))]
+    if "settings" in cols:  # the decode settings each row ran with, last (they are long)
+        cols = [c for c in cols if c != "settings"] + ["settings"]
+
+    def fmt(v):
+        if isinstance(v, dict):
+            return json.dumps(v, ensure_ascii=False)
+        return round(v, 2) if isinstance(v, float) else v
+
     return cols or list(SCORE_KEYS), [[fmt(r.get(c)) for c in cols] for r in rows]
 
 
@@ -41,12 +49,11 @@ def _outputs_table(result: dict | None) -> tuple[list[str], list[list]]:
                   for o in outs[:200]]
 
 
-def build(studio) -> SimpleNamespace:
+def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
+    """``settings_inputs`` / ``settings_of``: the Compare tab's decode controls and how to read them, so that an
+    evaluation decodes with exactly the settings a comparison shows."""
     job_id = gr.State(None)
     seen = gr.State(None)
-    if not studio.evaluation_available():
-        gr.HTML("<div class='pema-status warn'>Evaluation is not available in this installation: the module "
-                "<code>eval/run.py</code> (evaluate, lambda_sweep) is missing. The rest of the studio works.</div>")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=340):
             gr.Markdown("#### Test data")
@@ -59,6 +66,9 @@ def build(studio) -> SimpleNamespace:
                 max_new = gr.Number(48, label="Max tokens", precision=0, minimum=4)
             gr.Markdown("#### Methods")
             methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Compare these")
+            gr.Markdown("Decode settings: those of the **Compare** tab (its live controls and “More decode "
+                        "settings”), so scores match what Compare shows; each row's settings are in the table and the "
+                        "CSV.", elem_classes=["pema-help"])
             run = gr.Button("Evaluate in background", variant="primary", elem_id="eval-run")
             gr.Markdown("#### λ_max sweep (with and without Gradual Unrolling)")
             with gr.Row():
@@ -77,14 +87,15 @@ def build(studio) -> SimpleNamespace:
     timer = gr.Timer(1.5)
 
     @user_errors
-    def do_run(mem, path, tk, n, mx, ms):
+    def do_run(mem, path, tk, n, mx, ms, *svals):
         data, fname = read_upload(path)
         jid = studio.submit_evaluate(methods=list(ms or []), memory_id=None if data else mem, test_data=data,
-                                     test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48))
+                                     test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
+                                     settings=settings_of(*svals))
         return jid, render.job_card(studio.job(jid)), None
 
     @user_errors
-    def do_sweep(mem, path, tk, n, mx, pid, lams):
+    def do_sweep(mem, path, tk, n, mx, pid, lams, *svals):
         data, fname = read_upload(path)
         if not pid:
             raise UserError("Choose a PEMA plug-in for the sweep.")
@@ -93,13 +104,14 @@ def build(studio) -> SimpleNamespace:
         except ValueError:
             raise UserError("Write the λ_max values as numbers separated by commas, e.g. 0, 0.5, 1.") from None
         jid = studio.submit_evaluate(memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
-                                     limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48))
+                                     limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
+                                     settings=settings_of(*svals))
         return jid, render.job_card(studio.job(jid)), None
 
-    run.click(do_run, [memory, test_file, task, limit, max_new, methods], [job_id, job_html, seen],
+    run.click(do_run, [memory, test_file, task, limit, max_new, methods, *settings_inputs], [job_id, job_html, seen],
               api_visibility="private")
-    sweep.click(do_sweep, [memory, test_file, task, limit, max_new, sweep_plugin, lambdas], [job_id, job_html, seen],
-                api_visibility="private")
+    sweep.click(do_sweep, [memory, test_file, task, limit, max_new, sweep_plugin, lambdas, *settings_inputs],
+                [job_id, job_html, seen], api_visibility="private")
 
     def show(job):
         res = job.get("result") if job and job["state"] == "done" else None

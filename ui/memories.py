@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import gradio as gr
 
 from backbone.prompts import TASKS
-from studio.errors import UserError
-from studio.jobs import FINAL_STATES
+from ground.errors import UserError
+from ground.jobs import FINAL_STATES
 from ui import render
 from ui.common import keep_value, memory_choices, read_upload, user_errors
 

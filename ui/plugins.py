@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from studio.errors import UserError
-from studio.jobs import FINAL_STATES
+from ground.errors import UserError
+from ground.jobs import FINAL_STATES
 from ui import plots, render
 from ui.common import keep_value, memory_choices, user_errors
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from studio.errors import UserError
+from ground.errors import UserError
 from ui import plots, render
 from ui.compare import TOKEN_COLORS, row_of, token_views
 

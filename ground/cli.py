@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Callable, Iterator
 
-from studio.errors import UserError
+from ground.errors import UserError
 
 
 def add_common(p: argparse.ArgumentParser, backbone: bool = True) -> None:
@@ -17,14 +17,6 @@ def add_common(p: argparse.ArgumentParser, backbone: bool = True) -> None:
                        help="embedded short name (gemma-3-270m [default], smollm2-135m-instruct), hub id or path")
         p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
         p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
-
-
-def load_backbone_from_args(args):
-    from backbone import load_backbone
-
-    with progress_bar("backbone") as prog:
-        return load_backbone(args.backbone, device=args.device, dtype=args.dtype, data_dir=args.data_dir,
-                             progress=prog)
 
 
 @contextlib.contextmanager

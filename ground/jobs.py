@@ -26,9 +26,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from memories.build import Cancelled
-from studio.errors import UserError
-from studio.store import Catalog, new_id
+from ground.errors import Cancelled, UserError
+from ground.store import Catalog, new_id
 
 STATES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
 FINAL_STATES = ("done", "failed", "cancelled", "interrupted")

@@ -1,5 +1,5 @@
 """The three tasks: their prompts (with built-in few-shot examples, so the product needs no data files), their
-metrics, and the decode-time defaults tuned on dev data (``eval/tuned_defaults.json``, written by
+metrics, and the decode-time defaults tuned on dev data (``backbone/tuned_defaults.json``, written by
 ``python -m eval tune``; the app and the CLI start from them).
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from backbone.prompts import Prompt
-from studio.errors import UserError
+from ground.errors import UserError
 
 # Few-shot examples written for this project (not taken from any evaluation set).
 FEW_SHOT = {
@@ -61,8 +61,7 @@ METRICS = {"translation": ["sacrebleu", "chrf"], "formality": ["sacrebleu", "chr
            "style": ["style_score", "content_similarity", "perplexity"]}
 
 TUNED_PATH = Path(__file__).with_name("tuned_defaults.json")
-FALLBACK = {"shots": 3, "decode": {"pema": {"lambda_max": 0.8, "gu": True}, "knn": {"k": 16, "temperature": 10.0,
-                                                                                  "lambda": 0.3}}}
+FALLBACK = {"shots": 3, "decode": {}}  # decode defaults are the methods' declared ones (plugins.settings)
 
 
 def tuned_defaults(task: str, backbone_name: str | None = None) -> dict:
@@ -72,7 +71,7 @@ def tuned_defaults(task: str, backbone_name: str | None = None) -> dict:
     if backbone_name and backbone_name in t.get("backbones", {}):
         t = {**t, **t["backbones"][backbone_name]}
     out = {**FALLBACK, **{k: v for k, v in t.items() if k != "backbones"}}
-    out["decode"] = {**FALLBACK["decode"], **t.get("decode", {})}
+    out["decode"] = dict(t.get("decode", {}))
     return out
 
 

@@ -1,0 +1,215 @@
+"""Settings declared once: every method declares its decode-time settings (``Plugin.decode_settings``) and its
+training settings (the fields of its ``Config``, with ``setting(...)`` metadata) as :class:`Setting` objects.
+
+Everything else is generated from the declarations: the Compare tab's live controls and the Evaluate tab's
+settings, the hyperparameter form, ``--set`` on the command lines, the tuning grids of ``eval.quality`` and
+``eval.likelihood``, and validation (types and ranges). A knob is always addressed to one row — by method name,
+plug-in id or row label — never by a bare name shared across methods (``resolve_row_settings``).
+
+Adding a decode setting to a method is one edit: a ``Setting`` in its ``decode_settings``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from backbone.tasks import tuned_defaults
+from ground.errors import UserError
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting: name, default (its type is the setting's type), range or choices, help text, and
+    how the UI and the tuners use it."""
+
+    name: str
+    default: Any
+    help: str = ""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False        # the low bound itself is not allowed (e.g. a temperature > 0)
+    choices: tuple = ()
+    live: bool = False            # a Compare control: every move re-decodes
+    step: float | None = None     # the control's step (sliders)
+    label: str = ""               # short UI label (default: the name)
+    grid: tuple = ()              # values tried when tuning by decoding (eval.quality)
+    fine_grid: tuple = ()         # values tried when tuning teacher-forced (eval.likelihood); default: ``grid``
+    type: type | None = None      # default: the default's type
+
+    @property
+    def kind(self) -> type:
+        return self.type or (type(self.default) if self.default is not None else str)
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
+
+    def describe(self) -> dict:
+        """A JSON-able description (for UIs, ``python -m plugins methods --json`` and model cards)."""
+        return {"name": self.name, "type": self.kind.__name__, "default": self.default, "help": self.help,
+                "low": self.low, "high": self.high, "low_open": self.low_open, "choices": list(self.choices),
+                "live": self.live, "step": self.step, "label": self.title}
+
+    def range_text(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        if self.low is not None and self.high is not None:
+            return f"between {self.low} and {self.high}" + (f" (not {self.low})" if self.low_open else "")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '≥'} {self.low}"
+        if self.high is not None:
+            return f"≤ {self.high}"
+        return f"a {self.kind.__name__}"
+
+    def coerce(self, value: Any, owner: str = "") -> Any:
+        """``value`` as this setting's type, checked against its range/choices; a UserError naming the setting
+        otherwise (strings from forms and command lines are parsed)."""
+        where = f"{owner} setting {self.name!r}" if owner else f"Setting {self.name!r}"
+        bad = UserError(f"{where} must be {self.range_text()}; got {value!r}.")
+        kind = self.kind
+        if kind is bool:
+            if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+                value = value.strip().lower() in ("true", "1", "yes")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and value in (0, 1):
+                value = bool(value)
+            if not isinstance(value, bool):
+                raise bad
+        elif kind is int:
+            if isinstance(value, str):
+                try:
+                    value = int(value.strip())
+                except ValueError:
+                    raise bad from None
+            elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**53:
+                raise bad
+        elif kind is float:
+            if isinstance(value, str):
+                try:
+                    value = float(value.strip())
+                except ValueError:
+                    raise bad from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad
+            value = float(value)
+            if not math.isfinite(value):
+                raise bad
+        elif not isinstance(value, kind):
+            raise bad
+        if self.choices and value not in self.choices:
+            raise bad
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            raise bad
+        if self.high is not None and value > self.high:
+            raise bad
+        return value
+
+
+def setting(default: Any, help: str = "", **kw) -> Any:
+    """A dataclass field of a method's ``Config`` that declares a training setting (``Setting``'s keywords)."""
+    return dataclasses.field(default=default, metadata={"setting": dict(help=help, **kw)})
+
+
+def config_settings(config_cls) -> list[Setting]:
+    """The training settings a ``Config`` dataclass declares (every field; help and range from its metadata)."""
+    out = []
+    for f in dataclasses.fields(config_cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        kind = _SIMPLE_TYPES.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+        out.append(Setting(f.name, default, type=kind, **f.metadata.get("setting", {})))
+    return out
+
+
+_SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def coerce_all(declared: Iterable[Setting], values: dict, owner: str) -> dict:
+    """Check and convert ``values`` against ``declared``; an unknown name is an error that lists the known ones."""
+    by_name = {s.name: s for s in declared}
+    out = {}
+    for k, v in values.items():
+        if k not in by_name:
+            raise UserError(f"Unknown setting {k!r} for {owner}; its settings are: {', '.join(by_name) or 'none'}.")
+        out[k] = by_name[k].coerce(v, owner)
+    return out
+
+
+def parse_sets(items: list[str] | None) -> dict:
+    """``key=value`` pairs from a command line; values parsed as JSON when they can be (numbers, true/false),
+    else kept as strings (the declarations convert them)."""
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise UserError(f"--set expects key=value, got {it!r}.")
+        k, v = it.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except (json.JSONDecodeError, ValueError, RecursionError):
+            out[k.strip()] = v
+    return out
+
+
+def address_sets(sets: dict, rows: list[tuple[str, type]]) -> dict[str, dict]:
+    """Turn command-line ``--set`` pairs into per-row settings.
+
+    ``rows``: (row key, method class) for every plug-in row (the key is a method name, plug-in id or label).
+    ``KEY.NAME=V`` addresses the rows whose method, id or label is KEY. A bare ``NAME=V`` is accepted only when
+    exactly one method among the rows declares NAME (it is then addressed to that method); otherwise the error
+    says to write ``method.NAME``.
+    """
+    out: dict[str, dict] = {}
+    methods = {cls.method: cls for _k, cls in rows}
+    keys = {k for k, _cls in rows} | set(methods)
+    for name, value in sets.items():
+        target, dot, rest = name.partition(".")
+        if dot and target in keys:
+            out.setdefault(target, {})[rest] = value
+            continue
+        owners = [m for m, cls in methods.items() if any(s.name == name for s in cls.decode_settings)]
+        if len(owners) != 1:
+            where = f"methods {', '.join(owners)} all have" if owners else "no chosen method has"
+            raise UserError(f"--set {name}: {where} a setting {name!r}; write METHOD.{name}=VALUE "
+                            f"(methods here: {', '.join(methods) or 'none'}).")
+        out.setdefault(owners[0], {})[name] = value
+    return out
+
+
+def resolve_row_settings(key_chain: Iterable[str], per_row: dict | None) -> dict:
+    """One row's overrides from ``per_row`` ({method | plug-in id | label: {name: value}}), the more specific key
+    last: ``key_chain`` is (method, plug-in id, label)."""
+    out: dict = {}
+    for key in key_chain:
+        block = (per_row or {}).get(key)
+        if isinstance(block, dict):
+            out.update(block)
+        elif block is not None:
+            raise UserError(f"The settings for {key!r} must be an object of name: value pairs.")
+    return out
+
+
+def tuned_decode_settings(method: str, task: str | None, backbone_name: str | None) -> dict:
+    """The decode settings tuned on dev data for ``method`` on ``task`` and this backbone (may be empty)."""
+    if not task:
+        return {}
+    return dict(tuned_defaults(task, backbone_name).get("decode", {}).get(method, {}))
+
+
+def row_settings(plugin, task: str | None, backbone_name: str | None, overrides: dict | None = None) -> dict:
+    """A row's complete decode settings — declared defaults ← tuned for (task, backbone) ← ``overrides`` — checked
+    against the method's declarations. The one place where defaults are merged (Compare, Evaluate, CLIs, eval)."""
+    tuned = tuned_decode_settings(plugin.method, task, backbone_name)
+    return plugin.settings({**tuned, **(overrides or {})})
+
+
+def decode_grid(cls, fine: bool = False) -> list[dict]:
+    """The tuning grid of a method: the product of its declared settings' grid values ([{}] when none)."""
+    axes = [(s.name, (s.fine_grid or s.grid) if fine else s.grid) for s in cls.decode_settings]
+    axes = [(n, vals) for n, vals in axes if vals]
+    if not axes:
+        return [{}]
+    return [dict(zip([n for n, _ in axes], combo)) for combo in itertools.product(*[v for _, v in axes])]
