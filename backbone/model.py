@@ -61,6 +61,15 @@ def _project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
+class StopForward(Exception):
+    """Raised by a forward hook to end a forward pass early, once it has captured what it needs (the only such
+    exception of the project; see ``Backbone.forward_until_stopped``)."""
+
+    def __init__(self, captured=None):
+        super().__init__("forward pass stopped by a hook")
+        self.captured = captured
+
+
 @dataclass
 class Backbone:
     """A frozen causal LM plus the pieces plug-ins use. Build with :func:`load_backbone` or ``tiny_backbone``."""
@@ -109,12 +118,16 @@ class Backbone:
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
+    def softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's final-logit soft-capping (Gemma: tanh(logits / c) · c); the identity for models without one.
+        Written once: every LM-head product of the project (full head, subset, candidate rows) goes through it."""
+        if self.softcap:
+            return torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """LM head on already-normed states (float32 result), with the model's logit soft-capping if any."""
-        logits = _project(normed.to(self.dtype), self.lm_head.weight).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self.softcap_logits(_project(normed.to(self.dtype), self.lm_head.weight).float())
 
     def head_logits_subset(self, normed: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
         """Like ``head_logits`` but computed only for the token ids ``vocab`` (−inf elsewhere): a fraction of the
@@ -123,9 +136,7 @@ class Backbone:
         if cached is None or cached[0] is not vocab or cached[1] != vocab._version:
             cached = (vocab, vocab._version, self.lm_head.weight[vocab.to(self.lm_head.weight.device)])
             self._subset_rows = cached  # gathered once per vocabulary, not at every step
-        part = _project(normed.to(self.dtype), cached[2]).float()
-        if self.softcap:
-            part = torch.tanh(part / self.softcap) * self.softcap
+        part = self.softcap_logits(_project(normed.to(self.dtype), cached[2]).float())
         out = torch.full((normed.shape[0], self.vocab_size), float("-inf"), device=part.device)
         out[:, vocab.to(part.device)] = part
         return out
@@ -153,6 +164,17 @@ class Backbone:
         finally:
             handle.remove()
         return captured["fc"], out
+
+    def forward_until_stopped(self, input_ids: torch.Tensor, attention_mask=None) -> "StopForward | None":
+        """Run the decoder without gradients for what its hooks capture; a hook that has what it needs raises
+        :class:`StopForward` to skip the layers above it. Returns that exception (its ``captured``), or None when
+        the pass ran to the end."""
+        try:
+            with torch.no_grad():
+                self.forward_fc(input_ids, attention_mask=attention_mask)
+        except StopForward as stop:
+            return stop
+        return None
 
     # --- tokenization -----------------------------------------------------------------------------
     def encode_context(self, text: str) -> list[int]:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from backbone.cli import load_backbone_from_args
-from backbone.tasks import task_prompt, tuned_defaults
+from backbone.tasks import task_prompt
 from eval import datasets
 from eval.run import evaluate, format_table, lambda_sweep
 from eval.style import train_shakespeare_classifier
@@ -26,7 +26,7 @@ from ground.cli import add_common, progress_bar, run_main
 from ground.errors import UserError
 from ground.store import Catalog
 from memories.parse import parse_samples_strict
-from plugins.__main__ import parse_sets
+from plugins.__main__ import plugin_rows
 from plugins.api import open_memory, open_plugin
 from plugins.decode import Row
 
@@ -39,17 +39,18 @@ def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
             raise UserError(f"No such file: {path}")
         samples = parse_samples_strict(path.read_bytes(), path.name)
         pairs = [(s.src, s.tgt) for s in samples] if all(s.src for s in samples) else [(s.tgt, None) for s in samples]
-        return pairs[args.start:args.start + args.n] if args.n else pairs[args.start:]
+        start = args.start or 0  # a test file starts at its first pair
+        if start >= len(pairs):
+            raise UserError(f"--start {start} is past the end of {path.name} ({len(pairs)} pairs).")
+        return pairs[start:start + args.n] if args.n else pairs[start:]
     if args.memory:
         mem = open_memory(args.memory, catalog=catalog)
         return [(s["src"], s["tgt"]) for s in mem.split_samples("heldout")][: args.n or None]
 
-    if args.task == "translation":
-        return datasets.wmt_pairs(args.split, args.start, args.n)
-    if args.task == "formality":
-        return datasets.formality_pairs(args.split, args.start, args.n)
-    # style: plain modern English inputs (the WMT English side); no references
-    return [(en, None) for en, _ in datasets.wmt_pairs(args.split, args.start, args.n)]
+    start = 1000 if args.start is None else args.start  # the reference dev data: after the tuning items
+    if args.task == "style":  # plain modern English inputs (the WMT English side); no references
+        return [(en, None) for en, _ in datasets.wmt_pairs(args.split, start, args.n)]
+    return datasets.task_pairs(args.task, args.split, start, args.n)
 
 
 def style_extra(task: str, bb_name: str) -> dict:
@@ -67,12 +68,14 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help="score methods" if name == "run" else "λ_max sweep with/without GU")
         p.add_argument("--task", default="translation", choices=["translation", "formality", "style"])
         p.add_argument("--split", default="dev", choices=["train", "dev"])
-        p.add_argument("--start", type=int, default=1000, help="first item (default 1000: after the tuning items)")
+        p.add_argument("--start", type=int, default=None,
+                       help="first item (default: 1000 of the reference data, after the tuning items; 0 of a test file)")
         p.add_argument("--n", type=int, default=200)
         p.add_argument("--test-file", help="your own pairs (JSONL/CSV/TSV) instead of the reference data")
         p.add_argument("--memory", help="evaluate on this memory's held-out samples")
         p.add_argument("--plugin", action="append", default=[], help="plug-in id or folder (repeatable)")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="decode-time setting for all rows")
+        p.add_argument("--set", action="append", metavar="[METHOD.]NAME=VALUE",
+                       help="decode-time setting of one method's rows, e.g. pema.lambda_max=0.5 (repeatable)")
         p.add_argument("--shots", type=int, default=None)
         p.add_argument("--batch", type=int, default=4, help="sentences per batched decode")
         p.add_argument("--max-new-tokens", type=int, default=96)
@@ -85,15 +88,9 @@ def main(argv=None) -> int:
     bb = load_backbone_from_args(args)
     plugins = [open_plugin(p, bb, cat) for p in args.plugin]
     prompt = task_prompt(args.task, bb, shots=args.shots)
-    sets = parse_sets(args.set)
-    tuned = tuned_defaults(args.task, bb.name)["decode"]
     extra = style_extra(args.task, bb.name)
     if args.cmd == "run":
-        rows = [Row("base")]
-        for p in plugins:
-            st = {**tuned.get(p.method, {}), **{k: v for k, v in sets.items() if k in p.decode_defaults}}
-            rows.append(Row(p.method if [q.method for q in plugins].count(p.method) == 1
-                            else f"{p.method}:{p.plugin_path.name}", p, st))
+        rows = [Row("base")] + plugin_rows(plugins, args.task, bb.name, args.set)
         with progress_bar("eval") as prog:
             res = evaluate(bb, pairs, rows, prompt, args.task, batch_sources=args.batch,
                            max_new_tokens=args.max_new_tokens, progress=prog, extra=extra)
@@ -104,8 +101,10 @@ def main(argv=None) -> int:
         if not pema:
             raise UserError("sweep needs a PEMA plug-in (--plugin <pema-id>).")
         with progress_bar("sweep") as prog:
+            settings = plugin_rows(pema[:1], args.task, bb.name, args.set)[0].settings
             res = {"sweep": lambda_sweep(bb, pairs, pema[0], prompt, task=args.task, progress=prog, extra=extra,
-                                         batch_sources=args.batch, max_new_tokens=args.max_new_tokens)}
+                                         settings=settings, batch_sources=args.batch,
+                                         max_new_tokens=args.max_new_tokens)}
         for r in res["sweep"]:
             print(json.dumps(r))
     if args.json:

@@ -459,3 +459,102 @@ def phrase_pairs_for_memory(backbone, memory, split: str = "train", **kw) -> lis
     """Phrase pairs of a memory's samples of one split; ``sample_index`` indexes ``memory.samples``."""
     rows = [(i, s) for i, s in enumerate(memory.samples) if s["split"] == split]
     return extract_phrase_pairs(backbone, [s for _, s in rows], memory.prompt, indices=[i for i, _ in rows], **kw)
+
+
+# --- memory items: the frozen backbone's states over each phrase ---------------------------------------------------
+@dataclass
+class PhraseStates:
+    """What ``capture_phrase_states`` measured. Row i belongs to item i (captured at that item's layer)."""
+
+    src: torch.Tensor       # (n, d) float64: mean state over the source phrase's tokens
+    tgt: torch.Tensor       # (n, d) float64: mean state over the target phrase's tokens
+    rms: dict[int, float]   # per requested layer: RMS of its states over every captured non-BOS position (else 1)
+
+
+def phrase_site(backbone, layer: int):
+    """The module whose output is a memory item's state: layer ``layer``'s self-attention block (its output before
+    Gemma's post-attention norm and the residual add)."""
+    return backbone.layers[layer].self_attn
+
+
+def slot_span(ctx: list[int], empty: list[int]) -> tuple[int, int]:
+    """Token span of the source slot: what differs between the prompt with the phrase and with an empty slot."""
+    p = 0
+    while p < min(len(ctx), len(empty)) and ctx[p] == empty[p]:
+        p += 1
+    s = 0
+    while s < min(len(ctx), len(empty)) - p and ctx[-1 - s] == empty[-1 - s]:
+        s += 1
+    a, b = p, len(ctx) - s
+    if b <= a:
+        a, b = max(0, b - 1), max(1, b)
+    return a, b
+
+
+def capture_phrase_states(backbone, prompt, items: list[tuple[int, str, str]], layers: list[int],
+                          batch_size: int = 16, progress: Progress = _noop,
+                          should_stop: Callable[[], bool] = lambda: False) -> PhraseStates:
+    """The frozen backbone's states over phrase pairs: for item i = (layer, source phrase, target phrase) it runs
+    teacher-forced on ``prompt.render(source) + target_prefix + target`` and averages ``phrase_site(layer)``'s output
+    over the source slot's tokens (``slot_span``) and over the target phrase's tokens.
+
+    Items are batched by layer and length (right-padded); each pass stops after the highest layer its batch needs
+    (``StopForward``). The RMS of every layer in ``layers`` is measured over all positions but the first (BOS
+    attention-sink outliers) of every batch that reaches it."""
+    d = backbone.hidden_size
+    empty = backbone.encode_context(prompt.render(""))
+    seqs = []
+    for layer, src, tgt in items:
+        ctx = backbone.encode_context(prompt.render(src))
+        t = backbone.encode_target(prompt.target_prefix + tgt) or backbone.encode_target(tgt)
+        seqs.append((layer, ctx + t, slot_span(ctx, empty), (len(ctx), len(ctx) + len(t))))
+    sums = {s: torch.zeros(len(seqs), d, dtype=torch.float64) for s in ("src", "tgt")}
+    sumsq = {l: 0.0 for l in layers}
+    count = {l: 0 for l in layers}
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i][0], len(seqs[i][1])))
+    pad = backbone.tokenizer.pad_token_id or 0
+    done = 0
+    for b0 in range(0, len(order), batch_size):
+        if should_stop():
+            raise Cancelled()
+        idx = order[b0:b0 + batch_size]
+        top = max(seqs[i][0] for i in idx)
+        width = max(len(seqs[i][1]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            seq = seqs[i][1]
+            ids[r, :len(seq)] = torch.tensor(seq)
+            mask[r, :len(seq)] = 1
+        outs: dict[int, torch.Tensor] = {}
+
+        def make(layer):
+            def hook(module, args, output):
+                outs[layer] = (output[0] if isinstance(output, tuple) else output).detach().float()
+                if layer == top:
+                    raise StopForward()
+            return hook
+
+        wanted = sorted({l for l in layers if l <= top} | {top})
+        handles = [phrase_site(backbone, l).register_forward_hook(make(l)) for l in wanted]
+        try:
+            backbone.forward_until_stopped(ids.to(backbone.device), attention_mask=mask.to(backbone.device))
+        finally:
+            for h in handles:
+                h.remove()
+        valid = mask.clone()
+        valid[:, 0] = 0  # BOS / first position: attention-sink outliers
+        valid = valid.to(backbone.device).bool()
+        for l, a in outs.items():
+            if l in sumsq:
+                sumsq[l] += float((a[valid].double() ** 2).sum())
+                count[l] += int(valid.sum())
+        for r, i in enumerate(idx):
+            layer, _, (sa, sb), (ta, tb) = seqs[i]
+            a = outs[layer][r]
+            sums["src"][i] = a[sa:sb].double().mean(0).cpu()
+            sums["tgt"][i] = a[ta:tb].double().mean(0).cpu()
+        done += len(idx)
+        progress(done / len(order), f"memory items {done}/{len(order)}")
+    rms = {l: math.sqrt(sumsq[l] / max(1, count[l] * d)) or 1.0 for l in layers}
+    return PhraseStates(src=sums["src"], tgt=sums["tgt"], rms=rms)

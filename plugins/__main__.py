@@ -18,26 +18,13 @@ import json
 
 from backbone.cli import load_backbone_from_args
 from backbone.prompts import Prompt
-from backbone.tasks import task_prompt, tuned_defaults
+from backbone.tasks import task_prompt
 from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
 from ground.errors import UserError
 from ground.store import Catalog
 from plugins.api import method_table, open_memory, open_plugin, train_plugin
 from plugins.decode import Row, compare
-
-
-def parse_sets(items: list[str] | None) -> dict:
-    """``key=value`` pairs; values parsed as JSON when they can be (numbers, true/false), else strings."""
-    out = {}
-    for it in items or []:
-        if "=" not in it:
-            raise UserError(f"--set expects key=value, got {it!r}.")
-        k, v = it.split("=", 1)
-        try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = v
-    return out
+from plugins.settings import address_sets, parse_sets, resolve_row_settings, row_settings
 
 
 def main(argv=None) -> int:
@@ -64,8 +51,10 @@ def main(argv=None) -> int:
     c.add_argument("--no-base", action="store_true", help="leave out the base model row")
     c.add_argument("--task", default=None, help="translation, formality, style (default: the memory's)")
     c.add_argument("--shots", type=int, default=None)
-    c.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="decode-time setting for every row that has it (lambda_max, gu, k, temperature, ...)")
+    c.add_argument("--set", action="append", metavar="[METHOD.]NAME=VALUE",
+                   help="decode-time setting of one method's rows (pema.lambda_max=0.5, knn.k=8; a plug-in id "
+                        "instead of the method addresses one row; a bare NAME only when one method has it); "
+                        "see 'python -m plugins methods' (repeatable)")
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--beams", type=int, default=1)
     c.add_argument("--json", action="store_true")
@@ -79,7 +68,10 @@ def main(argv=None) -> int:
         else:
             for r in rows:
                 print(f"{r['method']:16s} {r['title']}  [{r['level']}]\n    {r['paper']}\n"
-                      f"    config: {json.dumps(r['config'])}\n    decode: {json.dumps(r['decode'])}")
+                      f"    config: {json.dumps(r['config'])}")
+                for d in r["decode_settings"]:
+                    print(f"    decode {r['method']}.{d['name']} = {d['default']!r} ({d['type']}, "
+                          f"{'live, ' if d['live'] else ''}{_range(d)}): {d['help']}")
         return 0
     cat = Catalog(args.data_dir)
     if args.cmd == "list":
@@ -117,13 +109,8 @@ def _compare(args, cat) -> int:
     prompt = task_prompt(task, bb, shots=args.shots)
     if plugins and args.shots is None and plugins[0].memory_meta.get("prompt"):
         prompt = Prompt.from_dict(plugins[0].memory_meta["prompt"])  # decode with the prompt the memory used
-    sets = parse_sets(args.set)
-    tuned = tuned_defaults(task, bb.name)["decode"]
     rows = [] if args.no_base else [Row("base")]
-    for p in plugins:
-        st = {**tuned.get(p.method, {}), **{k: v for k, v in sets.items() if k in p.decode_defaults}}
-        label = p.method if sum(q.method == p.method for q in plugins) == 1 else f"{p.method}:{p.plugin_path.name}"
-        rows.append(Row(label, p, st))
+    rows += plugin_rows(plugins, task, bb.name, args.set)
     res = compare(bb, args.sentence, rows, prompt, max_new_tokens=args.max_new_tokens, num_beams=args.beams)
     if args.json:
         dump_json(res.to_dict())
@@ -134,6 +121,23 @@ def _compare(args, cat) -> int:
         print(f"{r.label.ljust(width)} | {r.text}")
     print(f"\n{len(res.rows)} methods in one batched decode: {res.seconds:.2f}s, {res.steps} steps")
     return 0
+
+
+def _range(d: dict) -> str:
+    if d["choices"]:
+        return "one of " + "/".join(map(str, d["choices"]))
+    return f"{d['low']}..{d['high']}" if d["low"] is not None else d["type"]
+
+
+def plugin_rows(plugins: list, task: str, backbone_name: str, set_args: list[str] | None) -> list[Row]:
+    """One row per plug-in with its complete decode settings (declared ← tuned for the task ← ``--set``)."""
+    labels = [p.method if sum(q.method == p.method for q in plugins) == 1 else f"{p.method}:{p.plugin_path.name}"
+              for p in plugins]
+    per_row = address_sets(parse_sets(set_args), [(p.plugin_path.name, type(p)) for p in plugins]
+                           + [(lb, type(p)) for lb, p in zip(labels, plugins)])
+    return [Row(lb, p, row_settings(p, task, backbone_name, resolve_row_settings((p.method, p.plugin_path.name, lb),
+                                                                               per_row)))
+            for lb, p in zip(labels, plugins)]
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backbone.model import StopForward
 from ground.errors import Cancelled
 from plugins.base import FitResult
 from plugins.network import (
@@ -75,12 +76,6 @@ class LoRAConfig(NetworkConfig):
         self._check(self.rank >= 1, "LoRA rank r must be ≥ 1.")
         self._check(self.alpha > 0 and math.isfinite(self.alpha), "LoRA α must be a positive number.")
         self._check(0.0 <= self.dropout < 1.0, "LoRA dropout must be in [0, 1).")
-
-
-class _StopForward(Exception):
-    def __init__(self, args, kwargs):
-        super().__init__("captured")
-        self.args, self.kwargs = args, kwargs
 
 
 def _detach(v):
@@ -166,7 +161,7 @@ class LoRA(NetworkPlugin):
         layer = bb.layers[-1]
 
         def pre(mod, args, kwargs):
-            raise _StopForward(args, kwargs)
+            raise StopForward((args, kwargs))
 
         out = []
         for idx in batches:
@@ -175,13 +170,12 @@ class LoRA(NetworkPlugin):
             ids, mask, labels = collate(bb, data, idx)
             h = layer.register_forward_pre_hook(pre, with_kwargs=True)
             try:
-                with torch.no_grad():
-                    bb.forward_fc(ids, attention_mask=mask)
-                raise RuntimeError("LoRA: the last decoder layer was never called")
-            except _StopForward as cap:
-                args, kwargs = _detach(cap.args), _detach(cap.kwargs)
+                stop = bb.forward_until_stopped(ids, attention_mask=mask)
             finally:
                 h.remove()
+            if stop is None:
+                raise RuntimeError("LoRA: the last decoder layer was never called")
+            args, kwargs = _detach(stop.captured[0]), _detach(stop.captured[1])
             if not args:
                 args = (kwargs.pop("hidden_states"),)
             out.append({"args": args, "kwargs": kwargs, "labels": labels, "tokens": int(mask.sum()),

@@ -95,13 +95,15 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
 
 
 class Attachment:
-    """One ``attach`` call: its rows and settings, and what its hooks recorded for ``network_trace``."""
+    """One ``attach`` call: its rows and settings, per-pass inputs of a training forward (``state``, e.g. the memory
+    adapter's memory-dropout mask), and what its hooks recorded for ``network_trace``."""
 
-    def __init__(self, rows, settings: dict):
+    def __init__(self, rows, settings: dict, state: dict | None = None):
         self.rows = rows
         self.settings = settings
+        self.state = dict(state or {})
         self.live = True
-        self.trace: dict | None = None  # {"per_row": [dict per row of the forward pass that recorded it]}
+        self.trace = None  # what the latest forward pass recorded (default layout: {"per_row": [dict per row]})
 
 
 class _Handle:
@@ -134,9 +136,6 @@ class NetworkPlugin(Plugin):
 
     def __init__(self, config, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)
-        self._gen: list[Attachment] = []   # attachments since the last time none was live
-        self._prev: list[Attachment] = []  # the previous generation (the prefill, for the first step's trace)
-        self._trace_ptr = 0
         self._cand = None  # (token ids, vocab → candidate index, head rows) while training with candidates
 
     @classmethod
@@ -147,49 +146,34 @@ class NetworkPlugin(Plugin):
                 tensors[k] = v[:, None].expand(-1, backbone.hidden_size).contiguous()
         return cls(config, backbone, memory_meta)
 
-    # --- decode-time settings -----------------------------------------------------------------------------
     # --- attaching ------------------------------------------------------------------------------------------
-    def attach(self, rows: torch.Tensor | None, settings: dict | None = None) -> list:
-        """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row); return handles."""
+    def attach(self, rows: torch.Tensor | None, settings: dict | None = None, **state) -> list:
+        """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row, as in training);
+        return handles (pass them to ``network_trace``). ``state``: per-pass inputs of a training forward."""
         self.to_backbone()
-        if not any(a.live for a in self._gen):
-            self._prev, self._gen = self._gen, []
         s = dict(self.decode_defaults)
         s.update(settings or {})
-        att = Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s)
-        self._gen.append(att)
-        self._trace_ptr = 0
+        att = Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s, state)
         return [_Handle(self._register_hooks(att), att)]
 
     def _register_hooks(self, att: Attachment) -> list:
         raise NotImplementedError
 
-    def network_trace(self) -> dict | None:
-        """The trace of the attachment whose turn it is (decode asks once per attached group, in attach order).
+    def network_trace(self, handles: list) -> dict | None:
+        """What the attachment ``handles`` (returned by ``attach``) recorded in its latest forward pass, keyed by
+        position within its ``rows``; None before its first pass (or for a plug-in without a trace). The handles
+        may already be removed."""
+        att = next((h.att for h in handles if isinstance(h, _Handle)), None)
+        if att is None or att.rows is None or att.trace is None:
+            return None
+        return self._trace_rows(att)
 
-        Keys are positions within that attachment's ``rows``. Before the first step's forward pass the trace of
-        the matching prefill attachment is used (one prefill row per source, broadcast to that source's rows).
-        """
-        if not self._gen:
-            return None
-        k = self._trace_ptr % len(self._gen)
-        self._trace_ptr += 1
-        att = self._gen[k]
-        tr = att.trace
-        if tr is None and k < len(self._prev):
-            tr = self._prev[k].trace
-        if tr is None or att.rows is None:
-            return None
-        per_row = tr["per_row"]
-        n, m = len(att.rows), len(per_row)
-        if m == 0 or n % m:
-            return None
-        rep = n // m
-        return {j: per_row[j // rep] for j in range(n)}
+    def _trace_rows(self, att: Attachment) -> dict:
+        """``att.trace`` as {position within ``att.rows``: dict}; subclasses recording another layout override it."""
+        return dict(enumerate(att.trace["per_row"]))
 
     def _record(self, att: Attachment, per_row: list[dict]) -> None:
         att.trace = {"per_row": per_row}
-        self._trace_ptr = 0
 
     # --- helpers for subclasses ---------------------------------------------------------------------------
     @staticmethod
@@ -212,8 +196,12 @@ class NetworkPlugin(Plugin):
             train = held
         train, held = split_for_early_stopping(train, held, self.config.seed)
         if len(held) > self.config.max_heldout:
-            held = SeqData(held.contexts[:self.config.max_heldout], held.targets[:self.config.max_heldout])
+            held = self._heldout_subset(held)
         return train, held
+
+    def _heldout_subset(self, held: SeqData) -> SeqData:
+        """The ``max_heldout`` held-out samples used for early stopping (default: the first ones)."""
+        return SeqData(held.contexts[:self.config.max_heldout], held.targets[:self.config.max_heldout])
 
     def calibrate_rms(self, modules: list[nn.Module], data: SeqData, n: int = 16) -> list[torch.Tensor]:
         """Per-feature RMS (a (d,) tensor) of each module's output over the real tokens of up to ``n`` training
@@ -266,18 +254,39 @@ class NetworkPlugin(Plugin):
         sel = labels.to(fc.device) != -100
         return self.target_nll(fc[sel], labels.to(fc.device)[sel]), int(sel.sum())
 
+    def hooked_seq_loss(self, ids, mask, labels, **state) -> tuple[torch.Tensor, int]:
+        """``seq_loss`` with this plug-in's hooks on every row for this one forward pass (``state``: see attach)."""
+        handles = self.attach(None, {}, **state)
+        try:
+            return self.seq_loss(ids, mask, labels)
+        finally:  # the graph is built: backward needs no hook, so none stays on the shared backbone
+            for h in handles:
+                h.remove()
+
+    def train_batch_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int, dict]:
+        """One training batch: (loss to minimise, target tokens, loss parts for the history). Default: the NLL of
+        the targets; a method with another objective (the memory adapter's) overrides it."""
+        loss, n_tgt = self.hooked_seq_loss(ids, mask, labels)
+        return loss, n_tgt, {}
+
     def target_nll(self, fc: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of pre-norm states ``fc`` (n, d) against ``targets`` through the frozen norm + LM head:
         over the whole vocabulary, or over the candidate vocabulary when ``softmax="candidates"``."""
+        return F.cross_entropy(self.target_logits(fc), self.target_index(targets))
+
+    def target_logits(self, fc: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of pre-norm states ``fc`` (n, d) through the frozen norm + LM head: every token, or the
+        candidate vocabulary's (in its order) while training with ``softmax="candidates"``."""
         bb = self.backbone
         cand = getattr(self, "_cand", None)
         if cand is None:
-            return F.cross_entropy(bb.logits_from_fc(fc).float(), targets)
-        normed = bb.final_norm(fc.to(bb.dtype))
-        logits = F.linear(normed, cand[2]).float()
-        if bb.softcap:
-            logits = torch.tanh(logits / bb.softcap) * bb.softcap
-        return F.cross_entropy(logits, cand[1][targets])
+            return bb.logits_from_fc(fc).float()
+        return bb.softcap_logits(F.linear(bb.final_norm(fc.to(bb.dtype)), cand[2]).float())
+
+    def target_index(self, targets: torch.Tensor) -> torch.Tensor:
+        """Token ids as column indices of ``target_logits``."""
+        cand = getattr(self, "_cand", None)
+        return targets if cand is None else cand[1][targets]
 
     def prepare_candidates(self, memory) -> dict:
         """With ``softmax="candidates"`` (as PEMA's fast mode): every token occurring as a memory value, the
@@ -322,27 +331,17 @@ class NetworkPlugin(Plugin):
         def train_loss(idx):
             guard.before_step()
             ids, mask, labels = collate(bb, train, idx.tolist())
-            handles = self.attach(None, {})
-            try:
-                loss, n_tgt = self.seq_loss(ids, mask, labels)
-            finally:  # the graph is built: backward needs no hook, so none stays on the shared backbone
-                for h in handles:
-                    h.remove()
+            loss, n_tgt, parts = self.train_batch_loss(ids, mask, labels)
             counts["tokens"] += int(mask.sum())
             counts["targets"] += n_tgt
-            return loss, {}
+            return loss, parts
 
         def heldout_loss():
             tot, n = 0.0, 0
             with torch.no_grad():
                 for b0 in range(0, len(held), cfg.batch_size):
                     ids, mask, labels = collate(bb, held, range(b0, min(len(held), b0 + cfg.batch_size)))
-                    handles = self.attach(None, {})
-                    try:
-                        loss, k = self.seq_loss(ids, mask, labels)
-                    finally:
-                        for h in handles:
-                            h.remove()
+                    loss, k = self.hooked_seq_loss(ids, mask, labels)
                     tot += float(loss) * k
                     n += k
             return tot / max(n, 1)

@@ -220,9 +220,7 @@ class PEMA(Plugin):
         normed = bb.final_norm(h_pd.to(bb.dtype)).float()
         w = bb.lm_head.weight if cand is None else bb.lm_head.weight[cand]
         logits = normed @ w.float().T
-        if bb.softcap:
-            logits = torch.tanh(logits / bb.softcap) * bb.softcap
-        return logits
+        return bb.softcap_logits(logits)
 
     # --- training ---------------------------------------------------------------------------------
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:

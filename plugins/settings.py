@@ -63,7 +63,8 @@ class Setting:
             return f"{'>' if self.low_open else '≥'} {self.low}"
         if self.high is not None:
             return f"≤ {self.high}"
-        return f"a {self.kind.__name__}"
+        name = self.kind.__name__
+        return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
     def coerce(self, value: Any, owner: str = "") -> Any:
         """``value`` as this setting's type, checked against its range/choices; a UserError naming the setting
