@@ -35,15 +35,23 @@ the same procedure runs on them. The total is capped at ``max_pairs`` (sentence 
 round-robin over samples).
 
 ``PhrasePair.length`` is the word count of the longer side; the adapter spreads pairs over layers by it.
+
+Capture (``capture_phrase_states``): the frozen backbone's states over each pair, at the layer the adapter gave it
+— the mean of that layer's self-attention output (``phrase_site``) over the source phrase's tokens and over the
+target phrase's tokens, teacher-forced on the memory's prompt — plus each layer's activation RMS. The memory
+adapter (``plugins/memory_adapter.py``) turns them into its memory items.
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from backbone.model import generate_greedy
+import torch
+
+from backbone.model import StopForward, generate_greedy
 from backbone.prompts import postprocess
 from ground.errors import Cancelled, UserError
 

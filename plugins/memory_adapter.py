@@ -51,8 +51,10 @@ Adaptations (besides the decoder-only placement), recorded here and in ``train_i
 Training (paper): L = NLL(full memory) + α·NLL(memory after dropout) + β·½(KL(p‖q) + KL(q‖p)), p and q the output
 distributions with the full and the dropped memory; memory dropout drops each adapted layer's whole memory (both
 sides: that layer's adapters become the identity) with probability 0.1, independently per sequence; T = 0.5,
-α = β = 5. The two passes run as one doubled batch. Early stopping on the memory's held-out samples (NLL with the
-full memory) through ``plugins.training.run_training``; with a time budget, a guard evaluates the held-out set once
+α = β = 5. The two passes run as one doubled batch (``train_batch_loss``). The rest is the in-network plug-ins' shared
+training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early stopping on a seeded subset of the
+memory's held-out samples (NLL with the full memory) through ``plugins.training.run_training``; with a time budget,
+a guard evaluates the held-out set once
 more before the step that would cross it, so the steps taken since the last evaluation are not thrown away (the
 loop keeps the best *evaluated* weights). ``softmax="candidates"`` (an option, not the default) restricts the training
 softmax (NLL and KL) to a candidate vocabulary — the memory's target tokens, the stop tokens and the LM's top-16
@@ -65,13 +67,16 @@ over the same memory's datastore (its keys are the *base* model's f(c); queries 
 paper queries its datastore with the adapted NMT model's decoder states). ``mixes_output = True`` makes the comparison
 decoder call ``mix`` on this plug-in's rows after the LM head, like an output-level plug-in.
 
-``network_trace()`` returns, per row of the group, the attention over memory items at each adapted layer:
+``network_trace(handles)`` returns, per row of the attachment ``handles`` (what ``attach`` returned), the attention
+over memory items at each adapted layer at the newest position of its latest forward pass:
 ``{j: {"layers": {l: [[phrase_index, weight], ...top k]}, "source_layers": {...}, "memory_share": {l: [1−g_tgt,
-1−g_src]}}}``; ``phrase_texts()[phrase_index]`` labels them. When one plug-in is attached for several groups
-(same plug-in, different settings), ``network_trace()`` answers for the live groups in attach order, one per call —
-the order in which ``plugins.decode`` asks. At decode time the memory products (W_q·W_kᵀ·Kᵀ, V·W_v, V·W_v·W_1b) are
-computed once per temperature and cached, so a step costs about d² + 3·d·n per adapter and token (n items in the
-layer); capturing the memory items stops each forward pass after the highest layer a batch needs.
+1−g_src]}}}``; ``phrase_texts()[phrase_index]`` labels them. At decode time the memory products (W_q·W_kᵀ·Kᵀ, V·W_v,
+V·W_v·W_1b) are computed once per temperature and cached, so a step costs about d² + 3·d·n per adapter and token
+(n items in the layer).
+
+The attach/hook machinery (rows, handles, traces) and the training loop are ``NetworkPlugin``'s
+(``plugins/network.py``); the capture of the memory items from the backbone is ``memories.phrases``'
+``capture_phrase_states``.
 """
 from __future__ import annotations
 
@@ -85,37 +90,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ground.errors import Cancelled
 from ground.errors import UserError
-from memories.phrases import phrase_pairs_for_memory
+from memories.phrases import capture_phrase_states, phrase_pairs_for_memory
 from memories.store import Memory
-from plugins.base import FitResult, MixInput, MixOutput, Plugin, PluginConfig
+from plugins.base import FitResult, MixInput, MixOutput
 from plugins.knn import KNN, KNNConfig
+from plugins.network import Attachment, NetworkConfig, NetworkPlugin, first_tensor, replace_first, rows_apply
 from plugins.registry import register
 from plugins.settings import Setting
-from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
-from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
+from plugins.seqtrain import SeqData
 
 SIDES = ("tgt", "src")
 
 
 @dataclass
-class MemoryAdapterConfig(PluginConfig):
-    temperature: float = 0.5        # T of the memory attention (paper 0.5)
-    alpha: float = 5.0              # weight of the NLL with dropped memory (paper 5)
-    beta: float = 5.0               # weight of the symmetric KL (paper 5)
-    memory_dropout: float = 0.1     # probability of dropping one layer's memory (paper 0.1)
+class MemoryAdapterConfig(NetworkConfig):
+    """The in-network plug-ins' training settings (``NetworkConfig``; this method's defaults below) and the
+    paper's memory, loss and allocation settings."""
+
+    # NetworkConfig's fields, with this method's defaults (its other fields: lr_schedule, softmax, candidate_top_k,
+    # evals_per_epoch — used only with eval_every = 0)
     lr: float = 3e-4
     batch_size: int = 4             # sequences per step (each runs twice: full and dropped memory)
     max_epochs: int = 5
     patience: int = 2               # held-out evaluations without improvement before stopping
-    eval_every: int = 5             # steps between held-out evaluations
-    max_heldout: int = 16           # held-out sequences used for early stopping
-    lr_schedule: str = "constant"
+    max_heldout: int = 16           # held-out sequences used for early stopping (a seeded random subset)
     max_minutes: float = 4.0        # wall-clock budget of the training loop (0 = none)
-    softmax: str = "full"           # "full" (exact) | "candidates" (faster CPU training, see the docstring)
-    candidate_top_k: int = 16       # "candidates": LM top tokens per sampled memory context
     candidate_contexts: int = 1024  # "candidates": how many memory contexts to sample
+    # this method's own
+    eval_every: int = 5             # steps between held-out evaluations (0: evals_per_epoch per epoch)
+    temperature: float = 0.5        # T of the memory attention (paper 0.5)
+    alpha: float = 5.0              # weight of the NLL with dropped memory (paper 5)
+    beta: float = 5.0               # weight of the symmetric KL (paper 5)
+    memory_dropout: float = 0.1     # probability of dropping one layer's memory (paper 0.1)
     layers: str = "all"             # "all" | "top:N" | "bottom:N" | "every:K" | "0,4,8"
     allocation: str = "short_to_long"   # "short_to_long" (paper's best) | "long_to_short" | "random"
     memory_side: str = "both"       # "both" | "target" | "source"
@@ -126,23 +133,14 @@ class MemoryAdapterConfig(PluginConfig):
     max_phrase_len_other: int = 10  # paper: 10 for other languages
     fuzzy_threshold: float = 0.6    # fallback alignment: character-trigram Dice
     capture_batch_size: int = 16
-    seed: int = 123
 
     def validate(self) -> None:
+        super().validate()
         c = self._check
         c(self.temperature > 0, "The memory temperature T must be positive.")
         c(self.alpha >= 0 and self.beta >= 0, "α and β must be ≥ 0.")
         c(0.0 <= self.memory_dropout < 1.0, "Memory dropout must be in [0, 1).")
-        c(self.lr > 0, "The learning rate must be positive.")
-        c(self.batch_size >= 1, "The batch size must be ≥ 1.")
-        c(self.max_epochs >= 0, "max_epochs must be ≥ 0.")
-        c(self.patience >= 1, "patience must be ≥ 1.")
         c(self.eval_every >= 0, "eval_every must be ≥ 0.")
-        c(self.max_heldout >= 1, "max_heldout must be ≥ 1.")
-        c(self.max_minutes >= 0, "max_minutes must be ≥ 0.")
-        c(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
-        c(self.softmax in ("full", "candidates"), "softmax must be 'full' or 'candidates'.")
-        c(self.candidate_top_k >= 0 and self.candidate_contexts >= 0, "Candidate settings must be ≥ 0.")
         c(self.allocation in ("short_to_long", "long_to_short", "random"),
           "allocation must be short_to_long, long_to_short or random.")
         c(self.memory_side in ("both", "target", "source"), "memory_side must be both, target or source.")

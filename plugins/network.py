@@ -48,7 +48,7 @@ class NetworkConfig(PluginConfig):
                     "candidate_top_k and candidate_contexts must be ≥ 0.")
         self._check(self.lr > 0, "The learning rate must be positive.")
         self._check(self.batch_size >= 1, "The batch size must be ≥ 1.")
-        self._check(self.max_epochs >= 1, "max_epochs must be ≥ 1.")
+        self._check(self.max_epochs >= 0, "max_epochs must be ≥ 0 (0 = keep the untrained plug-in).")
         self._check(self.patience >= 1, "patience must be ≥ 1.")
         self._check(self.evals_per_epoch >= 1, "evals_per_epoch must be ≥ 1.")
         self._check(self.max_heldout >= 1, "max_heldout must be ≥ 1.")

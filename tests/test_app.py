@@ -237,7 +237,7 @@ def test_failed_and_cancelled_jobs_leave_nothing_behind(flow):
         studio.jobs.handlers["build_memory"] = orig
     assert job["state"] == "cancelled" and "nothing was saved" in job["log"]
     # a training job that fails inside fit: the catalog gets no row and no folder stays behind
-    import studio.service as papi  # the name the service calls
+    import studio.plugin_service as papi  # the name the service calls
 
     real = papi.train_plugin
 

@@ -1,0 +1,168 @@
+"""The Studio's memories: preview and validate uploads, build jobs, list, inspect, delete."""
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+from backbone.prompts import TASKS
+from backbone.tasks import task_prompt
+from ground.errors import UserError
+from ground.jobs import JobContext
+from ground.store import new_id
+from memories.build import build_memory, register_memory
+from memories.corpora import available_corpora, load_corpus
+from memories.parse import Sample, detect_format, parse_samples, parse_samples_strict
+from memories.store import Memory
+from studio.payload import human_bytes
+
+
+MAX_PREVIEW_ROWS = 100
+
+
+class MemoryService:
+    """Memories: samples → a memory of hidden states (built as a background job)."""
+
+    # --- memories -----------------------------------------------------------------------------------------------
+    def corpora(self) -> dict[str, str]:
+        """Demo corpora this machine provides ({name: description}); empty when the module is missing."""
+        try:
+            return dict(available_corpora())
+        except Exception:  # noqa: BLE001 — a broken demo corpus must not break the page
+            return {}
+
+    def _corpus_samples(self, name: str, limit: int | None):
+        rows = load_corpus(name, limit=int(limit) if limit else None)
+        if not rows:
+            raise UserError(f"The demo corpus {name!r} is empty on this machine.")
+        return [Sample(r.get("src"), r["tgt"], i + 1) for i, r in enumerate(rows)]
+
+    def preview(self, data: bytes | str | None = None, filename: str | None = None, corpus: str | None = None,
+                limit: int | None = None) -> dict:
+        """Parse uploaded/pasted samples (or a demo corpus) without building anything.
+
+        Returns ``{"count", "monolingual", "problems": [...], "problem_count", "rows": [[line, src, tgt]],
+        "format", "ok"}``; per-line problems name their line.
+        """
+        if corpus:
+            samples, problems, fmt = self._corpus_samples(corpus, limit or 200), [], "demo corpus"
+        else:
+            if data is None or (isinstance(data, (str, bytes)) and not data.strip()):
+                return {"count": 0, "monolingual": 0, "problems": ["Nothing to preview yet: upload a file or "
+                                                                   "paste samples."],
+                        "problem_count": 1, "rows": [], "format": "", "ok": False}
+            samples, problems = parse_samples(data, filename)
+            text = data if isinstance(data, str) else data[:4096].decode("utf-8", "replace")
+            fmt = detect_format(filename, text)
+        return {"count": len(samples), "monolingual": sum(s.src is None for s in samples),
+                "problems": [str(p) for p in problems[:200]], "problem_count": len(problems),
+                "rows": [[s.line, s.src if s.src is not None else "(made by the backbone)", s.tgt]
+                         for s in samples[:MAX_PREVIEW_ROWS]],
+                "format": fmt, "ok": bool(samples) and not problems}
+
+    def submit_build(self, data: bytes | str | None = None, filename: str | None = None, *, name: str = "",
+                     task: str = "translation", mode: str = "teacher", corpus: str | None = None,
+                     limit: int | None = None, skip_invalid: bool = False) -> str:
+        """Validate the samples now (a bad upload fails here, before any job) and queue a memory build."""
+        if task not in TASKS:
+            raise UserError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)}.")
+        if mode not in ("teacher", "offsite"):
+            raise UserError("The build mode must be 'teacher' or 'offsite'.")
+        args: dict = {"name": (name or "").strip(), "task": task, "mode": mode}
+        if corpus:
+            samples = self._corpus_samples(corpus, limit)
+            args.update(corpus=corpus, limit=int(limit) if limit else None,
+                        name=args["name"] or f"{corpus} ({len(samples)} samples)")
+        else:
+            if data is None or not (data.strip() if isinstance(data, (str, bytes)) else data):
+                raise UserError("Upload a file, paste some samples, or pick a demo corpus first.")
+            samples = parse_samples_strict(data, filename, skip_invalid=skip_invalid)
+            up = self.root / "uploads"
+            up.mkdir(parents=True, exist_ok=True)
+            path = up / f"{secrets.token_hex(8)}{Path(filename or 'pasted.txt').suffix or '.txt'}"
+            path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
+            stem = Path(filename).stem if filename else "pasted samples"
+            args.update(upload=str(path), filename=filename or "pasted.txt", skip_invalid=bool(skip_invalid),
+                        name=args["name"] or stem)
+        args["count"] = len(samples)
+        return self.jobs.submit("build_memory", args)
+
+    def _job_build(self, job: JobContext) -> dict:
+        a = job.args
+        upload = Path(a["upload"]) if a.get("upload") else None
+        try:
+            if a.get("corpus"):
+                samples = self._corpus_samples(a["corpus"], a.get("limit"))
+            else:
+                if upload is None or not upload.exists():
+                    raise UserError("The uploaded file is gone (the app was restarted?); upload it again.")
+                samples = parse_samples_strict(upload.read_bytes(), a.get("filename"),
+                                               skip_invalid=a.get("skip_invalid", False))
+            bb = self._job_backbone(job)
+            with self.gate.use(holder=f"building memory {a['name']!r}"):
+                job.checkpoint = self.gate.checkpoint
+                mid = new_id("mem-")
+                job.log(f"Building memory {a['name']!r} from {len(samples)} samples ({a['mode']} mode)")
+                mem = build_memory(bb, samples, self.root / "memories" / mid,
+                                   prompt=task_prompt(a["task"], bb), task=a["task"], mode=a["mode"],
+                                   name=a["name"], progress=job.progress, should_stop=job.should_stop)
+            register_memory(self.catalog, mem)  # only now, after the folder is complete
+            s = mem.summary()
+            return {"memory_id": mem.id, "name": s["name"], "samples": s["samples"],
+                    "heldout_samples": s["heldout_samples"], "entries": s["entries"],
+                    "message": f"Memory {s['name']!r} ready: {s['entries']:,} entries from {s['samples']} samples "
+                               f"(+{s['heldout_samples']} held out)"}
+        finally:
+            if upload is not None:
+                upload.unlink(missing_ok=True)
+
+    def memories(self) -> list[dict]:
+        """Catalog rows of the memories, with ``usable`` (built on the loaded backbone) and a readable size."""
+        fp = self._bb.fingerprint if self._bb is not None else None
+        out = []
+        for r in self.catalog.memories():
+            stats = json.loads(r.get("meta") or "{}")
+            out.append({"id": r["id"], "name": r["name"], "task": r["task"], "mode": r["mode"],
+                        "backbone": r["backbone"], "samples": r["samples"], "entries": r["entries"],
+                        "heldout_samples": stats.get("heldout_samples", 0), "bytes": r["bytes"],
+                        "size": human_bytes(r["bytes"]), "created": r["created"],
+                        "usable": fp is None or r["fingerprint"] == fp})
+        return out
+
+    def _memory(self, memory_id: str):
+        row = self.catalog.memory(memory_id)
+        if row is None:
+            raise UserError(f"No memory {memory_id!r}: it may have been deleted.")
+        return Memory.load(row["path"])
+
+    def memory_detail(self, memory_id: str, limit: int = 500) -> dict:
+        """Summary, build statistics and samples (with synthetic sources flagged) of one memory."""
+        mem = self._memory(memory_id)
+        samples = mem.samples
+        return {"summary": mem.summary(), "stats": mem.meta.get("stats", {}), "prompt": mem.meta.get("prompt"),
+                "samples": [{"line": s.get("line"), "split": s["split"], "src": s["src"],
+                             "synthetic_src": bool(s.get("synthetic_src")), "tgt": s["tgt"]}
+                            for s in samples[:limit]],
+                "total_samples": len(samples)}
+
+    def heldout_samples(self, memory_id: str, limit: int = 200) -> list[dict]:
+        mem = self._memory(memory_id)
+        return [{"src": s["src"], "tgt": s["tgt"]} for s in mem.split_samples("heldout")[:limit]]
+
+    def delete_memory(self, memory_id: str) -> str:
+        busy = [j for j in self.jobs.list(states=("queued", "running"))
+                if j["args"].get("memory_id") == memory_id]
+        if busy:
+            raise UserError("A job is using this memory; cancel it or wait for it to finish first.")
+        row = self.catalog.memory(memory_id)
+        if row is None:
+            raise UserError(f"No memory {memory_id!r}.")
+        users = [p for p in self.catalog.plugins() if p["memory_id"] == memory_id]
+        self.catalog.delete_memory(memory_id)
+        with self._plugin_lock:
+            for p in users:
+                self._plugins.pop(p["id"], None)
+        note = (f" {len(users)} plug-in(s) were trained on it; kNN plug-ins read their memory when decoding and "
+                f"stop working." if users else "")
+        return f"Deleted memory {row['name']!r}.{note}"
+
