@@ -263,57 +263,13 @@ class LayerBlock(nn.Module):
         return (out * self.scale).to(a.dtype), info
 
 
-class _Group:
-    """One ``attach`` call: its rows, settings, hooks and the latest per-layer attention (for the trace)."""
-
-    def __init__(self, rows, settings: dict, key: str):
-        self.rows = rows
-        self.settings = settings
-        self.key = key
-        self.latest: dict | None = None
-        self.building: dict = {}
-        self.alive = True
-
-
-class _Handle:
-    def __init__(self, owner: "MemoryAdapterPlugin", handles: list, group: _Group):
-        self.owner, self.handles, self.group = owner, handles, group
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self.group.alive = False
-        if self.group in self.owner._groups:
-            self.owner._groups.remove(self.group)
-
-
-class _StopForward(Exception):
-    pass
-
-
-def _slot_span(ctx: list[int], empty: list[int]) -> tuple[int, int]:
-    """Token span of the source slot: what differs between the prompt with the phrase and with an empty slot."""
-    p = 0
-    while p < min(len(ctx), len(empty)) and ctx[p] == empty[p]:
-        p += 1
-    s = 0
-    while s < min(len(ctx), len(empty)) - p and ctx[-1 - s] == empty[-1 - s]:
-        s += 1
-    a, b = p, len(ctx) - s
-    if b <= a:
-        a, b = max(0, b - 1), max(1, b)
-    return a, b
-
-
 @register
-class MemoryAdapterPlugin(Plugin):
+class MemoryAdapterPlugin(NetworkPlugin):
     method = "memory_adapter"
     title = "Memory-augmented adapter"
     paper = ("Xu et al., Pluggable Neural Machine Translation Models via Memory-augmented Adapters, "
              "LREC-COLING 2024")
     Config = MemoryAdapterConfig
-    level = "network"
     mixes_output: ClassVar[bool] = True  # "+ kNN": the decoder also calls mix() on this plug-in's rows
     decode_settings = (
         Setting("temperature", 0.5, "T of the attention over the phrase memory (default: the trained one)",
@@ -330,11 +286,9 @@ class MemoryAdapterPlugin(Plugin):
         self.blocks = nn.ModuleDict()
         self.phrases: list[dict] = []
         self.phrase_stats: dict = {}
-        self._groups: list[_Group] = []
-        self._last_by_key: dict[str, dict] = {}
-        self._rr = 0
         self._knn = None
         self._prep_cache: dict[float, dict] = {}  # decode-time memory products per temperature
+        self._drop_rng: torch.Generator | None = None  # memory dropout while training
 
     # --- structure --------------------------------------------------------------------------------
     @property
@@ -398,76 +352,20 @@ class MemoryAdapterPlugin(Plugin):
         return stats
 
     def _capture(self, prompt, progress, should_stop) -> None:
-        bb = self.backbone
-        d = bb.hidden_size
-        empty = bb.encode_context(prompt.render(""))
-        items = []
-        for p in self.phrases:
-            ctx = bb.encode_context(prompt.render(p["src"]))
-            tgt = bb.encode_target(prompt.target_prefix + p["tgt"]) or bb.encode_target(p["tgt"])
-            items.append((p["layer"], ctx + tgt, _slot_span(ctx, empty), (len(ctx), len(ctx) + len(tgt))))
-        sums = {s: torch.zeros(len(items), d, dtype=torch.float64) for s in SIDES}
-        sumsq = {l: 0.0 for l in self.adapted_layers}
-        count = {l: 0 for l in self.adapted_layers}
-        order = sorted(range(len(items)), key=lambda i: (items[i][0], len(items[i][1])))
-        pad = bb.tokenizer.pad_token_id or 0
-        bs = self.config.capture_batch_size
-        done = 0
-        for b0 in range(0, len(order), bs):
-            if should_stop():
-                raise Cancelled()
-            idx = order[b0:b0 + bs]
-            top = max(items[i][0] for i in idx)
-            width = max(len(items[i][1]) for i in idx)
-            ids = torch.full((len(idx), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                seq = items[i][1]
-                ids[r, :len(seq)] = torch.tensor(seq)
-                mask[r, :len(seq)] = 1
-            outs: dict[int, torch.Tensor] = {}
-            handles = []
-
-            def make(layer):
-                def hook(module, args, output):
-                    outs[layer] = (output[0] if isinstance(output, tuple) else output).detach().float()
-                    if layer == top:
-                        raise _StopForward()
-                return hook
-
-            for l in self.adapted_layers:
-                if l <= top:
-                    handles.append(bb.layers[l].self_attn.register_forward_hook(make(l)))
-            try:
-                with torch.no_grad():
-                    bb.forward_fc(ids.to(bb.device), attention_mask=mask.to(bb.device))
-            except _StopForward:
-                pass
-            finally:
-                for h in handles:
-                    h.remove()
-            valid = mask.clone()
-            valid[:, 0] = 0  # BOS / first position: attention-sink outliers
-            valid = valid.to(bb.device).bool()
-            for l, a in outs.items():
-                sumsq[l] += float((a[valid].double() ** 2).sum())
-                count[l] += int(valid.sum())
-            for r, i in enumerate(idx):
-                layer, _, (sa, sb), (ta, tb) = items[i]
-                a = outs[layer][r]
-                sums["src"][i] = a[sa:sb].double().mean(0).cpu()
-                sums["tgt"][i] = a[ta:tb].double().mean(0).cpu()
-            done += len(idx)
-            progress(done / len(order), f"memory items {done}/{len(order)}")
+        """Memory items: the backbone's states over each phrase pair at its layer (``capture_phrase_states``),
+        divided by the layer's RMS s_l (kept as ``blocks.<l>.scale``)."""
+        items = [(p["layer"], p["src"], p["tgt"]) for p in self.phrases]
+        states = capture_phrase_states(self.backbone, prompt, items, self.adapted_layers,
+                                       self.config.capture_batch_size, progress, should_stop)
         start = 0
-        for l in self.adapted_layers:
+        for l in self.adapted_layers:  # self.phrases holds each layer's items contiguously, lowest layer first
             blk = self.blocks[str(l)]
             n = blk.mem_tgt.shape[0]
-            scale = math.sqrt(sumsq[l] / max(1, count[l] * d)) or 1.0
+            scale = states.rms[l]
             with torch.no_grad():
                 blk.scale.fill_(scale)
-                blk.mem_src.copy_((sums["src"][start:start + n] / scale).float())
-                blk.mem_tgt.copy_((sums["tgt"][start:start + n] / scale).float())
+                blk.mem_src.copy_((states.src[start:start + n] / scale).float())
+                blk.mem_tgt.copy_((states.tgt[start:start + n] / scale).float())
                 blk.phrase_ids.copy_(torch.arange(start, start + n))
             start += n
 
