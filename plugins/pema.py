@@ -3,8 +3,12 @@
 Model (paper §3, public code ``pema``, ``train_rct_pd.py``'s ``LoraLinear``):
     h_rct = s · B_rct · A · drop(f(c)),   h_pd = s · B_pd · A · drop(f(c)),   A ∈ R^{r×d}, B_rct, B_pd ∈ R^{d×r}
     s = α/r (``lora_alpha`` / r): the public code multiplies both outputs by ``scaling = lora_alpha / r`` with
-    ``lora_alpha=1`` and r = 512, i.e. s = 1/512 (the paper does not mention it). ``drop`` is the dropout on the
-    adapter input (p = 0.2); the public code draws it separately for h_pd and for h_rct, and so does ``fit``.
+    ``lora_alpha=1`` and r = 512, i.e. s = 1/512 (the paper does not mention it). Adam's steps are ~lr whatever
+    the gradient's size, so with s = 1/512 B_rct needs ~10× the steps to reach a reconstruction (synthetic check in
+    README "PEMA"; the public code trains up to 200 epochs); ``rct_init="pca"`` starts there for any s, and
+    ``lora_alpha`` = r gives s = 1 (this project's earlier parametrisation). P_PEMA does not depend on s (RMSNorm
+    is scale invariant, up to its ε). ``drop`` is the dropout on the adapter input (p = 0.2); the public code
+    draws it separately for h_pd and for h_rct, and so does ``fit``.
     Init as the public code's ``reset_parameters``: A Kaiming-uniform (a = √5, bound 1/√d), B_rct and B_pd zero
     (``b_init="zeros"``; ``b_init="random"`` — B like A — is what this project did before, kept as an option).
     P_PEMA(w|c) = softmax(W_hd · norm(h_pd))   with the backbone's frozen final norm and LM head W_hd.
@@ -35,10 +39,10 @@ Adaptations, all recorded in the plug-in's ``train_info``:
     * f(c) is divided by the memory's key RMS (``key_scale``) before the adapter. Gemma 3's pre-norm states have
       an RMS near 1,300; raw, the reconstruction MSE (~1e5) swamps L_pd at κ = 0.2. The final RMSNorm is scale
       invariant, so P_PEMA is the paper's formula on the rescaled input.
-    * ``softmax="candidates"`` (fast CPU training): L_pd's softmax runs over a candidate vocabulary — every
+    * ``softmax="candidates"`` (fast training): L_pd's softmax runs over a candidate vocabulary — every
       token that occurs as a memory value plus the LM's top tokens on a sample of memory contexts — instead of
       all V tokens; at decode P_PEMA is then restricted to the same candidates, so training and decoding agree.
-      ``softmax="full"`` is the exact method. It is the default on every device: with it a step costs
+      ``softmax="full"`` is the exact method. The candidate softmax is the default on every device: a step costs
       O(batch·r·d + batch·|candidates|·d) instead of O(batch·V·d), which is what makes a paper-sized batch (2,048
       entries) cheap on a CPU, and on Gemma's 262k vocabulary it saves most of a GPU step too. The candidates
       come from the *training* entries only (held-out targets never enter them).
