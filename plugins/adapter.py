@@ -53,13 +53,14 @@ from plugins.network import (
     rows_apply,
 )
 from plugins.registry import register
+from plugins.settings import setting
 
 
 # --- the adapter ------------------------------------------------------------------------------------------------
 @dataclass
 class AdapterConfig(NetworkConfig):
-    bottleneck: int = 64            # m (paper: 10–300 per task)
-    ln_eps: float = 1e-5
+    bottleneck: int = setting(64, "m (paper: 10–300 per task)", low=1, high=65536)
+    ln_eps: float = setting(1e-5)
 
     def validate(self) -> None:
         super().validate()

@@ -25,19 +25,19 @@ import torch
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, Plugin, PluginConfig
 from plugins.registry import register
-from plugins.settings import Setting
+from plugins.settings import Setting, setting
 from ground.errors import UserError
 
 
 @dataclass
 class KNNConfig(PluginConfig):
-    search: str = "auto"              # "auto" | "exact" | "faiss"
-    exact_max_entries: int = 500_000
-    ivf_lists: int = 0                # 0: about 4·√N
-    pq_m: int = 64                    # PQ sub-quantizers (must divide d; lowered automatically if not)
-    nprobe: int = 32
-    normalize_keys: bool = True
-    max_neighbours_traced: int = 8
+    search: str = setting("auto", "\"auto\" | \"exact\" | \"faiss\"")
+    exact_max_entries: int = setting(500_000)
+    ivf_lists: int = setting(0, "0: about 4·√N", low=0, high=1000000)
+    pq_m: int = setting(64, "PQ sub-quantizers (must divide d; lowered automatically if not)", low=0, high=1024)
+    nprobe: int = setting(32)
+    normalize_keys: bool = setting(True)
+    max_neighbours_traced: int = setting(8)
 
     def validate(self) -> None:
         self._check(self.search in ("auto", "exact", "faiss"), "search must be auto, exact or faiss.")

@@ -56,6 +56,7 @@ from plugins.network import (
     rows_apply,
 )
 from plugins.registry import register
+from plugins.settings import setting
 from plugins.seqtrain import SeqData, collate
 from plugins.training import BudgetGuard, run_training
 from ground.errors import UserError
@@ -65,11 +66,12 @@ OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
 
 @dataclass
 class LoRAConfig(NetworkConfig):
-    rank: int = 512               # r (PEMA paper's LoRA baseline), capped at d and the projection's sizes
-    alpha: float = 1.0            # α (paper); the delta is scaled by α / r
-    dropout: float = 0.0          # LoRA dropout on the projection's input (peft ``lora_dropout``)
-    lr: float = 1e-2              # high for LoRA, because α / r = 1/512 scales the delta down
-    max_epochs: int = 10          # steps are cheap: only the last layer and the LM head run
+    rank: int = setting(512, "r (PEMA paper's LoRA baseline), capped at d and the projection's sizes", low=1, high=8192)
+    alpha: float = setting(1.0, "α (paper); the delta is scaled by α / r", low=0.0, high=1e6)
+    dropout: float = setting(0.0, "LoRA dropout on the projection's input (peft ``lora_dropout``)", low=0.0, high=0.99)
+    lr: float = setting(
+        1e-2, "high for LoRA, because α / r = 1/512 scales the delta down", low=0.0, low_open=True, high=1.0)
+    max_epochs: int = setting(10, "steps are cheap: only the last layer and the LM head run", low=0, high=1000)
 
     def validate(self) -> None:
         super().validate()

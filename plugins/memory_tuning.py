@@ -49,7 +49,7 @@ Further adaptations (all recorded in ``train_info``):
     * W_o of MT-F starts at zero (identity at start); W_o of MT-M is small random, its gate g is zero.
     * Decode-time setting ``scale`` σ multiplies ΔH (MT-F) and λ (MT-M); 1 = as trained, 0 = off.
 
-``network_trace()`` gives, per decoded row, the last layer's attention over its k FFN memory slots (the attention
+``network_trace(handles)`` gives, per decoded row, the last layer's attention over its k FFN memory slots (the attention
 memory's for MT-M) at the newest position, for the Studio's heat map.
 """
 from __future__ import annotations
@@ -71,6 +71,7 @@ from plugins.network import (
     rows_apply,
 )
 from plugins.registry import register
+from plugins.settings import setting
 
 VARIANTS = ("MT-F", "MT-M", "MT-MF")
 TRACE_TOP = 5
@@ -78,12 +79,12 @@ TRACE_TOP = 5
 
 @dataclass
 class MemoryTuningConfig(NetworkConfig):
-    variant: str = "MT-MF"       # MT-F (FFN memory) | MT-M (attention memory, prefix-style) | MT-MF (both)
-    slots: int = 50              # k memory slots per layer and component
-    query_dim: int = 16          # l: W_query maps d → l
-    key_dim: int = 16            # s: W_key maps d_m → s (must equal l)
-    slot_dim: int = 64           # d_m
-    value_dim: int = 64          # d_v
+    variant: str = setting("MT-MF", "MT-F (FFN memory) | MT-M (attention memory, prefix-style) | MT-MF (both)")
+    slots: int = setting(50, "k memory slots per layer and component")
+    query_dim: int = setting(16, "l: W_query maps d → l")
+    key_dim: int = setting(16, "s: W_key maps d_m → s (must equal l)")
+    slot_dim: int = setting(64, "d_m")
+    value_dim: int = setting(64, "d_v")
 
     def validate(self) -> None:
         super().validate()

@@ -63,38 +63,40 @@ from torch import nn
 
 from plugins.base import FitResult, MixInput, Plugin, PluginConfig, mix_logprobs  # noqa: F401 (re-export)
 from plugins.registry import register
-from plugins.settings import Setting
+from plugins.settings import Setting, setting
 from plugins.training import LoopSettings, candidate_vocabulary, early_stopping_split, run_training
 
 
 @dataclass
 class PEMAConfig(PluginConfig):
-    rank: int = 512            # r (paper/code: 512), capped at the hidden size d
-    kappa: float = 0.2         # κ weight of L_rct in the joint phase
-    lr: float = 1e-3           # Adam, β (0.9, 0.999), eps 1e-8
-    dropout: float = 0.2       # on the adapter input
+    rank: int = setting(512, "r (paper/code: 512), capped at the hidden size d", low=1, high=8192)
+    kappa: float = setting(0.2, "κ weight of L_rct in the joint phase", low=0.0, high=1.0)
+    lr: float = setting(1e-3, "Adam, β (0.9, 0.999), eps 1e-8", low=0.0, low_open=True, high=1.0)
+    dropout: float = setting(0.2, "on the adapter input", low=0.0, high=0.99)
     # entries per step. Public scripts: 2,048 (joint phase) to 20,480 / 40,960 (reconstruction); 2,048 is the
     # joint-phase value; with the candidate softmax ~1 s/step on Gemma on 2 CPU cores (module docstring, README).
-    batch_size: int = 2048
-    max_epochs_rct: int = 10
-    max_epochs_joint: int = 20
-    patience: int = 2
-    lr_schedule: str = "constant"   # "constant" (paper) | "cosine"
-    softmax: str = "candidates"     # "candidates" (fast) | "full" (exact)
-    candidate_top_k: int = 16       # LM top tokens per sampled context added to the candidates
-    candidate_contexts: int = 2048  # how many memory contexts to sample for the LM's top tokens
-    max_minutes: float = 10.0       # wall-clock budget per phase (0 = none)
-    normalize_input: bool = True    # divide f(c) by the memory's key RMS
+    batch_size: int = setting(2048, low=1, high=65536)
+    max_epochs_rct: int = setting(10, low=0, high=1000)
+    max_epochs_joint: int = setting(20, low=0, high=1000)
+    patience: int = setting(2, low=0, high=1000)
+    lr_schedule: str = setting("constant", "\"constant\" (paper) | \"cosine\"")
+    softmax: str = setting("candidates", "\"candidates\" (fast) | \"full\" (exact)")
+    candidate_top_k: int = setting(16, "LM top tokens per sampled context added to the candidates", low=0, high=1024)
+    candidate_contexts: int = setting(
+        2048, "how many memory contexts to sample for the LM's top tokens", low=0, high=1000000)
+    max_minutes: float = setting(10.0, "wall-clock budget per phase (0 = none)", low=0.0, high=1440.0)
+    normalize_input: bool = setting(True, "divide f(c) by the memory's key RMS")
     # joint-phase start: "random" (paper: A re-initialised, B_pd fresh) | "rct" (A re-initialised, B_pd = B_rct)
     # | "warm" (A kept, B_pd = B_rct: P_PEMA starts at the reconstruction's P, close to P_LM)
-    pd_init: str = "random"
-    decode_vocab: str = "candidates"  # after candidate training, P_PEMA over "candidates" | "full" vocabulary
-    rct_init: str = "random"        # phase-1 start: "random" (paper) | "pca" (the linear autoencoder's optimum)
+    pd_init: str = setting("random")
+    decode_vocab: str = setting(
+        "candidates", "after candidate training, P_PEMA over \"candidates\" | \"full\" vocabulary")
+    rct_init: str = setting("random", "phase-1 start: \"random\" (paper) | \"pca\" (the linear autoencoder's optimum)")
     # α of the public code's LoraLinear: h = (α/r)·B·A·x with lora_alpha = 1, r = 512. 0 = no factor (plug-ins
     # saved before this setting existed load with 0, so they decode as they were trained).
-    lora_alpha: float = 1.0
-    b_init: str = "zeros"           # B_rct, B_pd start: "zeros" (public code) | "random" (Kaiming-uniform, as A)
-    seed: int = 123
+    lora_alpha: float = setting(1.0, low=0.0, high=1e6)
+    b_init: str = setting("zeros", "B_rct, B_pd start: \"zeros\" (public code) | \"random\" (Kaiming-uniform, as A)")
+    seed: int = setting(123, low=0, high=2**31 - 1)
 
     def validate(self) -> None:
         self._check(self.rank >= 1, "PEMA rank r must be ≥ 1.")

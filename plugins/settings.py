@@ -70,6 +70,8 @@ class Setting:
         """``value`` as this setting's type, checked against its range/choices; a UserError naming the setting
         otherwise (strings from forms and command lines are parsed)."""
         where = f"{owner} setting {self.name!r}" if owner else f"Setting {self.name!r}"
+        if self.help:
+            where += f" ({self.help})"
         bad = UserError(f"{where} must be {self.range_text()}; got {value!r}.")
         kind = self.kind
         if kind is bool:

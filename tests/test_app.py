@@ -206,7 +206,7 @@ def test_bad_upload_shows_the_message_and_builds_nothing(served):
 
 def test_bad_settings_and_unknown_ids_are_user_errors(flow):
     client = flow["client"]
-    with pytest.raises(Exception, match="κ must be in"):
+    with pytest.raises(Exception, match="kappa.*κ.*between 0.0 and 1.0"):
         client.predict(flow["memory_id"], "pema", {"kappa": 3}, "", api_name="/train")
     with pytest.raises(Exception, match="Unknown setting"):
         client.predict(flow["memory_id"], "pema", {"rnak": 3}, "", api_name="/train")

@@ -46,7 +46,7 @@ def test_config_fields_are_declared_settings_with_types(tiny, tiny_memory):
         epochs: int = setting(3, "passes over the memory", low=0, high=100)
 
     assert ProbeConfig.from_dict({"epochs": "7"}).epochs == 7
-    with pytest.raises(UserError, match="'epochs' must be between 0 and 100"):
+    with pytest.raises(UserError, match=r"'epochs' \(passes over the memory\) must be between 0 and 100"):
         ProbeConfig.from_dict({"epochs": 10**9})
     with pytest.raises(UserError, match="'seed' must be an int"):
         ProbeConfig.from_dict({"seed": "x"})

@@ -19,9 +19,29 @@ def _method_info(m: dict | None) -> str:
     level = {"output": "output-level: mixes the next-token distribution",
              "network": "in-network: changes the backbone's hidden states of its own rows",
              }.get(m["level"], m["level"])
-    dec = ", ".join(f"{k}={v}" for k, v in m.get("decode", {}).items()) or "none"
+    dec = ", ".join(f"{d['name']}={d['default']}" + (" (live)" if d["live"] else "")
+                    for d in m.get("decode_settings", [])) or "none"
     return (f"<div class='pema-help'><b>{render.esc(m['title'])}</b> — {render.esc(level)}.<br>"
-            f"{render.esc(m['paper'])}<br>Decode-time settings (live in Compare): {render.esc(dec)}</div>")
+            f"{render.esc(m['paper'])}<br>Decode-time settings (set in Compare): {render.esc(dec)}</div>")
+
+
+SETTING_HEADERS = ["setting", "default", "allowed", "what it does"]
+
+
+def settings_rows(m: dict | None) -> list[list]:
+    """The method's declared training settings as a reference table for the hyperparameter editor."""
+    out = []
+    for d in (m or {}).get("training_settings", []):
+        if d["choices"]:
+            allowed = " | ".join(map(str, d["choices"]))
+        elif d["low"] is not None or d["high"] is not None:
+            lo = "" if d["low"] is None else f"{'>' if d['low_open'] else '≥'} {d['low']}"
+            hi = "" if d["high"] is None else f"≤ {d['high']}"
+            allowed = f"{d['type']} {lo}{', ' if lo and hi else ''}{hi}"
+        else:
+            allowed = d["type"]
+        out.append([d["name"], json.dumps(d["default"]), allowed, d["help"]])
+    return out
 
 
 def build(studio) -> SimpleNamespace:
@@ -39,6 +59,10 @@ def build(studio) -> SimpleNamespace:
             name = gr.Textbox(label="Name (optional)", placeholder="defaults to “<method> on <memory>”")
             config = gr.Code(render.settings_json(methods[first]["config"]) if first else "{}", language="json",
                              label="Hyperparameters (paper defaults; edit the JSON)", lines=10, max_lines=18)
+            with gr.Accordion("What each setting does", open=False):
+                settings_ref = gr.Dataframe(headers=SETTING_HEADERS, value=settings_rows(methods.get(first)),
+                                            interactive=False, wrap=True, max_height=260,
+                                            column_widths=["22%", "14%", "18%", "46%"], elem_id="train-settings-ref")
             with gr.Row():
                 reset = gr.Button("Paper defaults", size="sm")
                 train = gr.Button("Train in background", variant="primary", elem_id="train-plugin")
@@ -66,10 +90,11 @@ def build(studio) -> SimpleNamespace:
     # --- training form ------------------------------------------------------------------------------------------
     def on_method(m):
         mm = methods.get(m)
-        return _method_info(mm), render.settings_json(mm["config"]) if mm else "{}"
+        return (_method_info(mm), render.settings_json(mm["config"]) if mm else "{}",
+                gr.update(value=settings_rows(mm)))
 
-    method.change(on_method, method, [info, config], show_progress="hidden")
-    reset.click(on_method, method, [info, config], show_progress="hidden", api_visibility="private")
+    method.change(on_method, method, [info, config, settings_ref], show_progress="hidden")
+    reset.click(on_method, method, [info, config, settings_ref], show_progress="hidden", api_visibility="private")
 
     @user_errors
     def do_train(mem, m, cfg_text, nm):
