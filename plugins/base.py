@@ -193,8 +193,9 @@ class Plugin(nn.Module):
         """Register forward hooks acting on batch rows ``rows`` only; return the handles."""
         return []
 
-    def network_trace(self) -> dict | None:
-        """After a step: per-row attention over memory items etc. (in-network methods that have one)."""
+    def network_trace(self, handles: list) -> dict | None:
+        """What the attachment ``handles`` (returned by ``attach``) recorded in its latest forward pass, e.g. the
+        attention over memory items, as {position within its rows: dict}; None when it has none (yet)."""
         return None
 
     def prepare_decode(self) -> None:

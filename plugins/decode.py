@@ -9,6 +9,11 @@ without in-network plug-ins share one prefill) and its KV cache is repeated over
 
 Greedy by default; ``num_beams > 1`` runs beam search per row (no length penalty; a row stops when its best
 finished hypothesis scores at least as well as its best live one, which is exact since scores only decrease).
+
+``decode_batch`` is a loop over pieces that can be used (and tested) alone: ``plan_batch`` (the request and the
+batch layout, ``Batch``), ``prefill`` (prompts, prefix KV cache, repeat over rows and beams), ``decode_step`` (LM
+head, mixing, trace of one step), ``Beams.select`` (greedy / beam token selection) and ``forward_step`` (the next
+forward pass).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import torch
 
 from backbone.model import Backbone
 from backbone.prompts import Prompt, common_prefix_len, postprocess
-from plugins.base import MixInput, Plugin
+from plugins.base import MixInput, MixOutput, Plugin
 from ground.errors import UserError
 
 TOP = 5
@@ -173,10 +178,114 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     A single source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
     earlier decode with the same prefill groups (``PREFIX_KV``), so only the source's own tokens are prefilled.
 
-    Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j. Left padding is masked out; rotary
-    position offsets cancel in attention scores, so a padded row computes what it would alone (up to float
-    rounding).
+    Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j (``Batch``). Left padding is masked
+    out; rotary position offsets cancel in attention scores, so a padded row computes what it would alone (up to
+    float rounding).
     """
+    t0 = time.time()
+    batch = plan_batch(backbone, sources, rows, prompt, num_beams, contexts)
+    fc_last, cache, mask, prefill_handles = prefill(backbone, batch, use_prefix_cache)
+    beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
+    steps = 0
+    attached: list[tuple[NetGroup, list, list]] = []  # (group, its step handles, its prefill handles)
+    try:
+        for grp, pre in zip(batch.net, prefill_handles):
+            attached.append((grp, grp.plugin.attach(grp.rows, grp.settings), pre))
+        for step in range(max_new_tokens):
+            steps = step + 1
+            out = decode_step(backbone, batch, fc_last, step, attached if trace else None)
+            next_tok, src = beams.select(out.final, trace_item(backbone, out) if trace else None)
+            if beams.all_done:
+                break
+            fc_last, cache, mask = forward_step(backbone, cache, mask, next_tok, src if batch.B > 1 else None,
+                                                padded=batch.S > 1)
+    finally:
+        for _, handles, _ in attached:
+            for h in handles:
+                h.remove()
+    return _comparisons(backbone, batch, beams, steps, time.time() - t0)
+
+
+# --- the batch: request and layout ---------------------------------------------------------------------------------
+@dataclass
+class NetGroup:
+    """Rows with the same in-network plug-in and settings: one prefill row per source, one attachment of hooks."""
+
+    plugin: Plugin
+    key: str                  # the settings as JSON (with the plug-in, what the prefix cache is keyed by)
+    settings: dict
+    members: list[int]        # row indices
+    prefill: int = 0          # its prefill group
+    rows: torch.Tensor | None = None  # its batch rows during the steps
+
+
+@dataclass
+class OutGroup:
+    """Rows whose plug-in mixes the output distribution (output-level, or in-network with ``mixes_output``)."""
+
+    plugin: Plugin
+    rows: torch.Tensor        # batch rows
+    settings: list[dict]      # per batch row
+    src_lens: list[int]       # per batch row
+
+
+@dataclass
+class Batch:
+    """One batched decode: S sources × R rows × B beams at batch row ``(s·R + r)·B + j``, the rows' settings and
+    groups. Prefill group 0 holds the rows without an in-network plug-in (when there are any: ``shared``), then one
+    group per in-network group; prefill row ``s·G + g``."""
+
+    sources: list[str]
+    rows: list[Row]
+    prompt: Prompt
+    contexts: list[list[int]]
+    src_lens: list[int]
+    settings: list[dict]      # per row, complete
+    num_beams: int
+    net: list[NetGroup]
+    out: list[OutGroup]
+    shared: int
+    group_of_row: list[int]   # prefill group per row
+
+    @property
+    def S(self) -> int:
+        return len(self.sources)
+
+    @property
+    def R(self) -> int:
+        return len(self.rows)
+
+    @property
+    def B(self) -> int:
+        return self.num_beams
+
+    @property
+    def N(self) -> int:
+        return self.S * self.R * self.B
+
+    @property
+    def G(self) -> int:
+        return self.shared + len(self.net)
+
+    def batch_rows(self, members: list[int]) -> list[int]:
+        """The batch rows of rows ``members``: every source, every beam."""
+        return [(s * self.R + i) * self.B + j for s in range(self.S) for i in members for j in range(self.B)]
+
+    def source_of(self, b: int) -> int:
+        return b // (self.R * self.B)
+
+    def row_of(self, b: int) -> int:
+        return (b // self.B) % self.R
+
+    def prefill_row(self, b: int) -> int:
+        """The prefill row whose KV cache batch row ``b`` starts from."""
+        return self.source_of(b) * self.G + self.group_of_row[self.row_of(b)]
+
+
+def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
+               num_beams: int = 1, contexts: list[list[int]] | None = None) -> Batch:
+    """Check a request and lay out its batch: every row's complete settings, in-network groups by (plug-in,
+    settings), output-level groups by plug-in."""
     if not rows:
         raise UserError("Choose at least one method to compare.")
     if not sources or any(not s or not s.strip() for s in sources):
@@ -186,210 +295,279 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     for r in rows:
         if r.plugin is not None and r.plugin.fingerprint != backbone.fingerprint:
             backbone.check_fingerprint(r.plugin.fingerprint, f"The plug-in of row {r.label!r}")
-    t0 = time.time()
     prompt = prompt or Prompt(chat=backbone.chat)
     ctxs = contexts or [backbone.encode_context(prompt.render(s)) for s in sources]
     src_lens = [len(backbone.encode_target(s.strip())) for s in sources]
-    dev = backbone.device
-    S, R, B = len(sources), len(rows), num_beams
-    SR = S * R
-    N = SR * B
     settings = [r.plugin.settings(r.settings) if r.plugin is not None else {} for r in rows]
     for r in rows:
         if r.plugin is not None:
             r.plugin.prepare_decode()
-
-    # Groups: in-network plug-ins by (plug-in, settings); output-level plug-ins by plug-in.
-    net_groups: dict[tuple, list[int]] = {}
-    out_groups: dict[int, list[int]] = {}
+    net: dict[tuple, NetGroup] = {}
+    out: dict[int, tuple[Plugin, list[int]]] = {}
     for i, r in enumerate(rows):
         if r.plugin is None:
             continue
         if r.plugin.level == "network":
-            net_groups.setdefault((id(r.plugin), _key(settings[i])), []).append(i)
+            k = _key(settings[i])
+            if (id(r.plugin), k) not in net:
+                net[(id(r.plugin), k)] = NetGroup(r.plugin, k, settings[i], [])
+            net[(id(r.plugin), k)].members.append(i)
         if r.plugin.level == "output" or r.plugin.mixes_output:
-            out_groups.setdefault(id(r.plugin), []).append(i)
-    plugin_of = {id(r.plugin): r.plugin for r in rows if r.plugin is not None}
-    net_list = list(net_groups.items())
-
-    # Prefill: per source, one batch row for all rows without in-network plug-ins (if there are any) and one per
-    # in-network group.
+            out.setdefault(id(r.plugin), (r.plugin, []))[1].append(i)
     shared = int(any(r.plugin is None or r.plugin.level != "network" for r in rows))
-    G = shared + len(net_list)
-    group_of_row = [0] * R
-    for g, (_, members) in enumerate(net_list, start=shared):
-        for i in members:
-            group_of_row[i] = g
-    width = max(len(c) for c in ctxs)
-    pad = backbone.tokenizer.pad_token_id or 0
-    ids = torch.full((S * G, width), pad, dtype=torch.long)
-    mask = torch.zeros((S * G, width), dtype=torch.long)
-    for s_i, c in enumerate(ctxs):
-        for g in range(G):
-            ids[s_i * G + g, width - len(c):] = torch.tensor(c)
-            mask[s_i * G + g, width - len(c):] = 1
+    batch = Batch(list(sources), list(rows), prompt, ctxs, src_lens, settings, num_beams, list(net.values()), [],
+                  shared, [0] * len(rows))
+    dev = backbone.device
+    for g, grp in enumerate(batch.net, start=shared):
+        grp.prefill = g
+        grp.rows = torch.tensor(batch.batch_rows(grp.members), device=dev)
+        for i in grp.members:
+            batch.group_of_row[i] = g
+    for plugin, members in out.values():
+        rr = batch.batch_rows(members)
+        batch.out.append(OutGroup(plugin, torch.tensor(rr, device=dev), [settings[batch.row_of(b)] for b in rr],
+                                  [src_lens[batch.source_of(b)] for b in rr]))
+    return batch
+
+
+# --- prefill -------------------------------------------------------------------------------------------------------
+def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True):
+    """Encode the prompts and start every batch row's KV cache.
+
+    One prefill row per (source, prefill group), each in-network group's hooks attached to its prefill rows; a
+    single source reuses the cached KV of the prompt's shared prefix (``PREFIX_KV``). Each prefill row's cache is
+    then repeated over its rows and beams. Returns (f(c) at the last position per batch row, the KV cache, the
+    attention mask per batch row, and per in-network group the handles of its prefill attachment — removed; their
+    trace stands for the first step's).
+    """
+    S, G, dev = batch.S, batch.G, backbone.device
+    ids, mask = _left_padded(batch.contexts, G, backbone.tokenizer.pad_token_id or 0)
     ids, mask = ids.to(dev), mask.to(dev)
-    handles = []
+    attached: list[list] = []
     try:
-        for g, ((pid, _), members) in enumerate(net_list, start=shared):
-            handles += plugin_of[pid].attach(torch.tensor([s_i * G + g for s_i in range(S)], device=dev),
-                                             settings[members[0]])
+        for grp in batch.net:
+            attached.append(grp.plugin.attach(torch.tensor([s * G + grp.prefill for s in range(S)], device=dev),
+                                              grp.settings))
         with torch.no_grad():
-            P, past = 0, None
-            if S == 1 and use_prefix_cache:
-                groups = [(None, None)] * shared + [(plugin_of[pid], k) for pid, k in net_groups]
-                P, past = PREFIX_KV.get(backbone, groups, ctxs[0])
-                if past is None:
-                    P = PREFIX_KV.shared_len(backbone, prompt, sources[0], ctxs[0])
-                    if P:
-                        past = backbone.forward_fc(ids[:, :P], use_cache=True)[1].past_key_values
-                        PREFIX_KV.put(backbone, groups, ctxs[0][:P], past)
+            P, past = _cached_prefix(backbone, batch, ids) if S == 1 and use_prefix_cache else (0, None)
             fc, out = backbone.forward_fc(ids[:, P:], attention_mask=mask if S > 1 else None, past_key_values=past,
                                           use_cache=True)
     finally:
-        for h in handles:
-            h.remove()
+        for handles in attached:
+            for h in handles:
+                h.remove()
     cache = out.past_key_values
-    src_rows = torch.tensor([(b // (R * B)) * G + group_of_row[(b // B) % R] for b in range(N)], device=dev)
+    src_rows = torch.tensor([batch.prefill_row(b) for b in range(batch.N)], device=dev)
     cache.batch_select_indices(src_rows)
-    mask = mask[src_rows]
-    fc_last = fc[src_rows, -1]
+    return fc[src_rows, -1], cache, mask[src_rows], attached
 
-    def rows_of(members: list[int]) -> torch.Tensor:
-        return torch.tensor([(s_i * R + i) * B + j for s_i in range(S) for i in members for j in range(B)],
-                            device=dev)
 
-    net_rows = [(plugin_of[pid], rows_of(m), settings[m[0]]) for (pid, _), m in net_list]
-    out_rows = []
-    for pid, m in out_groups.items():
-        rr = rows_of(m)
-        out_rows.append((plugin_of[pid], rr, [settings[(b // B) % R] for b in rr.tolist()],
-                         [src_lens[b // (R * B)] for b in rr.tolist()]))
+def _left_padded(contexts: list[list[int]], G: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``G`` left-padded copies of every context (row ``s·G + g``) and their attention mask."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts) * G, width), pad, dtype=torch.long)
+    mask = torch.zeros((len(contexts) * G, width), dtype=torch.long)
+    for s, c in enumerate(contexts):
+        for g in range(G):
+            ids[s * G + g, width - len(c):] = torch.tensor(c)
+            mask[s * G + g, width - len(c):] = 1
+    return ids, mask
 
-    scores = torch.zeros(SR, B)
-    if B > 1:
-        scores[:, 1:] = float("-inf")  # all beams start identical: expand from the first only
-    beam_tokens: list[list[int]] = [[] for _ in range(N)]
-    beam_traces: list[list[dict]] = [[] for _ in range(N)]
-    finished: list[list[tuple[float, list[int], list[dict]]]] = [[] for _ in range(SR)]
-    done = [False] * SR
-    stop_ids = backbone.stop_ids
-    steps = 0
-    handles = []
-    try:
-        for pl, rr, st in net_rows:
-            handles += pl.attach(rr, st)
-        for step in range(max_new_tokens):
-            steps = step + 1
-            with torch.no_grad():
-                normed = backbone.final_norm(fc_last)
-                extra = [(pl, rr, sts, sls, pl.extra_states(fc_last[rr], sts)) for pl, rr, sts, sls in out_rows]
-                # States whose plug-in needs every token's logit share one pass over the LM head's weights with
-                # f(c); a plug-in with a restricted vocabulary (PEMA after candidate training) uses only its rows.
-                full_vocab = [e is not None and pl.head_vocab() is None for pl, _, _, _, e in extra]
-                states = [normed] + [backbone.final_norm(x[4].to(backbone.dtype)) for x, f in zip(extra, full_vocab) if f]
-                logits = backbone.head_logits(torch.cat(states))
-                lm_lp = torch.log_softmax(logits[:N], dim=-1)
-                final = lm_lp.clone()
-                info: list[dict] = [{} for _ in range(N)]
-                off = N
-                for (pl, rr, sts, sls, e), full in zip(extra, full_vocab):
-                    ex_logits = None
-                    if full:
-                        ex_logits = logits[off:off + len(rr)]
-                        off += len(rr)
-                    elif e is not None:
-                        ex_logits = backbone.head_logits_subset(backbone.final_norm(e.to(backbone.dtype)),
-                                                                pl.head_vocab())
-                    mo = pl.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[rr], extra_logits=ex_logits, step=step,
-                                         src_len=sls, settings=sts))
-                    final[rr] = mo.logprobs
-                    if trace:
-                        for j, b in enumerate(rr.tolist()):
-                            info[b]["lambda"] = round(mo.lam[j], 4) if mo.lam else None
-                            if mo.plugin_logprobs is not None:
-                                info[b]["top_plugin"] = _top(mo.plugin_logprobs[j], backbone)
-                            if mo.extras and mo.extras[j]:
-                                info[b].update(mo.extras[j])
-                if trace:
-                    for pl, rr, _ in net_rows:
-                        nt = pl.network_trace()
-                        if nt:
-                            for j, b in enumerate(rr.tolist()):
-                                if nt.get(j) is not None:
-                                    info[b]["memory_attention"] = nt.get(j)
-            final = final.cpu()
-            # Pick tokens per row (greedy = beam search with one beam).
-            next_tok = torch.full((N,), pad, dtype=torch.long)
-            src = torch.arange(N)
-            new_tokens, new_traces = list(beam_tokens), list(beam_traces)
-            for r in range(SR):
-                if done[r]:
-                    continue
-                blk = slice(r * B, (r + 1) * B)
-                cand = (scores[r].unsqueeze(1) + final[blk]).flatten()
-                top_v, top_i = cand.topk(min(2 * B, cand.numel()))
-                live = []
-                for v, ci in zip(top_v.tolist(), top_i.tolist()):
-                    if v == float("-inf"):
-                        break
-                    j, tok = divmod(ci, final.shape[1])
-                    b = r * B + j
-                    entry = None
-                    if trace:
-                        entry = {"token": tok, "text": backbone.token_str(tok),
-                                 "logprob": round(v - float(scores[r, j]), 4),
-                                 "top_lm": _top(lm_lp[b].cpu(), backbone), "top_final": _top(final[b], backbone),
-                                 **info[b]}
-                    if tok in stop_ids:
-                        finished[r].append((v, beam_tokens[b] + [tok], beam_traces[b] + ([entry] if entry else [])))
-                    else:
-                        live.append((v, b, tok, entry))
-                    if len(live) == B:
-                        break
-                best_done = max((f[0] for f in finished[r]), default=float("-inf"))
-                if not live or len(finished[r]) >= B or best_done >= live[0][0]:
-                    done[r] = True
-                    continue
-                for j in range(B):
-                    v, b, tok, entry = live[j] if j < len(live) else (float("-inf"), *live[0][1:])
-                    tgt = r * B + j
-                    scores[r, j] = v
-                    src[tgt] = b
-                    next_tok[tgt] = tok
-                    new_tokens[tgt] = beam_tokens[b] + [tok]
-                    new_traces[tgt] = beam_traces[b] + ([entry] if entry else [])
-            beam_tokens, beam_traces = new_tokens, new_traces
-            if all(done):
-                break
-            if B > 1:
-                cache.reorder_cache(src.to(dev))
-                mask = mask[src.to(dev)]
-            mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=dev)], dim=1)
-            with torch.no_grad():
-                fc, out = backbone.forward_fc(next_tok.unsqueeze(1).to(dev), past_key_values=cache, use_cache=True,
-                                              attention_mask=mask if S > 1 else None)
-            cache = out.past_key_values
-            fc_last = fc[:, -1]
-    finally:
-        for h in handles:
-            h.remove()
 
-    seconds = time.time() - t0
+def _cached_prefix(backbone: Backbone, batch: Batch, ids: torch.Tensor):
+    """``(P, KV cache of ids[:, :P])`` for a single source: from ``PREFIX_KV``, or computed (with the hooks that
+    are attached) and stored; ``(0, None)`` when the prompt's shared prefix is too short."""
+    groups = [(None, None)] * batch.shared + [(grp.plugin, grp.key) for grp in batch.net]
+    ctx = batch.contexts[0]
+    P, past = PREFIX_KV.get(backbone, groups, ctx)
+    if past is None:
+        P = PREFIX_KV.shared_len(backbone, batch.prompt, batch.sources[0], ctx)
+        if P:
+            past = backbone.forward_fc(ids[:, :P], use_cache=True)[1].past_key_values
+            PREFIX_KV.put(backbone, groups, ctx[:P], past)
+    return P, past
+
+
+# --- one step: LM head, mixing, trace ------------------------------------------------------------------------------
+@dataclass
+class StepOutput:
+    lm_logprobs: torch.Tensor  # (N, V) log P_LM, on the backbone's device
+    final: torch.Tensor        # (N, V) the final log-probabilities after every plug-in's mix, on the CPU
+    info: list[dict]           # per batch row: trace items (λ_t, the plug-in's top tokens, extras, memory attention)
+
+
+def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: int,
+                attached: list | None = None) -> StepOutput:
+    """One step's distributions from the last position's f(c) of every batch row: f(c) and the output-level
+    plug-ins' extra states go through the frozen norm + LM head in one matrix product, then each output-level
+    plug-in mixes its rows. With ``attached`` (per in-network group: (group, step handles, prefill handles)) the
+    per-row trace items are collected too; None: no trace."""
+    N = batch.N
+    with torch.no_grad():
+        normed = backbone.final_norm(fc_last)
+        extra = [(grp, grp.plugin.extra_states(fc_last[grp.rows], grp.settings)) for grp in batch.out]
+        # States whose plug-in needs every token's logit share one pass over the LM head's weights with f(c); a
+        # plug-in with a restricted vocabulary (PEMA after candidate training) uses only its rows.
+        full_vocab = [e is not None and grp.plugin.head_vocab() is None for grp, e in extra]
+        states = [normed] + [backbone.final_norm(e.to(backbone.dtype)) for (_, e), f in zip(extra, full_vocab) if f]
+        logits = backbone.head_logits(torch.cat(states))
+        lm_lp = torch.log_softmax(logits[:N], dim=-1)
+        final = lm_lp.clone()
+        info: list[dict] = [{} for _ in range(N)]
+        off = N
+        for (grp, e), full in zip(extra, full_vocab):
+            rr = grp.rows
+            ex_logits = None
+            if full:
+                ex_logits = logits[off:off + len(rr)]
+                off += len(rr)
+            elif e is not None:
+                ex_logits = backbone.head_logits_subset(backbone.final_norm(e.to(backbone.dtype)),
+                                                        grp.plugin.head_vocab())
+            mo = grp.plugin.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[rr], extra_logits=ex_logits, step=step,
+                                         src_len=grp.src_lens, settings=grp.settings))
+            final[rr] = mo.logprobs
+            if attached is not None:
+                _mix_trace(backbone, info, rr.tolist(), mo)
+        if attached is not None:
+            _network_trace(batch, attached, info)
+    return StepOutput(lm_lp, final.cpu(), info)
+
+
+def _mix_trace(backbone: Backbone, info: list[dict], rows: list[int], mo: MixOutput) -> None:
+    for j, b in enumerate(rows):
+        info[b]["lambda"] = round(mo.lam[j], 4) if mo.lam else None
+        if mo.plugin_logprobs is not None:
+            info[b]["top_plugin"] = _top(mo.plugin_logprobs[j], backbone)
+        if mo.extras and mo.extras[j]:
+            info[b].update(mo.extras[j])
+
+
+def _network_trace(batch: Batch, attached: list, info: list[dict]) -> None:
+    """Each in-network group's trace of the forward pass that made this step's f(c): its step attachment's, or
+    before the first step's pass its prefill attachment's (one prefill row per source)."""
+    for grp, handles, prefill_handles in attached:
+        rows = grp.rows.tolist()
+        per_row = grp.plugin.network_trace(handles)
+        if per_row is None:
+            pre = grp.plugin.network_trace(prefill_handles) or {}
+            per_row = {j: pre.get(batch.source_of(b)) for j, b in enumerate(rows)}
+        for j, b in enumerate(rows):
+            if per_row.get(j) is not None:
+                info[b]["memory_attention"] = per_row[j]
+
+
+def trace_item(backbone: Backbone, out: StepOutput):
+    """``item(b, token, logprob)``: the trace entry of a token chosen for batch row ``b`` at this step."""
+    def item(b: int, tok: int, logprob: float) -> dict:
+        return {"token": tok, "text": backbone.token_str(tok), "logprob": round(logprob, 4),
+                "top_lm": _top(out.lm_logprobs[b].cpu(), backbone), "top_final": _top(out.final[b], backbone),
+                **out.info[b]}
+    return item
+
+
+# --- token selection: greedy = beam search with one beam -----------------------------------------------------------
+class Beams:
+    """Token selection for ``n_rows`` independent rows of ``num_beams`` beams each (batch row ``r·B + j``).
+
+    Scores are summed log-probabilities (no length penalty). A row stops when it has B finished hypotheses, no live
+    candidate, or a finished hypothesis scoring at least its best live one — exact, since scores only decrease.
+    """
+
+    def __init__(self, n_rows: int, num_beams: int, stop_ids, pad: int = 0):
+        self.n_rows, self.B, self.stop_ids, self.pad = n_rows, num_beams, stop_ids, pad
+        self.scores = torch.zeros(n_rows, num_beams)
+        if num_beams > 1:
+            self.scores[:, 1:] = float("-inf")  # all beams start identical: expand from the first only
+        self.tokens: list[list[int]] = [[] for _ in range(n_rows * num_beams)]
+        self.traces: list[list[dict]] = [[] for _ in range(n_rows * num_beams)]
+        self.finished: list[list[tuple[float, list[int], list[dict]]]] = [[] for _ in range(n_rows)]
+        self.done = [False] * n_rows
+
+    @property
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    def select(self, logprobs: torch.Tensor, item=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend every live row by one token: of the row's 2B best continuations (beam score + ``logprobs``,
+        (n_rows·B, V) on the CPU) the B best that do not end in a stop token stay live; those that do finish a
+        hypothesis. ``item(b, token, logprob)`` makes a candidate's trace entry (None: no trace).
+
+        Returns (the next token per batch row — ``pad`` for finished rows —, the batch row each beam continues)."""
+        B, N = self.B, self.n_rows * self.B
+        next_tok = torch.full((N,), self.pad, dtype=torch.long)
+        src = torch.arange(N)
+        new_tokens, new_traces = list(self.tokens), list(self.traces)
+        for r in range(self.n_rows):
+            if self.done[r]:
+                continue
+            cand = (self.scores[r].unsqueeze(1) + logprobs[r * B:(r + 1) * B]).flatten()
+            top_v, top_i = cand.topk(min(2 * B, cand.numel()))
+            live = []
+            for v, ci in zip(top_v.tolist(), top_i.tolist()):
+                if v == float("-inf"):
+                    break
+                j, tok = divmod(ci, logprobs.shape[1])
+                b = r * B + j
+                entry = item(b, tok, v - float(self.scores[r, j])) if item is not None else None
+                if tok in self.stop_ids:
+                    self.finished[r].append((v, self.tokens[b] + [tok], self.traces[b] + ([entry] if entry else [])))
+                else:
+                    live.append((v, b, tok, entry))
+                if len(live) == B:
+                    break
+            best_done = max((f[0] for f in self.finished[r]), default=float("-inf"))
+            if not live or len(self.finished[r]) >= B or best_done >= live[0][0]:
+                self.done[r] = True
+                continue
+            for j in range(B):
+                v, b, tok, entry = live[j] if j < len(live) else (float("-inf"), *live[0][1:])
+                tgt = r * B + j
+                self.scores[r, j] = v
+                src[tgt] = b
+                next_tok[tgt] = tok
+                new_tokens[tgt] = self.tokens[b] + [tok]
+                new_traces[tgt] = self.traces[b] + ([entry] if entry else [])
+        self.tokens, self.traces = new_tokens, new_traces
+        return next_tok, src
+
+    def best(self, r: int) -> tuple[float, list[int], list[dict]]:
+        """Row r's result (score, tokens, trace): its best finished hypothesis, or when it ran out of tokens its best
+        live beam."""
+        if self.finished[r]:
+            return max(self.finished[r], key=lambda f: f[0])
+        j = int(self.scores[r].argmax())
+        return float(self.scores[r, j]), self.tokens[r * self.B + j], self.traces[r * self.B + j]
+
+
+# --- the next forward pass, results --------------------------------------------------------------------------------
+def forward_step(backbone: Backbone, cache, mask: torch.Tensor, next_tok: torch.Tensor,
+                 src: torch.Tensor | None = None, padded: bool = False):
+    """Run the backbone on one new token per batch row (hooks attached act as they are); ``src``: reorder the KV
+    cache first (beam search: the batch row each beam continues). ``padded``: left-padded rows need the mask.
+    Returns (f(c) per batch row, the cache, the mask)."""
+    dev = backbone.device
+    if src is not None:
+        cache.reorder_cache(src.to(dev))
+        mask = mask[src.to(dev)]
+    mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=dev)], dim=1)
+    with torch.no_grad():
+        fc, out = backbone.forward_fc(next_tok.unsqueeze(1).to(dev), past_key_values=cache, use_cache=True,
+                                      attention_mask=mask if padded else None)
+    return fc[:, -1], out.past_key_values, mask
+
+
+def _comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seconds: float) -> list[Comparison]:
     comparisons = []
-    for s_i, source in enumerate(sources):
+    for s_i, source in enumerate(batch.sources):
         results = []
-        for r_i, row in enumerate(rows):
-            r = s_i * R + r_i
-            if finished[r]:
-                score, toks, tr = max(finished[r], key=lambda f: f[0])
-            else:  # ran out of tokens: the best live beam
-                j = int(scores[r].argmax())
-                score, toks, tr = float(scores[r, j]), beam_tokens[r * B + j], beam_traces[r * B + j]
+        for r_i, row in enumerate(batch.rows):
+            score, toks, tr = beams.best(s_i * batch.R + r_i)
             raw = backbone.decode(toks).rstrip("\n")  # a stop token may carry text before its line break
             results.append(RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw,
                                      tokens=toks, token_texts=[backbone.token_str(t) for t in toks], trace=tr,
-                                     settings=settings[r_i], score=round(float(score), 4)))
-        comparisons.append(Comparison(source=source, context_ids=ctxs[s_i], src_len=src_lens[s_i], rows=results,
-                                      seconds=seconds, steps=steps, num_beams=B, backbone=backbone.name))
+                                     settings=batch.settings[r_i], score=round(float(score), 4)))
+        comparisons.append(Comparison(source=source, context_ids=batch.contexts[s_i], src_len=batch.src_lens[s_i],
+                                      rows=results, seconds=seconds, steps=steps, num_beams=batch.B,
+                                      backbone=backbone.name))
     return comparisons

@@ -370,32 +370,50 @@ class MemoryAdapterPlugin(NetworkPlugin):
             start += n
 
     # --- hooks ------------------------------------------------------------------------------------------
-    def _register(self, rows, preps: dict, keep: torch.Tensor | None = None, group: _Group | None = None) -> list:
-        bb = self.backbone
+    def _register_hooks(self, att: Attachment) -> list:
+        """Both adapters of every adapted layer on ``layers[l].self_attn``'s output, for ``att.rows`` only (all
+        rows while training, where ``att.state["keep"]`` (batch, layers) False drops a layer's memory)."""
+        if not len(self.blocks):
+            return []
+        preps = self._preps(float(att.settings["temperature"]), cached=att.rows is not None)
+        keep = att.state.get("keep")
+        recording: dict = {}  # layer → the newest position's memory attention, for the trace
+        return [self.backbone.layers[l].self_attn.register_forward_hook(
+                    self._hook(att, l, preps[l], None if keep is None else keep[:, i], recording))
+                for i, l in enumerate(self.adapted_layers)]
+
+    def _hook(self, att: Attachment, l: int, prep: dict, keep: torch.Tensor | None, recording: dict):
+        blk = self.blocks[str(l)]
         layers = self.adapted_layers
-        handles = []
-        for l in layers:
-            blk = self.blocks[str(l)]
-            layer_keep = None if keep is None else keep[:, layers.index(l)]
+        info: dict = {}
 
-            def hook(module, args, output, blk=blk, l=l, layer_keep=layer_keep):
-                h = output[0] if isinstance(output, tuple) else output
-                sub = h if rows is None else h.index_select(0, rows)
-                new, info = blk.apply(sub, preps[l], layer_keep)
-                h2 = new if rows is None else h.index_copy(0, rows, new)
-                if group is not None:
-                    if l == layers[0]:
-                        group.building = {}
-                        self._rr = 0
-                    group.building[l] = {s: (att[:, -1].detach().float().cpu(), g[:, -1, 0].detach().float().cpu())
-                                         for s, (att, g) in info.items()}
-                    if l == layers[-1]:
-                        group.latest = group.building
-                        self._last_by_key[group.key] = group.latest
-                return (h2,) + tuple(output[1:]) if isinstance(output, tuple) else h2
+        def fn(x, h):
+            new, info["sides"] = blk.apply(x, prep, keep)
+            return new
 
-            handles.append(bb.layers[l].self_attn.register_forward_hook(hook))
-        return handles
+        def hook(module, args, output):
+            info.clear()
+            h = first_tensor(output)
+            out = replace_first(output, rows_apply(h, h, att.rows, fn))
+            if att.rows is not None and "sides" in info:  # decoding: record the trace
+                if l == layers[0]:
+                    recording.clear()
+                recording[l] = {s: (a[:, -1].detach().float().cpu(), g[:, -1, 0].detach().float().cpu())
+                                for s, (a, g) in info["sides"].items()}
+                if l == layers[-1]:
+                    att.trace = dict(recording)
+            return out
+        return hook
+
+    def _preps(self, temperature: float, cached: bool) -> dict:
+        """Every layer's memory products at ``temperature``: per forward pass while training (they carry the
+        gradients), once per temperature (and weights) for decoding."""
+        if not cached:
+            return self._prepare_all(temperature)
+        if temperature not in self._prep_cache:
+            with torch.no_grad():
+                self._prep_cache[temperature] = self._prepare_all(temperature)
+        return self._prep_cache[temperature]
 
     def load_state_dict(self, *args, **kw):
         self._prep_cache = {}
@@ -408,34 +426,12 @@ class MemoryAdapterPlugin(NetworkPlugin):
     def _prepare_all(self, temperature: float) -> dict:
         return {l: self.blocks[str(l)].prepare(temperature) for l in self.adapted_layers}
 
-    def attach(self, rows: torch.Tensor, settings: dict | None = None) -> list:
-        """Hooks adapting batch rows ``rows`` only (memory products precomputed once, without gradients)."""
-        if not len(self.blocks):
-            return []
-        import json
-
-        s = settings if settings and "temperature" in settings else self.settings(settings)
-        temp = float(s["temperature"])
-        if temp not in self._prep_cache:
-            with torch.no_grad():
-                self._prep_cache[temp] = self._prepare_all(temp)
-        preps = self._prep_cache[temp]
-        rows = rows.to(self.backbone.device)
-        group = _Group(rows, s, json.dumps(s, sort_keys=True, default=str))
-        self._groups.append(group)
-        return [_Handle(self, self._register(rows, preps, None, group), group)]
-
-    def network_trace(self) -> dict | None:
-        """The latest forward's memory attention of one attached group (groups in attach order, round robin)."""
-        live = [g for g in self._groups if g.alive]
-        if not live:
-            return None
-        grp = live[self._rr % len(live)]
-        self._rr += 1
-        latest = grp.latest or self._last_by_key.get(grp.key)
+    def _trace_rows(self, att: Attachment) -> dict:
+        """The recorded memory attention as the trace (module docstring), top ``trace_top_k`` items per layer."""
+        latest = att.trace
         if not latest:
-            return None
-        k = int(grp.settings.get("trace_top_k", 5))
+            return {}
+        k = int(att.settings.get("trace_top_k", 5))
         out: dict[int, dict] = {}
         n_rows = next(iter(next(iter(latest.values())).values()))[0].shape[0]
         for j in range(n_rows):
@@ -466,122 +462,78 @@ class MemoryAdapterPlugin(NetworkPlugin):
 
     def train_adapters(self, memory, progress=lambda f, m: None, should_stop=lambda: False,
                        seconds_memory: float = 0.0) -> FitResult:
-        """Train the adapters of an already built phrase memory on the memory's samples."""
-        cfg, bb = self.config, self.backbone
+        """Train the adapters of an already built phrase memory on the memory's samples: the in-network plug-ins'
+        loop (``NetworkPlugin.fit_sequences``) with the paper's objective (``train_batch_loss``)."""
+        cfg = self.config
         if not len(self.blocks):
             raise UserError("Build the phrase memory first (build_memory).")
-        torch.manual_seed(cfg.seed)
-        self._prep_cache = {}
-        stats, t_mem = self.phrase_stats, seconds_memory
 
-        train = memory_sequences(bb, memory, "train")
-        held = memory_sequences(bb, memory, "heldout")
-        train, held = split_for_early_stopping(train, held, cfg.seed)
-        if len(held) > cfg.max_heldout:
-            pick = sorted(np.random.default_rng(cfg.seed).permutation(len(held))[:cfg.max_heldout].tolist())
-            held = SeqData([held.contexts[i] for i in pick], [held.targets[i] for i in pick])
-        layers = self.adapted_layers
-        rng = torch.Generator().manual_seed(cfg.seed)
-        use_drop = cfg.alpha > 0 or cfg.beta > 0
-        counter = {"tokens": 0}
-        cand = remap = w_cand = None
-        if cfg.softmax == "candidates":
-            progress(0.0, "choosing the candidate vocabulary")
-            cand = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts, cfg.seed)
-            remap = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=bb.device)
-            remap[cand] = torch.arange(len(cand), device=bb.device)
-            w_cand = bb.lm_head.weight[cand].detach()
+        def prepare(train) -> dict:
+            self._drop_rng = torch.Generator().manual_seed(cfg.seed)
+            self._prep_cache = {}
+            return {"temperature": cfg.temperature, "alpha": cfg.alpha, "beta": cfg.beta,
+                    "memory_dropout": cfg.memory_dropout, "allocation": cfg.allocation,
+                    "memory_side": cfg.memory_side, "placement": "self_attn output (both adapters in series)",
+                    "attention_scaling": "1/(T*sqrt(d)), inputs divided by the layer RMS"}
 
-        def forward_logits(ids, mask, labels, keep, preps):
-            handles = self._register(None, preps, keep)
-            try:
-                fc, _ = bb.forward_fc(ids, attention_mask=mask)
-            finally:
-                for h in handles:
-                    h.remove()
-            sel = labels != -100
-            if cand is None:
-                return bb.logits_from_fc(fc[sel]), labels[sel]
-            normed = bb.final_norm(fc[sel].to(bb.dtype))
-            logits = F.linear(normed, w_cand).float()
-            if bb.softcap:
-                logits = torch.tanh(logits / bb.softcap) * bb.softcap
-            return logits, remap[labels[sel]]
-
-        def train_loss(idx):
-            ids, mask, labels = collate(bb, train, idx)
-            B = len(idx)
-            preps = self._prepare_all(cfg.temperature)
-            if use_drop:
-                drop = torch.rand(B, len(layers), generator=rng) < cfg.memory_dropout
-                keep = torch.cat([torch.ones(B, len(layers), dtype=torch.bool), ~drop]).to(bb.device)
-                ids, mask, labels = (torch.cat([t, t]) for t in (ids, mask, labels))
-            else:
-                keep = None
-            logits, y = forward_logits(ids, mask, labels, keep, preps)
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            K = len(y) // 2 if use_drop else len(y)
-            counter["tokens"] += K
-            nll_full = F.nll_loss(lp[:K], y[:K])
-            parts = {"nll": nll_full.detach()}
-            loss = nll_full
-            if use_drop:
-                p, q = lp[:K], lp[K:]
-                nll_drop = F.nll_loss(q, y[K:])
-                kl = 0.5 * ((p.exp() - q.exp()) * (p - q)).sum(-1).mean()  # ½(KL(p‖q) + KL(q‖p))
-                loss = loss + cfg.alpha * nll_drop + cfg.beta * kl
-                parts.update(nll_dropped=nll_drop.detach(), kl=kl.detach())
-            return loss, parts
-
-        def heldout_loss():
-            tot, n = 0.0, 0
-            with torch.no_grad():
-                preps = self._prepare_all(cfg.temperature)
-                for b0 in range(0, len(held), 8):
-                    ids, mask, labels = collate(bb, held, range(b0, min(len(held), b0 + 8)))
-                    logits, y = forward_logits(ids, mask, labels, None, preps)
-                    tot += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-                    n += len(y)
-            return tot / max(n, 1)
-
-        params = [p for p in self.parameters()]
-        for p in params:
-            p.requires_grad_(True)
-        history: list[dict] = []
-        guard = BudgetGuard(self, heldout_loss, cfg.max_minutes, history, "memory_adapter")
-        loop = LoopSettings(lr=cfg.lr, batch_size=cfg.batch_size, max_epochs=cfg.max_epochs, patience=cfg.patience,
-                            lr_schedule=cfg.lr_schedule, max_minutes=cfg.max_minutes, seed=cfg.seed,
-                            eval_every=cfg.eval_every)
         t1 = time.time()
-
-        def guarded_loss(idx):
-            guard.before_step()
-            return train_loss(idx)
-
-        summary = run_training(self, params, len(train), guarded_loss, guard.heldout_loss, loop, "memory_adapter",
-                               progress, should_stop, history, (0.05, 1.0))
-        summary = guard.restore(summary)
-        t_train = time.time() - t1
-        for p in params:
-            p.requires_grad_(False)
+        result = self.fit_sequences(memory, progress, should_stop, prepare)
         self._prep_cache = {}
-        initial = next((h["heldout_loss"] for h in history if "heldout_loss" in h), None)
-        metrics = {"training": summary, "phrase_memory": stats, "memory_items": len(self.phrases),
-                   "adapted_layers": layers, "train_sequences": len(train), "heldout_sequences": len(held),
-                   "initial_heldout_nll": initial, "seconds_memory": round(t_mem, 2),
-                   "seconds_training": round(t_train, 2), "seconds_per_step": round(guard.mean_step(), 2),
-                   "candidates": int(len(cand)) if cand is not None else bb.vocab_size,
-                   "target_tokens_per_second": round(counter["tokens"] / max(t_train, 1e-9), 2)}
-        self.train_info = {"temperature": cfg.temperature, "alpha": cfg.alpha, "beta": cfg.beta,
-                           "memory_dropout": cfg.memory_dropout, "allocation": cfg.allocation,
-                           "memory_side": cfg.memory_side, "softmax": cfg.softmax,
-                           "placement": "self_attn output (both adapters in series)",
-                           "attention_scaling": "1/(T*sqrt(d)), inputs divided by the layer RMS", **metrics,
-                           # flat copies for benchmark tables
-                           "steps": summary["steps"], "epochs": summary["epochs"], "seconds": summary["seconds"],
-                           "stopped_by": summary["stopped_by"],
-                           "tokens_per_second": metrics["target_tokens_per_second"]}
-        return FitResult(metrics=metrics, history=history)
+        initial = next((h["heldout_loss"] for h in result.history if "heldout_loss" in h), None)
+        extra = {"phrase_memory": self.phrase_stats, "memory_items": len(self.phrases),
+                 "adapted_layers": self.adapted_layers, "initial_heldout_nll": initial,
+                 "seconds_memory": round(seconds_memory, 2), "seconds_training": round(time.time() - t1, 2),
+                 "candidates": self.train_info.get("candidates", self.backbone.vocab_size)}
+        result.metrics.update(extra)
+        self.train_info.update(extra)
+        return result
+
+    def _heldout_subset(self, held: SeqData) -> SeqData:
+        """A seeded random subset of ``max_heldout`` held-out samples for early stopping."""
+        pick = sorted(np.random.default_rng(self.config.seed).permutation(len(held))[:self.config.max_heldout]
+                      .tolist())
+        return SeqData([held.contexts[i] for i in pick], [held.targets[i] for i in pick])
+
+    def loop_settings(self, steps_per_epoch: int):
+        s = super().loop_settings(steps_per_epoch)
+        if self.config.eval_every:
+            s.eval_every = self.config.eval_every
+        return s
+
+    def train_batch_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int, dict]:
+        """The paper's objective on one batch: NLL with the full memory + α·NLL with memory dropout + β·½(KL(p‖q) +
+        KL(q‖p)) between the two output distributions. Both passes run as one doubled batch; memory dropout drops
+        each adapted layer's whole memory with probability ``memory_dropout``, independently per sequence."""
+        cfg, bb = self.config, self.backbone
+        use_drop = cfg.alpha > 0 or cfg.beta > 0
+        keep = None
+        if use_drop:
+            B, L = ids.shape[0], len(self.adapted_layers)
+            if self._drop_rng is None:
+                self._drop_rng = torch.Generator().manual_seed(cfg.seed)
+            drop = torch.rand(B, L, generator=self._drop_rng) < cfg.memory_dropout
+            keep = torch.cat([torch.ones(B, L, dtype=torch.bool), ~drop]).to(bb.device)
+            ids, mask, labels = (torch.cat([t, t]) for t in (ids, mask, labels))
+        handles = self.attach(None, {}, keep=keep)
+        try:
+            fc, _ = bb.forward_fc(ids, attention_mask=mask)
+        finally:  # the graph is built: backward needs no hook
+            for h in handles:
+                h.remove()
+        sel = labels != -100
+        lp = torch.log_softmax(self.target_logits(fc[sel]), dim=-1)
+        y = self.target_index(labels[sel])
+        K = len(y) // 2 if use_drop else len(y)
+        nll_full = F.nll_loss(lp[:K], y[:K])
+        parts = {"nll": nll_full.detach()}
+        loss = nll_full
+        if use_drop:
+            p, q = lp[:K], lp[K:]
+            nll_drop = F.nll_loss(q, y[K:])
+            kl = 0.5 * ((p.exp() - q.exp()) * (p - q)).sum(-1).mean()  # ½(KL(p‖q) + KL(q‖p))
+            loss = loss + cfg.alpha * nll_drop + cfg.beta * kl
+            parts.update(nll_dropped=nll_drop.detach(), kl=kl.detach())
+        return loss, K, parts
 
     # --- decoding ---------------------------------------------------------------------------------------
     @property

@@ -1,4 +1,5 @@
-"""The machinery every in-network plug-in shares (residual adapter, LoRA, memory-tuning): ``NetworkConfig`` (the
+"""The machinery every in-network plug-in shares (residual adapter, LoRA, memory-tuning, memory-augmented adapter):
+``NetworkConfig`` (the
 sequence-level training settings), ``NetworkPlugin`` (attach forward hooks for one forward pass, restricted to a set
 of batch rows — ``rows=None`` means all rows, as in training —, for multi-token (prefill, training) and one-token
 (decoding step) inputs alike; teacher-forced training on the memory's samples with early stopping and a time
@@ -124,7 +125,12 @@ class NetworkPlugin(Plugin):
 
     Subclasses implement ``_register_hooks(att) -> list[handle]`` (hooks acting on ``att.rows`` only; ``att.rows``
     is None for all rows) and ``_trainable()`` (the parameters ``fit`` optimises), and may record a trace in
-    ``att.trace`` (``{"per_row": [dict, ...]}`` for the rows of the forward pass that recorded it).
+    ``att.trace`` (``{"per_row": [dict, ...]}`` for the rows of the forward pass that recorded it; another layout
+    with ``_trace_rows``). ``network_trace(handles)`` reads the trace of the attachment that ``attach`` returned.
+
+    Training (``fit_sequences``) can be adapted without rewriting the loop: ``train_batch_loss`` (the objective of
+    one batch; default the targets' NLL), ``_heldout_subset`` (which held-out samples early-stop) and
+    ``loop_settings``; the memory-augmented adapter uses all three.
     """
 
     level = "network"
@@ -359,6 +365,6 @@ class NetworkPlugin(Plugin):
         metrics = {**summary, "train_samples": len(train), "heldout_samples": len(held),
                    "tokens_per_second": round(counts["tokens"] / max(wall, 1e-9), 1),
                    "target_tokens_per_second": round(counts["targets"] / max(wall, 1e-9), 1),
-                   "train_tokens_seen": counts["tokens"]}
+                   "train_tokens_seen": counts["tokens"], "seconds_per_step": round(guard.mean_step(), 2)}
         self.train_info = {**info, **metrics}
         return FitResult(metrics=metrics, history=history)

@@ -49,7 +49,7 @@ def test_german_chunker():
 
 
 def test_phrase_pairing_exact_fuzzy_sentence_and_caps(tiny, monkeypatch):
-    import backbone.model as bm
+    import memories.phrases as ph
     from backbone.prompts import Prompt
     from memories.phrases import extract_phrase_pairs
 
@@ -65,7 +65,7 @@ def test_phrase_pairing_exact_fuzzy_sentence_and_caps(tiny, monkeypatch):
             outs.append(backbone.encode_target(" " + table.get(src, "xyz")))
         return outs
 
-    monkeypatch.setattr(bm, "generate_greedy", fake_generate)
+    monkeypatch.setattr(ph, "generate_greedy", fake_generate)  # the name phrases.py calls
     samples = [{"src": "The small house is old.", "tgt": "Das kleine Haus ist alt."},
                {"src": "The black cat sleeps.", "tgt": "Die schwarze Katze schläft."},
                {"src": "The small house is old.", "tgt": "Das kleine Haus ist alt."}]
@@ -218,7 +218,8 @@ def test_trace_attention_sums_to_one(tiny, tiny_memory, trained):
 
     p, _ = trained
     texts = p.phrase_texts()
-    cmp = compare(tiny, "the cat sleeps", [Row("base"), Row("ma", p, {"trace_top_k": 1000})],
+    assert all(b.mem_tgt.shape[0] <= 50 for b in p.blocks.values())  # top 50 (the declared maximum) = every item
+    cmp = compare(tiny, "the cat sleeps", [Row("base"), Row("ma", p, {"trace_top_k": 50})],
                   prompt=Prompt.for_task("translation"), max_new_tokens=4)
     assert cmp.row("base").trace[0].get("memory_attention") is None
     tr = cmp.row("ma").trace
@@ -235,6 +236,58 @@ def test_trace_attention_sums_to_one(tiny, tiny_memory, trained):
     top5 = compare(tiny, "the cat sleeps", [Row("ma", p)], prompt=Prompt.for_task("translation"),
                    max_new_tokens=2).rows[0].trace[0]["memory_attention"]
     assert all(len(v) <= 5 for v in top5["layers"].values())
+
+
+def test_trace_by_handle_for_two_groups_of_one_plugin(tiny, trained):
+    """Two attachments of one plug-in (different temperatures) each answer with their own rows, asked in any order."""
+    from backbone.prompts import Prompt
+
+    p, _ = trained
+    ids = torch.tensor([tiny.encode_context(Prompt.for_task("translation").render(s))[-8:]
+                        for s in ("the cat sleeps", "good morning", "hello world")])
+    cold = p.attach(torch.tensor([0, 2]), {"temperature": 0.05})
+    hot = p.attach(torch.tensor([1]), {"temperature": 50.0})
+    try:
+        with torch.no_grad():
+            tiny.forward_fc(ids)
+        t_hot, t_cold, t_hot2 = p.network_trace(hot), p.network_trace(cold), p.network_trace(hot)
+    finally:
+        for h in cold + hot:
+            h.remove()
+    assert set(t_cold) == {0, 1} and set(t_hot) == {0} and t_hot == t_hot2
+    layer = p.adapted_layers[0]
+    w_hot = max(w for _, w in t_hot[0]["layers"][layer])
+    assert max(w for _, w in t_cold[0]["layers"][layer]) > w_hot  # the colder attention is the peakier one
+
+
+def test_capture_phrase_states_stops_early_and_equals_a_full_pass(tiny):
+    from backbone.prompts import Prompt
+    from memories.phrases import capture_phrase_states, phrase_site, slot_span
+
+    prompt = Prompt.for_task("translation")
+    items = [(0, "the house", "das Haus"), (1, "small", "klein"), (1, "the cat sleeps", "die Katze schlaeft")]
+    top_calls = []
+    probe = tiny.layers[1].register_forward_pre_hook(lambda *a: top_calls.append(1))
+    try:
+        st = capture_phrase_states(tiny, prompt, items, [0, 1], batch_size=1)
+    finally:
+        probe.remove()
+    assert len(top_calls) == 2  # the layer-0 item's pass stopped before layer 1
+    assert st.src.shape == st.tgt.shape == (3, tiny.hidden_size) and set(st.rms) == {0, 1}
+    assert all(r > 0 for r in st.rms.values())
+    layer, src, tgt = items[2]
+    ctx = tiny.encode_context(prompt.render(src))
+    t = tiny.encode_target(prompt.target_prefix + tgt)
+    seen = {}
+    h = phrase_site(tiny, layer).register_forward_hook(lambda m, a, out: seen.update(a=out[0][0].double()))
+    try:
+        with torch.no_grad():
+            tiny.forward_fc(torch.tensor([ctx + t]))
+    finally:
+        h.remove()
+    a, b = slot_span(ctx, tiny.encode_context(prompt.render("")))
+    assert torch.allclose(st.src[2], seen["a"][a:b].mean(0), atol=1e-5)
+    assert torch.allclose(st.tgt[2], seen["a"][len(ctx):].mean(0), atol=1e-5)
 
 
 def test_knn_mix_over_the_same_memory(tiny, trained):

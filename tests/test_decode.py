@@ -1,0 +1,132 @@
+"""The decode engine's pieces alone (tiny model, hand-made tensors): token selection (greedy vs beam), one step equal
+to the same step of a full decode, traces addressed by attach handle, and the one soft-cap."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backbone.prompts import Prompt
+from plugins.api import new_plugin
+from plugins.decode import Beams, Row, _top, compare, decode_step, forward_step, plan_batch, prefill
+from plugins.knn import KNN, KNNConfig
+
+PROMPT = Prompt.for_task("translation")
+SOURCE = "the cat sleeps"
+A, B_, C, STOP = 0, 1, 2, 3  # a 4-token vocabulary for the hand-made distributions
+
+
+def _lp(rows: list[list[float]]) -> torch.Tensor:
+    return torch.log(torch.tensor(rows))
+
+
+# --- token selection -----------------------------------------------------------------------------------------------
+def test_greedy_takes_the_best_token_and_a_stop_token_ends_the_row():
+    beams = Beams(2, 1, stop_ids={STOP}, pad=7)
+    seen = []
+    tok, src = beams.select(_lp([[0.5, 0.4, 0.06, 0.04], [0.1, 0.15, 0.05, 0.7]]),
+                            lambda b, t, lp: seen.append((b, t, round(lp, 4))) or {"b": b, "t": t})
+    assert tok.tolist() == [A, 7] and src.tolist() == [0, 1]  # row 1 finished: it gets the pad token
+    assert beams.done == [False, True] and not beams.all_done
+    # the 2·B best candidates of a row get a trace item: row 1's stop (finished) and its best live token
+    assert seen == [(0, A, round(math.log(0.5), 4)), (1, STOP, round(math.log(0.7), 4)),
+                    (1, B_, round(math.log(0.15), 4))]
+    tok, _ = beams.select(_lp([[0.25, 0.25, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]]))
+    assert beams.all_done
+    score, toks, trace = beams.best(0)
+    assert toks == [A, STOP] and score == pytest.approx(math.log(0.5 * 0.3), abs=1e-6)
+    assert trace == [{"b": 0, "t": A}]  # no item function on the second call: no trace entry
+    assert beams.best(1)[1] == [STOP]
+
+
+def test_beam_search_finds_what_greedy_misses():
+    """a then anything: 0.5 · ≤0.3; b then stop: 0.4 · 0.9 — greedy takes a, two beams find b, stop."""
+    step0 = [0.5, 0.4, 0.06, 0.04]
+    after = {A: [0.25, 0.25, 0.2, 0.3], B_: [0.02, 0.02, 0.06, 0.9]}
+    greedy = Beams(1, 1, {STOP})
+    t, _ = greedy.select(_lp([step0]))
+    greedy.select(_lp([after[int(t[0])]]))
+    assert greedy.all_done and greedy.best(0)[1] == [A, STOP]
+
+    beam = Beams(1, 2, {STOP})
+    t, src = beam.select(_lp([step0, step0]))  # both beams start identical: only the first one expands
+    assert t.tolist() == [A, B_] and src.tolist() == [0, 0]
+    beam.select(_lp([after[A], after[B_]]))
+    assert beam.all_done  # two finished hypotheses
+    score, toks, _ = beam.best(0)
+    assert toks == [B_, STOP] and score == pytest.approx(math.log(0.4 * 0.9), abs=1e-6)
+
+
+def test_beam_search_reorders_beams_and_keeps_their_histories():
+    beam = Beams(1, 2, {STOP})
+    beam.select(_lp([[0.5, 0.4, 0.06, 0.04]] * 2))
+    # the two best continuations (b b: 0.4 · 0.5, b c: 0.4 · 0.4) both extend beam 1 (b); a's best is 0.5 · 0.3
+    t, src = beam.select(_lp([[0.3, 0.25, 0.25, 0.2], [0.04, 0.5, 0.4, 0.06]]))
+    assert src.tolist() == [1, 1] and t.tolist() == [B_, C]
+    assert beam.tokens == [[B_, B_], [B_, C]] and not beam.finished[0] and not beam.all_done
+    assert beam.scores[0].tolist() == pytest.approx([math.log(0.2), math.log(0.16)], abs=1e-6)
+
+
+# --- one step ------------------------------------------------------------------------------------------------------
+def test_one_step_equals_the_step_of_a_full_decode(tiny, tiny_memory):
+    knn = KNN(KNNConfig(), tiny)
+    knn.fit(tiny_memory)
+    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"slots": 4})  # untrained, but its hooks run and trace
+    rows = [Row("base"), Row("knn", knn, {"k": 4, "lambda": 0.3}), Row("mt", mt)]
+    full = compare(tiny, SOURCE, rows, PROMPT, max_new_tokens=4, use_prefix_cache=False)
+    batch = plan_batch(tiny, [SOURCE], rows, PROMPT)
+    assert (batch.S, batch.R, batch.B, batch.G) == (1, 3, 1, 2)  # base + knn share prefill group 0
+    fc, cache, mask, prefill_handles = prefill(tiny, batch, use_prefix_cache=False)
+    handles = mt.attach(batch.net[0].rows, batch.net[0].settings)
+    try:
+        for step in range(3):
+            out = decode_step(tiny, batch, fc, step, [(batch.net[0], handles, prefill_handles[0])])
+            for b, row in enumerate(full.rows):
+                if step >= len(row.tokens):
+                    continue
+                want = row.trace[step]
+                assert int(out.final[b].topk(1).indices) == row.tokens[step], (row.label, step)
+                assert round(float(out.final[b, row.tokens[step]]), 4) == want["logprob"]
+                assert _top(out.final[b], tiny) == want["top_final"]
+                assert _top(out.lm_logprobs[b].cpu(), tiny) == want["top_lm"]
+                assert out.info[b] == {k: want[k] for k in out.info[b]}
+            assert "lambda" in out.info[1] and "memory_attention" in out.info[2] and not out.info[0]
+            nxt = torch.tensor([r.tokens[step] if step < len(r.tokens) else 0 for r in full.rows])
+            fc, cache, mask = forward_step(tiny, cache, mask, nxt)
+    finally:
+        for h in handles:
+            h.remove()
+    assert not any(m._forward_hooks for m in tiny.model.modules())
+
+
+# --- traces by handle ------------------------------------------------------------------------------------------------
+def test_network_trace_is_addressed_by_handle_not_by_call_order(tiny, tiny_memory):
+    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"slots": 4})
+    ids = torch.tensor([tiny.encode_context(PROMPT.render(s))[-6:] for s in ("a b c", "hello world", "good day")])
+    h1 = mt.attach(torch.tensor([0]), {"scale": 1.0})
+    h2 = mt.attach(torch.tensor([1, 2]), {"scale": 0.5})
+    try:
+        assert mt.network_trace(h1) is None  # no forward pass yet
+        with torch.no_grad():
+            tiny.forward_fc(ids)
+        t2, t1, t2_again = mt.network_trace(h2), mt.network_trace(h1), mt.network_trace(h2)
+    finally:
+        for h in h1 + h2:
+            h.remove()
+    assert set(t1) == {0} and set(t2) == {0, 1} and t2 == t2_again
+    assert t2[0]["weights"] != t2[1]["weights"]  # rows 1 and 2 of the batch, in h2's own order
+    assert mt.network_trace(h1) == t1  # still readable after remove()
+
+
+# --- the one soft-cap ------------------------------------------------------------------------------------------------
+def test_every_head_product_goes_through_one_softcap(tiny, monkeypatch):
+    x = torch.randn(3, tiny.hidden_size)
+    plain = tiny.head_logits(x)
+    assert tiny.softcap is None and torch.equal(tiny.softcap_logits(plain), plain)
+    monkeypatch.setattr(tiny, "softcap", 2.0)
+    capped = tiny.head_logits(x)
+    assert torch.allclose(capped, torch.tanh(plain / 2.0) * 2.0) and float(capped.abs().max()) <= 2.0
+    vocab = torch.tensor([1, 5, 9])
+    sub = tiny.head_logits_subset(x, vocab)
+    assert torch.allclose(sub[:, vocab], capped[:, vocab])
