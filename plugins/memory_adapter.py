@@ -97,7 +97,7 @@ from plugins.base import FitResult, MixInput, MixOutput
 from plugins.knn import KNN, KNNConfig
 from plugins.network import Attachment, NetworkConfig, NetworkPlugin, first_tensor, replace_first, rows_apply
 from plugins.registry import register
-from plugins.settings import Setting
+from plugins.settings import Setting, setting
 from plugins.seqtrain import SeqData
 
 SIDES = ("tgt", "src")
@@ -110,29 +110,32 @@ class MemoryAdapterConfig(NetworkConfig):
 
     # NetworkConfig's fields, with this method's defaults (its other fields: lr_schedule, softmax, candidate_top_k,
     # evals_per_epoch — used only with eval_every = 0)
-    lr: float = 3e-4
-    batch_size: int = 4             # sequences per step (each runs twice: full and dropped memory)
-    max_epochs: int = 5
-    patience: int = 2               # held-out evaluations without improvement before stopping
-    max_heldout: int = 16           # held-out sequences used for early stopping (a seeded random subset)
-    max_minutes: float = 4.0        # wall-clock budget of the training loop (0 = none)
-    candidate_contexts: int = 1024  # "candidates": how many memory contexts to sample
+    lr: float = setting(3e-4, low=0.0, low_open=True, high=1.0)
+    batch_size: int = setting(4, "sequences per step (each runs twice: full and dropped memory)", low=1, high=65536)
+    max_epochs: int = setting(5, low=0, high=1000)
+    patience: int = setting(2, "held-out evaluations without improvement before stopping", low=0, high=1000)
+    max_heldout: int = setting(
+        16, "held-out sequences used for early stopping (a seeded random subset)", low=1, high=100000)
+    max_minutes: float = setting(4.0, "wall-clock budget of the training loop (0 = none)", low=0.0, high=1440.0)
+    candidate_contexts: int = setting(1024, "\"candidates\": how many memory contexts to sample", low=0, high=1000000)
     # this method's own
-    eval_every: int = 5             # steps between held-out evaluations (0: evals_per_epoch per epoch)
-    temperature: float = 0.5        # T of the memory attention (paper 0.5)
-    alpha: float = 5.0              # weight of the NLL with dropped memory (paper 5)
-    beta: float = 5.0               # weight of the symmetric KL (paper 5)
-    memory_dropout: float = 0.1     # probability of dropping one layer's memory (paper 0.1)
-    layers: str = "all"             # "all" | "top:N" | "bottom:N" | "every:K" | "0,4,8"
-    allocation: str = "short_to_long"   # "short_to_long" (paper's best) | "long_to_short" | "random"
-    memory_side: str = "both"       # "both" | "target" | "source"
-    gate_bias: float = 4.0          # initial gate logit (toward the anchor A)
-    max_pairs: int = 2000           # phrase pairs in the memory
-    max_translate: int = 192        # unique source phrases translated by the backbone (the slow part)
-    max_phrase_len_en: int = 8      # paper: 8 words for English
-    max_phrase_len_other: int = 10  # paper: 10 for other languages
-    fuzzy_threshold: float = 0.6    # fallback alignment: character-trigram Dice
-    capture_batch_size: int = 16
+    eval_every: int = setting(
+        5, "steps between held-out evaluations (0: evals_per_epoch per epoch)", low=0, high=100000)
+    temperature: float = setting(0.5, "T of the memory attention (paper 0.5)", low=0.01, high=100.0)
+    alpha: float = setting(5.0, "weight of the NLL with dropped memory (paper 5)", low=0.0, high=1e6)
+    beta: float = setting(5.0, "weight of the symmetric KL (paper 5)", low=0.0, high=1e6)
+    memory_dropout: float = setting(0.1, "probability of dropping one layer's memory (paper 0.1)", low=0.0, high=1.0)
+    layers: str = setting("all", "\"all\" | \"top:N\" | \"bottom:N\" | \"every:K\" | \"0,4,8\"")
+    allocation: str = setting("short_to_long", "\"short_to_long\" (paper's best) | \"long_to_short\" | \"random\"")
+    memory_side: str = setting("both", "\"both\" | \"target\" | \"source\"")
+    gate_bias: float = setting(4.0, "initial gate logit (toward the anchor A)", low=-100.0, high=100.0)
+    max_pairs: int = setting(2000, "phrase pairs in the memory", low=1, high=1000000)
+    max_translate: int = setting(
+        192, "unique source phrases translated by the backbone (the slow part)", low=0, high=1000000)
+    max_phrase_len_en: int = setting(8, "paper: 8 words for English", low=1, high=64)
+    max_phrase_len_other: int = setting(10, "paper: 10 for other languages", low=1, high=64)
+    fuzzy_threshold: float = setting(0.6, "fallback alignment: character-trigram Dice", low=0.0, high=1.0)
+    capture_batch_size: int = setting(16, low=1, high=4096)
 
     def validate(self) -> None:
         super().validate()

@@ -22,7 +22,7 @@ from torch import nn
 
 from ground.errors import UserError
 from plugins.base import FitResult, Plugin, PluginConfig
-from plugins.settings import Setting
+from plugins.settings import Setting, setting
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
 from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 
@@ -31,17 +31,22 @@ from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, ru
 class NetworkConfig(PluginConfig):
     """Training settings common to the in-network plug-ins (sequence-level training through the backbone)."""
 
-    lr: float = 1e-3                # Adam, β (0.9, 0.999), eps 1e-8
-    batch_size: int = 8             # samples (sequences) per step
-    max_epochs: int = 3
-    patience: int = 4               # held-out evaluations without improvement before stopping (4 = an epoch)
-    evals_per_epoch: int = 4        # held-out evaluations per epoch (more = a time budget wastes less)
-    max_heldout: int = 32           # at most this many held-out samples for early stopping (their eval is slow)
-    lr_schedule: str = "constant"   # "constant" | "cosine"
-    max_minutes: float = 5.0        # wall-clock training budget (0 = none)
-    softmax: str = "full"           # "full" (exact NLL) | "candidates" (fast: softmax over a candidate vocabulary)
-    candidate_top_k: int = 16       # with "candidates": the LM's top tokens per sampled memory context
-    candidate_contexts: int = 2048  # with "candidates": how many memory contexts to sample
+    lr: float = setting(1e-3, "Adam, β (0.9, 0.999), eps 1e-8", low=0.0, low_open=True, high=1.0)
+    batch_size: int = setting(8, "samples (sequences) per step", low=1, high=65536)
+    max_epochs: int = setting(3, low=0, high=1000)
+    patience: int = setting(
+        4, "held-out evaluations without improvement before stopping (4 = an epoch)", low=0, high=1000)
+    evals_per_epoch: int = setting(
+        4, "held-out evaluations per epoch (more = a time budget wastes less)", low=1, high=1000)
+    max_heldout: int = setting(
+        32, "at most this many held-out samples for early stopping (their eval is slow)", low=1, high=100000)
+    lr_schedule: str = setting("constant", "\"constant\" | \"cosine\"")
+    max_minutes: float = setting(5.0, "wall-clock training budget (0 = none)", low=0.0, high=1440.0)
+    softmax: str = setting("full", "\"full\" (exact NLL) | \"candidates\" (fast: softmax over a candidate vocabulary)")
+    candidate_top_k: int = setting(
+        16, "with \"candidates\": the LM's top tokens per sampled memory context", low=0, high=1024)
+    candidate_contexts: int = setting(
+        2048, "with \"candidates\": how many memory contexts to sample", low=0, high=1000000)
 
     def validate(self) -> None:
         self._check(self.softmax in ("full", "candidates"), "softmax must be 'full' or 'candidates'.")
