@@ -19,7 +19,6 @@ leaves nothing half-made behind.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 import traceback
@@ -34,23 +33,6 @@ FINAL_STATES = ("done", "failed", "cancelled", "interrupted")
 MAX_LOG_LINES = 400
 MAX_METRIC_POINTS = 1500
 INTERRUPTED_MESSAGE = "Interrupted: the app stopped while this job was running. Start it again."
-
-# "reconstruction: epoch 2/10 step 40 loss 0.1234 (best held-out 0.2)" — the engine's training progress line.
-_LOSS_LINE = re.compile(r"^(?P<phase>[\w .-]+): epoch (?P<epoch>\d+)/(?P<epochs>\d+) step (?P<step>\d+) "
-                        r"loss (?P<loss>[-+0-9.eEinfa]+)")
-
-
-def parse_loss_message(message: str) -> dict | None:
-    """The loss point in a training progress message, or None (used to draw the live loss curve)."""
-    m = _LOSS_LINE.match(message or "")
-    if not m:
-        return None
-    try:
-        loss = float(m["loss"])
-    except ValueError:
-        return None
-    return {"phase": m["phase"].strip(), "epoch": int(m["epoch"]), "step": int(m["step"]), "loss": loss}
-
 
 def _loads(text: str | None, default):
     if not text:
@@ -99,9 +81,6 @@ class JobContext:
         self._progress = min(1.0, max(0.0, frac))
         if message:
             self._message = str(message)
-            point = parse_loss_message(self._message)
-            if point is not None:
-                self._add_metric(point)
             # log the first message of a phase and then at most one line every 2 s
             phase = self._message.split(":", 1)[0]
             now = time.time()
@@ -117,7 +96,8 @@ class JobContext:
         self.flush()
 
     def metric(self, point: dict) -> None:
-        self._add_metric(point)
+        """A structured point of the job's live curve (e.g. a training-history point)."""
+        self._add_metric({k: v for k, v in point.items() if isinstance(v, (int, float, str))})
         self._dirty = True
         self.flush()
 

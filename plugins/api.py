@@ -39,13 +39,16 @@ def new_plugin(method: str, backbone, memory: Memory, overrides: dict | None = N
 
 def train_plugin(backbone, memory: Memory, method: str, overrides: dict | None = None, *,
                  catalog: Catalog | None = None, out_dir: str | Path | None = None, name: str = "",
-                 progress: Progress = _noop, should_stop: Callable[[], bool] = lambda: False) -> tuple[Plugin, dict]:
+                 progress: Progress = _noop, should_stop: Callable[[], bool] = lambda: False,
+                 on_metric: Callable[[dict], None] | None = None) -> tuple[Plugin, dict]:
     """Train a plug-in of ``method`` on ``memory``; save it (JSON + safetensors) and register it in the catalog.
 
-    Returns the trained plug-in and its catalog row (with metrics and the loss history).
+    Returns the trained plug-in and its catalog row (with metrics and the loss history); ``on_metric`` receives
+    every history point while training runs.
     """
     backbone.check_fingerprint(memory.fingerprint, "This memory")
     plugin = new_plugin(method, backbone, memory, overrides)
+    plugin.on_metric = on_metric  # each training point as it is made (a job's live loss curve)
     t0 = time.time()
     result = plugin.fit(memory, progress=progress, should_stop=should_stop)
     plugin.train_info = {**plugin.train_info, "seconds": round(time.time() - t0, 2),

@@ -88,6 +88,21 @@ class MixOutput:
     extras: list[dict] | None = None    # per-row trace extras (e.g. kNN neighbours)
 
 
+class TrainingHistory(list):
+    """A plug-in's training history: structured points (``{"phase", "step", "epoch", "loss" | "heldout_loss",
+    ...}``). Each appended point is also handed to ``on_point`` — a job's live loss curve — so nobody has to parse
+    progress text for it."""
+
+    def __init__(self, on_point: Callable[[dict], None] | None = None):
+        super().__init__()
+        self.on_point = on_point
+
+    def append(self, point: dict) -> None:
+        super().append(point)
+        if self.on_point is not None:
+            self.on_point(dict(point))
+
+
 @dataclass
 class FitResult:
     metrics: dict = field(default_factory=dict)
@@ -131,6 +146,7 @@ class Plugin(nn.Module):
         self.fingerprint = backbone.fingerprint
         self.memory_meta = dict(memory_meta or {})
         self.train_info: dict = {}
+        self.on_metric: Callable[[dict], None] | None = None  # receives each training-history point as it is made
         self._backbone = [backbone]  # a list, so nn.Module does not register the frozen model as a child
 
     @property
@@ -140,6 +156,10 @@ class Plugin(nn.Module):
     # --- training ---------------------------------------------------------------------------------
     def fit(self, memory, progress: Progress = _noop, should_stop: ShouldStop = lambda: False) -> FitResult:
         raise NotImplementedError
+
+    def new_history(self) -> TrainingHistory:
+        """The list ``fit`` records its training points in (reported live to ``on_metric``)."""
+        return TrainingHistory(self.on_metric)
 
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -235,7 +235,7 @@ class LoRA(NetworkPlugin):
             sel = labels != -100
             return self.target_nll(h[sel], labels[sel])
 
-        history: list[dict] = []
+        history = self.new_history()
         guard = BudgetGuard(trainable, lambda: heldout_loss(), budget, history, self.method)
 
         def train_loss(idx):

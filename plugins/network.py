@@ -336,7 +336,7 @@ class NetworkPlugin(Plugin):
             p.requires_grad_(True)
         counts = {"tokens": 0, "targets": 0}
 
-        history: list[dict] = []
+        history = self.new_history()
         guard = BudgetGuard(self, lambda: heldout_loss(), cfg.max_minutes, history, self.method)
 
         def train_loss(idx):

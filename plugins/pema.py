@@ -265,7 +265,7 @@ class PEMA(Plugin):
         def target(y):
             return remap[y] if remap is not None else y
 
-        history: list[dict] = []
+        history = self.new_history()
         loop = dict(lr=cfg.lr, batch_size=cfg.batch_size, patience=cfg.patience, lr_schedule=cfg.lr_schedule,
                     max_minutes=cfg.max_minutes, seed=cfg.seed)
 

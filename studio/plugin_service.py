@@ -57,7 +57,8 @@ class PluginService:
             job.checkpoint = self.gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
             job.log(f"Training {cls.title} on {mem.meta.get('name', mem.id)!r} ({len(mem):,} entries)")
             plugin, row = train_plugin(bb, mem, a["method"], a["config"], catalog=self.catalog,
-                                       name=a.get("name", ""), progress=job.progress, should_stop=job.should_stop)
+                                       name=a.get("name", ""), progress=job.progress, should_stop=job.should_stop,
+                                       on_metric=job.metric)
         job.set_metrics([{k: v for k, v in h.items() if isinstance(v, (int, float, str))}
                          for h in row.get("history", [])])
         return {"plugin_id": row["id"], "name": row["name"], "method": row["method"], "params": row["params"],

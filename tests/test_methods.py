@@ -89,3 +89,12 @@ def test_the_same_seed_gives_the_same_plugin(method, tiny, tiny_memory, trained,
     plugin, _ = trained(method)
     again, _ = train_plugin(tiny, tiny_memory, method, quick_config(method), out_dir=tmp_path / "again")
     assert same_state(state(again), state(plugin))
+
+
+def test_training_reports_its_history_points_as_they_are_made(tiny, tiny_memory, tmp_path):
+    """A job's live loss curve comes from structured points (no progress text is parsed)."""
+    points: list[dict] = []
+    _plugin, row = train_plugin(tiny, tiny_memory, "pema", quick_config("pema"), out_dir=tmp_path / "p",
+                                on_metric=points.append)
+    assert points == row["history"] and {p["phase"] for p in points} == {"reconstruction", "joint"}
+    assert any("loss" in p for p in points) and any("heldout_loss" in p for p in points)
