@@ -186,7 +186,7 @@ def test_tabs_upload_preview_and_jobs(page, app, tmp_path):
         if label.is_visible():
             label.click()
     page.locator("#eval-run").click()
-        page.wait_for_function("document.querySelector('#eval-scores')?.innerText.includes('PEMA demo')",
-                               timeout=120_000)
-        time.sleep(1)
+    page.wait_for_function("document.querySelector('#eval-scores')?.innerText.includes('PEMA demo')",
+                           timeout=120_000)
+    time.sleep(1)
     page.screenshot(path=str(SHOTS / "evaluate.png"), full_page=True)
