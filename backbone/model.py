@@ -291,7 +291,11 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
     for hub/local models on CUDA so that models larger than one device still load.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # Our own progress callback reports the load; transformers' nested tqdm bars would write raw cursor-movement
+    # escapes ("[A") into logs and job messages.
+    hf_logging.disable_progress_bar()
     name = resolve_name(name or DEFAULT_BACKBONE)
     dev = pick_device(device)
     dt = _dtype(dtype, dev)

@@ -95,7 +95,8 @@ def main(argv=None) -> int:
             res = evaluate(bb, pairs, rows, prompt, args.task, batch_sources=args.batch,
                            max_new_tokens=args.max_new_tokens, progress=prog, extra=extra)
         print(format_table(res["methods"]))
-        print(f"\n{res['n']} items, {res['seconds']}s, backbone {bb.name}")
+        print(f"\n{res['n']} items, {res['seconds']}s, {res['tokens']} tokens decoded "
+              f"({res['tokens_per_second']} tokens/s, all rows of a batch counted), backbone {bb.name}")
     else:
         pema = [p for p in plugins if p.method == "pema"]
         if not pema:

@@ -58,6 +58,7 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
     t0 = time.time()
     sources = [s for s, _ in pairs]
     hyps: dict[str, list[str]] = {r.label: [] for r in rows}
+    n_tokens = 0
     for b0 in range(0, len(sources), batch_sources):
         if should_stop():
             raise Cancelled()
@@ -68,6 +69,7 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
         for comp in decode_batch(backbone, chunk, rows, prompt, max_new_tokens=cap, trace=False):
             for r in comp.rows:
                 hyps[r.label].append(r.text)
+                n_tokens += len(r.tokens)
         done = min(len(sources), b0 + batch_sources)
         progress(done / len(sources), f"decoded {done}/{len(sources)} sentences × {len(rows)} methods")
     refs = [r for _, r in pairs] if all(r is not None for _, r in pairs) else None
@@ -77,7 +79,9 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
                         if r.plugin else {}, **score(task, sources, hyps[r.label], refs, extra)})
     outputs = [{"source": s, "reference": ref, **{lab: hyps[lab][i] for lab in hyps}}
                for i, (s, ref) in enumerate(pairs)]
-    return {"task": task, "n": len(pairs), "seconds": round(time.time() - t0, 1), "methods": methods,
+    secs = time.time() - t0
+    return {"task": task, "n": len(pairs), "seconds": round(secs, 1), "tokens": n_tokens,
+            "tokens_per_second": round(n_tokens / max(secs, 1e-9), 1), "methods": methods,
             "outputs": outputs, "backbone": backbone.name}
 
 
