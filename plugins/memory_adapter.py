@@ -1,11 +1,20 @@
 """Memory-augmented adapters (Xu et al., "Pluggable Neural Machine Translation Models via Memory-augmented
 Adapters", LREC-COLING 2024), adapted from an encoder–decoder NMT model to a frozen decoder-only LM.
 
-Memory (``memories/phrases.py``): multi-granular phrase pairs (source phrase, target phrase) — spaCy subtrees and
-words of English sources, a marker-based chunker elsewhere, paired by translating each source phrase with the frozen
-backbone itself and finding the translation in the target sentence; every sentence pair is kept too. The pairs are
-sorted by length and split into equal shares over the adapted layers, **short to long from the lowest layer up**
-(the paper's best allocation; ``allocation`` also offers ``long_to_short`` and ``random``).
+Memory (``memories/phrases.py``), as the paper builds it: multi-granular phrases of the *target* sentences — spaCy
+dependency subtrees, verb phrases and content words of English targets (≤ 8 words), and for other target languages
+(German: no German parser can be installed here) the documented fallback, a marker-word / punctuation chunker
+(≤ 10 words) —, never the whole target sentence; each phrase is back-translated by the frozen backbone itself with
+the task's reverse prompt (the paper uses a reverse NMT model), and its source side is the back-translation's span in
+the sample's real source sentence when it can be found there (exact, else trigram-fuzzy: our use of the parallel
+data), else the back-translation itself (the paper's pairing; an unusable one — empty or far too long — leaves the
+phrase paired with itself). The pairs are sorted by target length and split into equal shares over the adapted
+layers, **short to long from the lowest layer up** (the paper's best allocation; ``allocation`` also offers
+``long_to_short`` and ``random``; the authors' scripts cut fixed length bands for their 6 decoder layers, equal
+shares fit any layer count). ``whole_sentences`` (default off, not in the paper) adds every training sentence pair as
+an item; while training, every sample's attention to an item whose target is its own whole target sentence is masked
+(weight 0; a layer left with no item skips its adapters for that row), so no sample can read its answer from the
+memory — that mask is always on, also for a phrase of another sample that happens to equal a short target.
 
 Memory items. For pair i held by layer l the frozen backbone (no adapters) runs teacher-forced on
 ``memory.prompt.render(src_phrase) + target_prefix + tgt_phrase``. Let ``a_l(t)`` be the output of layer l's
@@ -27,6 +36,9 @@ the layer's memory items of that side, and learned W_q, W_k, W_v ∈ R^{d×d}, W
     g = sigmoid(relu([A; R]·W_1)·W_2 + b_2)
     O = g·A + (1−g)·R
 
+(the paper writes the logits over T; the authors' ``DatastoreReaderLayer`` also scales Q by d^-½, as here; their
+gate layers are ``nn.Linear`` with biases on W_1 and W_2, here only b_2).
+
 Where it acts (the decoder-only stand-in for the paper's two adapters). A decoder-only layer has one attention
 sublayer, whose attention over the prompt plays the role of the NMT decoder's cross-attention to the source, so
 **both adapters sit in series on the output of ``layers[l].self_attn``**, at every position (prompt and target):
@@ -36,12 +48,14 @@ result times s_l replaces the self-attention output (a forward hook on ``self_at
 tuple). Only batch rows given to ``attach`` are changed.
 
 Adaptations (besides the decoder-only placement), recorded here and in ``train_info``:
-    * scaling: A, Q and the memory are divided by the layer's activation RMS s_l and the result multiplied back;
-      the attention logits are divided by T·√d rather than T (d = 640 makes unscaled logits of raw states
-      meaningless at T = 0.5);
+    * scaling: A, Q and the memory are divided by the layer's activation RMS s_l and the result multiplied back
+      (Gemma's raw states are far from the NMT model's layer-normed ones); the 1/√d on the logits is the authors'
+      code's;
     * initialisation so that the untrained adapter is nearly the identity: W_q = W_k = W_v = I (the untrained
       adapter reads the memory items most similar to the current state), W_1 random, W_2 = 0 and a gate bias
-      b_2 = ``gate_bias`` (4 ⇒ g = 0.982, 1.8 % memory); b_2 is our addition to the paper's gate;
+      b_2 = ``gate_bias`` (4 ⇒ g = 0.982, 1.8 % memory) — the authors start W_q, W_k, W_v from Xavier;
+    * memory items: mean states over each phrase's tokens from one teacher-forced pass of the frozen LM (the
+      authors store per-token encoder / decoder states of force-decoded phrase pairs);
     * layers: all layers by default (paper); ``layers="top:N"``, ``"bottom:N"``, ``"every:K"`` or ``"3,7,11"``
       restrict adapters (and memory) to some layers — d×d matrices cost 2·(5d²+d+1) ≈ 4.1 M parameters per layer
       at d = 640;
@@ -49,15 +63,21 @@ Adaptations (besides the decoder-only placement), recorded here and in ``train_i
       sequences (``plugins/seqtrain.py``) and the CPU budget ``max_minutes``.
 
 Training (paper): L = NLL(full memory) + α·NLL(memory after dropout) + β·½(KL(p‖q) + KL(q‖p)), p and q the output
-distributions with the full and the dropped memory; memory dropout drops each adapted layer's whole memory (both
-sides: that layer's adapters become the identity) with probability 0.1, independently per sequence; T = 0.5,
-α = β = 5. The two passes run as one doubled batch (``train_batch_loss``). The rest is the in-network plug-ins' shared
-training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early stopping on a seeded subset of the
-memory's held-out samples (NLL with the full memory) through ``plugins.training.run_training``; with a time budget,
-a guard evaluates the held-out set once
-more before the step that would cross it, so the steps taken since the last evaluation are not thrown away (the
-loop keeps the best *evaluated* weights). ``softmax="candidates"`` (an option, not the default) restricts the training
-softmax (NLL and KL) to a candidate vocabulary — the memory's target tokens, the stop tokens and the LM's top-16
+distributions with the full and the dropped memory, token means; memory dropout drops each adapted layer's whole
+memory (both sides: that layer's adapters become the identity) with probability 0.1, independently per sequence and
+layer (the authors' code draws once per layer and batch and zeroes the attention, leaving (1−g)·A); T = 0.5,
+α = β = 5 (their script: α·(NLL_q + KL) with α = 5, i.e. α = β). The two passes run as one doubled batch
+(``train_batch_loss``). Optimiser (paper's fairseq setup): Adam β (0.9, 0.98), peak lr 2e-4; the paper's
+inverse-sqrt schedule with warmup is not offered by the shared loop (``plugins/training.py``), so the default is its
+closest one, ``lr_schedule="cosine"`` — linear warmup over ``warmup_steps`` (10; the authors warm up over 100 of up to
+50k updates, a CPU run here has a few hundred steps at most), then cosine decay. Not reproduced: the authors' label
+smoothing (0.1) and their 100 updates of plain NLL before the dropout/KL terms start. The rest is the in-network
+plug-ins' shared training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early stopping (NLL with the
+full memory and the own-sentence mask, ``hooked_seq_loss``) on the samples that loop sets aside, of which this
+method evaluates a seeded subset of ``max_heldout``, through ``plugins.training.run_training``; with a time budget, a
+guard evaluates the early-stopping set once more before the step that would cross it, so the steps taken since the
+last evaluation are not thrown away (the loop keeps the best *evaluated* weights). ``softmax="candidates"`` (an
+option, not the default) restricts the training softmax (NLL and KL) to a candidate vocabulary — the memory's target tokens, the stop tokens and the LM's top-16
 tokens on sampled memory contexts — which removes most of the LM-head cost of a CPU training step (Gemma's vocabulary
 has 262k tokens); decoding always uses the full vocabulary.
 
@@ -91,7 +111,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ground.errors import UserError
-from memories.phrases import capture_phrase_states, phrase_pairs_for_memory
+from memories.build import target_ids
+from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_memory
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, MixOutput
 from plugins.knn import KNN, KNNConfig
@@ -108,9 +129,17 @@ class MemoryAdapterConfig(NetworkConfig):
     """The in-network plug-ins' training settings (``NetworkConfig``; this method's defaults below) and the
     paper's memory, loss and allocation settings."""
 
-    # NetworkConfig's fields, with this method's defaults (its other fields: lr_schedule, softmax, candidate_top_k,
+    # NetworkConfig's fields, with this method's defaults (its other fields: softmax, candidate_top_k,
     # evals_per_epoch — used only with eval_every = 0)
-    lr: float = setting(3e-4, low=0.0, low_open=True, high=1.0)
+    lr: float = setting(
+        2e-4, "peak learning rate (paper 2e-4; Adam β (0.9, 0.98) as the paper's fairseq setup)",
+        low=0.0, low_open=True, high=1.0)
+    lr_schedule: str = setting(
+        "cosine", "\"cosine\" (linear warmup, then cosine decay: the loop's stand-in for the paper's inverse-sqrt "
+        "schedule, which it does not offer) | \"constant\"")
+    warmup_steps: int = setting(
+        10, "linear warmup steps of the \"cosine\" schedule (paper: 100 of up to 50k updates; a CPU run here has a "
+        "few hundred at most)", low=0, high=100000)
     batch_size: int = setting(4, "sequences per step (each runs twice: full and dropped memory)", low=1, high=65536)
     max_epochs: int = setting(5, low=0, high=1000)
     patience: int = setting(2, "held-out evaluations without improvement before stopping", low=0, high=1000)
@@ -131,10 +160,15 @@ class MemoryAdapterConfig(NetworkConfig):
     gate_bias: float = setting(4.0, "initial gate logit (toward the anchor A)", low=-100.0, high=100.0)
     max_pairs: int = setting(2000, "phrase pairs in the memory", low=1, high=1000000)
     max_translate: int = setting(
-        192, "unique source phrases translated by the backbone (the slow part)", low=0, high=1000000)
-    max_phrase_len_en: int = setting(8, "paper: 8 words for English", low=1, high=64)
-    max_phrase_len_other: int = setting(10, "paper: 10 for other languages", low=1, high=64)
-    fuzzy_threshold: float = setting(0.6, "fallback alignment: character-trigram Dice", low=0.0, high=1.0)
+        192, "unique target phrases back-translated by the backbone (the slow part)", low=0, high=1000000)
+    max_phrase_len_en: int = setting(8, "longest target phrase, English targets (paper: 8 words)", low=1, high=64)
+    max_phrase_len_other: int = setting(
+        10, "longest target phrase, other target languages (paper: 10 words)", low=1, high=64)
+    fuzzy_threshold: float = setting(
+        0.6, "finding a back-translation in the real source: character-trigram Dice", low=0.0, high=1.0)
+    whole_sentences: bool = setting(
+        False, "also put every whole training sentence pair in the memory (not in the paper; each sample's own "
+        "sentence is masked out of its attention while training)")
     capture_batch_size: int = setting(16, low=1, high=4096)
 
     def validate(self) -> None:
@@ -152,6 +186,7 @@ class MemoryAdapterConfig(NetworkConfig):
         c(self.max_phrase_len_en >= 1 and self.max_phrase_len_other >= 1, "Maximum phrase lengths must be ≥ 1.")
         c(0.0 < self.fuzzy_threshold <= 1.0, "fuzzy_threshold must be in (0, 1].")
         c(self.capture_batch_size >= 1, "capture_batch_size must be ≥ 1.")
+        c(self.warmup_steps >= 0, "warmup_steps must be ≥ 0.")
         parse_layers(self.layers, None)
 
 
@@ -228,9 +263,15 @@ class MemoryAdapter(nn.Module):
         v = mem @ self.W_v
         return qk, v, v @ self.W_1[self.d:]
 
-    def forward(self, x: torch.Tensor, prep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, prep, exclude: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` (B, T, d) is both the anchor A and the query Q; ``exclude`` (B, n) True removes item j from row b's
+        attention (a training sample's own sentence; a row must keep at least one item)."""
         qk, v, vw = prep
-        att = torch.softmax(x @ qk, dim=-1)
+        logits = x @ qk
+        if exclude is not None:
+            logits = logits.masked_fill(exclude[:, None, :], float("-inf"))
+        att = torch.softmax(logits, dim=-1)
         r = att @ v
         h = F.relu(x @ self.W_1[:self.d] + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
         g = torch.sigmoid(h @ self.W_2 + self.b_2)
@@ -252,13 +293,19 @@ class LayerBlock(nn.Module):
     def prepare(self, temperature: float) -> dict:
         return {s: self.adapters[s].prepare(getattr(self, f"mem_{s}"), temperature) for s in self.sides}
 
-    def apply(self, a: torch.Tensor, prep: dict, keep: torch.Tensor | None = None):
-        """Adapt self-attention outputs ``a`` (B, T, d); ``keep`` (B,) False drops this layer's memory."""
+    def apply(self, a: torch.Tensor, prep: dict, keep: torch.Tensor | None = None,
+              exclude: torch.Tensor | None = None):
+        """Adapt self-attention outputs ``a`` (B, T, d); ``keep`` (B,) False drops this layer's memory; ``exclude``
+        (B, n) True hides item j from row b (a row that would have no item left drops this layer's memory)."""
         x = a.float() / self.scale
         out = x
         info = {}
+        if exclude is not None:
+            empty = exclude.all(-1)
+            exclude = exclude & ~empty[:, None]  # no all-masked softmax (NaN): such a row skips the layer instead
+            keep = ~empty if keep is None else keep & ~empty
         for s in self.sides:
-            o, att, g = self.adapters[s](out, prep[s])
+            o, att, g = self.adapters[s](out, prep[s], exclude)
             if keep is not None:
                 o = torch.where(keep.view(-1, 1, 1), o, out)
             out = o
@@ -292,6 +339,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         self._knn = None
         self._prep_cache: dict[float, dict] = {}  # decode-time memory products per temperature
         self._drop_rng: torch.Generator | None = None  # memory dropout while training
+        self._own: tuple[dict, dict] | None = None  # while training: what ``_exclusion`` masks (see there)
 
     # --- structure --------------------------------------------------------------------------------
     @property
@@ -337,8 +385,11 @@ class MemoryAdapterPlugin(NetworkPlugin):
         pairs = phrase_pairs_for_memory(
             bb, memory, "train", max_pairs=cfg.max_pairs, max_translate=cfg.max_translate,
             max_len_english=cfg.max_phrase_len_en, max_len_other=cfg.max_phrase_len_other,
-            fuzzy_threshold=cfg.fuzzy_threshold, progress=lambda f, m: progress(0.8 * f, m),
-            should_stop=should_stop, stats=stats)
+            fuzzy_threshold=cfg.fuzzy_threshold, whole_sentences=cfg.whole_sentences,
+            progress=lambda f, m: progress(0.8 * f, m), should_stop=should_stop, stats=stats)
+        if not pairs:
+            raise UserError("No phrase could be extracted from the memory's target sentences "
+                            "(with max_translate = 0 nothing is paired; turn whole_sentences on or raise it).")
         alloc = allocate([p.length for p in pairs], layers, cfg.allocation, cfg.seed)
         self.phrases = []
         for layer, idx in alloc.items():
@@ -380,18 +431,20 @@ class MemoryAdapterPlugin(NetworkPlugin):
             return []
         preps = self._preps(float(att.settings["temperature"]), cached=att.rows is not None)
         keep = att.state.get("keep")
+        exclude = att.state.get("exclude") or {}  # layer → (B, n) items hidden from each row (training)
         recording: dict = {}  # layer → the newest position's memory attention, for the trace
         return [self.backbone.layers[l].self_attn.register_forward_hook(
-                    self._hook(att, l, preps[l], None if keep is None else keep[:, i], recording))
+                    self._hook(att, l, preps[l], None if keep is None else keep[:, i], recording, exclude.get(l)))
                 for i, l in enumerate(self.adapted_layers)]
 
-    def _hook(self, att: Attachment, l: int, prep: dict, keep: torch.Tensor | None, recording: dict):
+    def _hook(self, att: Attachment, l: int, prep: dict, keep: torch.Tensor | None, recording: dict,
+              exclude: torch.Tensor | None = None):
         blk = self.blocks[str(l)]
         layers = self.adapted_layers
         info: dict = {}
 
         def fn(x, h):
-            new, info["sides"] = blk.apply(x, prep, keep)
+            new, info["sides"] = blk.apply(x, prep, keep, exclude)
             return new
 
         def hook(module, args, output):
@@ -474,13 +527,20 @@ class MemoryAdapterPlugin(NetworkPlugin):
         def prepare(train) -> dict:
             self._drop_rng = torch.Generator().manual_seed(cfg.seed)
             self._prep_cache = {}
+            self._own = self._own_sentence_tables(memory)
             return {"temperature": cfg.temperature, "alpha": cfg.alpha, "beta": cfg.beta,
                     "memory_dropout": cfg.memory_dropout, "allocation": cfg.allocation,
                     "memory_side": cfg.memory_side, "placement": "self_attn output (both adapters in series)",
-                    "attention_scaling": "1/(T*sqrt(d)), inputs divided by the layer RMS"}
+                    "attention_scaling": "1/(T*sqrt(d)), inputs divided by the layer RMS",
+                    "whole_sentences": cfg.whole_sentences, "own_sentence_masked": True,
+                    "adam_betas": list(self.ADAM_BETAS), "lr_schedule": cfg.lr_schedule,
+                    "warmup_steps": cfg.warmup_steps}
 
         t1 = time.time()
-        result = self.fit_sequences(memory, progress, should_stop, prepare)
+        try:
+            result = self.fit_sequences(memory, progress, should_stop, prepare)
+        finally:
+            self._own = None
         self._prep_cache = {}
         initial = next((h["heldout_loss"] for h in result.history if "heldout_loss" in h), None)
         extra = {"phrase_memory": self.phrase_stats, "memory_items": len(self.phrases),
@@ -497,11 +557,54 @@ class MemoryAdapterPlugin(NetworkPlugin):
                       .tolist())
         return SeqData([held.contexts[i] for i in pick], [held.targets[i] for i in pick])
 
+    ADAM_BETAS: ClassVar[tuple[float, float]] = (0.9, 0.98)  # the paper's fairseq setup
+
     def loop_settings(self, steps_per_epoch: int):
+        """The shared loop's settings with the paper's Adam β and this method's warmup (with ``lr_schedule =
+        "cosine"``: linear warmup over ``warmup_steps``, then cosine decay — the loop has no inverse-sqrt)."""
         s = super().loop_settings(steps_per_epoch)
         if self.config.eval_every:
             s.eval_every = self.config.eval_every
+        s.betas = self.ADAM_BETAS
+        s.warmup_steps = self.config.warmup_steps
         return s
+
+    def _own_sentence_tables(self, memory) -> tuple[dict, dict]:
+        """What ``_exclusion`` needs: every sample's target tokens (as ``collate`` puts them in ``labels``) → its
+        normalized target sentence, and per adapted layer: normalized item target → the item's local indices."""
+        bb, prompt = self.backbone, memory.prompt
+        by_tokens = {tuple(target_ids(bb, prompt, s["tgt"])): normalize(s["tgt"]) for s in memory.samples}
+        per_layer: dict[int, dict[str, list[int]]] = {}
+        for l in self.adapted_layers:
+            table: dict[str, list[int]] = {}
+            for j, g in enumerate(self.blocks[str(l)].phrase_ids.tolist()):
+                table.setdefault(normalize(self.phrases[g]["tgt"]), []).append(j)
+            per_layer[l] = table
+        return by_tokens, per_layer
+
+    def _exclusion(self, labels: torch.Tensor) -> dict[int, torch.Tensor] | None:
+        """While training: per adapted layer, (B, n) True where item j's target is row b's whole target sentence —
+        its own sentence entry (``whole_sentences``) or any item that happens to equal it — so that no training
+        sample can read its own answer from the memory. None when nothing is masked (or not training)."""
+        if self._own is None:
+            return None
+        by_tokens, per_layer = self._own
+        rows = [by_tokens.get(tuple(r[r != -100].tolist())) for r in labels.cpu()]
+        out, any_masked = {}, False
+        for l in self.adapted_layers:
+            m = torch.zeros(len(rows), self.blocks[str(l)].mem_tgt.shape[0], dtype=torch.bool)
+            for b, t in enumerate(rows):
+                for j in per_layer[l].get(t, ()) if t is not None else ():
+                    m[b, j] = True
+            any_masked |= bool(m.any())
+            out[l] = m.to(labels.device)
+        return out if any_masked else None
+
+    def hooked_seq_loss(self, ids, mask, labels, **state):
+        """The shared loop's early-stopping NLL, with the own-sentence mask while training (the samples it is measured
+        on are training samples set aside, whose sentences are memory items with ``whole_sentences``)."""
+        state.setdefault("exclude", self._exclusion(labels))
+        return super().hooked_seq_loss(ids, mask, labels, **state)
 
     def train_batch_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int, dict]:
         """The paper's objective on one batch: NLL with the full memory + α·NLL with memory dropout + β·½(KL(p‖q) +
@@ -517,7 +620,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
             drop = torch.rand(B, L, generator=self._drop_rng) < cfg.memory_dropout
             keep = torch.cat([torch.ones(B, L, dtype=torch.bool), ~drop]).to(bb.device)
             ids, mask, labels = (torch.cat([t, t]) for t in (ids, mask, labels))
-        handles = self.attach(None, {}, keep=keep)
+        handles = self.attach(None, {}, keep=keep, exclude=self._exclusion(labels))
         try:
             fc, _ = bb.forward_fc(ids, attention_mask=mask)
         finally:  # the graph is built: backward needs no hook

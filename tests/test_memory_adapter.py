@@ -8,7 +8,9 @@ from ground.errors import UserError
 
 FOX = "The quick brown fox jumps over the lazy dog in the park."
 GOLD_DE = "Es war noch nie leicht, ein rationales Gespräch über den Wert von Gold zu führen."
-FAST = {"max_minutes": 0.5, "max_epochs": 4, "lr": 3e-2, "batch_size": 4, "eval_every": 3, "max_translate": 16}
+# 12 steps on the tiny model: a high constant rate (the paper's 2e-4 with warmup + decay would barely move it)
+FAST = {"max_minutes": 0.5, "max_epochs": 4, "lr": 3e-2, "lr_schedule": "constant", "batch_size": 4, "eval_every": 3,
+        "max_translate": 16}
 
 
 def _words(p):
@@ -48,42 +50,79 @@ def test_german_chunker():
     assert not is_english([GOLD_DE]) and is_english([FOX])
 
 
-def test_phrase_pairing_exact_fuzzy_sentence_and_caps(tiny, monkeypatch):
+def _fake_back_translation(monkeypatch, pattern, table, calls):
+    """Replace the backbone's greedy generation in phrases.py by a table lookup of the phrase in the reverse
+    prompt (the test fails if the phrase is not rendered with ``pattern``, i.e. not back-translated)."""
     import memories.phrases as ph
-    from backbone.prompts import Prompt
-    from memories.phrases import extract_phrase_pairs
-
-    table = {"The small house": "das kleine Haus", "house": "Haus", "small": "klein", "old": "alt",
-             "The black cat": "die schwarze Katzen", "cat": "Hund", "black": "schwarze"}
-    calls = []
 
     def fake_generate(backbone, contexts, max_new_tokens=64, batch_size=8, progress=None):
         outs = []
         for c in contexts:
-            src = re.search(r"English: (.*)\nGerman:", backbone.decode(c)).group(1)
-            calls.append(src)
-            outs.append(backbone.encode_target(" " + table.get(src, "xyz")))
+            phrase = re.search(pattern, backbone.decode(c)).group(1)
+            calls.append(phrase)
+            outs.append(backbone.encode_target(" " + table.get(phrase, "xyz")))
         return outs
 
     monkeypatch.setattr(ph, "generate_greedy", fake_generate)  # the name phrases.py calls
-    samples = [{"src": "The small house is old.", "tgt": "Das kleine Haus ist alt."},
-               {"src": "The black cat sleeps.", "tgt": "Die schwarze Katze schläft."},
-               {"src": "The small house is old.", "tgt": "Das kleine Haus ist alt."}]
+
+
+def test_phrase_pairing_target_phrases_back_translated_exact_fuzzy_back_identity(tiny, monkeypatch):
+    """Paper: phrases come from the TARGET sentences and are back-translated into the source language; the source
+    side is the back-translation's span in the real source (exact / fuzzy), else the back-translation itself."""
+    from backbone.prompts import Prompt
+    from memories.phrases import extract_phrase_pairs, normalize
+
+    table = {"Das kleine Haus steht": "the small house stands", "in dem Garten": "in the gardens",
+             "Haus": "house", "schwarze": "black", "Katze": "dog", "Garten": "",
+             "kleine": "a b c d e f g h"}  # 8 words for 1: fails the length filter
+    calls = []
+    _fake_back_translation(monkeypatch, r"German: (.*)\nEnglish:$", table, calls)
+    garden = ("The small house stands in the garden.", "Das kleine Haus steht in dem Garten.")
+    cat = ("The black cat sleeps.", "Die schwarze Katze schläft.")
+    samples = [{"src": s, "tgt": t} for s, t in (garden, cat, garden)]
     stats = {}
     pairs = extract_phrase_pairs(tiny, samples, Prompt.for_task("translation"), indices=[5, 6, 7], stats=stats)
     got = {(p.src, p.tgt, p.match) for p in pairs}
-    assert ("The small house", "kleine Haus", "exact") not in got  # the first match wins: "Das kleine Haus"
-    assert ("The small house", "Das kleine Haus", "exact") in got
-    assert ("house", "Haus", "exact") in got and ("old", "alt", "exact") in got
-    assert ("The black cat", "Die schwarze Katze", "fuzzy") in got  # "die schwarze Katzen" ≈ the target span
-    assert not any(p.src == "cat" for p in pairs)  # wrong translation, no similar span: dropped
-    sent = [p for p in pairs if p.match == "sentence"]
+    assert ("The small house stands", "Das kleine Haus steht", "exact") in got  # cut from the real source
+    assert ("in the garden", "in dem Garten", "fuzzy") in got  # "in the gardens" ≈ the source span
+    assert ("house", "Haus", "exact") in got and ("black", "schwarze", "exact") in got
+    assert ("dog", "Katze", "back") in got  # not in the source: the back-translation itself (paper)
+    assert ("Garten", "Garten", "identity") in got and ("kleine", "kleine", "identity") in got  # unusable
+    by_sample = {5: garden[1], 6: cat[1]}
+    assert all(p.tgt in by_sample[p.sample_index] for p in pairs)  # every target phrase is cut from a target
+    assert not any(normalize(p.tgt) == normalize(by_sample[p.sample_index]) for p in pairs)  # never the answer
+    assert not any(p.match == "sentence" for p in pairs)  # whole sentences are off by default
+    assert all(_words(p.tgt) <= 10 for p in pairs) and all(p.length == _words(p.tgt) for p in pairs)
+    assert len(calls) == len(set(calls))  # each unique phrase back-translated once
+    assert "Die schwarze Katze schläft" not in calls  # the whole target is never a phrase
+    assert stats["pairs"] == len(pairs) and stats["extractor"] == "marker-chunker"
+    assert stats["phrase_side"] == "target" and stats["target_language"] == "other"
+    with_sent = extract_phrase_pairs(tiny, samples, Prompt.for_task("translation"), indices=[5, 6, 7],
+                                     whole_sentences=True)
+    sent = [p for p in with_sent if p.match == "sentence"]
     assert len(sent) == 2 and {p.sample_index for p in sent} == {5, 6}  # repeated sample kept once
-    assert len(calls) == len(set(calls))  # each unique phrase translated once
-    assert all(p.length == max(_words(p.src), _words(p.tgt)) for p in pairs)
-    capped = extract_phrase_pairs(tiny, samples, Prompt.for_task("translation"), max_pairs=3, max_translate=2)
+    capped = extract_phrase_pairs(tiny, samples, Prompt.for_task("translation"), max_pairs=3, max_translate=2,
+                                  whole_sentences=True)
     assert len(capped) == 3 and sum(p.match == "sentence" for p in capped) == 2
-    assert stats["pairs"] == len(pairs) and stats["extractor"].startswith("spacy")
+
+
+def test_english_targets_are_parsed_and_back_translated_with_the_tasks_reverse_prompt(tiny, monkeypatch):
+    from backbone.prompts import Prompt
+    from memories.phrases import english_parser, extract_phrase_pairs
+
+    if english_parser() is None:
+        pytest.skip("spaCy English model not installed")
+    calls = []
+    _fake_back_translation(monkeypatch, r"Shakespeare: (.*)\nModern:$", {"The quick brown fox": "a fast fox"},
+                           calls)
+    samples = [{"src": "a fast fox jumps over a dog in a park", "tgt": FOX}]
+    stats = {}
+    pairs = extract_phrase_pairs(tiny, samples, Prompt.for_task("style"), task="style", max_translate=100,
+                                 stats=stats)
+    tgts = {p.tgt for p in pairs}
+    assert stats["extractor"].startswith("spacy") and stats["target_language"] == "en"
+    assert {"The quick brown fox", "in the park", "fox"} <= tgts and all(_words(t) <= 8 for t in tgts)
+    assert ("a fast fox", "The quick brown fox", "exact") in {(p.src, p.tgt, p.match) for p in pairs}
 
 
 def test_allocation_short_to_long():
@@ -131,6 +170,71 @@ def _train_logprobs(tiny, memory, plugin):
             h.remove()
     sel = labels != -100
     return lp, lp[sel].gather(1, labels[sel][:, None])[:, 0]
+
+
+def test_phrase_memory_holds_no_training_answer_by_default(untrained, tiny_memory):
+    """The paper's memory is target phrases only: no item's target is a whole training target sentence."""
+    from memories.phrases import normalize
+
+    answers = {normalize(s["tgt"]) for s in tiny_memory.split_samples("train")}
+    assert untrained.phrases and not any(normalize(p["tgt"]) in answers for p in untrained.phrases)
+    assert not any(p["match"] == "sentence" for p in untrained.phrases)
+    assert untrained.phrase_stats["phrase_side"] == "target"
+
+
+def test_training_sample_never_attends_to_its_own_sentence_entry(tiny, tiny_memory, monkeypatch):
+    """With ``whole_sentences`` on, each training sample's own sentence item gets attention weight exactly 0 in
+    every adapter, position and pass (full and memory-dropped; also the early-stopping NLL), while other samples do
+    attend to it — so a sample can never read its own answer out of the memory."""
+    from memories.phrases import normalize
+    from plugins.api import new_plugin
+    from plugins.memory_adapter import LayerBlock
+    from plugins.seqtrain import collate, memory_sequences
+
+    p = new_plugin("memory_adapter", tiny, tiny_memory, {**FAST, "whole_sentences": True})
+    p.build_memory(tiny_memory)
+    sent = [i for i, ph in enumerate(p.phrases) if ph["match"] == "sentence"]
+    assert len(sent) >= 2
+    rows = tiny_memory.split_samples("train")
+    data = memory_sequences(tiny, tiny_memory, "train")
+    ids, mask, labels = collate(tiny, data, range(len(data)))
+    seen = []
+    orig = LayerBlock.apply
+
+    def spy(self, a, prep, keep=None, exclude=None):
+        out, info = orig(self, a, prep, keep, exclude)
+        seen.append((self, info))
+        return out, info
+
+    monkeypatch.setattr(LayerBlock, "apply", spy)
+    p._own = p._own_sentence_tables(tiny_memory)  # what train_adapters' prepare sets
+    try:
+        with torch.no_grad():
+            p.train_batch_loss(ids, mask, labels)  # doubled batch: rows b and b + B are sample b
+            n_train_pass = len(seen)
+            p.hooked_seq_loss(ids, mask, labels)  # the early-stopping NLL
+    finally:
+        p._own = None
+    assert n_train_pass == len(p.adapted_layers) and len(seen) == 2 * n_train_pass
+    layer_of = {id(b): int(k) for k, b in p.blocks.items()}
+    own_checked = other_positive = 0
+    for blk, info in seen:
+        ids_l = blk.phrase_ids.tolist()
+        for side, (att, _g) in info.items():
+            for r in range(att.shape[0]):
+                answer = normalize(rows[r % len(rows)]["tgt"])
+                for j, g in enumerate(ids_l):
+                    if g not in sent:
+                        continue
+                    w = att[r, :, j]
+                    if normalize(p.phrases[g]["tgt"]) == answer:
+                        assert float(w.abs().max()) == 0.0, (layer_of[id(blk)], side, r, p.phrases[g])
+                        own_checked += 1
+                    else:
+                        other_positive += bool((w > 0).all())
+    assert own_checked > 0 and other_positive > 0
+    # outside training (decoding) nothing is masked
+    assert p._exclusion(labels) is None
 
 
 def test_memory_items_and_untrained_adapter_is_nearly_identity(tiny, tiny_memory, untrained):
