@@ -8,6 +8,10 @@ Paper (its §2, eq. 1): after the l-th Transformer block, whose output is H ∈ 
 with LN a layer normalisation with its own (trainable) gain and bias, m the bottleneck size (the paper uses
 m = 10…300 depending on the task) and the pretrained model frozen. One adapter per block, trained per task.
 
+Not implemented: the paper's **task embedding** (trained per task alongside the adapters, on the input side of the
+model). It is absent here: a plug-in serves one memory, i.e. one task, whose format the few-shot prompt gives, and
+only the adapters are trained. This is a deviation from the paper, not an equivalent.
+
 How it is adapted to our decoder-only backbones (Llama, Gemma 3):
     * "after each decoder block" = a forward hook on every ``decoder.layers[l]`` that rewrites its output H (the
       residual stream leaving the block) as H + σ · s_l ⊙ (ReLU(LN(H)·W_E + b_E)·W_D + b_D). W_E and W_D carry
@@ -22,7 +26,8 @@ How it is adapted to our decoder-only backbones (Llama, Gemma 3):
       function class): each step changes every feature by an amount relative to its own typical size.
     * σ is the decode-time setting ``scale`` (default 1.0; 0 switches the adapter off) — not in the paper.
     * Training: teacher-forced NLL of the reference target tokens of the memory's samples, the backbone frozen,
-      Adam, early stopping on the memory's held-out samples (``plugins.seqtrain`` + ``plugins.training``).
+      Adam, early stopping on a seeded tenth of the memory's training samples set aside from training (never on
+      the memory's held-out samples, which the evaluation reports on; ``plugins.network`` + ``plugins.training``).
       The hooks are attached for each batch's forward pass only (autograd keeps what backward needs), so no hook
       stays on the shared backbone between batches. Logits are computed at target positions only.
     * ``max_minutes`` bounds the training time; ``BudgetGuard`` evaluates once more just before the budget runs

@@ -1,65 +1,77 @@
 """Memory-Tuning (Qi, Liu, Zuo, Li, Chen & Wu, "Memory-Tuning: A Unified Parameter-Efficient Tuning Method for
 Pre-trained Language Models", IEEE/ACM TASLP 2024).
 
-The paper's idea: every Transformer block gets a small set of learnable memory slots that the hidden states query
-by attention, and the retrieved content is added to the block's representations — at the feed-forward network
-(MT-F), at the multi-head attention (MT-M), or at both (MT-MF, the unified method). The paper also shows that
-prefix tuning is one kind of memory tuning. Per layer and per component:
+The paper's idea: every Transformer block gets learnable memory that its hidden states read by attention, and what
+is read is added to the block's representations — at the feed-forward network (MT-F), at the multi-head attention
+(MT-M), or at both (MT-MF, the unified method). The paper proves that prefix tuning is one kind of memory tuning
+and states MT-M as prefix tuning with l prefix tokens.
 
-    M ∈ R^{k×d_m}                                  k learnable memory slots of size d_m
-    a(H) = softmax( (H·W_query) · (M·W_key)ᵀ / √l ) ∈ R^{t×k}      W_query ∈ R^{d×l}, W_key ∈ R^{d_m×s}, l = s
-    ΔH   = a(H) · M·W_value · W_o                  W_value ∈ R^{d_m×d_v}, W_o ∈ R^{d_v×d}
+Sizes (the paper's Table II, as the issue gives it: l = s = 16, k = 50): s is the slot size d_m (the paper's W_key
+and W_value are s × s), l the prefix length of MT-M, k the number of MT-F's memory slots per layer.
 
-Sizes. The issue gives the paper's sizes as "l = s = 16, k = 50 slots". We read l and s as the low dimensions of the
-query projection (W_query: d → l) and of the key projection (W_key: d_m → s) — they meet in a dot product, so they
-must be equal (checked) — and k as the number of slots. d_m (``slot_dim``) and d_v (``value_dim``) are not given;
-we use 64 each.
+MT-F, per layer (§III; the memory attention is unscaled — no 1/√s —, footnote 2):
 
-MT-F (FFN memory), adapted to decoder-only backbones: H is the input of the block's MLP (already normalised by the
-block's pre-FFN norm) and ΔH is added to the MLP's output, by one forward hook on ``layers[l].mlp``. On Gemma 3
-the sum then goes through the block's post-FFN norm, exactly as the MLP's own output does.
+    H    = FFN(x)                                          the FFN's OUTPUT (t × d)
+    a(H) = softmax( H·W_query · (M·W_key)ᵀ ) ∈ R^{t×k}     M ∈ R^{k×s}, W_query ∈ R^{d×s}, W_key ∈ R^{s×s}
+    ΔH   = a(H) · M·W_value · W_o                          W_value ∈ R^{s×s}, W_o ∈ R^{s×d}
+    H'   = H + ΔH
 
-MT-M (attention memory) — via the unified view of prefix tuning (He et al., "Towards a Unified View of
-Parameter-Efficient Transfer Learning", ICLR 2022, eq. 6–7): attention over [P_k; C·W_k] with prefix keys/values
-P_k, P_v equals
+by one forward hook on ``layers[l].mlp``: queried with, and added to, the MLP's output (on Gemma 3 the sum then goes
+through the block's post-FFN norm, exactly as the MLP's own output does). W_o brings the slot size s back to the
+model's width d.
 
-    head = (1 − λ(x)) · Attn(x W_q, C W_k, C W_v) + λ(x) · softmax(x W_q P_kᵀ) P_v,
-    λ(x) = Σ_i exp(x W_q P_kᵀ)_i / ( Σ_i exp(x W_q P_kᵀ)_i + Σ_j exp(x W_q W_kᵀ Cᵀ)_j ).
+MT-M, per layer: prefix tuning with l prefix tokens — l learned key vectors P_k and value vectors P_v per
+key/value head, prepended to the keys and values of the layer's own self-attention (in its post-RoPE key space, and
+on Gemma 3 after its k_norm, as prefix tuning through ``past_key_values`` does), so the backbone's own attention —
+its heads, its scaling c, its masks — reads them:
 
-We do not touch the KV cache: a forward hook on ``layers[l].self_attn`` (whose output is a tuple, the first element
-the attention output after the output projection) rewrites that output o as
+    head_i = softmax( c·q_i·[P_k ; K]ᵀ + [log σ ; mask] ) · [P_v ; V]
+           = (1 − λ_i)·Attn(q_i, K, V) + λ_i·softmax(c·q_i·P_kᵀ)·P_v       (He et al., ICLR 2022, eq. 6–7)
 
-    o' = o + λ(x) · ( s_l · MemAttn(x) − o )   =   (1 − λ(x))·o + λ(x)·s_l·MemAttn(x)
+with the gate λ_i the share of the head's attention on the prefix. The prefix takes no positions: the real tokens
+keep theirs (0…T−1), so prompts, masks and KV caches are unchanged. (peft's prefix tuning starts the real tokens at
+position l instead; with rotary embeddings that only turns every P_k by a fixed rotation — the same functions.)
 
-where x is the self-attention's input (the normalised hidden state), MemAttn(x) = a(x)·M·W_value·W_o is the memory
-read above (the output projection of the attention is linear, so it folds into W_o), and, since the context's
-log-partition Σ_j exp(x W_q W_kᵀ Cᵀ)_j is not visible from an output hook, it is modelled by a learned linear
-function z(x) = x̂·w_z + b_z:  λ(x) = tanh(g) · sigmoid( logsumexp_i(score_i(x)) − z(x) ). The scalar gate g
-starts at 0 — the zero-init tanh gating of LLaMA-Adapter (Zhang et al., 2023), which makes the untrained MT-M exactly
-the identity (and, as there, lets the gate turn negative). He et al.'s λ is per head, ours is per token (one for
-all heads).
+Mechanism: a forward pre-hook on ``layers[l].self_attn`` hands the attention a stand-in for ``past_key_values``
+(``PrefixKV``) whose ``update`` prepends P_k, P_v to what the real cache (or the new tokens) gives, and an additive
+attention mask with l more columns (``prefixed_mask``); the KV cache itself never holds the prefix. In training (all
+rows, no cache) that is the attention's one pass. In a comparison batch, where only this method's rows may see the
+prefix, the attention first runs as usual (the stand-in records its keys and values) and a forward hook re-runs it
+with the prefix visible to this method's rows only and takes their outputs, so every other row stays bit-identical
+(the price: the attention runs twice per layer in such a batch). Needs ``eager`` or ``sdpa`` attention (the project's default).
 
-Further adaptations (all recorded in ``train_info``):
-    * Queries use the RMS-normalised input x̂ = x / rms(x) (parameter-free), so the softmax temperature does not
-      depend on the backbone's norm gains.
-    * s_l ∈ R^d (a saved buffer, not trained) is the per-feature RMS of the hooked module's output at layer l,
-      measured on the memory's training samples before training; the memory's output is s_l ⊙ ΔH. Gemma's MLP
-      outputs have an RMS ~0.1 and its attention outputs ~1, Llama's differ again, and a few features are far
-      larger than the rest; s_l makes one learning rate fit all (a pure re-parametrisation of W_o).
-    * W_o of MT-F starts at zero (identity at start); W_o of MT-M is small random, its gate g is zero.
-    * Decode-time setting ``scale`` σ multiplies ΔH (MT-F) and λ (MT-M); 1 = as trained, 0 = off.
+Adaptations (recorded in ``train_info``):
+    * s_l ∈ R^d (a saved buffer, not trained): the per-feature RMS of the MLP output at layer l, measured on the
+      memory's training samples before training. MT-F's query reads H ⊘ s_l and its output is s_l ⊙ ΔH — a pure
+      re-parametrisation of W_query and W_o (the same functions): Gemma's MLP outputs have an RMS ~0.1 with a few
+      features far larger, Llama's differ again, and s_l lets one learning rate fit all.
+    * P_k = P̃_k ⊙ r_k and P_v = P̃_v ⊙ r_v, with r_k, r_v the per-feature RMS of the layer's real keys and values
+      (saved buffers): again a pure re-parametrisation. ``fit`` initialises P̃ from the keys and values of l random
+      real tokens of the training samples (Li & Liang 2021's initialisation with real activations), so MT-M starts
+      near the frozen model but — this is prefix tuning — not exactly at it; before ``fit``, P = 0.
+    * M ~ N(0, 1); W_o starts at zero, so MT-F is the identity at the start.
+    * Decode-time setting ``scale`` σ (not in the paper) multiplies ΔH (MT-F) and the prefix's unnormalised
+      attention weights (MT-M: log σ is added to its scores); 1 = as trained, 0 = off (exactly the frozen model).
 
-``network_trace(handles)`` gives, per decoded row, the last layer's attention over its k FFN memory slots (the attention
-memory's for MT-M) at the newest position, for the Studio's heat map.
+``network_trace(handles)`` gives, per decoded row, at the newest position of the last layer: MT-F's attention over
+its k slots (for MT-M alone: the head-averaged attention within the l prefix slots), and for MT-M / MT-MF
+``attention_lambda``, the head-averaged share λ of the attention on the prefix.
+
+Plug-ins saved by the earlier implementation (settings ``query_dim`` / ``key_dim`` / ``slot_dim`` / ``value_dim``:
+l and s read as projection sizes, d_m = 64, a 1/√l scaling, MT-F queried with the FFN input, MT-M an output-hook
+stand-in) do not fit this layout and are refused on loading with a message to train them again.
 """
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
+from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.network import (
     Attachment,
@@ -71,70 +83,65 @@ from plugins.network import (
     rows_apply,
 )
 from plugins.registry import register
+from plugins.seqtrain import SeqData, collate
 from plugins.settings import setting
 
 VARIANTS = ("MT-F", "MT-M", "MT-MF")
 TRACE_TOP = 5
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive float mask of any key length
+LEGACY_SETTINGS = ("query_dim", "key_dim", "slot_dim", "value_dim")
 
 
 @dataclass
 class MemoryTuningConfig(NetworkConfig):
-    variant: str = setting("MT-MF", "MT-F (FFN memory) | MT-M (attention memory, prefix-style) | MT-MF (both)")
-    slots: int = setting(50, "k memory slots per layer and component")
-    query_dim: int = setting(16, "l: W_query maps d → l")
-    key_dim: int = setting(16, "s: W_key maps d_m → s (must equal l)")
-    slot_dim: int = setting(64, "d_m")
-    value_dim: int = setting(64, "d_v")
+    variant: str = setting("MT-MF", "MT-F (FFN memory) | MT-M (attention memory = prefix tuning) | MT-MF (both)")
+    slots: int = setting(50, "k: MT-F's memory slots per layer", low=1, high=4096)
+    slot_size: int = setting(16, "s = d_m: the size of a memory slot (W_key, W_value are s × s)", low=1, high=4096)
+    prefix_length: int = setting(16, "l: MT-M's prefix tokens per layer", low=1, high=4096)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MemoryTuningConfig":
+        old = sorted(k for k in LEGACY_SETTINGS if isinstance(d, dict) and k in d)
+        if old:
+            raise UserError(
+                f"This memory-tuning plug-in (settings {', '.join(old)}) was made by an earlier implementation whose "
+                f"memory had another layout (l and s read as projection sizes, d_m = 64, MT-M an output-hook "
+                f"stand-in); it cannot be loaded into the paper's layout (slots k, slot_size s, prefix_length l). "
+                f"Train it again.")
+        return super().from_dict(d)
 
     def validate(self) -> None:
         super().validate()
         self._check(self.variant in VARIANTS, f"variant must be one of {', '.join(VARIANTS)} (got {self.variant!r}).")
         self._check(1 <= self.slots <= 4096, "The number of memory slots k must be between 1 and 4096.")
-        for name in ("query_dim", "key_dim", "slot_dim", "value_dim"):
-            self._check(1 <= getattr(self, name) <= 4096, f"{name} must be between 1 and 4096.")
-        self._check(self.query_dim == self.key_dim,
-                    f"query_dim (l = {self.query_dim}) and key_dim (s = {self.key_dim}) must be equal: the query "
-                    f"and key projections meet in a dot product.")
-
-
-def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        self._check(1 <= self.slot_size <= 4096, "The slot size s must be between 1 and 4096.")
+        self._check(1 <= self.prefix_length <= 4096, "The prefix length l must be between 1 and 4096.")
 
 
 class SlotMemory(nn.Module):
-    """k learnable slots M with query/key/value/output projections; gated (prefix-style) when ``gated``."""
+    """MT-F's memory of one layer: k slots M ∈ R^{k×s} read by unscaled attention (module docstring)."""
 
-    def __init__(self, d: int, cfg: MemoryTuningConfig, gated: bool):
+    def __init__(self, d: int, k: int, s: int):
         super().__init__()
-        k, dm, l, dv = cfg.slots, cfg.slot_dim, cfg.query_dim, cfg.value_dim
-        self.M = nn.Parameter(torch.randn(k, dm))
-        self.W_query = nn.Linear(d, l, bias=False)
-        self.W_key = nn.Linear(dm, l, bias=False)
-        self.W_value = nn.Linear(dm, dv, bias=False)
-        self.W_o = nn.Linear(dv, d, bias=False)
-        self.temp = 1.0 / math.sqrt(l)
-        self.gated = gated
-        if gated:
-            nn.init.normal_(self.W_o.weight, std=1.0 / math.sqrt(dv))
-            self.g = nn.Parameter(torch.zeros(()))       # zero-init gate: identity at the start
-            self.w_z = nn.Parameter(torch.zeros(d))      # z(x) = x̂·w_z + b_z models the context's log-partition
-            self.b_z = nn.Parameter(torch.zeros(()))
-        else:
-            nn.init.zeros_(self.W_o.weight)
+        self.M = nn.Parameter(torch.randn(k, s))
+        self.W_query = nn.Linear(d, s, bias=False)
+        self.W_key = nn.Linear(s, s, bias=False)
+        self.W_value = nn.Linear(s, s, bias=False)
+        self.W_o = nn.Linear(s, d, bias=False)
+        nn.init.zeros_(self.W_o.weight)  # the identity at the start
 
-    def read(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(memory output ΔH, attention weights over slots, their scores, normalised x̂), all float32."""
-        xh = rms_normalize(x.float())
+    def read(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ΔH, attention over the slots) for queries ``q`` (..., d), float32:
+        softmax(q·W_query·(M·W_key)ᵀ) · M·W_value·W_o, no 1/√s."""
+        q = q.float()
         if torch.is_grad_enabled():
-            scores = (self.W_query(xh) @ self.W_key(self.M).T) * self.temp       # (..., k)
-            a = torch.softmax(scores, dim=-1)
-            return self.W_o(a @ self.W_value(self.M)), a, scores, xh
+            a = torch.softmax(self.W_query(q) @ self.W_key(self.M).T, dim=-1)        # (..., k)
+            return self.W_o(a @ self.W_value(self.M)), a
         # Decoding / evaluation: the slot keys and values are constants, so fold them once into two (d×k), (k×d)
-        # matrices — the same products, two small matmuls a layer instead of six (they dominate a CPU step).
+        # matrices — the same products, two small matmuls a layer instead of five (they dominate a CPU step).
         qk, vo = self._folded()
-        scores = xh @ qk
-        a = torch.softmax(scores, dim=-1)
-        return a @ vo, a, scores, xh
+        a = torch.softmax(q @ qk, dim=-1)
+        return a @ vo, a
 
     def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
         ver = tuple(p._version for p in (self.M, self.W_query.weight, self.W_key.weight, self.W_value.weight,
@@ -142,15 +149,78 @@ class SlotMemory(nn.Module):
         cache = getattr(self, "_fold_cache", None)
         if cache is None or cache[0] != ver:
             with torch.no_grad():
-                qk = (self.W_query.weight.T @ self.W_key(self.M).T * self.temp).contiguous()   # (d, k)
-                vo = self.W_o(self.W_value(self.M)).contiguous()                                # (k, d)
+                qk = (self.W_query.weight.T @ self.W_key(self.M).T).contiguous()   # (d, k)
+                vo = self.W_o(self.W_value(self.M)).contiguous()                    # (k, d)
             cache = (ver, qk, vo)
             self._fold_cache = cache
         return cache[1], cache[2]
 
-    def gate(self, scores: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
-        z = xh @ self.w_z + self.b_z
-        return torch.tanh(self.g) * torch.sigmoid(torch.logsumexp(scores, dim=-1) - z)    # (...,)
+
+# --- MT-M: the prefix inside the backbone's own attention -----------------------------------------------------------
+class PrefixKV:
+    """Stands in for one attention call's ``past_key_values``: ``update`` passes the new keys/values on to the real
+    cache (``inner``; none: they are returned as they are) — or returns ``replay`` instead —, records what the
+    attention will read (``seen``), and prepends ``prefix`` = (P_k, P_v), each (kv heads, l, head dim), when given."""
+
+    def __init__(self, inner=None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 replay: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.inner, self.prefix, self.replay = inner, prefix, replay
+        self.seen: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.replay is not None:
+            k, v = self.replay
+        elif self.inner is not None:
+            k, v = self.inner.update(key_states, value_states, *args, **kwargs)
+        else:
+            k, v = key_states, value_states
+        self.seen = (k, v)
+        if self.prefix is None:
+            return k, v
+        pk, pv = self.prefix
+        n = k.shape[0]
+        return (torch.cat([pk.to(k.dtype).unsqueeze(0).expand(n, -1, -1, -1), k], dim=2),
+                torch.cat([pv.to(v.dtype).unsqueeze(0).expand(n, -1, -1, -1), v], dim=2))
+
+    def __getattr__(self, name):  # anything else the model asks of its cache goes to the real one
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+def prefixed_mask(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, prefix_len: int,
+                  allowed: torch.Tensor | None, log_sigma: float, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """The additive attention mask (batch, 1, q_len, prefix_len + k_len) over the keys [prefix; context]. Context
+    columns: the layer's ``mask`` (None: causal, the queries being the newest q_len of k_len positions; bool: True =
+    attend; float: additive). Prefix columns: log σ for the rows in ``allowed`` (a bool (batch,) tensor; None: every
+    row), the dtype's minimum (−∞ in effect) for the others."""
+    neg = torch.finfo(dtype).min
+    if mask is None:
+        newest = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+        ctx = torch.where(torch.arange(k_len, device=device)[None, :] <= newest, 0.0, neg)
+    elif mask.dtype == torch.bool:
+        ctx = torch.where(mask[..., :k_len].to(device), 0.0, neg)
+    else:
+        ctx = mask[..., :k_len].to(device)
+    ctx = ctx.to(dtype).expand(batch, 1, q_len, k_len)
+    pre = torch.full((batch, 1, q_len, prefix_len), neg, dtype=dtype, device=device)
+    if allowed is None:
+        pre.fill_(log_sigma)
+    else:
+        pre[allowed.to(device)] = log_sigma
+    return torch.cat([pre, ctx], dim=-1)
+
+
+def kv_layout(backbone) -> tuple[int, int]:
+    """(key/value heads, head dim) of the backbone's self-attention."""
+    attn = getattr(backbone.layers[0], "self_attn", None)
+    hd = getattr(attn, "head_dim", None)
+    k_proj = getattr(attn, "k_proj", None)
+    if attn is None or not hd or not isinstance(k_proj, nn.Linear):
+        raise UserError(f"MT-M needs a Llama/Gemma-style self_attn (k_proj, head_dim) in {backbone.name}'s layers.")
+    return k_proj.out_features // hd, hd
 
 
 @register
@@ -166,72 +236,144 @@ class MemoryTuning(NetworkPlugin):
         d, L = backbone.hidden_size, backbone.num_layers
         self.use_ffn = config.variant in ("MT-F", "MT-MF")
         self.use_attn = config.variant in ("MT-M", "MT-MF")
-        with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
-            torch.manual_seed(config.seed)
-            if self.use_ffn:
-                self.ffn_mem = nn.ModuleList(SlotMemory(d, config, gated=False) for _ in range(L))
-            if self.use_attn:
-                self.attn_mem = nn.ModuleList(SlotMemory(d, config, gated=True) for _ in range(L))
         if self.use_ffn:
+            with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
+                torch.manual_seed(config.seed)
+                self.ffn_mem = nn.ModuleList(SlotMemory(d, config.slots, config.slot_size) for _ in range(L))
             self.register_buffer("ffn_scale", torch.ones(L, d))
         if self.use_attn:
-            self.register_buffer("attn_scale", torch.ones(L, d))
+            n_kv, hd = kv_layout(backbone)
+            self.prefix_k = nn.Parameter(torch.zeros(L, n_kv, config.prefix_length, hd))  # P̃_k (``fit`` sets it)
+            self.prefix_v = nn.Parameter(torch.zeros(L, n_kv, config.prefix_length, hd))  # P̃_v
+            self.register_buffer("key_rms", torch.ones(L, n_kv, 1, hd))     # r_k: per-feature RMS of real keys
+            self.register_buffer("value_rms", torch.ones(L, n_kv, 1, hd))   # r_v
+
+    def prefix(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's prefix keys and values P_k = P̃_k ⊙ r_k, P_v = P̃_v ⊙ r_v, each (kv heads, l, head dim)."""
+        return self.prefix_k[l] * self.key_rms[l], self.prefix_v[l] * self.value_rms[l]
 
     # --- hooks --------------------------------------------------------------------------------------------
     def _register_hooks(self, att: Attachment) -> list:
+        if self.use_attn:
+            impl = getattr(self.backbone.model.config, "_attn_implementation", None) or "eager"
+            if impl not in ATTENTION_IMPLEMENTATIONS:
+                raise UserError(f"Memory-tuning's MT-M hands its prefix to the attention as extra keys with an "
+                                f"additive mask, which needs {' or '.join(ATTENTION_IMPLEMENTATIONS)} attention; "
+                                f"{self.backbone.name} uses {impl!r}.")
         handles = []
         L = self.backbone.num_layers
         for l, layer in enumerate(self.backbone.layers):
             trace = att.rows is not None and l == L - 1
-            if self.use_ffn:
-                handles.append(layer.mlp.register_forward_hook(self._ffn_hook(l, att, trace), with_kwargs=True))
+            shared: dict = {}  # MT-MF: the attention hook leaves λ for the FFN hook's trace of the same layer
             if self.use_attn:
-                handles.append(layer.self_attn.register_forward_hook(
-                    self._attn_hook(l, att, trace and not self.use_ffn, trace), with_kwargs=True))
+                pre, post = self._prefix_hooks(l, att, trace, shared)
+                handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(layer.self_attn.register_forward_hook(post, with_kwargs=True))
+            if self.use_ffn:
+                handles.append(layer.mlp.register_forward_hook(self._ffn_hook(l, att, trace, shared)))
         return handles
 
-    def _ffn_hook(self, l: int, att: Attachment, trace: bool):
+    def _ffn_hook(self, l: int, att: Attachment, trace: bool, shared: dict):
         mem = self.ffn_mem[l]
         scale = self._scale_of(att)
 
-        def fn(x, h):
-            out, a, _, _ = mem.read(x)
+        def fn(h, _h):
+            s = self.ffn_scale[l]
+            delta, a = mem.read(h.float() / s)         # queried with the FFN's output H (⊘ s_l) ...
             if trace:
-                self._trace_weights(att, l, "ffn", a, getattr(att, "pending_lambda", None))
-            return h + (out * (self.ffn_scale[l] * scale)).to(h.dtype)
+                self._trace_weights(att, l, "ffn", a[:, -1], shared.pop("lambda", None))
+            return h + (delta * (s * scale)).to(h.dtype)  # ... and added to it
 
-        def hook(mod, args, kwargs, output):
+        def hook(mod, args, output):
             if scale == 0.0:
                 return None
             h = first_tensor(output)
-            return replace_first(output, rows_apply(h, module_input(args, kwargs, "x"), att.rows, fn))
+            return replace_first(output, rows_apply(h, h, att.rows, fn))
         return hook
 
-    def _attn_hook(self, l: int, att: Attachment, trace: bool, trace_lambda: bool):
-        mem = self.attn_mem[l]
+    def _prefix_hooks(self, l: int, att: Attachment, trace: bool, shared: dict):
+        """MT-M on layer l's self-attention (module docstring): the pre-hook and the forward hook."""
         scale = self._scale_of(att)
+        log_sigma = math.log(scale) if scale > 0 else 0.0
+        n_prefix = self.config.prefix_length
+        call: dict = {}
 
-        def fn(x, h):
-            out, a, scores, xh = mem.read(x)
-            lam = (mem.gate(scores, xh) * scale).unsqueeze(-1)
-            if trace:
-                self._trace_weights(att, l, "attention", a, lam)
-            elif trace_lambda:  # MT-MF: the FFN hook of this layer (it runs next) records it with its weights
-                att.pending_lambda = lam
-            return h + (lam * (out * self.attn_scale[l] - h.float())).to(h.dtype)
-
-        def hook(mod, args, kwargs, output):
-            if scale == 0.0:
+        def pre(mod, args, kwargs):
+            if scale == 0.0 or (att.rows is not None and att.rows.numel() == 0):
                 return None
-            h = first_tensor(output)
-            return replace_first(output, rows_apply(h, module_input(args, kwargs), att.rows, fn))
-        return hook
+            x = module_input(args, kwargs)
+            past = kwargs.get("past_key_values")
+            if att.rows is None and past is None:  # training: every row sees the prefix, in the one pass
+                mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], x.shape[1], n_prefix,
+                                     None, log_sigma, x.dtype, x.device)
+                return args, {**kwargs, "past_key_values": PrefixKV(None, self.prefix(l)), "attention_mask": mask}
+            call["kv"] = PrefixKV(past)  # a plain pass that records the keys/values; ``post`` re-runs it
+            return args, {**kwargs, "past_key_values": call["kv"]}
 
-    def _trace_weights(self, att: Attachment, l: int, component: str, a: torch.Tensor,
+        def post(mod, args, kwargs, output):
+            kv = call.pop("kv", None)
+            if kv is None or kv.seen is None:
+                return None
+            keys, values = kv.seen
+            x = module_input(args, kwargs)
+            rows = None if att.rows is None else att.rows.to(x.device)
+            allowed = None
+            if rows is not None:
+                allowed = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+                allowed[rows] = True
+            mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], keys.shape[-2], n_prefix,
+                                 allowed, log_sigma, x.dtype, x.device)
+            pk, pv = self.prefix(l)
+            redo = first_tensor(mod.forward(*args, **{**kwargs, "attention_mask": mask,
+                                                      "past_key_values": PrefixKV(None, (pk, pv), (keys, values))}))
+            h = first_tensor(output)
+            if rows is None:
+                new = redo.to(h.dtype)
+            else:
+                new = h.clone()
+                new[rows] = redo.index_select(0, rows).to(h.dtype)
+            if trace:
+                got = self._prefix_trace(mod, args, kwargs, rows, keys, mask, pk)
+                if got is not None and not self.use_ffn:
+                    self._trace_weights(att, l, "attention", got[0], got[1])
+                elif got is not None:
+                    shared["lambda"] = got[1]
+            return replace_first(output, new)
+
+        return pre, post
+
+    @staticmethod
+    def _prefix_trace(mod, args, kwargs, rows, keys, mask, pk) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """At the newest position of batch rows ``rows``: the head-averaged attention within the prefix slots
+        (n, l) and the head-averaged share λ of the attention on the prefix (n,). Recomputes the query as the
+        Llama/Gemma attention does (q_proj, q_norm when present, the model's rotary embedding); None when it cannot."""
+        pos = kwargs.get("position_embeddings")
+        rope = getattr(sys.modules.get(type(mod).__module__), "apply_rotary_pos_emb", None)
+        hd = getattr(mod, "head_dim", None)
+        if pos is None or rope is None or hd is None or not hasattr(mod, "q_proj"):
+            return None
+        with torch.no_grad():
+            x = module_input(args, kwargs).index_select(0, rows)[:, -1:]
+            n = x.shape[0]
+            q = mod.q_proj(x).view(n, 1, -1, hd).transpose(1, 2)                    # (n, heads, 1, hd)
+            if getattr(mod, "q_norm", None) is not None:
+                q = mod.q_norm(q)
+            cos, sin = (t[:, -1:] if t.shape[0] == 1 else t.index_select(0, rows)[:, -1:] for t in pos)
+            q, _ = rope(q, q, cos, sin)
+            kk = torch.cat([pk.to(keys.dtype).unsqueeze(0).expand(n, -1, -1, -1), keys.index_select(0, rows)], 2)
+            kk = kk.repeat_interleave(q.shape[1] // kk.shape[1], dim=1)              # (n, heads, l + K, hd)
+            scores = (q.float() @ kk.float().transpose(-1, -2))[:, :, 0] * float(mod.scaling)
+            p = torch.softmax(scores + mask.index_select(0, rows)[:, :, -1].float(), dim=-1)  # (n, heads, l + K)
+            lam = p[..., :pk.shape[1]].sum(-1)                                      # (n, heads)
+            within = p[..., :pk.shape[1]] / lam.clamp_min(1e-30).unsqueeze(-1)
+        return within.mean(1), lam.mean(1)
+
+    def _trace_weights(self, att: Attachment, l: int, component: str, w: torch.Tensor,
                        lam: torch.Tensor | None = None) -> None:
-        """Record, per row, the attention over the slots at the newest position (and MT-M's λ when known)."""
-        w = a[:, -1, :].detach().float().cpu()
-        lams = lam[:, -1, 0].detach().float().cpu().tolist() if lam is not None else [None] * len(w)
+        """Record, per row, the attention ``w`` (rows, slots) over the slots at the newest position (and λ of MT-M
+        when known)."""
+        w = w.detach().float().cpu()
+        lams = lam.detach().float().cpu().tolist() if lam is not None else [None] * len(w)
         per_row = []
         for row, lv in zip(w, lams):
             top = torch.topk(row, min(TRACE_TOP, row.numel()))
@@ -243,24 +385,80 @@ class MemoryTuning(NetworkPlugin):
         self._record(att, per_row)
 
     # --- training -----------------------------------------------------------------------------------------
+    def calibrate_prefix(self, data: SeqData, n: int = 16) -> None:
+        """Set r_k, r_v to the per-feature RMS of every layer's real keys and values (over the real tokens of up to
+        ``n`` training samples, floored at 1% of their mean) and P̃_k, P̃_v to the keys and values of l seeded
+        random real tokens among them (never a sequence's first token, the usual attention sink) divided by r."""
+        bb, cfg = self.backbone, self.config
+        L, n_prefix = bb.num_layers, cfg.prefix_length
+        idx = list(range(min(n, len(data))))
+        lengths = [len(data.contexts[i]) + len(data.targets[i]) - 1 for i in idx]
+        tokens = [(i, t) for i in idx for t in range(1, lengths[i])] or [(i, 0) for i in idx]
+        pick = np.random.default_rng(cfg.seed).choice(len(tokens), size=n_prefix, replace=len(tokens) < n_prefix)
+        chosen = [tokens[j] for j in pick]
+        sums: list[list] = [[0.0, 0.0] for _ in range(L)]
+        init: list[list] = [[[None] * n_prefix, [None] * n_prefix] for _ in range(L)]
+        state: dict = {"count": 0}
+
+        def hooks(l):
+            call = {}
+
+            def pre(mod, args, kwargs):
+                call["kv"] = PrefixKV(kwargs.get("past_key_values"))
+                return args, {**kwargs, "past_key_values": call["kv"]}
+
+            def post(mod, args, kwargs, output):
+                m, b0 = state["mask"], state["b0"]
+                for j, t in enumerate(call.pop("kv").seen):
+                    t = t.detach().float()                                           # (B, kv heads, T, hd)
+                    sums[l][j] = sums[l][j] + t.permute(0, 2, 1, 3)[m].pow(2).sum(0)  # (kv heads, hd)
+                    for slot, (i, pos) in enumerate(chosen):
+                        if b0 <= i < b0 + t.shape[0]:
+                            init[l][j][slot] = t[i - b0, :, pos].cpu()                # (kv heads, hd)
+            return pre, post
+
+        handles = []
+        for l, layer in enumerate(bb.layers):
+            pre, post = hooks(l)
+            handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(layer.self_attn.register_forward_hook(post, with_kwargs=True))
+        try:
+            with torch.no_grad():
+                for b0 in range(0, len(idx), cfg.batch_size):
+                    ids, mask, _ = collate(bb, data, idx[b0:b0 + cfg.batch_size])
+                    state.update(mask=mask.bool(), b0=b0)
+                    state["count"] += int(mask.sum())
+                    bb.forward_fc(ids, attention_mask=mask)
+        finally:
+            for h in handles:
+                h.remove()
+        with torch.no_grad():
+            for l in range(L):
+                for j, (rms, par) in enumerate(((self.key_rms, self.prefix_k), (self.value_rms, self.prefix_v))):
+                    r = (sums[l][j] / max(state["count"], 1)).sqrt().cpu()
+                    r = torch.nan_to_num(r, nan=0.0, posinf=0.0)
+                    r = r.clamp_min(max(float(r.mean()) * 1e-2, 1e-6))
+                    rms[l].copy_(r.unsqueeze(1).to(rms))
+                    real = torch.stack(init[l][j], dim=1)                                   # (kv heads, l, hd)
+                    par[l].copy_((real / r.unsqueeze(1)).to(par))
+
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         def prepare(train):
-            info = {"variant": self.config.variant, "slots": self.config.slots, "l": self.config.query_dim,
-                    "s": self.config.key_dim, "slot_dim": self.config.slot_dim, "value_dim": self.config.value_dim}
-            layers = list(self.backbone.layers)
-            mods = ([ly.mlp for ly in layers] if self.use_ffn else []) + \
-                   ([ly.self_attn for ly in layers] if self.use_attn else [])
-            rms = self.calibrate_rms(mods, train)
-            L = len(layers)
-            for name, part in (("ffn_scale", rms[:L] if self.use_ffn else None),
-                               ("attn_scale", rms[-L:] if self.use_attn else None)):
-                if part is None:
-                    continue
-                buf = getattr(self, name)
-                for l, r in enumerate(part):
+            cfg = self.config
+            info = {"variant": cfg.variant, "k": cfg.slots, "s": cfg.slot_size, "l": cfg.prefix_length,
+                    "ffn_attention_scaling": "none (paper, footnote 2)",
+                    "mt_m": "prefix tuning inside the backbone's attention (its own scaling)"}
+            if self.use_ffn:
+                rms = self.calibrate_rms([ly.mlp for ly in self.backbone.layers], train)
+                for l, r in enumerate(rms):
                     if r is not None:
-                        buf[l].copy_(r.to(buf))
-                info[name + "_rms"] = self.scale_summary(list(buf))
+                        self.ffn_scale[l].copy_(r.to(self.ffn_scale))
+                info["ffn_scale_rms"] = self.scale_summary(list(self.ffn_scale))
+            if self.use_attn:
+                self.calibrate_prefix(train)
+                info["key_rms"] = self.scale_summary(list(self.key_rms))
+                info["value_rms"] = self.scale_summary(list(self.value_rms))
+                info["prefix_init"] = "keys/values of l random real tokens of the training samples"
             return info
 
         return self.fit_sequences(memory, progress, should_stop, prepare)

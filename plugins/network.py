@@ -2,8 +2,9 @@
 ``NetworkConfig`` (the
 sequence-level training settings), ``NetworkPlugin`` (attach forward hooks for one forward pass, restricted to a set
 of batch rows — ``rows=None`` means all rows, as in training —, for multi-token (prefill, training) and one-token
-(decoding step) inputs alike; teacher-forced training on the memory's samples with early stopping and a time
-budget) and small helpers to read and rewrite a module's input/output (``module_input``, ``first_tensor``,
+(decoding step) inputs alike; teacher-forced training on the memory's training samples with early stopping on a
+seeded tenth of them — never on the memory's held-out samples, which the evaluation reports on — and a time budget)
+and small helpers to read and rewrite a module's input/output (``module_input``, ``first_tensor``,
 ``replace_first``, ``rows_apply``).
 
 Hooks change only the hidden states of their own method's rows, so in-network rows share one comparison batch
@@ -39,7 +40,8 @@ class NetworkConfig(PluginConfig):
     evals_per_epoch: int = setting(
         4, "held-out evaluations per epoch (more = a time budget wastes less)", low=1, high=1000)
     max_heldout: int = setting(
-        32, "at most this many held-out samples for early stopping (their eval is slow)", low=1, high=100000)
+        32, "early stopping uses a seeded tenth of the memory's training samples, at most this many (their eval is "
+            "slow); the memory's held-out samples are never used in training", low=1, high=100000)
     lr_schedule: str = setting("constant", "\"constant\" | \"cosine\"")
     max_minutes: float = setting(5.0, "wall-clock training budget (0 = none)", low=0.0, high=1440.0)
     softmax: str = setting("full", "\"full\" (exact NLL) | \"candidates\" (fast: softmax over a candidate vocabulary)")
@@ -134,8 +136,8 @@ class NetworkPlugin(Plugin):
     with ``_trace_rows``). ``network_trace(handles)`` reads the trace of the attachment that ``attach`` returned.
 
     Training (``fit_sequences``) can be adapted without rewriting the loop: ``train_batch_loss`` (the objective of
-    one batch; default the targets' NLL), ``_heldout_subset`` (which held-out samples early-stop) and
-    ``loop_settings``; the memory-augmented adapter uses all three.
+    one batch; default the targets' NLL), ``_heldout_subset`` (which of the early-stopping samples, set aside from
+    the training samples, are evaluated) and ``loop_settings``; the memory-augmented adapter uses all three.
     """
 
     level = "network"
@@ -198,20 +200,20 @@ class NetworkPlugin(Plugin):
         return sum(p.numel() for p in self._trainable())
 
     def _data(self, memory) -> tuple[SeqData, SeqData]:
-        bb = self.backbone
-        train = memory_sequences(bb, memory, "train")
-        held = memory_sequences(bb, memory, "heldout")
-        if not len(train) and not len(held):
-            raise UserError("The memory has no samples to train on.")
+        """(samples to train on, samples to early-stop on), both from the memory's *training* samples: a seeded
+        tenth of them, at most ``max_heldout``, is set aside for early stopping. The memory's held-out samples are
+        never read: they are what ``eval --memory`` and the Studio's Evaluate tab report on."""
+        train = memory_sequences(self.backbone, memory, "train")
         if not len(train):
-            train = held
-        train, held = split_for_early_stopping(train, held, self.config.seed)
+            raise UserError("The memory has no training samples to train on.")
+        train, held = split_for_early_stopping(train, self.config.seed, max_samples=self.config.max_heldout)
         if len(held) > self.config.max_heldout:
             held = self._heldout_subset(held)
         return train, held
 
     def _heldout_subset(self, held: SeqData) -> SeqData:
-        """The ``max_heldout`` held-out samples used for early stopping (default: the first ones)."""
+        """The ``max_heldout`` early-stopping samples evaluated (default: the first ones; the split already keeps at
+        most ``max_heldout``, so this only matters for a subclass whose ``_data`` sets more aside)."""
         return SeqData(held.contexts[:self.config.max_heldout], held.targets[:self.config.max_heldout])
 
     def calibrate_rms(self, modules: list[nn.Module], data: SeqData, n: int = 16) -> list[torch.Tensor]:
@@ -300,14 +302,17 @@ class NetworkPlugin(Plugin):
         return targets if cand is None else cand[1][targets]
 
     def prepare_candidates(self, memory) -> dict:
-        """With ``softmax="candidates"`` (as PEMA's fast mode): every token occurring as a memory value, the
-        backbone's stop tokens and the LM's top tokens on a sample of memory contexts (keys = f(c))."""
+        """With ``softmax="candidates"`` (as PEMA's fast mode): every token occurring as a value of the memory's
+        training entries, the backbone's stop tokens and the LM's top tokens on a sample of memory contexts (keys =
+        f(c)); nothing of the held-out samples (the early-stopping samples are training samples, so their targets
+        are among the candidates)."""
         cfg = self.config
         self._cand = None
         if cfg.softmax != "candidates":
             return {"softmax": "full"}
         bb = self.backbone
-        ids = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts, cfg.seed)
+        ids = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts, cfg.seed,
+                                   include_heldout=False)
         remap = torch.zeros(bb.vocab_size, dtype=torch.long, device=bb.device)
         remap[ids] = torch.arange(len(ids), device=bb.device)
         self._cand = (ids, remap, bb.lm_head.weight[ids].detach())
@@ -367,7 +372,7 @@ class NetworkPlugin(Plugin):
         for p in self.parameters():
             p.requires_grad_(False)
         self._cand = None
-        metrics = {**summary, "train_samples": len(train), "heldout_samples": len(held),
+        metrics = {**summary, "train_samples": len(train), "early_stop_samples": len(held),
                    "tokens_per_second": round(counts["tokens"] / max(wall, 1e-9), 1),
                    "target_tokens_per_second": round(counts["targets"] / max(wall, 1e-9), 1),
                    "train_tokens_seen": counts["tokens"], "seconds_per_step": round(guard.mean_step(), 2)}

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from backbone.model import Backbone
 from memories.build import target_ids
 from memories.store import Memory
+from plugins.training import early_stopping_split
 
 
 @dataclass
@@ -76,12 +77,14 @@ def heldout_nll(backbone: Backbone, data: SeqData, batch_size: int = 8) -> float
     return tot / max(n, 1)
 
 
-def split_for_early_stopping(train: SeqData, heldout: SeqData, seed: int = 123) -> tuple[SeqData, SeqData]:
-    """Use the memory's held-out samples; a memory with none gives up a tenth of its training samples."""
-    if len(heldout):
-        return train, heldout
-    k = max(1, len(train) // 10)
-    order = np.random.default_rng(seed).permutation(len(train))
-    h, t = sorted(order[:k]), sorted(order[k:]) or sorted(order[:k])
-    pick = lambda d, ix: SeqData([d.contexts[i] for i in ix], [d.targets[i] for i in ix])  # noqa: E731
-    return pick(train, t), pick(train, h)
+def split_for_early_stopping(train: SeqData, seed: int = 123, max_samples: int = 500,
+                             frac: float = 0.1) -> tuple[SeqData, SeqData]:
+    """Split the memory's *training* samples into (samples to train on, samples to early-stop on): a seeded
+    ``frac`` of them (at least one, at most ``max_samples``), as ``plugins.training.early_stopping_split`` does for
+    PEMA's entries. The memory's held-out samples are never used: they are what ``eval --memory`` and the Studio's
+    Evaluate tab report on. A memory with a single training sample cannot spare one: then both are that sample."""
+    if len(train) < 2:
+        return train, train
+    keep, stop = early_stopping_split(np.arange(len(train)), frac=frac, seed=seed, max_samples=max_samples)
+    pick = lambda ix: SeqData([train.contexts[i] for i in ix], [train.targets[i] for i in ix])  # noqa: E731
+    return pick(keep), pick(stop)

@@ -1,6 +1,7 @@
 """One small training loop for every plug-in: mini-batches over memory entries, Adam, an optional cosine
-learning-rate schedule, early stopping on the memory's held-out entries, a wall-clock budget, progress and
-cancellation. The best weights (by held-out loss) are restored at the end.
+learning-rate schedule, early stopping on a seeded split of the memory's *training* samples (never on its held-out
+samples, which the evaluation reports on), a wall-clock budget, progress and cancellation. The best weights (by
+early-stopping loss, called ``heldout_loss`` in the loop and its history) are restored at the end.
 """
 from __future__ import annotations
 
@@ -190,14 +191,16 @@ def early_stopping_split(entry_sample: np.ndarray, frac: float = 0.1, seed: int 
 
 
 def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int,
-                         include_heldout: bool = True) -> torch.Tensor:
+                         include_heldout: bool = False) -> torch.Tensor:
     """The fast-softmax candidate vocabulary shared by every method that offers ``softmax="candidates"``: every token
-    that occurs as a memory value, the backbone's stop tokens, and the LM's ``top_k`` tokens on ``contexts`` seeded
-    sampled memory contexts (keys = f(c), training entries). Sorted token ids (long) on the backbone's device.
+    that occurs as a value of the memory's training entries, the backbone's stop tokens, and the LM's ``top_k`` tokens
+    on ``contexts`` seeded sampled memory contexts (keys = f(c), training entries). Sorted token ids (long) on the
+    backbone's device.
 
-    ``include_heldout`` also adds the held-out samples' target tokens. That leaks the evaluation split into the
-    model (a token seen only in held-out targets becomes reachable), so PEMA passes False; the in-network methods
-    still early-stop on the held-out samples and need their targets among the candidates."""
+    ``include_heldout`` (default False; no method uses it) would also add the held-out samples' target tokens. That
+    leaks the evaluation split into the model (a token seen only in held-out targets becomes reachable): every
+    method early-stops on a split of its training data instead (``early_stopping_split``,
+    ``plugins.seqtrain.split_for_early_stopping``), whose targets are memory values already."""
     toks = set(np.unique(np.asarray(memory.values)).tolist())
     if include_heldout and len(memory.heldout_values):
         toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())

@@ -417,3 +417,464 @@ def test_float16_keys_that_would_overflow_are_stored_as_float32(tiny, tmp_path, 
     with pytest.raises(UserError, match="non-finite"):
         build_memory(tiny, samples, tmp_path / "n", prompt=PROMPT, key_dtype="float16", heldout_frac=0)
     assert not (tmp_path / "n").exists()
+
+
+# --- memory-augmented adapter (Xu et al., LREC-COLING 2024) ---------------------------------------------------------
+
+def _xu_adapter_by_hand(A, K, W_q, W_k, W_v, W_1, W_2, b_2, T, *, sqrt_d=True, transpose_k=True, swap_gate=False,
+                        gate_order="AR"):
+    """The paper's adapter, one position at a time in float64: R = softmax(Q·W_q·W_kᵀ·Kᵀ / T)·V·W_v with Q = A and
+    V = K (the authors' DatastoreReaderLayer also scales Q by d^-½), λ = sigmoid(ReLU([A; R]·W_1)·W_2 + b_2),
+    O = λ·A + (1−λ)·R. The keyword arguments produce the plausible wrong variants."""
+    A, K = A.double(), K.double()
+    W_q, W_k, W_v, W_1, W_2, b_2 = (w.detach().double() for w in (W_q, W_k, W_v, W_1, W_2, b_2))
+    d = A.shape[-1]
+    out, atts, lams = torch.empty_like(A), [], []
+    for idx in np.ndindex(*A.shape[:-1]):
+        a = A[idx]
+        logits = torch.stack([(a @ W_q) @ ((W_k.T if transpose_k else W_k) @ k) for k in K])
+        logits = logits / (T * math.sqrt(d) if sqrt_d else T)
+        w = torch.exp(logits - logits.max())
+        w = w / w.sum()
+        r = sum(w[j] * (K[j] @ W_v) for j in range(len(K)))
+        cat = torch.cat([a, r]) if gate_order == "AR" else torch.cat([r, a])
+        lam = torch.sigmoid(torch.clamp(cat @ W_1, min=0) @ W_2 + b_2)
+        out[idx] = (1 - lam) * a + lam * r if swap_gate else lam * a + (1 - lam) * r
+        atts.append(w)
+        lams.append(lam)
+    return out, torch.stack(atts).reshape(*A.shape[:-1], len(K)), torch.stack(lams).reshape(*A.shape[:-1], 1)
+
+
+def _random_xu_adapter(d, seed, b_2=0.3):
+    from plugins.memory_adapter import MemoryAdapter
+
+    g = torch.Generator().manual_seed(seed)
+    ad = MemoryAdapter(d, gate_bias=0.0, g=g)
+    with torch.no_grad():
+        for w in (ad.W_q, ad.W_k, ad.W_v):
+            w.copy_(torch.randn(w.shape, generator=g))
+        for w in (ad.W_1, ad.W_2):  # small enough that the gate does not saturate
+            w.copy_(0.3 * torch.randn(w.shape, generator=g))
+        ad.b_2.fill_(b_2)
+    return ad, g
+
+
+@pytest.mark.equations
+def test_memory_adapter_retrieval_gate_and_fusion_by_hand():
+    """R = softmax(Q·W_q·W_kᵀ·Kᵀ/T)·V·W_v (÷√d as in the authors' code), λ = sigmoid(ReLU([A; R]·W_1)·W_2 + b_2),
+    O = λA + (1−λ)R — on a 4-dim hand-made input with non-symmetric random weights, so that W_k vs W_kᵀ, a missing
+    √d, a swapped gate or [R; A] all fail."""
+    d, n, T = 4, 3, 0.5
+    ad, g = _random_xu_adapter(d, seed=11)
+    K = torch.randn(n, d, generator=g)
+    A = torch.randn(2, 5, d, generator=g)  # the anchor, also the query
+    with torch.no_grad():
+        O, att, lam = ad(A, ad.prepare(K, T))
+    w = (ad.W_q, ad.W_k, ad.W_v, ad.W_1, ad.W_2, ad.b_2)
+    want, want_att, want_lam = _xu_adapter_by_hand(A, K, *w, T)
+    assert torch.allclose(att.double(), want_att, atol=1e-5) and torch.allclose(att.sum(-1), torch.ones(2, 5))
+    assert torch.allclose(lam.double(), want_lam, atol=1e-5)
+    assert torch.allclose(O.double(), want, atol=1e-4)
+    assert 0.05 < float(lam.min()) and float(lam.max()) < 0.99  # both terms of the fusion matter here
+    for wrong in ({"sqrt_d": False}, {"transpose_k": False}, {"swap_gate": True}, {"gate_order": "RA"}):
+        bad, _, _ = _xu_adapter_by_hand(A, K, *w, T, **wrong)
+        assert not torch.allclose(O.double(), bad, atol=1e-3), wrong
+    bad, _, _ = _xu_adapter_by_hand(A, K, *w, 2 * T)  # T multiplies instead of divides (0.5 ↔ 2)
+    assert not torch.allclose(O.double(), bad, atol=1e-3)
+
+
+@pytest.mark.equations
+def test_memory_adapter_layer_runs_target_then_source_adapter_on_rms_scaled_states():
+    """Per adapted layer: x = a/s_l; O_tgt = adapter_tgt(x) with K = V = the target-side items; O_src =
+    adapter_src(O_tgt) with the source-side items; the hook's output is s_l·O_src. Memory dropout (keep False) makes
+    that row's layer the identity."""
+    from plugins.memory_adapter import LayerBlock
+
+    d, n, T, s = 4, 3, 0.5, 2.5
+    g = torch.Generator().manual_seed(12)
+    blk = LayerBlock(d, n, ("tgt", "src"), 0.0, g)
+    with torch.no_grad():
+        for side in ("tgt", "src"):
+            ad = blk.adapters[side]
+            for w in (ad.W_q, ad.W_k, ad.W_v, ad.W_1, ad.W_2):
+                w.copy_(torch.randn(w.shape, generator=g))
+            ad.b_2.fill_(-0.2)
+        blk.mem_tgt.copy_(torch.randn(n, d, generator=g))
+        blk.mem_src.copy_(torch.randn(n, d, generator=g))
+        blk.scale.fill_(s)
+    a = torch.randn(2, 3, d, generator=g) * s
+    with torch.no_grad():
+        out, _ = blk.apply(a, blk.prepare(T))
+        dropped, _ = blk.apply(a, blk.prepare(T), keep=torch.tensor([False, True]))
+
+    def side(x, name):
+        ad = blk.adapters[name]
+        return _xu_adapter_by_hand(x, getattr(blk, f"mem_{name}"), ad.W_q, ad.W_k, ad.W_v, ad.W_1, ad.W_2, ad.b_2,
+                                   T)[0]
+
+    want = s * side(side(a.double() / s, "tgt"), "src")
+    assert torch.allclose(out.double(), want, atol=1e-4)
+    assert not torch.allclose(out.double(), s * side(side(a.double() / s, "src"), "tgt"), atol=1e-3)  # order
+    assert not torch.allclose(out.double(), side(side(a.double(), "tgt"), "src"), atol=1e-3)  # no RMS scaling
+    assert torch.allclose(dropped[0], a[0], atol=1e-5) and torch.allclose(dropped[1], out[1], atol=1e-6)
+
+
+@pytest.mark.equations
+def test_memory_adapter_objective_nll_alpha_beta_symmetric_kl_by_hand(tiny, tiny_memory, monkeypatch):
+    """L = NLL(p) + α·NLL(q) + β·½(KL(p‖q) + KL(q‖p)), p / q the output distributions with the full / the dropped
+    memory, token means — with α = 2 ≠ β = 3 so that swapping them, a one-way KL or a missing ½ all fail. (The tiny
+    random head is saturated — logit margins ~60 make p = q —, so both sides divide its logits by 20.)"""
+    from plugins.api import new_plugin
+    from plugins.seqtrain import collate, memory_sequences
+
+    p = new_plugin("memory_adapter", tiny, tiny_memory, {"alpha": 2.0, "beta": 3.0, "memory_dropout": 0.5,
+                                                        "max_translate": 8})
+    p.build_memory(tiny_memory)
+    monkeypatch.setattr(p, "target_logits", lambda fc: tiny.logits_from_fc(fc).float() / 20)
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for blk in p.blocks.values():
+            for ad in blk.adapters.values():  # a gate near ½ and a loud R: the memory really changes the output
+                ad.W_v.copy_(10 * torch.randn(ad.W_v.shape, generator=g))
+                ad.W_2.copy_(torch.randn(ad.W_2.shape, generator=g) / 8)
+                ad.b_2.fill_(0.0)
+    p._prep_cache = {}
+    L = len(p.adapted_layers)
+    data = memory_sequences(tiny, tiny_memory, "train")
+    B = min(4, len(data))
+    ids, mask, labels = collate(tiny, data, range(B))
+    p._drop_rng = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        loss, n_tok, parts = p.train_batch_loss(ids, mask, labels)
+    drop = torch.rand(B, L, generator=torch.Generator().manual_seed(5)) < 0.5  # the same draw
+    assert drop.any() and (~drop).any()
+
+    def logprobs(keep):
+        handles = p.attach(None, {}, keep=keep)
+        try:
+            with torch.no_grad():
+                fc, _ = tiny.forward_fc(ids, attention_mask=mask)
+        finally:
+            for h in handles:
+                h.remove()
+        sel = labels != -100
+        return torch.log_softmax(head_by_hand(tiny, fc[sel].float()).double() / 20, -1), labels[sel]
+
+    P, y = logprobs(torch.ones(B, L, dtype=torch.bool))
+    Q, _ = logprobs(~drop)
+    nll_p = -P.gather(1, y[:, None]).mean()
+    nll_q = -Q.gather(1, y[:, None]).mean()
+    kl_pq = (P.exp() * (P - Q)).sum(-1).mean()
+    kl_qp = (Q.exp() * (Q - P)).sum(-1).mean()
+    sym = 0.5 * (kl_pq + kl_qp)
+    assert float(kl_pq) > 1e-3 and float(abs(kl_pq - kl_qp)) > 2e-4  # p ≠ q, and KL(p‖q) ≠ KL(q‖p)
+    assert n_tok == len(y)
+    assert float(parts["nll"]) == pytest.approx(float(nll_p), abs=5e-5)
+    assert float(parts["nll_dropped"]) == pytest.approx(float(nll_q), abs=5e-5)
+    assert float(parts["kl"]) == pytest.approx(float(sym), abs=2e-5)
+    assert float(parts["kl"]) != pytest.approx(float(kl_pq), abs=5e-5)  # not one-way
+    assert float(parts["kl"]) != pytest.approx(float(kl_qp), abs=5e-5)
+    assert float(loss) == pytest.approx(float(nll_p + 2.0 * nll_q + 3.0 * sym), abs=1e-4)
+    for bad in (nll_p + 3.0 * nll_q + 2.0 * sym,  # α and β swapped
+                nll_p + 2.0 * nll_q + 3.0 * 2 * sym,  # no ½
+                nll_p + 2.0 * nll_q + 3.0 * kl_pq,  # one-way KL
+                nll_p + 2.0 * (nll_q + sym)):  # β ignored (α on the KL too)
+        assert float(loss) != pytest.approx(float(bad), abs=2e-4)
+
+
+@pytest.mark.equations
+def test_memory_adapter_memory_dropout_rate_per_sequence_and_layer(tiny, tiny_memory, monkeypatch):
+    """Paper: memory dropout with p = 0.1 (the authors' --p-inter-dropout 0.1, α = β = 5, T = 0.5, lr 2e-4). Here (the
+    documented adaptation: the authors draw once per layer and batch) each (sequence, layer) cell of the dropped pass
+    is dropped independently with probability p; the full pass keeps all. A draw with 1 − p, one draw per sequence
+    for all layers, or one per batch would fail."""
+    from plugins.api import new_plugin
+    from plugins.memory_adapter import MemoryAdapterConfig
+
+    c = MemoryAdapterConfig()
+    assert (c.memory_dropout, c.alpha, c.beta, c.temperature, c.lr) == (0.1, 5.0, 5.0, 0.5, 2e-4)
+    p = new_plugin("memory_adapter", tiny, tiny_memory, {"max_translate": 8})
+    p.build_memory(tiny_memory)
+    L = len(p.adapted_layers)
+    assert L == 2
+
+    class Stop(Exception):
+        pass
+
+    kept = []
+
+    def fake_attach(rows, settings=None, **state):
+        kept.append(state["keep"].cpu())
+        raise Stop
+
+    monkeypatch.setattr(p, "attach", fake_attach)
+    B = 100
+    ids = torch.ones(B, 3, dtype=torch.long)
+    labels = torch.full((B, 3), 5, dtype=torch.long)
+    p._drop_rng = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        with pytest.raises(Stop):
+            p.train_batch_loss(ids, torch.ones_like(ids), labels)
+    keep = torch.stack(kept)  # (100 batches, 2B, L)
+    assert keep.shape == (100, 2 * B, L) and bool(keep[:, :B].all())
+    dropped = ~keep[:, B:]
+    assert float(dropped.float().mean()) == pytest.approx(0.1, abs=0.01)
+    one_of_two = float((dropped.sum(-1) == 1).float().mean())
+    assert one_of_two == pytest.approx(2 * 0.1 * 0.9, abs=0.02)  # layers drawn independently
+    mixed = (dropped.any(1) & (~dropped).any(1)).all(-1).float().mean()  # both outcomes within a batch and layer
+    assert float(mixed) > 0.9
+
+
+# --- Memory-Tuning (Qi et al., TASLP 2024) ------------------------------------------------------------------------
+
+def _mt_with_random_weights(tiny, variant: str, seed: int = 21, **cfg):
+    from plugins.memory_tuning import MemoryTuning, MemoryTuningConfig
+
+    p = MemoryTuning(MemoryTuningConfig(variant=variant, **cfg), tiny, {})
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, w in p.named_parameters():
+            w.copy_(torch.randn(w.shape, generator=g) * (0.5 if "W_query" in name else 1.0))
+    return p.to(tiny.device), g
+
+
+def _slot_read_by_hand(mem, H: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+    """ΔH = softmax(H·W_query·(M·W_key)ᵀ)·M·W_value·W_o in float64 (nn.Linear stores the transposed matrices);
+    ``scaled`` divides the scores by √s — the wrong variant."""
+    H = H.double()
+    Wq, Wk, Wv, Wo = (m.weight.detach().double() for m in (mem.W_query, mem.W_key, mem.W_value, mem.W_o))
+    M = mem.M.detach().double()
+    scores = (H @ Wq.T) @ (M @ Wk.T).T
+    if scaled:
+        scores = scores / math.sqrt(M.shape[1])
+    return torch.softmax(scores, dim=-1) @ (M @ Wv.T) @ Wo.T
+
+
+def test_memory_tuning_ffn_memory_attention_is_unscaled(tiny):
+    """§III, footnote 2: a(H) = softmax(H·W_query·(M·W_key)ᵀ) without 1/√s; ΔH = a(H)·M·W_value·W_o, W_key and
+    W_value s × s. With the project's fixed per-feature scale s_l: H + s_l ⊙ ΔH(H ⊘ s_l)."""
+    from plugins.network import Attachment
+
+    p, g = _mt_with_random_weights(tiny, "MT-F", slots=6, slot_size=4)
+    mem = p.ffn_mem[0]
+    assert tuple(mem.W_key.weight.shape) == tuple(mem.W_value.weight.shape) == (4, 4) and tuple(mem.M.shape) == (6, 4)
+    X = (torch.randn(2, 3, tiny.hidden_size, generator=g) * 2).to(tiny.device)  # the FFN's input
+    H = (torch.randn(2, 3, tiny.hidden_size, generator=g) * 2).to(tiny.device)  # the FFN's output
+    hook = p._ffn_hook(0, Attachment(None, {"scale": 1.0}), False, {})
+    with torch.no_grad():
+        p.ffn_scale.fill_(1.0)  # the paper's equation exactly
+        got = hook(None, (X,), H).double()
+        assert torch.allclose(got, H.double() + _slot_read_by_hand(mem, H), atol=1e-4)
+        assert not torch.allclose(got, H.double() + _slot_read_by_hand(mem, H, scaled=True), atol=1e-2)
+        assert not torch.allclose(got, H.double() + _slot_read_by_hand(mem, X), atol=1e-2)  # queried with the input
+        s = (torch.rand(tiny.hidden_size, generator=g) * 2 + 0.5).to(tiny.device)
+        p.ffn_scale[0] = s
+        got = hook(None, (X,), H).double()
+        assert torch.allclose(got, H.double() + s.double() * _slot_read_by_hand(mem, H / s), atol=1e-4)
+        # σ (decode-time ``scale``) multiplies ΔH
+        half = p._ffn_hook(0, Attachment(None, {"scale": 0.5}), False, {})(None, (X,), H).double()
+        assert torch.allclose(half, H.double() + 0.5 * s.double() * _slot_read_by_hand(mem, H / s), atol=1e-4)
+
+
+def test_memory_tuning_mt_f_reads_and_writes_every_blocks_ffn_output(tiny, monkeypatch):
+    """MT-F in the whole model equals each block's FFN replaced by H + ΔH(H), H = FFN(x) (written here by hand), and
+    not H + ΔH(x) (queried with the FFN's input)."""
+    p, g = _mt_with_random_weights(tiny, "MT-F", slots=5, slot_size=3)
+    ids = torch.tensor([tiny.encode_context("the house is small")[:8]] * 2).to(tiny.device)
+
+    def reference(query_from_input: bool):
+        with monkeypatch.context() as m:
+            for l, layer in enumerate(tiny.layers):
+                def forward(x, f=layer.mlp.forward, mem=p.ffn_mem[l]):
+                    h = f(x)
+                    return (h.double() + _slot_read_by_hand(mem, x if query_from_input else h)).to(h.dtype)
+                m.setattr(layer.mlp, "forward", forward)
+            with torch.no_grad():
+                return tiny.forward_fc(ids)[0]
+
+    handles = p.attach(None, {})
+    try:
+        with torch.no_grad():
+            got = tiny.forward_fc(ids)[0]
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        base = tiny.forward_fc(ids)[0]
+    assert not torch.allclose(got, base, atol=1e-3)
+    assert torch.allclose(got, reference(False), atol=1e-4)
+    assert not torch.allclose(got, reference(True), atol=1e-3)
+
+
+def _rope_by_hand(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+
+
+def test_memory_tuning_mt_m_is_prefix_attention_with_he_et_al_gate(tiny):
+    """MT-M = prefix tuning (l prefix keys/values per key/value head, prepended in the attention): by He et al.
+    (ICLR 2022, eq. 6–7), head = (1 − λ)·Attn(q, K, V) + λ·softmax(c·q·P_kᵀ + log σ)·P_v with the gate
+    λ = Σ exp(c·q·P_kᵀ + log σ) / (Σ exp(c·q·P_kᵀ + log σ) + Σ_causal exp(c·q·Kᵀ)), written here per head in float64.
+    Only the plug-in's rows get the prefix; the trace reports the head-averaged λ and attention within the prefix."""
+    L = tiny.num_layers
+    p, g = _mt_with_random_weights(tiny, "MT-M", prefix_length=3)
+    with torch.no_grad():
+        p.key_rms.copy_(torch.rand(p.key_rms.shape, generator=g) + 0.5)
+        p.value_rms.copy_(torch.rand(p.value_rms.shape, generator=g) + 0.5)
+    attn = tiny.layers[L - 1].self_attn
+    H_, hd = tiny.model.config.num_attention_heads, attn.head_dim
+    n_kv = tiny.model.config.num_key_value_heads
+    T = 5
+    x = torch.randn(2, T, tiny.hidden_size, generator=g).to(tiny.device)
+    cos, sin = tiny.decoder.rotary_emb(x, torch.arange(T, device=tiny.device)[None])
+
+    def by_hand(b: int, sigma: float | None, gate: bool = True):
+        X = x[b].double()
+        q = (X @ attn.q_proj.weight.double().T).view(T, H_, hd).transpose(0, 1)
+        k = (X @ attn.k_proj.weight.double().T).view(T, n_kv, hd).transpose(0, 1)
+        v = (X @ attn.v_proj.weight.double().T).view(T, n_kv, hd).transpose(0, 1)
+        q, k = _rope_by_hand(q, cos[0].double(), sin[0].double()), _rope_by_hand(k, cos[0].double(), sin[0].double())
+        Pk = (p.prefix_k[L - 1] * p.key_rms[L - 1]).detach().double()
+        Pv = (p.prefix_v[L - 1] * p.value_rms[L - 1]).detach().double()
+        c = attn.scaling
+        heads, lams, within = [], [], []
+        causal = torch.ones(T, T).tril().bool()
+        for h in range(H_):
+            j = h // (H_ // n_kv)
+            e_ctx = torch.exp((q[h] @ k[j].T * c).masked_fill(~causal, -math.inf))
+            ctx = (e_ctx / e_ctx.sum(-1, keepdim=True)) @ v[j]
+            if sigma is None:
+                heads.append(ctx)
+                continue
+            e_pre = torch.exp(q[h] @ Pk[j].T * c + math.log(sigma))
+            lam = e_pre.sum(-1) / (e_pre.sum(-1) + e_ctx.sum(-1))
+            pre = (e_pre / e_pre.sum(-1, keepdim=True)) @ Pv[j]
+            heads.append((1 - lam)[:, None] * ctx + lam[:, None] * pre if gate else ctx + pre)
+            lams.append(lam)
+            within.append(e_pre / e_pre.sum(-1, keepdim=True))
+        out = torch.cat(heads, dim=-1) @ attn.o_proj.weight.double().T
+        return out, lams, within
+
+    def run(rows, settings):
+        handles = p.attach(rows, settings)
+        try:
+            with torch.no_grad():
+                out = attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        finally:
+            for h in handles:
+                h.remove()
+        return out.double(), handles
+
+    for sigma in (1.0, 0.5):
+        got, _ = run(None, {"scale": sigma})  # training's path: every row, one pass
+        for b in range(2):
+            want, lams, _ = by_hand(b, sigma)
+            assert torch.allclose(got[b], want, atol=1e-4)
+            assert 0.05 < float(torch.stack(lams).min()) and float(torch.stack(lams).max()) < 0.95
+        assert not torch.allclose(got[0], by_hand(0, sigma, gate=False)[0], atol=1e-2)
+    got, handles = run(torch.tensor([1]), {})  # a comparison batch: row 1 is the plug-in's, row 0 is not
+    want, lams, within = by_hand(1, 1.0)
+    assert torch.allclose(got[1], want, atol=1e-4) and torch.allclose(got[0], by_hand(0, None)[0], atol=1e-4)
+    trace = p.network_trace(handles)[0]
+    assert trace["attention_lambda"] == pytest.approx(float(torch.stack(lams)[:, -1].mean()), abs=1e-3)
+    assert trace["weights"] == pytest.approx(torch.stack(within)[:, -1].mean(0).tolist(), abs=1e-3)
+
+
+def test_memory_tuning_mt_m_equals_prefix_tuning_through_past_key_values(tiny):
+    """The whole model with MT-M equals prefix tuning as peft does it — the prefix keys/values handed to the model
+    as a pre-filled KV cache, the real tokens keeping positions 0…T−1 — and a cached, row-restricted decode of the
+    same tokens gives the same states for the plug-in's row and the frozen model's for the others."""
+    from transformers import DynamicCache
+
+    p, g = _mt_with_random_weights(tiny, "MT-M", prefix_length=4)
+    ids = torch.tensor([tiny.encode_context(t)[:7] for t in ("the house is small", "hello world, this is a test")])
+    ids = ids.to(tiny.device)
+    B, T = ids.shape
+    cache = DynamicCache()
+    with torch.no_grad():
+        for l in range(tiny.num_layers):
+            pk = (p.prefix_k[l] * p.key_rms[l]).unsqueeze(0).expand(B, -1, -1, -1).contiguous()
+            pv = (p.prefix_v[l] * p.value_rms[l]).unsqueeze(0).expand(B, -1, -1, -1).contiguous()
+            cache.update(pk, pv, l)
+        want = tiny.decoder(input_ids=ids, attention_mask=torch.ones(B, 4 + T, dtype=torch.long, device=ids.device),
+                            past_key_values=cache, position_ids=torch.arange(T, device=ids.device)[None].expand(B, -1),
+                            use_cache=True).last_hidden_state
+        base = tiny.decoder(input_ids=ids).last_hidden_state
+    handles = p.attach(None, {})
+    try:
+        with torch.no_grad():
+            got = tiny.decoder(input_ids=ids).last_hidden_state
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.allclose(got, want, atol=1e-4) and not torch.allclose(got, base, atol=1e-2)
+    handles = p.attach(torch.tensor([1]), {})
+    try:
+        with torch.no_grad():
+            out = tiny.decoder(input_ids=ids[:, :4], use_cache=True)
+            steps, past = [out.last_hidden_state], out.past_key_values
+            for t in range(4, T):
+                out = tiny.decoder(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
+                steps.append(out.last_hidden_state)
+                past = out.past_key_values
+    finally:
+        for h in handles:
+            h.remove()
+    steps = torch.cat(steps, dim=1)
+    assert torch.allclose(steps[1], want[1], atol=1e-4) and torch.allclose(steps[0], base[0], atol=1e-5)
+
+
+def test_in_network_methods_never_see_the_heldout_samples(tiny, tmp_path, monkeypatch):
+    """Adapter, LoRA, memory-tuning and the memory adapter early-stop on a seeded tenth of the memory's *training*
+    samples and draw their candidate vocabulary from training entries only: nothing of the held-out split (what
+    ``eval --memory`` and the Evaluate tab report on) is read while training."""
+    import plugins.network as network
+    from plugins.api import make_config
+    from plugins.registry import get_method
+    from plugins.seqtrain import memory_sequences
+
+    mem = _memory_with_unique_heldout_token(tiny, tmp_path / "m")
+    only_held = set(np.asarray(mem.heldout_values).tolist()) - set(np.asarray(mem.values).tolist()) \
+        - set(tiny.stop_ids)
+    assert only_held
+    pair = lambda d, i: (tuple(d.contexts[i]), tuple(d.targets[i]))  # noqa: E731
+    train_all = memory_sequences(tiny, mem, "train")
+    held = memory_sequences(tiny, mem, "heldout")
+    train_pairs, held_pairs = {pair(train_all, i) for i in range(len(train_all))}, {pair(held, i) for i in
+                                                                                 range(len(held))}
+
+    class TrainingOnly(Memory):  # any access to the held-out split fails the test
+        def _arr(self, name):
+            assert not name.startswith("heldout"), f"training read {name}"
+            return super()._arr(name)
+
+        def split_samples(self, split):
+            assert split != "heldout", "training read the held-out samples"
+            return super().split_samples(split)
+
+    seen: dict = {}
+    data, vocab = network.NetworkPlugin._data, network.candidate_vocabulary
+
+    def spy_data(self, memory):
+        seen["data"] = data(self, memory)
+        return seen["data"]
+
+    def spy_vocab(*a, **kw):
+        seen["candidates"] = vocab(*a, **kw)
+        return seen["candidates"]
+
+    monkeypatch.setattr(network.NetworkPlugin, "_data", spy_data)
+    monkeypatch.setattr(network, "candidate_vocabulary", spy_vocab)
+    common = {"max_epochs": 1, "batch_size": 4, "max_minutes": 0.0, "softmax": "candidates", "candidate_top_k": 0}
+    own = {"lora": {"rank": 8}, "memory_adapter": {"max_pairs": 40, "max_translate": 8}}
+    for method in ("adapter", "lora", "memory_tuning", "memory_adapter"):
+        seen.clear()
+        cls = get_method(method)
+        p = cls(make_config(method, {**common, **own.get(method, {})}), tiny, {"key_rms": mem.key_scale})
+        p.fit(TrainingOnly(path=mem.path, meta=mem.meta))
+        train, stop = seen["data"]
+        assert len(train) + len(stop) == len(train_all) and 1 <= len(stop) < len(train_all), method
+        stop_pairs = {pair(stop, i) for i in range(len(stop))}
+        assert stop_pairs <= train_pairs and not stop_pairs & held_pairs, method
+        assert not only_held & set(seen["candidates"].tolist()), method
+        assert p.train_info["early_stop_samples"] == len(stop), method

@@ -20,7 +20,9 @@ FAST = {
     # α = r makes the LoRA scaling 1 so that a few steps visibly move the tiny model (paper: α = 1).
     "lora": {"alpha": 64.0, "lr": 1e-2, "batch_size": 4, "max_epochs": 12, "evals_per_epoch": 1, "patience": 3,
              "max_minutes": 0},
-    "memory_tuning": {"slots": 10, "lr": 1e-2, "batch_size": 4, "max_epochs": 12, "evals_per_epoch": 1,
+    # The tiny random model's attention outputs are small next to its residual stream, so MT-M's prefix barely
+    # moves it; MT-F (added to the FFN output) carries the change here, and needs a higher rate than Gemma would.
+    "memory_tuning": {"slots": 10, "lr": 3e-2, "batch_size": 4, "max_epochs": 12, "evals_per_epoch": 1,
                       "patience": 3, "max_minutes": 0},
 }
 SOURCE = "the house is small"
@@ -80,12 +82,23 @@ def trained(tiny, tiny_memory, train_data, base_state, tmp_path_factory):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_untrained_plugin_is_identity(tiny, tiny_memory, train_data, method):
-    plugin = new_plugin(method, tiny, tiny_memory, FAST[method])
-    assert torch.equal(_logits(tiny, train_data), _logits(tiny, train_data, plugin))
+    """Untrained adapter, LoRA and MT-F are the identity. MT-M is prefix tuning, which is not the identity at any
+    initialisation (the prefix always takes some attention); ``scale`` 0 switches it off exactly."""
+    base = _logits(tiny, train_data)
+    cfg = {**FAST[method], "variant": "MT-F"} if method == "memory_tuning" else FAST[method]
+    assert torch.equal(base, _logits(tiny, train_data, new_plugin(method, tiny, tiny_memory, cfg)))
     if method == "memory_tuning":
-        for variant in ("MT-F", "MT-M"):
+        for variant in ("MT-M", "MT-MF"):
             p = new_plugin(method, tiny, tiny_memory, {**FAST[method], "variant": variant})
-            assert torch.equal(_logits(tiny, train_data), _logits(tiny, train_data, p))
+            assert not torch.equal(base, _logits(tiny, train_data, p))
+            handles = p.attach(None, {"scale": 0.0})
+            try:
+                ids, mask, _ = collate(tiny, train_data, range(4))
+                with torch.no_grad():
+                    assert torch.equal(base, target_logits(tiny, ids, mask))
+            finally:
+                for h in handles:
+                    h.remove()
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -186,7 +199,8 @@ def test_paper_defaults():
     a, lo, mt = make_config("adapter"), make_config("lora"), make_config("memory_tuning")
     assert 10 <= a.bottleneck <= 300
     assert (lo.rank, lo.alpha) == (512, 1.0)
-    assert (mt.variant, mt.slots, mt.query_dim, mt.key_dim) == ("MT-MF", 50, 16, 16)
+    assert (mt.variant, mt.slots, mt.slot_size, mt.prefix_length) == ("MT-MF", 50, 16, 16)
+    assert lo.lr == 1e-3  # the PEMA paper's LoRA baseline
     assert all(c.max_minutes > 0 for c in (a, lo, mt))
 
 
@@ -258,3 +272,36 @@ def test_prefix_kv_cache_decodes_as_a_full_prefill(tiny, tiny_memory, trained):
         assert len(PREFIX_KV._entries) == 2
     finally:
         ad.load_state_dict(saved)
+
+
+def test_memory_tuning_refuses_a_plugin_saved_in_the_earlier_layout(tiny, trained, tmp_path):
+    import json
+    import shutil
+
+    _, path, _ = trained[0]["memory_tuning"]
+    old = tmp_path / "old"
+    shutil.copytree(path, old)
+    meta = json.loads((old / "plugin_config.json").read_text())
+    for k in ("slot_size", "prefix_length"):
+        meta["config"].pop(k)
+    meta["config"].update({"query_dim": 16, "key_dim": 16, "slot_dim": 64, "value_dim": 64})
+    (old / "plugin_config.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="earlier implementation.*Train it again"):
+        load_plugin(old, tiny)
+
+
+def test_mt_m_trace_and_attention_implementations(tiny, tiny_memory, tmp_path, monkeypatch):
+    """MT-M alone traces the attention within its l prefix slots and λ; it needs eager or sdpa attention."""
+    p, _ = train_plugin(tiny, tiny_memory, "memory_tuning", {**FAST["memory_tuning"], "variant": "MT-M",
+                                                             "prefix_length": 5, "max_epochs": 1},
+                        out_dir=tmp_path / "mt-m")
+    assert p.train_info["prefix_init"] and len(p.train_info["key_rms"]) == tiny.num_layers
+    c = compare(tiny, SOURCE, [Row("base"), Row("mt", p)], prompt=tiny_memory.prompt, max_new_tokens=4)
+    for t in c.row("mt").trace:
+        att = t["memory_attention"]
+        assert att["component"] == "attention" and len(att["weights"]) == 5
+        assert abs(sum(att["weights"]) - 1) < 1e-2 and 0 < att["attention_lambda"] < 1
+    monkeypatch.setattr(tiny.model.config, "_attn_implementation", "flash_attention_2")
+    with pytest.raises(UserError, match="eager or sdpa"):
+        p.attach(None, {})
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
