@@ -3,9 +3,13 @@
     python app.py                         # embedded Gemma 3 270M, offline, http://127.0.0.1:7860
     python app.py --backbone tiny         # a tiny in-process model (tests, demos)
     python app.py --host 0.0.0.0 --port 7860 --data-dir /data --workers 1 --device auto
+    python app.py --multi-user --limit input_chars=1000 --limit jobs_per_owner=2   # hosted: owners and limits
 
-Flags fall back on environment variables: $HOST, $PORT, $PEMA_DATA_DIR, $PEMA_BACKBONE, $PEMA_BACKBONE_CACHE,
-$PEMA_WORKERS, $PEMA_DEVICE. The backbone loads in the background (the first load of an embedded model
+Bound to 127.0.0.1 (the default) the studio is single-user: everything belongs to the local user. Bound to another
+host, or with --multi-user, each caller sees only their own things (README, "Security model"); --single-user forces
+the single-user mode on another host (a private network only). Flags fall back on environment variables: $HOST,
+$PORT, $PEMA_DATA_DIR, $PEMA_BACKBONE, $PEMA_BACKBONE_CACHE, $PEMA_WORKERS, $PEMA_DEVICE, $PEMA_MULTI_USER (1/0),
+$PEMA_LIMIT_<NAME>. The backbone loads in the background (the first load of an embedded model
 de-quantizes it, one to two minutes on 2 CPU cores, then it is cached under the data directory); the page shows
 its progress meanwhile.
 """
@@ -21,8 +25,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see ground/__init__.py
 
 from backbone.model import DEFAULT_BACKBONE, EMBEDDED  # noqa: E402  (after the environment above is set)
+from ground.errors import UserError  # noqa: E402
+from studio.limits import Limits  # noqa: E402
 from studio.service import Studio  # noqa: E402
-from ui.app import launch_app  # noqa: E402
+from ui.app import launch_app, mode_banner, multi_user_default  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,17 +44,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=int(os.environ.get("PEMA_WORKERS", 1)),
                    help="background job worker threads (jobs share one backbone; 1 is right on CPU)")
     p.add_argument("--device", default=os.environ.get("PEMA_DEVICE", "auto"), help="auto, cpu, cuda, cuda:1, …")
+    env_multi = os.environ.get("PEMA_MULTI_USER", "").strip().lower()
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--multi-user", dest="multi_user", action="store_true",
+                      help="owners told apart by key / HF sign-in (the default when bound to a host other than "
+                           "127.0.0.1)")
+    mode.add_argument("--single-user", dest="multi_user", action="store_false",
+                      help="everything belongs to one local user even on another host (a private network only)")
+    p.set_defaults(multi_user={"1": True, "true": True, "yes": True, "0": False, "false": False,
+                               "no": False}.get(env_multi))  # None: decided by --host
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                   help=f"override a bound (0 = none), repeatable: {', '.join(Limits.names())}")
+    p.add_argument("--limits", action="store_true", help="print the limits in force and exit")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
 
 def start(argv: list[str] | None = None, block: bool = True):
-    """Create the Studio and serve the app. With ``block=False`` returns ``(studio, demo, url)`` (tests)."""
+    """Create the Studio and serve the app. With ``block=False`` returns ``(studio, served, url)`` (tests;
+    ``served.close()`` stops the server)."""
     args = parse_args(argv)
+    multi = multi_user_default(args.host) if args.multi_user is None else args.multi_user
+    try:
+        limits = Limits.configure(multi, overrides=args.limit)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.limits:
+        for d in limits.describe():
+            print(f"{d['name']:24} {d['value']:>12,}   ${d['env']}")
+        raise SystemExit(0)
     studio = Studio(args.data_dir, backbone=args.backbone, device=args.device, workers=args.workers,
-                    backbone_cache=args.backbone_cache)
-    demo, url = launch_app(studio, host=args.host, port=args.port, block=block, quiet=args.quiet)
-    return studio, demo, url
+                    backbone_cache=args.backbone_cache, multi_user=multi, limits=limits)
+    print(mode_banner(studio, args.host), flush=True)
+    try:
+        served, url = launch_app(studio, host=args.host, port=args.port, block=block, quiet=args.quiet)
+    except BaseException:
+        studio.close()
+        raise
+    return studio, served, url
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,10 @@ A job is ``(kind, args)``; a *handler* registered for the kind does the work::
 States: ``queued → running → done | failed | cancelled``; rows found ``running`` when a queue starts (the app was
 stopped or crashed mid-job) become ``interrupted``. Rows left ``queued`` are run again.
 
+Owners: each job row has the ``owner`` that submitted it (``JobContext.owner`` for the handler); ``get`` / ``list`` /
+``cancel`` given an owner see only that owner's jobs (another owner's job reads as nonexistent). ``max_per_owner``
+and ``max_total`` (0: no limit) bound the jobs queued or running, per owner and overall; ``submit`` refuses more.
+
 Errors: a :class:`UserError`'s message is stored as is (it is written for the user); any other exception is
 stored as ``"<Type>: <message>"`` with a short traceback appended to the log. Handlers must register catalog rows
 only once their work has fully succeeded (the engine writes folders atomically), so a failed or cancelled job
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ground.errors import Cancelled, UserError
-from ground.store import Catalog, new_id
+from ground.store import LOCAL_OWNER, Catalog, new_id
 
 STATES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
 FINAL_STATES = ("done", "failed", "cancelled", "interrupted")
@@ -62,6 +66,7 @@ class JobContext:
     args: dict
     queue: "JobQueue"
     throttle: float = 0.5
+    owner: str = LOCAL_OWNER
     _last_write: float = 0.0
     _progress: float = 0.0
     _message: str = ""
@@ -151,6 +156,8 @@ class JobQueue:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._paused = threading.Event()  # set: workers wait (e.g. until the backbone is loaded)
+        self.max_per_owner = 0  # jobs queued or running per owner (0: no limit)
+        self.max_total = 0  # jobs queued or running overall (0: no limit)
 
     # lifecycle -------------------------------------------------------------------------------------
     def recover(self) -> int:
@@ -191,29 +198,50 @@ class JobQueue:
             self._wake.notify_all()
 
     # API ---------------------------------------------------------------------------------------------
-    def submit(self, kind: str, args: dict | None = None) -> str:
+    def submit(self, kind: str, args: dict | None = None, owner: str = LOCAL_OWNER) -> str:
         if kind not in self.handlers:
             raise UserError(f"Unknown job kind {kind!r}.")
         jid = new_id(f"{kind}-")
         now = time.time()
         # created is made strictly increasing so that FIFO order is exact even within one clock tick
         with self._claim:
+            if self.max_per_owner and self.count(("queued", "running"), owner) >= self.max_per_owner:
+                raise UserError(f"You already have {self.max_per_owner} jobs queued or running (the limit per "
+                                f"user); wait for one to finish or cancel one (the studio's operator sets the limit "
+                                f"with --limit jobs_per_owner=… or $PEMA_LIMIT_JOBS_PER_OWNER).")
+            if self.max_total and self.count(("queued", "running")) >= self.max_total:
+                raise UserError(f"The studio's job queue is full ({self.max_total} jobs queued or running); try "
+                                f"again in a few minutes (the studio's operator sets the limit with --limit "
+                                f"jobs_total=… or $PEMA_LIMIT_JOBS_TOTAL).")
             last = next(iter(self.catalog.db.query("select max(created) as m from jobs")), {}).get("m") or 0
             created = max(now, last + 1e-6)
             self.catalog.db["jobs"].insert({
                 "id": jid, "kind": kind, "args": json.dumps(args or {}, default=str), "state": "queued",
                 "progress": 0.0, "message": "Waiting for a worker", "log": "", "error": "", "result": "",
-                "metrics": "[]", "created": created, "started": None, "finished": None, "cancel": 0})
+                "metrics": "[]", "created": created, "started": None, "finished": None, "cancel": 0,
+                "owner": owner})
         with self._wake:
             self._wake.notify_all()
         return jid
 
-    def get(self, job_id: str) -> dict | None:
-        rows = list(self.catalog.db["jobs"].rows_where("id = ?", [job_id]))
+    def count(self, states: tuple[str, ...], owner: str | None = None) -> int:
+        where = f"state in ({','.join('?' * len(states))})"
+        params = list(states)
+        if owner is not None:
+            where += " and owner = ?"
+            params.append(owner)
+        return self.catalog.db["jobs"].count_where(where, params)
+
+    def get(self, job_id: str, owner: str | None = None) -> dict | None:
+        """One job; with ``owner``, ``None`` unless that owner submitted it."""
+        where, params = "id = ?", [job_id]
+        if owner is not None:
+            where, params = "id = ? and owner = ?", [job_id, owner]
+        rows = list(self.catalog.db["jobs"].rows_where(where, params))
         return row_to_job(rows[0]) if rows else None
 
     def list(self, kinds: tuple[str, ...] | None = None, states: tuple[str, ...] | None = None,
-             limit: int = 50) -> list[dict]:
+             limit: int = 50, owner: str | None = None) -> list[dict]:
         where, params = [], []
         if kinds:
             where.append(f"kind in ({','.join('?' * len(kinds))})")
@@ -221,14 +249,18 @@ class JobQueue:
         if states:
             where.append(f"state in ({','.join('?' * len(states))})")
             params += list(states)
+        if owner is not None:
+            where.append("owner = ?")
+            params.append(owner)
         rows = self.catalog.db["jobs"].rows_where(" and ".join(where) or None, params or None,
                                                   order_by="created desc", limit=limit)
         return [row_to_job(r) for r in rows]
 
-    def cancel(self, job_id: str) -> dict:
-        """Cancel a queued job at once, or ask a running one to stop at its next checkpoint."""
+    def cancel(self, job_id: str, owner: str | None = None) -> dict:
+        """Cancel a queued job at once, or ask a running one to stop at its next checkpoint (with ``owner``: only
+        that owner's job; another's reads as nonexistent)."""
         with self._claim:
-            job = self.get(job_id)
+            job = self.get(job_id, owner)
             if job is None:
                 raise UserError(f"No job {job_id!r}.")
             if job["state"] == "queued":
@@ -280,7 +312,8 @@ class JobQueue:
 
     def _run(self, job: dict) -> None:
         jid = job["id"]
-        ctx = JobContext(id=jid, kind=job["kind"], args=job["args"], queue=self, throttle=self.throttle)
+        ctx = JobContext(id=jid, kind=job["kind"], args=job["args"], queue=self, throttle=self.throttle,
+                         owner=job.get("owner") or LOCAL_OWNER)
         ctx.log(f"Started {job['kind']}")
         fields: dict = {}
         try:

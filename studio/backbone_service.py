@@ -62,8 +62,12 @@ class BackboneService:
         bb = self._bb
         s.update(backbone=bb.name if bb else self.backbone_name, ready=s["state"] == "ready",
                  device=str(bb.device) if bb else (self.device or "auto"),
-                 layers=bb.num_layers if bb else 0, data_dir=str(self.root))
+                 layers=bb.num_layers if bb else 0, data_dir=str(self.root), multi_user=self.multi_user)
         s.pop("stage_started", None)
+        if self.multi_user:  # public: the server's paths are nobody's business but the operator's
+            s.pop("data_dir")
+            s["message"] = s["message"].replace(str(self.root), "<data dir>")
+            s["error"] = s["error"].replace(str(self.root), "<data dir>")
         return s
 
     def wait_ready(self, timeout: float | None = None) -> bool:

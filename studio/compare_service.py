@@ -1,8 +1,16 @@
-"""The Studio's comparisons: one batched decode of every chosen method, token traces, attention, and shares."""
+"""The Studio's comparisons: one batched decode of every chosen method, token traces, attention, and shares.
+
+A comparison is its owner's (kept in this process, under a random id); sharing stores a reduced copy that anyone with
+its unguessable id may read: input, outputs, settings, token traces, method names and neutral row labels ("PEMA",
+"kNN-LM · 2" — never a plug-in's or memory's name, which often is the uploaded file's name, unless the owner typed
+labels for the share); never the reference, samples, file names, ids or the prompt.
+"""
 from __future__ import annotations
 
+import json
 import secrets
 import time
+from collections import Counter
 from typing import Any
 
 from backbone.attention import input_attention
@@ -10,6 +18,7 @@ from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
 from ground.errors import UserError
 from plugins.decode import Row, compare as decode_compare
+from plugins.registry import get_method
 from plugins.settings import resolve_row_settings, row_settings
 from studio.payload import json_safe, shared_trace, word_diff
 
@@ -21,7 +30,7 @@ class CompareService:
     """Comparisons (kept in memory per process) and shared comparisons (stored under unguessable ids)."""
 
     # --- comparing ----------------------------------------------------------------------------------------------
-    def _rows(self, methods: list[str], task: str, settings: dict | None):
+    def _rows(self, methods: list[str], task: str, settings: dict | None, owner: str | None = None):
         """``Row``s for the chosen methods ("base" or plug-in ids), each with its complete decode settings:
         declared defaults ← tuned for (task, backbone) ← ``settings`` addressed to the row by method name, plug-in
         id or label (``{key: {name: value}}``; a name the row's method does not declare is an error)."""
@@ -30,14 +39,17 @@ class CompareService:
         rows, labels = [], set()
         if not methods:
             raise UserError("Choose at least one method to compare.")
+        if not isinstance(methods, (list, tuple)) or not all(isinstance(m, (str, type(None))) for m in methods):
+            raise UserError('Methods must be a list like ["base", "<plug-in id>"].')
+        self.limits.check("methods_per_comparison", len(methods), "The number of methods")
         for m in methods:
             if m in ("base", "", None):
                 rows.append(Row("Base model", None, {}))
                 labels.add("Base model")
                 continue
-            plugin = self._plugin(m)
-            row = self.catalog.plugin(m)
-            label = row["name"] if row else m
+            plugin = self._plugin(m, owner)
+            row = self._plugin_row(m, owner)
+            label = row["name"]
             if label in labels:
                 label = f"{label} [{m[-6:]}]"
             labels.add(label)
@@ -53,22 +65,42 @@ class CompareService:
                 return Prompt.from_dict(meta["prompt"])
         return task_prompt(task, self.backbone)
 
+    def _check_decode(self, max_new_tokens, num_beams: int = 1) -> tuple[int, int]:
+        try:
+            mx, nb = int(max_new_tokens), int(num_beams)
+        except (TypeError, ValueError):
+            raise UserError("Max new tokens and beams must be whole numbers.") from None
+        if mx < 1:
+            raise UserError("Max new tokens must be at least 1.")
+        if nb < 1:
+            raise UserError("Beams must be at least 1 (1 = greedy).")
+        self.limits.check("max_new_tokens", mx, "Max new tokens")
+        self.limits.check("beams", nb, "The number of beams")
+        return mx, nb
+
     def compare(self, source: str, task: str = "translation", methods: list[str] | None = None,
                 settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
-                reference: str | None = None) -> dict:
-        """Decode ``source`` with every chosen method in one batch; return a JSON-able comparison payload.
+                reference: str | None = None, *, owner: str | None = None) -> dict:
+        """Decode ``source`` with every chosen method (the owner's plug-ins) in one batch; return a JSON-able
+        comparison payload, kept for its owner under ``payload["id"]``.
 
         ``methods``: "base" and/or plug-in ids. ``settings``: ``{method | plug-in id | label: {name: value}}``,
         each block given only to the rows it names (see ``_rows``); each row's complete settings are in the payload.
         """
-        if not source or not source.strip():
+        owner = self._owner(owner)
+        if not isinstance(source, str) or not source.strip():
             raise UserError("Type a sentence to translate or rewrite.")
-        if int(max_new_tokens) < 1:
-            raise UserError("Max new tokens must be at least 1.")
+        self.limits.check("input_chars", len(source.strip()), "The sentence's length in characters")
+        if reference is not None:
+            self.limits.check("input_chars", len(str(reference)), "The reference's length in characters")
+        max_new_tokens, num_beams = self._check_decode(max_new_tokens, num_beams)
         t0 = time.time()
+        if not isinstance(methods, (list, tuple, type(None))):
+            raise UserError('Methods must be a list like ["base", "<plug-in id>"].')
         methods = list(methods or ["base"])
+        self.limits.check("methods_per_comparison", len(methods), "The number of methods")
         with self._interactive("a comparison") as bb:
-            rows = self._rows(methods, task, settings)
+            rows = self._rows(methods, task, settings, owner)
             t_load = time.time() - t0
             prompt = self._prompt(task, rows)
             comp = decode_compare(bb, source.strip(), rows, prompt=prompt, max_new_tokens=int(max_new_tokens),
@@ -93,21 +125,24 @@ class CompareService:
                                "tokens_per_s": round(n_tok / max(comp.seconds, 1e-9), 1)},
                    "created": time.time()}
         with self._recent_lock:
-            self._recent[payload["id"]] = payload
+            self._recent[payload["id"]] = (owner, payload)
             while len(self._recent) > RECENT_COMPARISONS:
                 self._recent.popitem(last=False)
         return payload
 
-    def recent(self, comparison_id: str) -> dict:
+    def recent(self, comparison_id: str, *, owner: str | None = None) -> dict:
+        """One of the owner's comparisons of this process (another owner's reads as gone)."""
+        owner = self._owner(owner)
         with self._recent_lock:
-            p = self._recent.get(comparison_id)
-        if p is None:
+            owner_p = self._recent.get(comparison_id) if isinstance(comparison_id, str) else None
+        if owner_p is None or owner_p[0] != owner:
             raise UserError("That comparison is no longer in memory (the app was restarted?). Run it again.")
-        return p
+        return owner_p[1]
 
-    def neighbours(self, comparison_id: str, label: str, token_index: int) -> list[dict]:
-        """The kNN neighbours of one output token with their memory samples (owner's view only)."""
-        p = self.recent(comparison_id)
+    def neighbours(self, comparison_id: str, label: str, token_index: int, *, owner: str | None = None) -> list[dict]:
+        """The kNN neighbours of one output token with their memory samples (the owner's view only)."""
+        owner = self._owner(owner)
+        p = self.recent(comparison_id, owner=owner)
         row = next((r for r in p["rows"] if r["label"] == label), None)
         if row is None or not 0 <= token_index < len(row["trace"]):
             return []
@@ -115,12 +150,13 @@ class CompareService:
         if not nb:
             return []
         samples = []
-        plugin = self._plugins.get(row["plugin_id"]) if row.get("plugin_id") else None
+        prow = self.catalog.plugin(row["plugin_id"], owner) if row.get("plugin_id") else None
+        if prow is None:  # deleted since (or never the owner's): no samples
+            return []
+        plugin = self._plugins.get(row["plugin_id"])
         mem = getattr(plugin, "memory", None)
-        if mem is None and row.get("plugin_id"):
-            prow = self.catalog.plugin(row["plugin_id"])
-            if prow is not None and self.catalog.memory(prow["memory_id"]):
-                mem = self._memory(prow["memory_id"])
+        if mem is None and self.catalog.memory(prow["memory_id"], owner):
+            mem = self._memory(prow["memory_id"], owner)
         if mem is not None:
             samples = mem.samples
         bb = self._bb
@@ -132,7 +168,8 @@ class CompareService:
         return out
 
     def attention(self, comparison: dict, label: str, layer: int = -1) -> dict:
-        """The backbone's attention from one row's output tokens to the input sentence's tokens."""
+        """The backbone's attention from one row's output tokens to the input sentence's tokens. ``comparison`` is
+        the caller's own payload (from ``compare``): this reads nothing of any owner, only runs the backbone."""
         row = next((r for r in comparison["rows"] if r["label"] == label), None)
         if row is None:
             raise UserError(f"No output {label!r} in this comparison.")
@@ -143,40 +180,91 @@ class CompareService:
                                    layer=int(layer), context_ids=comparison.get("context_ids"))
 
     # --- sharing ------------------------------------------------------------------------------------------------
-    def share(self, comparison_id: str, layer: int | None = None) -> str:
-        """Store a comparison of this process for read-only viewing at ``/?c=<id>``; return the id.
+    def share_labels(self, p: dict, labels: dict | None = None) -> dict[str, str]:
+        """``{row label: label in the share}``: the method's title ("PEMA"; "PEMA · 2" for a second PEMA row), or
+        the owner's own label from ``labels`` (keyed by row label, plug-in id or method name)."""
+        if labels is not None and not isinstance(labels, dict):
+            raise UserError('Share labels must be an object like {"<plug-in id or output name>": "my label"}.')
+        labels = {str(k): v for k, v in (labels or {}).items()}
+        titles = []
+        for r in p["rows"]:
+            if r["method"] == "base":
+                titles.append("Base model")
+            else:
+                try:
+                    titles.append(get_method(r["method"]).title)
+                except Exception:  # noqa: BLE001 — a method no longer registered: its name will do
+                    titles.append(r["method"])
+        seen, n_of = Counter(), Counter(titles)
+        out: dict[str, str] = {}
+        for r, title in zip(p["rows"], titles):
+            seen[title] += 1
+            own = next((labels[k] for k in (r["label"], r.get("plugin_id") or "", r["method"]) if k in labels), None)
+            if own is not None:
+                if not isinstance(own, str) or not own.strip():
+                    raise UserError("A share label must be non-empty text.")
+                own = own.strip()
+                self.limits.check("name_chars", len(own), "A share label's length in characters")
+                out[r["label"]] = own
+            else:
+                out[r["label"]] = title if n_of[title] == 1 else f"{title} · {seen[title]}"
+        if len(set(out.values())) != len(out):
+            raise UserError("Two outputs of the shared comparison would have the same label; give them different "
+                            "labels.")
+        return out
 
-        Stored: input, task, reference, methods and settings, outputs, token traces (kNN neighbours reduced to
-        token and distance), timings, the backbone's name and the attention maps at ``layer``. Never stored:
-        memory samples, file paths, plug-in/memory ids or the prompt's few-shot examples.
+    def share(self, comparison_id: str, layer: int | None = None, *, owner: str | None = None,
+              labels: dict | None = None) -> str:
+        """Store one of the owner's comparisons for read-only viewing at ``/share/?c=<id>``; return the id.
+
+        Stored: input, task, methods and settings, outputs, token traces (kNN neighbours reduced to token and
+        distance), timings, the backbone's name and the attention maps at ``layer``, each row under a neutral label
+        (see ``share_labels``). Never stored: the reference (a held-out sample), memory samples, file names or
+        paths, plug-in or memory names and ids, or the prompt.
         """
-        p = self.recent(comparison_id)
+        owner = self._owner(owner)
+        p = self.recent(comparison_id, owner=owner)
+        self.limits.check_quota("shares_per_owner", self.catalog.count("comparisons", owner), "shared comparisons")
+        names = self.share_labels(p, labels)
         attention = {}
         if self._bb is not None and p.get("backbone") == self._bb.name:
             lay = self._bb.num_layers - 1 if layer is None else int(layer)
             for r in p["rows"]:
                 try:
-                    attention[r["label"]] = self.attention(p, r["label"], lay)
+                    attention[names[r["label"]]] = self.attention(p, r["label"], lay)
                 except UserError:
                     pass
         payload = {
-            "version": 1, "source": p["source"], "task": p["task"], "reference": p.get("reference"),
-            "backbone": p["backbone"], "prompt_template": p["prompt"].get("template"),
-            "base_label": p["base_label"], "steps": p["steps"], "num_beams": p["num_beams"],
+            "version": 2, "source": p["source"], "task": p["task"], "backbone": p["backbone"],
+            "base_label": names[p["base_label"]], "steps": p["steps"], "num_beams": p["num_beams"],
             "max_new_tokens": p.get("max_new_tokens"), "timings": p["timings"],
-            "rows": [{"label": r["label"], "method": r["method"], "text": r["text"], "tokens": r["tokens"],
+            "rows": [{"label": names[r["label"]], "method": r["method"], "text": r["text"], "tokens": r["tokens"],
                       "token_texts": r["token_texts"], "settings": r["settings"], "score": r["score"],
                       "n_tokens": r["n_tokens"], "diff": r["diff"],
                       "trace": [shared_trace(t) for t in r["trace"]]} for r in p["rows"]],
             "attention": attention, "created": p["created"], "shared": time.time()}
-        return self.catalog.save_comparison(payload, backbone=p["backbone"])
+        text = json.dumps(json_safe(payload), ensure_ascii=False)
+        self.limits.check("share_bytes", len(text.encode("utf-8")), "The shared comparison's size in bytes")
+        return self.catalog.save_comparison(text, backbone=p["backbone"], owner=owner)
 
     def shared(self, share_id: str) -> dict:
-        """A shared comparison's stored payload (nothing else is read)."""
-        if not share_id or len(share_id) > 100:
+        """A shared comparison's stored payload (nothing else is read): public to anyone with the id."""
+        if not share_id or not isinstance(share_id, str) or len(share_id) > 100:
             raise UserError("This link is not valid.")
         p = self.catalog.comparison(share_id)
         if p is None:
             raise UserError("This shared comparison does not exist (the link may be incomplete).")
+        if p.get("version", 1) < 2:  # shared before labels were neutral: show it as a new share would be
+            p = self._neutral_v1(p)
         return p
+
+    def _neutral_v1(self, p: dict) -> dict:
+        """A version-1 share without what version 2 no longer stores (reference, prompt template) and with neutral
+        row labels instead of the plug-ins' names."""
+        names = self.share_labels({"rows": [{"label": r["label"], "method": r["method"]} for r in p["rows"]]})
+        out = {k: v for k, v in p.items() if k not in ("reference", "prompt_template")}
+        out["rows"] = [{**r, "label": names[r["label"]]} for r in p["rows"]]
+        out["base_label"] = names.get(p.get("base_label"), p.get("base_label"))
+        out["attention"] = {names.get(k, k): v for k, v in (p.get("attention") or {}).items()}
+        return out
 

@@ -1,4 +1,4 @@
-"""The Studio's memories: preview and validate uploads, build jobs, list, inspect, delete."""
+"""The Studio's memories: preview and validate uploads, build jobs, list, inspect, delete — each for its owner."""
 from __future__ import annotations
 
 import json
@@ -32,7 +32,9 @@ class MemoryService:
             return {}
 
     def _corpus_samples(self, name: str, limit: int | None):
-        rows = load_corpus(name, limit=int(limit) if limit else None)
+        limit = int(limit) if limit else self.limits.samples or None
+        self.limits.check("samples", limit or 0, "The number of samples asked for")
+        rows = load_corpus(name, limit=limit)
         if not rows:
             raise UserError(f"The demo corpus {name!r} is empty on this machine.")
         return [Sample(r.get("src"), r["tgt"], i + 1) for i, r in enumerate(rows)]
@@ -51,6 +53,7 @@ class MemoryService:
                 return {"count": 0, "monolingual": 0, "problems": ["Nothing to preview yet: upload a file or "
                                                                    "paste samples."],
                         "problem_count": 1, "rows": [], "format": "", "ok": False}
+            self._check_upload(data)
             samples, problems = parse_samples(data, filename)
             text = data if isinstance(data, str) else data[:4096].decode("utf-8", "replace")
             fmt = detect_format(filename, text)
@@ -60,10 +63,25 @@ class MemoryService:
                          for s in samples[:MAX_PREVIEW_ROWS]],
                 "format": fmt, "ok": bool(samples) and not problems}
 
+    def _check_upload(self, data: bytes | str | None) -> None:
+        n = len(data.encode("utf-8") if isinstance(data, str) else data or b"")
+        self.limits.check("upload_bytes", n, "The uploaded text's size in bytes")
+
+    def _check_name(self, name: str | None, what: str) -> str:
+        name = (name or "").strip()
+        self.limits.check("name_chars", len(name), f"The {what}'s length in characters")
+        return name
+
     def submit_build(self, data: bytes | str | None = None, filename: str | None = None, *, name: str = "",
                      task: str = "translation", mode: str = "teacher", corpus: str | None = None,
-                     limit: int | None = None, skip_invalid: bool = False) -> str:
-        """Validate the samples now (a bad upload fails here, before any job) and queue a memory build."""
+                     limit: int | None = None, skip_invalid: bool = False, owner: str | None = None) -> str:
+        """Validate the samples now (a bad upload fails here, before any job) and queue a memory build for
+        ``owner`` (refused beyond the owner's quota of memories, counting the builds still queued)."""
+        owner = self._owner(owner)
+        name = self._check_name(name, "memory name")
+        pending = len(self.jobs.list(kinds=("build_memory",), states=("queued", "running"), owner=owner))
+        self.limits.check_quota("memories_per_owner", self.catalog.count("memories", owner) + pending,
+                                "memories (with the builds under way)")
         if task not in TASKS:
             raise UserError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)}.")
         if mode not in ("teacher", "offsite"):
@@ -76,7 +94,9 @@ class MemoryService:
         else:
             if data is None or not (data.strip() if isinstance(data, (str, bytes)) else data):
                 raise UserError("Upload a file, paste some samples, or pick a demo corpus first.")
+            self._check_upload(data)
             samples = parse_samples_strict(data, filename, skip_invalid=skip_invalid)
+            self.limits.check("samples", len(samples), "The number of samples")
             up = self.root / "uploads"
             up.mkdir(parents=True, exist_ok=True)
             path = up / f"{secrets.token_hex(8)}{Path(filename or 'pasted.txt').suffix or '.txt'}"
@@ -85,7 +105,12 @@ class MemoryService:
             args.update(upload=str(path), filename=filename or "pasted.txt", skip_invalid=bool(skip_invalid),
                         name=args["name"] or stem)
         args["count"] = len(samples)
-        return self.jobs.submit("build_memory", args)
+        try:
+            return self.jobs.submit("build_memory", args, owner=owner)
+        except BaseException:  # e.g. the job queue is full: no upload left behind
+            if args.get("upload"):
+                Path(args["upload"]).unlink(missing_ok=True)
+            raise
 
     def _job_build(self, job: JobContext) -> dict:
         a = job.args
@@ -106,7 +131,7 @@ class MemoryService:
                 mem = build_memory(bb, samples, self.root / "memories" / mid,
                                    prompt=task_prompt(a["task"], bb), task=a["task"], mode=a["mode"],
                                    name=a["name"], progress=job.progress, should_stop=job.should_stop)
-            register_memory(self.catalog, mem)  # only now, after the folder is complete
+            register_memory(self.catalog.owned_by(job.owner), mem)  # only now, after the folder is complete
             s = mem.summary()
             return {"memory_id": mem.id, "name": s["name"], "samples": s["samples"],
                     "heldout_samples": s["heldout_samples"], "entries": s["entries"],
@@ -116,11 +141,11 @@ class MemoryService:
             if upload is not None:
                 upload.unlink(missing_ok=True)
 
-    def memories(self) -> list[dict]:
-        """Catalog rows of the memories, with ``usable`` (built on the loaded backbone) and a readable size."""
+    def memories(self, owner: str | None = None) -> list[dict]:
+        """The owner's memories (catalog rows), with ``usable`` (built on the loaded backbone) and a readable size."""
         fp = self._bb.fingerprint if self._bb is not None else None
         out = []
-        for r in self.catalog.memories():
+        for r in self.catalog.memories(self._owner(owner)):
             stats = json.loads(r.get("meta") or "{}")
             out.append({"id": r["id"], "name": r["name"], "task": r["task"], "mode": r["mode"],
                         "backbone": r["backbone"], "samples": r["samples"], "entries": r["entries"],
@@ -129,15 +154,19 @@ class MemoryService:
                         "usable": fp is None or r["fingerprint"] == fp})
         return out
 
-    def _memory(self, memory_id: str):
-        row = self.catalog.memory(memory_id)
+    def _memory_row(self, memory_id: str, owner: str | None) -> dict:
+        """The owner's memory row; another owner's memory reads as nonexistent."""
+        row = self.catalog.memory(str(memory_id or ""), self._owner(owner))
         if row is None:
             raise UserError(f"No memory {memory_id!r}: it may have been deleted.")
-        return Memory.load(row["path"])
+        return row
 
-    def memory_detail(self, memory_id: str, limit: int = 500) -> dict:
-        """Summary, build statistics and samples (with synthetic sources flagged) of one memory."""
-        mem = self._memory(memory_id)
+    def _memory(self, memory_id: str, owner: str | None = None):
+        return Memory.load(self._memory_row(memory_id, owner)["path"])
+
+    def memory_detail(self, memory_id: str, limit: int = 500, *, owner: str | None = None) -> dict:
+        """Summary, build statistics and samples (with synthetic sources flagged) of one of the owner's memories."""
+        mem = self._memory(memory_id, owner)
         samples = mem.samples
         return {"summary": mem.summary(), "stats": mem.meta.get("stats", {}), "prompt": mem.meta.get("prompt"),
                 "samples": [{"line": s.get("line"), "split": s["split"], "src": s["src"],
@@ -145,19 +174,18 @@ class MemoryService:
                             for s in samples[:limit]],
                 "total_samples": len(samples)}
 
-    def heldout_samples(self, memory_id: str, limit: int = 200) -> list[dict]:
-        mem = self._memory(memory_id)
+    def heldout_samples(self, memory_id: str, limit: int = 200, *, owner: str | None = None) -> list[dict]:
+        mem = self._memory(memory_id, owner)
         return [{"src": s["src"], "tgt": s["tgt"]} for s in mem.split_samples("heldout")[:limit]]
 
-    def delete_memory(self, memory_id: str) -> str:
-        busy = [j for j in self.jobs.list(states=("queued", "running"))
+    def delete_memory(self, memory_id: str, *, owner: str | None = None) -> str:
+        owner = self._owner(owner)
+        row = self._memory_row(memory_id, owner)
+        busy = [j for j in self.jobs.list(states=("queued", "running"), owner=owner)
                 if j["args"].get("memory_id") == memory_id]
         if busy:
             raise UserError("A job is using this memory; cancel it or wait for it to finish first.")
-        row = self.catalog.memory(memory_id)
-        if row is None:
-            raise UserError(f"No memory {memory_id!r}.")
-        users = [p for p in self.catalog.plugins() if p["memory_id"] == memory_id]
+        users = [p for p in self.catalog.plugins(owner) if p["memory_id"] == memory_id]
         self.catalog.delete_memory(memory_id)
         with self._plugin_lock:
             for p in users:

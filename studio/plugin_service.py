@@ -1,4 +1,5 @@
-"""The Studio's plug-ins and jobs: methods and their declared settings, training jobs, the loaded plug-in cache."""
+"""The Studio's plug-ins and jobs: methods and their declared settings, training jobs, the loaded plug-in cache —
+plug-ins and jobs each for their owner."""
 from __future__ import annotations
 
 import json
@@ -31,12 +32,18 @@ class PluginService:
                     **coerce_all(cls.decode_settings, tuned_decode_settings(m, task, name), cls.title)}
                 for m, cls in available_methods().items() if cls.decode_settings}
 
-    def submit_train(self, memory_id: str, method: str, config: dict | None = None, name: str = "") -> str:
-        """Validate the method and its settings now, then queue the training job."""
+    def submit_train(self, memory_id: str, method: str, config: dict | None = None, name: str = "", *,
+                     owner: str | None = None) -> str:
+        """Validate the memory (the owner's), the method and its settings now (``make_config`` →
+        ``PluginConfig.from_dict``: types and declared ranges), then queue the training job for ``owner``."""
+        owner = self._owner(owner)
         if not memory_id:
             raise UserError("Choose a memory to train on.")
-        if self.catalog.memory(memory_id) is None:
-            raise UserError(f"No memory {memory_id!r}: it may have been deleted.")
+        self._memory_row(memory_id, owner)
+        name = self._check_name(name, "plug-in name")
+        pending = len(self.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
+        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner) + pending,
+                                "plug-ins (with the trainings under way)")
         if isinstance(config, str):
             try:
                 config = json.loads(config or "{}")
@@ -44,19 +51,22 @@ class PluginService:
                 raise UserError(f"The settings are not valid JSON: {e.msg} (line {e.lineno}).") from None
         if config is not None and not isinstance(config, dict):
             raise UserError("The settings must be a JSON object like {\"rank\": 64}.")
+        if method not in available_methods():
+            raise UserError(f"Unknown method {method!r}; choose one of {', '.join(sorted(available_methods()))}.")
         cfg = make_config(method, config or {}).to_dict()
         return self.jobs.submit("train_plugin", {"memory_id": memory_id, "method": method, "config": cfg,
-                                                 "name": (name or "").strip()})
+                                                 "name": name}, owner=owner)
 
     def _job_train(self, job: JobContext) -> dict:
         a = job.args
         bb = self._job_backbone(job)
-        mem = open_memory(a["memory_id"], bb, catalog=self.catalog)
+        row = self._memory_row(a["memory_id"], job.owner)  # still there, still the owner's
+        mem = open_memory(row["path"], bb)
         cls = get_method(a["method"])
         with self.gate.use(holder=f"training {cls.title}"):
             job.checkpoint = self.gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
             job.log(f"Training {cls.title} on {mem.meta.get('name', mem.id)!r} ({len(mem):,} entries)")
-            plugin, row = train_plugin(bb, mem, a["method"], a["config"], catalog=self.catalog,
+            plugin, row = train_plugin(bb, mem, a["method"], a["config"], catalog=self.catalog.owned_by(job.owner),
                                        name=a.get("name", ""), progress=job.progress, should_stop=job.should_stop,
                                        on_metric=job.metric)
         job.set_metrics([{k: v for k, v in h.items() if isinstance(v, (int, float, str))}
@@ -65,11 +75,13 @@ class PluginService:
                 "metrics": json.loads(row["metrics"]),
                 "message": f"Plug-in {row['name']!r} ready ({row['params']:,} trainable parameters)"}
 
-    def plugins(self) -> list[dict]:
+    def plugins(self, owner: str | None = None) -> list[dict]:
+        """The owner's plug-ins."""
+        owner = self._owner(owner)
         fp = self._bb.fingerprint if self._bb is not None else None
-        mems = {m["id"]: m["name"] for m in self.catalog.memories()}
+        mems = {m["id"]: m["name"] for m in self.catalog.memories(owner)}
         out = []
-        for r in self.catalog.plugins():
+        for r in self.catalog.plugins(owner):
             metrics = json.loads(r.get("metrics") or "{}")
             out.append({"id": r["id"], "name": r["name"], "method": r["method"], "memory_id": r["memory_id"],
                         "memory": mems.get(r["memory_id"], "(deleted)"), "backbone": r["backbone"],
@@ -77,10 +89,15 @@ class PluginService:
                         "usable": fp is None or r["fingerprint"] == fp})
         return out
 
-    def plugin_detail(self, plugin_id: str) -> dict:
-        row = self.catalog.plugin(plugin_id)
+    def _plugin_row(self, plugin_id: str, owner: str | None) -> dict:
+        """The owner's plug-in row; another owner's plug-in reads as nonexistent."""
+        row = self.catalog.plugin(str(plugin_id or ""), self._owner(owner))
         if row is None:
-            raise UserError(f"No plug-in {plugin_id!r}.")
+            raise UserError(f"No plug-in {plugin_id!r}: it may have been deleted.")
+        return row
+
+    def plugin_detail(self, plugin_id: str, *, owner: str | None = None) -> dict:
+        row = self._plugin_row(plugin_id, owner)
         cfg = {}
         cfg_path = Path(row["path"]) / "plugin_config.json"
         if cfg_path.exists():
@@ -91,24 +108,26 @@ class PluginService:
                 "params": row["params"], "config": cfg, "metrics": json.loads(row.get("metrics") or "{}"),
                 "history": history}
 
-    def delete_plugin(self, plugin_id: str) -> str:
-        row = self.catalog.plugin(plugin_id)
-        if row is None:
-            raise UserError(f"No plug-in {plugin_id!r}.")
+    def delete_plugin(self, plugin_id: str, *, owner: str | None = None) -> str:
+        owner = self._owner(owner)
+        row = self._plugin_row(plugin_id, owner)
+        busy = [j for j in self.jobs.list(states=("queued", "running"), owner=owner)
+                if plugin_id in (j["args"].get("methods") or []) or j["args"].get("plugin_id") == plugin_id]
+        if busy:
+            raise UserError("An evaluation is using this plug-in; cancel it or wait for it to finish first.")
         self.catalog.delete_plugin(plugin_id)
         with self._plugin_lock:
             self._plugins.pop(plugin_id, None)
         return f"Deleted plug-in {row['name']!r}."
 
-    def _plugin(self, plugin_id: str):
-        """A loaded plug-in (cached: loading reads safetensors and, for kNN, the memory's keys)."""
+    def _plugin(self, plugin_id: str, owner: str | None = None):
+        """One of the owner's plug-ins, loaded (cached: loading reads safetensors and, for kNN, the memory's keys)."""
+        row = self._plugin_row(plugin_id, owner)  # checked on every use, cached or not
         with self._plugin_lock:
             if plugin_id in self._plugins:
                 self._plugins.move_to_end(plugin_id)
                 return self._plugins[plugin_id]
-        if self.catalog.plugin(plugin_id) is None:
-            raise UserError(f"No plug-in {plugin_id!r}: it may have been deleted.")
-        plugin = open_plugin(plugin_id, self.backbone, catalog=self.catalog)
+        plugin = open_plugin(row["path"], self.backbone)
         with self._plugin_lock:
             self._plugins[plugin_id] = plugin
             while len(self._plugins) > PLUGIN_CACHE:
@@ -116,15 +135,25 @@ class PluginService:
         return plugin
 
     # --- jobs ---------------------------------------------------------------------------------------------------
-    def job(self, job_id: str) -> dict:
-        j = self.jobs.get(job_id)
+    @staticmethod
+    def _public_job(j: dict) -> dict:
+        """A job as its owner sees it: without the server's path of a pending upload."""
+        return {**j, "args": {k: v for k, v in j["args"].items() if k != "upload"}}
+
+    def job(self, job_id: str, *, owner: str | None = None) -> dict:
+        """One of the owner's jobs (another owner's job reads as nonexistent)."""
+        j = self.jobs.get(str(job_id or ""), self._owner(owner))
         if j is None:
             raise UserError(f"No job {job_id!r}.")
-        return j
+        return self._public_job(j)
 
-    def list_jobs(self, kinds: tuple[str, ...] | None = None, limit: int = 30) -> list[dict]:
-        return self.jobs.list(kinds=kinds, limit=limit)
+    def list_jobs(self, kinds: tuple[str, ...] | None = None, limit: int = 30, *, owner: str | None = None,
+                  states: tuple[str, ...] | None = None) -> list[dict]:
+        """The owner's latest jobs, newest first."""
+        return [self._public_job(j) for j in self.jobs.list(kinds=kinds, states=states,
+                                                            limit=max(1, min(int(limit or 30), 200)),
+                                                            owner=self._owner(owner))]
 
-    def cancel_job(self, job_id: str) -> dict:
-        return self.jobs.cancel(job_id)
+    def cancel_job(self, job_id: str, *, owner: str | None = None) -> dict:
+        return self._public_job(self.jobs.cancel(str(job_id or ""), self._owner(owner)))
 

@@ -11,6 +11,11 @@ its checkpoints (between batches, where the engine calls ``should_stop``) whenev
 waiting, so a comparison runs within one training batch instead of after the whole job. This relies on the engine's
 convention that a plug-in's ``fit`` attaches its hooks per batch and holds none while it calls ``should_stop``.
 An interactive call waits at most ``busy_timeout`` seconds and then says why it cannot run.
+
+Owners: every method that reads or acts on a memory, plug-in, job, comparison or share takes ``owner`` (see
+``studio.identity``) and treats another owner's things as nonexistent ("No memory 'x'"); ``owner=None`` means the
+local user in single-user mode and is refused in multi-user mode. Shares are the exception by design: anyone with a
+share's unguessable id may read it. ``limits`` (``studio.limits.Limits``) bound each request and each owner.
 """
 from __future__ import annotations
 
@@ -23,11 +28,14 @@ from typing import Any
 
 from backbone.model import DEFAULT_BACKBONE
 from ground.jobs import JobQueue
+from ground.errors import UserError
 from ground.store import Catalog
 from studio.backbone_service import BackboneService
 from studio.compare_service import CompareService
 from studio.evaluate_service import EvaluateService
 from studio.gate import BackboneGate
+from studio.identity import LOCAL, NO_KEY, Identity
+from studio.limits import Limits
 from studio.memory_service import MemoryService
 from studio.plugin_service import PluginService
 
@@ -39,11 +47,18 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Eval
 
     def __init__(self, data_dir: str | Path | None = None, backbone: str | None = None, device: str | None = None,
                  workers: int = 1, load: bool = True, start_jobs: bool = True, busy_timeout: float = 120.0,
-                 backbone_cache: str | Path | None = None):
+                 backbone_cache: str | Path | None = None, multi_user: bool = False, limits: Limits | None = None,
+                 secret: str | None = None):
         """``backbone_cache``: another data directory whose ``backbones/`` may already hold the de-quantized
-        weights (e.g. baked into a Docker image); used when it has the requested backbone, else ``data_dir``."""
+        weights (e.g. baked into a Docker image); used when it has the requested backbone, else ``data_dir``.
+        ``multi_user``: callers are told apart by their keys (``studio.identity``); else everyone is the local user.
+        ``limits``: default ``Limits.configure(multi_user)`` (defaults ← ``PEMA_LIMIT_*``). ``secret``: signs the
+        keys (default ``$PEMA_SECRET``, else a secret file in the data directory)."""
         self.catalog = Catalog(data_dir)
         self.root = self.catalog.root
+        self.multi_user = bool(multi_user)
+        self.identity = Identity(self.root, self.multi_user, secret)
+        self.limits = limits or Limits.configure(self.multi_user)
         self.backbone_name = backbone or DEFAULT_BACKBONE
         self.backbone_cache = Path(backbone_cache) if backbone_cache else None
         self.device = device
@@ -60,12 +75,24 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Eval
         self._clean_temporary_folders()
         self.jobs = JobQueue(self.catalog, {"build_memory": self._job_build, "train_plugin": self._job_train,
                                             "evaluate": self._job_evaluate}, workers=workers)
+        self.jobs.max_per_owner, self.jobs.max_total = self.limits.jobs_per_owner, self.limits.jobs_total
         if start_jobs:
             self.jobs.start()
         else:
             self.jobs.recover()
         if load:
             self.load_backbone_async()
+
+    # --- owners -------------------------------------------------------------------------------------------------
+    def _owner(self, owner: str | None) -> str:
+        """The owner a call acts for: ``None`` is the local user in single-user mode, refused in multi-user mode."""
+        if owner is None or owner == "":
+            if self.multi_user:
+                raise UserError(NO_KEY)
+            return LOCAL
+        if not isinstance(owner, str):
+            raise TypeError(f"owner must be a string, not {type(owner).__name__}")
+        return owner
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -144,14 +144,17 @@ def test_owner_view_shows_neighbour_samples(flow):
 
 def test_shared_comparison_restores_the_same_outputs_without_private_data(flow):
     client, c, sh = flow["client"], flow["comparison"], flow["share"]
-    assert len(sh["id"]) >= 20 and sh["link"] == f"/?c={sh['id']}"
+    assert len(sh["id"]) >= 20 and sh["link"] == f"/share/?c={sh['id']}"
     p = client.predict(sh["id"], api_name="/shared")
     assert p["source"] == c["source"] and p["task"] == "translation" and p["backbone"] == c["backbone"]
-    assert [(r["label"], r["text"], r["tokens"]) for r in p["rows"]] == \
-        [(r["label"], r["text"], r["tokens"]) for r in c["rows"]]
+    assert [(r["method"], r["text"], r["tokens"]) for r in p["rows"]] == \
+        [(r["method"], r["text"], r["tokens"]) for r in c["rows"]]
+    # neutral labels: the method's title, never the plug-in's name (which defaults to the memory's / file's name)
+    assert [r["label"] for r in p["rows"]] == ["Base model", "PEMA (+ Gradual Unrolling)", "kNN-LM / kNN-MT"] != [r["label"] for r in c["rows"]]
     assert [r["settings"] for r in p["rows"]] == [r["settings"] for r in c["rows"]]
     assert p["rows"][1]["trace"][0]["lambda"] == c["rows"][1]["trace"][0]["lambda"]
-    assert set(p["attention"]) == {r["label"] for r in c["rows"]}
+    assert set(p["attention"]) == {r["label"] for r in p["rows"]}
+    assert "reference" not in p and "prompt_template" not in p and "my memory" not in json.dumps(p)
     text = json.dumps(p, ensure_ascii=False)
     for _, tgt in PAIRS:  # no memory sample leaks (kNN neighbours keep token and distance only)
         assert tgt not in text
@@ -310,6 +313,7 @@ def test_queue_runs_fifo_reports_progress_and_classifies_errors(tmp_path):
             gate.wait(5)
         for i in range(5):
             job.progress((i + 1) / 5, f"joint: epoch 1/1 step {i + 1} loss {1.0 / (i + 1):.4f} (best held-out 1)")
+            job.metric({"phase": "joint", "step": i + 1, "loss": 1.0 / (i + 1)})  # the live curve's points
         if job.args.get("fail") == "user":
             raise UserError("Your file has a problem on line 3.")
         if job.args.get("fail") == "bug":
@@ -510,7 +514,7 @@ def test_plugin_choices_tell_variants_of_one_method_on_one_memory_apart():
     rows = [{"id": "pema-20261123-121815-fe6ca0", "name": "translation-1000", "method": "pema", "usable": True},
             {"id": "pema-20261123-122132-203c26", "name": "translation-1000", "method": "pema", "usable": True},
             {"id": "knn-20261123-122717-1d6993", "name": "translation-1000", "method": "knn", "usable": True}]
-    choices = plugin_choices(SimpleNamespace(plugins=lambda: rows))
+    choices = plugin_choices(SimpleNamespace(plugins=lambda owner=None: rows))
     assert choices == [("translation-1000 [pema · fe6ca0]", rows[0]["id"]),
                        ("translation-1000 [pema · 203c26]", rows[1]["id"]),
                        ("translation-1000 [knn]", rows[2]["id"])]

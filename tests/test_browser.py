@@ -147,16 +147,19 @@ def test_compare_live_slider_share(page, app):
     assert after["kNN demo"]["text"] == knn["text"]  # kNN's settings did not change
     page.screenshot(path=str(SHOTS / "compare-lambda0.png"), full_page=True)
 
-    # Share, then open the link: the same outputs, read-only, no workspace tabs.
+    # Share, then open the link: the same outputs under neutral labels (the methods' titles), read-only, on a page
+    # of its own (no workspace tabs).
     page.locator("#share-btn").click()
     page.wait_for_function("(document.querySelector('#share-link textarea, #share-link input') || {}).value"
                            "?.includes('?c=')")
     link = page.locator("#share-link textarea, #share-link input").first.input_value()
-    assert link.startswith("http") and "?c=" in link
+    assert link.startswith("http") and "/share/?c=" in link
     page.goto(link, wait_until="domcontentloaded")
     page.wait_for_function("document.querySelectorAll('#shared-outputs .pema-card').length === 3")
     shared = {c["label"]: c["text"] for c in cards(page)}
-    assert shared == {label: c["text"] for label, c in after.items()}
+    assert shared == {"Base model": after["Base model"]["text"],
+                      "PEMA (+ Gradual Unrolling)": after["PEMA demo"]["text"],
+                      "kNN-LM / kNN-MT": after["kNN demo"]["text"]}
     tab = page.get_by_role("tab", name="Memories")
     assert tab.count() == 0 or not tab.is_visible()  # the owner's workspace is not shown
     assert "Shared comparison" in page.locator("#shared-header").inner_text()
@@ -190,3 +193,44 @@ def test_tabs_upload_preview_and_jobs(page, app, tmp_path):
                            timeout=120_000)
     time.sleep(1)
     page.screenshot(path=str(SHOTS / "evaluate.png"), full_page=True)
+
+
+def test_hosted_browsers_each_see_only_their_own(browser, tmp_path):
+    """Multi-user mode in a real browser: the key cookie rides along with the page's requests (queue included), the
+    page shows the browser's key, and a second browser sees nothing of the first one's."""
+    from studio.service import Studio
+    from ui.app import launch_app
+
+    studio = Studio(tmp_path / "hosted", backbone="tiny", multi_user=True)
+    assert studio.wait_ready(120), studio.status()
+    served, url = launch_app(studio, port=free_port(), block=False, quiet=True)
+    try:
+        ctx_a, ctx_b = browser.new_context(viewport=VIEWPORT), browser.new_context(viewport=VIEWPORT)
+        pa, pb = ctx_a.new_page(), ctx_b.new_page()
+        for pg in (pa, pb):
+            pg.set_default_timeout(60_000)
+            open_app(pg, url)
+            pg.get_by_text("Your key (for the API)").click()  # the accordion renders its contents when opened
+            pg.wait_for_function("document.querySelector('#pema-key input, #pema-key textarea')?.value")
+        key_a = next(c["value"] for c in ctx_a.cookies() if c["name"] == "pema_owner")
+        cookie = next(c for c in ctx_a.cookies() if c["name"] == "pema_owner")
+        assert cookie["httpOnly"] and key_a.startswith("pk1.a.")
+        assert pa.locator("#pema-key input, #pema-key textarea").first.input_value() == key_a
+        owner_a = studio.identity.owner_of_key(key_a)
+        tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
+        job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name="only for A", owner=owner_a), 120)
+        assert job["state"] == "done", job
+        for pg in (pa, pb):
+            pg.reload(wait_until="domcontentloaded")
+            pg.wait_for_selector("#pema-status .pema-status.ok")
+            pg.get_by_text("Your key (for the API)").click()
+            pg.wait_for_function("document.querySelector('#pema-key input, #pema-key textarea')?.value")
+        pa.wait_for_function("document.body.innerText.includes('only for A')")
+        time.sleep(1)
+        assert "only for A" not in pb.locator("body").inner_text()
+        pa.screenshot(path=str(SHOTS / "hosted.png"), full_page=True)
+        ctx_a.close()
+        ctx_b.close()
+    finally:
+        served.close()
+        studio.close()

@@ -4,13 +4,18 @@ returns plain JSON; a user error comes back as the client's error with the same 
     /status /preview /build /job /jobs /cancel /memories /memory /delete_memory /methods /train /plugins
     /compare /share /shared /evaluate
 
+Identity: every endpoint about an owner's things acts for the caller (``ui.common.caller``): in multi-user mode the
+key sent in the ``X-Pema-Key`` header (``Client(url, headers={"X-Pema-Key": key})``), else the signed-in HF user or
+the browser's cookie; another owner's memory, plug-in, job or comparison reads as nonexistent. ``/status``,
+``/methods`` and ``/shared`` (given a share's id) are public.
+
 Note: no ``from __future__ import annotations`` here — ``gr.api`` reads the real type hints.
 """
 from typing import Optional
 
 import gradio as gr
 
-from ui.common import user_errors
+from ui.common import owner_of, user_errors
 
 _api = user_errors  # API endpoints report a UserError as the same Gradio error the UI shows
 
@@ -36,43 +41,45 @@ def register(studio) -> None:
 
     @_api
     def build(text: str, filename: str = "samples.jsonl", name: str = "", task: str = "translation",
-              mode: str = "teacher", corpus: str = "", limit: int = 0, skip_invalid: bool = False) -> dict:
+              mode: str = "teacher", corpus: str = "", limit: int = 0, skip_invalid: bool = False,
+              request: gr.Request = None) -> dict:
         """Validate samples and queue a memory build; returns {"job_id"}. Bad samples fail here (no job)."""
+        me = owner_of(studio, request)
         if corpus:
-            jid = studio.submit_build(corpus=corpus, limit=limit or None, name=name, task=task, mode=mode)
+            jid = studio.submit_build(corpus=corpus, limit=limit or None, name=name, task=task, mode=mode, owner=me)
         else:
             jid = studio.submit_build(text, filename or None, name=name, task=task, mode=mode,
-                                      skip_invalid=skip_invalid)
+                                      skip_invalid=skip_invalid, owner=me)
         return {"job_id": jid}
 
     @_api
-    def job(job_id: str) -> dict:
-        """One job: state, progress, message, log, error, result, metrics (loss history)."""
-        return studio.job(job_id)
+    def job(job_id: str, request: gr.Request = None) -> dict:
+        """One of your jobs: state, progress, message, log, error, result, metrics (loss history)."""
+        return studio.job(job_id, owner=owner_of(studio, request))
 
     @_api
-    def jobs(limit: int = 30) -> list:
-        """The latest jobs, newest first."""
-        return studio.list_jobs(limit=limit)
+    def jobs(limit: int = 30, request: gr.Request = None) -> list:
+        """Your latest jobs, newest first."""
+        return studio.list_jobs(limit=limit, owner=owner_of(studio, request))
 
     @_api
-    def cancel(job_id: str) -> dict:
-        """Cancel a queued job, or ask a running one to stop."""
-        return studio.cancel_job(job_id)
+    def cancel(job_id: str, request: gr.Request = None) -> dict:
+        """Cancel one of your queued jobs, or ask a running one to stop."""
+        return studio.cancel_job(job_id, owner=owner_of(studio, request))
 
     @_api
-    def memories() -> list:
-        """The catalog's memories with their statistics."""
-        return studio.memories()
+    def memories(request: gr.Request = None) -> list:
+        """Your memories with their statistics."""
+        return studio.memories(owner=owner_of(studio, request))
 
     @_api
-    def memory(memory_id: str) -> dict:
-        """One memory: summary, statistics, prompt, samples (incl. synthetic sources)."""
-        return studio.memory_detail(memory_id)
+    def memory(memory_id: str, request: gr.Request = None) -> dict:
+        """One of your memories: summary, statistics, prompt, samples (incl. synthetic sources)."""
+        return studio.memory_detail(memory_id, owner=owner_of(studio, request))
 
     @_api
-    def delete_memory(memory_id: str) -> dict:
-        return {"message": studio.delete_memory(memory_id)}
+    def delete_memory(memory_id: str, request: gr.Request = None) -> dict:
+        return {"message": studio.delete_memory(memory_id, owner=owner_of(studio, request))}
 
     @_api
     def methods() -> list:
@@ -80,29 +87,36 @@ def register(studio) -> None:
         return studio.methods()
 
     @_api
-    def train(memory_id: str, method: str = "pema", config: Optional[dict] = None, name: str = "") -> dict:
-        """Validate the settings and queue plug-in training; returns {"job_id"}."""
-        return {"job_id": studio.submit_train(memory_id, method, config or {}, name)}
+    def train(memory_id: str, method: str = "pema", config: Optional[dict] = None, name: str = "",
+              request: gr.Request = None) -> dict:
+        """Validate the settings and queue plug-in training on one of your memories; returns {"job_id"}."""
+        return {"job_id": studio.submit_train(memory_id, method, config or {}, name,
+                                              owner=owner_of(studio, request))}
 
     @_api
-    def plugins() -> list:
-        """The trained plug-ins with metrics and trainable parameter counts."""
-        return studio.plugins()
+    def plugins(request: gr.Request = None) -> list:
+        """Your trained plug-ins with metrics and trainable parameter counts."""
+        return studio.plugins(owner=owner_of(studio, request))
 
     @_api
     def compare(source: str, task: str = "translation", methods: Optional[list] = None,
-                settings: Optional[dict] = None, max_new_tokens: int = 48, num_beams: int = 1) -> dict:
-        """Decode a sentence with "base" and/or plug-in ids in one batch; the payload has an "id" to share.
+                settings: Optional[dict] = None, max_new_tokens: int = 48, num_beams: int = 1,
+                request: gr.Request = None) -> dict:
+        """Decode a sentence with "base" and/or your plug-in ids in one batch; the payload has an "id" to share.
         ``settings``: {method | plug-in id: {name: value}} (see /methods for each method's declared settings)."""
-        return studio.compare(source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams)
+        return studio.compare(source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams,
+                              owner=owner_of(studio, request))
 
     @_api
-    def share(comparison_id: str, layer: int = -1) -> dict:
-        """Store a recent comparison for read-only viewing; returns {"id", "link"} (open /?c=<id>).
+    def share(comparison_id: str, layer: int = -1, labels: Optional[dict] = None, request: gr.Request = None) -> dict:
+        """Store one of your recent comparisons for read-only viewing; returns {"id", "link"} (open
+        /share/?c=<id>). Rows are labelled by method ("PEMA", "kNN-LM · 2") unless ``labels`` gives your own
+        ({row label | plug-in id | method: label}).
 
         (Not "path": gradio_client would take a dict with a "path" key for a file to download.)"""
-        sid = studio.share(comparison_id, None if layer < 0 else layer)
-        return {"id": sid, "link": f"/?c={sid}"}
+        sid = studio.share(comparison_id, None if layer < 0 else layer, owner=owner_of(studio, request),
+                           labels=labels)
+        return {"id": sid, "link": f"/share/?c={sid}"}
 
     @_api
     def shared(share_id: str) -> dict:
@@ -112,12 +126,14 @@ def register(studio) -> None:
     @_api
     def evaluate(methods: Optional[list] = None, memory_id: str = "", test_text: str = "",
                  test_filename: str = "test.tsv", task: str = "translation", limit: int = 50,
-                 sweep_plugin: str = "", lambdas: Optional[list] = None, settings: Optional[dict] = None) -> dict:
-        """Queue an evaluation (or a λ_max sweep with sweep_plugin); returns {"job_id"}. ``settings`` as for
-        /compare (default: the same tuned settings Compare starts from)."""
+                 sweep_plugin: str = "", lambdas: Optional[list] = None, settings: Optional[dict] = None,
+                 request: gr.Request = None) -> dict:
+        """Queue an evaluation (or a λ_max sweep with sweep_plugin) of your plug-ins; returns {"job_id"}.
+        ``settings`` as for /compare (default: the same tuned settings Compare starts from)."""
         jid = studio.submit_evaluate(methods=methods, memory_id=memory_id or None, test_data=test_text or None,
                                      test_filename=test_filename, task=task, limit=limit,
-                                     sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings)
+                                     sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings,
+                                     owner=owner_of(studio, request))
         return {"job_id": jid}
 
     assert [f.__name__ for f in (status, preview, build, job, jobs, cancel, memories, memory, delete_memory,

@@ -1,24 +1,70 @@
-"""Assemble the page: header with the backbone's loading state, the four workspace tabs, the shared view, and the
-explicit API endpoints. ``build_app(studio)`` returns the ``gr.Blocks``; ``launch_app`` serves it."""
+"""Assemble the page: header with the backbone's loading state and (multi-user mode) the caller's identity and key,
+the four workspace tabs, and the explicit API endpoints. ``build_app(studio)`` returns the studio's ``gr.Blocks``;
+the read-only share page is a separate one (``ui/shared.py``); ``launch_app`` serves both (``ui/server.py``)."""
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import gradio as gr
 
+from ground.errors import UserError
 from ui import api, compare, evaluate, memories, plugins, render, shared
-from ui.common import CSS, THEME
+from ui.common import CSS, THEME, caller
+from ui.server import Served, serve
 
 INTRO = ("Customize a frozen language model with your own text — no fine-tuning: build an external memory of the "
          "model's hidden states, train small plug-ins, compare methods side by side.")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+KEY_HELP = ("Everything you make here — memories, plug-ins, jobs, comparisons, shares — is visible only to you. "
+            "This browser keeps your key in a cookie; to use the API as yourself, send it with every call:\n\n"
+            "```python\nfrom gradio_client import Client\n"
+            "client = Client(\"<this page's address>\", headers={\"X-Pema-Key\": \"<your key>\"})\n```\n\n"
+            "Keep the key secret: whoever has it can read and delete your things. Losing it (clearing cookies) "
+            "loses access to them.")
+
+
+def oauth_enabled() -> bool:
+    """A Hugging Face Space with ``hf_oauth: true`` (and Gradio's OAuth dependency, ``authlib``, installed): the
+    page offers "Sign in with Hugging Face"."""
+    return bool(os.environ.get("SPACE_ID") and os.environ.get("OAUTH_CLIENT_ID")
+                and importlib.util.find_spec("authlib") is not None)
+
+
+def multi_user_default(host: str) -> bool:
+    """Multi-user unless the app is bound to this machine only."""
+    return host not in LOCAL_HOSTS
+
+
+def mode_banner(studio, host: str) -> str:
+    """One line at start-up saying who may use the studio and how they are told apart."""
+    if not studio.multi_user:
+        where = "bound to this machine only" if host in LOCAL_HOSTS else f"bound to {host} (--single-user)"
+        return (f"PEMA Studio: single-user mode ({where}): everything belongs to the local user. Pass --multi-user "
+                f"(or bind to another --host) to host it for several people.")
+    how = ("the signed-in Hugging Face user, else " if oauth_enabled() else "") + \
+        "a per-browser key (cookie), or the X-Pema-Key header for API clients"
+    lim = studio.limits
+    return (f"PEMA Studio: multi-user mode (bound to {host}): each caller sees only their own things, told apart by "
+            f"{how}. Limits: {lim.input_chars} characters, {lim.max_new_tokens} new tokens, {lim.beams} beams, "
+            f"{lim.jobs_per_owner} jobs per user ({lim.jobs_total} overall); see --limit.")
 
 
 def build_app(studio) -> gr.Blocks:
     with gr.Blocks(title="PEMA Studio", analytics_enabled=False) as demo:
         with gr.Row(equal_height=True):
             gr.Markdown(f"# PEMA Studio\n{INTRO}", elem_id="pema-title")
+            if studio.multi_user and oauth_enabled():
+                gr.LoginButton(scale=0, min_width=220)
         status = gr.HTML(render.status_header(studio.status()), elem_id="pema-status")
         status_timer = gr.Timer(1.0, active=not studio.status()["ready"])
+        with gr.Accordion("Your key (for the API)", open=False, visible=studio.multi_user, elem_id="pema-identity"):
+            who = gr.Markdown(elem_id="pema-who")
+            key = gr.Textbox(label="Your key", type="password", buttons=["copy"], interactive=False,
+                             elem_id="pema-key")
+            gr.Markdown(KEY_HELP, elem_classes=["pema-help"])
 
-        with gr.Column(visible=True) as workspace:
+        with gr.Column(visible=True):
             with gr.Tabs():
                 with gr.Tab("Memories", id="memories") as t_mem:
                     mem = memories.build(studio)
@@ -28,8 +74,6 @@ def build_app(studio) -> gr.Blocks:
                     cmp = compare.build(studio)
                 with gr.Tab("Evaluate", id="evaluate") as t_eval:
                     ev = evaluate.build(studio, cmp.settings_inputs, cmp.settings_of)
-        with gr.Column(visible=False) as shared_col:
-            sh = shared.build(studio)
 
         api.register(studio)
 
@@ -49,22 +93,23 @@ def build_app(studio) -> gr.Blocks:
         t_eval.select(ev.refresh, ev.refresh_inputs, ev.refresh_outputs, show_progress="hidden",
                       api_visibility="private")
 
-        # --- page load: the workspace, or a shared comparison (/?c=<id>) read-only ----------------------------
-        n_shared = len(sh.outputs)
+        # --- page load: the caller's identity and their own things ---------------------------------------------
+        rest = [*mem.load_outputs, *plug.load_outputs, *cmp.load_outputs, *ev.load_outputs]
 
         def on_load(request: gr.Request):
-            sid = (dict(request.query_params).get("c") or "").strip() if request else ""
             st = render.status_header(studio.status())
-            if sid:  # a visitor's read-only view: nothing about the studio's owner, not even the header
-                return (gr.update(visible=False), gr.update(visible=True), gr.update(visible=False), *sh.open(sid),
-                        *[gr.skip()] * n_rest)
-            return (gr.update(visible=True), gr.update(visible=False), st, *[gr.skip()] * n_shared,
-                    *mem.on_load(), *plug.on_load(), *cmp.on_load(), *ev.on_load())
+            try:
+                me = caller(studio, request)
+            except UserError as e:
+                return (st, f"**{render.esc(e)}**", "", *[gr.skip()] * len(rest))
+            if me.owner is None:  # multi-user mode and the browser refused the key cookie
+                return (st, "**This browser did not keep the studio's cookie, so the studio cannot tell your things "
+                            "from others': allow cookies for this site and reload.**", "", *[gr.skip()] * len(rest))
+            who_text = f"You are **{render.esc(me.describe())}**."
+            return (st, who_text, me.key, *mem.on_load(me.owner), *plug.on_load(me.owner), *cmp.on_load(me.owner),
+                    *ev.on_load(me.owner))
 
-        rest = [*mem.load_outputs, *plug.load_outputs, *cmp.load_outputs, *ev.load_outputs]
-        n_rest = len(rest)
-        demo.load(on_load, None, [workspace, shared_col, status, *sh.outputs, *rest], show_progress="hidden",
-                  api_visibility="private")
+        demo.load(on_load, None, [status, who, key, *rest], show_progress="hidden", api_visibility="private")
 
         # Only the explicit endpoints of ui/api.py are part of the API; the page's own events stay private.
         for fn in demo.fns.values():
@@ -74,10 +119,15 @@ def build_app(studio) -> gr.Blocks:
     return demo
 
 
-def launch_app(studio, host: str = "127.0.0.1", port: int = 7860, block: bool = True, quiet: bool = False):
-    """Serve the app; ``block=False`` returns ``(demo, url)`` at once (tests)."""
-    demo = build_app(studio)
-    _, url, _ = demo.launch(server_name=host, server_port=port, prevent_thread_lock=not block, show_error=True,
-                            quiet=quiet, theme=THEME, css=CSS, ssr_mode=False, footer_links=["api"],
-                            max_file_size="200mb", share=False)
-    return demo, url
+def launch_app(studio, host: str = "127.0.0.1", port: int = 7860, block: bool = True,
+               quiet: bool = False) -> tuple[Served, str]:
+    """Serve the studio at ``/`` and the share page at ``/share/``; ``block=False`` returns ``(served, url)`` at
+    once (tests; ``served.close()`` stops it)."""
+    limit = studio.limits.upload_bytes
+    served = serve(studio, build_app(studio), shared.build_app(studio), host, port, theme=THEME, css=CSS,
+                   max_file_size=limit + 1_000_000 if limit else None)  # + room for the form around the file
+    if not quiet:
+        print(f"PEMA Studio running on {served.url}")
+    if block:
+        served.block()
+    return served, served.url

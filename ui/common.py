@@ -1,15 +1,48 @@
-"""Small Gradio helpers shared by the tabs: error handling, choices, the theme and the page's CSS."""
+"""Small Gradio helpers shared by the tabs: who is calling, error handling, choices, the theme and the page's CSS."""
 from __future__ import annotations
 
 import functools
+import time
 from collections import Counter
 from pathlib import Path
 
 import gradio as gr
 
 from ground.errors import UserError
+from studio.identity import LOCAL, Caller
 
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
+
+
+def hf_user(request) -> str | None:
+    """The Hugging Face user signed in with the page's LoginButton (a Space with ``hf_oauth: true``), if any: read
+    from the signed session that Gradio's OAuth support keeps (absent without it)."""
+    underlying = getattr(request, "request", None) if request is not None else None
+    scope = getattr(underlying, "scope", None)
+    session = scope.get("session") if isinstance(scope, dict) else None
+    info = (session or {}).get("oauth_info") if isinstance(session, dict) else None
+    if not info or (info.get("expires_at") is not None and info["expires_at"] < time.time()):
+        return None
+    return (info.get("userinfo") or {}).get("preferred_username") or None
+
+
+def caller(studio, request) -> Caller:
+    """Who makes this page event or API call (``studio.identity``): the local user in single-user mode; else the
+    key sent in a header, the signed-in HF user, or the browser's key cookie. A header key that is not valid is a
+    UserError. Every handler that touches an owner's things asks this for each call (the page's events are callable
+    over raw HTTP too, so nothing is taken from the page's own state)."""
+    if not studio.multi_user:
+        return Caller(LOCAL)
+    if request is None:
+        return Caller(None, how="none")
+    headers = dict(getattr(request, "headers", {}) or {})
+    cookies = dict(getattr(request, "cookies", {}) or {})
+    return studio.identity.resolve(headers, cookies, hf_user(request))
+
+
+def owner_of(studio, request) -> str | None:
+    """The owner of a call (``None`` when it carries no identity: the service then refuses, saying why)."""
+    return caller(studio, request).owner
 
 
 def user_errors(fn):
@@ -25,24 +58,27 @@ def user_errors(fn):
     return wrapper
 
 
-def read_upload(path: str | None) -> tuple[bytes | None, str | None]:
-    """Bytes and original name of a ``gr.File(type="filepath")`` value."""
+def read_upload(path: str | None, limit: int = MAX_UPLOAD_BYTES) -> tuple[bytes | None, str | None]:
+    """Bytes and original name of a ``gr.File(type="filepath")`` value (at most ``limit`` bytes; 0: no limit)."""
     if not path:
         return None, None
     p = Path(path)
-    if p.stat().st_size > MAX_UPLOAD_BYTES:
-        raise UserError(f"The file is {p.stat().st_size / 1e6:.0f} MB; the limit is {MAX_UPLOAD_BYTES // 10**6} MB.")
+    size = p.stat().st_size
+    if limit and size > limit:
+        raise UserError(f"The file is {size / 1e6:.1f} MB; the limit is {limit / 1e6:.1f} MB (the studio's operator "
+                        f"sets it with --limit upload_bytes=… or $PEMA_LIMIT_UPLOAD_BYTES).")
     return p.read_bytes(), p.name
 
 
-def memory_choices(studio) -> list[tuple[str, str]]:
+def memory_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
     return [(f"{m['name']} · {m['task']} · {m['samples']} samples" + ("" if m["usable"] else " (other backbone)"),
-             m["id"]) for m in studio.memories()]
+             m["id"]) for m in studio.memories(owner=owner)]
 
 
-def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | None = None,
+                   owner: str | None = None) -> list[tuple[str, str]]:
     out = []
-    for p in studio.plugins():
+    for p in studio.plugins(owner=owner):
         if usable_only and not p["usable"]:
             continue
         if methods and p["method"] not in methods:
@@ -78,8 +114,8 @@ def setting_elem_id(method: str, name: str) -> str:
 BASE_CHOICE = [("Base model (no plug-in)", "base")]
 
 
-def method_choices(studio) -> list[tuple[str, str]]:
-    return BASE_CHOICE + plugin_choices(studio)
+def method_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
+    return BASE_CHOICE + plugin_choices(studio, owner=owner)
 
 
 def keep_value(choices: list[tuple[str, str]], value, default_first: bool = True):

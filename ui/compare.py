@@ -11,7 +11,8 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from ui import plots, render
-from ui.common import BASE_CHOICE, keep_value, memory_choices, method_choices, setting_control, user_errors
+from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, owner_of, setting_control,
+                       user_errors)
 
 TOKEN_COLORS = {"selected": "#2563eb", "λ high": "#fb923c", "λ low": "#fde68a"}
 NEIGHBOUR_HEADERS = ["#", "token", "distance", "memory sample: source", "memory sample: target"]
@@ -141,12 +142,13 @@ def build(studio) -> SimpleNamespace:
     # --- which controls apply -----------------------------------------------------------------------------------
     live_names = {m: {n for mm, n in live_keys if mm == m} for m in table}
 
-    def chosen_methods(ids):
-        by_id = {p["id"]: p["method"] for p in studio.plugins()}
+    def chosen_methods(ids, me):
+        by_id = {p["id"]: p["method"] for p in studio.plugins(owner=me)}
         return [by_id[i] for i in ids or [] if i in by_id]
 
-    def on_methods(ids, text, auto):
-        ms = chosen_methods(ids)
+    @user_errors
+    def on_methods(ids, text, auto, request: gr.Request):
+        ms = chosen_methods(ids, owner_of(studio, request))
         other = {}
         for m in dict.fromkeys(ms):
             rest = {d["name"]: d["default"] for d in table.get(m, {}).get("decode_settings", [])
@@ -177,10 +179,16 @@ def build(studio) -> SimpleNamespace:
                 att_cache.popitem(last=False)
         return plots.input_attention_heatmap(att_cache[key], f"{row['label']}: backbone attention, layer {int(lay)}")
 
-    def views(p, label, idx, lay, with_attention=True):
-        """The token views of the chosen method; the neighbour and memory-attention panels show only when that
-        method reports them."""
-        nbf = (lambda lb, i: studio.neighbours(p["id"], lb, i)) if p else None
+    def views(p, label, idx, lay, me, with_attention=True):
+        """The token views of the chosen method (for owner ``me``: the kNN neighbours' samples are the owner's);
+        the neighbour and memory-attention panels show only when that method reports them."""
+        def nbf(lb, i):
+            try:
+                return studio.neighbours(p["id"], lb, i, owner=me)
+            except UserError:  # the comparison is gone (restart, or not this owner's): no samples
+                return []
+
+        nbf = nbf if p else None
         ch, lp, bp, nr, npl, ma = token_views(p, label, idx, nbf)
         att = attention(p, label, lay) if with_attention else gr.skip()
         row = row_of(p, label)
@@ -195,10 +203,11 @@ def build(studio) -> SimpleNamespace:
                nb_plot, mem_att, att_plot, nb_row, mem_col]
 
     @user_errors
-    def do_compare(src, tk, ms, mx, bm, ex, ref, label, lay, *live_values):
+    def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, *live_values):
+        me = owner_of(studio, request)
         refs = ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip() else None
         settings = decode_settings_of(live_keys, live_values, ex)
-        p = studio.compare(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs)
+        p = studio.compare(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs, owner=me)
         labels = [r["label"] for r in p["rows"]]
         keep = label if label in labels else row_of(p, None)["label"]
         row = row_of(p, keep)
@@ -207,13 +216,13 @@ def build(studio) -> SimpleNamespace:
         lay = min(int(lay), top)
         return (p, render.output_cards(p), gr.update(choices=labels, value=keep),
                 gr.update(maximum=max(1, n - 1), value=0), "", gr.update(maximum=max(1, top), value=lay),
-                gr.update(visible=True), *views(p, keep, 0, lay))
+                gr.update(visible=True), *views(p, keep, 0, lay, me))
 
-    def live(p, *args):
+    def live(request: gr.Request, p, *args):
         """A live control moved: re-decode at once — once a comparison has been run (Compare pressed)."""
         if not p or not args[0] or not args[0].strip() or not args[2]:
             return tuple(gr.skip() for _ in outputs)
-        return do_compare(*args)
+        return do_compare(request, *args)
 
     def on_task(tk):
         t = studio.start_settings(tk)
@@ -230,39 +239,45 @@ def build(studio) -> SimpleNamespace:
     # --- token inspector ----------------------------------------------------------------------------------------
     insp_out = [chips, lam_plot, bars_plot, nb_df, nb_plot, mem_att, att_plot, nb_row, mem_col]
 
-    def on_row(p, label, lay):
+    @user_errors
+    def on_row(p, label, lay, request: gr.Request):
         row = row_of(p, label)
         n = max(1, len(row["trace"])) if row else 1
-        return (gr.update(maximum=max(1, n - 1), value=0), *views(p, label, 0, lay))
+        return (gr.update(maximum=max(1, n - 1), value=0), *views(p, label, 0, lay, owner_of(studio, request)))
+
+    @user_errors
+    def on_tok(p, lb, i, lay, request: gr.Request):
+        return views(p, lb, i, lay, owner_of(studio, request), with_attention=False)
 
     row_pick.input(on_row, [payload, row_pick, layer], [tok, *insp_out], show_progress="hidden")
-    tok.input(lambda p, lb, i, lay: views(p, lb, i, lay, with_attention=False), [payload, row_pick, tok, layer],
-              insp_out, trigger_mode="always_last", show_progress="hidden")
+    tok.input(on_tok, [payload, row_pick, tok, layer], insp_out, trigger_mode="always_last", show_progress="hidden")
     layer.input(lambda p, lb, lay: attention(p, lb, lay), [payload, row_pick, layer], att_plot,
                 trigger_mode="always_last", show_progress="hidden")
 
-    def on_chip(p, lb, lay, evt: gr.SelectData):
+    @user_errors
+    def on_chip(p, lb, lay, evt: gr.SelectData, request: gr.Request):
         i = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
-        return (gr.update(value=i), *views(p, lb, i, lay, with_attention=False))
+        return (gr.update(value=i), *views(p, lb, i, lay, owner_of(studio, request), with_attention=False))
 
     chips.select(on_chip, [payload, row_pick, layer], [tok, *insp_out], show_progress="hidden")
 
     # --- held-out samples ---------------------------------------------------------------------------------------
-    def on_hmem(mid):
+    def on_hmem(mid, request: gr.Request):
         if not mid:
             return gr.update(choices=[], value=None)
         try:
-            held = studio.heldout_samples(mid)
+            held = studio.heldout_samples(mid, owner=owner_of(studio, request))
         except UserError:
             held = []
         return gr.update(choices=[((s["src"] or "")[:90], i) for i, s in enumerate(held)], value=None)
 
     hmem.change(on_hmem, hmem, hsample, show_progress="hidden")
 
-    def on_sample(mid, i):
+    @user_errors
+    def on_sample(mid, i, request: gr.Request):
         if mid is None or i is None:
             return gr.skip(), gr.skip()
-        held = studio.heldout_samples(mid)
+        held = studio.heldout_samples(mid, owner=owner_of(studio, request))
         if not 0 <= int(i) < len(held):
             return gr.skip(), gr.skip()
         s = held[int(i)]
@@ -275,22 +290,26 @@ def build(studio) -> SimpleNamespace:
     def do_share(p, lay, request: gr.Request):
         if not p:
             raise UserError("Run a comparison first, then share it.")
-        sid = studio.share(p["id"], int(lay))
+        sid = studio.share(p["id"], int(lay), owner=owner_of(studio, request))
         return share_url(request, sid)
 
     share_btn.click(do_share, [payload, layer], share_link, api_visibility="private")
 
-    def refresh(current=None, mem_value=None):
-        choices = method_choices(studio)
-        mchoices = memory_choices(studio)
+    def lists(me, current=None, mem_value=None):
+        choices = method_choices(studio, me)
+        mchoices = memory_choices(studio, me)
         return (gr.update(choices=choices, value=keep_value(choices, current or ["base"])),
                 gr.update(choices=mchoices, value=keep_value(mchoices, mem_value, default_first=False)))
 
-    def on_load():
+    @user_errors
+    def refresh(current, mem_value, request: gr.Request):
+        return lists(owner_of(studio, request), current, mem_value)
+
+    def on_load(me):
         st = studio.status()
         top = max(0, int(st.get("layers") or 1) - 1)
         lay = gr.update(maximum=max(1, top), value=top) if st["ready"] else gr.skip()
-        return (*refresh(), lay)
+        return (*lists(me), lay)
 
     return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
                            on_load=on_load, load_outputs=[methods, hmem, layer],
@@ -316,9 +335,12 @@ def decode_settings_of(live_keys: list[tuple[str, str]], live_values, extra_text
     return out
 
 
+SHARE_PATH = "/share/"  # the read-only page of shared comparisons (ui/shared.py), a Gradio app of its own
+
+
 def share_url(request: gr.Request | None, sid: str) -> str:
     """The public link of a shared comparison, from the request's (forwarded) host."""
-    path = f"/?c={sid}"
+    path = f"{SHARE_PATH}?c={sid}"
     if request is None:
         return path
     h = request.headers

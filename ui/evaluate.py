@@ -13,8 +13,8 @@ from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from ui import plots, render
-from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, plugin_choices, read_upload,
-                       user_errors)
+from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, owner_of, plugin_choices,
+                       read_upload, user_errors)
 
 SCORE_KEYS = ("label", "method", "sacrebleu", "chrf")
 
@@ -87,16 +87,18 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
     timer = gr.Timer(1.5)
 
     @user_errors
-    def do_run(mem, path, tk, n, mx, ms, *svals):
-        data, fname = read_upload(path)
+    def do_run(request: gr.Request, mem, path, tk, n, mx, ms, *svals):
+        me = owner_of(studio, request)
+        data, fname = read_upload(path, studio.limits.upload_bytes)
         jid = studio.submit_evaluate(methods=list(ms or []), memory_id=None if data else mem, test_data=data,
                                      test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals))
-        return jid, render.job_card(studio.job(jid)), None
+                                     settings=settings_of(*svals), owner=me)
+        return jid, render.job_card(studio.job(jid, owner=me)), None
 
     @user_errors
-    def do_sweep(mem, path, tk, n, mx, pid, lams, *svals):
-        data, fname = read_upload(path)
+    def do_sweep(request: gr.Request, mem, path, tk, n, mx, pid, lams, *svals):
+        me = owner_of(studio, request)
+        data, fname = read_upload(path, studio.limits.upload_bytes)
         if not pid:
             raise UserError("Choose a PEMA plug-in for the sweep.")
         try:
@@ -105,8 +107,8 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
             raise UserError("Write the λ_max values as numbers separated by commas, e.g. 0, 0.5, 1.") from None
         jid = studio.submit_evaluate(memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
                                      limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals))
-        return jid, render.job_card(studio.job(jid)), None
+                                     settings=settings_of(*svals), owner=me)
+        return jid, render.job_card(studio.job(jid, owner=me)), None
 
     run.click(do_run, [memory, test_file, task, limit, max_new, methods, *settings_inputs], [job_id, job_html, seen],
               api_visibility="private")
@@ -133,12 +135,13 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         return (render.job_card(job), gr.update(value={"headers": cols, "data": rows}) if res else gr.skip(),
                 fig_bar, fig_line, dl, outs)
 
-    def tick(jid, last):
+    def tick(jid, last, request: gr.Request):
         n_out = 6
         if not jid:
             return (*[gr.skip()] * n_out, last)
-        job = studio.jobs.get(jid)
-        if job is None:
+        try:
+            job = studio.job(jid, owner=owner_of(studio, request))
+        except UserError:
             return (*[gr.skip()] * n_out, last)
         key = (jid, job["state"], round(job["progress"], 3), job["message"])
         if key == last:
@@ -150,18 +153,22 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
     timer.tick(tick, [job_id, seen], [job_html, scores, bar, line, download, outputs_df, seen], show_progress="hidden",
                api_visibility="private")
 
-    def refresh(current=None, mem_value=None):
-        choices = method_choices(studio)
-        mchoices = memory_choices(studio)
-        pchoices = [c for c in plugin_choices(studio) if "[pema]" in c[0]]
+    def lists(me, current=None, mem_value=None):
+        choices = method_choices(studio, me)
+        mchoices = memory_choices(studio, me)
+        pchoices = plugin_choices(studio, methods=("pema",), owner=me)
         return (gr.update(choices=choices, value=keep_value(choices, current or ["base"])),
                 gr.update(choices=mchoices, value=keep_value(mchoices, mem_value)),
                 gr.update(choices=pchoices, value=keep_value(pchoices, None)))
 
-    def on_load():
-        last = studio.jobs.list(kinds=("evaluate",), limit=1)
+    @user_errors
+    def refresh(current, mem_value, request: gr.Request):
+        return lists(owner_of(studio, request), current, mem_value)
+
+    def on_load(me):
+        last = studio.list_jobs(("evaluate",), 1, owner=me)
         jid = last[0]["id"] if last else None
-        return (*refresh(), jid, render.job_card(studio.job(jid)) if jid else render.job_card(None))
+        return (*lists(me), jid, render.job_card(last[0]) if jid else render.job_card(None))
 
     return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, memory],
                            refresh_outputs=[methods, memory, sweep_plugin], on_load=on_load,

@@ -10,7 +10,7 @@ from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from ui import render
-from ui.common import keep_value, memory_choices, read_upload, user_errors
+from ui.common import keep_value, memory_choices, owner_of, read_upload, user_errors
 
 SOURCES = ["Upload a file", "Paste text", "Demo corpus"]
 PASTE_HINT = ('One sample a line: {"src": "...", "tgt": "..."} JSON lines, "source<TAB>target", '
@@ -71,7 +71,7 @@ def build(studio) -> SimpleNamespace:
     def do_preview(src, path, text, corpus_name, n):
         try:
             if src == SOURCES[0]:
-                data, fname = read_upload(path)
+                data, fname = read_upload(path, studio.limits.upload_bytes)
                 pv = studio.preview(data, fname)
             elif src == SOURCES[1]:
                 pv = studio.preview(text or "", None)
@@ -92,43 +92,46 @@ def build(studio) -> SimpleNamespace:
 
     # --- build ------------------------------------------------------------------------------------------------
     @user_errors
-    def do_build(src, path, text, corpus_name, n, nm, tk, md, sk):
+    def do_build(src, path, text, corpus_name, n, nm, tk, md, sk, request: gr.Request):
+        me = owner_of(studio, request)
         if src == SOURCES[0]:
-            data, fname = read_upload(path)
+            data, fname = read_upload(path, studio.limits.upload_bytes)
             if data is None:
                 raise UserError("Upload a file first.")
-            jid = studio.submit_build(data, fname, name=nm, task=tk, mode=md, skip_invalid=sk)
+            jid = studio.submit_build(data, fname, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
         elif src == SOURCES[1]:
-            jid = studio.submit_build(text or "", None, name=nm, task=tk, mode=md, skip_invalid=sk)
+            jid = studio.submit_build(text or "", None, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
         else:
             if not corpus_name:
                 raise UserError("Pick a demo corpus first.")
-            jid = studio.submit_build(corpus=corpus_name, limit=int(n or 200), name=nm, task=tk, mode=md)
-        return jid, render.job_card(studio.job(jid))
+            jid = studio.submit_build(corpus=corpus_name, limit=int(n or 200), name=nm, task=tk, mode=md, owner=me)
+        return jid, render.job_card(studio.job(jid, owner=me))
 
     build_btn.click(do_build, [source, upload, paste, corpus, limit, name, task, mode, skip],
                     [build_job, build_status], api_visibility="private")
 
     @user_errors
-    def do_cancel(jid):
+    def do_cancel(jid, request: gr.Request):
         if not jid:
             raise UserError("No memory is being built.")
-        return render.job_card(studio.cancel_job(jid))
+        return render.job_card(studio.cancel_job(jid, owner=owner_of(studio, request)))
 
     cancel_btn.click(do_cancel, build_job, build_status, api_visibility="private")
 
-    def tick(jid, last):
+    def tick(jid, last, request: gr.Request):
         if not jid:
             return gr.skip(), gr.skip(), gr.skip(), last
-        job = studio.jobs.get(jid)
-        if job is None:
+        try:
+            me = owner_of(studio, request)
+            job = studio.job(jid, owner=me)
+        except UserError:
             return gr.skip(), gr.skip(), gr.skip(), last
         key = (jid, job["state"], round(job["progress"], 3), job["message"])
         if key == last:
             return gr.skip(), gr.skip(), gr.skip(), last
         card = render.job_card(job)
         if job["state"] in FINAL_STATES and (last is None or last[1] not in FINAL_STATES or last[0] != jid):
-            table, choices = render.memories_table(studio.memories()), memory_choices(studio)
+            table, choices = render.memories_table(studio.memories(owner=me)), memory_choices(studio, me)
             new = (job.get("result") or {}).get("memory_id")
             return card, table, gr.update(choices=choices, value=new or keep_value(choices, None)), key
         return card, gr.skip(), gr.skip(), key
@@ -137,11 +140,11 @@ def build(studio) -> SimpleNamespace:
                api_visibility="private")
 
     # --- list / inspect / delete --------------------------------------------------------------------------------
-    def show(mid):
+    def show(mid, request: gr.Request):
         if not mid:
             return "", []
         try:
-            d = studio.memory_detail(mid)
+            d = studio.memory_detail(mid, owner=owner_of(studio, request))
         except UserError as e:
             return f"<div class='pema-error'>{render.esc(e)}</div>", []
         s, st = d["summary"], d["stats"]
@@ -162,29 +165,35 @@ def build(studio) -> SimpleNamespace:
     pick.change(show, pick, [detail, samples_df], show_progress="hidden")
 
     @user_errors
-    def do_delete(mid):
+    def do_delete(mid, request: gr.Request):
         if not mid:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        msg = studio.delete_memory(mid)
+        me = owner_of(studio, request)
+        msg = studio.delete_memory(mid, owner=me)
         gr.Info(msg)
-        choices = memory_choices(studio)
-        return render.memories_table(studio.memories()), gr.update(choices=choices, value=None), "", []
+        choices = memory_choices(studio, me)
+        return render.memories_table(studio.memories(owner=me)), gr.update(choices=choices, value=None), "", []
 
     delete_btn.click(do_delete, pick, [mem_df, pick, detail, samples_df],
                      js="(m) => (m && confirm('Delete this memory? This cannot be undone.')) ? m : null",
                      api_visibility="private")
 
-    def refresh(jid=None):
-        choices = memory_choices(studio)
-        return render.memories_table(studio.memories()), gr.update(choices=choices)
+    def lists(me):
+        choices = memory_choices(studio, me)
+        return render.memories_table(studio.memories(owner=me)), gr.update(choices=choices)
 
-    def on_load():
-        """Page (re)load: the memory list and the latest unfinished build job."""
-        active = studio.jobs.list(kinds=("build_memory",), states=("queued", "running"), limit=1)
+    @user_errors
+    def refresh(request: gr.Request):
+        return lists(owner_of(studio, request))
+
+    def on_load(me):
+        """Page (re)load for owner ``me``: the memory list and the latest unfinished build job."""
+        active = studio.list_jobs(("build_memory",), 1, owner=me, states=("queued", "running"))
         jid = active[0]["id"] if active else None
-        table, dd = refresh()
-        where = f"<div class='pema-muted'>Data directory: <code>{render.esc(studio.root)}</code></div>"
-        return table, dd, jid, render.job_card(studio.job(jid)) if jid else "", where
+        table, dd = lists(me)
+        where = ("" if studio.multi_user else  # where the data lives is the local user's business only
+                 f"<div class='pema-muted'>Data directory: <code>{render.esc(studio.root)}</code></div>")
+        return table, dd, jid, render.job_card(active[0]) if jid else "", where
 
     return SimpleNamespace(refresh=refresh, refresh_outputs=[mem_df, pick], on_load=on_load,
                            load_outputs=[mem_df, pick, build_job, build_status, data_dir])

@@ -10,7 +10,7 @@ import gradio as gr
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from ui import plots, render
-from ui.common import keep_value, memory_choices, user_errors
+from ui.common import keep_value, memory_choices, owner_of, user_errors
 
 
 def _method_info(m: dict | None) -> str:
@@ -97,14 +97,15 @@ def build(studio) -> SimpleNamespace:
     reset.click(on_method, method, [info, config, settings_ref], show_progress="hidden", api_visibility="private")
 
     @user_errors
-    def do_train(mem, m, cfg_text, nm):
+    def do_train(mem, m, cfg_text, nm, request: gr.Request):
+        me = owner_of(studio, request)
         try:
             cfg = json.loads(cfg_text or "{}")
         except json.JSONDecodeError as e:
             raise UserError(f"The hyperparameters are not valid JSON: {e.msg} (line {e.lineno}).") from None
-        jid = studio.submit_train(mem, m, cfg, nm)
-        job = studio.job(jid)
-        choices = job_choices()
+        jid = studio.submit_train(mem, m, cfg, nm, owner=me)
+        job = studio.job(jid, owner=me)
+        choices = job_choices(me)
         return (f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>.</div>", jid,
                 gr.update(choices=choices, value=jid), render.job_card(job), plots.loss_curve([]), "")
 
@@ -112,22 +113,29 @@ def build(studio) -> SimpleNamespace:
                 [train_msg, selected_job, job_pick, job_html, loss, log], api_visibility="private")
 
     # --- jobs ---------------------------------------------------------------------------------------------------
-    def memory_names():
-        return {m["id"]: m["name"] for m in studio.memories()}
+    def memory_names(me):
+        return {m["id"]: m["name"] for m in studio.memories(owner=me)}
 
-    def job_choices():
+    def job_choices(me):
         return [(f"{render.KIND_LABEL.get(j['kind'], j['kind'])} · {j['state']} · {j['id']}", j["id"])
-                for j in studio.list_jobs(limit=30)]
+                for j in studio.list_jobs(limit=30, owner=me)]
 
-    def show_job(jid):
-        job = studio.jobs.get(jid) if jid else None
+    def get_job(jid, me):
+        try:
+            return studio.job(jid, owner=me) if jid else None
+        except UserError:
+            return None
+
+    def show_job(jid, me):
+        job = get_job(jid, me)
         if job is None:
             return render.job_card(None), plots.loss_curve([]), ""
         title = "Training loss" if job["kind"] == "train_plugin" else "Progress"
         return render.job_card(job), plots.loss_curve(job["metrics"], title), job.get("log") or ""
 
-    def pick_job(jid):
-        card, fig, lg = show_job(jid)
+    @user_errors
+    def pick_job(jid, request: gr.Request):
+        card, fig, lg = show_job(jid, owner_of(studio, request))
         return jid, card, fig, lg, None
 
     job_pick.change(pick_job, job_pick, [selected_job, job_html, loss, log, seen], show_progress="hidden")
@@ -139,36 +147,41 @@ def build(studio) -> SimpleNamespace:
     jobs_df.select(select_row, None, job_pick, show_progress="hidden", api_visibility="private")
 
     @user_errors
-    def do_cancel(jid):
+    def do_cancel(jid, request: gr.Request):
         if not jid:
             raise UserError("Choose a job to cancel.")
-        job = studio.cancel_job(jid)
-        return render.job_card(job), render.jobs_table(studio.list_jobs(), memory_names())
+        me = owner_of(studio, request)
+        job = studio.cancel_job(jid, owner=me)
+        return render.job_card(job), render.jobs_table(studio.list_jobs(owner=me), memory_names(me))
 
     cancel.click(do_cancel, selected_job, [job_html, jobs_df], api_visibility="private")
 
-    def tick(jid, last):
-        jobs = studio.list_jobs(limit=30)
+    def tick(jid, last, request: gr.Request):
+        try:
+            me = owner_of(studio, request)
+            jobs = studio.list_jobs(limit=30, owner=me)
+        except UserError:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last
         digest = tuple((j["id"], j["state"], round(j["progress"], 3), j["message"]) for j in jobs)
         if last is not None and last[0] == digest and last[1] == jid:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last
-        table = render.jobs_table(jobs, memory_names())
+        table = render.jobs_table(jobs, memory_names(me))
         before = {(x[0], x[1]) for x in last[0]} if last is not None else set()
         finished_now = last is not None and any(
             j["state"] in FINAL_STATES and (j["id"], j["state"]) not in before for j in jobs)
         n_metrics = -1
         if jid:
-            card, fig, lg = show_job(jid)
-            job = studio.jobs.get(jid)
+            card, fig, lg = show_job(jid, me)
+            job = get_job(jid, me)
             n_metrics = len(job["metrics"]) if job else -1
             if last is not None and last[1] == jid and last[2] == n_metrics:
                 fig = gr.skip()  # the curve did not change: do not redraw it
         else:
             card, fig, lg = gr.skip(), gr.skip(), gr.skip()
-        picker = gr.update(choices=job_choices()) if last is None or len(last[0]) != len(digest) or finished_now \
+        picker = gr.update(choices=job_choices(me)) if last is None or len(last[0]) != len(digest) or finished_now \
             else gr.skip()
         if finished_now:
-            plist = studio.plugins()
+            plist = studio.plugins(owner=me)
             pdf, pdd = render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist])
         else:
             pdf, pdd = gr.skip(), gr.skip()
@@ -178,11 +191,11 @@ def build(studio) -> SimpleNamespace:
                show_progress="hidden", api_visibility="private")
 
     # --- plug-in list -------------------------------------------------------------------------------------------
-    def show_plugin(pid):
+    def show_plugin(pid, request: gr.Request):
         if not pid:
             return gr.update(visible=False)
         try:
-            d = studio.plugin_detail(pid)
+            d = studio.plugin_detail(pid, owner=owner_of(studio, request))
         except UserError as e:
             return gr.update(visible=True, value=json.dumps({"error": str(e)}))
         d.pop("history", None)
@@ -191,34 +204,39 @@ def build(studio) -> SimpleNamespace:
     plug_pick.change(show_plugin, plug_pick, plug_detail, show_progress="hidden")
 
     @user_errors
-    def do_delete(pid):
+    def do_delete(pid, request: gr.Request):
         if not pid:
             return gr.skip(), gr.skip(), gr.skip()
-        gr.Info(studio.delete_plugin(pid))
-        plist = studio.plugins()
+        me = owner_of(studio, request)
+        gr.Info(studio.delete_plugin(pid, owner=me))
+        plist = studio.plugins(owner=me)
         return (render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist], value=None),
                 gr.update(visible=False))
 
     plug_delete.click(do_delete, plug_pick, [plug_df, plug_pick, plug_detail],
                       js="(p) => (p && confirm('Delete this plug-in?')) ? p : null", api_visibility="private")
 
-    def refresh(mem_value=None):
-        choices = memory_choices(studio)
-        plist = studio.plugins()
+    def lists(me, mem_value=None):
+        choices = memory_choices(studio, me)
+        plist = studio.plugins(owner=me)
         return (gr.update(choices=choices, value=keep_value(choices, mem_value)), render.plugins_table(plist),
                 gr.update(choices=[(p["name"], p["id"]) for p in plist]))
 
-    def on_load():
-        """Page (re)load: lists, and the running (else latest) job with its curve and log."""
-        jobs = studio.list_jobs(limit=30)
+    @user_errors
+    def refresh(mem_value, request: gr.Request):
+        return lists(owner_of(studio, request), mem_value)
+
+    def on_load(me):
+        """Page (re)load for owner ``me``: lists, and the running (else latest) job with its curve and log."""
+        jobs = studio.list_jobs(limit=30, owner=me)
         active = ([j for j in jobs if j["state"] == "running"]
                   or [j for j in jobs if j["kind"] == "train_plugin" and j["metrics"]]
                   or [j for j in jobs if j["kind"] == "train_plugin"])
         jid = active[0]["id"] if active else None
-        mem_dd, pdf, pdd = refresh()
-        card, fig, lg = show_job(jid)
-        return (mem_dd, pdf, pdd, render.jobs_table(jobs, memory_names()),
-                gr.update(choices=job_choices(), value=jid), jid, card, fig, lg)
+        mem_dd, pdf, pdd = lists(me)
+        card, fig, lg = show_job(jid, me)
+        return (mem_dd, pdf, pdd, render.jobs_table(jobs, memory_names(me)),
+                gr.update(choices=job_choices(me), value=jid), jid, card, fig, lg)
 
     return SimpleNamespace(refresh=refresh, refresh_inputs=[memory], refresh_outputs=[memory, plug_df, plug_pick],
                            on_load=on_load, load_outputs=[memory, plug_df, plug_pick, jobs_df, job_pick,

@@ -175,8 +175,7 @@ def shared_header(payload: dict) -> str:
     return (f"<div class='pema-shared'><div><b>Shared comparison</b> (read-only) · task {esc(payload.get('task'))}"
             f" · backbone {esc(payload.get('backbone'))} · shared {esc(when(payload.get('shared')))}</div>"
             f"<div class='pema-shared-src'>{esc(payload.get('source'))}</div>"
-            f"<div class='pema-muted'>Prompt template: <code>{esc(payload.get('prompt_template'))}</code> · "
-            f"<a href='./'>open your own studio</a></div></div>")
+            f"<div class='pema-muted'><a href='../'>open your own studio</a></div></div>")
 
 
 def token_chips(row: dict | None, selected: int) -> list[tuple[str, str | None]]:

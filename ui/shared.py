@@ -1,5 +1,7 @@
-"""The read-only view of a shared comparison (``/?c=<id>``). It renders the stored payload only: no memory, plug-in,
-job or sample of the studio's owner is read, and kNN neighbours show token and distance without their samples."""
+"""The read-only page of a shared comparison (``/share/?c=<id>``): a Gradio app of its own, mounted beside the studio,
+with no studio component in it (its page config holds nothing but this view). It renders the stored payload only: no
+memory, plug-in, job or sample of anyone is read, and kNN neighbours show token and distance without their samples.
+Old links (``/?c=<id>``) are redirected here (``ui/app.py``)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -54,7 +56,7 @@ def build(studio) -> SimpleNamespace:
         try:
             p = studio.shared(sid)
         except UserError as e:
-            msg = f"<div class='pema-status err'>{render.esc(e)} <a href='./'>Open the studio</a></div>"
+            msg = f"<div class='pema-status err'>{render.esc(e)} <a href='../'>Open the studio</a></div>"
             e_fig = plots.empty("")
             return (None, msg, gr.update(visible=False), "", [], gr.update(choices=[]), gr.update(), [], e_fig, e_fig,
                     gr.update(visible=False), gr.update(visible=False), e_fig)
@@ -82,3 +84,20 @@ def build(studio) -> SimpleNamespace:
 
     return SimpleNamespace(open=open_shared,
                            outputs=[payload, header, body, cards, settings, row_pick, tok, *outs])
+
+
+def build_app(studio) -> gr.Blocks:
+    """The share page: the view above, filled on load from the link's ``c`` parameter; no API endpoints."""
+    with gr.Blocks(title="PEMA Studio · shared comparison", analytics_enabled=False) as demo:
+        sh = build(studio)
+
+        def on_load(request: gr.Request):
+            sid = (dict(request.query_params).get("c") or "").strip() if request else ""
+            return sh.open(sid)
+
+        demo.load(on_load, None, sh.outputs, show_progress="hidden")
+        for fn in demo.fns.values():
+            fn.api_visibility = "private"
+    demo.queue(default_concurrency_limit=4, max_size=64)
+    return demo
+
