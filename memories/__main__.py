@@ -5,6 +5,8 @@ Examples::
     python -m memories build ../shared/data/wmt22-en-de/train.jsonl --limit 1000 --name wmt1k
     python -m memories build my_style.txt --task style          # monolingual: synthetic sources
     python -m memories build --corpus gettext-de --limit 2000   # a demo corpus shipped by installed packages
+    python -m memories build --dataset wmt/wmt19 --dataset-config de-en --src-field en --tgt-field de --limit 5000
+    python -m memories build --dataset pairs.parquet --src-field en --tgt-field de   # local: works offline
     python -m memories list
     python -m memories inspect <id> --samples 5
     python -m memories delete <id>
@@ -20,8 +22,10 @@ from backbone.tasks import task_prompt
 from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
 from ground.errors import UserError
 from ground.store import Catalog, new_id
-from memories.build import build_memory, register_memory
+from ground.text import printable
+from memories.build import build_memory
 from memories.corpora import available_corpora, load_corpus
+from memories.datasets_source import load_dataset_samples, record_source
 from memories.parse import parse_samples_strict, samples_from_dicts
 from plugins.api import open_memory
 
@@ -33,6 +37,14 @@ def main(argv=None) -> int:
     b = sub.add_parser("build", help="build a memory from a file of samples or a demo corpus")
     b.add_argument("file", nargs="?", help="JSONL ({src,tgt} / {en,de} / {text}), CSV/TSV, or plain text")
     b.add_argument("--corpus", help="a demo corpus instead of a file (see `python -m memories corpora`)")
+    b.add_argument("--dataset", metavar="NAME_OR_PATH",
+                   help="a 🤗 datasets source instead of a file: a Hub id (needs network), or a local Parquet, "
+                        "Arrow, CSV/TSV or JSON/JSONL file (or save_to_disk folder); streamed, --limit honoured")
+    b.add_argument("--dataset-config", default=None, help="the dataset's configuration (e.g. de-en)")
+    b.add_argument("--split", default="train", help="the dataset's split (default train)")
+    b.add_argument("--src-field", default=None, help="source column (translation.en and nested en both work)")
+    b.add_argument("--tgt-field", default=None, help="target column (alone: monolingual samples)")
+    b.add_argument("--text-field", default=None, help="the text column of a monolingual dataset")
     b.add_argument("--format", default="auto", choices=["auto", "jsonl", "csv", "tsv", "text"])
     b.add_argument("--task", default="translation", help="translation, formality, style (sets the prompt)")
     b.add_argument("--template", help="your own prompt template with a {src} slot (overrides --task's)")
@@ -70,12 +82,13 @@ def main(argv=None) -> int:
         if args.json:
             dump_json(rows)
         else:
-            print_table([{**r, "MB": f"{r['bytes'] / 1e6:.1f}"} for r in rows],
+            print_table([{**{k: printable(v) for k, v in r.items()}, "MB": f"{r['bytes'] / 1e6:.1f}"} for r in rows],
                         ["id", "name", "backbone", "task", "mode", "samples", "entries", "MB"])
         return 0
     if args.cmd == "inspect":
         m = open_memory(args.id, catalog=cat)
-        dump_json({**m.summary(), "prompt": m.meta["prompt"], "stats": m.meta["stats"], "path": str(m.path)})
+        dump_json({**m.summary(), "name": printable(m.summary()["name"]), "prompt": m.meta["prompt"],
+                   "stats": m.meta["stats"], "path": str(m.path)})
         for s in m.samples[: args.samples]:
             print(f"[{s['split']}] {s['src']!r} -> {s['tgt']!r}{' (synthetic source)' if s['synthetic_src'] else ''}")
         return 0
@@ -83,7 +96,7 @@ def main(argv=None) -> int:
         if cat.memory(args.id) is None:
             raise UserError(f"No memory {args.id!r}.")
         cat.delete_memory(args.id)
-        print(f"deleted {args.id}")
+        print(f"deleted {printable(args.id)}")
         return 0
     if args.cmd == "corpora":
         for k, v in available_corpora().items():
@@ -93,9 +106,20 @@ def main(argv=None) -> int:
 
 
 def _build(args, cat) -> int:
+    source = None
     if args.corpus:
         samples = samples_from_dicts(load_corpus(args.corpus, args.limit))
         label = args.corpus
+    elif args.dataset:
+        if args.file:
+            raise UserError("Give a file of samples or --dataset, not both.")
+        with progress_bar("dataset") as prog:
+            samples, source = load_dataset_samples(
+                args.dataset, args.split, config=args.dataset_config,
+                src_field=None if args.text_field and not args.tgt_field else args.src_field,
+                tgt_field=args.tgt_field or args.text_field, limit=args.limit, skip_invalid=args.skip_invalid,
+                progress=prog)
+        label = Path(source["dataset"]).stem if not source["hub"] else source["dataset"]
     elif args.file:
         path = Path(args.file)
         if not path.exists():
@@ -103,7 +127,7 @@ def _build(args, cat) -> int:
         samples = parse_samples_strict(path.read_bytes(), path.name, args.format, args.skip_invalid)
         label = path.stem
     else:
-        raise UserError("Give a file of samples or --corpus NAME.")
+        raise UserError("Give a file of samples, --dataset NAME_OR_PATH or --corpus NAME.")
     if args.limit:
         samples = samples[: args.limit]
     bb = load_backbone_from_args(args)
@@ -112,8 +136,9 @@ def _build(args, cat) -> int:
     with progress_bar("memory") as prog:
         mem = build_memory(bb, samples, out, prompt=prompt, task=args.task, mode=args.mode,
                            name=args.name or label, key_dtype=args.key_dtype, heldout_frac=args.heldout,
-                           batch_size=args.batch_size, progress=prog)
-    register_memory(cat, mem)
+                           batch_size=args.batch_size, progress=prog, catalog=cat)  # folder + row: one step
+    if source is not None:
+        record_source(mem.path, source)  # where the samples came from (a plug-in's model card names it)
     s = mem.summary()
     print(f"memory {mem.id}: {s['entries']} entries from {s['samples']} samples "
           f"(+{s['heldout_samples']} held out) in {mem.meta['stats']['build_seconds']}s -> {mem.path}")

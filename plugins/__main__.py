@@ -10,6 +10,9 @@ Examples::
     python -m plugins compare "The house is small." --plugin <pema-id> --plugin <knn-id> \\
         --set lambda_max=0.9 --set k=8
     python -m plugins compare "..." --plugin <id> --json         # outputs + per-token traces as JSON
+    python -m plugins export <id> out/my-plugin --eval results.json   # folder + model card (+ PEFT files for LoRA)
+    python -m plugins import out/my-plugin                      # or a Hub repo id: owner/name
+    python -m plugins push <id> owner/my-plugin                 # needs network and an HF token
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ from backbone.tasks import task_prompt
 from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
 from ground.errors import UserError
 from ground.store import Catalog
+from ground.text import printable
 from plugins.api import method_table, open_memory, open_plugin, train_plugin
 from plugins.decode import Row, compare
+from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
 from plugins.settings import address_sets, parse_sets, resolve_row_settings, row_settings
 
 
@@ -59,6 +64,23 @@ def main(argv=None) -> int:
     c.add_argument("--beams", type=int, default=1)
     c.add_argument("--json", action="store_true")
     add_common(c)
+    ex = sub.add_parser("export", help="write a plug-in as a self-contained folder with a model card (Hub package)")
+    ex.add_argument("id", help="plug-in id or folder")
+    ex.add_argument("dir", help="output folder (must be new or empty)")
+    _add_package_args(ex)
+    ex.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    add_common(ex)
+    im = sub.add_parser("import", help="register an exported plug-in folder or Hub repository in the catalog")
+    im.add_argument("source", help="exported folder, or Hub repo id (owner/name)")
+    im.add_argument("--name", default="", help="catalog name (default: the package's)")
+    im.add_argument("--revision", default=None, help="Hub branch, tag or commit")
+    add_common(im)
+    pu = sub.add_parser("push", help="export a plug-in and upload it to a Hugging Face Hub model repository")
+    pu.add_argument("id", help="plug-in id or folder")
+    pu.add_argument("repo_id", help="owner/name (created if needed; token from `hf auth login` or $HF_TOKEN)")
+    pu.add_argument("--private", action="store_true")
+    _add_package_args(pu)
+    add_common(pu)
     args = ap.parse_args(argv)
 
     if args.cmd == "methods":
@@ -79,7 +101,8 @@ def main(argv=None) -> int:
         if args.json:
             dump_json(rows)
         else:
-            print_table(rows, ["id", "method", "memory_id", "backbone", "params"])
+            print_table([{k: printable(v) for k, v in r.items()} for r in rows],
+                        ["id", "name", "method", "memory_id", "backbone", "params"])
         return 0
     if args.cmd == "delete":
         if cat.plugin(args.id) is None:
@@ -98,7 +121,40 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "compare":
         return _compare(args, cat)
+    if args.cmd in ("export", "import", "push"):
+        return _package(args, cat)
     return 1
+
+
+def _add_package_args(p) -> None:
+    p.add_argument("--eval", default=None, metavar="FILE",
+                   help="results of `python -m eval run --json FILE` for the card's evaluation table")
+    p.add_argument("--include-datastore", action="store_true",
+                   help="put the memory's training keys, values and samples in the package (needed for kNN; "
+                        "it is your training data)")
+
+
+def _package(args, cat) -> int:
+    """export / import / push (``plugins.hub``)."""
+    ev = load_evaluation(args.eval) if getattr(args, "eval", None) else None
+    bb = load_backbone_from_args(args)
+    with progress_bar(args.cmd) as prog:
+        if args.cmd == "export":
+            out = export_plugin(args.id, bb, args.dir, catalog=cat, evaluation=ev,
+                                include_datastore=args.include_datastore, overwrite=args.force, progress=prog)
+        elif args.cmd == "import":
+            row = import_plugin(args.source, bb, cat, name=args.name, revision=args.revision, progress=prog)
+        else:
+            url = push_plugin(args.id, args.repo_id, bb, catalog=cat, private=args.private, evaluation=ev,
+                              include_datastore=args.include_datastore, progress=prog)
+    if args.cmd == "export":
+        print(f"exported {args.id} -> {out} ({', '.join(sorted(f.name for f in out.iterdir()))})")
+    elif args.cmd == "import":
+        print(f"imported plug-in {row['id']} ({row['method']}, {row['params']:,} trainable parameters"
+              f"{', with its datastore as memory ' + row['memory_id'] if row['memory_id'] else ''}) -> {row['path']}")
+    else:
+        print(f"pushed {args.id} -> {url}")
+    return 0
 
 
 def _compare(args, cat) -> int:

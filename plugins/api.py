@@ -62,25 +62,39 @@ def train_plugin(backbone, memory: Memory, method: str, overrides: dict | None =
     plugin.save(out_dir)
     (out_dir / "history.json").write_text(json.dumps(result.history), encoding="utf-8")
     plugin.plugin_path = out_dir
-    row = {"id": out_dir.name, "name": name or f"{get_method(method).title} on {memory.meta.get('name', memory.id)}",
-           "method": method, "memory_id": memory.id, "path": str(out_dir), "backbone": backbone.name,
-           "fingerprint": backbone.fingerprint, "params": plugin.trainable_parameters(),
-           "metrics": json.dumps({**result.metrics, "train_info": plugin.train_info}, default=str),
-           "created": time.time()}
+    row = plugin_catalog_row(plugin, out_dir, name or f"{get_method(method).title} on "
+                                              f"{memory.meta.get('name', memory.id)}", memory.id, result.metrics)
     if catalog is not None:
         catalog.add_plugin(row)
     return plugin, {**row, "history": result.history}
 
 
-def open_plugin(ref: str, backbone, catalog: Catalog | None = None) -> Plugin:
-    """Load a plug-in by catalog id or folder path."""
+def plugin_catalog_row(plugin: Plugin, path: str | Path, name: str, memory_id: str, metrics: dict | None = None,
+                       **extra) -> dict:
+    """The catalog row of a saved plug-in (trained here, or imported by ``plugins.hub``): ``metrics`` holds the
+    fit's metrics and the plug-in's ``train_info``; ``extra`` adds fields to that JSON (e.g. ``imported_from``)."""
+    path = Path(path)
+    return {"id": path.name, "name": name, "method": plugin.method, "memory_id": memory_id, "path": str(path),
+            "backbone": plugin.backbone_name, "fingerprint": plugin.fingerprint,
+            "params": plugin.trainable_parameters(),
+            "metrics": json.dumps({**(metrics or {}), "train_info": plugin.train_info, **extra}, default=str),
+            "created": time.time()}
+
+
+def plugin_folder(ref: str, catalog: Catalog | None = None) -> Path:
+    """The folder of a plug-in given by catalog id or folder path."""
     path = Path(ref)
     if not (path / "plugin_config.json").exists() and catalog is not None:
         row = catalog.plugin(ref)
         if row is None:
             raise UserError(f"No plug-in {ref!r} in the catalog ({catalog.root}).")
         path = Path(row["path"])
-    return load_plugin(path, backbone)
+    return path
+
+
+def open_plugin(ref: str, backbone, catalog: Catalog | None = None) -> Plugin:
+    """Load a plug-in by catalog id or folder path."""
+    return load_plugin(plugin_folder(ref, catalog), backbone)
 
 
 def open_memory(ref: str, backbone=None, catalog: Catalog | None = None) -> Memory:

@@ -34,6 +34,14 @@ How it is adapted to our decoder-only backbones and to the shared-backbone proto
     * The LM head dominates the cost of a step (Gemma's vocabulary is 262k), so ``softmax="candidates"``
       (see ``plugins.adapter``) makes LoRA steps several times faster on CPU (≈8× measured) at the price of a
       sampled softmax.
+    * PEFT's own format (``save_peft``; ``python -m plugins export`` writes it beside the studio's files):
+      ``adapter_config.json`` (``LoraConfig`` with r, α, ``target_modules`` = the full module name of the last
+      layer's projection in the backbone's model, ``task_type="CAUSAL_LM"``) and ``adapter_model.safetensors``
+      (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``), so ``PeftModel.from_pretrained(base,
+      folder)`` gives the studio's logits outside the studio. PEFT's scaling is α / r as here; the decode setting σ
+      has no PEFT counterpart (the export is σ = 1, the default). The studio's own files (``plugin_config.json`` +
+      ``plugin_model.safetensors``, keys ``lora_A`` / ``lora_B``) are unchanged, so plug-ins saved before keep
+      loading.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +116,11 @@ class LoRA(NetworkPlugin):
     title = "LoRA (last layer's attention output)"
     paper = "Hu et al., LoRA: Low-Rank Adaptation of Large Language Models, ICLR 2022 (as the PEMA paper's baseline)"
     Config = LoRAConfig
+    # Continue training: ``resume_state`` (set before ``fit``; ``training.optimizer_from_tensors``) resumes Adam's
+    # moments and the step count from the saved ``optimizer.safetensors``; ``fit`` starts from the plug-in's own
+    # A and B, so a loaded plug-in continues where it stopped. ``optimizer_state`` holds the state after ``fit``.
+    resumable = True
+    resume_state: dict | None = None
 
     def __init__(self, config: LoRAConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)
@@ -139,6 +153,42 @@ class LoRA(NetworkPlugin):
     def _proj(self) -> nn.Linear:
         return self.find_out_proj(self.backbone)[1]
 
+    # --- PEFT's own format ----------------------------------------------------------------------------------
+    def peft_module_name(self) -> str:
+        """The adapted projection's full module name in the backbone's model (``model.layers.17.self_attn.o_proj``
+        for Gemma 3 270M): PEFT's ``target_modules`` and the prefix of its tensor keys."""
+        proj = self._proj()
+        for name, mod in self.backbone.model.named_modules():
+            if mod is proj:
+                return name
+        raise UserError(f"LoRA: the adapted projection was not found among the modules of {self.backbone.name}.")
+
+    def peft_config(self, base_model_name_or_path: str | None = None):
+        """The ``peft.LoraConfig`` that describes this plug-in (same r, α and scaling α / r, one target module)."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.config.alpha, lora_dropout=self.config.dropout,
+                          target_modules=[self.peft_module_name()], bias="none", task_type="CAUSAL_LM",
+                          base_model_name_or_path=base_model_name_or_path, inference_mode=True)
+
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """A and B under the keys ``PeftModel.save_pretrained`` writes (adapter name removed)."""
+        key = f"base_model.model.{self.peft_module_name()}"
+        return {f"{key}.lora_A.weight": self.lora_A.detach().float().cpu().contiguous(),
+                f"{key}.lora_B.weight": self.lora_B.detach().float().cpu().contiguous()}
+
+    def save_peft(self, folder: str | Path, base_model_name_or_path: str | None = None) -> list[Path]:
+        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` into ``folder`` (PEFT's layout):
+        ``PeftModel.from_pretrained(base_model, folder)`` then computes what this plug-in's rows compute with the
+        decode setting ``scale`` = 1. Returns the files written."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.peft_config(base_model_name_or_path).save_pretrained(str(folder))
+        save_file(self.peft_state_dict(), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        return [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
+
     # --- decoding -----------------------------------------------------------------------------------------
     def delta(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return F.linear(F.linear(x.float(), self.lora_A), self.lora_B) * (self.scaling * scale)
@@ -158,8 +208,10 @@ class LoRA(NetworkPlugin):
         return [self._proj().register_forward_hook(hook)]
 
     # --- training -----------------------------------------------------------------------------------------
-    def _last_layer_inputs(self, data: SeqData, batches: list[list[int]], should_stop=lambda: False) -> list[dict]:
-        """Run the frozen backbone up to the last layer once per batch; keep that layer's inputs."""
+    def _last_layer_inputs(self, data: SeqData, batches: list[list[int]], should_stop=lambda: False,
+                           progress=lambda f, m: None, what: str = "samples") -> list[dict]:
+        """Run the frozen backbone up to the last layer once per batch; keep that layer's inputs. ``progress(f, m)``
+        is told after every batch (f from 0 to 1)."""
         bb = self.backbone
         layer = bb.layers[-1]
 
@@ -167,9 +219,12 @@ class LoRA(NetworkPlugin):
             raise StopForward((args, kwargs))
 
         out = []
+        done = 0
         for idx in batches:
             if should_stop():
                 raise Cancelled()
+            progress(done / max(1, len(data)), f"computing the last layer's inputs: {done}/{len(data)} {what}")
+            done += len(idx)
             ids, mask, labels = collate(bb, data, idx)
             h = layer.register_forward_pre_hook(pre, with_kwargs=True)
             try:
@@ -200,13 +255,18 @@ class LoRA(NetworkPlugin):
         self.to(bb.device)
         progress(0.0, "preparing the memory's samples")
         train, held = self._data(memory)
-        cand_info = self.prepare_candidates(memory)
+        cand_info = self.prepare_candidates(memory, lambda f, m: progress(0.005 * f, m))
         t_pre = time.time()
         tb = self._batches(train, cfg.batch_size)
         hb = self._batches(held, cfg.batch_size)
-        progress(0.01, f"computing the last layer's inputs for {len(train)} + {len(held)} samples")
-        tin = self._last_layer_inputs(train, tb, should_stop)
-        hin = self._last_layer_inputs(held, hb, should_stop)
+        n_all = max(1, len(train) + len(held))
+        # the precomputation is one frozen forward pass per batch: its progress is reported batch by batch
+        tin = self._last_layer_inputs(train, tb, should_stop,
+                                      lambda f, m: progress(0.005 + 0.045 * f * len(train) / n_all, m),
+                                      "training samples")
+        hin = self._last_layer_inputs(held, hb, should_stop,
+                                      lambda f, m: progress(0.005 + 0.045 * (len(train) + f * len(held)) / n_all,
+                                                            m), "early-stopping samples")
         pre_secs = time.time() - t_pre
         # the budget covers the precomputation too (but always leaves a little time to train)
         budget = max(cfg.max_minutes - pre_secs / 60.0, 0.25) if cfg.max_minutes else 0.0
@@ -258,9 +318,12 @@ class LoRA(NetworkPlugin):
         s.batch_size = 1  # one index = one fixed mini-batch of samples
         s.max_minutes = budget
         t0 = time.time()
+        resume = (self.resume_state or {}).get("") if self.resume_state else None
+        self.optimizer_state = {}
         try:
             summary = run_training(trainable, params, len(tin), train_loss, guard.heldout_loss, s, self.method,
-                                   progress, should_stop, history, (0.05, 1.0))
+                                   progress, should_stop, history, (0.05, 1.0), resume=resume,
+                                   state_out=self.optimizer_state)
             summary = guard.restore(summary)
             with torch.no_grad():
                 self.lora_A.copy_(A.weight.detach().float())
