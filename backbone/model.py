@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ground.errors import UserError
+from ground.errors import Cancelled, UserError
 from ground.store import data_dir as _data_dir
 
 Progress = Callable[[float, str], None]
@@ -348,9 +348,13 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
 
 
 def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_tokens: int = 64,
-                    batch_size: int = 8, progress: Progress = _no_progress) -> list[list[int]]:
+                    batch_size: int = 8, progress: Progress = _no_progress,
+                    should_stop: Callable[[], bool] | None = None) -> list[list[int]]:
     """Plain greedy continuation of many different contexts (left-padded batches, HF ``generate``), stopping each
-    at the end of its line. Used to make synthetic sources; comparisons use ``plugins.decode`` instead."""
+    at the end of its line. Used to make synthetic sources; comparisons use ``plugins.decode`` instead.
+
+    ``should_stop()`` is called before every batch (a job's checkpoint: it may hand the backbone to an interactive
+    user there, so nobody waits longer than one batch); when it returns True, :class:`Cancelled` is raised."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     stop = torch.tensor(sorted(backbone.stop_ids), device=backbone.device)
@@ -362,6 +366,8 @@ def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_token
     pad = backbone.tokenizer.pad_token_id
     outs: list[list[int]] = []
     for b0 in range(0, len(contexts), batch_size):
+        if should_stop is not None and should_stop():
+            raise Cancelled()
         batch = contexts[b0:b0 + batch_size]
         width = max(len(c) for c in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)

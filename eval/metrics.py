@@ -51,26 +51,89 @@ def bleu_chrf(hyps: list[str], refs: list[str] | list[list[str]]) -> dict[str, f
     return {"sacrebleu": float(bleu.score), "chrf": float(chrf.score)}
 
 
-def paired_bootstrap(base_hyps: list[str], sys_hyps: list[str], refs: list[str], n_samples: int = 1000,
+def _streams(refs) -> list[list[str]]:
+    """References as sacrebleu's streams (one list per reference index), from one reference string per
+    hypothesis or a list of them (shorter lists padded with their first reference, as ``bleu_chrf`` does)."""
+    multi = [[r] if isinstance(r, str) else list(r) for r in refs]
+    if min(len(r) for r in multi) == 0:
+        raise UserError("Every hypothesis needs at least one reference.")
+    n_refs = max(len(r) for r in multi)
+    return [[r[i] if i < len(r) else r[0] for r in multi] for i in range(n_refs)]
+
+
+def _metrics():
+    from sacrebleu.metrics import BLEU, CHRF
+
+    return (("sacrebleu", BLEU()), ("chrf", CHRF()))
+
+
+def _sentence_stats(metric, hyps: list[str], streams: list[list[str]]) -> np.ndarray:
+    """sacrebleu's per-sentence sufficient statistics (n, k): a corpus score is the score of their sum."""
+    return np.asarray(metric._extract_corpus_statistics([h if isinstance(h, str) else "" for h in hyps], streams),
+                      dtype=np.float64)
+
+
+def _score(metric, stats: np.ndarray) -> float:
+    return float(metric._compute_score_from_stats(list(stats)).score)
+
+
+def signatures(n_refs: int = 1) -> dict[str, str]:
+    """sacreBLEU's signatures of the BLEU and chrF that :func:`bleu_chrf` computes (tokenizer, smoothing, n-gram
+    orders, version): what a reader needs to compare the numbers with published ones."""
+    out = {}
+    for name, metric in _metrics():
+        metric.corpus_score(["x"], [["x"]] * max(1, n_refs))  # the signature names the number of references
+        out[name] = str(metric.get_signature())
+    return out
+
+
+def sentence_chrf(hyps: list[str], refs) -> list[float]:
+    """chrF of each hypothesis against its reference(s) (sacrebleu's sentence-level chrF)."""
+    from sacrebleu.metrics import CHRF
+
+    _check_pairs(hyps, list(refs), "hypotheses", "references")
+    chrf = CHRF()
+    return [round(float(chrf.sentence_score(h if isinstance(h, str) else "", [r] if isinstance(r, str) else
+                                            list(r)).score), 2) for h, r in zip(hyps, refs)]
+
+
+def bootstrap_ci(hyps: list[str], refs, n_samples: int = 1000, seed: int = 12345,
+                 level: float = 0.95) -> dict[str, list[float]]:
+    """Percentile bootstrap confidence intervals of corpus BLEU and chrF: ``n_samples`` test sets of the same
+    size drawn with replacement, each scored from the per-sentence sufficient statistics. ``{"sacrebleu": [lo,
+    hi], "chrf": [lo, hi]}`` (95% by default)."""
+    refs = list(refs)
+    _check_pairs(hyps, refs, "hypotheses", "references")
+    streams = _streams(refs)
+    idx = np.random.default_rng(seed).integers(0, len(refs), size=(n_samples, len(refs)))
+    tail = 100 * (1 - level) / 2
+    out = {}
+    for name, metric in _metrics():
+        stats = _sentence_stats(metric, hyps, streams)
+        scores = np.array([_score(metric, stats[i].sum(0)) for i in idx])
+        lo, hi = np.percentile(scores, [tail, 100 - tail])
+        out[name] = [round(float(lo), 2), round(float(hi), 2)]
+    return out
+
+
+def paired_bootstrap(base_hyps: list[str], sys_hyps: list[str], refs, n_samples: int = 1000,
                      seed: int = 12345) -> dict:
     """Is ``sys_hyps`` better than ``base_hyps`` by more than chance? Paired bootstrap resampling (Koehn, 2004):
     draw ``n_samples`` test sets of the same size with replacement, score both systems on each (from sacrebleu's
     per-sentence sufficient statistics) and report, per metric, the observed difference, ``p_value`` = the share
     of resampled sets on which the system does *not* score above the base (one-sided), and the 95% interval of
-    the difference."""
-    from sacrebleu.metrics import BLEU, CHRF
-
+    the difference. ``refs``: one reference per hypothesis, or a list of references each."""
+    refs = list(refs)
     _check_pairs(sys_hyps, refs, "hypotheses", "references")
     _check_pairs(base_hyps, refs, "base hypotheses", "references")
+    streams = _streams(refs)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(refs), size=(n_samples, len(refs)))
     out = {}
-    for name, metric in (("sacrebleu", BLEU()), ("chrf", CHRF())):
-        stats = [np.asarray(metric._extract_corpus_statistics(list(h), [list(refs)]))
-                 for h in (base_hyps, sys_hyps)]
-        score = lambda st: metric._compute_score_from_stats(list(st)).score  # noqa: E731
-        real = score(stats[1].sum(0)) - score(stats[0].sum(0))
-        diffs = np.array([score(stats[1][i].sum(0)) - score(stats[0][i].sum(0)) for i in idx])
+    for name, metric in _metrics():
+        stats = [_sentence_stats(metric, list(h), streams) for h in (base_hyps, sys_hyps)]
+        real = _score(metric, stats[1].sum(0)) - _score(metric, stats[0].sum(0))
+        diffs = np.array([_score(metric, stats[1][i].sum(0)) - _score(metric, stats[0][i].sum(0)) for i in idx])
         lo, hi = np.percentile(diffs, [2.5, 97.5])
         out[name] = {"delta": round(float(real), 2), "p_value": round(float(np.mean(diffs <= 0)), 4),
                      "ci95": [round(float(lo), 2), round(float(hi), 2)]}

@@ -10,7 +10,7 @@ from typing import Callable
 from ground.errors import Cancelled
 from backbone.prompts import Prompt
 from eval.datasets import informal_pattern_counts
-from eval.metrics import bleu_chrf, content_similarity
+from eval.metrics import bleu_chrf, bootstrap_ci, content_similarity, paired_bootstrap, sentence_chrf, signatures
 from eval.style import perplexity
 from ground.errors import UserError
 from plugins.decode import Row, decode_batch
@@ -46,18 +46,33 @@ def score(task: str, sources: list[str], hyps: list[str], refs: list[str] | None
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
+# Numbers of a methods row that describe how it was decoded, not how well: not metrics (tables, bar charts).
+DECODE_KEYS = ("n", "max_new_tokens", "num_beams", "no_repeat_ngram")
+CHRF_PREFIX = "chrF · "  # per-sentence chrF of a row in ``outputs``: key CHRF_PREFIX + the row's label
+
+
 def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], prompt: Prompt, task: str = "translation",
              batch_sources: int = 4, max_new_tokens: int = 96, progress: Progress = _noop,
-             should_stop: Callable[[], bool] = lambda: False, extra: dict | None = None) -> dict:
+             should_stop: Callable[[], bool] = lambda: False, extra: dict | None = None,
+             no_repeat_ngram: int | None = None, bootstrap: int = 1000) -> dict:
     """Decode every pair's source with every row; return per-method metrics and the outputs.
 
     ``pairs`` are (source, reference) — the reference may be None (style transfer without references).
+
+    Each methods row reports what a reviewer needs to trust it: n, the backbone, how it was decoded (its complete
+    settings, ``max_new_tokens``, greedy, the repetition guard ``no_repeat_ngram`` — one value for every row), the
+    metrics with their 95% bootstrap confidence intervals (``sacrebleu_ci95``, ``chrf_ci95``; ``bootstrap``
+    resamples, 0: none) and, against the base model's row when there is one, the paired-bootstrap difference and
+    one-sided p-value (``sacrebleu_delta``, ``p_sacrebleu``, ...). The result holds sacreBLEU's ``signatures``.
+    ``outputs``: one dict per pair with source, reference, every row's output (key: its label) and its sentence
+    chrF (key ``"chrF · " + label``).
     """
     if not pairs:
         raise UserError("No evaluation pairs.")
     t0 = time.time()
     sources = [s for s, _ in pairs]
     hyps: dict[str, list[str]] = {r.label: [] for r in rows}
+    used: dict[str, dict] = {}
     n_tokens = 0
     for b0 in range(0, len(sources), batch_sources):
         if should_stop():
@@ -66,23 +81,47 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
         # An output far longer than its input is a runaway (repetition); capping the batch's length at twice the
         # longest source (+16 tokens) keeps one such row from making the whole batch decode to max_new_tokens.
         cap = min(max_new_tokens, 2 * max(len(backbone.encode_target(s.strip())) for s in chunk) + 16)
-        for comp in decode_batch(backbone, chunk, rows, prompt, max_new_tokens=cap, trace=False):
+        for comp in decode_batch(backbone, chunk, rows, prompt, max_new_tokens=cap, trace=False,
+                                 no_repeat_ngram=no_repeat_ngram):
             for r in comp.rows:
                 hyps[r.label].append(r.text)
+                used.setdefault(r.label, r.settings)
                 n_tokens += len(r.tokens)
         done = min(len(sources), b0 + batch_sources)
         progress(done / len(sources), f"decoded {done}/{len(sources)} sentences × {len(rows)} methods")
     refs = [r for _, r in pairs] if all(r is not None for _, r in pairs) else None
     methods = []
     for r in rows:
-        methods.append({"label": r.label, "method": r.method, "settings": r.plugin.settings(r.settings)
-                        if r.plugin else {}, **score(task, sources, hyps[r.label], refs, extra)})
-    outputs = [{"source": s, "reference": ref, **{lab: hyps[lab][i] for lab in hyps}}
+        settings = used.get(r.label, {})
+        methods.append({"label": r.label, "method": r.method, "n": len(pairs), "backbone": backbone.name,
+                        "max_new_tokens": max_new_tokens, "num_beams": 1,
+                        "no_repeat_ngram": int(settings.get("no_repeat_ngram", 0)), "settings": settings,
+                        **score(task, sources, hyps[r.label], refs, extra)})
+    sigs = {}
+    if refs is not None and any("sacrebleu" in m for m in methods):
+        progress(1.0, f"confidence intervals: {bootstrap} bootstrap resamples per method")
+        sigs = signatures(max(1 if isinstance(x, str) else len(x) for x in refs))
+        base = next((r.label for r in rows if r.plugin is None), None)
+        for m in methods:
+            m["bleu_signature"], m["chrf_signature"] = sigs["sacrebleu"], sigs["chrf"]
+            if bootstrap:
+                ci = bootstrap_ci(hyps[m["label"]], refs, n_samples=bootstrap)
+                m["sacrebleu_ci95"], m["chrf_ci95"] = ci["sacrebleu"], ci["chrf"]
+                if base is not None and m["label"] != base:
+                    pb = paired_bootstrap(hyps[base], hyps[m["label"]], refs, n_samples=bootstrap)
+                    for k in ("sacrebleu", "chrf"):
+                        m[f"{k}_delta"], m[f"p_{k}"] = pb[k]["delta"], pb[k]["p_value"]
+    chrf = {lab: sentence_chrf(hyps[lab], refs) for lab in hyps} if refs is not None else {}
+    outputs = [{"source": s, "reference": ref, **{lab: hyps[lab][i] for lab in hyps},
+                **{CHRF_PREFIX + lab: chrf[lab][i] for lab in chrf}}
                for i, (s, ref) in enumerate(pairs)]
     secs = time.time() - t0
     return {"task": task, "n": len(pairs), "seconds": round(secs, 1), "tokens": n_tokens,
             "tokens_per_second": round(n_tokens / max(secs, 1e-9), 1), "methods": methods,
-            "outputs": outputs, "backbone": backbone.name}
+            "outputs": outputs, "backbone": backbone.name, "signatures": sigs,
+            "decode": {"max_new_tokens": max_new_tokens, "num_beams": 1,
+                       "length_cap": "per batch: min(max_new_tokens, 2 × the longest source's tokens + 16)",
+                       "no_repeat_ngram": int(next(iter(used.values()), {}).get("no_repeat_ngram", 0))}}
 
 
 def lambda_sweep(backbone, pairs, plugin, prompt: Prompt, lambdas=(0.1, 0.3, 0.5, 0.7, 0.9), task="translation",
@@ -96,18 +135,20 @@ def lambda_sweep(backbone, pairs, plugin, prompt: Prompt, lambdas=(0.1, 0.3, 0.5
         for gu in (True, False):
             rows.append(Row(f"λ={lam} GU={'on' if gu else 'off'}", plugin,
                             {**(settings or {}), "lambda_max": lam, "gu": gu}))
+    kw.setdefault("bootstrap", 0)  # a curve: no intervals per point unless asked
     res = evaluate(backbone, pairs, rows, prompt, task, progress=progress, should_stop=should_stop, extra=extra, **kw)
-    base = res["methods"][0]
-    out = [{"lambda_max": 0.0, "gu": g, **{k: v for k, v in base.items() if isinstance(v, (int, float))}}
-           for g in (True, False)]
+    keep = lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}  # noqa: E731
+    # λ_max = 0 is the base model whatever GU says: one row (gu None), drawn at 0 on both curves.
+    out = [{"label": "base (λ_max=0)", "lambda_max": 0.0, "gu": None, **keep(res["methods"][0])}]
     for m in res["methods"][1:]:
-        out.append({"lambda_max": m["settings"]["lambda_max"], "gu": m["settings"]["gu"],
-                    **{k: v for k, v in m.items() if isinstance(v, (int, float))}})
+        out.append({"label": m["label"], "lambda_max": m["settings"]["lambda_max"], "gu": m["settings"]["gu"],
+                    **keep(m)})
     return out
 
 
 def format_table(methods: list[dict], keys: list[str] | None = None, digits: int = 2) -> str:
-    keys = keys or [k for k in methods[0] if isinstance(methods[0][k], (int, float)) and k != "n"]
+    keys = keys or [k for k in methods[0] if isinstance(methods[0][k], (int, float)) and k not in DECODE_KEYS
+                    and not k.startswith("p_") and not k.endswith("_delta")]
     head = ["method"] + keys
     lines = [[m["label"]] + [f"{m.get(k, float('nan')):.{digits}f}" if isinstance(m.get(k), (int, float)) else "-"
                              for k in keys] for m in methods]

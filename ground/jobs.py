@@ -15,6 +15,14 @@ Owners: each job row has the ``owner`` that submitted it (``JobContext.owner`` f
 ``cancel`` given an owner see only that owner's jobs (another owner's job reads as nonexistent). ``max_per_owner``
 and ``max_total`` (0: no limit) bound the jobs queued or running, per owner and overall; ``submit`` refuses more.
 
+One owner: the queue that runs jobs holds the data directory's lock (``ground.lock.DataDirLock``) from ``start`` /
+``recover`` until ``stop``; ``start`` refuses (UserError) when another process holds it. Only the holder marks
+``running`` rows ``interrupted`` and claims queued jobs, so a second process on a live directory never touches the
+first one's jobs; ``read_only`` (set by a studio that did not get the lock) makes ``submit`` refuse.
+
+``on_finish(job)``, if set, is called once a job reaches a final state — done, failed, cancelled (also when
+cancelled before it started), interrupted at start-up — e.g. to remove the upload the job was given.
+
 Errors: a :class:`UserError`'s message is stored as is (it is written for the user); any other exception is
 stored as ``"<Type>: <message>"`` with a short traceback appended to the log. Handlers must register catalog rows
 only once their work has fully succeeded (the engine writes folders atomically), so a failed or cancelled job
@@ -30,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ground.errors import Cancelled, UserError
+from ground.lock import DataDirLock
 from ground.store import LOCAL_OWNER, Catalog, new_id
 
 STATES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
@@ -37,6 +46,8 @@ FINAL_STATES = ("done", "failed", "cancelled", "interrupted")
 MAX_LOG_LINES = 400
 MAX_METRIC_POINTS = 1500
 INTERRUPTED_MESSAGE = "Interrupted: the app stopped while this job was running. Start it again."
+READ_ONLY_MESSAGE = ("This studio cannot run jobs: another PEMA Studio process owns its data directory and runs "
+                     "its jobs. Use that studio, or stop it and restart this one.")
 
 def _loads(text: str | None, default):
     if not text:
@@ -158,10 +169,32 @@ class JobQueue:
         self._paused = threading.Event()  # set: workers wait (e.g. until the backbone is loaded)
         self.max_per_owner = 0  # jobs queued or running per owner (0: no limit)
         self.max_total = 0  # jobs queued or running overall (0: no limit)
+        self.lock = DataDirLock(catalog.root)
+        self.read_only = False  # True: another process owns the data directory; submit refuses
+        self.on_finish: Callable[[dict], None] | None = None
+
+    # ownership -------------------------------------------------------------------------------------
+    def acquire(self) -> bool:
+        """Try to become the data directory's owner process (no waiting); True when this queue holds the lock."""
+        return self.lock.acquire()
+
+    def _require_lock(self) -> None:
+        if not self.lock.acquire():
+            raise UserError(f"The data directory {self.catalog.root} is in use by another PEMA Studio "
+                            f"({self.lock.describe_holder()}); stop it first, or give this one another --data-dir.")
+
+    def _finished(self, job: dict | None) -> None:
+        if job is not None and self.on_finish is not None:
+            try:
+                self.on_finish(job)
+            except Exception:  # noqa: BLE001 — clean-up must never take the worker down
+                pass
 
     # lifecycle -------------------------------------------------------------------------------------
     def recover(self) -> int:
-        """Mark rows left ``running`` by a previous process as ``interrupted``; return how many."""
+        """Mark rows left ``running`` by a previous process as ``interrupted``; return how many. Only the owner of
+        the data directory may (a UserError otherwise: those rows are another live process's jobs)."""
+        self._require_lock()
         db = self.catalog.db
         rows = list(db["jobs"].rows_where("state = ?", ["running"]))
         for r in rows:
@@ -169,9 +202,11 @@ class JobQueue:
             db["jobs"].update(r["id"], {"state": "interrupted", "message": INTERRUPTED_MESSAGE,
                                         "error": INTERRUPTED_MESSAGE, "finished": time.time(),
                                         "log": log.strip()})
+            self._finished(self.get(r["id"]))
         return len(rows)
 
     def start(self) -> "JobQueue":
+        """Become the data directory's owner (UserError when another process is), recover, start the workers."""
         self.recover()
         self._stopping = False
         for i in range(self.workers):
@@ -181,13 +216,17 @@ class JobQueue:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the workers: running jobs stop at their next checkpoint and are marked ``interrupted``."""
+        """Stop the workers: running jobs stop at their next checkpoint and are marked ``interrupted``; then give
+        up the data directory's lock."""
         self._stopping = True
         with self._wake:
             self._wake.notify_all()
         for t in self._threads:
             t.join(timeout)
+        still_running = any(t.is_alive() for t in self._threads)
         self._threads = []
+        if not still_running:  # a job still running keeps the data directory this process's until it ends
+            self.lock.release()
 
     def pause(self) -> None:
         self._paused.set()
@@ -199,6 +238,8 @@ class JobQueue:
 
     # API ---------------------------------------------------------------------------------------------
     def submit(self, kind: str, args: dict | None = None, owner: str = LOCAL_OWNER) -> str:
+        if self.read_only:
+            raise UserError(READ_ONLY_MESSAGE)
         if kind not in self.handlers:
             raise UserError(f"Unknown job kind {kind!r}.")
         jid = new_id(f"{kind}-")
@@ -266,6 +307,7 @@ class JobQueue:
             if job["state"] == "queued":
                 self._update(job_id, state="cancelled", cancel=1, message="Cancelled before it started",
                              finished=time.time())
+                self._finished(self.get(job_id))
             elif job["state"] == "running":
                 self._cancel.add(job_id)
                 self._cancel_by_user.add(job_id)
@@ -344,3 +386,4 @@ class JobQueue:
         ctx._dirty = True
         ctx.flush(force=True)
         self._update(jid, **fields)
+        self._finished(self.get(jid))

@@ -13,10 +13,28 @@ Owners: every catalog row belongs to an owner (a string the studio derives from 
 by the CLIs, and rows of a catalog made before owners existed, belong to :data:`LOCAL_OWNER`). The read methods take
 an optional ``owner`` and then return only that owner's rows; ``Catalog.owned_by(owner)`` is a view whose
 ``add_memory`` / ``add_plugin`` stamp the owner on the row, for the engine functions that register what they made.
+
+Nothing half-written, nothing left behind:
+
+* ``atomic_dir`` writes a folder under a temporary name that says which process writes it (``ground.lock``),
+  fsyncs every file and the folder, then renames it into place (and fsyncs the parent); on any error the temporary
+  folder is removed. ``write_json_atomic`` does the same for one file.
+* ``Catalog.publish`` makes the folder and its catalog row one step: the rename happens inside an ``IMMEDIATE``
+  SQLite transaction that inserts the row, so a crash leaves either both or — at worst, a crash between the rename
+  and the commit — a folder without a row, which ``Catalog.repair`` removes at the next start.
+* ``Catalog.repair`` (run by the data directory's owner process at start-up, inside one write transaction so no
+  writer can be between its rename and its commit meanwhile): a row whose folder is gone is re-pointed at
+  ``<data_dir>/<table>/<id>`` when that exists, else removed (when its folder was inside the data directory; a
+  folder elsewhere is not ours to judge: the row stays, logged); a folder without a row is removed unless the
+  process that wrote it (``writer`` in its JSON) is still alive. ``clean_temporary`` removes temporary files and folders whose
+  writer is gone. Every repair is logged (logger ``pema.store``) and returned.
+* Deleting renames the folder away (to a temporary name) in the same transaction that deletes the row, then removes
+  it: never a row with half a folder.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -24,9 +42,13 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import sqlite_utils
+
+from ground.lock import TMP_PREFIX, temp_name, temp_writer, writer_gone
+
+log = logging.getLogger("pema.store")
 
 DEFAULT_DATA_DIR = Path(os.environ.get("PEMA_DATA_DIR", Path.home() / ".cache" / "pema-studio"))
 LOCAL_OWNER = "local"  # the single user of a local studio, the CLIs, and every row made before owners existed
@@ -49,31 +71,144 @@ def secret_id() -> str:
     return secrets.token_urlsafe(16)
 
 
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    """fsync one file or folder (a no-op where a folder cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every folder (deepest first), so a rename after it publishes data
+    that is on disk."""
+    root = Path(root)
+    dirs = []
+    for dirpath, _dirnames, filenames in os.walk(root):
+        dirs.append(Path(dirpath))
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+    for d in reversed(dirs):
+        _fsync_path(d, directory=True)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``final`` (an existing ``final`` is moved away first, then removed)."""
+    tmp, final = Path(tmp), Path(final)
+    old = None
+    if final.exists():
+        old = final.parent / temp_name(final.name)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_path(final.parent, directory=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+Publish = Callable[[Path, Path], None]
+
+
 @contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
+def atomic_dir(final: Path, publish: Publish | None = None) -> Iterator[Path]:
     """Yield a temporary folder beside ``final``; rename it to ``final`` only if the block succeeds.
 
-    On any exception the temporary folder is removed, so nothing half-written is ever visible.
+    The temporary name says which process writes it (``ground.lock.temp_name``), so a start-up clean-up removes it
+    only once that process is gone. Before the rename every file is fsynced. ``publish(tmp, final)``, if given,
+    does the rename itself (``Catalog.publish``: the rename and the catalog row in one transaction). On any
+    exception the temporary folder is removed, so nothing half-written is ever visible.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
+    tmp = final.parent / temp_name(final.name)
     tmp.mkdir()
     try:
         yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        fsync_tree(tmp)
+        (publish or replace_dir)(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file beside ``path`` (named for its writer), fsync it, rename it into place."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
+    tmp = path.with_name(temp_name(path.name))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2, ensure_ascii=False))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_path(path.parent, directory=True)
+
+
+LEGACY_TMP_AGE = 3600.0  # temporary names from before writers were tagged: removed once this old (seconds)
+
+
+def _legacy_temp(name: str) -> bool:
+    """A temporary name written by an older version (no writer in it)."""
+    return (name.startswith(TMP_PREFIX) or name.endswith(".tmp")) and temp_writer(name) is None
+
+
+def clean_temporary(root: Path, subs: tuple[str, ...] = ("memories", "plugins")) -> list[str]:
+    """Remove the temporary folders and files under ``<root>/<sub>/`` (and inside each memory / plug-in folder)
+    whose writer process is gone; keep those of a live writer (a CLI still writing) and, from another host, all.
+    Returns what was removed (also logged)."""
+    notes: list[str] = []
+    now = time.time()
+
+    def consider(p: Path) -> None:
+        writer = temp_writer(p.name)
+        if writer is not None:
+            gone = writer_gone(writer, me_is_gone=True)
+        elif _legacy_temp(p.name):
+            try:
+                gone = now - p.stat().st_mtime > LEGACY_TMP_AGE
+            except OSError:
+                return
+        else:
+            return
+        if not gone:
+            return
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        notes.append(f"removed {p.relative_to(root)} (left by a process that is gone)")
+
+    for sub in subs:
+        folder = Path(root) / sub
+        if not folder.is_dir():
+            continue
+        for p in sorted(folder.iterdir()):
+            if p.name.startswith(TMP_PREFIX) or _legacy_temp(p.name):
+                consider(p)
+            elif p.is_dir() and not p.is_symlink():
+                for q in sorted(p.iterdir()):
+                    if q.name.startswith(TMP_PREFIX) or _legacy_temp(q.name):
+                        consider(q)
+    for n in notes:
+        log.warning("data directory clean-up: %s", n)
+    return notes
+
+
+def _read_writer(config: Path) -> dict | None:
+    try:
+        meta = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    w = meta.get("writer") if isinstance(meta, dict) else None
+    return w if isinstance(w, dict) else None
 
 
 class Catalog:
@@ -136,6 +271,112 @@ class Catalog:
             params.append(owner)
         return where or None, params
 
+    # one step: folder + row ------------------------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator:
+        """A write transaction on this thread's connection (``BEGIN IMMEDIATE``: other writers wait until it ends);
+        committed when the block succeeds, rolled back otherwise. Use raw SQL inside it (sqlite-utils' helpers
+        commit on their own)."""
+        conn = self.db.conn
+        if conn.in_transaction:
+            conn.commit()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.rollback()
+            raise
+        conn.commit()
+
+    def _insert_sql(self, conn, table: str, row: dict) -> None:
+        cols = set(self.db[table].columns_dict)
+        unknown = [k for k in row if k not in cols]
+        if unknown:
+            raise ValueError(f"unknown columns for {table}: {unknown}")
+        names = list(row)
+        conn.execute(f"insert or replace into [{table}] ({', '.join(f'[{n}]' for n in names)}) "
+                     f"values ({', '.join('?' * len(names))})", [row[n] for n in names])
+
+    def publish(self, table: str, row: dict, tmp: Path, final: Path) -> None:
+        """Rename the finished folder ``tmp`` to ``final`` and insert its catalog ``row`` as one step: both happen
+        inside one write transaction, committed only after the rename (see the module docstring)."""
+        if table not in ("memories", "plugins"):
+            raise ValueError(table)
+        with self.transaction() as conn:
+            self._insert_sql(conn, table, {**row, "path": str(final)})
+            replace_dir(tmp, final)
+
+    def publisher(self, table: str, row_for: Callable[[Path, Path], dict]) -> Publish:
+        """An ``atomic_dir`` ``publish`` callback: ``row_for(tmp, final)`` makes the row from the finished folder."""
+        return lambda tmp, final: self.publish(table, row_for(tmp, final), tmp, final)
+
+    def _delete(self, table: str, row_id: str, marker: str) -> None:
+        """Delete a row and its folder: the folder is renamed away in the row's transaction, then removed. A path
+        that does not hold what the row says (no ``marker`` file) is left alone."""
+        rows = list(self.db[table].rows_where("id = ?", [row_id]))
+        if not rows:
+            return
+        path = Path(rows[0]["path"] or "")
+        trash = None
+        with self.transaction() as conn:
+            conn.execute(f"delete from [{table}] where id = ?", [row_id])
+            if rows[0]["path"] and (path / marker).is_file() and not path.is_symlink():
+                trash = path.parent / temp_name(path.name)
+                os.replace(path, trash)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def repair(self) -> list[str]:
+        """Make rows and folders agree (start-up, by the data directory's owner; see the module docstring).
+        Returns what was repaired (also logged as warnings)."""
+        notes: list[str] = []
+        trash: list[Path] = []
+        with self.transaction() as conn:
+            for table, marker in (("memories", "meta.json"), ("plugins", "plugin_config.json")):
+                folder = self.root / table
+                known: set[Path] = set()
+                for rid, path in conn.execute(f"select id, path from [{table}]").fetchall():
+                    p = Path(path) if path else None
+                    if p is not None and (p / marker).is_file():
+                        known.add(p.resolve())
+                        continue
+                    alt = folder / str(rid)
+                    if (alt / marker).is_file():
+                        conn.execute(f"update [{table}] set path = ? where id = ?", [str(alt), rid])
+                        known.add(alt.resolve())
+                        notes.append(f"{table} {rid}: its folder {path} is gone; the row now points at {alt}")
+                    elif p is None or not p.resolve().is_relative_to(self.root.resolve()):
+                        # outside the data directory (a CLI's own folder, a disk not mounted now): not ours to judge
+                        notes.append(f"{table} {rid}: its folder {path} is missing; the row is kept (the folder is "
+                                     f"outside the data directory)")
+                    else:
+                        conn.execute(f"delete from [{table}] where id = ?", [rid])
+                        notes.append(f"{table} {rid}: removed its catalog row (its folder {path} is missing or "
+                                     f"incomplete)")
+                if not folder.is_dir():
+                    continue
+                for d in sorted(folder.iterdir()):
+                    if d.name.startswith(".") or not d.is_dir() or d.is_symlink() or d.resolve() in known:
+                        continue
+                    if writer_gone(_read_writer(d / marker), me_is_gone=True) is False:
+                        notes.append(f"{table}/{d.name}: no catalog row yet, but the process writing it is alive; "
+                                     f"kept")
+                        continue
+                    t = folder / temp_name(d.name)
+                    os.replace(d, t)
+                    trash.append(t)
+                    notes.append(f"{table}/{d.name}: removed a folder without a catalog row (its writer stopped "
+                                 f"before registering it)")
+        for t in trash:
+            shutil.rmtree(t, ignore_errors=True)
+        for n in notes:
+            log.warning("catalog repair: %s", n)
+        return notes
+
+    def integrity(self) -> str:
+        """SQLite's own check of the catalog file: ``"ok"`` when sound."""
+        return str(self.db.execute("pragma integrity_check").fetchone()[0])
+
     def count(self, table: str, owner: str | None = None) -> int:
         where, params = self._where(owner)
         return self.db[table].count_where(where, params) if where else self.db[table].count
@@ -156,10 +397,7 @@ class Catalog:
         return rows[0] if rows else None
 
     def delete_memory(self, memory_id: str) -> None:
-        row = self.memory(memory_id)
-        if row:
-            shutil.rmtree(row["path"], ignore_errors=True)
-            self.db["memories"].delete(memory_id)
+        self._delete("memories", memory_id, "meta.json")
 
     def add_plugin(self, row: dict) -> None:
         self.db["plugins"].insert(row, replace=True)
@@ -174,10 +412,7 @@ class Catalog:
         return rows[0] if rows else None
 
     def delete_plugin(self, plugin_id: str) -> None:
-        row = self.plugin(plugin_id)
-        if row:
-            shutil.rmtree(row["path"], ignore_errors=True)
-            self.db["plugins"].delete(plugin_id)
+        self._delete("plugins", plugin_id, "plugin_config.json")
 
     # shared comparisons --------------------------------------------------------------------------
     def save_comparison(self, payload: dict | str, backbone: str, owner: str = LOCAL_OWNER) -> str:
@@ -207,6 +442,12 @@ class OwnedCatalog:
 
     def add_plugin(self, row: dict) -> None:
         self._catalog.add_plugin({**row, "owner": self.owner})
+
+    def publish(self, table: str, row: dict, tmp: Path, final: Path) -> None:
+        self._catalog.publish(table, {**row, "owner": self.owner}, tmp, final)
+
+    def publisher(self, table: str, row_for: Callable[[Path, Path], dict]) -> Publish:
+        return lambda tmp, final: self.publish(table, row_for(tmp, final), tmp, final)
 
     def __getattr__(self, name: str):
         return getattr(self._catalog, name)

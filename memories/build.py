@@ -11,6 +11,12 @@ Two build modes:
 Monolingual samples (no source) first get a synthetic source from the backbone itself (German → English for
 translation, styled → plain for rewriting), as the memory-augmented adapter paper builds pairs from target-side
 text; the synthetic sources are kept in ``samples.jsonl`` so a person can inspect them.
+
+Cancelling: every long phase — synthetic sources (``generate_greedy``, per batch), tokenizing (every
+``CHECK_EVERY`` samples), capture (per batch) — calls ``should_stop`` at least once per batch; a job's
+``should_stop`` is also where it hands the backbone to a waiting interactive user, so the backbone is never held
+for longer than one batch. A cancelled or failed build leaves nothing (``atomic_dir``); with ``catalog`` the folder
+and its catalog row appear in one step (``Catalog.publish``).
 """
 from __future__ import annotations
 
@@ -26,7 +32,9 @@ from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES, Prompt, 
 from memories.parse import Sample
 from memories.store import FORMAT_VERSION, Memory, disk_bytes
 from ground.errors import Cancelled, UserError
+from ground.lock import writer_tag
 from ground.store import atomic_dir, write_json_atomic
+from ground.text import check_name
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
@@ -104,15 +112,28 @@ def target_ids(backbone: Backbone, prompt: Prompt, tgt: str) -> list[int]:
     return ids + (nl if len(nl) == 1 else [backbone.tokenizer.eos_token_id])
 
 
+CHECK_EVERY = 256  # samples tokenized between two should_stop calls
+
+
+def _encode_all(encode: Callable[[str], list[int]], texts: list[str], should_stop: ShouldStop | None) -> list:
+    out = []
+    for i, t in enumerate(texts):
+        if should_stop is not None and i % CHECK_EVERY == 0 and should_stop():
+            raise Cancelled()
+        out.append(encode(t))
+    return out
+
+
 def synthesize_sources(backbone: Backbone, targets: list[str], task: str, progress: Progress = _noop,
-                       max_new_tokens: int = 96) -> list[str]:
+                       max_new_tokens: int = 96, should_stop: ShouldStop | None = None) -> list[str]:
     """Ask the backbone for a plain source of each styled/German target (few-shot free, reverse template; an
-    instruct backbone gets an instruction instead)."""
+    instruct backbone gets an instruction instead). ``should_stop`` is checked before every generated batch."""
     templates = CHAT_REVERSE_TEMPLATES if backbone.chat else REVERSE_TEMPLATES
     tpl = templates.get(task, templates["style"])
     rev = Prompt(template=tpl, chat=backbone.chat)
-    ctxs = [backbone.encode_context(rev.render(t)) for t in targets]
-    outs = generate_greedy(backbone, ctxs, max_new_tokens=max_new_tokens, progress=progress)
+    ctxs = _encode_all(lambda t: backbone.encode_context(rev.render(t)), targets, should_stop)
+    outs = generate_greedy(backbone, ctxs, max_new_tokens=max_new_tokens, progress=progress,
+                           should_stop=should_stop)
     srcs = [backbone.decode(o).strip() for o in outs]
     # An empty synthetic source would make a useless pair: fall back on the target itself (identity pair).
     return [s if s else t for s, t in zip(srcs, targets)]
@@ -200,13 +221,15 @@ def _capture_offsite(backbone: Backbone, ctx: list[list[int]], tgt: list[list[in
 def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path, *, prompt: Prompt | None = None,
                  task: str = "translation", mode: str = "teacher", name: str = "", key_dtype: str = "float16",
                  heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8, max_target_tokens: int = MAX_TARGET_TOKENS,
-                 progress: Progress = _noop, should_stop: ShouldStop = lambda: False) -> Memory:
+                 progress: Progress = _noop, should_stop: ShouldStop = lambda: False, catalog=None) -> Memory:
     """Build a memory folder atomically at ``out_dir`` and return it loaded.
 
     ``progress(fraction, message)`` is called throughout; ``should_stop()`` returning True cancels (nothing is
-    left behind). Raises :class:`UserError` for bad input.
+    left behind). With ``catalog`` (a ``Catalog`` or ``OwnedCatalog``) the memory is registered in the same step
+    as its folder appears (``Catalog.publish``). Raises :class:`UserError` for bad input.
     """
     t0 = time.time()
+    name = check_name(name, "memory name")
     if mode not in ("teacher", "offsite"):
         raise UserError(f"Unknown build mode {mode!r}; use 'teacher' or 'offsite'.")
     if key_dtype not in ("float16", "float32"):
@@ -221,15 +244,18 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
         todo = [i for i, s in enumerate(srcs) if s is None]
         progress(0.0, f"Making synthetic sources for {len(todo)} monolingual samples with the backbone")
         made = synthesize_sources(backbone, [tgts[i] for i in todo], task,
-                                  progress=lambda f, m: progress(0.5 * f, "synthetic sources: " + m))
+                                  progress=lambda f, m: progress(0.5 * f, "synthetic sources: " + m),
+                                  should_stop=should_stop)
         for i, s in zip(todo, made):
             srcs[i] = s
     base = 0.5 if any(synthetic) else 0.0
 
     held = set(heldout_split(len(samples), heldout_frac, seed).tolist())
-    ctx = [backbone.encode_context(prompt.render(s)) for s in srcs]
+    ctx = _encode_all(lambda s: backbone.encode_context(prompt.render(s)), srcs, should_stop)
     tgt = []
     for i, t in enumerate(tgts):
+        if i % CHECK_EVERY == 0 and should_stop():
+            raise Cancelled()
         ids = target_ids(backbone, prompt, t)
         if len(ids) > max_target_tokens:
             raise UserError(f"line {samples[i].line}: the target has {len(ids)} tokens "
@@ -238,7 +264,9 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
 
     d = backbone.hidden_size
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    publish = catalog.publisher("memories", lambda tmp, final: memory_row(Memory.load(tmp), final)) \
+        if catalog is not None else None
+    with atomic_dir(out_dir, publish) as tmp:
         stats = {"samples": 0, "heldout_samples": 0, "entries": 0, "heldout_entries": 0}
         sumsq = 0.0
         stored_dtype = key_dtype  # becomes float32 when float16 keys would overflow (KeyFile)
@@ -284,20 +312,29 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
                 "backbone": backbone.name, "fingerprint": backbone.fingerprint, "task": task, "mode": mode,
                 "prompt": prompt.to_dict(), "key_dtype": stored_dtype, "requested_key_dtype": key_dtype,
                 "hidden_size": d, "seed": seed,
-                "heldout_frac": heldout_frac, "created": time.time(), "stats": stats}
+                "heldout_frac": heldout_frac, "created": time.time(), "stats": stats, "writer": writer_tag()}
+        if should_stop():
+            raise Cancelled()
         write_json_atomic(tmp / "meta.json", meta)
     progress(1.0, f"Memory built: {stats['entries']} entries from {stats['samples']} samples "
                   f"(+{stats['heldout_entries']} held-out) in {stats['build_seconds']}s")
     return Memory.load(out_dir)
 
 
-def register_memory(catalog, memory: Memory) -> None:
-    """Add a built memory to the SQLite catalog."""
+def memory_row(memory: Memory, path: str | Path | None = None) -> dict:
+    """A built memory's catalog row (``path``: where the folder is or is about to be renamed to)."""
     import json
 
     s = memory.summary()
-    catalog.add_memory({"id": memory.id, "name": s["name"], "path": str(memory.path), "backbone": s["backbone"],
-                        "fingerprint": memory.fingerprint, "task": s["task"], "mode": s["mode"],
-                        "samples": s["samples"] + s["heldout_samples"], "entries": s["entries"],
-                        "bytes": disk_bytes(memory.path), "created": memory.meta["created"],
-                        "meta": json.dumps(memory.meta["stats"])})
+    return {"id": Path(path).name if path is not None else memory.id, "name": s["name"],
+            "path": str(path if path is not None else memory.path), "backbone": s["backbone"],
+            "fingerprint": memory.fingerprint, "task": s["task"], "mode": s["mode"],
+            "samples": s["samples"] + s["heldout_samples"], "entries": s["entries"],
+            "bytes": disk_bytes(memory.path), "created": memory.meta["created"],
+            "meta": json.dumps(memory.meta["stats"])}
+
+
+def register_memory(catalog, memory: Memory) -> None:
+    """Add a built memory to the SQLite catalog (``build_memory(..., catalog=...)`` does it in one step with the
+    folder; this is for a memory built without one)."""
+    catalog.add_memory(memory_row(memory))

@@ -30,10 +30,19 @@ class Memory:
 
     @classmethod
     def load(cls, path: str | Path, backbone=None) -> "Memory":
+        """A memory folder, its meta.json checked (a damaged one is a UserError naming the folder); the arrays are
+        opened — and checked against meta.json — when first used."""
         path = Path(path)
-        if not (path / "meta.json").exists():
+        if not (path / "meta.json").is_file():
             raise UserError(f"No memory at {path} (meta.json is missing).")
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        try:
+            meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise UserError(f"The memory at {path} is damaged: meta.json is unreadable ({type(e).__name__}).") \
+                from None
+        problem = _meta_problem(meta)
+        if problem:
+            raise UserError(f"The memory at {path} is damaged: {problem}.")
         if meta.get("format_version", 0) > FORMAT_VERSION:
             raise UserError(f"The memory at {path} was written by a newer PEMA Studio.")
         mem = cls(path=path, meta=meta)
@@ -42,8 +51,32 @@ class Memory:
         return mem
 
     def _arr(self, name: str) -> np.ndarray:
-        # allow_pickle=False: a memory is data, never code.
-        return np.load(self.path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        """One array, memory-mapped, checked against meta.json (shape, dtype, finite keys for small ones): a
+        missing, truncated, pickled or mismatched file is a UserError."""
+        f = self.path / f"{name}.npy"
+        if not f.is_file():
+            raise UserError(f"The memory at {self.path} is damaged: {f.name} is missing. Build it again.")
+        try:
+            # allow_pickle=False: a memory is data, never code.
+            arr = np.load(f, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise UserError(f"The memory at {self.path} is damaged: {f.name} cannot be read ({e}). "
+                            f"Build it again.") from None
+        st = self.meta["stats"]
+        n = st["heldout_entries" if name.startswith("heldout_") else "entries"]
+        if name.endswith("keys"):
+            d = self.meta.get("hidden_size")
+            ok = arr.ndim == 2 and arr.shape[0] == n and (d is None or arr.shape[1] == d) \
+                and arr.dtype in (np.float16, np.float32)
+            if ok and arr.size and arr.size <= FINITE_CHECK_MAX and not np.isfinite(arr).all():
+                raise UserError(f"The memory at {self.path} is damaged: {f.name} holds NaN or infinite keys. "
+                                f"Build it again.")
+        else:
+            ok = arr.shape == (n,) and arr.dtype.kind in "iu"
+        if not ok:
+            raise UserError(f"The memory at {self.path} is damaged: {f.name} has shape {arr.shape} "
+                            f"({arr.dtype}), not what meta.json says ({n} entries). Build it again.")
+        return arr
 
     @cached_property
     def keys(self) -> np.ndarray:
@@ -71,8 +104,16 @@ class Memory:
 
     @cached_property
     def samples(self) -> list[dict]:
-        with open(self.path / "samples.jsonl", encoding="utf-8") as f:
-            return [json.loads(ln) for ln in f]
+        try:
+            with open(self.path / "samples.jsonl", encoding="utf-8", newline="\n") as f:
+                rows = [json.loads(ln) for ln in f]
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise UserError(f"The memory at {self.path} is damaged: samples.jsonl is unreadable "
+                            f"({type(e).__name__}). Build it again.") from None
+        if not all(isinstance(r, dict) and isinstance(r.get("tgt"), str) and r.get("split") in ("train", "heldout")
+                   for r in rows):
+            raise UserError(f"The memory at {self.path} is damaged: samples.jsonl has malformed rows.")
+        return rows
 
     def split_samples(self, split: str) -> list[dict]:
         return [s for s in self.samples if s["split"] == split]
@@ -108,6 +149,27 @@ class Memory:
                 "task": self.task, "mode": self.meta["mode"], "samples": st["samples"],
                 "heldout_samples": st["heldout_samples"], "entries": st["entries"],
                 "heldout_entries": st["heldout_entries"], "bytes": disk_bytes(self.path)}
+
+
+FINITE_CHECK_MAX = 50_000_000  # keys checked for NaN/inf when first opened (larger memories: not, costs a pass)
+
+
+def _meta_problem(meta) -> str:
+    """What is wrong with a memory's meta.json, or ""."""
+    if not isinstance(meta, dict):
+        return "meta.json is not an object"
+    for key, kind in (("fingerprint", str), ("backbone", str), ("prompt", dict), ("stats", dict), ("mode", str)):
+        if not isinstance(meta.get(key), kind):
+            return f"meta.json has no valid {key!r}"
+    st = meta["stats"]
+    for key in ("samples", "heldout_samples", "entries", "heldout_entries"):
+        v = st.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"meta.json's stats have no valid {key!r}"
+    rms = st.get("key_rms")
+    if not isinstance(rms, (int, float)) or isinstance(rms, bool) or not np.isfinite(rms) or rms <= 0:
+        return "meta.json's key_rms is not a positive number"
+    return ""
 
 
 def disk_bytes(path: Path) -> int:

@@ -8,10 +8,17 @@ A plug-in is trained from a memory (``fit``), saved as ``plugin_config.json`` + 
   CPU decoding step); ``mix`` then turns the step's LM log-probabilities of its rows into the final ones.
 * **in-network** (adapters, memory-tuning, LoRA, ...): ``attach(rows)`` registers forward hooks that change the
   hidden states of *its own batch rows only*, so several methods share one batched forward pass.
+
+Saved plug-ins are checked on load: ``plugin_config.json`` lists the sha256 of its weight file (``files``) and the
+kNN plug-in the sha256 of its FAISS index; a mismatch, a truncated or unreadable file, NaN/inf weights (refused on
+save too), a path that leaves its place (a plug-in in a data directory may only read that directory's memories; file
+names are plain names; see ``check_plugin_paths``) — each is one UserError naming the plug-in's folder, and
+nothing is written.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -22,6 +29,7 @@ import torch
 from torch import nn
 
 from ground.errors import UserError
+from ground.lock import writer_tag
 from ground.store import atomic_dir, write_json_atomic
 from plugins.settings import Setting, coerce_all, config_settings
 from plugins.registry import get_method
@@ -29,10 +37,33 @@ from plugins.registry import get_method
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
 FORMAT_VERSION = 1
+WEIGHTS_FILE = "plugin_model.safetensors"
 
 
 def _noop(*a) -> None:
     pass
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    return [k for k, v in tensors.items() if v.is_floating_point() and v.numel() and not torch.isfinite(v).all()]
+
+
+def plain_file_name(name, what: str, where: Path) -> str:
+    """``name`` if it is a plain file name (no folder, no ``..``), else the UserError of a damaged plug-in."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\x00" in name:
+        raise UserError(f"The plug-in at {where} is damaged: {what} {str(name)[:80]!r} is not a plain file name.")
+    return name
 
 
 @dataclass
@@ -227,18 +258,27 @@ class Plugin(nn.Module):
         """Anything besides the config that ``load`` needs (e.g. the memory it reads at decode time)."""
         return {}
 
-    def save(self, out_dir: str | Path) -> Path:
-        from safetensors.torch import save_file
+    def save(self, out_dir: str | Path, publish=None) -> Path:
+        """Write ``plugin_config.json`` (with the weight file's sha256 and who wrote it) and the safetensors
+        atomically (``atomic_dir``; ``publish``: its catalog step). NaN/inf weights are refused: nothing is saved."""
+        from safetensors.torch import save_file  # heavy: optional at import time
 
         out_dir = Path(out_dir)
-        with atomic_dir(out_dir) as tmp:
-            tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-            save_file(tensors, str(tmp / "plugin_model.safetensors"))
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        bad = nonfinite_tensors(tensors)
+        if bad:
+            raise UserError(f"Training {self.title or self.method} diverged: {', '.join(bad[:3])} hold NaN or "
+                            f"infinite values, so nothing was saved. Try a lower learning rate.")
+        with atomic_dir(out_dir, publish) as tmp:
+            save_file(tensors, str(tmp / WEIGHTS_FILE))
+            weights = tmp / WEIGHTS_FILE
             write_json_atomic(tmp / "plugin_config.json", {
                 "format_version": FORMAT_VERSION, "method": self.method, "config": self.config.to_dict(),
                 "backbone": self.backbone_name, "fingerprint": self.fingerprint, "memory": self.memory_meta,
                 "train_info": self.train_info, "trainable_parameters": self.trainable_parameters(),
-                "extra": self.extra_config(), "saved": time.time()})
+                "extra": self.extra_config(), "saved": time.time(),
+                "files": {WEIGHTS_FILE: {"sha256": file_sha256(weights), "bytes": weights.stat().st_size}},
+                "writer": writer_tag()})
         return out_dir
 
     @classmethod
@@ -254,24 +294,104 @@ class Plugin(nn.Module):
         return self if t is None or t.device == dev else self.to(device=dev)
 
 
+def _damaged(path: Path, what: str) -> UserError:
+    return UserError(f"The plug-in at {path} is damaged: {what}. Train it again.")
+
+
+def _data_root(plugin_dir: Path) -> Path | None:
+    """The data directory a plug-in folder lives in (``<root>/plugins/<id>`` beside ``<root>/studio.db``)."""
+    parent = plugin_dir.parent
+    if parent.name == "plugins" and (parent.parent / "studio.db").is_file():
+        return parent.parent
+    return None
+
+
+def check_plugin_paths(path: Path, meta: dict) -> None:
+    """Every path a saved config names stays where it belongs: file names are plain names (inside the plug-in's
+    folder, or the memory's for a FAISS index); the memory path is absolute without ``..``, and when it points into
+    the plug-in's data directory it must be one of its memories (``<root>/memories/<id>``) — never a plug-in, the
+    catalog or a backbone. (A memory outside any data directory — a folder given to the CLI — stays allowed; the
+    kNN plug-in then checks that it is a memory built on the same backbone.)"""
+    plugin_dir = path.resolve()
+    for name in meta.get("files") or {}:
+        plain_file_name(name, "the file", path)
+    index = (meta.get("extra") or {}).get("index")
+    if index is not None:
+        if not isinstance(index, dict):
+            raise _damaged(path, "its index record is not an object")
+        plain_file_name(index.get("file"), "the index file", path)
+    mpath = (meta.get("memory") or {}).get("path")
+    if mpath is None:
+        return
+    if not isinstance(mpath, str) or not mpath or "\x00" in mpath:
+        raise _damaged(path, "its memory path is not a path")
+    if not Path(mpath).is_absolute() or ".." in Path(mpath).parts:
+        raise _damaged(path, f"its memory path {mpath[:200]!r} is relative or climbs out with '..'")
+    root = _data_root(plugin_dir)
+    if root is not None:
+        target, root = Path(mpath).resolve(), root.resolve()
+        if target.is_relative_to(root) and target.parent != root / "memories":
+            raise _damaged(path, f"its memory path {mpath[:200]!r} points into the data directory but not at one of "
+                                 f"its memories")
+
+
 def load_plugin(path: str | Path, backbone) -> Plugin:
-    """Load any saved plug-in: JSON config + safetensors only; refuses a foreign backbone."""
-    from safetensors.torch import load_file
+    """Load any saved plug-in: JSON config + safetensors only; refuses a foreign backbone, and a damaged or
+    tampered plug-in with one UserError (see the module docstring) — nothing is written while loading."""
+    from safetensors.torch import load_file  # heavy: optional at import time
 
     path = Path(path)
     cfg_path = path / "plugin_config.json"
-    if not cfg_path.exists():
+    if not cfg_path.is_file():
         raise UserError(f"No plug-in at {path} (plugin_config.json is missing).")
-    meta = json.loads(cfg_path.read_text(encoding="utf-8"))
+    try:
+        meta = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _damaged(path, f"plugin_config.json is unreadable ({type(e).__name__})") from None
+    if not isinstance(meta, dict):
+        raise _damaged(path, "plugin_config.json is not an object")
+    for key, kind in (("method", str), ("fingerprint", str), ("config", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise _damaged(path, f"plugin_config.json has no valid {key!r}")
+    for key in ("memory", "extra", "files", "train_info"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise _damaged(path, f"plugin_config.json's {key!r} is not an object")
+    version = meta.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise _damaged(path, "plugin_config.json's format_version is not a number")
+    if version > FORMAT_VERSION:
+        raise UserError(f"The plug-in at {path} was written by a newer PEMA Studio.")
     backbone.check_fingerprint(meta["fingerprint"], "This plug-in")
     cls = get_method(meta["method"])
     config = cls.Config.from_dict(meta["config"])
-    tensors = load_file(str(path / "plugin_model.safetensors"))
-    plugin = cls.build_for_load(config, backbone, meta.get("memory", {}), meta.get("extra", {}), tensors)
-    missing, unexpected = plugin.load_state_dict(tensors, strict=False)
+    check_plugin_paths(path, meta)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise _damaged(path, f"{WEIGHTS_FILE} is missing")
+    for name, rec in (meta.get("files") or {}).items():
+        f = path / name
+        if not f.is_file():
+            raise _damaged(path, f"{name} is missing")
+        want = rec.get("sha256") if isinstance(rec, dict) else None
+        if not isinstance(want, str) or file_sha256(f) != want:
+            raise _damaged(path, f"{name} does not match its checksum (truncated or changed on disk)")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001 — safetensors raises its own error types for a bad file
+        raise _damaged(path, f"{WEIGHTS_FILE} cannot be read ({type(e).__name__})") from None
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise _damaged(path, f"{', '.join(bad[:3])} hold NaN or infinite values")
+    try:
+        plugin = cls.build_for_load(config, backbone, meta.get("memory") or {}, meta.get("extra") or {}, tensors)
+        missing, unexpected = plugin.load_state_dict(tensors, strict=False)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 — wrong shapes or types in a damaged file: the user's problem to know
+        raise _damaged(path, f"its weights do not fit the method ({type(e).__name__}: {str(e)[:200]})") from None
     if missing or unexpected:
         raise UserError(f"The plug-in at {path} is damaged: missing {missing}, unexpected {unexpected}.")
-    plugin.train_info = meta.get("train_info", {})
+    plugin.train_info = meta.get("train_info") or {}
     plugin.plugin_path = path
     plugin.eval()
     return plugin.to_backbone()

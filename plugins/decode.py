@@ -31,6 +31,7 @@ import torch
 from backbone.model import Backbone
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, MixOutput, Plugin
+from plugins.settings import comparison_settings, split_comparison
 from ground.errors import UserError
 
 TOP = 5
@@ -164,15 +165,17 @@ PREFIX_KV = PrefixKV()
 
 def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,
             max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
-            context_ids: list[int] | None = None, use_prefix_cache: bool = True) -> Comparison:
+            context_ids: list[int] | None = None, use_prefix_cache: bool = True,
+            no_repeat_ngram: int | None = None) -> Comparison:
     """Decode ``source`` with every row at once and return each row's text, tokens and per-token trace."""
     return decode_batch(backbone, [source], rows, prompt, max_new_tokens, num_beams, trace,
-                        [context_ids] if context_ids else None, use_prefix_cache)[0]
+                        [context_ids] if context_ids else None, use_prefix_cache, no_repeat_ngram)[0]
 
 
 def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
                  max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
-                 contexts: list[list[int]] | None = None, use_prefix_cache: bool = True) -> list[Comparison]:
+                 contexts: list[list[int]] | None = None, use_prefix_cache: bool = True,
+                 no_repeat_ngram: int | None = None) -> list[Comparison]:
     """Decode several sources × every row in one batch (left-padded prompts); one Comparison per source.
 
     A single source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
@@ -181,9 +184,15 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j (``Batch``). Left padding is masked
     out; rotary position offsets cancel in attention scores, so a padded row computes what it would alone (up to
     float rounding).
+
+    Repetition guard (``no_repeat_ngram``, a comparison setting: ``plugins.settings.COMPARISON_SETTINGS``; given
+    here or in any row's settings): no row may repeat an n-gram of its own output tokens — every row alike, the
+    base model's included. Off (0) by default.
     """
     t0 = time.time()
-    batch = plan_batch(backbone, sources, rows, prompt, num_beams, contexts)
+    batch = plan_batch(backbone, sources, rows, prompt, num_beams, contexts,
+                       {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram})
+    guard = int(batch.comparison.get("no_repeat_ngram", 0))
     fc_last, cache, mask, prefill_handles = prefill(backbone, batch, use_prefix_cache)
     beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
     steps = 0
@@ -194,6 +203,8 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
         for step in range(max_new_tokens):
             steps = step + 1
             out = decode_step(backbone, batch, fc_last, step, attached if trace else None)
+            if guard:
+                ban_repeated_ngrams(out.final, beams.tokens, guard)
             next_tok, src = beams.select(out.final, trace_item(backbone, out) if trace else None)
             if beams.all_done:
                 break
@@ -204,6 +215,24 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
             for h in handles:
                 h.remove()
     return _comparisons(backbone, batch, beams, steps, time.time() - t0)
+
+
+def ban_repeated_ngrams(logprobs: torch.Tensor, tokens: list[list[int]], n: int) -> int:
+    """The repetition guard: for every batch row, set to −inf the log-probability of each token that would
+    complete an n-gram already in that row's output ``tokens[b]`` (HF's ``no_repeat_ngram_size``, over the output
+    only — the prompt and the source may be copied). In place; returns how many (row, token) pairs it banned."""
+    if n <= 0:
+        return 0
+    banned = 0
+    for b, toks in enumerate(tokens):
+        if len(toks) < n:
+            continue
+        prefix = tuple(toks[len(toks) - n + 1:]) if n > 1 else ()
+        bad = {toks[i + n - 1] for i in range(len(toks) - n + 1) if tuple(toks[i:i + n - 1]) == prefix}
+        if bad:
+            logprobs[b, list(bad)] = float("-inf")
+            banned += len(bad)
+    return banned
 
 
 # --- the batch: request and layout ---------------------------------------------------------------------------------
@@ -240,12 +269,13 @@ class Batch:
     prompt: Prompt
     contexts: list[list[int]]
     src_lens: list[int]
-    settings: list[dict]      # per row, complete
+    settings: list[dict]      # per row, complete (the method's own settings)
     num_beams: int
     net: list[NetGroup]
     out: list[OutGroup]
     shared: int
     group_of_row: list[int]   # prefill group per row
+    comparison: dict = field(default_factory=dict)  # settings of every row alike that are on (repetition guard)
 
     @property
     def S(self) -> int:
@@ -282,10 +312,28 @@ class Batch:
         return self.source_of(b) * self.G + self.group_of_row[self.row_of(b)]
 
 
+def _comparison_of(rows: list[Row], given: dict | None) -> tuple[dict, list[dict]]:
+    """The batch's comparison settings (``given``, else those in the rows' settings, which must agree: they apply
+    to every row alike) and each row's own settings without them."""
+    found: dict = dict(given or {})
+    own = []
+    for r in rows:
+        comp, rest = split_comparison(r.settings)
+        for k, v in comparison_settings(comp).items() if comp else ():
+            if k in found and found[k] != v and not (given and k in given):
+                raise UserError(f"The setting {k!r} applies to every row of a comparison alike; rows ask for "
+                                f"{found[k]!r} and {v!r}.")
+            found.setdefault(k, v)
+        own.append(rest)
+    return comparison_settings(found), own
+
+
 def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
-               num_beams: int = 1, contexts: list[list[int]] | None = None) -> Batch:
+               num_beams: int = 1, contexts: list[list[int]] | None = None,
+               comparison: dict | None = None) -> Batch:
     """Check a request and lay out its batch: every row's complete settings, in-network groups by (plug-in,
-    settings), output-level groups by plug-in."""
+    settings), output-level groups by plug-in; the comparison settings (``comparison``, or found in the rows'
+    settings) that every row decodes with."""
     if not rows:
         raise UserError("Choose at least one method to compare.")
     if not sources or any(not s or not s.strip() for s in sources):
@@ -298,7 +346,8 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
     prompt = prompt or Prompt(chat=backbone.chat)
     ctxs = contexts or [backbone.encode_context(prompt.render(s)) for s in sources]
     src_lens = [len(backbone.encode_target(s.strip())) for s in sources]
-    settings = [r.plugin.settings(r.settings) if r.plugin is not None else {} for r in rows]
+    comp, own = _comparison_of(rows, comparison)
+    settings = [r.plugin.settings(o) if r.plugin is not None else {} for r, o in zip(rows, own)]
     for r in rows:
         if r.plugin is not None:
             r.plugin.prepare_decode()
@@ -316,7 +365,7 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
             out.setdefault(id(r.plugin), (r.plugin, []))[1].append(i)
     shared = int(any(r.plugin is None or r.plugin.level != "network" for r in rows))
     batch = Batch(list(sources), list(rows), prompt, ctxs, src_lens, settings, num_beams, list(net.values()), [],
-                  shared, [0] * len(rows))
+                  shared, [0] * len(rows), comp)
     dev = backbone.device
     for g, grp in enumerate(batch.net, start=shared):
         grp.prefill = g
@@ -566,7 +615,8 @@ def _comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, sec
             raw = backbone.decode(toks).rstrip("\n")  # a stop token may carry text before its line break
             results.append(RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw,
                                      tokens=toks, token_texts=[backbone.token_str(t) for t in toks], trace=tr,
-                                     settings=batch.settings[r_i], score=round(float(score), 4)))
+                                     settings={**batch.settings[r_i], **batch.comparison},
+                                     score=round(float(score), 4)))
         comparisons.append(Comparison(source=source, context_ids=batch.contexts[s_i], src_len=batch.src_lens[s_i],
                                       rows=results, seconds=seconds, steps=steps, num_beams=batch.B,
                                       backbone=backbone.name))

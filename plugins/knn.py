@@ -11,11 +11,19 @@ does, the k neighbours the approximate index returns get their exact squared L2 
 stored keys (k rows per query) and are re-sorted by them, so P_kNN's weights are exact. ``search_kind`` says which
 search is in use.
 
+The index file is written under a temporary name (``ground.lock.temp_name``: a crashed writer's leftovers are
+removed at the next start), fsynced and renamed into place, with ``<index>.json`` beside it holding its sha256; the
+plug-in's config records the same sha256 (``extra["index"]``). Loading a saved plug-in verifies the index against
+it before FAISS reads a byte — a bit-flipped, truncated or missing index is a UserError and nothing is rebuilt or
+written; training reuses an index only when it matches its ``.json`` (else it is rebuilt).
+
 Adaptation: keys and queries are divided by the memory's key RMS before distances are taken, so the temperature T
 has the same meaning across backbones (Gemma 3's raw pre-norm states have an RMS near 1,300).
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +31,12 @@ import numpy as np
 import torch
 
 from memories.store import Memory
-from plugins.base import FitResult, MixInput, Plugin, PluginConfig
+from plugins.base import FitResult, MixInput, Plugin, PluginConfig, file_sha256, plain_file_name
 from plugins.registry import register
 from plugins.settings import Setting, setting
 from ground.errors import UserError
+from ground.lock import temp_name
+from ground.store import write_json_atomic
 
 
 @dataclass
@@ -67,6 +77,7 @@ class KNN(Plugin):
         self.register_buffer("key_scale", torch.tensor(float((memory_meta or {}).get("key_rms", 1.0))))
         self.memory: Memory | None = None
         self.index = None
+        self.index_record: dict | None = None  # {"file", "sha256"} of the FAISS index in use
         self.search_kind = ""
 
     @classmethod
@@ -76,10 +87,14 @@ class KNN(Plugin):
         if not (path / "meta.json").exists():
             raise UserError(f"The kNN plug-in reads its memory at decode time, but {path} is gone. "
                             f"Rebuild the memory or train the kNN plug-in again.")
-        p.attach_memory(Memory.load(path, backbone))
+        record = (extra or {}).get("index")
+        p.attach_memory(Memory.load(path, backbone), index_record=record if isinstance(record, dict) else None,
+                        loading=True)
         return p
 
-    def attach_memory(self, memory: Memory) -> None:
+    def attach_memory(self, memory: Memory, index_record: dict | None = None, loading: bool = False) -> None:
+        """Use ``memory`` as the datastore. ``loading`` (a saved plug-in): a FAISS index is verified against
+        ``index_record`` (its sha256 in the plug-in's config) and never rebuilt."""
         self.memory = memory
         self.key_scale.fill_(memory.key_scale if self.config.normalize_keys else 1.0)
         self.memory_meta = {**self.memory_meta, "path": str(memory.path), "id": memory.id,
@@ -90,15 +105,38 @@ class KNN(Plugin):
         self.values = torch.from_numpy(np.asarray(memory.values, dtype=np.int64)).to(dev)
         self.entry_sample = np.asarray(memory.entry_sample)
         if use_faiss:
-            self._build_faiss()
+            self._build_faiss(index_record, loading)
         else:
             keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)).to(dev) / float(self.key_scale)
             self.keys = keys
             self.key_sqnorm = (keys * keys).sum(1)
             self.search_kind = f"exact (torch matmul over {n:,} keys)"
 
-    def _build_faiss(self) -> None:
-        import faiss
+    def _damaged_index(self, path: Path, what: str) -> UserError:
+        return UserError(f"The kNN plug-in's FAISS index {path} {what}. Train the kNN plug-in again (a new index "
+                         f"is built).")
+
+    def _read_index(self, path: Path, sha256: str | None):
+        """``faiss.read_index`` of a file whose sha256 is first checked against ``sha256`` (when given)."""
+        import faiss  # heavy, optional: only for large memories
+
+        if sha256 is not None and file_sha256(path) != sha256:
+            raise self._damaged_index(path, "does not match its checksum (damaged or changed on disk)")
+        try:
+            return faiss.read_index(str(path))
+        except Exception as e:  # noqa: BLE001 — FAISS raises RuntimeError for a bad file
+            raise self._damaged_index(path, f"cannot be read ({type(e).__name__})") from None
+
+    @staticmethod
+    def _sidecar(path: Path) -> dict:
+        try:
+            rec = json.loads(path.with_name(path.name + ".json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return rec if isinstance(rec, dict) and isinstance(rec.get("sha256"), str) else {}
+
+    def _build_faiss(self, record: dict | None = None, loading: bool = False) -> None:
+        import faiss  # heavy, optional: only for large memories
 
         mem = self.memory
         d = mem.keys.shape[1]
@@ -111,9 +149,21 @@ class KNN(Plugin):
         # The index is cached next to the memory, keyed by everything that changes it: whether keys are divided by
         # the memory's key RMS, the IVF lists, the PQ sub-quantizers and bits, and the seed of the training sample.
         scale = "normkeys" if self.config.normalize_keys else "rawkeys"
-        path = mem.path / f"faiss_ivfpq_{scale}_{nlist}lists_{m}x{nbits}pq_seed{self.config.seed}.index"
-        if path.exists():
-            self.index = faiss.read_index(str(path))
+        name = f"faiss_ivfpq_{scale}_{nlist}lists_{m}x{nbits}pq_seed{self.config.seed}.index"
+        path = mem.path / name
+        if loading and record is not None:  # a saved plug-in: exactly the index it was trained with, or an error
+            if plain_file_name(record.get("file"), "the index file", mem.path) != name:
+                raise self._damaged_index(path, f"is recorded as {record.get('file')!r}, which does not belong to "
+                                                f"its settings")
+            if not path.is_file():
+                raise self._damaged_index(path, "is missing")
+            if not isinstance(record.get("sha256"), str):
+                raise self._damaged_index(path, "has no checksum in the plug-in's config")
+            self.index, sha = self._read_index(path, record["sha256"]), record["sha256"]
+        elif path.is_file() and (side := self._sidecar(path)) and (loading or file_sha256(path) == side["sha256"]):
+            self.index, sha = self._read_index(path, side["sha256"] if loading else None), side["sha256"]
+        elif loading and path.is_file():  # an index of an older version, without a checksum
+            self.index, sha = self._read_index(path, None), None
         else:
             quant = faiss.IndexFlatL2(d)
             index = faiss.IndexIVFPQ(quant, d, nlist, m, nbits)
@@ -122,10 +172,18 @@ class KNN(Plugin):
             index.train(np.asarray(mem.keys[sample], dtype=np.float32) / float(self.key_scale))
             for b0 in range(0, n, 65536):
                 index.add(np.asarray(mem.keys[b0:b0 + 65536], dtype=np.float32) / float(self.key_scale))
-            tmp = path.with_suffix(".tmp")
-            faiss.write_index(index, str(tmp))
-            tmp.replace(path)
+            tmp = path.with_name(temp_name(name))
+            try:
+                faiss.write_index(index, str(tmp))
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                sha = file_sha256(tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            write_json_atomic(path.with_name(name + ".json"), {"sha256": sha, "bytes": path.stat().st_size})
             self.index = index
+        self.index_record = {"file": name, "sha256": sha} if sha else None
         self.index.nprobe = self.config.nprobe
         self.search_kind = (f"FAISS IVF-PQ ({self.index.nlist} lists, {m}×{nbits}-bit PQ, nprobe "
                             f"{self.config.nprobe}, {n:,} keys; exact L2 re-rank)")
@@ -215,4 +273,7 @@ class KNN(Plugin):
         return int(settings["k"]), float(settings["temperature"])
 
     def extra_config(self) -> dict:
-        return {"search": self.search_kind}
+        extra = {"search": self.search_kind}
+        if self.index is not None and self.index_record is not None:
+            extra["index"] = dict(self.index_record)  # verified on load
+        return extra

@@ -301,7 +301,7 @@ class NetworkPlugin(Plugin):
         cand = getattr(self, "_cand", None)
         return targets if cand is None else cand[1][targets]
 
-    def prepare_candidates(self, memory) -> dict:
+    def prepare_candidates(self, memory, progress=None) -> dict:
         """With ``softmax="candidates"`` (as PEMA's fast mode): every token occurring as a value of the memory's
         training entries, the backbone's stop tokens and the LM's top tokens on a sample of memory contexts (keys =
         f(c)); nothing of the held-out samples (the early-stopping samples are training samples, so their targets
@@ -312,7 +312,7 @@ class NetworkPlugin(Plugin):
             return {"softmax": "full"}
         bb = self.backbone
         ids = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts, cfg.seed,
-                                   include_heldout=False)
+                                   include_heldout=False, progress=progress)
         remap = torch.zeros(bb.vocab_size, dtype=torch.long, device=bb.device)
         remap[ids] = torch.arange(len(ids), device=bb.device)
         self._cand = (ids, remap, bb.lm_head.weight[ids].detach())
@@ -333,7 +333,9 @@ class NetworkPlugin(Plugin):
         self.to(bb.device)
         progress(0.0, "preparing the memory's samples")
         train, held = self._data(memory)
-        info = {**self.prepare_candidates(memory), **(prepare(train) if prepare else {})}
+        cand = self.prepare_candidates(memory, lambda f, m: progress(0.01 + 0.02 * f, m))
+        progress(0.03, "calibrating the plug-in on the training samples")
+        info = {**cand, **(prepare(train) if prepare else {})}
         params = self._trainable()
         for p in self.parameters():
             p.requires_grad_(False)

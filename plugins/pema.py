@@ -142,6 +142,11 @@ class PEMA(Plugin):
     Config = PEMAConfig
     level = "output"
     interpolates = True
+    # Continue training (``resume_state``, set before ``fit``: the saved optimizer of the joint phase) continues
+    # phase 2 — the reconstruction phase and A's re-initialisation are not run again — from the plug-in's own
+    # weights; ``optimizer_state`` holds the joint phase's optimizer after ``fit``.
+    resumable = True
+    resume_state: dict | None = None
     decode_settings = (
         Setting("lambda_max", 0.8, "λ_max: P_PEMA's weight in the mix (with GU, at the first output token); paper "
                 "default 0.8", low=0.0, high=1.0, live=True, step=0.05, label="PEMA λ_max",
@@ -245,10 +250,12 @@ class PEMA(Plugin):
         hx = self.scaled(torch.from_numpy(np.asarray(keys[stop_rows], dtype=np.float32)).to(dev))
         hy = torch.from_numpy(values[stop_rows]).to(dev)
 
+        resume = (self.resume_state or {}).get("joint")
         if cfg.softmax == "candidates":
             progress(0.0, "choosing the candidate vocabulary")
             self.candidates = candidate_vocabulary(bb, memory, cfg.candidate_top_k, cfg.candidate_contexts,
-                                                   cfg.seed, include_heldout=False).to(dev)
+                                                   cfg.seed, include_heldout=False,
+                                                   progress=lambda f, m: progress(0.03 * f, m)).to(dev)
             remap = torch.full((bb.vocab_size,), -1, dtype=torch.long, device=dev)
             remap[self.candidates] = torch.arange(len(self.candidates), device=dev)
             cand = self.candidates
@@ -268,6 +275,10 @@ class PEMA(Plugin):
         history = self.new_history()
         loop = dict(lr=cfg.lr, batch_size=cfg.batch_size, patience=cfg.patience, lr_schedule=cfg.lr_schedule,
                     max_minutes=cfg.max_minutes, seed=cfg.seed)
+
+        if resume is not None:
+            return self._continue_joint(memory, resume, train_rows, batch, target, cand, hx, hy, history, loop,
+                                        progress, should_stop)
 
         # Phase 1: initial reconstruction (A, B_rct).
         if cfg.rct_init == "pca":
@@ -305,7 +316,15 @@ class PEMA(Plugin):
                 self.B_pd.copy_(self.B_rct)
         self.B_rct.requires_grad_(False)
         self.B_pd.requires_grad_(True)
+        joint_loss, joint_heldout = self._joint_fns(batch, target, cand, hx, hy)
+        state: dict = {}
+        s2 = run_training(self, [self.A, self.B_pd], len(train_rows), joint_loss, joint_heldout,
+                          LoopSettings(max_epochs=cfg.max_epochs_joint, **loop), "joint", progress,
+                          should_stop, history, (0.3, 1.0), state_out=state)
+        self.optimizer_state = {"joint": state}
+        return self._finish(s1, s2, hx, train_rows, history)
 
+    def _joint_fns(self, batch, target, cand, hx, hy):
         def joint_loss(idx):
             x, y = batch(idx)
             loss, l_rct, l_pd = self.joint_losses(x, target(y), cand)
@@ -319,9 +338,27 @@ class PEMA(Plugin):
                     tot += float(self.joint_losses(x, target(y), cand)[0]) * len(x)
                 return tot / len(hx)
 
+        return joint_loss, joint_heldout
+
+    def _continue_joint(self, memory, resume, train_rows, batch, target, cand, hx, hy, history, loop, progress,
+                        should_stop) -> FitResult:
+        """Continue the joint phase of a trained plug-in from its weights and saved optimizer state."""
+        cfg = self.config
+        s1 = dict(self.train_info.get("reconstruction") or {"phase": "reconstruction"})
+        self.B_rct.requires_grad_(False)
+        self.A.requires_grad_(True)
+        self.B_pd.requires_grad_(True)
+        joint_loss, joint_heldout = self._joint_fns(batch, target, cand, hx, hy)
+        state: dict = {}
         s2 = run_training(self, [self.A, self.B_pd], len(train_rows), joint_loss, joint_heldout,
                           LoopSettings(max_epochs=cfg.max_epochs_joint, **loop), "joint", progress,
-                          should_stop, history, (0.3, 1.0))
+                          should_stop, history, (0.05, 1.0), resume=resume, state_out=state)
+        self.optimizer_state = {"joint": state}
+        return self._finish(s1, s2, hx, train_rows, history)
+
+    def _finish(self, s1, s2, hx, train_rows, history) -> FitResult:
+        cfg = self.config
+        bb = self.backbone
         for p in self.parameters():
             p.requires_grad_(False)
         metrics = {"reconstruction": s1, "joint": s2, "early_stop_entries": int(len(hx)),

@@ -113,6 +113,34 @@ class Setting:
         return value
 
 
+# Settings of a whole comparison, not of one method: the decode engine applies them to every row of a batch alike
+# — the base model's row included — so they are declared once, here, and not in each method's decode_settings.
+# They are addressed like a method's settings, to the key ``ALL_ROWS`` ({"all": {"no_repeat_ngram": 3}},
+# ``--set no_repeat_ngram=3``); a row's recorded settings include them when they are on.
+COMPARISON_SETTINGS: tuple[Setting, ...] = (
+    Setting("no_repeat_ngram", 0, "repetition guard: no output repeats an n-gram of its own tokens of this size "
+            "(HF's no_repeat_ngram_size, over the output only); 0 = off, as in the papers — it changes their "
+            "decoding. Applies to every row alike, the base model's included", low=0, high=10, step=1,
+            label="No repeated n-gram (every row; 0 = off)"),
+)
+ALL_ROWS = "all"  # the settings key that addresses every row of a comparison
+_COMPARISON_NAMES = {s.name for s in COMPARISON_SETTINGS}
+
+
+def split_comparison(values: dict | None) -> tuple[dict, dict]:
+    """``(comparison settings, the rest)`` of one row's settings."""
+    values = dict(values or {})
+    return ({k: v for k, v in values.items() if k in _COMPARISON_NAMES},
+            {k: v for k, v in values.items() if k not in _COMPARISON_NAMES})
+
+
+def comparison_settings(values: dict | None) -> dict:
+    """Comparison settings checked against their declarations; only those that are on (not their default)."""
+    checked = coerce_all(COMPARISON_SETTINGS, dict(values or {}), "the comparison")
+    defaults = {s.name: s.default for s in COMPARISON_SETTINGS}
+    return {k: v for k, v in checked.items() if v != defaults[k]}
+
+
 def setting(default: Any, help: str = "", **kw) -> Any:
     """A dataclass field of a method's ``Config`` that declares a training setting (``Setting``'s keywords)."""
     return dataclasses.field(default=default, metadata={"setting": dict(help=help, **kw)})
@@ -170,6 +198,9 @@ def address_sets(sets: dict, rows: list[tuple[str, type]]) -> dict[str, dict]:
     keys = {k for k, _cls in rows} | set(methods)
     for name, value in sets.items():
         target, dot, rest = name.partition(".")
+        if name in _COMPARISON_NAMES or (target == ALL_ROWS and rest in _COMPARISON_NAMES):
+            out.setdefault(ALL_ROWS, {})[rest if target == ALL_ROWS else name] = value  # every row alike
+            continue
         if dot and target in keys:
             out.setdefault(target, {})[rest] = value
             continue
@@ -184,8 +215,18 @@ def address_sets(sets: dict, rows: list[tuple[str, type]]) -> dict[str, dict]:
 
 def resolve_row_settings(key_chain: Iterable[str], per_row: dict | None) -> dict:
     """One row's overrides from ``per_row`` ({method | plug-in id | label: {name: value}}), the more specific key
-    last: ``key_chain`` is (method, plug-in id, label)."""
+    last: ``key_chain`` is (method, plug-in id, label). The ``ALL_ROWS`` block (comparison settings only) comes
+    first, for every row."""
     out: dict = {}
+    every = (per_row or {}).get(ALL_ROWS)
+    if every is not None:
+        if not isinstance(every, dict):
+            raise UserError(f"The settings for {ALL_ROWS!r} must be an object of name: value pairs.")
+        other = sorted(set(every) - _COMPARISON_NAMES)
+        if other:
+            raise UserError(f"Only settings of the whole comparison ({', '.join(sorted(_COMPARISON_NAMES))}) can "
+                            f"be given to {ALL_ROWS!r}; address {', '.join(other)} to a method instead.")
+        out.update(every)
     for key in key_chain:
         block = (per_row or {}).get(key)
         if isinstance(block, dict):
@@ -206,7 +247,8 @@ def row_settings(plugin, task: str | None, backbone_name: str | None, overrides:
     """A row's complete decode settings — declared defaults ← tuned for (task, backbone) ← ``overrides`` — checked
     against the method's declarations. The one place where defaults are merged (Compare, Evaluate, CLIs, eval)."""
     tuned = tuned_decode_settings(plugin.method, task, backbone_name)
-    return plugin.settings({**tuned, **(overrides or {})})
+    comparison, own = split_comparison(overrides)
+    return {**plugin.settings({**tuned, **own}), **comparison_settings(comparison)}
 
 
 def decode_grid(cls, fine: bool = False) -> list[dict]:

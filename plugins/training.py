@@ -36,10 +36,18 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
                  train_loss: Callable[[np.ndarray], tuple[torch.Tensor, dict]],
                  heldout_loss: Callable[[], float], s: LoopSettings, phase: str,
                  progress: Callable[[float, str], None], should_stop: Callable[[], bool],
-                 history: list[dict], progress_span: tuple[float, float] = (0.0, 1.0)) -> dict:
+                 history: list[dict], progress_span: tuple[float, float] = (0.0, 1.0),
+                 resume: dict | None = None, state_out: dict | None = None) -> dict:
     """Train ``params`` by minimising ``train_loss(batch_indices)``; early-stop on ``heldout_loss()``.
 
-    Returns a summary: best held-out loss, epochs, steps, seconds, tokens/s, whether it stopped early.
+    Returns a summary: best held-out loss, epochs (and ``max_epochs``), steps, seconds, tokens/s, and
+    ``stopped_by``: "early_stopping" (converged by the early-stopping rule), "max_epochs" (ran every epoch) or
+    "time_budget" (``max_minutes`` ran out first: the plug-in may be under-trained).
+
+    Continuing a run: ``state_out`` (a dict) receives the optimizer's state and the loop's counters at the end
+    (:func:`optimizer_state`); passed back as ``resume`` (with the same parameters, in the same order), training
+    goes on from there — Adam's moments, the step count (so the learning-rate schedule continues), the epochs
+    done so far — for ``s.max_epochs`` more epochs at most. The weights to continue from are the module's own.
     """
     params = [p for p in params if p.requires_grad]
     opt = torch.optim.Adam(params, lr=s.lr, betas=tuple(s.betas), eps=s.eps)
@@ -47,14 +55,25 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
     steps_per_epoch = max(1, math.ceil(n_train / s.batch_size))
     total_steps = steps_per_epoch * s.max_epochs
     eval_every = s.eval_every or steps_per_epoch
+    step0 = 0  # steps done before this run (continued training)
+    if resume:
+        step0 = int(resume.get("loop", {}).get("steps", 0))
+        if resume.get("optimizer"):  # Adam's moments per parameter; the hyperparameters are this run's
+            sd = opt.state_dict()
+            sd["state"] = resume["optimizer"]["state"]
+            opt.load_state_dict(sd)
+        rng = np.random.default_rng([s.seed, step0])  # another shuffle than the first run's epochs
+        total_steps += step0
     if s.lr_schedule == "cosine":
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / max(1, s.warmup_steps))
-                                                  * 0.5 * (1 + math.cos(math.pi * min(t, total_steps) / total_steps)))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + step0 + 1) / max(1, s.warmup_steps))
+                                                  * 0.5 * (1 + math.cos(math.pi * min(t + step0, total_steps)
+                                                                        / total_steps)))
     else:
         sched = None
     lo, hi = progress_span
     t0 = time.time()
     module.eval()
+    progress(lo, f"{phase}: evaluating the early-stopping loss before training")
     best = heldout_loss()
     best_state = copy.deepcopy(module.state_dict())
     history.append({"phase": phase, "step": 0, "epoch": 0.0, "heldout_loss": best, "time": 0.0})
@@ -82,13 +101,16 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
                 history.append({"phase": phase, "step": step, "epoch": step / steps_per_epoch,
                                 "loss": float(loss.detach()), **{k: float(v) for k, v in parts.items()},
                                 "time": time.time() - t0})
-            frac = min(1.0, step / total_steps)
+            frac = min(1.0, step / max(1, total_steps - step0))
+            if s.max_minutes:  # with a budget, the run ends at whichever comes first: the epochs or the time
+                frac = max(frac, min(1.0, (time.time() - t0) / (60 * s.max_minutes)))
             progress(lo + (hi - lo) * frac, f"{phase}: epoch {epoch + 1}/{s.max_epochs} step {step} "
                                              f"loss {float(loss.detach()):.4f} (best held-out {best:.4f})")
             out_of_time = bool(s.max_minutes) and time.time() - t0 > 60 * s.max_minutes
             # evaluate on schedule, and once more when the budget ends, so the last steps are not thrown away
             if step % eval_every == 0 or out_of_time:
                 module.eval()
+                progress(lo + (hi - lo) * frac, f"{phase}: evaluating the early-stopping loss (step {step})")
                 h = heldout_loss()
                 module.train()
                 history.append({"phase": phase, "step": step, "epoch": step / steps_per_epoch,
@@ -106,12 +128,51 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
                 break
         if done:
             break
+    if state_out is not None:  # the optimizer as it ended (before the best weights are restored)
+        state_out.update(optimizer=opt.state_dict(),
+                         loop={"steps": step0 + step, "epochs": round((step0 + step) / steps_per_epoch, 4)})
     module.load_state_dict(best_state)
     module.eval()
     secs = time.time() - t0
+    epochs_before = round(step0 / steps_per_epoch, 2)
     return {"phase": phase, "best_heldout_loss": best, "epochs": round(step / steps_per_epoch, 2), "steps": step,
-            "seconds": round(secs, 2), "entries_per_second": round(seen / max(secs, 1e-9), 1),
-            "stopped_by": reason}
+            "max_epochs": s.max_epochs, "seconds": round(secs, 2),
+            "entries_per_second": round(seen / max(secs, 1e-9), 1), "stopped_by": reason,
+            **({"continued_from_epochs": epochs_before,
+                "total_epochs": round((step0 + step) / steps_per_epoch, 2)} if resume else {})}
+
+
+def optimizer_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """A ``run_training`` ``state_out`` (one phase: ``{"optimizer", "loop"}``, or several keyed by phase) as flat
+    tensors for safetensors: ``<phase>/state/<i>/<name>`` and ``<phase>/loop/<counter>``."""
+    out: dict[str, torch.Tensor] = {}
+    phases = state if "optimizer" not in state else {"": state}
+    for phase, st in phases.items():
+        pre = f"{phase}/" if phase else ""
+        for i, ps in st["optimizer"]["state"].items():
+            for k, v in ps.items():
+                out[f"{pre}state/{i}/{k}"] = (v if isinstance(v, torch.Tensor) else torch.tensor(v)).detach().cpu() \
+                    .contiguous()
+        for k, v in st.get("loop", {}).items():
+            out[f"{pre}loop/{k}"] = torch.tensor(float(v), dtype=torch.float64)
+    return out
+
+
+def optimizer_from_tensors(tensors: dict[str, torch.Tensor]) -> dict:
+    """The inverse of :func:`optimizer_tensors`: ``{phase: {"optimizer": {"state"}, "loop"}}`` (phase "" for a
+    single one), each ready for ``run_training(resume=…)`` (Adam: ``step``, ``exp_avg``, ``exp_avg_sq`` per
+    parameter index)."""
+    phases: dict[str, dict] = {}
+    for key, v in tensors.items():
+        parts = key.split("/")
+        phase = parts[0] if parts[0] not in ("state", "loop") else ""
+        rest = parts[1:] if phase else parts
+        st = phases.setdefault(phase, {"optimizer": {"state": {}}, "loop": {}})
+        if rest[0] == "state":
+            st["optimizer"]["state"].setdefault(int(rest[1]), {})[rest[2]] = v
+        else:
+            st["loop"][rest[1]] = int(v) if rest[1] == "steps" else float(v)
+    return phases
 
 
 class BudgetGuard:
@@ -191,7 +252,8 @@ def early_stopping_split(entry_sample: np.ndarray, frac: float = 0.1, seed: int 
 
 
 def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int,
-                         include_heldout: bool = False) -> torch.Tensor:
+                         include_heldout: bool = False,
+                         progress: Callable[[float, str], None] | None = None) -> torch.Tensor:
     """The fast-softmax candidate vocabulary shared by every method that offers ``softmax="candidates"``: every token
     that occurs as a value of the memory's training entries, the backbone's stop tokens, and the LM's ``top_k`` tokens
     on ``contexts`` seeded sampled memory contexts (keys = f(c), training entries). Sorted token ids (long) on the
@@ -210,6 +272,9 @@ def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int,
         pick = np.sort(np.random.default_rng(seed).choice(n, size=min(n, contexts), replace=False))
         with torch.no_grad():
             for b0 in range(0, len(pick), 32):  # 32 rows × V float32 logits: ~34 MB on Gemma, not ~270 MB
+                if progress is not None:
+                    progress(b0 / len(pick), f"candidate vocabulary: the LM's top tokens on {b0}/{len(pick)} "
+                                             f"memory contexts")
                 fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 32]], dtype=np.float32))
                 top = backbone.logits_from_fc(fc.to(backbone.device)).topk(top_k, dim=-1).indices
                 toks |= set(top.flatten().tolist())

@@ -19,11 +19,22 @@ from backbone.tasks import task_prompt
 from ground.errors import UserError
 from plugins.decode import Row, compare as decode_compare
 from plugins.registry import get_method
-from plugins.settings import resolve_row_settings, row_settings
+from plugins.settings import ALL_ROWS, resolve_row_settings, row_settings, split_comparison
 from studio.payload import json_safe, shared_trace, word_diff
 
 
 RECENT_COMPARISONS = 64
+
+
+def with_comparison(settings: dict | None, no_repeat_ngram: int | None) -> dict | None:
+    """``settings`` with the repetition guard given as a keyword added to its ``"all"`` block."""
+    if no_repeat_ngram is None:
+        return settings
+    if settings is not None and not isinstance(settings, dict):
+        raise UserError('Decode settings must be an object like {"pema": {"lambda_max": 0.5}}.')
+    out = dict(settings or {})
+    out[ALL_ROWS] = {**(out.get(ALL_ROWS) or {}), "no_repeat_ngram": no_repeat_ngram}
+    return out
 
 
 class CompareService:
@@ -44,7 +55,9 @@ class CompareService:
         self.limits.check("methods_per_comparison", len(methods), "The number of methods")
         for m in methods:
             if m in ("base", "", None):
-                rows.append(Row("Base model", None, {}))
+                # the base model has no settings of its own; the comparison's (repetition guard) apply to it too
+                rows.append(Row("Base model", None,
+                                split_comparison(resolve_row_settings(("base", "Base model"), settings))[0]))
                 labels.add("Base model")
                 continue
             plugin = self._plugin(m, owner)
@@ -80,14 +93,18 @@ class CompareService:
 
     def compare(self, source: str, task: str = "translation", methods: list[str] | None = None,
                 settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
-                reference: str | None = None, *, owner: str | None = None) -> dict:
+                reference: str | None = None, *, owner: str | None = None, no_repeat_ngram: int | None = None
+                ) -> dict:
         """Decode ``source`` with every chosen method (the owner's plug-ins) in one batch; return a JSON-able
         comparison payload, kept for its owner under ``payload["id"]``.
 
         ``methods``: "base" and/or plug-in ids. ``settings``: ``{method | plug-in id | label: {name: value}}``,
-        each block given only to the rows it names (see ``_rows``); each row's complete settings are in the payload.
+        each block given only to the rows it names (see ``_rows``), and ``{"all": {...}}`` for the settings of the
+        whole comparison (``plugins.settings.COMPARISON_SETTINGS``: the repetition guard ``no_repeat_ngram``, also
+        a keyword here); each row's complete settings are in the payload.
         """
         owner = self._owner(owner)
+        settings = with_comparison(settings, no_repeat_ngram)
         if not isinstance(source, str) or not source.strip():
             raise UserError("Type a sentence to translate or rewrite.")
         self.limits.check("input_chars", len(source.strip()), "The sentence's length in characters")

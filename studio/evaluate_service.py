@@ -1,15 +1,20 @@
-"""The Studio's evaluations: methods or a λ_max sweep on held-out pairs, as background jobs; results as CSV."""
+"""The Studio's evaluations: methods or a λ_max sweep on held-out pairs, as background jobs; results as CSV and
+JSON files for download (per owner, under the data directory's ``downloads/``, one set per evaluation)."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import os
+import time
 from pathlib import Path
 
 from eval import run as eval_run
 from ground.errors import UserError
 from ground.jobs import JobContext
 from memories.parse import parse_samples_strict
+from studio.compare_service import with_comparison
 from studio.payload import json_safe
 
 
@@ -22,7 +27,7 @@ class EvaluateService:
                         task: str = "translation", limit: int = 50, settings: dict | None = None,
                         sweep_plugin: str | None = None,
                         lambdas: list[float] | None = None, max_new_tokens: int = 48,
-                        owner: str | None = None) -> str:
+                        owner: str | None = None, no_repeat_ngram: int | None = None) -> str:
         """Queue an evaluation of ``methods`` (or, with ``sweep_plugin``, a λ_max sweep with and without GU) on one
         of the owner's memories' held-out split or an uploaded test file of source/reference pairs; the plug-ins
         must be the owner's. At most ``limits.eval_pairs`` pairs (``limit`` 0: all of them)."""
@@ -34,6 +39,7 @@ class EvaluateService:
         if limit < 0:
             raise UserError("The number of sentences must be 0 (all) or more.")
         max_new_tokens, _ = self._check_decode(max_new_tokens)
+        settings = with_comparison(settings, no_repeat_ngram)
         if settings is not None and not isinstance(settings, dict):
             raise UserError('Decode settings must be an object like {"pema": {"lambda_max": 0.5}}.')
         args: dict = {"task": task, "limit": limit, "settings": settings or {}, "max_new_tokens": max_new_tokens}
@@ -114,17 +120,85 @@ class EvaluateService:
 
     @staticmethod
     def results_csv(result: dict) -> str:
-        """An evaluation result as CSV text (the methods table, or the λ sweep)."""
+        """An evaluation result as CSV text (the methods table, or the λ sweep): one line per row with its metrics,
+        confidence intervals and p-values, its complete decode settings, n, the data, the task, the backbone and
+        sacreBLEU's signatures."""
         rows = result.get("sweep") if result.get("mode") == "sweep" else result.get("methods")
-        context = {"n": result.get("pairs", result.get("n")), "data": result.get("data"),
-                   "backbone": result.get("backbone")}
-        rows = [{**r, **{k: v for k, v in context.items() if v is not None}} for r in rows or []]
-        buf = io.StringIO()
-        cols: list[str] = []
-        for r in rows:
-            cols += [k for k, v in r.items() if k not in cols and (k == "settings" or not isinstance(v, (list, dict)))]
-        w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: json.dumps(v, ensure_ascii=False) if isinstance(v, dict) else v for k, v in r.items()})
-        return buf.getvalue()
+        sig = result.get("signatures") or {}
+        context = {"n": result.get("pairs", result.get("n")), "data": result.get("data"), "task": result.get("task"),
+                   "backbone": result.get("backbone"), "bleu_signature": sig.get("sacrebleu"),
+                   "chrf_signature": sig.get("chrf")}
+        rows = [{**{k: v for k, v in context.items() if v is not None}, **r} for r in rows or []]
+        return _csv(rows)
+
+    @staticmethod
+    def outputs_csv(result: dict) -> str:
+        """Per sentence: source, reference, every method's output and its sentence chrF (CSV text)."""
+        return _csv(result.get("outputs") or [])
+
+    # --- downloads ----------------------------------------------------------------------------------------------
+    DOWNLOAD_MAX_AGE = 24 * 3600  # older evaluation files are removed whenever new ones are written
+
+    def downloads_root(self) -> Path:
+        return self.root / "downloads"
+
+    def _downloads_dir(self, owner: str) -> Path:
+        """The owner's download folder (named by a hash: an owner id may be an e-mail-like name)."""
+        return self.downloads_root() / hashlib.sha256(owner.encode("utf-8")).hexdigest()[:20]
+
+    def _prune_downloads(self) -> None:
+        root = self.downloads_root()
+        if not root.is_dir():
+            return
+        cutoff = time.time() - self.DOWNLOAD_MAX_AGE
+        for folder in root.iterdir():
+            for f in folder.glob("*") if folder.is_dir() else [folder]:
+                try:
+                    if f.stat().st_mtime < cutoff:
+                        f.unlink()
+                except OSError:
+                    pass
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+
+    def evaluation_files(self, job_id: str, *, owner: str | None = None) -> list[Path]:
+        """One of the owner's finished evaluations as files to download: the scores table (CSV), the per-sentence
+        outputs (CSV; not for a sweep) and everything as JSON. Written once per evaluation under the owner's
+        download folder (the same names each time, so nothing piles up; files older than a day are removed)."""
+        owner = self._owner(owner)
+        job = self.job(job_id, owner=owner)
+        res = job.get("result") if job["kind"] == "evaluate" and job["state"] == "done" else None
+        if not res:
+            raise UserError("This evaluation has no results (yet).")
+        self._prune_downloads()
+        folder = self._downloads_dir(owner)
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"pema-eval-{job['id']}"
+        files = {f"{stem}-scores.csv": self.results_csv(res),
+                 f"{stem}.json": json.dumps(res, indent=1, ensure_ascii=False)}
+        if res.get("outputs"):
+            files[f"{stem}-outputs.csv"] = self.outputs_csv(res)
+        out = []
+        for name, text in files.items():
+            path = folder / name
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                tmp = folder / f".{name}.tmp"
+                tmp.write_text(text, encoding="utf-8")
+                os.replace(tmp, path)
+            else:
+                os.utime(path)  # still wanted: keep it another day
+            out.append(path)
+        return out
+
+
+def _csv(rows: list[dict]) -> str:
+    """Dicts as CSV text: the union of their keys as columns, in first-seen order; dicts and lists as JSON."""
+    buf = io.StringIO()
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v for k, v in r.items()})
+    return buf.getvalue()

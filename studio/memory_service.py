@@ -8,9 +8,10 @@ from pathlib import Path
 from backbone.prompts import TASKS
 from backbone.tasks import task_prompt
 from ground.errors import UserError
-from ground.jobs import JobContext
+from ground.jobs import READ_ONLY_MESSAGE, JobContext
 from ground.store import new_id
-from memories.build import build_memory, register_memory
+from ground.text import check_name, first_unsafe
+from memories.build import build_memory
 from memories.corpora import available_corpora, load_corpus
 from memories.parse import Sample, detect_format, parse_samples, parse_samples_strict
 from memories.store import Memory
@@ -18,6 +19,7 @@ from studio.payload import human_bytes
 
 
 MAX_PREVIEW_ROWS = 100
+UPLOAD_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt")
 
 
 class MemoryService:
@@ -46,6 +48,8 @@ class MemoryService:
         Returns ``{"count", "monolingual", "problems": [...], "problem_count", "rows": [[line, src, tgt]],
         "format", "ok"}``; per-line problems name their line.
         """
+        if filename is not None and not isinstance(filename, str):
+            raise UserError("The file name must be text.")
         if corpus:
             samples, problems, fmt = self._corpus_samples(corpus, limit or 200), [], "demo corpus"
         else:
@@ -64,13 +68,24 @@ class MemoryService:
                 "format": fmt, "ok": bool(samples) and not problems}
 
     def _check_upload(self, data: bytes | str | None) -> None:
-        n = len(data.encode("utf-8") if isinstance(data, str) else data or b"")
+        """The size bound, for bytes (an upload) and text (pasted, or sent through the API) alike; the parser then
+        gives both the same encoding / NUL / surrogate checks (``memories.parse``)."""
+        if data is not None and not isinstance(data, (str, bytes)):
+            raise UserError("Send the samples as text or as a file.")
+        n = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data or b"")
         self.limits.check("upload_bytes", n, "The uploaded text's size in bytes")
 
     def _check_name(self, name: str | None, what: str) -> str:
-        name = (name or "").strip()
+        """A name typed by the user: text, within ``name_chars``, without control characters, terminal escapes,
+        bidirectional overrides or lone surrogates (``ground.text.check_name``)."""
+        name = check_name(name, what)
         self.limits.check("name_chars", len(name), f"The {what}'s length in characters")
         return name
+
+    def _default_name(self, text: str) -> str:
+        """A name made from a file name: unsafe characters dropped, cut to the name bound."""
+        name = "".join(ch for ch in text if first_unsafe(ch) is None).strip() or "uploaded samples"
+        return name[: self.limits.name_chars] if self.limits.name_chars else name
 
     def submit_build(self, data: bytes | str | None = None, filename: str | None = None, *, name: str = "",
                      task: str = "translation", mode: str = "teacher", corpus: str | None = None,
@@ -78,7 +93,11 @@ class MemoryService:
         """Validate the samples now (a bad upload fails here, before any job) and queue a memory build for
         ``owner`` (refused beyond the owner's quota of memories, counting the builds still queued)."""
         owner = self._owner(owner)
+        if self.jobs.read_only:
+            raise UserError(READ_ONLY_MESSAGE)
         name = self._check_name(name, "memory name")
+        if filename is not None and not isinstance(filename, str):
+            raise UserError("The file name must be text.")
         pending = len(self.jobs.list(kinds=("build_memory",), states=("queued", "running"), owner=owner))
         self.limits.check_quota("memories_per_owner", self.catalog.count("memories", owner) + pending,
                                 "memories (with the builds under way)")
@@ -90,7 +109,7 @@ class MemoryService:
         if corpus:
             samples = self._corpus_samples(corpus, limit)
             args.update(corpus=corpus, limit=int(limit) if limit else None,
-                        name=args["name"] or f"{corpus} ({len(samples)} samples)")
+                        name=args["name"] or self._default_name(f"{corpus} ({len(samples)} samples)"))
         else:
             if data is None or not (data.strip() if isinstance(data, (str, bytes)) else data):
                 raise UserError("Upload a file, paste some samples, or pick a demo corpus first.")
@@ -99,11 +118,13 @@ class MemoryService:
             self.limits.check("samples", len(samples), "The number of samples")
             up = self.root / "uploads"
             up.mkdir(parents=True, exist_ok=True)
-            path = up / f"{secrets.token_hex(8)}{Path(filename or 'pasted.txt').suffix or '.txt'}"
+            suffix = Path(filename or "pasted.txt").suffix.lower()
+            suffix = suffix if suffix in UPLOAD_SUFFIXES else ""
+            path = up / f"{secrets.token_hex(8)}{suffix or '.txt'}"
             path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
-            stem = Path(filename).stem if filename else "pasted samples"
-            args.update(upload=str(path), filename=filename or "pasted.txt", skip_invalid=bool(skip_invalid),
-                        name=args["name"] or stem)
+            stem = self._default_name(Path(filename).stem) if filename else "pasted samples"
+            args.update(upload=str(path), filename=stem + suffix if filename else "pasted.txt",
+                        skip_invalid=bool(skip_invalid), name=args["name"] or stem)
         args["count"] = len(samples)
         try:
             return self.jobs.submit("build_memory", args, owner=owner)
@@ -125,13 +146,16 @@ class MemoryService:
                                                skip_invalid=a.get("skip_invalid", False))
             bb = self._job_backbone(job)
             with self.gate.use(holder=f"building memory {a['name']!r}"):
+                # every phase calls should_stop at least once per batch; the checkpoint in it hands the backbone
+                # to a waiting comparison, so nobody waits longer than one batch
                 job.checkpoint = self.gate.checkpoint
                 mid = new_id("mem-")
                 job.log(f"Building memory {a['name']!r} from {len(samples)} samples ({a['mode']} mode)")
+                # the folder and its catalog row appear in one step (nothing to clean up after a failure)
                 mem = build_memory(bb, samples, self.root / "memories" / mid,
                                    prompt=task_prompt(a["task"], bb), task=a["task"], mode=a["mode"],
-                                   name=a["name"], progress=job.progress, should_stop=job.should_stop)
-            register_memory(self.catalog.owned_by(job.owner), mem)  # only now, after the folder is complete
+                                   name=a["name"], progress=job.progress, should_stop=job.should_stop,
+                                   catalog=self.catalog.owned_by(job.owner))
             s = mem.summary()
             return {"memory_id": mem.id, "name": s["name"], "samples": s["samples"],
                     "heldout_samples": s["heldout_samples"], "entries": s["entries"],

@@ -3,17 +3,78 @@ plug-ins and jobs each for their owner."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+
+from safetensors.torch import load_file, save_file
 
 from backbone.model import resolve_name
 from ground.errors import UserError
 from ground.jobs import JobContext
+from ground.store import new_id
 from plugins.api import make_config, method_table, open_memory, open_plugin, train_plugin
 from plugins.registry import available_methods, get_method
 from plugins.settings import coerce_all, tuned_decode_settings
+from plugins.training import optimizer_from_tensors, optimizer_tensors
 
 
 PLUGIN_CACHE = 8
+OPTIMIZER_FILE = "optimizer.safetensors"  # a resumable plug-in's optimizer state, next to its weights
+# What "continue training" may change: how long it goes on, never the plug-in's shape.
+CONTINUE_SETTINGS = ("max_minutes", "max_epochs", "max_epochs_joint", "patience", "lr")
+STOPPED_BY = {"time_budget": "stopped by time budget", "early_stopping": "converged (early stopping)",
+              "max_epochs": "ran every epoch"}
+
+
+def _fmt_epochs(x) -> str:
+    return f"{x:.2f}".rstrip("0").rstrip(".") if isinstance(x, (int, float)) else "?"
+
+
+def training_status(metrics: dict | None) -> dict:
+    """How a plug-in's training ended, from its metrics (``run_training``'s summaries: one per phase, at the top
+    level or under the phase's name). ``under_trained`` when a phase stopped on the time budget before its
+    early-stopping rule or its epochs ended it. ``label``: one line for cards and lists, e.g. "stopped by time
+    budget at 0.39 of 10 epochs — under-trained"."""
+    metrics = {k: v for k, v in (metrics or {}).items() if k != "train_info"}  # train_info repeats them
+    summaries = [metrics] if "stopped_by" in metrics else []
+    summaries += [v for v in metrics.values() if isinstance(v, dict) and "stopped_by" in v]
+    if not summaries:
+        return {"stopped_by": None, "under_trained": False, "label": "ready"}
+    pick = next((x for x in summaries if x.get("stopped_by") == "time_budget"), summaries[-1])
+    why = pick.get("stopped_by")
+    epochs = pick.get("total_epochs", pick.get("epochs"))
+    of = f" of {pick['max_epochs'] + (pick.get('continued_from_epochs') or 0):g}" \
+        if isinstance(pick.get("max_epochs"), (int, float)) else ""
+    phase = f" ({pick['phase']} phase)" if len(summaries) > 1 and pick.get("phase") else ""
+    under = why == "time_budget"
+    if under:
+        label = f"stopped by time budget at {_fmt_epochs(epochs)}{of} epochs{phase} — under-trained"
+    elif why == "early_stopping":
+        label = f"converged: early stopping at {_fmt_epochs(epochs)} epochs{phase}"
+    elif why == "max_epochs":
+        label = f"ready: ran all {_fmt_epochs(epochs)} epochs{phase}"
+    else:
+        label = f"ready ({why})"
+    return {"stopped_by": why, "phase": pick.get("phase"), "epochs": epochs, "max_epochs": pick.get("max_epochs"),
+            "under_trained": under, "label": label}
+
+
+def job_timing(job: dict, now: float | None = None) -> dict:
+    """``elapsed_s`` (running: since it started; queued: waiting since it was queued; finished: its run time)
+    and ``eta_s`` (running jobs only, from the progress so far; None until there is enough progress to tell)."""
+    now = time.time() if now is None else now
+    started, finished = job.get("started"), job.get("finished")
+    state, p = job.get("state"), float(job.get("progress") or 0.0)
+    if state == "queued":
+        return {"elapsed_s": max(0.0, now - (job.get("created") or now)), "eta_s": None}
+    if not started:
+        return {"elapsed_s": None, "eta_s": None}
+    elapsed = max(0.0, (finished or now) - started)
+    eta = None
+    if state == "running" and p >= 0.01 and elapsed >= 2.0:
+        eta = elapsed * (1.0 - p) / p
+    return {"elapsed_s": round(elapsed, 1), "eta_s": None if eta is None else round(eta, 1)}
 
 
 class PluginService:
@@ -57,6 +118,74 @@ class PluginService:
         return self.jobs.submit("train_plugin", {"memory_id": memory_id, "method": method, "config": cfg,
                                                  "name": name}, owner=owner)
 
+    def submit_continue(self, plugin_id: str, config: dict | None = None, name: str = "", *,
+                        owner: str | None = None) -> str:
+        """Queue "continue training" of one of the owner's plug-ins: it resumes from the plug-in's weights and
+        saved optimizer state (Adam's moments, the step count) on the same memory, as a new plug-in (the original
+        stays). ``config`` may change only how long it runs (``CONTINUE_SETTINGS``: ``max_minutes``, the epochs,
+        ``patience``, ``lr``); the epochs count from where it stopped."""
+        owner = self._owner(owner)
+        row = self._plugin_row(plugin_id, owner)
+        cls = get_method(row["method"])
+        if not getattr(cls, "resumable", False):
+            raise UserError(f"{cls.title} plug-ins cannot continue training (only "
+                            f"{', '.join(m for m, c in available_methods().items() if getattr(c, 'resumable', 0))}"
+                            f" save their optimizer state); train a new one with more time instead.")
+        if not (Path(row["path"]) / OPTIMIZER_FILE).exists():
+            raise UserError("This plug-in was saved without its optimizer state (trained before continuing was "
+                            "possible); train a new one instead.")
+        self._memory_row(row["memory_id"], owner)  # its memory is still there, still the owner's
+        config = dict(config or {})
+        bad = sorted(set(config) - set(CONTINUE_SETTINGS))
+        if bad:
+            raise UserError(f"Continuing can change only {', '.join(CONTINUE_SETTINGS)}; not {', '.join(bad)}.")
+        name = self._check_name(name, "plug-in name") or f"{row['name']} (continued)"
+        pending = len(self.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
+        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner) + pending,
+                                "plug-ins (with the trainings under way)")
+        cfg_path = Path(row["path"]) / "plugin_config.json"
+        old = json.loads(cfg_path.read_text(encoding="utf-8")).get("config", {}) if cfg_path.exists() else {}
+        cfg = make_config(row["method"], {**old, **config}).to_dict()
+        return self.jobs.submit("train_plugin", {"memory_id": row["memory_id"], "method": row["method"],
+                                                 "config": cfg, "name": name, "continue_from": plugin_id},
+                                owner=owner)
+
+    def _continue_train(self, job: JobContext, bb, mem, cls) -> tuple:
+        """Load the plug-in to continue (a fresh copy: the cached one may be decoding), resume, save a new one."""
+        a = job.args
+        prow = self._plugin_row(a["continue_from"], job.owner)
+        plugin = open_plugin(prow["path"], bb)
+        plugin.config = make_config(a["method"], a["config"])
+        plugin.resume_state = optimizer_from_tensors(load_file(str(Path(prow["path"]) / OPTIMIZER_FILE)))
+        plugin.on_metric = job.metric
+        job.log(f"Continuing {prow['name']!r} from its saved weights and optimizer state")
+        t0 = time.time()
+        result = plugin.fit(mem, progress=job.progress, should_stop=job.should_stop)
+        plugin.train_info = {**plugin.train_info, "seconds": round(time.time() - t0, 2),
+                             "trainable_parameters": plugin.trainable_parameters(),
+                             "continued_from": prow["id"]}
+        out_dir = self.root / "plugins" / new_id(f"{a['method']}-")
+        plugin.save(out_dir)
+        (out_dir / "history.json").write_text(json.dumps(result.history), encoding="utf-8")
+        row = {"id": out_dir.name, "name": a["name"], "method": a["method"], "memory_id": mem.id,
+               "path": str(out_dir), "backbone": bb.name, "fingerprint": bb.fingerprint,
+               "params": plugin.trainable_parameters(),
+               "metrics": json.dumps({**result.metrics, "train_info": plugin.train_info}, default=str),
+               "created": time.time()}
+        self.catalog.owned_by(job.owner).add_plugin(row)
+        return plugin, {**row, "history": result.history}
+
+    @staticmethod
+    def _save_optimizer(plugin, folder: str | Path) -> None:
+        """A resumable plug-in's optimizer state after ``fit``, as safetensors next to its weights (written to a
+        temporary name first: a half-written file is never taken for a state to resume from)."""
+        state = getattr(plugin, "optimizer_state", None)
+        if not state or not getattr(plugin, "resumable", False):
+            return
+        tmp = Path(folder) / f".{OPTIMIZER_FILE}.tmp"
+        save_file(optimizer_tensors(state), str(tmp))
+        os.replace(tmp, Path(folder) / OPTIMIZER_FILE)
+
     def _job_train(self, job: JobContext) -> dict:
         a = job.args
         bb = self._job_backbone(job)
@@ -66,14 +195,21 @@ class PluginService:
         with self.gate.use(holder=f"training {cls.title}"):
             job.checkpoint = self.gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
             job.log(f"Training {cls.title} on {mem.meta.get('name', mem.id)!r} ({len(mem):,} entries)")
-            plugin, row = train_plugin(bb, mem, a["method"], a["config"], catalog=self.catalog.owned_by(job.owner),
-                                       name=a.get("name", ""), progress=job.progress, should_stop=job.should_stop,
-                                       on_metric=job.metric)
+            if a.get("continue_from"):
+                plugin, row = self._continue_train(job, bb, mem, cls)
+            else:
+                plugin, row = train_plugin(bb, mem, a["method"], a["config"],
+                                           catalog=self.catalog.owned_by(job.owner), name=a.get("name", ""),
+                                           progress=job.progress, should_stop=job.should_stop, on_metric=job.metric)
+        self._save_optimizer(plugin, row["path"])
         job.set_metrics([{k: v for k, v in h.items() if isinstance(v, (int, float, str))}
                          for h in row.get("history", [])])
+        metrics = json.loads(row["metrics"])
+        status = training_status(metrics)
+        how = status["label"] if status["under_trained"] else "ready"
         return {"plugin_id": row["id"], "name": row["name"], "method": row["method"], "params": row["params"],
-                "metrics": json.loads(row["metrics"]),
-                "message": f"Plug-in {row['name']!r} ready ({row['params']:,} trainable parameters)"}
+                "metrics": metrics, "training": status,
+                "message": f"Plug-in {row['name']!r} {how} ({row['params']:,} trainable parameters)"}
 
     def plugins(self, owner: str | None = None) -> list[dict]:
         """The owner's plug-ins."""
@@ -83,10 +219,13 @@ class PluginService:
         out = []
         for r in self.catalog.plugins(owner):
             metrics = json.loads(r.get("metrics") or "{}")
+            cls = available_methods().get(r["method"])
             out.append({"id": r["id"], "name": r["name"], "method": r["method"], "memory_id": r["memory_id"],
                         "memory": mems.get(r["memory_id"], "(deleted)"), "backbone": r["backbone"],
                         "params": r["params"], "metrics": metrics, "created": r["created"],
-                        "usable": fp is None or r["fingerprint"] == fp})
+                        "usable": fp is None or r["fingerprint"] == fp, "training": training_status(metrics),
+                        "can_continue": bool(getattr(cls, "resumable", False)
+                                             and (Path(r["path"]) / OPTIMIZER_FILE).exists())})
         return out
 
     def _plugin_row(self, plugin_id: str, owner: str | None) -> dict:
@@ -104,8 +243,9 @@ class PluginService:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8")).get("config", {})
         hist_path = Path(row["path"]) / "history.json"
         history = json.loads(hist_path.read_text(encoding="utf-8")) if hist_path.exists() else []
+        metrics = json.loads(row.get("metrics") or "{}")
         return {"id": row["id"], "name": row["name"], "method": row["method"], "memory_id": row["memory_id"],
-                "params": row["params"], "config": cfg, "metrics": json.loads(row.get("metrics") or "{}"),
+                "params": row["params"], "config": cfg, "training": training_status(metrics), "metrics": metrics,
                 "history": history}
 
     def delete_plugin(self, plugin_id: str, *, owner: str | None = None) -> str:
@@ -137,8 +277,13 @@ class PluginService:
     # --- jobs ---------------------------------------------------------------------------------------------------
     @staticmethod
     def _public_job(j: dict) -> dict:
-        """A job as its owner sees it: without the server's path of a pending upload."""
-        return {**j, "args": {k: v for k, v in j["args"].items() if k != "upload"}}
+        """A job as its owner sees it: without the server's path of a pending upload; with its elapsed time and
+        ETA (``job_timing``) and, for a finished training, how it ended (``training``: ``training_status``)."""
+        out = {**j, "args": {k: v for k, v in j["args"].items() if k != "upload"}, **job_timing(j)}
+        res = j.get("result") if isinstance(j.get("result"), dict) else None
+        if j["kind"] == "train_plugin" and res and "metrics" in res:
+            out["training"] = res.get("training") or training_status(res["metrics"])
+        return out
 
     def job(self, job_id: str, *, owner: str | None = None) -> dict:
         """One of the owner's jobs (another owner's job reads as nonexistent)."""

@@ -16,12 +16,18 @@ Owners: every method that reads or acts on a memory, plug-in, job, comparison or
 ``studio.identity``) and treats another owner's things as nonexistent ("No memory 'x'"); ``owner=None`` means the
 local user in single-user mode and is refused in multi-user mode. Shares are the exception by design: anyone with a
 share's unguessable id may read it. ``limits`` (``studio.limits.Limits``) bound each request and each owner.
+
+One data directory, one owner process: the Studio's job queue takes ``<data_dir>/studio.lock`` (``ground.lock``) for
+the process's lifetime. The owner repairs the directory at start-up — temporary folders and files of writers that
+are gone, catalog rows without folders and folders without rows (``Catalog.repair``), uploads no queued job needs —
+marks jobs left running ``interrupted`` and runs the queue. A second Studio on a live directory (another process, or
+another Studio in this one) gets ``read_only = True``: it serves pages, comparisons and shares but has no job worker
+and refuses to queue builds, trainings and evaluations; it never cleans, repairs, marks or claims anything.
 """
 from __future__ import annotations
 
-import shutil
+import logging
 import threading
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,7 @@ from typing import Any
 from backbone.model import DEFAULT_BACKBONE
 from ground.jobs import JobQueue
 from ground.errors import UserError
-from ground.store import Catalog
+from ground.store import Catalog, clean_temporary
 from studio.backbone_service import BackboneService
 from studio.compare_service import CompareService
 from studio.evaluate_service import EvaluateService
@@ -40,6 +46,7 @@ from studio.memory_service import MemoryService
 from studio.plugin_service import PluginService
 
 __all__ = ["BackboneGate", "Studio"]
+log = logging.getLogger("pema.studio")
 
 
 class Studio(BackboneService, MemoryService, PluginService, CompareService, EvaluateService):
@@ -72,14 +79,22 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Eval
         self._plugin_lock = threading.Lock()
         self._recent: OrderedDict[str, dict] = OrderedDict()
         self._recent_lock = threading.Lock()
-        self._clean_temporary_folders()
         self.jobs = JobQueue(self.catalog, {"build_memory": self._job_build, "train_plugin": self._job_train,
                                             "evaluate": self._job_evaluate}, workers=workers)
         self.jobs.max_per_owner, self.jobs.max_total = self.limits.jobs_per_owner, self.limits.jobs_total
-        if start_jobs:
-            self.jobs.start()
+        self.jobs.on_finish = self._job_finished
+        self.read_only = not self.jobs.acquire()
+        self.repairs: list[str] = []  # what the start-up repair did (also logged)
+        if self.read_only:
+            self.jobs.read_only = True
+            log.warning("PEMA Studio: the data directory %s is in use by %s; this studio runs without a job worker "
+                        "(no builds, trainings or evaluations) and repairs nothing.", self.root,
+                        self.jobs.lock.describe_holder())
         else:
-            self.jobs.recover()
+            self.jobs.recover()  # before the clean-up: an interrupted job's upload goes with it
+            self._clean_temporary_folders()
+            if start_jobs:
+                self.jobs.start()
         if load:
             self.load_backbone_async()
 
@@ -96,15 +111,35 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Eval
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop the job worker and give up the data directory (a read-only studio holds nothing)."""
         self.jobs.stop()
 
     def _clean_temporary_folders(self) -> None:
-        """Remove half-written folders a killed process left behind (``atomic_dir``'s ``.tmp-*``)."""
-        for sub in ("memories", "plugins", "uploads"):
-            folder = self.root / sub
-            if not folder.is_dir():
-                continue
-            for p in folder.iterdir():
-                if p.name.startswith(".tmp-") or (sub == "uploads" and time.time() - p.stat().st_mtime > 86400):
-                    shutil.rmtree(p, ignore_errors=True)
+        """The owner's start-up repair: temporary folders/files of writers that are gone (never those of a CLI
+        still writing), rows and folders that do not match (``Catalog.repair``), uploads no queued job needs."""
+        self.repairs = clean_temporary(self.root) + self.catalog.repair() + self._clean_uploads()
+
+    def _clean_uploads(self) -> list[str]:
+        folder = self.root / "uploads"
+        if not folder.is_dir():
+            return []
+        wanted = {Path(j["args"]["upload"]).resolve() for j in self.jobs.list(states=("queued",), limit=100000)
+                  if j["args"].get("upload")}
+        removed = []
+        for p in sorted(folder.iterdir()):
+            if p.resolve() not in wanted and (p.is_file() or p.is_symlink()):
+                p.unlink(missing_ok=True)
+                removed.append(f"removed the upload {p.name} (no queued job needs it)")
+        for n in removed:
+            log.warning("data directory clean-up: %s", n)
+        return removed
+
+    def _job_finished(self, job: dict) -> None:
+        """A job reached a final state (done, failed, cancelled — also before it started —, interrupted): the upload
+        it was given goes at once."""
+        upload = (job.get("args") or {}).get("upload")
+        if upload:
+            path = Path(upload)
+            if path.resolve().parent == (self.root / "uploads").resolve():
+                path.unlink(missing_ok=True)
 

@@ -2,7 +2,7 @@
 returns plain JSON; a user error comes back as the client's error with the same message as in the page.
 
     /status /preview /build /job /jobs /cancel /memories /memory /delete_memory /methods /train /plugins
-    /compare /share /shared /evaluate
+    /continue_training /compare /share /shared /evaluate
 
 Identity: every endpoint about an owner's things acts for the caller (``ui.common.caller``): in multi-user mode the
 key sent in the ``X-Pema-Key`` header (``Client(url, headers={"X-Pema-Key": key})``), else the signed-in HF user or
@@ -21,7 +21,7 @@ _api = user_errors  # API endpoints report a UserError as the same Gradio error 
 
 
 NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
-         "train", "plugins", "compare", "share", "shared", "evaluate"]
+         "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate"]
 
 
 def register(studio) -> None:
@@ -95,17 +95,26 @@ def register(studio) -> None:
 
     @_api
     def plugins(request: gr.Request = None) -> list:
-        """Your trained plug-ins with metrics and trainable parameter counts."""
+        """Your trained plug-ins with metrics, trainable parameter counts and how training ended ("training":
+        stopped_by, under_trained, label) and whether it can continue ("can_continue")."""
         return studio.plugins(owner=owner_of(studio, request))
+
+    @_api
+    def continue_training(plugin_id: str, config: Optional[dict] = None, name: str = "",
+                          request: gr.Request = None) -> dict:
+        """Queue more training of one of your plug-ins (PEMA, LoRA) from its saved weights and optimizer state, as a
+        new plug-in; ``config`` may change max_minutes, the epochs, patience and lr. Returns {"job_id"}."""
+        return {"job_id": studio.submit_continue(plugin_id, config or {}, name, owner=owner_of(studio, request))}
 
     @_api
     def compare(source: str, task: str = "translation", methods: Optional[list] = None,
                 settings: Optional[dict] = None, max_new_tokens: int = 48, num_beams: int = 1,
-                request: gr.Request = None) -> dict:
+                no_repeat_ngram: int = 0, request: gr.Request = None) -> dict:
         """Decode a sentence with "base" and/or your plug-in ids in one batch; the payload has an "id" to share.
-        ``settings``: {method | plug-in id: {name: value}} (see /methods for each method's declared settings)."""
+        ``settings``: {method | plug-in id: {name: value}} (see /methods for each method's declared settings).
+        ``no_repeat_ngram``: the repetition guard for every row, the base model's included (0 = off)."""
         return studio.compare(source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams,
-                              owner=owner_of(studio, request))
+                              owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None)
 
     @_api
     def share(comparison_id: str, layer: int = -1, labels: Optional[dict] = None, request: gr.Request = None) -> dict:
@@ -127,18 +136,21 @@ def register(studio) -> None:
     def evaluate(methods: Optional[list] = None, memory_id: str = "", test_text: str = "",
                  test_filename: str = "test.tsv", task: str = "translation", limit: int = 50,
                  sweep_plugin: str = "", lambdas: Optional[list] = None, settings: Optional[dict] = None,
-                 request: gr.Request = None) -> dict:
+                 no_repeat_ngram: int = 0, request: gr.Request = None) -> dict:
         """Queue an evaluation (or a λ_max sweep with sweep_plugin) of your plug-ins; returns {"job_id"}.
-        ``settings`` as for /compare (default: the same tuned settings Compare starts from)."""
+        ``settings`` and ``no_repeat_ngram`` as for /compare (default: the same tuned settings Compare starts
+        from). The job's result holds per row n, backbone, decode settings, scores with 95% bootstrap intervals
+        and paired-bootstrap p-values against the base model, sacreBLEU's signatures and the per-sentence outputs
+        with their chrF."""
         jid = studio.submit_evaluate(methods=methods, memory_id=memory_id or None, test_data=test_text or None,
                                      test_filename=test_filename, task=task, limit=limit,
                                      sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings,
-                                     owner=owner_of(studio, request))
+                                     owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None)
         return {"job_id": jid}
 
-    assert [f.__name__ for f in (status, preview, build, job, jobs, cancel, memories, memory, delete_memory,
-                                  methods, train, plugins, compare, share, shared, evaluate)] == NAMES
-    for fn in (status, preview, build, job, jobs, cancel, memories, memory, delete_memory, methods, train, plugins,
-               compare, share, shared, evaluate):
+    fns = (status, preview, build, job, jobs, cancel, memories, memory, delete_memory, methods, train, plugins,
+           continue_training, compare, share, shared, evaluate)
+    assert [f.__name__ for f in fns] == NAMES
+    for fn in fns:
         gr.api(fn, api_name=fn.__name__, concurrency_id="decode" if fn.__name__ in ("compare", "share") else None,
                concurrency_limit=1 if fn.__name__ in ("compare", "share") else None)

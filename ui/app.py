@@ -50,8 +50,12 @@ def mode_banner(studio, host: str) -> str:
             f"{lim.jobs_per_owner} jobs per user ({lim.jobs_total} overall); see --limit.")
 
 
+SELECTIONS_KEY = "pema-studio-"  # localStorage keys of the selections this browser keeps (one per selection)
+
+
 def build_app(studio) -> gr.Blocks:
-    with gr.Blocks(title="PEMA Studio", analytics_enabled=False) as demo:
+    # delete_cache: Gradio's copies of the files it served (evaluation downloads) go after a day
+    with gr.Blocks(title="PEMA Studio", analytics_enabled=False, delete_cache=(3600, 86400)) as demo:
         with gr.Row(equal_height=True):
             gr.Markdown(f"# PEMA Studio\n{INTRO}", elem_id="pema-title")
             if studio.multi_user and oauth_enabled():
@@ -76,6 +80,16 @@ def build_app(studio) -> gr.Blocks:
                     ev = evaluate.build(studio, cmp.settings_inputs, cmp.settings_of)
 
         api.register(studio)
+
+        # --- selections that persist per browser (localStorage): memory, methods, task of each tab ---------------
+        # One BrowserState per selection (no two events write the same one); the user's own choices are kept
+        # (``.input``), and a page load restores them — ids that are not the caller's are dropped there.
+        persist = [*plug.persist, *cmp.persist, *ev.persist]
+        kept = {name: gr.BrowserState(None, storage_key=SELECTIONS_KEY + name.replace("_", "-"))
+                for name, _ in persist}
+        for name, comp in persist:
+            comp.input(lambda v: v, comp, kept[name], show_progress="hidden", api_visibility="private",
+                       queue=False)
 
         # --- header: backbone loading progress -------------------------------------------------------------
         def on_status():
@@ -109,7 +123,23 @@ def build_app(studio) -> gr.Blocks:
             return (st, who_text, me.key, *mem.on_load(me.owner), *plug.on_load(me.owner), *cmp.on_load(me.owner),
                     *ev.on_load(me.owner))
 
-        demo.load(on_load, None, [status, who, key, *rest], show_progress="hidden", api_visibility="private")
+        # Then this browser's kept selections are put back (each tab keeps only what is the caller's).
+        names = list(kept)
+        restored = [*plug.restore_outputs, *cmp.restore_outputs, *ev.restore_outputs]
+
+        def on_restore(request: gr.Request, *saved_values):
+            saved = {n: v for n, v in zip(names, saved_values) if v not in (None, "", [])}
+            try:
+                me = caller(studio, request).owner
+            except UserError:
+                me = None
+            if me is None or not saved:
+                return tuple(gr.skip() for _ in restored)
+            return (*plug.restore(me, saved), *cmp.restore(me, saved), *ev.restore(me, saved))
+
+        demo.load(on_load, None, [status, who, key, *rest], show_progress="hidden",
+                  api_visibility="private").then(on_restore, [kept[n] for n in names], restored,
+                                                 show_progress="hidden", api_visibility="private")
 
         # Only the explicit endpoints of ui/api.py are part of the API; the page's own events stay private.
         for fn in demo.fns.values():
@@ -124,8 +154,10 @@ def launch_app(studio, host: str = "127.0.0.1", port: int = 7860, block: bool = 
     """Serve the studio at ``/`` and the share page at ``/share/``; ``block=False`` returns ``(served, url)`` at
     once (tests; ``served.close()`` stops it)."""
     limit = studio.limits.upload_bytes
+    studio.downloads_root().mkdir(parents=True, exist_ok=True)
     served = serve(studio, build_app(studio), shared.build_app(studio), host, port, theme=THEME, css=CSS,
-                   max_file_size=limit + 1_000_000 if limit else None)  # + room for the form around the file
+                   max_file_size=limit + 1_000_000 if limit else None,  # + room for the form around the file
+                   downloads=studio.downloads_root())
     if not quiet:
         print(f"PEMA Studio running on {served.url}")
     if block:

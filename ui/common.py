@@ -160,9 +160,9 @@ CSS = """
 .pema-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 10px 12px;
              background: var(--block-background-fill); min-width: 0; }
 .pema-card.base { border-style: dashed; }
-.pema-card-head { display: flex; justify-content: space-between; gap: 8px; align-items: baseline;
+.pema-card-head { display: flex; justify-content: space-between; gap: 8px; align-items: flex-start;
                   margin-bottom: 6px; }
-.pema-card-head b { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.pema-card-head b { min-width: 0; overflow-wrap: anywhere; line-height: 1.3; }
 .pema-method { font-size: 0.75rem; padding: 1px 6px; border-radius: 4px; background: var(--neutral-100);
                color: var(--neutral-700); white-space: nowrap; }
 .dark .pema-method { background: var(--neutral-700); color: var(--neutral-100); }
@@ -171,7 +171,26 @@ CSS = """
                                            border-radius: 3px; padding: 0 2px; }
 .pema-card-text del, .pema-timing del { background: rgba(220,38,38,.14); color: #b91c1c; border-radius: 3px;
                                            padding: 0 2px; }
-.pema-card-foot { margin-top: 8px; font-size: 0.78rem; color: var(--body-text-color-subdued); }
+.pema-card-foot { margin-top: 8px; font-size: 0.78rem; color: var(--body-text-color-subdued);
+                  overflow-wrap: anywhere; }
+.pema-card-plain { display: none; }
+.pema-card.plain .pema-card-plain { display: block; }
+.pema-card.plain .pema-card-diff { display: none; }
+.pema-card-actions { display: flex; gap: 6px; margin-top: 8px; }
+.pema-act { font-size: 0.75rem; padding: 1px 8px; border-radius: 4px; cursor: pointer;
+            border: 1px solid var(--border-color-primary); background: var(--background-fill-secondary);
+            color: var(--body-text-color); }
+.pema-act:hover { border-color: var(--color-accent); }
+abbr.pema-term { text-decoration: underline dotted; cursor: help; }
+.pema-warn { margin-top: 6px; padding: 6px 10px; border-radius: 6px; background: rgba(217,119,6,.10);
+             border: 1px solid rgba(217,119,6,.45); overflow-wrap: anywhere; font-size: 0.9rem; }
+.pema-pb-time { margin-top: 2px; font-size: 0.85rem; color: var(--body-text-color-subdued); }
+/* dropdowns: the chosen text ends with an ellipsis before the arrow instead of running under it */
+.gradio-container input[role="listbox"], .gradio-container .wrap-inner input {
+  text-overflow: ellipsis; padding-right: 4px; }
+/* table headers break between words, never inside one ("distanc e") */
+.gradio-container table th, .gradio-container table th * { word-break: normal !important;
+  overflow-wrap: normal !important; hyphens: none; }
 .pema-shared { padding: 10px 12px; border-radius: 8px; border: 1px solid var(--border-color-primary);
                background: var(--block-background-fill); }
 .pema-shared-src { font-size: 1.1rem; margin: 6px 0; overflow-wrap: anywhere; }

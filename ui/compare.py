@@ -10,12 +10,20 @@ import gradio as gr
 
 from backbone.prompts import TASKS
 from ground.errors import UserError
+from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS
 from ui import plots, render
 from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, owner_of, setting_control,
                        user_errors)
 
 TOKEN_COLORS = {"selected": "#2563eb", "λ high": "#fb923c", "λ low": "#fde68a"}
-NEIGHBOUR_HEADERS = ["#", "token", "distance", "memory sample: source", "memory sample: target"]
+TOKEN_HELP = ("Colours: <b>λ high</b> = the plug-in's weight λ_t in the mix P = λ_t·P_plug-in + (1−λ_t)·P_LM was "
+              "≥ 0.5 at that token, <b>λ low</b> = between 0 and 0.5, no colour = 0 or a method without λ (the base "
+              "model, in-network plug-ins); <b>selected</b> = the token the views below show. ⏎ is a line break, "
+              "∅ an empty token.")
+NEIGHBOUR_HEADERS = ["rank", "token", "distance", "memory sample: source", "memory sample: target"]
+NEIGHBOUR_HELP = ("The k nearest memory entries of this output token's context f(c): their value token, the squared "
+                  "L2 distance of their key (smaller = closer) and the memory sample they come from. A token shown "
+                  "as #1234 is a token id whose text this page does not have (a shared view).")
 
 
 def row_of(payload: dict | None, label: str | None) -> dict | None:
@@ -85,8 +93,9 @@ def build(studio) -> SimpleNamespace:
             run = gr.Button("Compare", variant="primary", elem_id="compare-run")
     with gr.Accordion("…or pick a held-out sample of a memory", open=False):
         with gr.Row():
-            hmem = gr.Dropdown([], label="Memory", scale=2)
-            hsample = gr.Dropdown([], label="Held-out sample", scale=3)
+            hmem = gr.Dropdown([], label="Memory", scale=2, elem_id="compare-memory")
+            hsample = gr.Dropdown([], label="Held-out sample", scale=3, elem_id="compare-sample")
+        hmem_warn = gr.HTML(elem_id="compare-memory-warning")
     methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
                                elem_id="compare-methods")
     # Live controls are generated from the methods' declared decode settings (``live=True``); each is addressed
@@ -108,12 +117,16 @@ def build(studio) -> SimpleNamespace:
         with gr.Row():
             max_new = gr.Slider(4, 128, 48, step=1, label="Max new tokens")
             beams = gr.Slider(1, 4, 1, step=1, label="Beams (1 = greedy)")
+            # settings of the whole comparison (every row alike, the base model's included), declared once in
+            # plugins.settings.COMPARISON_SETTINGS: the repetition guard
+            comp_keys = [(ALL_ROWS, d.name) for d in COMPARISON_SETTINGS]
+            comp_ctls = [setting_control(ALL_ROWS, d.describe(), d.default) for d in COMPARISON_SETTINGS]
         extra = gr.Code("{}", language="json", lines=4, max_lines=12,
                         label="Other decode settings per method (or plug-in id); edit and press Compare")
         gr.Markdown("Each output card lists the complete settings its row was decoded with.",
                     elem_classes=["pema-help"])
     extra_auto = gr.State("{}")
-    cards = gr.HTML(render.output_cards(None), elem_id="compare-outputs")
+    cards = gr.HTML(render.output_cards(None), elem_id="compare-outputs", js_on_load=render.CARDS_JS)
     with gr.Row(equal_height=True):
         share_btn = gr.Button("Share this comparison", scale=1, elem_id="share-btn")
         share_link = gr.Textbox(show_label=False, placeholder="The link appears here", buttons=["copy"],
@@ -127,12 +140,15 @@ def build(studio) -> SimpleNamespace:
                               label="Backbone attention layer", scale=2, elem_id="attention-layer")
         chips = gr.HighlightedText([], color_map=TOKEN_COLORS, combine_adjacent=False, show_legend=True,
                                    label="Output tokens — click one", elem_id="token-chips")
+        gr.HTML(f"<div class='pema-help'>{TOKEN_HELP}</div>", elem_id="token-help")
         with gr.Row(equal_height=True):
             lam_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
             bars_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
         with gr.Row(equal_height=True, visible=False) as nb_row:
             nb_df = gr.Dataframe(headers=NEIGHBOUR_HEADERS, interactive=False, max_height=300, wrap=True,
-                                 label="kNN neighbours of the chosen token, with their memory samples")
+                                 label="kNN neighbours of the chosen token, with their memory samples",
+                                 column_widths=["9%", "13%", "14%", "32%", "32%"], elem_id="compare-neighbours",
+                                 show_search="none")
             nb_plot = gr.Plot(plots.empty("No kNN neighbours yet"), show_label=False)
         with gr.Row(equal_height=True):
             with gr.Column(visible=False, min_width=400) as mem_col:
@@ -198,15 +214,15 @@ def build(studio) -> SimpleNamespace:
         return ch, lp, bp, nr, npl, ma, att, gr.update(visible=has_nb), gr.update(visible=has_mem)
 
     # --- compare ------------------------------------------------------------------------------------------------
-    inputs = [source, task, methods, max_new, beams, extra, reference, row_pick, layer, *live_ctls]
+    inputs = [source, task, methods, max_new, beams, extra, reference, row_pick, layer, *comp_ctls, *live_ctls]
     outputs = [payload, cards, row_pick, tok, share_link, layer, token_section, chips, lam_plot, bars_plot, nb_df,
                nb_plot, mem_att, att_plot, nb_row, mem_col]
 
     @user_errors
-    def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, *live_values):
+    def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, *values):
         me = owner_of(studio, request)
         refs = ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip() else None
-        settings = decode_settings_of(live_keys, live_values, ex)
+        settings = decode_settings_of(comp_keys + live_keys, values, ex)
         p = studio.compare(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs, owner=me)
         labels = [r["label"] for r in p["rows"]]
         keep = label if label in labels else row_of(p, None)["label"]
@@ -232,7 +248,7 @@ def build(studio) -> SimpleNamespace:
     run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode", show_progress_on=cards)
     source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
                   show_progress_on=cards)
-    for ctl in (*live_ctls, max_new, beams, methods):
+    for ctl in (*live_ctls, *comp_ctls, max_new, beams, methods):
         ctl.input(live, [payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
                   show_progress_on=cards, api_visibility="private", concurrency_id="decode")
 
@@ -264,14 +280,17 @@ def build(studio) -> SimpleNamespace:
     # --- held-out samples ---------------------------------------------------------------------------------------
     def on_hmem(mid, request: gr.Request):
         if not mid:
-            return gr.update(choices=[], value=None)
+            return gr.update(choices=[], value=None), ""
+        me = owner_of(studio, request)
         try:
-            held = studio.heldout_samples(mid, owner=owner_of(studio, request))
+            held = studio.heldout_samples(mid, owner=me)
         except UserError:
             held = []
-        return gr.update(choices=[((s["src"] or "")[:90], i) for i, s in enumerate(held)], value=None)
+        m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None)
+        return (gr.update(choices=[((s["src"] or "")[:90], i) for i, s in enumerate(held)], value=None),
+                render.memory_warning(m, "heldout") if m and not held else "")
 
-    hmem.change(on_hmem, hmem, hsample, show_progress="hidden")
+    hmem.change(on_hmem, hmem, [hsample, hmem_warn], show_progress="hidden")
 
     @user_errors
     def on_sample(mid, i, request: gr.Request):
@@ -311,11 +330,25 @@ def build(studio) -> SimpleNamespace:
         lay = gr.update(maximum=max(1, top), value=top) if st["ready"] else gr.skip()
         return (*lists(me), lay)
 
+    def restore(me, saved: dict):
+        """This browser's last task, methods and memory (``saved``; ids that are not the owner's are dropped), the
+        live controls at that task's start values."""
+        tk = saved.get("compare_task") if saved.get("compare_task") in TASKS else None
+        ctl = on_task(tk) if tk else tuple(gr.skip() for _ in live_ctls)
+        choices, mchoices = method_choices(studio, me), memory_choices(studio, me)
+        ms = keep_value(choices, list(saved.get("compare_methods") or []))
+        mid = saved.get("compare_memory")
+        return (gr.update(value=ms) if ms else gr.skip(),
+                gr.update(value=mid) if mid in [c[1] for c in mchoices] else gr.skip(),
+                gr.update(value=tk) if tk else gr.skip(), *ctl)
+
     return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
                            on_load=on_load, load_outputs=[methods, hmem, layer],
+                           persist=[("compare_task", task), ("compare_methods", methods), ("compare_memory", hmem)],
+                           restore=restore, restore_outputs=[methods, hmem, task, *live_ctls],
                            # what Evaluate decodes with by default: this tab's controls
-                           settings_inputs=[*live_ctls, extra],
-                           settings_of=lambda *vals: decode_settings_of(live_keys, vals[:-1], vals[-1]))
+                           settings_inputs=[*comp_ctls, *live_ctls, extra],
+                           settings_of=lambda *vals: decode_settings_of(comp_keys + live_keys, vals[:-1], vals[-1]))
 
 
 def decode_settings_of(live_keys: list[tuple[str, str]], live_values, extra_text: str | None) -> dict:

@@ -1,10 +1,10 @@
 """Evaluate tab: chosen methods on a memory's held-out split or an uploaded test file (a background job) →
-scores table + bar chart; a λ_max sweep with and without Gradual Unrolling → line chart; CSV download."""
+scores table (n, 95% bootstrap intervals, paired-bootstrap p against the base model, each row's decode settings
+and backbone, sacreBLEU's signatures) + bar chart + per-sentence outputs with their chrF; a λ_max sweep with and
+without Gradual Unrolling → line chart; downloads (scores CSV, outputs CSV, JSON)."""
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -16,37 +16,121 @@ from ui import plots, render
 from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, owner_of, plugin_choices,
                        read_upload, user_errors)
 
-SCORE_KEYS = ("label", "method", "sacrebleu", "chrf")
+SCORE_KEYS = ("label", "method", "n", "sacrebleu", "chrf")
+# Shown in their own columns (or not at all); every other number of a row is a metric of the task.
+_NOT_METRICS = {"n", "max_new_tokens", "num_beams", "no_repeat_ngram", "lambda_max", "sacrebleu", "chrf",
+                "sacrebleu_delta", "chrf_delta", "p_sacrebleu", "p_chrf"}
+SHOWN_OUTPUTS = 200
+
+
+def _num(v, digits: int = 2):
+    return round(v, digits) if isinstance(v, float) else v
+
+
+def _ci(v) -> str:
+    return f"{v[0]:.2f}–{v[1]:.2f}" if isinstance(v, (list, tuple)) and len(v) == 2 else ""
+
+
+def _vs_base(r: dict, metric: str) -> str:
+    if f"p_{metric}" not in r:
+        return "—"
+    return f"{r.get(f'{metric}_delta', 0):+.2f} (p={r[f'p_{metric}']:.3f})"
+
+
+def decode_text(r: dict) -> str:
+    """How a row was decoded, in one cell: "max 48 tokens · greedy · no_repeat_ngram=0"."""
+    beams = int(r.get("num_beams") or 1)
+    return (f"max {r.get('max_new_tokens', '?')} tokens · {'greedy' if beams == 1 else f'{beams} beams'} · "
+            f"no_repeat_ngram={r.get('no_repeat_ngram', 0)}")
 
 
 def _table(result: dict | None) -> tuple[list[str], list[list]]:
+    """The scores table: for methods, one line per row with n, the metrics with their 95% intervals and the
+    paired-bootstrap difference from the base model (p); for a sweep, one line per (λ_max, GU) point (λ_max = 0,
+    the base model, once). How each row was decoded is in :func:`_decode_table`."""
     if not result:
         return list(SCORE_KEYS), []
-    rows = result.get("sweep") if result.get("mode") == "sweep" else result.get("methods")
-    rows = rows or []
-    cols: list[str] = []
+    if result.get("mode") == "sweep":
+        pts = result.get("sweep") or []
+        metrics = [k for k in ("sacrebleu", "chrf") if any(k in p for p in pts)]
+        cols = ["point", "λ_max", "GU", "n", *metrics]
+        gu = lambda v: "—" if v is None else ("on" if v else "off")  # noqa: E731
+        return cols, [[p.get("label", ""), p.get("lambda_max"), gu(p.get("gu")), p.get("n", result.get("pairs")),
+                       *[_num(p.get(m)) for m in metrics]] for p in pts]
+    rows = result.get("methods") or []
+    has_ref = any("sacrebleu" in r for r in rows)
+    other = []
     for r in rows:
-        cols += [k for k, v in r.items() if k not in cols and (k == "settings" or not isinstance(v, (list, dict)))]
-    if "settings" in cols:  # the decode settings each row ran with, last (they are long)
-        cols = [c for c in cols if c != "settings"] + ["settings"]
+        other += [k for k, v in r.items() if k not in other and k not in _NOT_METRICS and isinstance(v, (int, float))
+                  and not isinstance(v, bool)]
+    cols = ["method", "n"]
+    if has_ref:
+        cols += ["BLEU", "BLEU 95% CI", "BLEU Δ vs base (p)", "chrF", "chrF 95% CI", "chrF Δ vs base (p)"]
+    cols += other
+    out = []
+    for r in rows:
+        line = [f"{r.get('label')} [{r.get('method')}]", r.get("n", result.get("n"))]
+        if has_ref:
+            line += [_num(r.get("sacrebleu")), _ci(r.get("sacrebleu_ci95")), _vs_base(r, "sacrebleu"),
+                     _num(r.get("chrf")), _ci(r.get("chrf_ci95")), _vs_base(r, "chrf")]
+        line += [_num(r.get(k)) for k in other]
+        out.append(line)
+    return cols, out
 
-    def fmt(v):
-        if isinstance(v, dict):
-            return json.dumps(v, ensure_ascii=False)
-        return round(v, 2) if isinstance(v, float) else v
 
-    return cols or list(SCORE_KEYS), [[fmt(r.get(c)) for c in cols] for r in rows]
+DECODE_HEADERS = ["method", "decode", "settings", "backbone"]
+
+
+def _decode_table(result: dict | None) -> list[list]:
+    """How each methods row was decoded: max tokens, greedy, the repetition guard, its complete settings (as
+    Compare's controls set them), the backbone."""
+    if not result or result.get("mode") == "sweep":
+        return []
+    out = []
+    for r in result.get("methods") or []:
+        settings = {k: v for k, v in (r.get("settings") or {}).items() if k != "no_repeat_ngram"}
+        out.append([f"{r.get('label')} [{r.get('method')}]", decode_text(r),
+                    json.dumps(settings, ensure_ascii=False) if settings else "— (no settings)",
+                    r.get("backbone", result.get("backbone"))])
+    return out
+
+
+def _notes(result: dict | None) -> str:
+    """What the numbers are: n, data, backbone, sacreBLEU's signatures, how the intervals and p were made."""
+    if not result:
+        return ""
+    n = result.get("pairs", result.get("n"))
+    parts = [f"<b>n = {n}</b> sentence pairs", f"data: {render.esc(result.get('data'))}",
+             f"backbone {render.esc(result.get('backbone'))}"]
+    sig = result.get("signatures") or {}
+    text = " · ".join(parts)
+    if sig:
+        text += (f"<br>sacreBLEU signatures — BLEU: <code>{render.esc(sig.get('sacrebleu'))}</code> · chrF: "
+                 f"<code>{render.esc(sig.get('chrf'))}</code><br>95% CI: percentile bootstrap over the sentences "
+                 f"(1000 resamples). vs base: the difference from the base model's row and the one-sided p-value "
+                 f"of a paired bootstrap (Koehn 2004); p &lt; 0.05 is unlikely to be chance.")
+    if result.get("mode") == "sweep":
+        text += "<br>λ_max = 0 is the base model: one point, drawn at 0 on both curves."
+    return f"<div class='pema-help' id='eval-notes-text'>{text}</div>"
+
+
+OUTPUT_HEADERS = ["#", "source", "reference", "method", "output", "chrF"]
 
 
 def _outputs_table(result: dict | None) -> tuple[list[str], list[list]]:
+    """Per sentence and method (the first ``SHOWN_OUTPUTS`` sentences): source, reference, the method's output
+    and its sentence chrF — one line each (the CSV download has one line per sentence)."""
     outs = (result or {}).get("outputs") or []
     if not outs or not isinstance(outs[0], dict):
-        return ["output"], [[o] for o in outs[:200]] if outs else []
-    cols: list[str] = []
-    for o in outs[:200]:
-        cols += [k for k in o if k not in cols]
-    return cols, [[o.get(c) if not isinstance(o.get(c), (list, dict)) else str(o.get(c)) for c in cols]
-                  for o in outs[:200]]
+        return ["output"], [[o] for o in outs[:SHOWN_OUTPUTS]] if outs else []
+    labels = [m["label"] for m in (result.get("methods") or [])]
+    ref = lambda v: " | ".join(map(str, v)) if isinstance(v, (list, tuple)) else v  # noqa: E731
+    rows = []
+    for i, o in enumerate(outs[:SHOWN_OUTPUTS]):
+        for j, lab in enumerate(labels):
+            rows.append([i + 1 if j == 0 else "", o.get("source") if j == 0 else "",
+                         ref(o.get("reference")) if j == 0 else "", lab, o.get(lab), o.get(f"chrF · {lab}", "")])
+    return OUTPUT_HEADERS, rows
 
 
 def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
@@ -57,33 +141,43 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=340):
             gr.Markdown("#### Test data")
-            memory = gr.Dropdown([], label="A memory's held-out split")
+            memory = gr.Dropdown([], label="A memory's held-out split", elem_id="eval-memory")
+            memory_warn = gr.HTML(elem_id="eval-memory-warning")
             test_file = gr.File(label="…or a test file of source/reference pairs", type="filepath",
                                 file_types=[".jsonl", ".json", ".csv", ".tsv"])
             with gr.Row():
-                task = gr.Dropdown(list(TASKS), value="translation", label="Task")
+                task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="eval-task")
                 limit = gr.Number(50, label="Sentences (max)", precision=0, minimum=1)
                 max_new = gr.Number(48, label="Max tokens", precision=0, minimum=4)
             gr.Markdown("#### Methods")
-            methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Compare these")
+            methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Compare these", elem_id="eval-methods")
             gr.Markdown("Decode settings: those of the **Compare** tab (its live controls and “More decode "
                         "settings”), so scores match what Compare shows; each row's settings are in the table and the "
                         "CSV.", elem_classes=["pema-help"])
             run = gr.Button("Evaluate in background", variant="primary", elem_id="eval-run")
             gr.Markdown("#### λ_max sweep (with and without Gradual Unrolling)")
-            with gr.Row():
-                sweep_plugin = gr.Dropdown([], label="PEMA plug-in", scale=2)
-                lambdas = gr.Textbox("0, 0.2, 0.4, 0.6, 0.8, 1.0", label="λ_max values", scale=2)
+            sweep_plugin = gr.Dropdown([], label="PEMA plug-in")
+            lambdas = gr.Textbox("0, 0.2, 0.4, 0.6, 0.8, 1.0", label="λ_max values")
             sweep = gr.Button("Run the sweep in background")
         with gr.Column(scale=3, min_width=440):
             job_html = gr.HTML(render.job_card(None))
-            scores = gr.Dataframe(headers=list(SCORE_KEYS), interactive=False, max_height=220, label="Scores",
-                                  elem_id="eval-scores")
+            scores = gr.Dataframe(headers=list(SCORE_KEYS), interactive=False, max_height=260, label="Scores",
+                                  elem_id="eval-scores", wrap=True, show_search="none")
+            notes = gr.HTML(elem_id="eval-notes")
+            decode_df = gr.Dataframe(headers=DECODE_HEADERS, interactive=False, max_height=200, wrap=True,
+                                     label="How each row was decoded (Compare's settings at the time)",
+                                     elem_id="eval-decode", visible=False, show_search="none",
+                                     column_widths=["26%", "26%", "32%", "16%"])
             with gr.Row():
                 bar = gr.Plot(plots.eval_bars([]), show_label=False)
                 line = gr.Plot(plots.sweep_lines([]), show_label=False)
-            download = gr.DownloadButton("Download CSV", visible=False)
-            outputs_df = gr.Dataframe(interactive=False, max_height=260, wrap=True, label="Outputs", visible=False)
+            download = gr.File(label="Download: scores (CSV), per-sentence outputs (CSV), everything (JSON)",
+                               file_count="multiple", interactive=False, visible=False, elem_id="eval-downloads")
+            outputs_df = gr.Dataframe(headers=OUTPUT_HEADERS, interactive=False, max_height=360, wrap=True,
+                                      visible=False, elem_id="eval-outputs",
+                                      column_widths=["6%", "21%", "21%", "16%", "28%", "8%"],
+                                      label=f"Outputs per sentence and method, with the sentence chrF (the first "
+                                            f"{SHOWN_OUTPUTS} sentences; all of them in the downloads)")
     timer = gr.Timer(1.5)
 
     @user_errors
@@ -93,7 +187,13 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         jid = studio.submit_evaluate(methods=list(ms or []), memory_id=None if data else mem, test_data=data,
                                      test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
                                      settings=settings_of(*svals), owner=me)
-        return jid, render.job_card(studio.job(jid, owner=me)), None
+        return (jid, render.job_card(studio.job(jid, owner=me)), None, *cleared())
+
+    def cleared():
+        """A new evaluation is under way: nothing of the previous result stays on show."""
+        return (gr.update(value={"headers": list(SCORE_KEYS), "data": []}), "", gr.update(visible=False),
+                plots.eval_bars([]), plots.sweep_lines([]), gr.update(visible=False, value=None),
+                gr.update(visible=False))
 
     @user_errors
     def do_sweep(request: gr.Request, mem, path, tk, n, mx, pid, lams, *svals):
@@ -108,68 +208,102 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         jid = studio.submit_evaluate(memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
                                      limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
                                      settings=settings_of(*svals), owner=me)
-        return jid, render.job_card(studio.job(jid, owner=me)), None
+        return (jid, render.job_card(studio.job(jid, owner=me)), None, *cleared())
 
-    run.click(do_run, [memory, test_file, task, limit, max_new, methods, *settings_inputs], [job_id, job_html, seen],
-              api_visibility="private")
+    result_outputs = [scores, notes, decode_df, bar, line, download, outputs_df]
+    run.click(do_run, [memory, test_file, task, limit, max_new, methods, *settings_inputs],
+              [job_id, job_html, seen, *result_outputs], api_visibility="private")
     sweep.click(do_sweep, [memory, test_file, task, limit, max_new, sweep_plugin, lambdas, *settings_inputs],
-                [job_id, job_html, seen], api_visibility="private")
+                [job_id, job_html, seen, *result_outputs], api_visibility="private")
 
-    def show(job):
+    def show(job, me):
+        """A finished job's result: table, notes, the chart of its kind (the other one is cleared, so no chart
+        of an earlier result stays beside it), downloads and per-sentence outputs."""
         res = job.get("result") if job and job["state"] == "done" else None
+        if not res:
+            return (render.job_card(job), *cleared())
         cols, rows = _table(res)
-        if res and res.get("mode") == "sweep":
-            fig_bar, fig_line = gr.skip(), plots.sweep_lines(res.get("sweep") or [])
-        elif res:
-            fig_bar, fig_line = plots.eval_bars(res.get("methods") or []), gr.skip()
+        if res.get("mode") == "sweep":
+            fig_bar, fig_line = plots.eval_bars([]), plots.sweep_lines(res.get("sweep") or [])
         else:
-            fig_bar = fig_line = gr.skip()
-        dl = gr.update(visible=False)
-        if res:
-            out = Path(tempfile.mkdtemp(prefix="pema-eval-")) / f"{job['id']}.csv"
-            out.write_text(studio.results_csv(res), encoding="utf-8")
-            dl = gr.update(visible=True, value=str(out))
+            fig_bar, fig_line = plots.eval_bars(res.get("methods") or []), plots.sweep_lines([])
+        try:
+            files = [str(f) for f in studio.evaluation_files(job["id"], owner=me)]
+            dl = gr.update(visible=True, value=files)
+        except UserError:
+            dl = gr.update(visible=False, value=None)
         ocols, orows = _outputs_table(res)
-        outs = gr.update(visible=bool(orows), value={"headers": ocols, "data": orows}) if orows else \
+        outs = gr.update(visible=True, value={"headers": ocols, "data": orows}) if orows else \
             gr.update(visible=False)
-        return (render.job_card(job), gr.update(value={"headers": cols, "data": rows}) if res else gr.skip(),
-                fig_bar, fig_line, dl, outs)
+        drows = _decode_table(res)
+        dec = gr.update(visible=True, value={"headers": DECODE_HEADERS, "data": drows}) if drows else \
+            gr.update(visible=False)
+        return (render.job_card(job), gr.update(value={"headers": cols, "data": rows}), _notes(res), dec, fig_bar,
+                fig_line, dl, outs)
 
     def tick(jid, last, request: gr.Request):
-        n_out = 6
+        n_out = 8
         if not jid:
             return (*[gr.skip()] * n_out, last)
         try:
-            job = studio.job(jid, owner=owner_of(studio, request))
+            me = owner_of(studio, request)
+            job = studio.job(jid, owner=me)
         except UserError:
             return (*[gr.skip()] * n_out, last)
-        key = (jid, job["state"], round(job["progress"], 3), job["message"])
+        # a running job's card also moves on with its elapsed time (every 5 s) between progress reports
+        key = (jid, job["state"], round(job["progress"], 3), job["message"],
+               int((job.get("elapsed_s") or 0) // 5) if job["state"] == "running" else 0)
         if key == last:
             return (*[gr.skip()] * n_out, last)
         if job["state"] in FINAL_STATES:
-            return (*show(job), key)
+            return (*show(job, me), key)
         return (render.job_card(job), *[gr.skip()] * (n_out - 1), key)
 
-    timer.tick(tick, [job_id, seen], [job_html, scores, bar, line, download, outputs_df, seen], show_progress="hidden",
+    timer.tick(tick, [job_id, seen], [job_html, *result_outputs, seen], show_progress="hidden",
                api_visibility="private")
+
+    def memory_warning(mid, me):
+        m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
+        return render.memory_warning(m, "heldout")
+
+    @user_errors
+    def on_memory(mid, request: gr.Request):
+        return memory_warning(mid, owner_of(studio, request))
+
+    memory.change(on_memory, memory, memory_warn, show_progress="hidden")
 
     def lists(me, current=None, mem_value=None):
         choices = method_choices(studio, me)
         mchoices = memory_choices(studio, me)
         pchoices = plugin_choices(studio, methods=("pema",), owner=me)
+        mem = keep_value(mchoices, mem_value)
         return (gr.update(choices=choices, value=keep_value(choices, current or ["base"])),
-                gr.update(choices=mchoices, value=keep_value(mchoices, mem_value)),
-                gr.update(choices=pchoices, value=keep_value(pchoices, None)))
+                gr.update(choices=mchoices, value=mem),
+                gr.update(choices=pchoices, value=keep_value(pchoices, None)), memory_warning(mem, me))
 
     @user_errors
     def refresh(current, mem_value, request: gr.Request):
         return lists(owner_of(studio, request), current, mem_value)
 
     def on_load(me):
+        """Page (re)load for owner ``me``: lists and the latest evaluation (its result follows with the first
+        timer tick)."""
         last = studio.list_jobs(("evaluate",), 1, owner=me)
         jid = last[0]["id"] if last else None
         return (*lists(me), jid, render.job_card(last[0]) if jid else render.job_card(None))
 
+    def restore(me, saved: dict):
+        """This browser's last memory, methods and task (``saved``; ids that are not the owner's are dropped)."""
+        choices, mchoices = method_choices(studio, me), memory_choices(studio, me)
+        ms = keep_value(choices, list(saved.get("eval_methods") or []))
+        mid = saved.get("eval_memory")
+        ok = mid in [c[1] for c in mchoices]
+        tk = saved.get("eval_task")
+        return (gr.update(value=ms) if ms else gr.skip(), gr.update(value=mid) if ok else gr.skip(),
+                memory_warning(mid, me) if ok else gr.skip(), gr.update(value=tk) if tk in TASKS else gr.skip())
+
     return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, memory],
-                           refresh_outputs=[methods, memory, sweep_plugin], on_load=on_load,
-                           load_outputs=[methods, memory, sweep_plugin, job_id, job_html])
+                           refresh_outputs=[methods, memory, sweep_plugin, memory_warn], on_load=on_load,
+                           load_outputs=[methods, memory, sweep_plugin, memory_warn, job_id, job_html],
+                           persist=[("eval_memory", memory), ("eval_methods", methods), ("eval_task", task)],
+                           restore=restore, restore_outputs=[methods, memory, memory_warn, task])

@@ -53,6 +53,7 @@ def build(studio) -> SimpleNamespace:
         with gr.Column(scale=2, min_width=340):
             gr.Markdown("#### Train a plug-in")
             memory = gr.Dropdown([], label="Memory", elem_id="train-memory")
+            memory_warn = gr.HTML(elem_id="train-memory-warning")
             method = gr.Dropdown([(m["title"], k) for k, m in methods.items()], value=first, label="Method",
                                  elem_id="train-method")
             info = gr.HTML(_method_info(methods.get(first)))
@@ -69,9 +70,9 @@ def build(studio) -> SimpleNamespace:
             train_msg = gr.HTML()
         with gr.Column(scale=3, min_width=440):
             gr.Markdown("#### Jobs")
-            jobs_df = gr.Dataframe(headers=render.JOB_HEADERS, interactive=False, max_height=190, wrap=False,
+            jobs_df = gr.Dataframe(headers=render.JOB_HEADERS, interactive=False, max_height=190, wrap=True,
                                    elem_id="jobs-table",
-                                   column_widths=["12%", "32%", "12%", "12%", "17%", "15%"])
+                                   column_widths=["8%", "25%", "14%", "12%", "17%", "24%"])
             with gr.Row(equal_height=False, elem_classes="pema-actions"):
                 job_pick = gr.Dropdown([], label="Show job", scale=4)
                 cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=1)
@@ -80,10 +81,17 @@ def build(studio) -> SimpleNamespace:
             log = gr.Textbox(label="Log", lines=6, max_lines=6, autoscroll=True, interactive=False)
     gr.Markdown("#### Your plug-ins")
     plug_df = gr.Dataframe(headers=render.PLUGIN_HEADERS, interactive=False, max_height=220, wrap=True,
-                           column_widths=["19%", "8%", "14%", "10%", "27%", "10%", "12%"])
+                           elem_id="plugins-table",
+                           column_widths=["15%", "7%", "19%", "12%", "9%", "18%", "9%", "11%"])
     with gr.Row(equal_height=False, elem_classes="pema-actions"):
-        plug_pick = gr.Dropdown([], label="Inspect a plug-in", scale=4)
+        plug_pick = gr.Dropdown([], label="Inspect a plug-in", scale=4, elem_id="plugin-pick")
         plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1)
+    with gr.Row(equal_height=False, elem_classes="pema-actions"):
+        plug_status = gr.HTML(elem_id="plugin-status", scale=3)
+        more_minutes = gr.Number(5, label="Time budget (minutes)", precision=1, minimum=0.1, scale=1,
+                                 min_width=170, elem_id="continue-minutes")
+        plug_continue = gr.Button("Continue training", size="sm", scale=1, min_width=170,
+                                  elem_id="continue-training")
     plug_detail = gr.Code(language="json", label="Plug-in details", visible=False, lines=8, max_lines=16)
     timer = gr.Timer(1.0)
 
@@ -94,6 +102,16 @@ def build(studio) -> SimpleNamespace:
                 gr.update(value=settings_rows(mm)))
 
     method.change(on_method, method, [info, config, settings_ref], show_progress="hidden")
+
+    def memory_warning(mid, me):
+        m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
+        return render.memory_warning(m, "train")
+
+    @user_errors
+    def on_memory(mid, request: gr.Request):
+        return memory_warning(mid, owner_of(studio, request))
+
+    memory.change(on_memory, memory, memory_warn, show_progress="hidden")
     reset.click(on_method, method, [info, config, settings_ref], show_progress="hidden", api_visibility="private")
 
     @user_errors
@@ -162,7 +180,10 @@ def build(studio) -> SimpleNamespace:
             jobs = studio.list_jobs(limit=30, owner=me)
         except UserError:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last
-        digest = tuple((j["id"], j["state"], round(j["progress"], 3), j["message"]) for j in jobs)
+        # a running job's line also moves on with its elapsed time and ETA (every 5 s) between progress reports
+        digest = tuple((j["id"], j["state"], round(j["progress"], 3), j["message"],
+                        int((j.get("elapsed_s") or 0) // 5) if j["state"] in ("running", "queued") else 0)
+                       for j in jobs)
         if last is not None and last[0] == digest and last[1] == jid:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last
         table = render.jobs_table(jobs, memory_names(me))
@@ -193,15 +214,32 @@ def build(studio) -> SimpleNamespace:
     # --- plug-in list -------------------------------------------------------------------------------------------
     def show_plugin(pid, request: gr.Request):
         if not pid:
-            return gr.update(visible=False)
+            return gr.update(visible=False), ""
+        me = owner_of(studio, request)
         try:
-            d = studio.plugin_detail(pid, owner=owner_of(studio, request))
+            d = studio.plugin_detail(pid, owner=me)
         except UserError as e:
-            return gr.update(visible=True, value=json.dumps({"error": str(e)}))
+            return gr.update(visible=True, value=json.dumps({"error": str(e)})), ""
         d.pop("history", None)
-        return gr.update(visible=True, value=json.dumps(d, indent=2, default=str))
+        p = next((x for x in studio.plugins(owner=me) if x["id"] == pid), {})
+        return gr.update(visible=True, value=json.dumps(d, indent=2, default=str)), render.plugin_status(p)
 
-    plug_pick.change(show_plugin, plug_pick, plug_detail, show_progress="hidden")
+    plug_pick.change(show_plugin, plug_pick, [plug_detail, plug_status], show_progress="hidden")
+
+    @user_errors
+    def do_continue(pid, minutes, request: gr.Request):
+        if not pid:
+            raise UserError("Choose a plug-in to continue training.")
+        me = owner_of(studio, request)
+        cfg = {"max_minutes": float(minutes)} if minutes else {}
+        jid = studio.submit_continue(pid, cfg, owner=me)
+        job = studio.job(jid, owner=me)
+        return (jid, gr.update(choices=job_choices(me), value=jid), render.job_card(job), plots.loss_curve([]), "",
+                f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>: continues from the saved "
+                f"weights and optimizer state as a new plug-in.</div>")
+
+    plug_continue.click(do_continue, [plug_pick, more_minutes],
+                        [selected_job, job_pick, job_html, loss, log, plug_status], api_visibility="private")
 
     @user_errors
     def do_delete(pid, request: gr.Request):
@@ -219,8 +257,9 @@ def build(studio) -> SimpleNamespace:
     def lists(me, mem_value=None):
         choices = memory_choices(studio, me)
         plist = studio.plugins(owner=me)
-        return (gr.update(choices=choices, value=keep_value(choices, mem_value)), render.plugins_table(plist),
-                gr.update(choices=[(p["name"], p["id"]) for p in plist]))
+        mem = keep_value(choices, mem_value)
+        return (gr.update(choices=choices, value=mem), render.plugins_table(plist),
+                gr.update(choices=[(p["name"], p["id"]) for p in plist]), memory_warning(mem, me))
 
     @user_errors
     def refresh(mem_value, request: gr.Request):
@@ -233,11 +272,23 @@ def build(studio) -> SimpleNamespace:
                   or [j for j in jobs if j["kind"] == "train_plugin" and j["metrics"]]
                   or [j for j in jobs if j["kind"] == "train_plugin"])
         jid = active[0]["id"] if active else None
-        mem_dd, pdf, pdd = lists(me)
+        mem_dd, pdf, pdd, warn = lists(me)
         card, fig, lg = show_job(jid, me)
         return (mem_dd, pdf, pdd, render.jobs_table(jobs, memory_names(me)),
-                gr.update(choices=job_choices(me), value=jid), jid, card, fig, lg)
+                gr.update(choices=job_choices(me), value=jid), jid, card, fig, lg, warn)
 
-    return SimpleNamespace(refresh=refresh, refresh_inputs=[memory], refresh_outputs=[memory, plug_df, plug_pick],
+    def restore(me, saved: dict):
+        """This browser's last memory and method (``saved``), when they are still the owner's and still exist."""
+        mid = saved.get("train_memory")
+        ids = [c[1] for c in memory_choices(studio, me)]
+        meth = saved.get("train_method")
+        return (gr.update(value=mid) if mid in ids else gr.skip(),
+                memory_warning(mid, me) if mid in ids else gr.skip(),
+                gr.update(value=meth) if meth in methods else gr.skip())
+
+    return SimpleNamespace(refresh=refresh, refresh_inputs=[memory],
+                           refresh_outputs=[memory, plug_df, plug_pick, memory_warn],
                            on_load=on_load, load_outputs=[memory, plug_df, plug_pick, jobs_df, job_pick,
-                                                          selected_job, job_html, loss, log])
+                                                          selected_job, job_html, loss, log, memory_warn],
+                           persist=[("train_memory", memory), ("train_method", method)],
+                           restore=restore, restore_outputs=[memory, memory_warn, method])

@@ -46,11 +46,66 @@ def status_header(st: dict) -> str:
                                          f"meanwhile; jobs wait for it")
 
 
+def duration(seconds: float | None) -> str:
+    """``42s``, ``3m 05s``, ``1h 02m``; empty for None."""
+    if seconds is None:
+        return ""
+    s = int(round(max(0.0, float(seconds))))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {(s % 3600) // 60:02d}m"
+
+
+def job_time(job: dict) -> str:
+    """Elapsed time and ETA of a job (``studio.plugin_service.job_timing``): "1m 05s elapsed · about 2m 10s
+    left"; for a queued job how long it has waited; for a finished one how long it ran."""
+    el, eta = job.get("elapsed_s"), job.get("eta_s")
+    if job.get("state") == "queued":
+        return f"waiting {duration(el)}" if el is not None else "waiting"
+    if el is None:
+        return ""
+    if job.get("state") == "running":
+        left = f"about {duration(eta)} left" if eta is not None else "estimating the time left…"
+        return f"{duration(el)} elapsed · {left}"
+    return f"ran {duration(el)}"
+
+
+UNDER_TRAINED = "#d97706"
+
+
+def job_badge(job: dict) -> tuple[str, str]:
+    """(badge text, colour): the job's state, or "under-trained" for a training that stopped on its time budget."""
+    tr = job.get("training") or {}
+    if job.get("state") == "done" and tr.get("under_trained"):
+        return "under-trained", UNDER_TRAINED
+    return job.get("state", ""), STATE_BADGE.get(job.get("state"), "#2563eb")
+
+
 def job_card(job: dict | None) -> str:
     if not job:
         return "<div class='pema-muted'>No job selected.</div>"
     title = f"{KIND_LABEL.get(job['kind'], job['kind'])} · {job['id']}"
-    html_ = progress_bar(job.get("progress", 0), job.get("message", ""), job["state"], title)
+    badge, color = job_badge(job)
+    tr = job.get("training") or {}
+    pct = max(0.0, min(1.0, float(job.get("progress") or 0))) * 100
+    if badge == "under-trained":
+        pct_text = ""  # "100%" would read as "fully trained"
+        msg = f"{tr['label']}. {job.get('message', '')}"
+    else:
+        pct_text = f"{pct:.0f}% — "
+        msg = job.get("message", "")
+    timing = job_time(job)
+    html_ = (f"<div class='pema-pb'><div class='pema-pb-title'>{esc(title)}</div><div class='pema-pb-track'>"
+             f"<div class='pema-pb-fill' style='width:{pct:.1f}%;background:{color}'></div></div>"
+             f"<div class='pema-pb-msg'><span class='pema-badge' style='background:{color}'>{esc(badge)}</span> "
+             f"{pct_text}{esc(msg)}</div>"
+             + (f"<div class='pema-pb-time'>{esc(timing)}</div>" if timing else "") + "</div>")
+    if badge == "under-trained":
+        html_ += ("<div class='pema-warn'>The time budget (<code>max_minutes</code>) ended training before the "
+                  "early-stopping rule did: this plug-in is probably under-trained. Continue training it (Your "
+                  "plug-ins → Continue training) or train again with a larger budget.</div>")
     if job["state"] == "failed" and job.get("error"):
         html_ += f"<div class='pema-error'>{esc(job['error'])}</div>"
     return html_
@@ -67,12 +122,18 @@ def job_what(job: dict, memory_names: dict | None = None) -> str:
     return a.get("name") or ""
 
 
+def _job_progress(j: dict) -> str:
+    if j.get("state") == "done" and (j.get("training") or {}).get("under_trained"):
+        return "stopped early"
+    return f"{100 * float(j.get('progress') or 0):.0f}%"
+
+
 def jobs_table(jobs: list[dict], memory_names: dict | None = None) -> list[list]:
-    return [[KIND_SHORT.get(j["kind"], j["kind"]), job_what(j, memory_names), j["state"],
-             f"{100 * float(j.get('progress') or 0):.0f}%", when(j["created"], short=True), j["id"]] for j in jobs]
+    return [[KIND_SHORT.get(j["kind"], j["kind"]), job_what(j, memory_names), job_badge(j)[0], _job_progress(j),
+             job_time(j), j["id"]] for j in jobs]
 
 
-JOB_HEADERS = ["kind", "what", "state", "progress", "queued", "id"]
+JOB_HEADERS = ["kind", "what", "state", "progress", "time", "id"]
 
 
 def memories_table(mems: list[dict]) -> list[list]:
@@ -96,12 +157,60 @@ def _metric_summary(metrics: dict) -> str:
     return ", ".join(parts[:3])
 
 
+def training_label(p: dict) -> str:
+    """A plug-in's training status for lists: "⚠ stopped by time budget at 0.39 of 10 epochs — under-trained"."""
+    tr = p.get("training") or {}
+    label = tr.get("label") or "ready"
+    return f"⚠ {label}" if tr.get("under_trained") else label
+
+
 def plugins_table(plugins: list[dict]) -> list[list]:
-    return [[p["name"], p["method"], p["memory"], f"{p['params']:,}", _metric_summary(p.get("metrics") or {}),
-             when(p["created"], short=True), p["backbone"] + ("" if p["usable"] else " ⚠")] for p in plugins]
+    return [[p["name"], p["method"], training_label(p), p["memory"], f"{p['params']:,}",
+             _metric_summary(p.get("metrics") or {}), when(p["created"], short=True),
+             p["backbone"] + ("" if p["usable"] else " ⚠")] for p in plugins]
 
 
-PLUGIN_HEADERS = ["name", "method", "memory", "parameters", "metrics", "created", "backbone"]
+PLUGIN_HEADERS = ["name", "method", "training", "memory", "parameters", "metrics", "created", "backbone"]
+
+
+def plugin_status(p: dict | None) -> str:
+    """One plug-in's training status line (for its details): under-trained in amber, with what to do."""
+    if not p:
+        return ""
+    tr = p.get("training") or {}
+    can = p.get("can_continue")
+    if tr.get("under_trained"):
+        todo = ("Press “Continue training” to resume from its saved optimizer state." if can else
+                "Train it again with a larger time budget (max_minutes).")
+        return (f"<div class='pema-warn'><b>{esc(p.get('name'))}</b>: {esc(tr.get('label'))}. {todo}</div>")
+    more = " It can continue training." if can else ""
+    return f"<div class='pema-muted'><b>{esc(p.get('name'))}</b>: {esc(tr.get('label') or 'ready')}.{more}</div>"
+
+
+def memory_warning(m: dict | None, purpose: str) -> str:
+    """A warning when a memory is too small for ``purpose`` ("train": a plug-in learns from its training
+    samples and early-stops on a tenth of them; "heldout": Compare's samples and Evaluate need held-out samples);
+    empty when it is fine. ``m``: a row of ``Studio.memories``."""
+    if not m:
+        return ""
+    held = int(m.get("heldout_samples") or 0)
+    train = max(0, int(m.get("samples") or 0) - held)  # ``samples`` counts the held-out ones too
+    if purpose == "heldout" and held == 0:
+        return (f"<div class='pema-warn'><b>{esc(m.get('name'))}</b> has 0 held-out samples (a memory needs at "
+                f"least 5 samples to hold some out): there is nothing to evaluate on. Upload a test file instead, "
+                f"or rebuild the memory from more samples.</div>")
+    if purpose == "heldout" and held < 10:
+        return (f"<div class='pema-warn'><b>{esc(m.get('name'))}</b> holds out only {held} sample(s): scores on "
+                f"so few sentences are mostly noise (see the confidence intervals).</div>")
+    if purpose == "train" and train < 2:
+        return (f"<div class='pema-warn'><b>{esc(m.get('name'))}</b> has {train} training sample(s): too few to "
+                f"train on (a tenth of them is set aside for early stopping). Build a memory from more samples."
+                f"</div>")
+    if purpose == "train" and train < 20:
+        return (f"<div class='pema-warn'><b>{esc(m.get('name'))}</b> has only {train} training samples: a plug-in "
+                f"trained on so few early-stops on {max(1, round(train / 10))} of them and will mostly memorise."
+                f"</div>")
+    return ""
 
 
 def preview_summary(pv: dict) -> str:
@@ -159,16 +268,60 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
     for r in payload["rows"]:
         is_base = r["label"] == base
         body = esc(r["text"]) if is_base else _diff_html(r.get("diff") or [[r["text"], "same"]])
+        plain = esc(r["text"])
         if not r["text"]:
-            body = "<span class='pema-muted'>(empty output)</span>"
+            body = plain = "<span class='pema-muted'>(empty output)</span>"
+        toggle = "" if is_base else (f"<button type='button' class='pema-act' data-pema-action='view' "
+                                     f"title='{esc(VIEW_HELP)}'>Plain text</button>")
         cards.append(
             f"<div class='pema-card{' base' if is_base else ''}'>"
-            f"<div class='pema-card-head'><b>{esc(r['label'])}</b><span class='pema-method'>{esc(r['method'])}"
-            f"</span></div><div class='pema-card-text'>{body}</div>"
-            f"<div class='pema-card-foot'>{r.get('n_tokens', len(r.get('tokens', [])))} tokens · score "
-            f"{r.get('score', 0):.2f}{' · ' + esc(_settings_text(r.get('settings'))) if r.get('settings') else ''}"
-            f"</div></div>")
+            f"<div class='pema-card-head'><b title='{esc(r['label'])}'>{esc(r['label'])}</b>"
+            f"<span class='pema-method'>{esc(r['method'])}</span></div>"
+            f"<div class='pema-card-text pema-card-diff'>{body}</div>"
+            f"<div class='pema-card-text pema-card-plain'>{plain}</div>"
+            f"<div class='pema-card-foot'>{r.get('n_tokens', len(r.get('tokens', [])))} tokens · "
+            f"<abbr class='pema-term' title='{esc(SCORE_HELP)}'>score</abbr> {r.get('score', 0):.2f}"
+            f"{' · ' + esc(_settings_text(r.get('settings'))) if r.get('settings') else ''}</div>"
+            f"<div class='pema-card-actions'><button type='button' class='pema-act' data-pema-action='copy' "
+            f"title='Copy this output to the clipboard'>Copy</button>{toggle}</div></div>")
     return f"{head}{ref}<div class='pema-cards'>{''.join(cards)}</div>"
+
+
+SCORE_HELP = ("score: the output's log-probability under its row's final distribution — the sum of log P of the "
+              "chosen tokens (0 = certain; more negative = less confident; longer outputs score lower, so compare "
+              "scores of outputs of similar length only)")
+VIEW_HELP = "Switch between the differences from the base output and the plain output"
+
+# The cards' buttons (the HTML component's own script, run once when it loads; it listens on the container, so it
+# works for every new set of cards): Copy puts the card's plain output on the clipboard; Plain text / Show diff
+# switches the card between its differences from the base output and the plain output.
+CARDS_JS = """
+element.addEventListener('click', (ev) => {
+  const btn = ev.target.closest('[data-pema-action]');
+  if (!btn || !element.contains(btn)) return;
+  const card = btn.closest('.pema-card');
+  if (!card) return;
+  if (btn.dataset.pemaAction === 'view') {
+    card.classList.toggle('plain');
+    btn.textContent = card.classList.contains('plain') ? 'Show diff' : 'Plain text';
+    return;
+  }
+  const text = (card.querySelector('.pema-card-plain') || card).innerText.trim();
+  const done = () => { btn.textContent = 'Copied'; setTimeout(() => { btn.textContent = 'Copy'; }, 1200); };
+  const fallback = () => {
+    const ta = document.createElement('textarea');
+    ta.value = text; ta.style.position = 'fixed'; ta.style.opacity = '0';
+    document.body.appendChild(ta); ta.select();
+    try { document.execCommand('copy'); } finally { document.body.removeChild(ta); }
+    done();
+  };
+  if (navigator.clipboard && window.isSecureContext) {
+    navigator.clipboard.writeText(text).then(done, fallback);
+  } else {
+    fallback();
+  }
+});
+"""
 
 
 def shared_header(payload: dict) -> str:

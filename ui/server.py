@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import time
 from http.cookies import SimpleCookie
+from pathlib import Path
 from urllib.parse import parse_qs, quote
 
 import gradio as gr
@@ -28,15 +29,31 @@ class OwnerCookieMiddleware:
     * ``/?c=<id>`` (links shared before the share page moved) is redirected to ``share/?c=<id>``.
     """
 
-    def __init__(self, app, studio, share_path: str = "/share"):
+    def __init__(self, app, studio, share_path: str = "/share", downloads: Path | None = None):
         self.app = app
         self.studio = studio
         self.share_path = share_path
+        self.downloads = Path(downloads).resolve() if downloads else None
+
+    def _into_downloads(self, path: str) -> bool:
+        """A ``…/file=<path>`` request for a file under the owners' download folders: those are served only as
+        the copies Gradio makes for their owner's own page events, never by their path."""
+        if self.downloads is None or "file=" not in path:
+            return False
+        target = path.split("file=", 1)[1]
+        try:
+            return Path(target).resolve().is_relative_to(self.downloads)
+        except (OSError, ValueError):
+            return True
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path") or "/"
+        if self._into_downloads(path):
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-length", b"0")]})
+            return await send({"type": "http.response.body", "body": b""})
         if path in ("", "/", self.share_path) and scope.get("method") == "GET":
             c = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("c")
             if c or path == self.share_path:
@@ -103,14 +120,20 @@ class Served:
 
 
 def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, port: int, *, theme=None,
-          css: str = "", head: str = "", max_file_size: int | None = None) -> Served:
-    """Mount both Gradio apps on one FastAPI app with the middleware and start the server in a thread."""
+          css: str = "", head: str = "", max_file_size: int | None = None,
+          downloads: Path | None = None) -> Served:
+    """Mount both Gradio apps on one FastAPI app with the middleware and start the server in a thread.
+
+    ``downloads``: the folder of the owners' evaluation downloads (under the data directory). The studio may hand
+    files from it to its page (Gradio copies each into its cache, under a name made from the file's contents), but
+    nobody may fetch them there by path (the middleware answers 404)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(OwnerCookieMiddleware, studio=studio)
+    app.add_middleware(OwnerCookieMiddleware, studio=studio, downloads=downloads)
     common = dict(server_name=host, server_port=port, ssr_mode=False, show_error=True, theme=theme, css=css,
                   head=head, max_file_size=max_file_size)
     gr.mount_gradio_app(app, share_blocks, path="/share", footer_links=[], run_history=False, **common)
-    gr.mount_gradio_app(app, studio_blocks, path="/", footer_links=["api"], run_history=False, **common)
+    gr.mount_gradio_app(app, studio_blocks, path="/", footer_links=["api"], run_history=False,
+                        allowed_paths=[str(downloads)] if downloads else None, **common)
     _check_port(host, port)
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                    timeout_graceful_shutdown=1))  # open event streams are cut after 1 s

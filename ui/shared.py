@@ -10,7 +10,7 @@ import gradio as gr
 
 from ground.errors import UserError
 from ui import plots, render
-from ui.compare import TOKEN_COLORS, row_of, token_views
+from ui.compare import TOKEN_COLORS, TOKEN_HELP, row_of, token_views
 
 SETTINGS_HEADERS = ["method", "kind", "decode settings", "tokens"]
 
@@ -19,7 +19,7 @@ def build(studio) -> SimpleNamespace:
     payload = gr.State(None)
     header = gr.HTML(elem_id="shared-header")
     with gr.Column() as body:
-        cards = gr.HTML(elem_id="shared-outputs")
+        cards = gr.HTML(elem_id="shared-outputs", js_on_load=render.CARDS_JS)
         settings = gr.Dataframe(headers=SETTINGS_HEADERS, interactive=False, max_height=200, wrap=True,
                                 label="Methods and their settings")
         gr.Markdown("#### Token by token")
@@ -28,6 +28,7 @@ def build(studio) -> SimpleNamespace:
             tok = gr.Slider(0, 1, 0, step=1, label="Output token", scale=3)
         chips = gr.HighlightedText([], color_map=TOKEN_COLORS, combine_adjacent=False, show_legend=True,
                                    label="Output tokens — click one")
+        gr.HTML(f"<div class='pema-help'>{TOKEN_HELP}</div>")
         with gr.Row(equal_height=True):
             lam_plot = gr.Plot(show_label=False)
             bars_plot = gr.Plot(show_label=False)
