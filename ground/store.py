@@ -26,8 +26,8 @@ Nothing half-written, nothing left behind:
   writer can be between its rename and its commit meanwhile): a row whose folder is gone is re-pointed at
   ``<data_dir>/<table>/<id>`` when that exists, else removed (when its folder was inside the data directory; a
   folder elsewhere is not ours to judge: the row stays, logged); a folder without a row is removed unless the
-  process that wrote it (``writer`` in its JSON) is still alive. ``clean_temporary`` removes temporary files and folders whose
-  writer is gone. Every repair is logged (logger ``pema.store``) and returned.
+  process that wrote it (``writer`` in its JSON) is still alive. ``clean_temporary`` removes temporary files and
+  folders whose writer is gone. Every repair is logged (logger ``pema.store``) and returned.
 * Deleting renames the folder away (to a temporary name) in the same transaction that deletes the row, then removes
   it: never a row with half a folder.
 """

@@ -27,6 +27,7 @@ from memories.build import build_memory
 from memories.corpora import available_corpora, load_corpus
 from memories.datasets_source import load_dataset_samples, record_source
 from memories.parse import parse_samples_strict, samples_from_dicts
+from offsite.cli import add_remote, remote_backbone_from_args
 from plugins.api import open_memory
 
 
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
     b.add_argument("--batch-size", type=int, default=8)
     b.add_argument("--name", default="")
     add_common(b)
+    add_remote(b)
     ls = sub.add_parser("list", help="list memories")
     ls.add_argument("--json", action="store_true")
     add_common(ls, backbone=False)
@@ -82,8 +84,8 @@ def main(argv=None) -> int:
         if args.json:
             dump_json(rows)
         else:
-            print_table([{**{k: printable(v) for k, v in r.items()}, "MB": f"{r['bytes'] / 1e6:.1f}"} for r in rows],
-                        ["id", "name", "backbone", "task", "mode", "samples", "entries", "MB"])
+            print_table([{**{k: printable(v) for k, v in r.items()}, "MB": f"{(r['bytes'] or 0) / 1e6:.1f}"}
+                         for r in rows], ["id", "name", "backbone", "task", "mode", "samples", "entries", "MB"])
         return 0
     if args.cmd == "inspect":
         m = open_memory(args.id, catalog=cat)
@@ -130,7 +132,7 @@ def _build(args, cat) -> int:
         raise UserError("Give a file of samples, --dataset NAME_OR_PATH or --corpus NAME.")
     if args.limit:
         samples = samples[: args.limit]
-    bb = load_backbone_from_args(args)
+    bb = remote_backbone_from_args(args) if args.remote else load_backbone_from_args(args)
     prompt = _prompt(args, bb)
     out = cat.root / "memories" / new_id()
     with progress_bar("memory") as prog:

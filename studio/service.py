@@ -21,8 +21,9 @@ One data directory, one owner process: the Studio's job queue takes ``<data_dir>
 the process's lifetime. The owner repairs the directory at start-up — temporary folders and files of writers that
 are gone, catalog rows without folders and folders without rows (``Catalog.repair``), uploads no queued job needs —
 marks jobs left running ``interrupted`` and runs the queue. A second Studio on a live directory (another process, or
-another Studio in this one) gets ``read_only = True``: it serves pages, comparisons and shares but has no job worker
-and refuses to queue builds, trainings and evaluations; it never cleans, repairs, marks or claims anything.
+another Studio in this one) gets ``read_only = True``: it serves pages, comparisons and shares (and deletes, as a CLI
+may) but has no job worker and refuses to queue builds, trainings and evaluations; it never cleans, repairs, marks
+or claims anything.
 """
 from __future__ import annotations
 
