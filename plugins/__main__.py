@@ -26,6 +26,8 @@ from ground.cli import add_common, dump_json, print_table, progress_bar, run_mai
 from ground.errors import UserError
 from ground.store import Catalog
 from ground.text import printable
+from offsite.cli import add_remote, remote_backbone_from_args
+from offsite.decode import check_offsite_method, compare_remote, open_offsite_plugin
 from plugins.api import method_table, open_memory, open_plugin, train_plugin
 from plugins.decode import Row, compare
 from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
@@ -44,6 +46,7 @@ def main(argv=None) -> int:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
     t.add_argument("--name", default="")
     add_common(t)
+    add_remote(t)
     ls = sub.add_parser("list", help="list plug-ins")
     ls.add_argument("--json", action="store_true")
     add_common(ls, backbone=False)
@@ -64,6 +67,7 @@ def main(argv=None) -> int:
     c.add_argument("--beams", type=int, default=1)
     c.add_argument("--json", action="store_true")
     add_common(c)
+    add_remote(c, decode=True)
     ex = sub.add_parser("export", help="write a plug-in as a self-contained folder with a model card (Hub package)")
     ex.add_argument("id", help="plug-in id or folder")
     ex.add_argument("dir", help="output folder (must be new or empty)")
@@ -111,7 +115,9 @@ def main(argv=None) -> int:
         print(f"deleted {args.id}")
         return 0
     if args.cmd == "train":
-        bb = load_backbone_from_args(args)
+        if args.remote:
+            check_offsite_method(args.method)  # in-network methods need the owner's decoder: refused first
+        bb = remote_backbone_from_args(args) if args.remote else load_backbone_from_args(args)
         mem = open_memory(args.memory, bb, cat)
         with progress_bar(args.method) as prog:
             plugin, row = train_plugin(bb, mem, args.method, parse_sets(args.set), catalog=cat, name=args.name,
@@ -158,8 +164,8 @@ def _package(args, cat) -> int:
 
 
 def _compare(args, cat) -> int:
-    bb = load_backbone_from_args(args)
-    plugins = [open_plugin(p, bb, cat) for p in args.plugin]
+    bb = remote_backbone_from_args(args) if args.remote else load_backbone_from_args(args)
+    plugins = [(open_offsite_plugin if args.remote else open_plugin)(p, bb, cat) for p in args.plugin]
     task = args.task or next((p.memory_meta.get("task") for p in plugins if p.memory_meta.get("task")),
                              "translation")
     prompt = task_prompt(task, bb, shots=args.shots)
@@ -167,7 +173,11 @@ def _compare(args, cat) -> int:
         prompt = Prompt.from_dict(plugins[0].memory_meta["prompt"])  # decode with the prompt the memory used
     rows = [] if args.no_base else [Row("base")]
     rows += plugin_rows(plugins, task, bb.name, args.set)
-    res = compare(bb, args.sentence, rows, prompt, max_new_tokens=args.max_new_tokens, num_beams=args.beams)
+    if args.remote:  # the owner runs the decoder in a session; the plug-ins mix here (offsite.decode)
+        res = compare_remote(bb, args.sentence, rows, prompt, max_new_tokens=args.max_new_tokens,
+                             num_beams=args.beams, lm=args.remote_lm)
+    else:
+        res = compare(bb, args.sentence, rows, prompt, max_new_tokens=args.max_new_tokens, num_beams=args.beams)
     if args.json:
         dump_json(res.to_dict())
         return 0

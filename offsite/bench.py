@@ -1,0 +1,172 @@
+"""Offsite benchmark: what the protocol costs on loopback, against the same work done locally.
+
+    python -m offsite.bench --backbone tiny                      # the tests' tiny random model
+    python -m offsite.bench --backbone gemma-3-270m --pairs 40   # the embedded Gemma (cached weights)
+
+Starts a model owner (``python -m offsite serve``) on 127.0.0.1 in its own process, loads the same backbone here,
+then measures: the memory build (local vs through the owner; request + response body bytes per memory entry), and
+greedy decodes of base + PEMA + kNN rows (local ``plugins.decode.compare`` vs ``offsite.decode.compare_remote`` with
+each P_LM mode: generated tokens per second over all rows, body bytes per decode step and per generated token, and
+whether every row's tokens equal the local ones). Body bytes exclude HTTP headers (~150–250 bytes a request).
+Uses ``../shared/data/wmt22-en-de/train.jsonl`` when present, else a few built-in pairs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from backbone.model import load_backbone  # noqa: E402
+from backbone.tasks import task_prompt  # noqa: E402
+from backbone.tiny import tiny_backbone  # noqa: E402
+from memories.build import build_memory  # noqa: E402
+from memories.parse import Sample, parse_samples_strict  # noqa: E402
+from offsite.client import connect  # noqa: E402
+from offsite.decode import compare_remote  # noqa: E402
+from plugins.api import train_plugin  # noqa: E402
+from plugins.base import load_plugin  # noqa: E402
+from plugins.decode import Row, compare  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WMT = ROOT.parent / "shared" / "data" / "wmt22-en-de" / "train.jsonl"
+PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+         ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")]
+SENTENCES = ["The government wants to cut taxes.", "The house is small.", "I would like a cup of coffee."]
+
+
+def _samples(n: int) -> list[Sample]:
+    if WMT.is_file():
+        return parse_samples_strict(WMT.read_bytes(), WMT.name)[:n]
+    return [Sample(s, t, i + 1) for i, (s, t) in enumerate((PAIRS * (n // len(PAIRS) + 1))[:n])]
+
+
+def _owner(name: str, token: str, log: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "offsite", "serve", "--backbone", name, "--port", str(port),
+                                 "--token", token, "--rate", "100000", "--burst", "100000"], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def run(name: str, pairs: int, new_tokens: int, repeats: int) -> dict:
+    import httpx  # heavy: the benchmark talks HTTP
+
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        proc, url = _owner(name, token, tmp / "owner.log")
+        try:
+            local = tiny_backbone() if name == "tiny" else load_backbone(name)
+            deadline = time.time() + 600
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError((tmp / "owner.log").read_text())
+                try:
+                    if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError("the owner did not start")
+                time.sleep(0.5)
+            t0 = time.time()
+            remote = connect(url, token, data_dir=tmp / "client")
+            client = remote.client
+            out: dict = {"backbone": local.name, "hidden_size": local.hidden_size, "vocab_size": local.vocab_size,
+                         "connect": {"seconds": round(time.time() - t0, 2), "bytes": client.received,
+                                     "head_bytes": remote.info["head_bytes"]}}
+            prompt = task_prompt("translation", local)
+            samples = _samples(pairs)
+            t0 = time.time()
+            mem_l = build_memory(local, samples, tmp / "mem-local", prompt=prompt, batch_size=8)
+            t_local = time.time() - t0
+            client.reset_counters()
+            t0 = time.time()
+            mem_r = build_memory(remote, samples, tmp / "mem-remote", prompt=prompt, batch_size=8)
+            t_remote = time.time() - t0
+            entries = len(mem_r) + len(mem_r.heldout_values)
+            out["build"] = {"pairs": len(samples), "entries": entries, "local_s": round(t_local, 2),
+                            "remote_s": round(t_remote, 2), "requests": client.requests,
+                            "bytes_sent": client.sent, "bytes_received": client.received,
+                            "bytes_per_entry": round((client.sent + client.received) / entries, 1),
+                            "f32_key_bytes": 4 * local.hidden_size,
+                            "keys_max_abs_diff": float(np.abs(np.asarray(mem_l.keys, np.float32)
+                                                              - np.asarray(mem_r.keys, np.float32)).max())}
+            fast = {"max_epochs_rct": 2, "max_epochs_joint": 2, "max_minutes": 2.0}
+            pema, _ = train_plugin(local, mem_r, "pema", fast, out_dir=tmp / "pema")
+            knn, _ = train_plugin(local, mem_r, "knn", {}, out_dir=tmp / "knn")
+
+            def rows(bb):
+                return [Row("base"), Row("pema", load_plugin(tmp / "pema", bb)),
+                        Row("knn", load_plugin(tmp / "knn", bb))]
+
+            rl, rr = rows(local), rows(remote)
+            compare(local, SENTENCES[0], rl, prompt, max_new_tokens=2)  # warm-up (prefix KV caches, BLAS)
+            compare_remote(remote, SENTENCES[0], rr, prompt, max_new_tokens=2)
+            results = {}
+            ref = {}
+            for mode in ("local", "full", "half", "none"):
+                toks = steps = 0
+                secs = 0.0
+                same = True
+                client.reset_counters()
+                for _ in range(repeats):
+                    for s in SENTENCES:
+                        t0 = time.time()
+                        if mode == "local":
+                            res = compare(local, s, rl, prompt, max_new_tokens=new_tokens, trace=False)
+                            ref[s] = [r.tokens for r in res.rows]
+                        else:
+                            res = compare_remote(remote, s, rr, prompt, max_new_tokens=new_tokens, trace=False,
+                                                 lm=mode)
+                            same &= [r.tokens for r in res.rows] == ref[s]
+                        secs += time.time() - t0
+                        toks += sum(len(r.tokens) for r in res.rows)
+                        steps += res.steps
+                results[mode] = {"tokens": toks, "steps": steps, "seconds": round(secs, 2),
+                                 "tokens_per_s": round(toks / secs, 1)}
+                if mode != "local":
+                    total = client.sent + client.received
+                    results[mode].update(bytes_per_step=round(total / steps), bytes_per_token=round(total / toks),
+                                         requests=client.requests, same_tokens_as_local=same)
+            out["decode"] = {"rows": [r.label for r in rl], "sentences": len(SENTENCES), "repeats": repeats,
+                             "max_new_tokens": new_tokens, **results}
+            remote.client.close()
+            return out
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m offsite.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backbone", default="tiny")
+    ap.add_argument("--pairs", type=int, default=40, help="samples in the memory")
+    ap.add_argument("--new-tokens", type=int, default=24, help="max new tokens per decode")
+    ap.add_argument("--repeats", type=int, default=2, help="times each sentence is decoded per mode")
+    args = ap.parse_args(argv)
+    print(json.dumps(run(args.backbone, args.pairs, args.new_tokens, args.repeats), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""Offsite (issue #20): a real model-owner process (``python -m offsite serve --backbone tiny`` on 127.0.0.1) and a
+data owner working through it get what the local code gets — the same memory, the same trained PEMA, the same
+greedy decode token for token (base, PEMA, kNN rows) — and the owner refuses bad requests with a clear 4xx and keeps
+serving when a client dies mid-session."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from backbone.prompts import Prompt
+from ground.errors import UserError
+from memories.build import build_memory
+from memories.parse import Sample
+from offsite.client import OwnerError, RemoteBackbone, connect
+from offsite.decode import check_offsite_method, compare_remote
+from offsite.protocol import Limits, pack, unpack
+from offsite.server import ApiError, OwnerService, make_app
+from plugins.api import train_plugin
+from plugins.base import load_plugin
+from plugins.decode import Row, compare
+from plugins.registry import available_methods
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "offsite-test-token"
+PROMPT = Prompt.for_task("translation")
+PEMA_FAST = {"max_epochs_rct": 2, "max_epochs_joint": 2, "batch_size": 16, "rank": 16}
+SOURCES = ["the house is small", "good morning", "the cat sleeps and the house"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PEMA_REMOTE_TOKEN"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+@pytest.fixture(scope="module")
+def owner(tmp_path_factory):
+    """The model owner: its own process, the tiny backbone, a bearer token, a free port on 127.0.0.1."""
+    import httpx
+
+    port = _free_port()
+    log = tmp_path_factory.mktemp("owner") / "owner.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "offsite", "serve", "--backbone", "tiny", "--port", str(port),
+                                 "--token", TOKEN, "--max-sessions", "8"], cwd=ROOT, env=_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the owner's process exited ({proc.returncode}):\n{log.read_text()}")
+        try:
+            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the owner's service did not come up:\n{log.read_text()}")
+        time.sleep(0.3)
+    yield SimpleNamespace(url=url, proc=proc, log=log)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def remote(owner, tmp_path_factory) -> RemoteBackbone:
+    return connect(owner.url, TOKEN, data_dir=tmp_path_factory.mktemp("client"))
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_pairs):
+    # one monolingual sample: its synthetic source is the owner's greedy continuation (/v1/generate)
+    return [Sample(s, t, i + 1) for i, (s, t) in enumerate(tiny_pairs)] + [Sample(None, "die Katze ist klein", 99)]
+
+
+@pytest.fixture(scope="module")
+def built(tiny, remote, samples, tmp_path_factory):
+    d = tmp_path_factory.mktemp("memories")
+    return (build_memory(tiny, samples, d / "local", prompt=PROMPT),
+            build_memory(remote, samples, d / "remote", prompt=PROMPT))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, remote, built, tmp_path_factory):
+    """PEMA and kNN trained on the remotely built memory, once locally and once with only the owner's head."""
+    d = tmp_path_factory.mktemp("plugins")
+    mem = built[1]
+    out = {}
+    for side, bb in (("local", tiny), ("remote", remote)):
+        out[f"pema-{side}"] = train_plugin(bb, mem, "pema", PEMA_FAST, out_dir=d / f"pema-{side}")[0]
+        out[f"knn-{side}"] = train_plugin(bb, mem, "knn", {}, out_dir=d / f"knn-{side}")[0]
+    return out
+
+
+def _arrays(mem) -> dict:
+    return {k: np.asarray(getattr(mem, k)) for k in ("keys", "values", "entry_sample", "heldout_keys",
+                                                      "heldout_values", "heldout_entry_sample")}
+
+
+# --- what the data owner holds -------------------------------------------------------------------------------------
+def test_the_remote_backbone_holds_the_head_and_no_decoder(tiny, remote):
+    assert remote.fingerprint == tiny.fingerprint and remote.stop_ids == tiny.stop_ids
+    assert (remote.hidden_size, remote.vocab_size, remote.chat) == (tiny.hidden_size, tiny.vocab_size, tiny.chat)
+    assert {n for n, _ in remote.model.named_parameters()} == {"norm.weight", "lm_head.weight"}
+    x = torch.randn(6, tiny.hidden_size) * 3
+    assert torch.equal(remote.logits_from_fc(x), tiny.logits_from_fc(x))
+    text = "English: the house is small\nGerman:"
+    assert remote.encode_context(text) == tiny.encode_context(text)
+    with pytest.raises(UserError, match="in-network plug-ins .* cannot be trained or decoded offsite"):
+        remote.layers
+    head, meta = unpack(remote.client.request("GET", "/v1/head").content)
+    assert set(head) == {"norm.weight", "lm_head.weight"} and meta["norm_class"] == "LlamaRMSNorm"
+    assert torch.equal(head["lm_head.weight"], tiny.lm_head.weight)
+
+
+def test_fc_at_requested_positions_is_the_local_f_c(tiny, remote):
+    seqs = [[1, 40, 41, 42, 43], [1, 50, 51]]
+    got = remote.client.fc(seqs, positions=[[4, 0], [2]])
+    with torch.no_grad():
+        ref = [tiny.forward_fc(torch.tensor([s]))[0][0] for s in seqs]
+    assert torch.allclose(got, torch.stack([ref[0][4], ref[0][0], ref[1][2]]), atol=1e-5)
+
+
+# --- the same memory, the same plug-ins, the same decode -----------------------------------------------------------
+def test_a_memory_built_remotely_equals_the_local_build(built):
+    local, remote = built
+    a, b = _arrays(local), _arrays(remote)
+    assert len(local) > 0 and len(local.heldout_values) > 0
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+        if k.endswith("keys"):
+            np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), atol=1e-3, rtol=1e-3)
+        else:
+            assert np.array_equal(a[k], b[k]), k
+    assert local.samples == remote.samples  # the synthetic source of the monolingual sample included
+    assert local.fingerprint == remote.fingerprint
+    assert local.meta["stats"]["key_rms"] == pytest.approx(remote.meta["stats"]["key_rms"], rel=1e-6)
+
+
+def test_a_per_step_offsite_mode_build_equals_the_local_one(tiny, remote, samples, tmp_path):
+    part = samples[:4]
+    local = build_memory(tiny, part, tmp_path / "l", prompt=PROMPT, mode="offsite")
+    far = build_memory(remote, part, tmp_path / "r", prompt=PROMPT, mode="offsite")
+    a, b = _arrays(local), _arrays(far)
+    np.testing.assert_allclose(a["keys"].astype(np.float32), b["keys"].astype(np.float32), atol=1e-3, rtol=1e-3)
+    assert np.array_equal(a["values"], b["values"])
+
+
+def test_pema_trained_with_only_the_owners_head_equals_local_training(trained):
+    local, far = trained["pema-local"].state_dict(), trained["pema-remote"].state_dict()
+    assert local.keys() == far.keys()
+    for k in local:
+        assert torch.allclose(local[k].float(), far[k].float(), atol=1e-5), k
+    assert trained["pema-local"].train_info["candidates"] == trained["pema-remote"].train_info["candidates"]
+
+
+@pytest.mark.parametrize("lm", ["full", "none"])
+def test_a_remote_greedy_decode_equals_the_local_one_token_for_token(tiny, remote, trained, lm):
+    def rows(bb):
+        return [Row("base"),
+                Row("pema", load_plugin(trained["pema-remote"].plugin_path, bb), {"lambda_max": 0.9}),
+                Row("knn", load_plugin(trained["knn-remote"].plugin_path, bb), {"lambda": 0.5, "k": 4})]
+
+    local_rows, remote_rows = rows(tiny), rows(remote)
+    for src in SOURCES:
+        a = compare(tiny, src, local_rows, PROMPT, max_new_tokens=16)
+        b = compare_remote(remote, src, remote_rows, PROMPT, max_new_tokens=16, lm=lm)
+        assert [r.label for r in a.rows] == [r.label for r in b.rows]
+        for ra, rb in zip(a.rows, b.rows):
+            assert ra.tokens == rb.tokens, (src, ra.label)
+            assert ra.score == pytest.approx(rb.score, abs=1e-3)
+            assert [t.get("lambda") for t in ra.trace] == [t.get("lambda") for t in rb.trace]
+        assert b.rows[2].trace[0]["neighbours"] == a.rows[2].trace[0]["neighbours"]  # kNN searched here
+
+
+def test_remote_beam_search_equals_the_local_one(tiny, remote, trained):
+    near, far = (load_plugin(trained["pema-remote"].plugin_path, bb) for bb in (tiny, remote))
+    a = compare(tiny, SOURCES[0], [Row("base"), Row("pema", near)], PROMPT, max_new_tokens=10, num_beams=3)
+    b = compare_remote(remote, SOURCES[0], [Row("base"), Row("pema", far)], PROMPT, max_new_tokens=10, num_beams=3)
+    assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
+
+
+def test_in_network_methods_are_refused_offsite():
+    network = [m for m, cls in available_methods().items() if cls.level == "network"]
+    assert network
+    for m in network:
+        with pytest.raises(UserError, match="cannot be trained or decoded offsite"):
+            check_offsite_method(m)
+    check_offsite_method("pema")
+    check_offsite_method("knn")
+
+
+def test_the_command_lines_work_through_the_owner(tiny, owner, tmp_path, capsys, monkeypatch):
+    """``memories build`` / ``plugins train`` / ``plugins compare`` with ``--remote`` (run in this process: the
+    owner is the separate one)."""
+    from memories.__main__ import main as memories_main
+    from plugins.__main__ import main as plugins_main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in
+                            [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+                             ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 2))
+    monkeypatch.setenv("PEMA_REMOTE_TOKEN", TOKEN)
+    common = ["--remote", owner.url, "--data-dir", str(tmp_path / "dd")]
+
+    def run(main, *args) -> str:
+        capsys.readouterr()
+        assert main([*args, *common]) == 0
+        return capsys.readouterr().out
+
+    mem_id = run(memories_main, "build", str(data), "--shots", "1").split()[1].rstrip(":")
+    with pytest.raises(UserError, match="cannot be trained or decoded offsite"):
+        plugins_main(["train", mem_id, "--method", "memory_tuning", *common])
+    out = run(plugins_main, "train", mem_id, "--method", "pema",
+              *sum((["--set", f"{k}={v}"] for k, v in PEMA_FAST.items()), []))
+    plugin_dir = Path(out.split(" -> ")[1].split()[0])
+    far = json.loads(run(plugins_main, "compare", SOURCES[0], "--plugin", str(plugin_dir), "--max-new-tokens", "12",
+                         "--json"))
+    plug = load_plugin(plugin_dir, tiny)
+    prompt = Prompt.from_dict(plug.memory_meta["prompt"])
+    near = compare(tiny, SOURCES[0], [Row("base"), Row("pema", plug, far["rows"][1]["settings"])], prompt,
+                   max_new_tokens=12)
+    assert [r["tokens"] for r in far["rows"]] == [r.tokens for r in near.rows]
+
+
+# --- refusals and robustness ---------------------------------------------------------------------------------------
+def test_bad_requests_get_a_clear_4xx(owner, remote):
+    import httpx
+
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    u = owner.url
+
+    def post(path, body=None, headers=h, **kw):
+        return httpx.post(u + path, json=body, headers=headers, timeout=30, **kw)
+
+    r = httpx.get(u + "/v1/info")
+    assert r.status_code == 401 and "missing bearer token" in r.json()["error"]
+    r = httpx.get(u + "/v1/info", headers={"Authorization": "Bearer not-the-token"})
+    assert r.status_code == 401 and r.json()["error"] == "wrong bearer token"
+    with pytest.raises(UserError, match="wrong bearer token"):
+        connect(u, "not-the-token")
+    cases = [
+        ({"sequences": [[1, 2]] * 65}, 413, "65 rows (limit 64)"),
+        ({"sequences": [[1, "x"]]}, 422, "sequences[0][1] = x is not a token id"),
+        ({"sequences": [[1, 400]]}, 422, "sequences[0][1] = 400 is not a token id (an integer in [0, 400))"),
+        ({"sequences": [[1, -3]]}, 422, "sequences[0][1] = -3"),
+        ({"sequences": [[1, 2.5]]}, 422, "sequences[0][1] = 2.5"),
+        ({"sequences": []}, 422, "sequences must be a non-empty list"),
+        ({"sequences": [[1, 2, 3]], "positions": [[5]]}, 422, "positions[0][0] = 5 is not a position of sequences[0]"),
+        ({"sequences": [[1, 2, 3]], "positions": [[0], [1]]}, 422, "one list per sequence"),
+        ({"sequences": [[1] * 3000]}, 413, "3000 tokens (limit 2048)"),
+        ({"sequences": [[1]], "secret": 1}, 422, "unknown field(s) 'secret'"),
+    ]
+    for body, status, reason in cases:
+        r = post("/v1/fc", body)
+        assert r.status_code == status and reason in r.json()["error"], (body, r.status_code, r.text)
+    r = httpx.post(u + "/v1/fc", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]
+    r = httpx.post(u + "/v1/fc", content=b"[" + b"1," * (3 << 20) + b"1]", headers=h)
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+    r = httpx.post(u + "/v1/fc", content=(b"1" * (1 << 20) for _ in range(6)), headers=h)  # chunked: no length
+    assert r.status_code == 413 and "request body over" in r.json()["error"]
+    r = post("/v1/sessions/no-such-session/step", {"tokens": [1]})
+    assert r.status_code == 404 and "no decode session 'no-such-session'" in r.json()["error"]
+    assert httpx.delete(u + "/v1/sessions/nope", headers=h).status_code == 404
+    r = post("/v1/sessions", {"context": [1, 2, 3], "rows": 2, "lm": "everything"})
+    assert r.status_code == 422 and "lm must be one of full, half, none" in r.json()["error"]
+    r = post("/v1/sessions", {"context": [1, 2, 3], "rows": 2, "prefix_len": 3})
+    assert r.status_code == 422 and "prefix_len = 3 is outside [0, 2]" in r.json()["error"]
+    r = post("/v1/sessions", {"context": [1, 2, 3], "rows": 2})
+    assert r.status_code == 200
+    sid = unpack(r.content)[1]["session"]
+    r = post(f"/v1/sessions/{sid}/step", {"tokens": [5]})
+    assert r.status_code == 422 and "one token id per row of the session (2)" in r.json()["error"]
+    r = post(f"/v1/sessions/{sid}/step", {"tokens": [5, 6], "rows": [0, 7]})
+    assert r.status_code == 422 and "rows[1] = 7 is outside [0, 1]" in r.json()["error"]
+    t, meta = unpack(post(f"/v1/sessions/{sid}/step", {"tokens": [5, 6], "rows": [1]}).content)
+    assert t["fc"].shape == (1, 64) and t["lm"].shape == (1, 400) and meta["step"] == "1"
+    assert httpx.delete(u + f"/v1/sessions/{sid}", headers=h).json() == {"closed": sid}
+    r = post("/v1/generate", {"contexts": [[1, 2]], "max_new_tokens": 100000})
+    assert r.status_code == 422 and "max_new_tokens = 100000 is outside [1, 256]" in r.json()["error"]
+    r = httpx.get(u + "/v1/weights", headers=h)
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]
+    with pytest.raises(OwnerError) as e:
+        remote.client.fc([[1, 999]])
+    assert e.value.status == 422 and "is not a token id" in str(e.value)
+
+
+CLIENT = r"""
+import json, sys, httpx
+u, tok = sys.argv[1], sys.argv[2]
+c = httpx.Client(base_url=u, headers={"Authorization": "Bearer " + tok}, timeout=60)
+r = c.post("/v1/sessions", json={"context": list(range(1, 60)), "rows": 8})
+n = int.from_bytes(r.content[:8], "little")  # safetensors: header length, JSON header with __metadata__
+sid = json.loads(r.content[8:8 + n])["__metadata__"]["session"]
+print("open", sid, flush=True)
+while True:
+    c.post(f"/v1/sessions/{sid}/step", json={"tokens": [7] * 8})
+    print("step", flush=True)
+"""
+
+
+def test_the_owner_keeps_serving_when_a_client_is_killed_mid_session(tiny, owner, remote, trained):
+    import httpx
+
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    before = httpx.get(owner.url + "/v1/info", headers=h).json()["sessions_open"]
+    for _ in range(2):
+        p = subprocess.Popen([sys.executable, "-c", CLIENT, owner.url, TOKEN], stdout=subprocess.PIPE, text=True,
+                             env=_env())
+        assert p.stdout.readline().startswith("open")
+        for _ in range(3):
+            assert p.stdout.readline().strip() == "step"
+        p.kill()  # mid-stream: between or inside a step request
+        p.wait(10)
+    info = httpx.get(owner.url + "/v1/info", headers=h).json()
+    assert info["sessions_open"] == before + 2  # the orphans stay until their idle time runs out
+    assert owner.proc.poll() is None
+    near, far = (load_plugin(trained["pema-remote"].plugin_path, bb) for bb in (tiny, remote))
+    a = compare(tiny, SOURCES[1], [Row("base"), Row("pema", near)], PROMPT, max_new_tokens=8)
+    b = compare_remote(remote, SOURCES[1], [Row("base"), Row("pema", far)], PROMPT, max_new_tokens=8)
+    assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
+
+
+# --- the owner's bounds, in process --------------------------------------------------------------------------------
+def test_sessions_are_bounded_and_idle_ones_expire(tiny):
+    svc = OwnerService(tiny, Limits(max_sessions=2, max_steps=2, session_idle_s=60))
+    sids = [unpack(svc.open_session({"context": [1, 2, 3]}))[1]["session"] for _ in range(2)]
+    with pytest.raises(ApiError) as e:
+        svc.open_session({"context": [1, 2, 3]})
+    assert e.value.status == 429 and "2 decode sessions are open (limit 2)" in e.value.reason
+    assert "Retry-After" in e.value.headers
+    svc.step(sids[0], {"tokens": [4]})
+    svc.step(sids[0], {"tokens": [4]})
+    with pytest.raises(ApiError, match="made 2 steps"):
+        svc.step(sids[0], {"tokens": [4]})
+    svc.expire(now=time.time() + 61)  # a dead client's sessions close after the idle time
+    assert not svc.sessions
+    with pytest.raises(ApiError) as e:
+        svc.step(sids[1], {"tokens": [4]})
+    assert e.value.status == 404
+    unpack(svc.open_session({"context": [1, 2, 3]}))
+
+
+def test_the_request_rate_is_bounded_per_client(tiny):
+    from starlette.testclient import TestClient
+
+    svc = OwnerService(tiny, Limits(rate=0.5, burst=2))
+    client = TestClient(make_app(svc, TOKEN))
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    assert [client.get("/v1/info", headers=h).status_code for _ in range(2)] == [200, 200]
+    r = client.get("/v1/info", headers=h)
+    assert r.status_code == 429 and "too many requests" in r.json()["error"] and int(r.headers["retry-after"]) >= 1
+
+
+def test_safetensors_framing_round_trips_and_rejects_junk():
+    t, meta = unpack(pack({"fc": torch.arange(6.0).reshape(2, 3)}, {"session": "abc"}))
+    assert torch.equal(t["fc"], torch.arange(6.0).reshape(2, 3)) and meta == {"session": "abc"}
+    for junk in (b"", b"\xff" * 8 + b"{}", b"12345678"):
+        with pytest.raises(Exception):
+            unpack(junk)
