@@ -70,11 +70,12 @@ def public_code_gu(lambda_max: float, sl: int, p: float, steps: int) -> list[flo
 def test_pema_init_is_the_public_codes_lora_init(tiny):
     """LoraLinear.reset_parameters: A ~ kaiming_uniform_(a=√5) (bound 1/√d_in), B = 0 — for B_rct and B_pd."""
     d = tiny.hidden_size
-    p = PEMA(PEMAConfig(rank=16, seed=7), tiny, {"key_rms": 1.0})
+    p = PEMA(PEMAConfig(rank=16, seed=7, b_init="zeros"), tiny, {"key_rms": 1.0})
     assert torch.count_nonzero(p.B_rct) == 0 and torch.count_nonzero(p.B_pd) == 0
     assert p.A.abs().max() <= 1 / math.sqrt(d) and p.A.abs().max() > 0.5 / math.sqrt(d)
-    # the option that keeps the earlier random start is a named deviation
-    q = PEMA(PEMAConfig(rank=16, seed=7, b_init="random"), tiny, {"key_rms": 1.0})
+    # the random start is the measured default (BENCHMARKS §5e), a named deviation
+    q = PEMA(PEMAConfig(rank=16, seed=7), tiny, {"key_rms": 1.0})
+    assert q.config.b_init == "random" and q.scaling == 1.0
     assert torch.count_nonzero(q.B_rct) == q.B_rct.numel()
 
 
@@ -109,7 +110,7 @@ def test_p_pema_is_softmax_of_the_frozen_head_on_the_normed_h_pd(tiny):
 def test_joint_loss_is_kappa_rct_plus_one_minus_kappa_pd(tiny):
     """Phase 2: L = κ·MSE(h_rct, x) + (1−κ)·CE(softmax(W_hd·norm(h_pd)), y)."""
     kappa = 0.2
-    p = pema_with_random_weights(tiny, rank=8, kappa=kappa, dropout=0.0)
+    p = pema_with_random_weights(tiny, rank=8, kappa=kappa, dropout=0.0, lora_alpha=1.0)  # s = 1/8
     p.eval()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, tiny.hidden_size, generator=g).to(tiny.device)
@@ -130,7 +131,7 @@ def test_joint_loss_is_kappa_rct_plus_one_minus_kappa_pd(tiny):
 
 def test_dropout_acts_on_the_adapter_input_only(tiny):
     """LoraLinear.forward: lora_dropout(x) @ Aᵀ ...; the reconstruction target is the clean x."""
-    p = pema_with_random_weights(tiny, rank=8, dropout=0.5)
+    p = pema_with_random_weights(tiny, rank=8, dropout=0.5, lora_alpha=1.0)  # s = 1/8
     assert isinstance(p.drop, nn.Dropout) and p.drop.p == 0.5
     g = torch.Generator().manual_seed(3)
     mask = (torch.rand(4, tiny.hidden_size, generator=g) > 0.5).float().to(tiny.device)
@@ -171,7 +172,7 @@ def test_phase_two_reinitialises_a_freezes_b_rct_and_trains_a_and_b_pd(tiny, tin
     monkeypatch.setattr(pema_mod, "run_training", spy)
     seed, rank = 5, 16
     cfg = PEMAConfig(rank=rank, seed=seed, lr=1e-2, batch_size=32, max_epochs_rct=2, max_epochs_joint=2,
-                     patience=99, dropout=0.0)
+                     patience=99, dropout=0.0, b_init="zeros", lora_alpha=1.0)  # the public code
     PEMA(cfg, tiny, {"key_rms": tiny_memory.key_scale}).fit(tiny_memory)
     (names1, start1, end1), (names2, start2, end2) = calls
     assert names1 == {"A", "B_rct"} and names2 == {"A", "B_pd"}
