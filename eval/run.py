@@ -48,6 +48,7 @@ def score(task: str, sources: list[str], hyps: list[str], refs: list[str] | None
 
 # Numbers of a methods row that describe how it was decoded, not how well: not metrics (tables, bar charts).
 DECODE_KEYS = ("n", "max_new_tokens", "num_beams", "no_repeat_ngram")
+MIN_BOOTSTRAP_N = 5  # fewer sentences: no intervals or p-values (resampling 1–4 sentences says nothing)
 CHRF_PREFIX = "chrF · "  # per-sentence chrF of a row in ``outputs``: key CHRF_PREFIX + the row's label
 
 
@@ -62,7 +63,7 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
     Each methods row reports what a reviewer needs to trust it: n, the backbone, how it was decoded (its complete
     settings, ``max_new_tokens``, greedy, the repetition guard ``no_repeat_ngram`` — one value for every row), the
     metrics with their 95% bootstrap confidence intervals (``sacrebleu_ci95``, ``chrf_ci95``; ``bootstrap``
-    resamples, 0: none) and, against the base model's row when there is one, the paired-bootstrap difference and
+    resamples, 0: none; none either below ``MIN_BOOTSTRAP_N`` sentences) and, against the base model's row when there is one, the paired-bootstrap difference and
     one-sided p-value (``sacrebleu_delta``, ``p_sacrebleu``, ...). The result holds sacreBLEU's ``signatures``.
     ``outputs``: one dict per pair with source, reference, every row's output (key: its label) and its sentence
     chrF (key ``"chrF · " + label``).
@@ -104,7 +105,7 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
         base = next((r.label for r in rows if r.plugin is None), None)
         for m in methods:
             m["bleu_signature"], m["chrf_signature"] = sigs["sacrebleu"], sigs["chrf"]
-            if bootstrap:
+            if bootstrap and len(pairs) >= MIN_BOOTSTRAP_N:
                 ci = bootstrap_ci(hyps[m["label"]], refs, n_samples=bootstrap)
                 m["sacrebleu_ci95"], m["chrf_ci95"] = ci["sacrebleu"], ci["chrf"]
                 if base is not None and m["label"] != base:

@@ -121,7 +121,7 @@ COMPARISON_SETTINGS: tuple[Setting, ...] = (
     Setting("no_repeat_ngram", 0, "repetition guard: no output repeats an n-gram of its own tokens of this size "
             "(HF's no_repeat_ngram_size, over the output only); 0 = off, as in the papers — it changes their "
             "decoding. Applies to every row alike, the base model's included", low=0, high=10, step=1,
-            label="No repeated n-gram (every row; 0 = off)"),
+            label="No repeated n-gram"),
 )
 ALL_ROWS = "all"  # the settings key that addresses every row of a comparison
 _COMPARISON_NAMES = {s.name for s in COMPARISON_SETTINGS}

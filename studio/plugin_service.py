@@ -46,8 +46,8 @@ def training_status(metrics: dict | None) -> dict:
     epochs = pick.get("total_epochs", pick.get("epochs"))
     of = f" of {pick['max_epochs'] + (pick.get('continued_from_epochs') or 0):g}" \
         if isinstance(pick.get("max_epochs"), (int, float)) else ""
-    phase = f" ({pick['phase']} phase)" if len(summaries) > 1 and pick.get("phase") else ""
     under = why == "time_budget"
+    phase = f" ({pick['phase']} phase)" if under and len(summaries) > 1 and pick.get("phase") else ""
     if under:
         label = f"stopped by time budget at {_fmt_epochs(epochs)}{of} epochs{phase} — under-trained"
     elif why == "early_stopping":
@@ -252,9 +252,11 @@ class PluginService:
         owner = self._owner(owner)
         row = self._plugin_row(plugin_id, owner)
         busy = [j for j in self.jobs.list(states=("queued", "running"), owner=owner)
-                if plugin_id in (j["args"].get("methods") or []) or j["args"].get("plugin_id") == plugin_id]
+                if plugin_id in (j["args"].get("methods") or []) or plugin_id in (j["args"].get("plugin_id"),
+                                                                                  j["args"].get("continue_from"))]
         if busy:
-            raise UserError("An evaluation is using this plug-in; cancel it or wait for it to finish first.")
+            raise UserError("A job (an evaluation, or training that continues it) is using this plug-in; cancel it "
+                            "or wait for it to finish first.")
         self.catalog.delete_plugin(plugin_id)
         with self._plugin_lock:
             self._plugins.pop(plugin_id, None)

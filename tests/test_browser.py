@@ -1,8 +1,11 @@
 """The page in a real browser: headless Chromium from Debian (never a downloaded one) driven by Playwright.
 
-The fixture prepares a memory and a PEMA plug-in (and a kNN one) through the service on the tiny backbone, then
-serves the app; the tests run a comparison, move the λ_max slider and check that the outputs follow, share the
-comparison and open its link, and take screenshots of every tab at 1280×800 into ``screenshots/`` (gitignored).
+The fixture prepares a memory and a PEMA plug-in (and a kNN one, and a PEMA stopped by its time budget) through the
+service on the tiny backbone, then serves the app; the tests run a comparison, move the λ_max slider and check that
+the outputs follow, share the comparison and open its link, check what a researcher must see at a glance (the
+under-trained label, intervals and settings in the evaluation table, selections kept after a reload, whole card
+titles at 1280×800, copy and plain/diff buttons), and take screenshots of every tab at 1280×800 into
+``screenshots/`` (gitignored).
 
 If ``/usr/bin/chromium`` is missing the fixture runs ``apt-get install -y chromium`` itself and skips the tests
 with a clear message when that fails.
@@ -29,6 +32,9 @@ PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die K
          ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 3
 # Trained hard enough that the tiny model's PEMA output differs from the base model's at λ_max = 0.8.
 STRONG_PEMA = {"rank": 32, "lr": 1e-2, "max_epochs_rct": 15, "max_epochs_joint": 40, "patience": 100}
+# A time budget far too small for its epochs: it stops on the budget, under-trained.
+BUDGET_PEMA = {"rank": 16, "max_minutes": 0.0003, "max_epochs_rct": 2, "max_epochs_joint": 400, "patience": 1000}
+LONG_NAME = "PEMA on a budget, with a name long enough that a card used to cut it"
 
 
 def ensure_chromium() -> str:
@@ -77,6 +83,8 @@ def app(tmp_path_factory):
     job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name="demo pairs"), 120)
     assert job["state"] == "done", job
     mid = job["result"]["memory_id"]
+    budget = studio.jobs.wait(studio.submit_train(mid, "pema", BUDGET_PEMA, LONG_NAME), 180)
+    assert budget["state"] == "done" and budget["result"]["training"]["under_trained"], budget
     pema = studio.jobs.wait(studio.submit_train(mid, "pema", STRONG_PEMA, "PEMA demo"), 180)
     knn = studio.jobs.wait(studio.submit_train(mid, "knn", {}, "kNN demo"), 120)
     assert pema["state"] == "done" and knn["state"] == "done", (pema, knn)
@@ -108,7 +116,7 @@ def cards(page) -> list[dict]:
     out = []
     for c in page.locator("#compare-outputs .pema-card, #shared-outputs .pema-card").all():
         out.append({"label": c.locator(".pema-card-head b").inner_text(),
-                    "text": c.locator(".pema-card-text").inner_text().strip(),
+                    "text": c.locator(".pema-card-diff").inner_text().strip(),
                     "foot": c.locator(".pema-card-foot").inner_text()})
     return out
 
@@ -184,7 +192,13 @@ def test_tabs_upload_preview_and_jobs(page, app, tmp_path):
 
     page.get_by_role("tab", name="Evaluate").click()
     time.sleep(1)
-    # the held-out split of the memory, base vs PEMA, in the background
+    # the memory holds out a single sample (0 would be flagged): too few for intervals, so a test file of 6 pairs
+    assert "holds out only 1 sample" in page.locator("#eval-memory-warning").inner_text()
+    test = tmp_path / "test.tsv"
+    test.write_text("\n".join(f"{s}\t{t}" for s, t in PAIRS[:6]), encoding="utf-8")
+    page.locator("#eval-test-file input[type=file]").set_input_files(str(test))
+    time.sleep(1)
+    # base vs PEMA, in the background
     for label in page.locator("#tabs label, label").filter(has_text="PEMA demo [pema]").all():
         if label.is_visible():
             label.click()
@@ -193,6 +207,86 @@ def test_tabs_upload_preview_and_jobs(page, app, tmp_path):
                            timeout=120_000)
     time.sleep(1)
     page.screenshot(path=str(SHOTS / "evaluate.png"), full_page=True)
+    # what a reviewer needs, visible: n, intervals, p against the base model, each row's decode settings and
+    # backbone, sacreBLEU's signature, the per-sentence outputs and the downloads
+    scores = page.locator("#eval-scores").inner_text()
+    assert "BLEU 95% CI" in scores and "chrF Δ vs base (p)" in scores and "(p=" in scores
+    decode = page.locator("#eval-decode").inner_text()
+    assert "no_repeat_ngram=0" in decode and "lambda_max" in decode and "tiny-llama" in decode
+    notes = page.locator("#eval-notes").inner_text()
+    assert "n = " in notes and "nrefs:1|case:mixed|eff:no|tok:13a" in notes
+    assert "chrF" in page.locator("#eval-outputs").inner_text()
+    files = page.locator("#eval-downloads").inner_text()
+    assert "-scores" in files and "-outputs" in files and ".json" in files and ".csv" in files
+    # the sweep chart beside the bars is the empty placeholder, not an older result
+    assert "Run a λ_max sweep" in page.locator("body").inner_text()
+
+
+def test_under_trained_plugin_is_labelled(page, app):
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Plug-ins").click()
+    page.wait_for_function("document.querySelector('#plugins-table')?.innerText.includes('under-trained')")
+    table = page.locator("#plugins-table").inner_text()
+    assert "stopped by time budget at" in table and "under-trained" in table
+    assert "ran all" in table or "converged" in table  # the others say how they ended too
+    # its job card says so instead of "done 100%"
+    job = next(j for j in app["studio"].list_jobs() if (j.get("training") or {}).get("under_trained"))
+    page.locator("#jobs-table").get_by_text(job["id"]).click()
+    page.wait_for_function("document.querySelector('#job-card')?.innerText.includes('under-trained')")
+    card = page.locator("#job-card").inner_text()
+    assert "stopped by time budget at" in card and "100%" not in card and "ran " in card
+    page.screenshot(path=str(SHOTS / "plugins-under-trained.png"), full_page=True)
+
+
+def test_card_titles_are_whole_and_cards_have_copy_and_plain_view(page, app):
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Compare").click()
+    page.locator("#compare-source textarea").fill("the house is small")
+    page.locator("#compare-methods label").filter(has_text=LONG_NAME).click()
+    page.locator("#compare-run").click()
+    page.wait_for_function("document.querySelectorAll('#compare-outputs .pema-card').length === 2")
+    titles = page.locator("#compare-outputs .pema-card-head b").all_inner_texts()
+    assert titles == ["Base model", LONG_NAME]
+    cut = page.evaluate("[...document.querySelectorAll('#compare-outputs .pema-card-head b')]"
+                        ".filter(b => b.scrollWidth > b.clientWidth + 1 || b.scrollHeight > b.clientHeight + 1)"
+                        ".map(b => b.innerText)")
+    assert cut == [], f"card titles cut at 1280×800: {cut}"
+    assert page.locator("#compare-outputs abbr.pema-term").first.get_attribute("title").startswith("score:")
+    card = page.locator("#compare-outputs .pema-card").nth(1)
+    card.locator("[data-pema-action=view]").click()
+    assert "plain" in card.get_attribute("class") and card.locator(".pema-card-plain").is_visible()
+    assert not card.locator(".pema-card-diff").is_visible()
+    assert card.locator("[data-pema-action=view]").inner_text() == "Show diff"
+    card.locator("[data-pema-action=copy]").click()
+    page.wait_for_function("[...document.querySelectorAll('#compare-outputs [data-pema-action=copy]')]"
+                           ".some(b => b.innerText === 'Copied')")
+    page.screenshot(path=str(SHOTS / "compare-long-title.png"))
+
+
+def test_selections_persist_after_a_reload(page, app):
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Compare").click()
+    page.locator("#compare-methods label").filter(has_text="kNN demo").click()
+    page.locator("#compare-task input").click()
+    page.get_by_role("option", name="formality").click()
+    page.get_by_role("tab", name="Evaluate").click()
+    page.locator("#eval-methods label").filter(has_text="kNN demo").click()
+    time.sleep(1)  # the choices are written to this browser's storage
+    page.reload(wait_until="domcontentloaded")
+    page.wait_for_selector("#pema-status .pema-status.ok")
+    page.get_by_role("tab", name="Compare").click()
+    page.wait_for_function("document.querySelector('#compare-task input')?.value === 'formality'")
+    checked = lambda where: page.evaluate(  # noqa: E731
+        f"[...document.querySelectorAll('{where} label')].filter(l => l.querySelector('input')?.checked)"
+        ".map(l => l.innerText.trim())")
+    page.wait_for_function("[...document.querySelectorAll('#compare-methods label')]"
+                           ".some(l => l.innerText.includes('kNN demo') && l.querySelector('input')?.checked)")
+    assert any("kNN demo" in t for t in checked("#compare-methods"))
+    assert any("Base model" in t for t in checked("#compare-methods"))
+    page.get_by_role("tab", name="Evaluate").click()
+    page.wait_for_function("[...document.querySelectorAll('#eval-methods label')]"
+                           ".some(l => l.innerText.includes('kNN demo') && l.querySelector('input')?.checked)")
+    page.screenshot(path=str(SHOTS / "compare-reloaded.png"))
 
 
 def test_hosted_browsers_each_see_only_their_own(browser, tmp_path):

@@ -81,6 +81,13 @@ def build_app(studio) -> gr.Blocks:
 
         api.register(studio)
 
+        # --- header: backbone loading progress -------------------------------------------------------------
+        def on_status():
+            st = studio.status()
+            return render.status_header(st), gr.Timer(active=st["state"] == "loading")
+
+        status_timer.tick(on_status, None, [status, status_timer], show_progress="hidden", api_visibility="private")
+
         # --- selections that persist per browser (localStorage): memory, methods, task of each tab ---------------
         # One BrowserState per selection (no two events write the same one); the user's own choices are kept
         # (``.input``), and a page load restores them — ids that are not the caller's are dropped there.
@@ -91,21 +98,25 @@ def build_app(studio) -> gr.Blocks:
             comp.input(lambda v: v, comp, kept[name], show_progress="hidden", api_visibility="private",
                        queue=False)
 
-        # --- header: backbone loading progress -------------------------------------------------------------
-        def on_status():
-            st = studio.status()
-            return render.status_header(st), gr.Timer(active=st["state"] == "loading")
+        def refresher(tab):
+            """A tab's refresh on opening it, with the kept selection standing in for each of its inputs that has
+            one (``tab.refresh_keys``): it is the user's latest choice, and a refresh that started before the
+            page load put it back would otherwise undo it."""
+            keys = tab.refresh_keys
+            named = [k for k in keys if k]
 
-        status_timer.tick(on_status, None, [status, status_timer], show_progress="hidden", api_visibility="private")
+            def fn(request: gr.Request, *args):
+                current, saved = list(args[:len(keys)]), dict(zip(named, args[len(keys):]))
+                vals = [saved[k] if k and saved.get(k) not in (None, "", []) else c for k, c in zip(keys, current)]
+                return tab.refresh(*vals, request)
+
+            return fn, [*tab.refresh_inputs, *[kept[k] for k in named]]
 
         # --- tabs refresh their choices when opened (things made in other tabs appear) -----------------------
         t_mem.select(mem.refresh, None, mem.refresh_outputs, show_progress="hidden", api_visibility="private")
-        t_plug.select(plug.refresh, plug.refresh_inputs, plug.refresh_outputs, show_progress="hidden",
-                      api_visibility="private")
-        t_cmp.select(cmp.refresh, cmp.refresh_inputs, cmp.refresh_outputs, show_progress="hidden",
-                     api_visibility="private")
-        t_eval.select(ev.refresh, ev.refresh_inputs, ev.refresh_outputs, show_progress="hidden",
-                      api_visibility="private")
+        for tab_ev, tab in ((t_plug, plug), (t_cmp, cmp), (t_eval, ev)):
+            fn, ins = refresher(tab)
+            tab_ev.select(fn, ins, tab.refresh_outputs, show_progress="hidden", api_visibility="private")
 
         # --- page load: the caller's identity and their own things ---------------------------------------------
         rest = [*mem.load_outputs, *plug.load_outputs, *cmp.load_outputs, *ev.load_outputs]

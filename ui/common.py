@@ -127,6 +127,16 @@ def keep_value(choices: list[tuple[str, str]], value, default_first: bool = True
     return ids[0] if ids and default_first else None
 
 
+def choices_update(choices: list[tuple[str, str]], current, default=None, default_first: bool = True):
+    """New choices for a dropdown or checkbox group, and a value only where ``current`` has to change (an id that
+    is gone, or no value yet): a refresh computed from a value that the user has changed since then must not undo
+    that change."""
+    value = keep_value(choices, current if current not in (None, "", []) else default, default_first)
+    if value == current or (isinstance(value, list) and isinstance(current, list) and value == current):
+        return gr.update(choices=choices)
+    return gr.update(choices=choices, value=value)
+
+
 THEME = gr.themes.Soft(
     primary_hue="blue", neutral_hue="slate",
     # local font stacks only: the app must render offline (no Google Fonts request)
@@ -186,8 +196,7 @@ abbr.pema-term { text-decoration: underline dotted; cursor: help; }
              border: 1px solid rgba(217,119,6,.45); overflow-wrap: anywhere; font-size: 0.9rem; }
 .pema-pb-time { margin-top: 2px; font-size: 0.85rem; color: var(--body-text-color-subdued); }
 /* dropdowns: the chosen text ends with an ellipsis before the arrow instead of running under it */
-.gradio-container input[role="listbox"], .gradio-container .wrap-inner input {
-  text-overflow: ellipsis; padding-right: 4px; }
+.gradio-container .secondary-wrap input[role="combobox"] { text-overflow: ellipsis; padding-right: 22px; }
 /* table headers break between words, never inside one ("distanc e") */
 .gradio-container table th, .gradio-container table th * { word-break: normal !important;
   overflow-wrap: normal !important; hyphens: none; }

@@ -12,8 +12,8 @@ from backbone.prompts import TASKS
 from ground.errors import UserError
 from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS
 from ui import plots, render
-from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, owner_of, setting_control,
-                       user_errors)
+from ui.common import (BASE_CHOICE, choices_update, keep_value, memory_choices, method_choices, owner_of,
+                       setting_control, user_errors)
 
 TOKEN_COLORS = {"selected": "#2563eb", "λ high": "#fb923c", "λ low": "#fde68a"}
 TOKEN_HELP = ("Colours: <b>λ high</b> = the plug-in's weight λ_t in the mix P = λ_t·P_plug-in + (1−λ_t)·P_LM was "
@@ -145,10 +145,12 @@ def build(studio) -> SimpleNamespace:
             lam_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
             bars_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
         with gr.Row(equal_height=True, visible=False) as nb_row:
-            nb_df = gr.Dataframe(headers=NEIGHBOUR_HEADERS, interactive=False, max_height=300, wrap=True,
-                                 label="kNN neighbours of the chosen token, with their memory samples",
-                                 column_widths=["9%", "13%", "14%", "32%", "32%"], elem_id="compare-neighbours",
-                                 show_search="none")
+            with gr.Column():
+                nb_df = gr.Dataframe(headers=NEIGHBOUR_HEADERS, interactive=False, max_height=300, wrap=True,
+                                     label="kNN neighbours of the chosen token, with their memory samples",
+                                     column_widths=["9%", "12%", "19%", "30%", "30%"], elem_id="compare-neighbours",
+                                     show_search="none")
+                gr.HTML(f"<div class='pema-help'>{NEIGHBOUR_HELP}</div>")
             nb_plot = gr.Plot(plots.empty("No kNN neighbours yet"), show_label=False)
         with gr.Row(equal_height=True):
             with gr.Column(visible=False, min_width=400) as mem_col:
@@ -317,8 +319,8 @@ def build(studio) -> SimpleNamespace:
     def lists(me, current=None, mem_value=None):
         choices = method_choices(studio, me)
         mchoices = memory_choices(studio, me)
-        return (gr.update(choices=choices, value=keep_value(choices, current or ["base"])),
-                gr.update(choices=mchoices, value=keep_value(mchoices, mem_value, default_first=False)))
+        return (choices_update(choices, current, ["base"]),
+                choices_update(mchoices, mem_value, default_first=False))
 
     @user_errors
     def refresh(current, mem_value, request: gr.Request):
@@ -342,7 +344,8 @@ def build(studio) -> SimpleNamespace:
                 gr.update(value=mid) if mid in [c[1] for c in mchoices] else gr.skip(),
                 gr.update(value=tk) if tk else gr.skip(), *ctl)
 
-    return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
+    return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory"],
+                           refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
                            on_load=on_load, load_outputs=[methods, hmem, layer],
                            persist=[("compare_task", task), ("compare_methods", methods), ("compare_memory", hmem)],
                            restore=restore, restore_outputs=[methods, hmem, task, *live_ctls],

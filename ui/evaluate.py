@@ -12,9 +12,10 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
+from eval.run import MIN_BOOTSTRAP_N
 from ui import plots, render
-from ui.common import (BASE_CHOICE, keep_value, memory_choices, method_choices, owner_of, plugin_choices,
-                       read_upload, user_errors)
+from ui.common import (BASE_CHOICE, choices_update, keep_value, memory_choices, method_choices, owner_of,
+                       plugin_choices, read_upload, user_errors)
 
 SCORE_KEYS = ("label", "method", "n", "sacrebleu", "chrf")
 # Shown in their own columns (or not at all); every other number of a row is a metric of the task.
@@ -27,13 +28,17 @@ def _num(v, digits: int = 2):
     return round(v, digits) if isinstance(v, float) else v
 
 
-def _ci(v) -> str:
-    return f"{v[0]:.2f}–{v[1]:.2f}" if isinstance(v, (list, tuple)) and len(v) == 2 else ""
+def _ci(v, n=None) -> str:
+    if isinstance(v, (list, tuple)) and len(v) == 2:
+        return f"{v[0]:.2f}–{v[1]:.2f}"
+    return f"— (n < {MIN_BOOTSTRAP_N})" if isinstance(n, int) and n < MIN_BOOTSTRAP_N else "—"
 
 
 def _vs_base(r: dict, metric: str) -> str:
     if f"p_{metric}" not in r:
-        return "—"
+        n = r.get("n")
+        return f"— (n < {MIN_BOOTSTRAP_N})" if r.get("method") != "base" and isinstance(n, int) \
+            and n < MIN_BOOTSTRAP_N else "—"
     return f"{r.get(f'{metric}_delta', 0):+.2f} (p={r[f'p_{metric}']:.3f})"
 
 
@@ -71,11 +76,24 @@ def _table(result: dict | None) -> tuple[list[str], list[list]]:
     for r in rows:
         line = [f"{r.get('label')} [{r.get('method')}]", r.get("n", result.get("n"))]
         if has_ref:
-            line += [_num(r.get("sacrebleu")), _ci(r.get("sacrebleu_ci95")), _vs_base(r, "sacrebleu"),
-                     _num(r.get("chrf")), _ci(r.get("chrf_ci95")), _vs_base(r, "chrf")]
+            n = r.get("n")
+            line += [_num(r.get("sacrebleu")), _ci(r.get("sacrebleu_ci95"), n), _vs_base(r, "sacrebleu"),
+                     _num(r.get("chrf")), _ci(r.get("chrf_ci95"), n), _vs_base(r, "chrf")]
         line += [_num(r.get(k)) for k in other]
         out.append(line)
     return cols, out
+
+
+def _widths(cols: list[str]) -> list[str]:
+    """Column widths of the scores table (so that it fits its column at 1280 px instead of scrolling sideways)."""
+    fixed = {"method": 20, "point": 20, "n": 5, "BLEU": 7, "chrF": 7, "BLEU 95% CI": 11, "chrF 95% CI": 11,
+             "BLEU Δ vs base (p)": 14, "chrF Δ vs base (p)": 14, "λ_max": 10, "GU": 8}
+    rest = [c for c in cols if c not in fixed]
+    left = max(0, 100 - sum(fixed[c] for c in cols if c in fixed))
+    share = left / len(rest) if rest else 0
+    if not rest and cols:  # give what is left to the first column
+        return [f"{fixed[c] + (left if i == 0 else 0):g}%" for i, c in enumerate(cols)]
+    return [f"{fixed.get(c, share):g}%" for c in cols]
 
 
 DECODE_HEADERS = ["method", "decode", "settings", "backbone"]
@@ -144,7 +162,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
             memory = gr.Dropdown([], label="A memory's held-out split", elem_id="eval-memory")
             memory_warn = gr.HTML(elem_id="eval-memory-warning")
             test_file = gr.File(label="…or a test file of source/reference pairs", type="filepath",
-                                file_types=[".jsonl", ".json", ".csv", ".tsv"])
+                                file_types=[".jsonl", ".json", ".csv", ".tsv"], elem_id="eval-test-file")
             with gr.Row():
                 task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="eval-task")
                 limit = gr.Number(50, label="Sentences (max)", precision=0, minimum=1)
@@ -238,7 +256,8 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         drows = _decode_table(res)
         dec = gr.update(visible=True, value={"headers": DECODE_HEADERS, "data": drows}) if drows else \
             gr.update(visible=False)
-        return (render.job_card(job), gr.update(value={"headers": cols, "data": rows}), _notes(res), dec, fig_bar,
+        return (render.job_card(job), gr.update(value={"headers": cols, "data": rows}, column_widths=_widths(cols)),
+                _notes(res), dec, fig_bar,
                 fig_line, dl, outs)
 
     def tick(jid, last, request: gr.Request):
@@ -277,8 +296,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         mchoices = memory_choices(studio, me)
         pchoices = plugin_choices(studio, methods=("pema",), owner=me)
         mem = keep_value(mchoices, mem_value)
-        return (gr.update(choices=choices, value=keep_value(choices, current or ["base"])),
-                gr.update(choices=mchoices, value=mem),
+        return (choices_update(choices, current, ["base"]), choices_update(mchoices, mem_value),
                 gr.update(choices=pchoices, value=keep_value(pchoices, None)), memory_warning(mem, me))
 
     @user_errors
@@ -302,7 +320,8 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         return (gr.update(value=ms) if ms else gr.skip(), gr.update(value=mid) if ok else gr.skip(),
                 memory_warning(mid, me) if ok else gr.skip(), gr.update(value=tk) if tk in TASKS else gr.skip())
 
-    return SimpleNamespace(refresh=refresh, refresh_inputs=[methods, memory],
+    return SimpleNamespace(refresh=refresh, refresh_keys=["eval_methods", "eval_memory"],
+                           refresh_inputs=[methods, memory],
                            refresh_outputs=[methods, memory, sweep_plugin, memory_warn], on_load=on_load,
                            load_outputs=[methods, memory, sweep_plugin, memory_warn, job_id, job_html],
                            persist=[("eval_memory", memory), ("eval_methods", methods), ("eval_task", task)],

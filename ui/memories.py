@@ -159,6 +159,9 @@ def build(studio) -> SimpleNamespace:
                 f"<br><span class='pema-muted'>Prompt: <code>{render.esc((d['prompt'] or {}).get('template'))}</code>"
                 f"{more}"
                 f"</span></div>")
+        sizes = {"name": s["name"], "samples": s["samples"] + s["heldout_samples"],  # summary: training samples
+                 "heldout_samples": s["heldout_samples"]}
+        html += render.memory_warning(sizes, "train") + render.memory_warning(sizes, "heldout")
         rows = [[x["line"], x["split"], x["src"], "yes" if x["synthetic_src"] else "", x["tgt"]] for x in d["samples"]]
         return html, rows
 

@@ -240,12 +240,14 @@ def eval_bars(methods: list[dict], metrics: tuple[str, ...] = ("sacrebleu", "chr
 
 
 def sweep_lines(points: list[dict], metric: str = "sacrebleu", title: str = "") -> go.Figure:
-    """Score against λ_max, with and without Gradual Unrolling."""
+    """Score against λ_max, with and without Gradual Unrolling; a point with ``gu`` None (λ_max = 0: the base model,
+    whatever GU says) starts both curves."""
     if not points:
         return empty("Run a λ_max sweep to see this chart")
     fig = go.Figure()
     for gu, name, dash in ((True, "with GU", "solid"), (False, "without GU", "dash")):
-        pts = sorted((p for p in points if bool(p.get("gu")) == gu and p.get(metric) is not None),
+        pts = sorted((p for p in points if (p.get("gu") is None or bool(p.get("gu")) == gu)
+                      and p.get(metric) is not None),
                      key=lambda p: p["lambda_max"])
         if pts:
             fig.add_trace(go.Scatter(x=[p["lambda_max"] for p in pts], y=[p[metric] for p in pts],

@@ -10,7 +10,7 @@ import gradio as gr
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from ui import plots, render
-from ui.common import keep_value, memory_choices, owner_of, user_errors
+from ui.common import choices_update, keep_value, memory_choices, owner_of, user_errors
 
 
 def _method_info(m: dict | None) -> str:
@@ -72,7 +72,7 @@ def build(studio) -> SimpleNamespace:
             gr.Markdown("#### Jobs")
             jobs_df = gr.Dataframe(headers=render.JOB_HEADERS, interactive=False, max_height=190, wrap=True,
                                    elem_id="jobs-table",
-                                   column_widths=["8%", "25%", "14%", "12%", "17%", "24%"])
+                                   column_widths=["10%", "22%", "14%", "13%", "15%", "26%"])
             with gr.Row(equal_height=False, elem_classes="pema-actions"):
                 job_pick = gr.Dropdown([], label="Show job", scale=4)
                 cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=1)
@@ -85,13 +85,12 @@ def build(studio) -> SimpleNamespace:
                            column_widths=["15%", "7%", "19%", "12%", "9%", "18%", "9%", "11%"])
     with gr.Row(equal_height=False, elem_classes="pema-actions"):
         plug_pick = gr.Dropdown([], label="Inspect a plug-in", scale=4, elem_id="plugin-pick")
-        plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1)
-    with gr.Row(equal_height=False, elem_classes="pema-actions"):
-        plug_status = gr.HTML(elem_id="plugin-status", scale=3)
-        more_minutes = gr.Number(5, label="Time budget (minutes)", precision=1, minimum=0.1, scale=1,
-                                 min_width=170, elem_id="continue-minutes")
-        plug_continue = gr.Button("Continue training", size="sm", scale=1, min_width=170,
+        more_minutes = gr.Number(5, label="Budget (min)", precision=1, minimum=0.1, scale=1, min_width=110,
+                                 elem_id="continue-minutes")
+        plug_continue = gr.Button("Continue training", size="sm", scale=1, min_width=150,
                                   elem_id="continue-training")
+        plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1, min_width=130)
+    plug_status = gr.HTML(elem_id="plugin-status")
     plug_detail = gr.Code(language="json", label="Plug-in details", visible=False, lines=8, max_lines=16)
     timer = gr.Timer(1.0)
 
@@ -258,7 +257,7 @@ def build(studio) -> SimpleNamespace:
         choices = memory_choices(studio, me)
         plist = studio.plugins(owner=me)
         mem = keep_value(choices, mem_value)
-        return (gr.update(choices=choices, value=mem), render.plugins_table(plist),
+        return (choices_update(choices, mem_value), render.plugins_table(plist),
                 gr.update(choices=[(p["name"], p["id"]) for p in plist]), memory_warning(mem, me))
 
     @user_errors
@@ -286,7 +285,8 @@ def build(studio) -> SimpleNamespace:
                 memory_warning(mid, me) if mid in ids else gr.skip(),
                 gr.update(value=meth) if meth in methods else gr.skip())
 
-    return SimpleNamespace(refresh=refresh, refresh_inputs=[memory],
+    return SimpleNamespace(refresh=refresh, refresh_keys=["train_memory"],
+                           refresh_inputs=[memory],
                            refresh_outputs=[memory, plug_df, plug_pick, memory_warn],
                            on_load=on_load, load_outputs=[memory, plug_df, plug_pick, jobs_df, job_pick,
                                                           selected_job, job_html, loss, log, memory_warn],

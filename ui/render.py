@@ -92,7 +92,8 @@ def job_card(job: dict | None) -> str:
     pct = max(0.0, min(1.0, float(job.get("progress") or 0))) * 100
     if badge == "under-trained":
         pct_text = ""  # "100%" would read as "fully trained"
-        msg = f"{tr['label']}. {job.get('message', '')}"
+        msg = job.get("message", "")
+        msg = msg if tr["label"] in msg else f"{tr['label']}. {msg}"
     else:
         pct_text = f"{pct:.0f}% — "
         msg = job.get("message", "")
@@ -201,7 +202,8 @@ def memory_warning(m: dict | None, purpose: str) -> str:
                 f"or rebuild the memory from more samples.</div>")
     if purpose == "heldout" and held < 10:
         return (f"<div class='pema-warn'><b>{esc(m.get('name'))}</b> holds out only {held} sample(s): scores on "
-                f"so few sentences are mostly noise (see the confidence intervals).</div>")
+                f"so few sentences are mostly noise (below 5 there are no confidence intervals); a test file of "
+                f"more pairs tells more.</div>")
     if purpose == "train" and train < 2:
         return (f"<div class='pema-warn'><b>{esc(m.get('name'))}</b> has {train} training sample(s): too few to "
                 f"train on (a tenth of them is set aside for early stopping). Build a memory from more samples."

@@ -1,0 +1,462 @@
+"""A studio a researcher trusts at a glance (issue #17), on the tiny backbone, without a browser:
+
+* honest training: elapsed time and ETA of jobs, progress in every phase (LoRA's precomputation included), the
+  "stopped by time budget — under-trained" label, continue training from the saved optimizer state;
+* evaluations a reviewer accepts: n, backbone and decode settings per row, 95% bootstrap intervals, paired-bootstrap
+  p against the base model, sacreBLEU's signatures, per-sentence outputs with chrF, CSV/JSON downloads under the
+  data directory (no pile-up), a sweep without duplicate rows;
+* the repetition guard (``no_repeat_ngram``): off by default, the same for every row, it stops a looping row;
+* warnings for memories too small to hold anything out or to train on.
+
+    python -m pytest -q tests/test_studio_ux.py
+"""
+import csv
+import io
+import json
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+         ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 3
+TSV = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
+# A budget far too small for the epochs asked for: training stops on the time budget.
+BUDGET_PEMA = {"rank": 16, "max_minutes": 0.0003, "max_epochs_rct": 2, "max_epochs_joint": 400, "patience": 1000,
+               "candidate_contexts": 64}
+
+
+def has_repeated_ngram(tokens: list[int], n: int) -> bool:
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    from studio.service import Studio
+
+    st = Studio(tmp_path_factory.mktemp("ux-data"), backbone="tiny")
+    assert st.wait_ready(120), st.status()
+    yield st
+    st.close()
+
+
+@pytest.fixture(scope="module")
+def memory_id(studio):
+    job = studio.jobs.wait(studio.submit_build(TSV, "pairs.tsv", name="ux pairs"), 120)
+    assert job["state"] == "done", job
+    return job["result"]["memory_id"]
+
+
+@pytest.fixture(scope="module")
+def budget_pema(studio, memory_id):
+    job = studio.jobs.wait(studio.submit_train(memory_id, "pema", BUDGET_PEMA, "PEMA on a budget"), 180)
+    assert job["state"] == "done", job
+    return job
+
+
+# --- honest training ---------------------------------------------------------------------------------------------
+def test_training_status_labels_every_way_a_training_ends():
+    from studio.plugin_service import training_status
+
+    pema = {"reconstruction": {"phase": "reconstruction", "epochs": 2.0, "max_epochs": 2, "stopped_by": "max_epochs"},
+            "joint": {"phase": "joint", "epochs": 0.39, "max_epochs": 20, "stopped_by": "time_budget"},
+            "train_info": {"joint": {"stopped_by": "early_stopping"}}}
+    st = training_status(pema)
+    assert st["under_trained"] and st["stopped_by"] == "time_budget"
+    assert st["label"] == "stopped by time budget at 0.39 of 20 epochs (joint phase) — under-trained"
+    lora = {"phase": "lora", "epochs": 3.5, "max_epochs": 10, "stopped_by": "early_stopping",
+            "train_info": {"stopped_by": "early_stopping"}}
+    assert training_status(lora) == {"stopped_by": "early_stopping", "phase": "lora", "epochs": 3.5,
+                                     "max_epochs": 10, "under_trained": False,
+                                     "label": "converged: early stopping at 3.5 epochs"}
+    assert training_status({"epochs": 10.0, "max_epochs": 10, "stopped_by": "max_epochs"})["label"] == \
+        "ready: ran all 10 epochs"
+    assert training_status({"entries": 88, "search": "exact"}) == {"stopped_by": None, "under_trained": False,
+                                                                   "label": "ready"}  # kNN: nothing to train
+
+
+def test_job_timing_and_its_rendering():
+    from studio.plugin_service import job_timing
+    from ui import render
+
+    now = 1000.0
+    running = {"state": "running", "started": 900.0, "finished": None, "progress": 0.25, "created": 890.0}
+    t = job_timing(running, now)
+    assert t == {"elapsed_s": 100.0, "eta_s": 300.0}
+    assert render.job_time({**running, **t}) == "1m 40s elapsed · about 5m 00s left"
+    early = job_timing({**running, "progress": 0.0}, now)
+    assert early["eta_s"] is None and render.job_time({**running, **early}).endswith("estimating the time left…")
+    assert job_timing({"state": "queued", "created": 990.0}, now) == {"elapsed_s": 10.0, "eta_s": None}
+    done = job_timing({"state": "done", "started": 900.0, "finished": 965.0, "progress": 1.0}, now)
+    assert done == {"elapsed_s": 65.0, "eta_s": None}
+    assert render.job_time({"state": "done", **done}) == "ran 1m 05s"
+
+
+def test_a_budget_stopped_plugin_is_labelled_under_trained_everywhere(studio, budget_pema):
+    from ui import render
+
+    res = budget_pema["result"]
+    assert res["training"]["under_trained"] and "under-trained" in res["message"]
+    assert "ready" not in res["message"]
+    job = studio.job(budget_pema["id"])
+    assert job["training"]["under_trained"] and job["elapsed_s"] >= 0 and job["eta_s"] is None
+    card = render.job_card(job)
+    assert "under-trained" in card and "stopped by time budget at" in card and "100%" not in card
+    assert "ran " in card  # how long it ran
+    row = render.jobs_table([job])[0]
+    assert row[2] == "under-trained" and row[3] == "stopped early" and row[4].startswith("ran ")
+    plug = next(p for p in studio.plugins() if p["id"] == res["plugin_id"])
+    assert plug["training"]["under_trained"] and plug["can_continue"]
+    line = render.plugins_table([plug])[0]
+    assert line[render.PLUGIN_HEADERS.index("training")].startswith("⚠ stopped by time budget at ")
+    assert "Continue training" in render.plugin_status(plug)
+
+
+def test_every_phase_reports_progress_lora_precomputation_included(studio, memory_id):
+    """No silent phase: LoRA reports each batch of its last-layer precomputation, and every training loop reports
+    its early-stopping evaluations."""
+    from plugins.api import open_memory, train_plugin
+
+    mem = open_memory(studio.catalog.memory(memory_id)["path"], studio.backbone)
+    seen: list[tuple[float, float, str]] = []
+    with studio.gate.use(holder="test"):
+        train_plugin(studio.backbone, mem, "lora", {"rank": 8, "max_epochs": 2, "batch_size": 2},
+                     out_dir=studio.root / "lora-progress",
+                     progress=lambda f, m: seen.append((time.time(), f, m)))
+    msgs = [m for _, _, m in seen]
+    pre = [m for m in msgs if m.startswith("computing the last layer's inputs:")]
+    assert len(pre) >= 3, msgs[:10]  # one per batch (batch_size 2), training and early-stopping samples
+    assert any("training samples" in m for m in pre) and any("early-stopping samples" in m for m in pre)
+    assert any("evaluating the early-stopping loss" in m for m in msgs)
+    fracs = [f for _, f, _ in seen]
+    assert fracs == sorted(fracs) and fracs[-1] <= 1.0  # progress only moves forward
+    gaps = [b[0] - a[0] for a, b in zip(seen, seen[1:])]
+    assert max(gaps) < 5.0
+
+
+def test_run_training_resumes_from_its_optimizer_state():
+    import torch
+
+    from plugins.training import LoopSettings, optimizer_from_tensors, optimizer_tensors, run_training
+
+    def setup():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 1)
+        x, y = torch.randn(32, 4), torch.randn(32, 1)
+        loss = lambda idx: (((m(x[idx]) - y[idx]) ** 2).mean(), {})  # noqa: E731
+        held = lambda: float(((m(x) - y) ** 2).mean().detach())  # noqa: E731
+        return m, loss, held
+
+    m, loss, held = setup()
+    state: dict = {}
+    s = LoopSettings(lr=1e-2, batch_size=8, max_epochs=2, patience=100)
+    first = run_training(m, m.parameters(), 32, loss, held, s, "p", lambda f, msg: None, lambda: False, [],
+                         state_out=state)
+    assert first["steps"] == 8 and first["max_epochs"] == 2 and first["stopped_by"] == "max_epochs"
+    assert state["loop"] == {"steps": 8, "epochs": 2.0}
+    back = optimizer_from_tensors(optimizer_tensors(state))[""]
+    assert back["loop"]["steps"] == 8
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    again: dict = {}
+    second = run_training(m, m.parameters(), 32, loss, held, s, "p", lambda f, msg: None, lambda: False, [],
+                          resume=back, state_out=again)
+    assert second["continued_from_epochs"] == 2.0 and second["total_epochs"] == 4.0
+    assert again["loop"]["steps"] == 16
+    assert float(again["optimizer"]["state"][0]["step"]) == 16  # Adam's step count went on
+
+
+def test_a_time_budget_stop_reports_time_budget():
+    import torch
+
+    from plugins.training import LoopSettings, run_training
+
+    m = torch.nn.Linear(4, 1)
+    x = torch.randn(64, 4)
+
+    def slow_loss(idx):
+        time.sleep(0.02)
+        return m(x[idx]).pow(2).mean(), {}
+
+    s = LoopSettings(batch_size=1, max_epochs=50, max_minutes=0.2 / 60, patience=1000)
+    out = run_training(m, m.parameters(), 64, slow_loss, lambda: 1.0, s, "p", lambda f, msg: None, lambda: False, [])
+    assert out["stopped_by"] == "time_budget" and out["epochs"] < 1
+
+
+@pytest.mark.parametrize("method,config", [("pema", BUDGET_PEMA),
+                                           ("lora", {"rank": 8, "max_epochs": 2, "batch_size": 4})])
+def test_continue_training_resumes_from_the_saved_optimizer(studio, memory_id, method, config):
+    from safetensors.torch import load_file
+
+    from studio.plugin_service import OPTIMIZER_FILE
+
+    first = studio.jobs.wait(studio.submit_train(memory_id, method, config, f"{method} first"), 180)
+    assert first["state"] == "done", first
+    pid = first["result"]["plugin_id"]
+    folder = studio.root / "plugins" / pid
+    saved = load_file(str(folder / OPTIMIZER_FILE))
+    assert any("/exp_avg" in k for k in saved) and any(k.endswith("loop/steps") for k in saved)
+    with pytest.raises(Exception, match="can change only"):
+        studio.submit_continue(pid, {"rank": 4})
+    jid = studio.submit_continue(pid, {"max_minutes": 0.5})
+    job = studio.jobs.wait(jid, 180)
+    assert job["state"] == "done", job
+    new = job["result"]
+    assert new["plugin_id"] != pid and new["name"] == f"{method} first (continued)"
+    info = new["metrics"]["train_info"]
+    assert info["continued_from"] == pid
+    phase = new["metrics"]["joint"] if method == "pema" else new["metrics"]
+    before = first["result"]["metrics"]["joint"] if method == "pema" else first["result"]["metrics"]
+    assert phase["continued_from_epochs"] == pytest.approx(before["epochs"], abs=0.01)
+    assert phase["total_epochs"] > before["epochs"]
+    assert (studio.root / "plugins" / new["plugin_id"] / OPTIMIZER_FILE).exists()
+    assert any(p["id"] == pid for p in studio.plugins())  # the original stays
+    c = studio.compare("the house is small", "translation", ["base", new["plugin_id"]], max_new_tokens=6)
+    assert len(c["rows"]) == 2
+
+
+def test_only_resumable_methods_continue(studio, memory_id):
+    job = studio.jobs.wait(studio.submit_train(memory_id, "knn", {}, "knn"), 120)
+    with pytest.raises(Exception, match="cannot continue training"):
+        studio.submit_continue(job["result"]["plugin_id"])
+    assert not next(p for p in studio.plugins() if p["id"] == job["result"]["plugin_id"])["can_continue"]
+
+
+# --- the repetition guard ----------------------------------------------------------------------------------------
+def test_ban_repeated_ngrams_bans_exactly_the_completing_tokens():
+    import torch
+
+    from plugins.decode import ban_repeated_ngrams
+
+    lp = torch.zeros(2, 10)
+    n = ban_repeated_ngrams(lp, [[1, 2, 3, 1, 2], [4, 4]], 3)  # row 0: "1 2" → 3 would repeat "1 2 3"
+    assert n == 1 and lp[0, 3] == float("-inf") and torch.isfinite(lp[0, :3]).all()
+    assert torch.isfinite(lp[1]).all()  # "4 4" seen once, and 3-grams need 3 tokens of history
+    lp = torch.zeros(1, 10)
+    assert ban_repeated_ngrams(lp, [[5, 6, 5]], 2) == 1 and lp[0, 6] == float("-inf")
+    assert ban_repeated_ngrams(torch.zeros(1, 10), [[5, 5, 5]], 0) == 0  # off
+
+
+def test_the_guard_stops_a_looping_row_and_applies_to_every_row_alike(tiny):
+    from plugins.decode import Row, compare
+
+    loop = compare(tiny, "the house is small", [Row("base")], max_new_tokens=24)
+    assert has_repeated_ngram(loop.rows[0].tokens, 3), "the tiny model is expected to loop here"
+    assert loop.rows[0].settings == {}  # off by default: nothing recorded, the papers' decoding
+    guarded = compare(tiny, "the house is small", [Row("base"), Row("again")], max_new_tokens=24,
+                      no_repeat_ngram=3)
+    for r in guarded.rows:
+        assert not has_repeated_ngram(r.tokens, 3) and r.settings == {"no_repeat_ngram": 3}
+    assert guarded.rows[0].tokens == guarded.rows[1].tokens
+    # given in one row's settings (as --set no_repeat_ngram=3 does for the plug-in rows), every row gets it
+    via_row = compare(tiny, "the house is small", [Row("base"), Row("b", None, {"no_repeat_ngram": 3})],
+                      max_new_tokens=24)
+    assert [r.tokens for r in via_row.rows] == [r.tokens for r in guarded.rows]
+    with pytest.raises(Exception, match="every row of a comparison alike"):
+        compare(tiny, "x", [Row("a", None, {"no_repeat_ngram": 2}), Row("b", None, {"no_repeat_ngram": 3})])
+
+
+def test_the_guard_is_declared_once_and_addressed_to_all_rows():
+    from plugins.knn import KNN
+    from plugins.pema import PEMA
+    from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS, address_sets, resolve_row_settings
+
+    assert [s.name for s in COMPARISON_SETTINGS] == ["no_repeat_ngram"] and COMPARISON_SETTINGS[0].default == 0
+    assert address_sets({"no_repeat_ngram": 3, "pema.lambda_max": 0.5}, [("pema", PEMA), ("knn", KNN)]) == \
+        {ALL_ROWS: {"no_repeat_ngram": 3}, "pema": {"lambda_max": 0.5}}
+    assert resolve_row_settings(("knn", "knn-1", "kNN"), {ALL_ROWS: {"no_repeat_ngram": 2}, "knn": {"k": 4}}) == \
+        {"no_repeat_ngram": 2, "k": 4}
+    with pytest.raises(Exception, match="Only settings of the whole comparison"):
+        resolve_row_settings(("knn",), {ALL_ROWS: {"k": 4}})
+
+
+def test_studio_compare_applies_the_guard_to_the_base_row_too(studio, budget_pema):
+    pid = budget_pema["result"]["plugin_id"]
+    plain = studio.compare("the house is small", "translation", ["base", pid], max_new_tokens=24)
+    assert all("no_repeat_ngram" not in r["settings"] for r in plain["rows"])
+    g = studio.compare("the house is small", "translation", ["base", pid], {"all": {"no_repeat_ngram": 3}},
+                       max_new_tokens=24)
+    assert [r["settings"].get("no_repeat_ngram") for r in g["rows"]] == [3, 3]
+    assert not any(has_repeated_ngram(r["tokens"], 3) for r in g["rows"])
+    kw = studio.compare("the house is small", "translation", ["base", pid], max_new_tokens=24, no_repeat_ngram=3)
+    assert [r["tokens"] for r in kw["rows"]] == [r["tokens"] for r in g["rows"]]
+
+
+# --- evaluations -------------------------------------------------------------------------------------------------
+def test_metrics_intervals_pvalues_signatures_and_sentence_chrf():
+    from eval.metrics import bleu_chrf, bootstrap_ci, paired_bootstrap, sentence_chrf, signatures
+
+    refs = ["das Haus ist klein", "die Katze schlaeft", "Guten Morgen", "hallo Welt"] * 5
+    good = list(refs)
+    bad = ["das Haus", "Katze", "Morgen", "Welt"] * 5
+    ci = bootstrap_ci(bad, refs, n_samples=300)
+    corpus = bleu_chrf(bad, refs)
+    for k in ("sacrebleu", "chrf"):
+        assert ci[k][0] <= corpus[k] <= ci[k][1]
+    pb = paired_bootstrap(bad, good, refs, n_samples=300)
+    assert pb["chrf"]["delta"] > 0 and pb["chrf"]["p_value"] < 0.05
+    assert sentence_chrf(["das Haus ist klein", "x"], ["das Haus ist klein", "hallo Welt"])[0] == 100.0
+    sig = signatures()
+    assert sig["sacrebleu"].startswith("nrefs:1|case:mixed|eff:no|tok:13a") and "nc:6" in sig["chrf"]
+    assert signatures(4)["sacrebleu"].startswith("nrefs:4")
+
+
+@pytest.fixture(scope="module")
+def evaluation(studio, budget_pema):
+    tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS[:6])
+    jid = studio.submit_evaluate(methods=["base", budget_pema["result"]["plugin_id"]], test_data=tsv,
+                                 test_filename="test.tsv", limit=6, max_new_tokens=16,
+                                 settings={"all": {"no_repeat_ngram": 2}})
+    job = studio.jobs.wait(jid, 180)
+    assert job["state"] == "done", job
+    return job
+
+
+def test_an_evaluation_reports_what_a_reviewer_needs(evaluation):
+    res = evaluation["result"]
+    base, pema = res["methods"]
+    for m in (base, pema):
+        assert m["n"] == 6 and m["backbone"].startswith("tiny") and m["max_new_tokens"] == 16
+        assert m["no_repeat_ngram"] == 2 and m["settings"]["no_repeat_ngram"] == 2  # the base row too
+        assert len(m["sacrebleu_ci95"]) == 2 and len(m["chrf_ci95"]) == 2
+        assert m["bleu_signature"].startswith("nrefs:1") and m["chrf_signature"]
+    assert "p_chrf" not in base and 0 <= pema["p_chrf"] <= 1 and "chrf_delta" in pema and "p_sacrebleu" in pema
+    assert pema["settings"]["lambda_max"] == 0.8
+    assert res["signatures"]["sacrebleu"].startswith("nrefs:1") and res["decode"]["no_repeat_ngram"] == 2
+    o = res["outputs"][0]
+    assert {"source", "reference", base["label"], pema["label"], f"chrF · {base['label']}",
+            f"chrF · {pema['label']}"} <= set(o)
+
+
+def test_evaluation_files_are_per_owner_and_do_not_pile_up(studio, evaluation):
+    files = studio.evaluation_files(evaluation["id"])
+    names = sorted(f.name for f in files)
+    stem = f"pema-eval-{evaluation['id']}"
+    assert names == sorted([f"{stem}-scores.csv", f"{stem}.json", f"{stem}-outputs.csv"])
+    root = studio.downloads_root()
+    assert all(f.parent.parent == root for f in files)  # under the data directory, one folder per owner
+    again = studio.evaluation_files(evaluation["id"])
+    assert again == files and len(list(files[0].parent.iterdir())) == 3  # the same files, nothing more
+    scores = list(csv.DictReader(io.StringIO(files[[f.name for f in files].index(f"{stem}-scores.csv")]
+                                              .read_text(encoding="utf-8"))))
+    assert {"label", "n", "sacrebleu", "sacrebleu_ci95", "p_chrf", "settings", "backbone", "bleu_signature",
+            "no_repeat_ngram", "max_new_tokens", "data"} <= set(scores[0])
+    outs = list(csv.DictReader(io.StringIO(next(f for f in files if f.name.endswith("-outputs.csv"))
+                                           .read_text(encoding="utf-8"))))
+    assert len(outs) == 6 and outs[0]["source"] == PAIRS[0][0] and "chrF · Base model" in outs[0]
+    data = json.loads(next(f for f in files if f.suffix == ".json").read_text(encoding="utf-8"))
+    assert data["methods"][1]["chrf_ci95"] and len(data["outputs"]) == 6
+    # an old file of anyone's is removed when new files are written
+    old = root / "someone" / "old.csv"
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.write_text("x")
+    os.utime(old, (time.time() - 3 * 86400,) * 2)
+    studio.evaluation_files(evaluation["id"])
+    assert not old.exists() and not old.parent.exists()
+    with pytest.raises(Exception, match="No job"):
+        studio.evaluation_files(evaluation["id"], owner="someone-else")
+
+
+def test_the_evaluate_tab_tables(evaluation):
+    from ui.evaluate import _decode_table, _notes, _outputs_table, _table
+
+    res = evaluation["result"]
+    cols, rows = _table(res)
+    assert cols[:8] == ["method", "n", "BLEU", "BLEU 95% CI", "BLEU Δ vs base (p)", "chrF", "chrF 95% CI",
+                        "chrF Δ vs base (p)"]
+    assert rows[0][0] == "Base model [base]" and rows[0][4] == "—" and "(p=" in rows[1][4] and "–" in rows[1][3]
+    dec = _decode_table(res)
+    assert dec[0][1] == "max 16 tokens · greedy · no_repeat_ngram=2" and "lambda_max" in dec[1][2]
+    assert dec[1][3].startswith("tiny")
+    notes = _notes(res)
+    assert "n = 6" in notes and "nrefs:1|case:mixed" in notes and "95% CI" in notes
+    ocols, orows = _outputs_table(res)
+    assert ocols == ["#", "source", "reference", "method", "output", "chrF"] and len(orows) == 12
+    assert orows[0][:4] == [1, PAIRS[0][0], PAIRS[0][1], "Base model"] and orows[1][1] == ""
+
+
+def test_no_intervals_on_too_few_sentences(tiny):
+    from backbone.prompts import Prompt
+    from eval.run import MIN_BOOTSTRAP_N, evaluate
+    from plugins.decode import Row
+    from ui.evaluate import _table
+
+    res = evaluate(tiny, PAIRS[:MIN_BOOTSTRAP_N - 1], [Row("base"), Row("again")], Prompt.for_task("translation"),
+                   max_new_tokens=4)
+    assert all("sacrebleu_ci95" not in m and "p_chrf" not in m for m in res["methods"])
+    assert res["methods"][0]["bleu_signature"]  # the signature is still there
+    cols, rows = _table(res)
+    assert rows[1][cols.index("BLEU 95% CI")] == f"— (n < {MIN_BOOTSTRAP_N})"
+
+
+def test_a_sweep_has_one_base_point(studio, memory_id, budget_pema):
+    from ui import plots
+    from ui.evaluate import _table
+
+    jid = studio.submit_evaluate(memory_id=memory_id, limit=1, sweep_plugin=budget_pema["result"]["plugin_id"],
+                                 lambdas=[0.0, 0.5, 0.5, 1.0], max_new_tokens=8)
+    job = studio.jobs.wait(jid, 180)
+    assert job["state"] == "done", job
+    pts = job["result"]["sweep"]
+    keys = [(p["lambda_max"], p["gu"]) for p in pts]
+    assert len(keys) == len(set(keys)) == 5 and keys[0] == (0.0, None)
+    cols, rows = _table(job["result"])
+    assert cols[:3] == ["point", "λ_max", "GU"] and rows[0][2] == "—"
+    fig = plots.sweep_lines(pts)
+    assert all(tr.x[0] == 0.0 for tr in fig.data)  # the base point starts both curves
+
+
+def test_downloads_are_not_served_by_their_path(studio, evaluation):
+    import asyncio
+
+    from ui.server import OwnerCookieMiddleware
+
+    f = studio.evaluation_files(evaluation["id"])[0]
+    called = []
+
+    async def app(scope, receive, send):
+        called.append(scope["path"])
+
+    mw = OwnerCookieMiddleware(app, studio, downloads=studio.downloads_root())
+    sent = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    for path in (f"/gradio_api/file={f}", f"/gradio_api/file={f.parent}/../{f.parent.name}/{f.name}"):
+        sent.clear()
+        asyncio.run(mw({"type": "http", "path": path, "method": "GET", "headers": []}, None, send))
+        assert sent[0]["status"] == 404
+    asyncio.run(mw({"type": "http", "path": "/gradio_api/file=/tmp/gradio/abc/x.csv", "method": "GET",
+                    "headers": []}, None, send))
+    assert called == ["/gradio_api/file=/tmp/gradio/abc/x.csv"]
+
+
+# --- small memories ------------------------------------------------------------------------------------------------
+def test_memory_warnings():
+    from ui.render import memory_warning
+
+    tiny_mem = {"name": "four", "samples": 4, "heldout_samples": 0}
+    assert "0 held-out samples" in memory_warning(tiny_mem, "heldout")
+    assert "too few to train on" in memory_warning({"name": "one", "samples": 1, "heldout_samples": 0}, "train")
+    assert "only 4 training samples" in memory_warning(tiny_mem, "train")
+    assert "only 1 sample" in memory_warning({"name": "m", "samples": 12, "heldout_samples": 1}, "heldout")
+    assert memory_warning({"name": "big", "samples": 500, "heldout_samples": 50}, "train") == ""
+    assert memory_warning({"name": "big", "samples": 500, "heldout_samples": 50}, "heldout") == ""
+    assert memory_warning(None, "train") == ""
+
+
+def test_output_cards_have_copy_and_view_buttons_and_explain_the_score():
+    from ui import render
+
+    p = {"source": "s", "base_label": "Base model", "timings": {}, "rows": [
+        {"label": "Base model", "method": "base", "text": "a b", "tokens": [1], "diff": [["a b", "same"]]},
+        {"label": "A plug-in with a very long name that must not be cut", "method": "pema", "text": "a c",
+         "tokens": [1], "diff": [["a", "same"], ["b", "removed"], ["c", "added"]], "settings": {"lambda_max": 0.5}}]}
+    html = render.output_cards(p)
+    assert html.count("data-pema-action='copy'") == 2 and html.count("data-pema-action='view'") == 1
+    assert "pema-card-plain'>a c<" in html and "<del>b</del>" in html
+    assert "<abbr class='pema-term' title='score: the output" in html
+    assert "title='A plug-in with a very long name that must not be cut'" in html
