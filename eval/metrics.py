@@ -97,6 +97,17 @@ def sentence_chrf(hyps: list[str], refs) -> list[float]:
                                             list(r)).score), 2) for h, r in zip(hyps, refs)]
 
 
+def sentence_bleu(hyps: list[str], refs) -> list[float]:
+    """sacreBLEU of each hypothesis against its reference(s), sentence level (``effective_order``, as sacrebleu's
+    ``sentence_bleu``: a short sentence without 4-gram matches does not score 0 by construction)."""
+    from sacrebleu.metrics import BLEU
+
+    _check_pairs(hyps, list(refs), "hypotheses", "references")
+    bleu = BLEU(effective_order=True)
+    return [round(float(bleu.sentence_score(h if isinstance(h, str) else "", [r] if isinstance(r, str) else
+                                            list(r)).score), 2) for h, r in zip(hyps, refs)]
+
+
 def bootstrap_ci(hyps: list[str], refs, n_samples: int = 1000, seed: int = 12345,
                  level: float = 0.95) -> dict[str, list[float]]:
     """Percentile bootstrap confidence intervals of corpus BLEU and chrF: ``n_samples`` test sets of the same

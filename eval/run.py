@@ -55,7 +55,7 @@ CHRF_PREFIX = "chrF · "  # per-sentence chrF of a row in ``outputs``: key CHRF_
 def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], prompt: Prompt, task: str = "translation",
              batch_sources: int = 4, max_new_tokens: int = 96, progress: Progress = _noop,
              should_stop: Callable[[], bool] = lambda: False, extra: dict | None = None,
-             no_repeat_ngram: int | None = None, bootstrap: int = 1000) -> dict:
+             no_repeat_ngram: int | None = None, bootstrap: int = 1000, decode: Callable = decode_batch) -> dict:
     """Decode every pair's source with every row; return per-method metrics and the outputs.
 
     ``pairs`` are (source, reference) — the reference may be None (style transfer without references).
@@ -66,7 +66,8 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
     resamples, 0: none; none either below ``MIN_BOOTSTRAP_N`` sentences) and, against the base model's row when there is one, the paired-bootstrap difference and
     one-sided p-value (``sacrebleu_delta``, ``p_sacrebleu``, ...). The result holds sacreBLEU's ``signatures``.
     ``outputs``: one dict per pair with source, reference, every row's output (key: its label) and its sentence
-    chrF (key ``"chrF · " + label``).
+    chrF (key ``"chrF · " + label``). ``decode``: ``plugins.decode.decode_batch``, or a function called alike
+    (``offsite.decode.decode_batch_remote``: through a model owner's service).
     """
     if not pairs:
         raise UserError("No evaluation pairs.")
@@ -82,8 +83,8 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
         # An output far longer than its input is a runaway (repetition); capping the batch's length at twice the
         # longest source (+16 tokens) keeps one such row from making the whole batch decode to max_new_tokens.
         cap = min(max_new_tokens, 2 * max(len(backbone.encode_target(s.strip())) for s in chunk) + 16)
-        for comp in decode_batch(backbone, chunk, rows, prompt, max_new_tokens=cap, trace=False,
-                                 no_repeat_ngram=no_repeat_ngram):
+        for comp in decode(backbone, chunk, rows, prompt, max_new_tokens=cap, trace=False,
+                           no_repeat_ngram=no_repeat_ngram):
             for r in comp.rows:
                 hyps[r.label].append(r.text)
                 used.setdefault(r.label, r.settings)

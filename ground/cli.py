@@ -16,7 +16,9 @@ def add_common(p: argparse.ArgumentParser, backbone: bool = True) -> None:
         p.add_argument("--backbone", default=None,
                        help="embedded short name (gemma-3-270m [default], smollm2-135m-instruct), hub id or path")
         p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
-        p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU)")
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8", "float16", "auto"],
+                       help="backbone weight precision: float32 (exact reference), bfloat16, int8 (CPU; dynamic "
+                            "int8 linear layers + LM head); default $PEMA_DTYPE, else README 'Precision'")
 
 
 @contextlib.contextmanager

@@ -165,6 +165,7 @@ class JobQueue:
         self._cancel: set[str] = set()
         self._cancel_by_user: set[str] = set()
         self._threads: list[threading.Thread] = []
+        self._lanes: list[tuple[tuple[str, ...], int]] = []  # (kinds, workers): threads of their own (add_lane)
         self._stopping = False
         self._paused = threading.Event()  # set: workers wait (e.g. until the backbone is loaded)
         self.max_per_owner = 0  # jobs queued or running per owner (0: no limit)
@@ -209,10 +210,17 @@ class JobQueue:
         """Become the data directory's owner (UserError when another process is), recover, start the workers."""
         self.recover()
         self._stopping = False
+        laned = tuple(k for kinds, _ in self._lanes for k in kinds)
         for i in range(self.workers):
-            t = threading.Thread(target=self._work, name=f"pema-job-worker-{i}", daemon=True)
+            t = threading.Thread(target=self._work, args=(None, laned), name=f"pema-job-worker-{i}", daemon=True)
             t.start()
             self._threads.append(t)
+        for n, (kinds, workers) in enumerate(self._lanes):
+            for i in range(workers):
+                t = threading.Thread(target=self._work, args=(kinds, ()), name=f"pema-job-lane-{n}-{i}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -227,6 +235,15 @@ class JobQueue:
         self._threads = []
         if not still_running:  # a job still running keeps the data directory this process's until it ends
             self.lock.release()
+
+    def add_lane(self, kinds: tuple[str, ...], workers: int) -> None:
+        """Run the jobs of ``kinds`` on ``workers`` threads of their own (FIFO among themselves), which take no
+        other job, while the ordinary workers take no job of ``kinds``: e.g. trainings that run on a Ray cluster
+        and only wait here, in parallel, neither waiting behind a memory build nor holding one up. Before
+        ``start``."""
+        if self._threads:
+            raise RuntimeError("add_lane must be called before start")
+        self._lanes.append((tuple(kinds), max(1, int(workers))))
 
     def pause(self) -> None:
         self._paused.set()
@@ -330,22 +347,29 @@ class JobQueue:
     def _update(self, job_id: str, **fields) -> None:
         self.catalog.db["jobs"].update(job_id, fields)
 
-    def _next(self) -> dict | None:
-        """Claim the oldest queued job (atomically across this process's workers)."""
+    def _next(self, kinds: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> dict | None:
+        """Claim the oldest queued job (atomically across this process's workers): of ``kinds`` only when given,
+        never of ``exclude`` (``add_lane``)."""
+        where, params = "state = ?", ["queued"]
+        if kinds:
+            where += f" and kind in ({','.join('?' * len(kinds))})"
+            params += list(kinds)
+        if exclude:
+            where += f" and kind not in ({','.join('?' * len(exclude))})"
+            params += list(exclude)
         with self._claim:
-            rows = list(self.catalog.db["jobs"].rows_where("state = ?", ["queued"], order_by="created",
-                                                           limit=1))
+            rows = list(self.catalog.db["jobs"].rows_where(where, params, order_by="created", limit=1))
             if not rows:
                 return None
             row = rows[0]
             self._update(row["id"], state="running", started=time.time(), message="Starting")
             return row_to_job({**row, "state": "running"})
 
-    def _work(self) -> None:
+    def _work(self, kinds: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> None:
         while not self._stopping:
             job = None
             if not self._paused.is_set():
-                job = self._next()
+                job = self._next(kinds, exclude)
             if job is None:
                 with self._wake:
                     self._wake.wait(timeout=1.0)

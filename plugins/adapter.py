@@ -58,7 +58,7 @@ from plugins.network import (
     rows_apply,
 )
 from plugins.registry import register
-from plugins.settings import setting
+from plugins.settings import Preset, setting
 
 
 # --- the adapter ------------------------------------------------------------------------------------------------
@@ -66,6 +66,15 @@ from plugins.settings import setting
 class AdapterConfig(NetworkConfig):
     bottleneck: int = setting(64, "m (paper: 10–300 per task)", low=1, high=65536)
     ln_eps: float = setting(1e-5)
+
+    PRESETS = {
+        "paper": Preset({"bottleneck": 64, "softmax": "full"},
+                        "the paper sets only m (10–300 per task; 64 here) and trains with the exact softmax; its "
+                        "optimiser settings are not given, so the rest is the shipped defaults"),
+        "quick": Preset({"bottleneck": 32, "softmax": "candidates", "max_epochs": 1, "max_heldout": 8,
+                         "evals_per_epoch": 2, "max_minutes": 3.0},
+                        "a short run for trying the studio: m 32, candidate softmax, 1 epoch, at most 3 minutes"),
+    }
 
     def validate(self) -> None:
         super().validate()

@@ -258,9 +258,17 @@ class Plugin(nn.Module):
         """Anything besides the config that ``load`` needs (e.g. the memory it reads at decode time)."""
         return {}
 
+    def save_extra_files(self, folder: Path) -> list[str]:
+        """Write files besides the studio's own into the folder being saved (e.g. PEFT's ``adapter_config.json``
+        + ``adapter_model.safetensors`` for LoRA, so the saved folder loads with ``PeftModel.from_pretrained``);
+        return their plain names. ``save`` lists them with their sha256 under ``files``, so ``load_plugin``
+        refuses a folder where one was changed. Default: none."""
+        return []
+
     def save(self, out_dir: str | Path, publish=None) -> Path:
-        """Write ``plugin_config.json`` (with the weight file's sha256 and who wrote it) and the safetensors
-        atomically (``atomic_dir``; ``publish``: its catalog step). NaN/inf weights are refused: nothing is saved."""
+        """Write ``plugin_config.json`` (with the sha256 of the weight file and of ``save_extra_files``' files, and
+        who wrote it) and the safetensors atomically (``atomic_dir``; ``publish``: its catalog step). NaN/inf
+        weights are refused: nothing is saved."""
         from safetensors.torch import save_file  # heavy: optional at import time
 
         out_dir = Path(out_dir)
@@ -271,13 +279,18 @@ class Plugin(nn.Module):
                             f"infinite values, so nothing was saved. Try a lower learning rate.")
         with atomic_dir(out_dir, publish) as tmp:
             save_file(tensors, str(tmp / WEIGHTS_FILE))
-            weights = tmp / WEIGHTS_FILE
+            names = [WEIGHTS_FILE]
+            for name in self.save_extra_files(tmp):
+                if plain_file_name(name, "the extra file", tmp) in names or name == "plugin_config.json":
+                    raise ValueError(f"{type(self).__name__}.save_extra_files wrote {name!r} twice or over the "
+                                     f"studio's own files")
+                names.append(name)
             write_json_atomic(tmp / "plugin_config.json", {
                 "format_version": FORMAT_VERSION, "method": self.method, "config": self.config.to_dict(),
                 "backbone": self.backbone_name, "fingerprint": self.fingerprint, "memory": self.memory_meta,
                 "train_info": self.train_info, "trainable_parameters": self.trainable_parameters(),
                 "extra": self.extra_config(), "saved": time.time(),
-                "files": {WEIGHTS_FILE: {"sha256": file_sha256(weights), "bytes": weights.stat().st_size}},
+                "files": {n: {"sha256": file_sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names},
                 "writer": writer_tag()})
         return out_dir
 

@@ -18,6 +18,7 @@ forward pass).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import threading
@@ -30,7 +31,7 @@ import torch
 
 from backbone.model import Backbone
 from backbone.prompts import Prompt, common_prefix_len, postprocess
-from plugins.base import MixInput, MixOutput, Plugin
+from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
 from plugins.settings import comparison_settings, split_comparison
 from ground.errors import UserError
 
@@ -188,33 +189,145 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     Repetition guard (``no_repeat_ngram``, a comparison setting: ``plugins.settings.COMPARISON_SETTINGS``; given
     here or in any row's settings): no row may repeat an n-gram of its own output tokens — every row alike, the
     base model's included. Off (0) by default.
+
+    The loop itself is ``BatchDecode`` (one step at a time: streaming and cancelling between steps).
     """
     t0 = time.time()
     batch = plan_batch(backbone, sources, rows, prompt, num_beams, contexts,
                        {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram})
-    guard = int(batch.comparison.get("no_repeat_ngram", 0))
-    fc_last, cache, mask, prefill_handles = prefill(backbone, batch, use_prefix_cache)
-    beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
-    steps = 0
-    attached: list[tuple[NetGroup, list, list]] = []  # (group, its step handles, its prefill handles)
-    try:
-        for grp, pre in zip(batch.net, prefill_handles):
-            attached.append((grp, grp.plugin.attach(grp.rows, grp.settings), pre))
-        for step in range(max_new_tokens):
-            steps = step + 1
-            out = decode_step(backbone, batch, fc_last, step, attached if trace else None)
-            if guard:
-                ban_repeated_ngrams(out.final, beams.tokens, guard)
-            next_tok, src = beams.select(out.final, trace_item(backbone, out) if trace else None)
-            if beams.all_done:
-                break
-            fc_last, cache, mask = forward_step(backbone, cache, mask, next_tok, src if batch.B > 1 else None,
-                                                padded=batch.S > 1)
-    finally:
-        for _, handles, _ in attached:
+    return BatchDecode(backbone, batch, max_new_tokens, trace, use_prefix_cache, t0=t0).run()
+
+
+KEEP_TOP = 64  # per step and row of a kept decode: the top tokens of P_LM and of P_plug-in (LiveComparison)
+
+
+@dataclass
+class StepRecords:
+    """What a kept decode (``BatchDecode(keep=True)``) holds per step of one row whose plug-in interpolates: f(c)
+    (the plug-in's input: kNN's query, PEMA's adapter input; exact), and of the two distributions only their top
+    ``KEEP_TOP`` tokens — P_LM at ``lm_idx`` and P_plug-in at ``plug_idx`` — each side's log-probability at both
+    sets (``lm_at_plug`` is NaN where P_LM is not known: after the plug-in's distribution was recomputed without
+    the LM head), and so the bound every other token stays under (each side's K-th value). Full distributions
+    (262,144 floats per step on Gemma) are not kept: they are what the bound stands in for."""
+
+    fc: list = field(default_factory=list)          # (d,) per step, on the backbone's device
+    lm_idx: list = field(default_factory=list)      # (K,) long, CPU
+    lm_val: list = field(default_factory=list)      # (K,) float32, descending
+    plug_at_lm: list = field(default_factory=list)  # (K,)
+    plug_idx: list = field(default_factory=list)    # (K,)
+    plug_val: list = field(default_factory=list)    # (K,) descending
+    lm_at_plug: list = field(default_factory=list)  # (K,) NaN: unknown (≤ the LM's K-th value)
+
+    def add(self, fc, lm: torch.Tensor, plug: torch.Tensor, k: int) -> None:
+        """Record one step from the full distributions (V,) of the LM and of the plug-in."""
+        lv, li = lm.topk(k)
+        pv, pi = plug.topk(k)
+        self.fc.append(fc.detach().clone())
+        for name, t in (("lm_idx", li), ("lm_val", lv), ("plug_at_lm", plug[li]), ("plug_idx", pi),
+                        ("plug_val", pv), ("lm_at_plug", lm[pi])):
+            getattr(self, name).append(t.detach().float().cpu() if name not in ("lm_idx", "plug_idx")
+                                       else t.detach().cpu())
+
+    def sliced(self, stop: int) -> "StepRecords":
+        return StepRecords(*(getattr(self, f.name)[:stop] for f in dataclasses.fields(self)))
+
+    def extended(self, other: "StepRecords") -> "StepRecords":
+        return StepRecords(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    def set_step(self, t: int, other: "StepRecords", j: int = 0) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name)[t] = getattr(other, f.name)[j]
+
+
+class BatchDecode:
+    """``decode_batch`` one step at a time. ``step()`` runs the next step (the prefill first) and says whether the
+    decode goes on; ``partial()`` is every row's output so far (streaming), ``result()`` the comparisons, ``run()``
+    all steps. To cancel, stop calling ``step()``: no hook stays attached between two steps (in-network plug-ins
+    attach for each forward pass only), so the backbone is free for others between steps.
+
+    ``keep=True`` (one source, greedy): also record, per row and step, what a slider move needs
+    (``StepRecords``), and keep the KV cache — ``live()`` is then the comparison's ``LiveComparison``.
+    ``resume()`` starts from a kept state (a slider move's re-decode of the rows that change)."""
+
+    def __init__(self, backbone: Backbone, batch: Batch, max_new_tokens: int = 64, trace: bool = True,
+                 use_prefix_cache: bool = True, keep: bool = False, t0: float | None = None):
+        self.t0 = time.time() if t0 is None else t0
+        self.backbone, self.batch = backbone, batch
+        self.max_new_tokens, self.trace, self.use_prefix_cache = int(max_new_tokens), trace, use_prefix_cache
+        self.guard = int(batch.comparison.get("no_repeat_ngram", 0))
+        self.keep = keep and batch.S == 1 and batch.B == 1
+        self.beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
+        self.step_no = 0  # the next step's index
+        self.fc_last = self.cache = self.mask = None
+        self.prefill_handles: list[list] = [[] for _ in batch.net]
+        self.net_handles: list[list] = [[] for _ in batch.net]  # per in-network group: its latest forward's
+        self.forwards = 0  # backbone forward passes run (the prefill counts as one)
+        self.finished = False
+        self.seconds = 0.0
+        self.records: dict[int, StepRecords] = {}
+
+    def resume(self, step: int, fc_last: torch.Tensor, cache, tokens: list[list[int]], traces: list[list[dict]],
+               scores: list[float]) -> "BatchDecode":
+        """Start at ``step`` (one source, greedy): every row's f(c) at that step, its KV cache up to the step, its
+        tokens, trace entries and float32 score so far."""
+        self.step_no, self.fc_last, self.cache = step, fc_last, cache
+        dev = self.backbone.device
+        self.mask = torch.ones((len(tokens), len(self.batch.contexts[0]) + step), dtype=torch.long, device=dev)
+        self.beams.tokens = [list(t) for t in tokens]
+        self.beams.traces = [list(t) for t in traces]
+        self.beams.scores = torch.tensor(scores, dtype=torch.float32).reshape(len(tokens), 1)
+        return self
+
+    def step(self) -> bool:
+        if self.finished:
+            return False
+        bb, batch = self.backbone, self.batch
+        if self.cache is None:
+            self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(bb, batch, self.use_prefix_cache)
+            self.forwards += 1
+        step = self.step_no
+        attached = list(zip(batch.net, self.net_handles, self.prefill_handles)) if self.trace else None
+        out = decode_step(bb, batch, self.fc_last, step, attached, keep_plugin=self.keep)
+        if self.guard:
+            ban_repeated_ngrams(out.final, self.beams.tokens, self.guard)
+        if self.keep:
+            for r, plug in out.plugin.items():
+                if not self.beams.done[r]:
+                    rec = self.records.setdefault(r, StepRecords())
+                    rec.add(self.fc_last[r], out.lm_logprobs[r], plug, min(KEEP_TOP, plug.shape[-1]))
+        next_tok, src = self.beams.select(out.final, trace_item(bb, out) if self.trace else None)
+        self.step_no = step + 1
+        if self.beams.all_done or self.step_no >= self.max_new_tokens:
+            self.finished, self.seconds = True, time.time() - self.t0
+            return False
+        handles: list = []
+        try:
+            for g, grp in enumerate(batch.net):  # hooks on for this forward pass only
+                self.net_handles[g] = grp.plugin.attach(grp.rows, grp.settings)
+                handles += self.net_handles[g]
+            self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
+                                                               src if batch.B > 1 else None, padded=batch.S > 1)
+        finally:
             for h in handles:
                 h.remove()
-    return _comparisons(backbone, batch, beams, steps, time.time() - t0)
+        self.forwards += 1
+        return True
+
+    def run(self) -> list[Comparison]:
+        while self.step():
+            pass
+        return self.result()
+
+    def partial(self) -> list[Comparison]:
+        return _comparisons(self.backbone, self.batch, self.beams, self.step_no, time.time() - self.t0)
+
+    def result(self) -> list[Comparison]:
+        return _comparisons(self.backbone, self.batch, self.beams, self.step_no,
+                            self.seconds if self.finished else time.time() - self.t0)
+
+    def live(self) -> "LiveComparison | None":
+        """The finished kept decode as a ``LiveComparison`` (None without ``keep``)."""
+        return LiveComparison(self) if self.keep and self.finished else None
 
 
 def ban_repeated_ngrams(logprobs: torch.Tensor, tokens: list[list[int]], n: int) -> int:
@@ -225,14 +338,19 @@ def ban_repeated_ngrams(logprobs: torch.Tensor, tokens: list[list[int]], n: int)
         return 0
     banned = 0
     for b, toks in enumerate(tokens):
-        if len(toks) < n:
-            continue
-        prefix = tuple(toks[len(toks) - n + 1:]) if n > 1 else ()
-        bad = {toks[i + n - 1] for i in range(len(toks) - n + 1) if tuple(toks[i:i + n - 1]) == prefix}
+        bad = repeated_ngram_ends(toks, n)
         if bad:
             logprobs[b, list(bad)] = float("-inf")
             banned += len(bad)
     return banned
+
+
+def repeated_ngram_ends(toks: list[int], n: int) -> set[int]:
+    """The tokens that would complete an n-gram already in ``toks`` (what the repetition guard bans next)."""
+    if n <= 0 or len(toks) < n:
+        return set()
+    prefix = tuple(toks[len(toks) - n + 1:]) if n > 1 else ()
+    return {toks[i + n - 1] for i in range(len(toks) - n + 1) if tuple(toks[i:i + n - 1]) == prefix}
 
 
 # --- the batch: request and layout ---------------------------------------------------------------------------------
@@ -443,14 +561,17 @@ class StepOutput:
     lm_logprobs: torch.Tensor  # (N, V) log P_LM, on the backbone's device
     final: torch.Tensor        # (N, V) the final log-probabilities after every plug-in's mix, on the CPU
     info: list[dict]           # per batch row: trace items (λ_t, the plug-in's top tokens, extras, memory attention)
+    plugin: dict = field(default_factory=dict)  # with ``keep_plugin``: batch row → log P_plug-in (V,) of its mix
 
 
 def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: int,
-                attached: list | None = None) -> StepOutput:
+                attached: list | None = None, keep_plugin: bool = False) -> StepOutput:
     """One step's distributions from the last position's f(c) of every batch row: f(c) and the output-level
     plug-ins' extra states go through the frozen norm + LM head in one matrix product, then each output-level
     plug-in mixes its rows. With ``attached`` (per in-network group: (group, step handles, prefill handles)) the
-    per-row trace items are collected too; None: no trace."""
+    per-row trace items are collected too; None: no trace. ``keep_plugin``: also return each interpolating
+    plug-in's own distribution per row (``StepOutput.plugin``)."""
+    kept: dict = {}
     N = batch.N
     with torch.no_grad():
         normed = backbone.final_norm(fc_last)
@@ -478,9 +599,11 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
             final[rr] = mo.logprobs
             if attached is not None:
                 _mix_trace(backbone, info, rr.tolist(), mo)
+            if keep_plugin and grp.plugin.interpolates and mo.plugin_logprobs is not None:
+                kept.update({b: mo.plugin_logprobs[j] for j, b in enumerate(rr.tolist())})
         if attached is not None:
             _network_trace(batch, attached, info)
-    return StepOutput(lm_lp, final.cpu(), info)
+    return StepOutput(lm_lp, final.cpu(), info, kept)
 
 
 def _mix_trace(backbone: Backbone, info: list[dict], rows: list[int], mo: MixOutput) -> None:
@@ -612,12 +735,337 @@ def _comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, sec
         results = []
         for r_i, row in enumerate(batch.rows):
             score, toks, tr = beams.best(s_i * batch.R + r_i)
-            raw = backbone.decode(toks).rstrip("\n")  # a stop token may carry text before its line break
-            results.append(RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw,
-                                     tokens=toks, token_texts=[backbone.token_str(t) for t in toks], trace=tr,
-                                     settings={**batch.settings[r_i], **batch.comparison},
-                                     score=round(float(score), 4)))
+            results.append(_row_result(backbone, row, toks, tr, {**batch.settings[r_i], **batch.comparison}, score))
         comparisons.append(Comparison(source=source, context_ids=batch.contexts[s_i], src_len=batch.src_lens[s_i],
                                       rows=results, seconds=seconds, steps=steps, num_beams=batch.B,
                                       backbone=backbone.name))
     return comparisons
+
+
+def _row_result(backbone: Backbone, row: Row, toks: list[int], trace: list[dict], settings: dict,
+                score: float) -> RowResult:
+    raw = backbone.decode(toks).rstrip("\n")  # a stop token may carry text before its line break
+    return RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw, tokens=list(toks),
+                     token_texts=[backbone.token_str(t) for t in toks], trace=list(trace), settings=settings,
+                     score=round(float(score), 4))
+
+
+# --- slider moves: re-decode only what changed ---------------------------------------------------------------------
+TRACE_OWN = ("token", "text", "logprob", "top_lm", "top_final", "lambda")  # a trace entry's keys besides the plug-in's
+
+
+class LiveComparison:
+    """A finished greedy comparison of one source, kept so that a move of the rows' settings (the Compare tab's
+    live controls: λ_max, GU, k, T, λ — any declared setting; no per-method code) re-decodes only what changes.
+
+    Kept (``BatchDecode(keep=True)``): each row's tokens, trace and score, its ``StepRecords`` and the KV cache. On
+    a move, for each row whose settings changed: λ_t (``mix_lambdas``) and the mix are recomputed for the kept
+    steps from the records — exact on the kept top tokens; every other token is under the bound that each side's
+    K-th value gives, and where that bound does not settle a step's choice (or its trace's top 5) the step's full
+    distributions are recomputed from the kept f(c) by the LM head alone (``decode_step`` on that row). A setting
+    that changes the plug-in's own distribution (``distribution_key``: kNN's k and T) recomputes it from the kept
+    f(c), without the backbone. The first step whose token changes is where that row's re-decode starts
+    (``BatchDecode.resume``), from its KV cache cropped to that step; rows, and moves, that change no token need
+    no forward pass at all.
+
+    ``move`` returns None — the caller decodes in full — for: beam search or several sources (never kept), another
+    source, prompt, max tokens, comparison setting or set of rows, a plug-in changed (retrained) since, a changed
+    setting of a row whose plug-in does not interpolate (in-network plug-ins, the memory adapter's "+ kNN"), and a
+    KV cache that cannot be cropped (a sliding-window layer already past its window)."""
+
+    def __init__(self, dec: BatchDecode):
+        b, bb = dec.batch, dec.backbone
+        self.backbone = bb
+        self._model = weakref.ref(bb.model)
+        self._numerics = (bb.name, str(bb.dtype))
+        self.source, self.context, self.src_len = b.sources[0], list(b.contexts[0]), b.src_lens[0]
+        self.prompt = b.prompt
+        self.rows, self.settings, self.comparison = list(b.rows), list(b.settings), dict(b.comparison)
+        self.max_new_tokens, self.trace = dec.max_new_tokens, dec.trace
+        self._plugins = [(weakref.ref(r.plugin), PrefixKV._version(r.plugin)) if r.plugin is not None else None
+                         for r in b.rows]
+        best = [dec.beams.best(r) for r in range(b.R)]
+        self.scores = [float(s) for s, _, _ in best]
+        self.tokens = [list(t) for _, t, _ in best]
+        self.traces = [list(tr) for _, _, tr in best]
+        self.records: list[StepRecords | None] = [dec.records.get(r) for r in range(b.R)]
+        self.caches = [(dec.cache, r) for r in range(b.R)]  # (the KV cache holding the row, its row in it)
+
+    def matches(self, backbone: Backbone, batch: Batch, max_new_tokens: int) -> bool:
+        """Whether ``batch`` is this comparison with other row settings only."""
+        if (self._model() is not backbone.model or self._numerics != (backbone.name, str(backbone.dtype))
+                or batch.S != 1 or batch.B != 1 or batch.sources[0] != self.source
+                or list(batch.contexts[0]) != self.context or int(max_new_tokens) != self.max_new_tokens
+                or batch.comparison != self.comparison or len(batch.rows) != len(self.rows)):
+            return False
+        for new, old, kept in zip(batch.rows, self.rows, self._plugins):
+            if new.label != old.label or (new.plugin is None) != (old.plugin is None):
+                return False
+            if new.plugin is not None and (kept[0]() is not new.plugin or PrefixKV._version(new.plugin) != kept[1]):
+                return False
+        return True
+
+    def move(self, backbone: Backbone, batch: Batch, max_new_tokens: int) -> "LiveMove | None":
+        """The re-decode of ``batch`` (this comparison with other row settings), or None when it needs a full
+        decode (see the class docstring). Runs no forward pass itself."""
+        t0 = time.time()
+        if not self.matches(backbone, batch, max_new_tokens):
+            return None
+        changed = [i for i, s in enumerate(batch.settings) if s != self.settings[i]]
+        for i in changed:
+            p = self.rows[i].plugin
+            if p is None or p.level != "output" or not p.interpolates or self.records[i] is None \
+                    or len(self.records[i].fc) != len(self.tokens[i]):
+                return None
+        kept: dict[int, tuple] = {}
+        starts: dict[tuple, list[int]] = {}
+        for i in changed:
+            t, traces, score, rec = self._evaluate(i, batch.settings[i])
+            kept[i] = (t, traces, score, rec)
+            if t is not None:
+                cache, _ = self.caches[i]
+                starts.setdefault((t, id(cache)), []).append(i)
+        tails = []
+        for (t, _), members in starts.items():
+            cache, _ = self.caches[members[0]]
+            try:
+                sub_cache = _rows_cache(cache, [self.caches[i][1] for i in members],
+                                        cache.get_seq_length() - (len(self.context) + t))
+            except (RuntimeError, ValueError):  # a sliding-window layer past its window cannot go back
+                return None
+            sub = plan_batch(backbone, [self.source], [batch.rows[i] for i in members], self.prompt, 1,
+                             [self.context], self.comparison)
+            dec = BatchDecode(backbone, sub, self.max_new_tokens, self.trace, keep=True, t0=t0).resume(
+                t, torch.stack([self.records[i].fc[t] for i in members]), sub_cache,
+                [self.tokens[i][:t] for i in members], [kept[i][1] for i in members], [kept[i][2] for i in members])
+            tails.append((dec, members))
+        return LiveMove(self, batch, kept, tails, t0)
+
+    # --- one row's kept steps under new settings ---------------------------------------------------------------
+    def _evaluate(self, i: int, settings: dict) -> tuple[int | None, list[dict], float, StepRecords]:
+        """Row ``i``'s kept steps under ``settings``: (the first step whose token changes or None, the trace
+        entries and float32 score of the steps before it, the records refreshed for them)."""
+        plugin, toks, old_traces = self.rows[i].plugin, self.tokens[i], self.traces[i]
+        rec = self.records[i].sliced(len(toks))
+        infos, exact_all = None, False
+        if plugin.distribution_key(settings) != plugin.distribution_key(self.settings[i]):
+            infos = self._new_distribution(plugin, rec, settings)
+            exact_all = infos is None  # a distribution through the LM head: every step from f(c)
+        guard = int(self.comparison.get("no_repeat_ngram", 0))
+        score = torch.zeros((), dtype=torch.float32)  # Beams' running score, summed as it sums
+        traces: list[dict] = []
+        for t, tok in enumerate(toks):
+            lam = float(plugin.mix_lambdas(MixInput(fc=rec.fc[t][None], lm_logprobs=rec.lm_val[t][None],
+                                                    extra_logits=None, step=t, src_len=[self.src_len],
+                                                    settings=[settings]))[0])
+            bad = repeated_ngram_ends(toks[:t], guard)
+            got = None if exact_all else self._from_records(rec, t, lam, bad, score)
+            if got is None:  # the bound does not settle it: this step's full distributions from f(c)
+                new_tok, v, top_final, info = self._exact_step(i, rec, t, settings, bad, score)
+            else:
+                new_tok, v, top_final = got
+                info = {"lambda": round(lam, 4)}
+                if infos is not None:
+                    info.update(infos[t])
+            if new_tok != tok:
+                return t, traces, float(score), rec.sliced(t)
+            if self.trace:
+                old = old_traces[t]
+                keep = {k: old[k] for k in old if k in TRACE_OWN} if info.keys() - {"lambda"} or got is None \
+                    else dict(old)
+                traces.append({**keep, "logprob": round(float(v) - float(score), 4), "top_final": top_final,
+                               **info})
+            score = v
+        return None, traces, float(score), rec
+
+    def _from_records(self, rec: StepRecords, t: int, lam: float, bad: set, score: torch.Tensor):
+        """(token, its float32 score, the top 5 of the final distribution) of step ``t`` from the records, or None
+        when the bound on the tokens not kept does not settle them."""
+        V = self.backbone.vocab_size
+        lm_idx, plug_idx = rec.lm_idx[t], rec.plug_idx[t]
+        fresh = ~torch.isin(plug_idx, lm_idx)  # the plug-in's top tokens not among the LM's
+        idx = torch.cat([lm_idx, plug_idx[fresh]])
+        lm_v = torch.cat([rec.lm_val[t], rec.lm_at_plug[t][fresh]])
+        plug_v = torch.cat([rec.plug_at_lm[t], rec.plug_val[t][fresh]])
+        full = len(lm_idx) >= V  # every token is kept: nothing outside
+        lm_floor = rec.lm_val[t][-1] if not full else torch.tensor(float("-inf"))
+        plug_floor = rec.plug_val[t][-1] if not full else torch.tensor(float("-inf"))
+        known = ~torch.isnan(lm_v)
+        lam_t = torch.tensor([lam])
+        mix = mix_logprobs(torch.where(known, lm_v, lm_floor)[None], plug_v[None], lam_t)[0]  # upper bound if unknown
+        if bad:
+            mix = torch.where(torch.isin(idx, torch.tensor(sorted(bad))), torch.tensor(float("-inf")), mix)
+        outside = mix_logprobs(lm_floor.reshape(1, 1), plug_floor.reshape(1, 1), lam_t)[0, 0]
+        ceiling = torch.maximum(outside, mix[~known].max()) if (~known).any() else outside
+        cand = score + mix[known]
+        best = cand.max()
+        if not bool(best > score + ceiling) or int((cand == best).sum()) != 1:
+            return None
+        ki, kv = idx[known], mix[known]
+        top_final = None
+        if self.trace:
+            n = min(TOP, len(kv))
+            v5, o5 = kv.topk(n)
+            if n < min(TOP, V) or not bool(v5[-1] > ceiling) or len(set(v5.tolist())) != n:
+                return None
+            top_final = [[int(tk), self.backbone.token_str(int(tk)), round(float(p), 4)]
+                         for tk, p in zip(ki[o5].tolist(), v5.exp().tolist())]
+        return int(ki[int(cand.argmax())]), best, top_final
+
+    def _exact_step(self, i: int, rec: StepRecords, t: int, settings: dict, bad: set, score: torch.Tensor):
+        """Step ``t`` of row ``i`` recomputed from its f(c) (``decode_step`` on that row: LM head, plug-in, mix);
+        refreshes the step's records. Returns (token, float32 score, top 5 of the final distribution, trace info)."""
+        row = Row(self.rows[i].label, self.rows[i].plugin, settings)
+        one = Batch([self.source], [row], self.prompt, [self.context], [self.src_len], [settings], 1, [],
+                    [OutGroup(row.plugin, torch.tensor([0], device=self.backbone.device), [settings],
+                              [self.src_len])], 1, [0], dict(self.comparison))
+        out = decode_step(self.backbone, one, rec.fc[t][None], t, [] if self.trace else None, keep_plugin=True)
+        final = out.final[0]
+        if bad:
+            final[sorted(bad)] = float("-inf")
+        v, k = (score + final).topk(1)  # as Beams.select with one beam
+        fresh = StepRecords()
+        fresh.add(rec.fc[t], out.lm_logprobs[0], out.plugin[0], min(KEEP_TOP, final.shape[-1]))
+        rec.set_step(t, fresh)
+        return int(k[0]), v[0], _top(final, self.backbone) if self.trace else None, out.info[0]
+
+    def _new_distribution(self, plugin: Plugin, rec: StepRecords, settings: dict) -> list[dict] | None:
+        """The plug-in's distribution under ``settings`` for every kept step, from the kept f(c) alone (a plug-in
+        without extra states through the LM head, e.g. kNN); refreshes the records' plug-in side (P_LM is known at
+        its new top tokens only where the records had it). Returns each step's trace info, or None for a plug-in
+        whose distribution needs the LM head (each step is then recomputed by ``_exact_step``)."""
+        T = len(rec.fc)
+        fc = torch.stack(rec.fc)
+        if plugin.extra_states(fc[:1], [settings]) is not None:
+            return None
+        V = self.backbone.vocab_size
+        with torch.no_grad():
+            plp, extras = plugin.plugin_logprobs(MixInput(
+                fc=fc, lm_logprobs=torch.empty(T, V, device=fc.device), extra_logits=None, step=0,
+                src_len=[self.src_len] * T, settings=[settings] * T))
+        k = min(KEEP_TOP, V)
+        infos = []
+        for t in range(T):
+            p = plp[t]
+            pv, pi = p.topk(k)
+            known_i = torch.cat([rec.lm_idx[t], rec.plug_idx[t]])
+            known_v = torch.cat([rec.lm_val[t], rec.lm_at_plug[t]])
+            hit = pi.cpu()[:, None] == known_i[None, :]
+            lm_at = torch.where(hit.any(1), known_v[hit.int().argmax(1)], torch.tensor(float("nan")))
+            rec.plug_at_lm[t] = p[rec.lm_idx[t].to(p.device)].float().cpu()
+            rec.plug_idx[t], rec.plug_val[t], rec.lm_at_plug[t] = pi.cpu(), pv.float().cpu(), lm_at
+            info = {"top_plugin": _top(p, self.backbone)}
+            if extras and extras[t]:
+                info.update(extras[t])
+            infos.append(info)
+        return infos
+
+
+def _rows_cache(cache, rows: list[int], remove: int):
+    """A KV cache of ``rows`` of ``cache`` without its last ``remove`` positions; ``cache`` is left as it is (its
+    tensors are shared until selected, and a cache only ever replaces its tensors)."""
+    shared = {id(t): t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+              if isinstance(t, torch.Tensor)}
+    out = copy.deepcopy(cache, shared)
+    dev = next(iter(shared.values())).device if shared else None
+    out.batch_select_indices(torch.tensor(rows, device=dev))
+    if remove < 0:
+        raise ValueError("the cache is shorter than the step")
+    if remove:
+        out.crop(-remove)
+    return out
+
+
+class LiveMove:
+    """A slider move on a ``LiveComparison``, run like a ``BatchDecode``: ``step()`` one step of every re-decode
+    (several rows from the same step share one batch), ``partial()``, ``result()``. When it finishes the
+    LiveComparison holds the new state; a move that is stopped half-way leaves it as it was."""
+
+    def __init__(self, live: LiveComparison, batch: Batch, kept: dict, tails: list, t0: float):
+        self.live, self.batch, self.kept, self.tails, self.t0 = live, batch, kept, tails, t0
+        self.finished = False
+        self.seconds = 0.0
+        self.reused_steps = sum(len(toks) if kept[i][0] is None else kept[i][0]
+                                for i, toks in enumerate(live.tokens) if i in kept) + sum(
+            len(toks) for i, toks in enumerate(live.tokens) if i not in kept)
+        if not tails:
+            self._finish()
+
+    @property
+    def forwards(self) -> int:
+        return sum(dec.forwards for dec, _ in self.tails)
+
+    def step(self) -> bool:
+        if self.finished:
+            return False
+        more = False
+        for dec, _ in self.tails:
+            if not dec.finished:
+                more = dec.step() or more
+        if not more:
+            self._finish()
+        return more
+
+    def run(self) -> list[Comparison]:
+        while self.step():
+            pass
+        return self.result()
+
+    def _rows(self) -> list[tuple[list[int], list[dict], float]]:
+        """(tokens, trace, score) of every row now."""
+        live = self.live
+        out = [(live.tokens[i], live.traces[i], live.scores[i]) for i in range(len(live.rows))]
+        for i, (t, traces, score, _) in self.kept.items():
+            if t is None:
+                out[i] = (live.tokens[i], traces, score)
+        for dec, members in self.tails:
+            for j, i in enumerate(members):
+                s, toks, tr = dec.beams.best(j)
+                out[i] = (toks, tr, s)
+        return out
+
+    def _finish(self) -> None:
+        live = self.live
+        rows = self._rows()
+        for i, (t, _traces, _score, rec) in self.kept.items():
+            live.records[i] = rec
+        for dec, members in self.tails:
+            for j, i in enumerate(members):
+                live.records[i] = live.records[i].extended(dec.records.get(j) or StepRecords())
+                live.caches[i] = (dec.cache, j)
+        live.tokens = [list(r[0]) for r in rows]
+        live.traces = [list(r[1]) for r in rows]
+        live.scores = [float(r[2]) for r in rows]
+        live.rows, live.settings = list(self.batch.rows), list(self.batch.settings)
+        self.finished, self.seconds = True, time.time() - self.t0
+
+    def partial(self) -> list[Comparison]:
+        return [self._comparison(time.time() - self.t0)]
+
+    def result(self) -> list[Comparison]:
+        return [self._comparison(self.seconds if self.finished else time.time() - self.t0)]
+
+    def _comparison(self, seconds: float) -> Comparison:
+        live, bb = self.live, self.live.backbone
+        rows = self._rows()
+        results = [_row_result(bb, row, toks, tr, {**self.batch.settings[i], **self.batch.comparison}, score)
+                   for i, (row, (toks, tr, score)) in enumerate(zip(self.batch.rows, rows))]
+        return Comparison(source=live.source, context_ids=live.context, src_len=live.src_len, rows=results,
+                          seconds=seconds, steps=max(len(r.tokens) for r in results), num_beams=1,
+                          backbone=bb.name)
+
+
+def start_compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,
+                  max_new_tokens: int = 64, num_beams: int = 1, no_repeat_ngram: int | None = None,
+                  live: LiveComparison | None = None, trace: bool = True):
+    """A comparison of one source to run step by step (``step()`` until it returns False; ``partial()`` and
+    ``result()``: one Comparison in a list; ``forwards``: backbone passes run): the re-decode of what changed when ``live`` (the previous comparison, kept) is this one with
+    other row settings, else a full decode that keeps what the next move needs (greedy, one source)."""
+    t0 = time.time()
+    batch = plan_batch(backbone, [source], rows, prompt, num_beams, None,
+                       {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram})
+    if live is not None:
+        mv = live.move(backbone, batch, max_new_tokens)
+        if mv is not None:
+            return mv
+    return BatchDecode(backbone, batch, max_new_tokens, trace, keep=True, t0=t0)

@@ -6,7 +6,8 @@ An exported folder holds
 * ``plugin_config.json`` + ``plugin_model.safetensors``: the studio's own files, written by ``Plugin.save`` (the
   memory's local path is removed from the config);
 * for LoRA, ``adapter_config.json`` + ``adapter_model.safetensors``: PEFT's own format, so
-  ``PeftModel.from_pretrained(base_model, folder)`` loads it outside the studio (``plugins.lora.LoRA.save_peft``);
+  ``PeftModel.from_pretrained(base_model, folder)`` loads it outside the studio (``plugins.lora.LoRA.save_peft``,
+  which ``Plugin.save`` runs through its ``save_extra_files`` hook: every saved LoRA folder has them);
 * with ``include_datastore`` (required for kNN, whose plug-in reads its memory at decode time; optional for the
   memory adapter's "+ kNN" setting): ``datastore.safetensors`` (the memory's training keys f(c), values y and the
   sample of each entry) + ``datastore_samples.jsonl`` (the training samples, for the neighbours' traces) — the
@@ -417,10 +418,7 @@ def export_plugin(ref: str, backbone, out_dir: str | Path, *, catalog: Catalog |
         plugin.memory_meta = {k: v for k, v in original_meta.items() if k != "path"}
         plugin.save(stage)
         plugin.memory_meta = original_meta
-        peft = hasattr(plugin, "save_peft")
-        if peft:
-            progress(0.4, "writing PEFT's adapter files")
-            plugin.save_peft(stage, hub_base_model(plugin.backbone_name))
+        peft = (stage / "adapter_config.json").exists()  # LoRA's save writes PEFT's files (save_extra_files)
         datastore = None
         if include_datastore:
             progress(0.5, "writing the datastore")

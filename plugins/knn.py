@@ -33,7 +33,7 @@ import torch
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, Plugin, PluginConfig, file_sha256, plain_file_name
 from plugins.registry import register
-from plugins.settings import Setting, setting
+from plugins.settings import Preset, Setting, setting
 from ground.errors import UserError
 from ground.lock import temp_name
 from ground.store import write_json_atomic
@@ -41,13 +41,22 @@ from ground.store import write_json_atomic
 
 @dataclass
 class KNNConfig(PluginConfig):
-    search: str = setting("auto", "\"auto\" | \"exact\" | \"faiss\"")
+    search: str = setting("auto", "\"auto\" | \"exact\" | \"faiss\"", choices=("auto", "exact", "faiss"))
     exact_max_entries: int = setting(500_000)
     ivf_lists: int = setting(0, "0: about 4·√N", low=0, high=1000000)
     pq_m: int = setting(64, "PQ sub-quantizers (must divide d; lowered automatically if not)", low=0, high=1024)
     nprobe: int = setting(32)
     normalize_keys: bool = setting(True)
     max_neighbours_traced: int = setting(8)
+
+    # kNN trains nothing: its paper's knobs are decode settings (k, T, λ: the Compare tab). "paper" searches with
+    # FAISS IVF-PQ as Khandelwal et al. do (exact search is used below exact_max_entries by default).
+    PRESETS = {
+        "paper": Preset({"search": "faiss", "pq_m": 64, "nprobe": 32},
+                        "FAISS IVF-PQ (64 sub-quantizers, 32 probes) as in kNN-LM; needs enough entries to train "
+                        "the index"),
+        "quick": Preset({"search": "exact"}, "exact search (no index to build)"),
+    }
 
     def validate(self) -> None:
         self._check(self.search in ("auto", "exact", "faiss"), "search must be auto, exact or faiss.")

@@ -34,7 +34,9 @@ How it is adapted to our decoder-only backbones and to the shared-backbone proto
     * The LM head dominates the cost of a step (Gemma's vocabulary is 262k), so ``softmax="candidates"``
       (see ``plugins.adapter``) makes LoRA steps several times faster on CPU (≈8× measured) at the price of a
       sampled softmax.
-    * PEFT's own format (``save_peft``; ``python -m plugins export`` writes it beside the studio's files):
+    * PEFT's own format (``save_peft``; every ``save`` writes it beside the studio's files through the
+      ``save_extra_files`` hook, checksummed in ``plugin_config.json``, so the studio's own plug-in folder and an
+      export both load with PEFT):
       ``adapter_config.json`` (``LoraConfig`` with r, α, ``target_modules`` = the full module name of the last
       layer's projection in the backbone's model, ``task_type="CAUSAL_LM"``) and ``adapter_model.safetensors``
       (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``), so ``PeftModel.from_pretrained(base,
@@ -58,6 +60,7 @@ from torch import nn
 from backbone.model import StopForward
 from ground.errors import Cancelled
 from plugins.base import FitResult
+from plugins.hub import hub_base_model
 from plugins.network import (
     Attachment,
     NetworkConfig,
@@ -67,7 +70,7 @@ from plugins.network import (
     rows_apply,
 )
 from plugins.registry import register
-from plugins.settings import setting
+from plugins.settings import Preset, setting
 from plugins.seqtrain import SeqData, collate
 from plugins.training import BudgetGuard, run_training
 from ground.errors import UserError
@@ -82,6 +85,16 @@ class LoRAConfig(NetworkConfig):
     dropout: float = setting(0.0, "LoRA dropout on the projection's input (peft ``lora_dropout``)", low=0.0, high=0.99)
     lr: float = setting(1e-3, "Adam (PEMA paper's LoRA baseline: 1e-3)", low=0.0, low_open=True, high=1.0)
     max_epochs: int = setting(10, "steps are cheap: only the last layer and the LM head run", low=0, high=1000)
+
+    PRESETS = {
+        "paper": Preset({"rank": 512, "alpha": 1.0, "lr": 1e-3, "softmax": "full"},
+                        "the PEMA paper's LoRA baseline: r 512, α 1, lr 1e-3 on the last layer's o_proj, exact "
+                        "softmax"),
+        "quick": Preset({"rank": 64, "softmax": "candidates", "max_epochs": 2, "max_heldout": 16,
+                         "max_minutes": 3.0},
+                        "a short run for trying the studio: r 64, candidate softmax (≈8× faster steps), 2 epochs, "
+                        "at most 3 minutes"),
+    }
 
     def validate(self) -> None:
         super().validate()
@@ -188,6 +201,10 @@ class LoRA(NetworkPlugin):
         self.peft_config(base_model_name_or_path).save_pretrained(str(folder))
         save_file(self.peft_state_dict(), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
         return [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
+
+    def save_extra_files(self, folder: Path) -> list[str]:
+        """Every saved LoRA folder is also a PEFT adapter folder (``Plugin.save`` checksums both files)."""
+        return [f.name for f in self.save_peft(folder, hub_base_model(self.backbone_name))]
 
     # --- decoding -----------------------------------------------------------------------------------------
     def delta(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

@@ -118,7 +118,7 @@ from plugins.base import FitResult, MixInput, MixOutput
 from plugins.knn import KNN, KNNConfig
 from plugins.network import Attachment, NetworkConfig, NetworkPlugin, first_tensor, replace_first, rows_apply
 from plugins.registry import register
-from plugins.settings import Setting, setting
+from plugins.settings import Preset, Setting, setting
 from plugins.seqtrain import SeqData
 
 SIDES = ("tgt", "src")
@@ -136,7 +136,7 @@ class MemoryAdapterConfig(NetworkConfig):
         low=0.0, low_open=True, high=1.0)
     lr_schedule: str = setting(
         "cosine", "\"cosine\" (linear warmup, then cosine decay: the loop's stand-in for the paper's inverse-sqrt "
-        "schedule, which it does not offer) | \"constant\"")
+        "schedule, which it does not offer) | \"constant\"", choices=("cosine", "constant"))
     warmup_steps: int = setting(
         10, "linear warmup steps of the \"cosine\" schedule (paper: 100 of up to 50k updates; a CPU run here has a "
         "few hundred at most)", low=0, high=100000)
@@ -155,8 +155,9 @@ class MemoryAdapterConfig(NetworkConfig):
     beta: float = setting(5.0, "weight of the symmetric KL (paper 5)", low=0.0, high=1e6)
     memory_dropout: float = setting(0.1, "probability of dropping one layer's memory (paper 0.1)", low=0.0, high=1.0)
     layers: str = setting("all", "\"all\" | \"top:N\" | \"bottom:N\" | \"every:K\" | \"0,4,8\"")
-    allocation: str = setting("short_to_long", "\"short_to_long\" (paper's best) | \"long_to_short\" | \"random\"")
-    memory_side: str = setting("both", "\"both\" | \"target\" | \"source\"")
+    allocation: str = setting("short_to_long", "\"short_to_long\" (paper's best) | \"long_to_short\" | \"random\"",
+                              choices=("short_to_long", "long_to_short", "random"))
+    memory_side: str = setting("both", "\"both\" | \"target\" | \"source\"", choices=("both", "target", "source"))
     gate_bias: float = setting(4.0, "initial gate logit (toward the anchor A)", low=-100.0, high=100.0)
     max_pairs: int = setting(2000, "phrase pairs in the memory", low=1, high=1000000)
     max_translate: int = setting(
@@ -170,6 +171,19 @@ class MemoryAdapterConfig(NetworkConfig):
         False, "also put every whole training sentence pair in the memory (not in the paper; each sample's own "
         "sentence is masked out of its attention while training)")
     capture_batch_size: int = setting(16, low=1, high=4096)
+
+    PRESETS = {
+        "paper": Preset({"lr": 2e-4, "warmup_steps": 100, "temperature": 0.5, "alpha": 5.0, "beta": 5.0,
+                         "memory_dropout": 0.1, "layers": "all", "allocation": "short_to_long",
+                         "memory_side": "both", "max_phrase_len_en": 8, "max_phrase_len_other": 10,
+                         "whole_sentences": False},
+                        "the paper's values: peak lr 2e-4 after 100 warmup updates, T 0.5, α = β = 5, memory "
+                        "dropout 0.1, every layer, short-to-long phrases of ≤ 8 / 10 words"),
+        "quick": Preset({"max_pairs": 500, "max_translate": 32, "layers": "top:4", "max_epochs": 1,
+                         "max_heldout": 8, "softmax": "candidates", "max_minutes": 3.0},
+                        "a short run for trying the studio: 32 back-translated phrases, the top 4 layers, "
+                        "candidate softmax, 1 epoch, at most 3 minutes"),
+    }
 
     def validate(self) -> None:
         super().validate()
@@ -511,6 +525,8 @@ class MemoryAdapterPlugin(NetworkPlugin):
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         """Build the phrase memory (``build_memory``), then train the adapters (``train_adapters``)."""
         t0 = time.time()
+        if self.resume_state is not None:  # continue training: the saved phrase memory stays as it is
+            return self.train_adapters(memory, progress, should_stop)
         progress(0.0, "building the phrase memory")
         self.build_memory(memory, lambda f, m: progress(0.35 * f, m), should_stop)
         return self.train_adapters(memory, lambda f, m: progress(0.35 + 0.65 * f, m), should_stop,

@@ -84,7 +84,7 @@ from plugins.network import (
 )
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate
-from plugins.settings import setting
+from plugins.settings import Preset, setting
 
 VARIANTS = ("MT-F", "MT-M", "MT-MF")
 TRACE_TOP = 5
@@ -94,10 +94,20 @@ LEGACY_SETTINGS = ("query_dim", "key_dim", "slot_dim", "value_dim")
 
 @dataclass
 class MemoryTuningConfig(NetworkConfig):
-    variant: str = setting("MT-MF", "MT-F (FFN memory) | MT-M (attention memory = prefix tuning) | MT-MF (both)")
+    variant: str = setting("MT-MF", "MT-F (FFN memory) | MT-M (attention memory = prefix tuning) | MT-MF (both)",
+                           choices=("MT-F", "MT-M", "MT-MF"))
     slots: int = setting(50, "k: MT-F's memory slots per layer", low=1, high=4096)
     slot_size: int = setting(16, "s = d_m: the size of a memory slot (W_key, W_value are s × s)", low=1, high=4096)
     prefix_length: int = setting(16, "l: MT-M's prefix tokens per layer", low=1, high=4096)
+
+    PRESETS = {
+        "paper": Preset({"variant": "MT-MF", "slots": 50, "slot_size": 16, "prefix_length": 16},
+                        "the paper's Table II sizes: MT-MF with k = 50 slots, s = l = 16"),
+        "quick": Preset({"variant": "MT-F", "slots": 16, "softmax": "candidates", "max_epochs": 1,
+                         "max_heldout": 8, "evals_per_epoch": 2, "max_minutes": 3.0},
+                        "a short run for trying the studio: MT-F with 16 slots, candidate softmax, 1 epoch, at most "
+                        "3 minutes"),
+    }
 
     @classmethod
     def from_dict(cls, d: dict) -> "MemoryTuningConfig":

@@ -42,9 +42,10 @@ class NetworkConfig(PluginConfig):
     max_heldout: int = setting(
         32, "early stopping uses a seeded tenth of the memory's training samples, at most this many (their eval is "
             "slow); the memory's held-out samples are never used in training", low=1, high=100000)
-    lr_schedule: str = setting("constant", "\"constant\" | \"cosine\"")
+    lr_schedule: str = setting("constant", "\"constant\" | \"cosine\"", choices=("constant", "cosine"))
     max_minutes: float = setting(5.0, "wall-clock training budget (0 = none)", low=0.0, high=1440.0)
-    softmax: str = setting("full", "\"full\" (exact NLL) | \"candidates\" (fast: softmax over a candidate vocabulary)")
+    softmax: str = setting("full", "\"full\" (exact NLL) | \"candidates\" (fast: softmax over a candidate vocabulary)",
+                           choices=("full", "candidates"))
     candidate_top_k: int = setting(
         16, "with \"candidates\": the LM's top tokens per sampled memory context", low=0, high=1024)
     candidate_contexts: int = setting(
@@ -141,6 +142,12 @@ class NetworkPlugin(Plugin):
     """
 
     level = "network"
+    # Continue training (every in-network method): ``resume_state`` — set before ``fit`` from the saved
+    # ``optimizer.safetensors`` (``training.optimizer_from_tensors``) — resumes Adam's moments and the step count
+    # (so the learning-rate schedule goes on) from the plug-in's own weights; its calibration (scales, prefix
+    # init) is not redone. ``optimizer_state`` holds the state after ``fit`` (the Studio saves it as safetensors).
+    resumable = True
+    resume_state: dict | None = None
     decode_settings = (
         Setting("scale", 1.0, "multiplies the plug-in's change of the hidden states (1 = as trained, 0 = off)",
                 low=0.0, high=10.0, step=0.1, label="scale"),
@@ -331,11 +338,16 @@ class NetworkPlugin(Plugin):
         bb = self.backbone
         torch.manual_seed(cfg.seed)
         self.to(bb.device)
+        resume = (self.resume_state or {}).get("") if self.resume_state else None
         progress(0.0, "preparing the memory's samples")
         train, held = self._data(memory)
         cand = self.prepare_candidates(memory, lambda f, m: progress(0.01 + 0.02 * f, m))
         progress(0.03, "calibrating the plug-in on the training samples")
+        trained = {k: v.detach().clone() for k, v in self.state_dict().items()} if resume is not None else None
         info = {**cand, **(prepare(train) if prepare else {})}
+        if trained is not None:  # continuing: ``prepare``'s set-up stays, its calibration/init gives way
+            self.load_state_dict(trained)
+            info["continued"] = True
         params = self._trainable()
         for p in self.parameters():
             p.requires_grad_(False)
@@ -366,9 +378,10 @@ class NetworkPlugin(Plugin):
 
         steps_per_epoch = max(1, math.ceil(len(train) / cfg.batch_size))
         t0 = time.time()
+        self.optimizer_state = {}
         summary = run_training(self, params, len(train), train_loss, guard.heldout_loss,
                                self.loop_settings(steps_per_epoch), self.method, progress, should_stop, history,
-                               (0.05, 1.0))
+                               (0.05, 1.0), resume=resume, state_out=self.optimizer_state)
         summary = guard.restore(summary)
         wall = time.time() - t0
         for p in self.parameters():

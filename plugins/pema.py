@@ -68,7 +68,7 @@ from torch import nn
 
 from plugins.base import FitResult, MixInput, Plugin, PluginConfig, mix_logprobs  # noqa: F401 (re-export)
 from plugins.registry import register
-from plugins.settings import Setting, setting
+from plugins.settings import Preset, Setting, setting
 from plugins.training import LoopSettings, candidate_vocabulary, early_stopping_split, run_training
 
 
@@ -85,8 +85,8 @@ class PEMAConfig(PluginConfig):
     max_epochs_rct: int = setting(10, low=0, high=1000)
     max_epochs_joint: int = setting(20, low=0, high=1000)
     patience: int = setting(2, low=0, high=1000)
-    lr_schedule: str = setting("constant", "\"constant\" (paper) | \"cosine\"")
-    softmax: str = setting("candidates", "\"candidates\" (fast) | \"full\" (exact)")
+    lr_schedule: str = setting("constant", "\"constant\" (paper) | \"cosine\"", choices=("constant", "cosine"))
+    softmax: str = setting("candidates", "\"candidates\" (fast) | \"full\" (exact)", choices=("candidates", "full"))
     candidate_top_k: int = setting(16, "LM top tokens per sampled context added to the candidates", low=0, high=1024)
     candidate_contexts: int = setting(
         2048, "how many memory contexts to sample for the LM's top tokens", low=0, high=1000000)
@@ -94,10 +94,13 @@ class PEMAConfig(PluginConfig):
     normalize_input: bool = setting(True, "divide f(c) by the memory's key RMS")
     # joint-phase start: "random" (paper: A re-initialised, B_pd fresh) | "rct" (A re-initialised, B_pd = B_rct)
     # | "warm" (A kept, B_pd = B_rct: P_PEMA starts at the reconstruction's P, close to P_LM)
-    pd_init: str = setting("random")
+    pd_init: str = setting("random", "joint-phase start: \"random\" (paper) | \"rct\" | \"warm\"",
+                           choices=("random", "rct", "warm"))
     decode_vocab: str = setting(
-        "candidates", "after candidate training, P_PEMA over \"candidates\" | \"full\" vocabulary")
-    rct_init: str = setting("random", "phase-1 start: \"random\" (paper) | \"pca\" (the linear autoencoder's optimum)")
+        "candidates", "after candidate training, P_PEMA over \"candidates\" | \"full\" vocabulary",
+        choices=("candidates", "full"))
+    rct_init: str = setting("random", "phase-1 start: \"random\" (paper) | \"pca\" (the linear autoencoder's optimum)",
+                            choices=("random", "pca"))
     # α of the public code's LoraLinear: h = (α/r)·B·A·x with lora_alpha = 1, r = 512 (s = 1/512). 0 = no factor
     # (s = 1): the default, because the public code's s = 1/512 with B = 0 and 2,048 entries per step trained a
     # plug-in that changed no output within this machine's budget (BENCHMARKS §5e). The public code's values are
@@ -105,8 +108,20 @@ class PEMAConfig(PluginConfig):
     lora_alpha: float = setting(0.0, "α of h = (α/r)·B·A·x; 0 = no factor (s = 1, default); public code: 1",
                                 low=0.0, high=1e6)
     b_init: str = setting("random", "B_rct, B_pd start: \"random\" (Kaiming-uniform, as A; default) | \"zeros\" "
-                                    "(public code)")
+                                    "(public code)", choices=("random", "zeros"))
     seed: int = setting(123, low=0, high=2**31 - 1)
+
+    # Named presets (the form's and ``python -m plugins train --preset``); "default" is what ships (above).
+    PRESETS = {
+        "paper": Preset({"rank": 512, "kappa": 0.2, "lr": 1e-3, "dropout": 0.2, "lora_alpha": 1.0, "b_init": "zeros",
+                         "batch_size": 2048, "rct_init": "random", "pd_init": "random"},
+                        "the public code's values (train_rct_pd.py: LoraLinear with lora_alpha 1, r 512, B = 0; "
+                        "2,048 entries per joint step); on this machine's schedule it changed no output "
+                        "(BENCHMARKS §5e)"),
+        "quick": Preset({"rank": 128, "max_epochs_rct": 2, "max_epochs_joint": 4, "candidate_contexts": 512,
+                         "max_minutes": 2.0},
+                        "a short run for trying the studio: r 128, 2 + 4 epochs, at most 2 minutes a phase"),
+    }
 
     def validate(self) -> None:
         self._check(self.rank >= 1, "PEMA rank r must be ≥ 1.")

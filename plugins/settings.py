@@ -159,6 +159,46 @@ def config_settings(config_cls) -> list[Setting]:
 _SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
+@dataclass(frozen=True)
+class Preset:
+    """A named set of training-setting values declared beside a method's ``Config`` (its ``PRESETS``): ``values``
+    override the shipped defaults; ``about`` says where they come from (a paper, its public code, a quick try)."""
+
+    values: dict
+    about: str = ""
+
+
+DEFAULT_PRESET = "default"  # the shipped defaults: every method has it, with no values of its own
+
+
+def config_presets(config_cls) -> dict[str, Preset]:
+    """A ``Config``'s presets by name: "default" (the shipped values) first, then the ones it declares in
+    ``PRESETS`` (e.g. "paper", "quick"); each preset's values are checked against the declarations."""
+    out = {DEFAULT_PRESET: Preset({}, "the shipped defaults")}
+    for name, p in (getattr(config_cls, "PRESETS", None) or {}).items():
+        out[name] = p if isinstance(p, Preset) else Preset(dict(p))
+    return out
+
+
+def presets_table(config_cls) -> dict[str, dict]:
+    """A ``Config``'s presets as JSON-able ``{name: {"values", "about"}}`` (for UIs and ``plugins methods``)."""
+    return {name: {"values": preset_values(config_cls, name), "about": p.about}
+            for name, p in config_presets(config_cls).items()}
+
+
+def preset_values(config_cls, name: str | None) -> dict:
+    """The values of preset ``name`` of a ``Config`` (``{}`` for None or "default"), checked against its
+    declarations; an unknown name is a UserError listing the known ones."""
+    if not name or name == DEFAULT_PRESET:
+        return {}
+    presets = config_presets(config_cls)
+    if name not in presets:
+        raise UserError(f"Unknown preset {name!r} for {config_cls.__name__}; its presets are: "
+                        f"{', '.join(presets)}.")
+    return coerce_all(config_settings(config_cls), dict(presets[name].values),
+                      f"{config_cls.__name__} preset {name}")
+
+
 def coerce_all(declared: Iterable[Setting], values: dict, owner: str) -> dict:
     """Check and convert ``values`` against ``declared``; an unknown name is an error that lists the known ones."""
     by_name = {s.name: s for s in declared}

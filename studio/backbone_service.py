@@ -1,21 +1,99 @@
-"""The Studio's backbone: loaded in a background thread (the page shows progress), used exclusively through the gate."""
+"""The Studio's backbone: loaded in a background thread (the page shows progress), used exclusively through the gate.
+
+The backbone is either this machine's (loaded here) or a model owner's (``remote_url``: PEMA's offsite protocol,
+``offsite.client.RemoteBackbone``): f(c) and the decoder's steps come from the owner's service, the final norm and
+W_hd are fetched once, the memories and plug-ins stay here. Under a remote backbone only output-level methods (PEMA,
+kNN) build, train and decode; in-network ones are refused with the reason (``offsite.decode.check_offsite_method``)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
+from functools import partial
+from urllib.parse import urlsplit
 
 from backbone.model import load_backbone, resolve_name
 from backbone.tiny import tiny_backbone
 from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
+from offsite.client import TOKEN_ENV, RemoteBackbone, connect
+from offsite.decode import check_offsite_method, decode_batch_remote
 
 
 TINY_NAMES = ("tiny", "tiny-llama")
+# P_LM under a remote backbone: computed here from the owner's f(c) with the final norm and W_hd this side holds —
+# exact (the local arithmetic), and per row and step ~2.5 KB on Gemma instead of ~1 MB for the owner's float32 P_LM
+# (BENCHMARKS §10).
+REMOTE_LM = "none"
+REMOTE_MULTI_USER = ("A remote backbone is set for the whole hosted studio by its operator (python app.py --remote "
+                     "URL); there is no per-user remote in multi-user mode.")
+
+
+def check_remote_url(url: str) -> str:
+    """``url`` as an owner's service address (http(s)://host[:port]), or a one-line UserError."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"The remote backbone must be an http(s) URL such as http://127.0.0.1:8765, not {url[:80]!r}.")
+    return url.rstrip("/")
+
+
+def remote_host(url: str) -> str:
+    """``host[:port]`` of ``url`` (never its user-info part)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
 
 
 class BackboneService:
     """Loading state, the loaded backbone and exclusive (interactive or job) use of it."""
+
+    remote_url: str | None = None       # a model owner's service (offsite), else None: the backbone is loaded here
+    _remote_token: str | None = None    # its bearer token (None: $PEMA_REMOTE_TOKEN); kept in memory only
+
+    # --- a model owner's backbone (offsite) ---------------------------------------------------------------------
+    def _offsite(self, bb=None) -> bool:
+        """Whether ``bb`` (default: the studio's backbone, loaded or to be loaded) is a model owner's."""
+        return isinstance(bb, RemoteBackbone) if bb is not None else bool(self.remote_url)
+
+    def _check_offsite(self, method: str, bb=None) -> None:
+        """Under a remote backbone, a UserError with the reason unless ``method`` is output-level (PEMA, kNN)."""
+        if self._offsite(bb):
+            check_offsite_method(method)
+
+    def _eval_decode(self, bb) -> dict:
+        """``eval.run.evaluate``'s ``decode`` for ``bb``: through the owner's decode sessions when it is remote."""
+        return {"decode": partial(decode_batch_remote, lm=REMOTE_LM)} if self._offsite(bb) else {}
+
+    def set_remote(self, url: str | None, token: str | None = None, *, owner: str | None = None) -> dict:
+        """Single-user mode: work against the model owner's service at ``url`` (bearer ``token``, else
+        ``$PEMA_REMOTE_TOKEN``), or with an empty ``url`` on the local backbone again; the new backbone loads in
+        the background (``status``). Refused in multi-user mode (the operator's ``--remote`` is the whole studio's),
+        while the backbone loads, and while a job holds it. Loaded plug-ins are dropped (they hold the old head)."""
+        if self.multi_user:
+            raise UserError(REMOTE_MULTI_USER)
+        self._owner(owner)
+        url = check_remote_url(url.strip()) if isinstance(url, str) and url.strip() else None
+        token = token.strip() if isinstance(token, str) and token.strip() else None
+        if url and not (token or os.environ.get(TOKEN_ENV)):
+            raise UserError(f"Give the bearer token the model owner gave you (or set ${TOKEN_ENV} before starting "
+                            f"the studio).")
+        busy = (f"The backbone is busy ({self.gate.holder or 'a background job'}): switch when it finishes, or "
+                f"cancel it in the Plug-ins tab.")
+        with self.gate.use(timeout=min(self.busy_timeout, 5.0), holder="switching the backbone", busy=busy):
+            if self._load["state"] == "loading":
+                raise UserError("The backbone is still loading; switch when it is ready (or has failed).")
+            old = self._bb
+            self._ready.clear()
+            self._bb = None
+            with self._plugin_lock:
+                self._plugins.clear()
+            self.remote_url, self._remote_token = url, token
+            self._load.update(state="idle", progress=0.0, message="Not loaded", error="", started=None,
+                              finished=None)
+            if isinstance(old, RemoteBackbone):
+                old.client.close()
+            self.load_backbone_async()
+        return self.status()
 
     # --- the backbone -------------------------------------------------------------------------------------------
     def load_backbone_async(self) -> None:
@@ -30,6 +108,17 @@ class BackboneService:
             self._load.update(progress=float(frac), message=msg, stage_started=time.time())
 
         try:
+            if self.remote_url:
+                host = remote_host(self.remote_url)
+                progress(0.02, f"Connecting to the model owner at {host}")
+                bb = connect(self.remote_url, self._remote_token, data_dir=self.root, device=self.device,
+                             progress=progress)
+                self._bb = bb
+                self._load.update(state="ready", progress=1.0, finished=time.time(),
+                                  message=f"{bb.name} at {host} (model owner): f(c) from the owner, final norm "
+                                          f"and W_hd here on {bb.device} ({time.time() - self._load['started']:.0f}s "
+                                          f"to connect)")
+                return
             if self.backbone_name.lower() in TINY_NAMES:
                 progress(0.3, "Building the tiny test backbone")
                 bb = tiny_backbone()
@@ -45,8 +134,9 @@ class BackboneService:
                                       f"({time.time() - self._load['started']:.0f}s to load)")
         except Exception as e:  # noqa: BLE001 — shown to the user in the header
             msg = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-            self._load.update(state="failed", error=msg, message=f"Could not load {self.backbone_name}: {msg}",
-                              finished=time.time())
+            what = f"connect to the model owner at {remote_host(self.remote_url)}" if self.remote_url \
+                else f"load {self.backbone_name}"
+            self._load.update(state="failed", error=msg, message=f"Could not {what}: {msg}", finished=time.time())
         finally:
             self._ready.set()
 
@@ -62,8 +152,18 @@ class BackboneService:
         bb = self._bb
         s.update(backbone=bb.name if bb else self.backbone_name, ready=s["state"] == "ready",
                  device=str(bb.device) if bb else (self.device or "auto"),
-                 layers=bb.num_layers if bb else 0, data_dir=str(self.root), multi_user=self.multi_user)
+                 layers=bb.num_layers if bb else 0, data_dir=str(self.root), multi_user=self.multi_user,
+                 read_only=bool(getattr(self, "read_only", False)))  # another process owns the data directory
         s.pop("stage_started", None)
+        s["remote"] = None
+        if self.remote_url:  # which side holds what (never the token)
+            host = remote_host(self.remote_url)
+            if bb is None:  # not the local backbone's name: the owner's is known once connected
+                s["backbone"] = f"the model owner's backbone at {host}"
+            s["remote"] = {"host": host, "url": self.remote_url if not self.multi_user else None,
+                           "holds": f"model weights: at {host} (model owner); memory, plug-ins: here",
+                           "methods": "PEMA and kNN (output-level); in-network methods need the decoder's layers, "
+                                      "which the model owner keeps"}
         if self.multi_user:  # public: the server's paths are nobody's business but the operator's
             s.pop("data_dir")
             s["message"] = s["message"].replace(str(self.root), "<data dir>")

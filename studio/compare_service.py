@@ -8,22 +8,27 @@ labels for the share); never the reference, samples, file names, ids or the prom
 from __future__ import annotations
 
 import json
+import queue
 import secrets
+import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 from backbone.attention import input_attention
 from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
 from ground.errors import UserError
-from plugins.decode import Row, compare as decode_compare
+from offsite.decode import compare_remote
+from plugins.decode import BatchDecode, Row, start_compare
 from plugins.registry import get_method
 from plugins.settings import ALL_ROWS, resolve_row_settings, row_settings, split_comparison
+from studio.backbone_service import REMOTE_LM
 from studio.payload import json_safe, shared_trace, word_diff
 
 
 RECENT_COMPARISONS = 64
+LIVE_PER_OWNER, LIVE_TOTAL = 2, 8  # kept for slider moves (each holds its KV cache: ~7 MB per row on Gemma 3 270M)
 
 
 def with_comparison(settings: dict | None, no_repeat_ngram: int | None) -> dict | None:
@@ -102,14 +107,116 @@ class CompareService:
         each block given only to the rows it names (see ``_rows``), and ``{"all": {...}}`` for the settings of the
         whole comparison (``plugins.settings.COMPARISON_SETTINGS``: the repetition guard ``no_repeat_ngram``, also
         a keyword here); each row's complete settings are in the payload.
+
+        A slider move — the same sentence, methods and decode length as one of the owner's last comparisons, other
+        row settings — re-decodes only what changed (``plugins.decode.LiveComparison``; ``timings.reuse`` in the
+        payload says what was reused and how many backbone forward passes ran).
         """
+        payload = None
+        for payload in self._compare_steps(source, task, methods, settings, max_new_tokens, num_beams, reference,
+                                           owner=owner, no_repeat_ngram=no_repeat_ngram, partials=False):
+            pass
+        return payload
+
+    def compare_stream(self, source: str, task: str = "translation", methods: list[str] | None = None,
+                       settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
+                       reference: str | None = None, *, owner: str | None = None,
+                       no_repeat_ngram: int | None = None, stream: str | None = None):
+        """``compare`` streamed: yields a partial payload (``"partial": True``: every row's tokens so far) after
+        each decoding step — the first after the first step — then the final payload, the same as ``compare``'s.
+
+        ``stream`` names the caller's view (a browser tab): a later ``compare_stream`` with the same owner and
+        ``stream``, or ``cancel_compare``, stops this one between two steps; it then ends with a payload marked
+        ``"cancelled": True`` (the rows so far; not kept). The decode runs in a worker thread that holds the
+        backbone for the decode, as ``compare`` does; closing this generator stops it too."""
         owner = self._owner(owner)
+        key = (owner, stream) if stream is not None else None
+        mine = self._stream_bump(key)
+        closed = threading.Event()
+
+        def stopped() -> bool:
+            return closed.is_set() or (key is not None and self._stream_generation(key) != mine)
+
+        items: queue.Queue = queue.Queue()
+
+        def work() -> None:
+            try:
+                for p in self._compare_steps(source, task, methods, settings, max_new_tokens, num_beams, reference,
+                                             owner=owner, no_repeat_ngram=no_repeat_ngram, should_stop=stopped):
+                    items.put(("payload", p))
+            except BaseException as e:  # noqa: BLE001 — handed over to the caller's thread as it is
+                items.put(("error", e))
+            finally:
+                items.put(("end", None))
+
+        threading.Thread(target=work, name="pema-compare-stream", daemon=True).start()
+        try:
+            while True:
+                kind, value = items.get()
+                if kind == "payload":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            closed.set()
+
+    def cancel_compare(self, *, owner: str | None = None, stream: str | None = None) -> None:
+        """Stop the owner's streamed comparison in view ``stream`` between two steps (nothing when none runs)."""
+        self._stream_bump((self._owner(owner), stream))
+
+    def _stream_bump(self, key) -> int:
+        if key is None:
+            return 0
+        with self._recent_lock:
+            gens = self.__dict__.setdefault("_stream_generations", OrderedDict())
+            gens[key] = gens.get(key, 0) + 1
+            gens.move_to_end(key)
+            while len(gens) > 4096:  # forgetting an old view only forgets a finished stream
+                gens.popitem(last=False)
+            return gens[key]
+
+    def _stream_generation(self, key) -> int:
+        with self._recent_lock:
+            return self.__dict__.setdefault("_stream_generations", OrderedDict()).get(key, 0)
+
+    def _keep_live(self, owner: str, comparison_id: str, live) -> None:
+        """Keep ``live`` (what the next slider move of this comparison reuses; it holds a KV cache) for its owner:
+        the owner's newest ``LIVE_PER_OWNER``, at most ``LIVE_TOTAL`` in all, least recently used out first."""
+        with self._recent_lock:
+            kept = self.__dict__.setdefault("_live", OrderedDict())
+            kept[comparison_id] = (owner, live)
+            for k in [k for k, (o, _) in kept.items() if o == owner][:-LIVE_PER_OWNER]:
+                del kept[k]
+            while len(kept) > LIVE_TOTAL:
+                kept.popitem(last=False)
+
+    def _take_live(self, owner: str, source: str, max_new_tokens: int, labels: list[str]):
+        """(id, kept comparison) of the owner's newest kept comparison of this sentence, length and rows — taken
+        out while a move uses it — or (None, None)."""
+        with self._recent_lock:
+            kept = self.__dict__.setdefault("_live", OrderedDict())
+            for cid, (o, live) in reversed(list(kept.items())):
+                if o == owner and live.source == source and live.max_new_tokens == max_new_tokens \
+                        and [r.label for r in live.rows] == labels:
+                    del kept[cid]
+                    return cid, live
+        return None, None
+
+    def _compare_steps(self, source: str, task: str, methods, settings, max_new_tokens, num_beams, reference,
+                       *, owner: str | None, no_repeat_ngram: int | None, should_stop=lambda: False,
+                       partials: bool = True):
+        """The comparison as a generator of payloads (with ``partials``, one after each decoding step; the last is
+        the final one), holding the backbone for the whole decode; ``should_stop()`` is asked between steps."""
+        owner = self._owner(owner)
+        self.limits.check_rate("compares_per_minute", owner)
         settings = with_comparison(settings, no_repeat_ngram)
         if not isinstance(source, str) or not source.strip():
             raise UserError("Type a sentence to translate or rewrite.")
-        self.limits.check("input_chars", len(source.strip()), "The sentence's length in characters")
+        self.limits.check_input(source, "sentence")  # length, NUL, lone surrogates, control characters
         if reference is not None:
-            self.limits.check("input_chars", len(str(reference)), "The reference's length in characters")
+            self.limits.check_input(reference, "reference")
         max_new_tokens, num_beams = self._check_decode(max_new_tokens, num_beams)
         t0 = time.time()
         if not isinstance(methods, (list, tuple, type(None))):
@@ -120,8 +227,45 @@ class CompareService:
             rows = self._rows(methods, task, settings, owner)
             t_load = time.time() - t0
             prompt = self._prompt(task, rows)
-            comp = decode_compare(bb, source.strip(), rows, prompt=prompt, max_new_tokens=int(max_new_tokens),
-                                  num_beams=int(num_beams))
+            src = source.strip()
+            reuse = {"kind": "full decode", "forward_passes": None, "reused_steps": 0}
+            if self._offsite(bb):
+                # a model owner's backbone decodes in the owner's session, the plug-ins mix here (offsite.decode)
+                comp = compare_remote(bb, src, rows, prompt=prompt, max_new_tokens=int(max_new_tokens),
+                                      num_beams=int(num_beams), lm=REMOTE_LM)
+                new_live = None
+            else:
+                live_id, live = self._take_live(owner, src, int(max_new_tokens), [r.label for r in rows])
+                run = start_compare(bb, src, rows, prompt, int(max_new_tokens), int(num_beams), live=live)
+                moved = not isinstance(run, BatchDecode)
+                while not should_stop() and run.step():
+                    if partials:
+                        yield self._payload(run.partial()[0], methods, task, reference, bb, prompt, t0, t_load,
+                                            int(max_new_tokens), partial=True)
+                if not run.finished:  # stopped: what is kept stays as it was (a move commits when it finishes)
+                    if live is not None:
+                        self._keep_live(owner, live_id, live)
+                    yield self._payload(run.partial()[0], methods, task, reference, bb, prompt, t0, t_load,
+                                        int(max_new_tokens), partial=True, cancelled=True)
+                    return
+                comp = run.result()[0]
+                new_live = run.live if moved else run.live()
+                reuse = {"kind": "slider move" if moved else "full decode", "forward_passes": run.forwards,
+                         "reused_steps": run.reused_steps if moved else 0}
+        payload = self._payload(comp, methods, task, reference, bb, prompt, t0, t_load, int(max_new_tokens),
+                                reuse=reuse)
+        with self._recent_lock:
+            self._recent[payload["id"]] = (owner, payload)
+            while len(self._recent) > RECENT_COMPARISONS:
+                self._recent.popitem(last=False)
+        if new_live is not None:
+            self._keep_live(owner, payload["id"], new_live)
+        yield payload
+
+    @staticmethod
+    def _payload(comp, methods: list[str], task: str, reference, bb, prompt, t0: float, t_load: float,
+                 max_new_tokens: int, partial: bool = False, cancelled: bool = False, reuse: dict | None = None
+                 ) -> dict:
         total = time.time() - t0
         base = next((r for r in comp.rows if r.method == "base"), comp.rows[0])
         out_rows = []
@@ -132,7 +276,7 @@ class CompareService:
                              "settings": json_safe(r.settings), "score": r.score, "n_tokens": len(r.tokens),
                              "diff": word_diff(base.text, r.text) if r is not base else [[r.text, "same"]]})
         n_tok = sum(len(r.tokens) for r in comp.rows)
-        payload = {"id": secrets.token_urlsafe(12), "source": source.strip(), "task": task,
+        payload = {"id": secrets.token_urlsafe(12), "source": comp.source, "task": task,
                    "reference": reference or None, "backbone": bb.name, "prompt": prompt.to_dict(),
                    "context_ids": comp.context_ids, "src_len": comp.src_len, "base_label": base.label,
                    "rows": out_rows, "steps": comp.steps, "num_beams": comp.num_beams,
@@ -141,10 +285,10 @@ class CompareService:
                                "total_s": round(total, 3), "tokens": n_tok,
                                "tokens_per_s": round(n_tok / max(comp.seconds, 1e-9), 1)},
                    "created": time.time()}
-        with self._recent_lock:
-            self._recent[payload["id"]] = (owner, payload)
-            while len(self._recent) > RECENT_COMPARISONS:
-                self._recent.popitem(last=False)
+        if reuse is not None:
+            payload["timings"]["reuse"] = reuse
+        if partial:
+            payload.update(partial=True, cancelled=cancelled)
         return payload
 
     def recent(self, comparison_id: str, *, owner: str | None = None) -> dict:
@@ -192,6 +336,9 @@ class CompareService:
             raise UserError(f"No output {label!r} in this comparison.")
         if comparison.get("backbone") != (self._bb.name if self._bb else None):
             raise UserError("This comparison was made on another backbone.")
+        if self._offsite():
+            raise UserError("Attention maps need the decoder's layers, which the model owner keeps: not available "
+                            "with a remote backbone.")
         with self._interactive("attention") as bb:
             return input_attention(bb, Prompt.from_dict(comparison["prompt"]), comparison["source"], row["tokens"],
                                    layer=int(layer), context_ids=comparison.get("context_ids"))
@@ -220,8 +367,7 @@ class CompareService:
             if own is not None:
                 if not isinstance(own, str) or not own.strip():
                     raise UserError("A share label must be non-empty text.")
-                own = own.strip()
-                self.limits.check("name_chars", len(own), "A share label's length in characters")
+                own = self._check_name(own, "share label")  # shown on a public page: no control characters
                 out[r["label"]] = own
             else:
                 out[r["label"]] = title if n_of[title] == 1 else f"{title} · {seen[title]}"

@@ -32,6 +32,7 @@ class EvaluateService:
         of the owner's memories' held-out split or an uploaded test file of source/reference pairs; the plug-ins
         must be the owner's. At most ``limits.eval_pairs`` pairs (``limit`` 0: all of them)."""
         owner = self._owner(owner)
+        self.limits.check_rate("evaluations_per_minute", owner)
         try:
             limit = int(limit or 0)
         except (TypeError, ValueError):
@@ -105,14 +106,14 @@ class EvaluateService:
                 sweep = eval_run.lambda_sweep(bb, pairs, plugin, prompt, a["lambdas"], task=a["task"],
                                               settings=rows[0].settings,
                                               max_new_tokens=a["max_new_tokens"], progress=job.progress,
-                                              should_stop=job.should_stop)
+                                              should_stop=job.should_stop, **self._eval_decode(bb))
                 result = {"mode": "sweep", "sweep": json_safe(sweep), "plugin": rows[0].label}
                 msg = f"λ sweep done: {len(sweep)} points on {len(pairs)} pairs"
             else:
                 rows = self._rows(a["methods"], a["task"], a.get("settings"), owner)
                 prompt = self._prompt(a["task"], rows)
                 res = eval_run.evaluate(bb, pairs, rows, prompt, a["task"], max_new_tokens=a["max_new_tokens"],
-                                        progress=job.progress, should_stop=job.should_stop)
+                                        progress=job.progress, should_stop=job.should_stop, **self._eval_decode(bb))
                 result = {"mode": "methods", **json_safe(res)}
                 msg = f"Evaluated {len(rows)} method(s) on {len(pairs)} pairs"
         result.update(data=a.get("data"), pairs=len(pairs), message=msg)

@@ -2,20 +2,33 @@
 
 Each bound is a field of :class:`Limits`; 0 means "no limit". They are set, in this order of precedence, by the
 app's ``--limit name=value`` flags, by ``PEMA_LIMIT_<NAME>`` environment variables (``PEMA_LIMIT_INPUT_CHARS=4000``),
-and by the defaults below. The per-owner quotas (:data:`QUOTAS`) are off in single-user mode unless set explicitly:
-a local studio belongs to one person. Every refusal is a :class:`UserError` naming the bound and how to change it.
+and by the defaults below. The per-owner quotas (:data:`QUOTAS`) and rate limits (:data:`RATES`) are off in
+single-user mode unless set explicitly: a local studio belongs to one person. Every refusal is a :class:`UserError`
+naming the bound and how to change it.
+
+Rate limits count an owner's calls in a sliding window of :data:`RATE_WINDOW_S` seconds (``check_rate``, called by
+the service at the top of ``compare``, ``compare_several`` and ``submit_evaluate``); the window lives in the
+``Limits`` object (this process), so a restart forgets it. ``check_input`` is the one check of free text to decode.
+
 Training settings are bounded where they are declared (``plugins.settings.setting(low=…, high=…)``).
 """
 from __future__ import annotations
 
+import math
 import os
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass, fields, replace
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ground.errors import UserError
+from ground.text import check_text, describe_char
 
 ENV_PREFIX = "PEMA_LIMIT_"
 QUOTAS = ("memories_per_owner", "plugins_per_owner", "shares_per_owner", "jobs_per_owner")
+RATES = {"compares_per_minute": "comparisons", "evaluations_per_minute": "evaluations"}  # bound: what it counts
+RATE_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -33,8 +46,15 @@ class Limits:
     jobs_total: int = 64               # jobs queued or running overall
     share_bytes: int = 2_000_000       # bytes of a shared comparison's stored payload (JSON)
     eval_pairs: int = 500              # source/reference pairs of one evaluation
+    compare_lines: int = 32            # sentences of one several-sentences comparison (one batch)
     sweep_points: int = 11             # λ_max values of one sweep
     name_chars: int = 120              # characters of a memory's, plug-in's or share label's name
+    compares_per_minute: int = 30      # comparisons per owner in any 60 s (a slider's re-decodes included)
+    evaluations_per_minute: int = 10   # evaluations queued per owner in any 60 s
+
+    def __post_init__(self):
+        # not a field: the per-owner windows of the rate limits (a fresh, empty set for every Limits object)
+        object.__setattr__(self, "_rates", RateWindows())
 
     @classmethod
     def names(cls) -> list[str]:
@@ -46,7 +66,7 @@ class Limits:
         """Defaults ← ``PEMA_LIMIT_*`` ← ``overrides`` (``["name=value", …]`` or a dict); quotas off in single-user
         mode unless set."""
         environ = os.environ if environ is None else environ
-        values: dict[str, int] = {} if multi_user else {q: 0 for q in QUOTAS}
+        values: dict[str, int] = {} if multi_user else {q: 0 for q in (*QUOTAS, *RATES)}
         for name in cls.names():
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw not in (None, ""):
@@ -76,6 +96,59 @@ class Limits:
         if bound and have >= bound:
             raise UserError(f"You have {have} {what} (the limit per user is {bound}); delete one first "
                             f"({hint(name)}).")
+
+    def check_input(self, text, what: str = "sentence", name: str = "input_chars") -> str:
+        """Free text a caller sends to be decoded (a sentence, a reference; the page and the API alike): text,
+        without NUL, lone surrogates (``ground.text.check_text``) or other control characters (tabs and line breaks
+        are fine), at most ``name`` characters once stripped. Returns it unchanged."""
+        check_text(text, what)
+        bad = next((ch for ch in text if _control(ch)), None)
+        if bad is not None:
+            raise UserError(f"The {what} contains {describe_char(bad)}, a control character; send plain text.")
+        self.check(name, len(text.strip()), f"The {what}'s length in characters")
+        return text
+
+    def check_rate(self, name: str, owner: str | None) -> None:
+        """Count one call of ``owner`` against the rate limit ``name`` (:data:`RATES`), or refuse it (not counted)
+        with how long to wait."""
+        bound = getattr(self, name)
+        if not bound or owner is None:
+            return
+        wait = self._rates.take(name, owner, bound)
+        if wait > 0:
+            raise UserError(f"Too many {RATES[name]}: at most {bound} per minute per user; try again in "
+                            f"{max(1, math.ceil(wait))} s ({hint(name)}).")
+
+
+class RateWindows:
+    """Sliding windows of recent calls per (limit, owner), thread-safe: at most ``bound`` calls in any ``window``
+    seconds. Owners whose window has emptied are forgotten, so memory stays bounded by the owners active lately."""
+
+    def __init__(self, window: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window, self.clock = float(window), clock
+        self._lock = threading.Lock()
+        self._calls: dict[tuple[str, str], deque] = {}
+
+    def take(self, name: str, owner: str, bound: int) -> float:
+        """Record one call and return 0.0, or (not recorded) the seconds until one more is allowed."""
+        now = self.clock()
+        with self._lock:
+            calls = self._calls.setdefault((name, owner), deque())
+            while calls and calls[0] <= now - self.window:
+                calls.popleft()
+            if len(calls) >= bound:
+                return calls[0] + self.window - now
+            calls.append(now)
+            if len(self._calls) > 4096:  # forget the owners who have been quiet for a whole window
+                for key in [k for k, c in self._calls.items() if not c or c[-1] <= now - self.window]:
+                    del self._calls[key]
+            return 0.0
+
+
+def _control(ch: str) -> bool:
+    """C0 controls but tab and line breaks, DEL, C1 controls (a terminal or a tokenizer would act on them)."""
+    o = ord(ch)
+    return (o < 0x20 and ch not in "\t\n\r") or 0x7F <= o <= 0x9F
 
 
 def hint(name: str) -> str:

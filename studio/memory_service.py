@@ -1,9 +1,16 @@
-"""The Studio's memories: preview and validate uploads, build jobs, list, inspect, delete — each for its owner."""
+"""The Studio's memories: preview and validate uploads, build jobs, list, inspect, delete — each for its owner; a
+memory's profile (``memories.profile``) and, per output token of a comparison's kNN or PEMA row, a neighbour map on
+the same 2-D projection."""
 from __future__ import annotations
 
 import json
 import secrets
+import threading
+from collections import OrderedDict
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from backbone.prompts import TASKS
 from backbone.tasks import task_prompt
@@ -14,12 +21,26 @@ from ground.text import check_name, first_unsafe
 from memories.build import build_memory
 from memories.corpora import available_corpora, load_corpus
 from memories.parse import Sample, detect_format, parse_samples, parse_samples_strict
+from memories.profile import highlighted_target, memory_profile, project, scaled_keys
 from memories.store import Memory
 from studio.payload import human_bytes
+from studio.ray_executor import backbone_spec
 
 
 MAX_PREVIEW_ROWS = 100
 UPLOAD_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt")
+PROFILE_CACHE = 16      # memory profiles kept (a memory never changes after its build: cached by id)
+QUERY_CACHE = 16        # per (comparison, row): the output tokens' f(c), recomputed once
+MAP_NEIGHBOURS = 8      # neighbours on a map (kNN: at most what its decode traced)
+SEARCH_CHUNK = 32768    # keys compared at once in the exact search of PEMA's neighbours
+TOKEN_OCCURRENCES = 6   # a picked token's occurrences listed with their sentence
+QUERY_KINDS = {
+    "knn": ("f(c) / key RMS: the query kNN searches with (the backbone's pre-norm state before this token)",
+            "its k nearest memory entries, as the decode retrieved them"),
+    "pema": ("h_pd = B_pd·A·(f(c) / key RMS), rescaled to the keys' RMS (P_PEMA = softmax(W·norm(h_pd)) does not "
+             "depend on its scale): the state PEMA's LM head reads, placed among the memory's keys",
+             "the memory entries whose keys are nearest to h_pd (exact squared L2 over every entry)"),
+}
 
 
 class MemoryService:
@@ -155,7 +176,9 @@ class MemoryService:
                 mem = build_memory(bb, samples, self.root / "memories" / mid,
                                    prompt=task_prompt(a["task"], bb), task=a["task"], mode=a["mode"],
                                    name=a["name"], progress=job.progress, should_stop=job.should_stop,
-                                   catalog=self.catalog.owned_by(job.owner))
+                                   catalog=self.catalog.owned_by(job.owner),
+                                   # --executor ray: the capture sharded over Ray workers (studio.ray_executor)
+                                   capture=self.executor.capture(backbone_spec(self)) if self.executor else None)
             s = mem.summary()
             return {"memory_id": mem.id, "name": s["name"], "samples": s["samples"],
                     "heldout_samples": s["heldout_samples"], "entries": s["entries"],
@@ -218,3 +241,188 @@ class MemoryService:
                 f"stop working." if users else "")
         return f"Deleted memory {row['name']!r}.{note}"
 
+
+    # --- a memory's profile and neighbour maps -------------------------------------------------------------------
+    def _small_cache(self, name: str) -> tuple[OrderedDict, threading.Lock]:
+        """One of this studio's small LRU caches, made on first use (the mixins do not own ``__init__``)."""
+        return self.__dict__.setdefault(name, (OrderedDict(), threading.Lock()))
+
+    def _token_namer(self, memory: Memory):
+        """Token ids → text with the loaded backbone's tokenizer, when the memory was built on it (else "#id")."""
+        bb = self._bb
+        if bb is not None and bb.fingerprint == memory.fingerprint:
+            return bb.token_str, bb.decode
+        return (lambda t: f"#{int(t)}"), (lambda ids: " ".join(f"#{int(t)}" for t in ids))
+
+    def _profile(self, memory: Memory) -> dict:
+        cache, lock = self._small_cache("_profile_cache")
+        with lock:
+            if memory.id in cache:
+                cache.move_to_end(memory.id)
+                return cache[memory.id]
+        prof = memory_profile(memory, self._token_namer(memory)[0])
+        with lock:
+            cache[memory.id] = prof
+            while len(cache) > PROFILE_CACHE:
+                cache.popitem(last=False)
+        return prof
+
+    def memory_profile(self, memory_id: str, *, owner: str | None = None) -> dict:
+        """The profile of one of the owner's memories (``memories.profile.memory_profile``: counts, value-token
+        frequencies, a 2-D PCA projection of a seeded sample of ≤ 2,000 keys), computed once per memory."""
+        return self._profile(self._memory(memory_id, owner))
+
+    def memory_token(self, memory_id: str, token_id: int, *, owner: str | None = None) -> dict:
+        """One value token of one of the owner's memories: its count, its spread in the profile's sample and a few
+        of its occurrences, each with the token marked inside its sample's target (``before``/``match``/
+        ``after``)."""
+        mem = self._memory(memory_id, owner)
+        try:
+            tid = int(token_id)
+        except (TypeError, ValueError):
+            raise UserError("Pick a token of the memory's frequency list.") from None
+        prof = self._profile(mem)
+        top = next((t for t in prof["top_tokens"] if t["token_id"] == tid), None)
+        count = top["count"] if top else int((np.asarray(mem.values) == tid).sum())
+        if not count:
+            raise UserError(f"The memory has no entry with token #{tid}.")
+        name, decode = self._token_namer(mem)
+        proj = prof["projection"]
+        mine = [e for e, t in zip(proj["entries"], proj["tokens"]) if t == tid]
+        occ = []
+        for e in mine[:TOKEN_OCCURRENCES]:
+            h = highlighted_target(mem, e, decode, name)
+            occ.append({"entry": e, "source": mem.samples[h["sample"]].get("src") or "", **h})
+        return {"token_id": tid, "text": name(tid), "count": count, "share": round(count / max(1, len(mem)), 4),
+                "in_sample": len(mine), "sample_size": proj["sample_size"],
+                "spread": top["spread"] if top else None, "overall_spread": prof["overall_spread"],
+                "occurrences": occ}
+
+    def _output_states(self, p: dict, row: dict) -> np.ndarray:
+        """f(c) before each of a row's output tokens (n × d, float32): one teacher-forced pass of the backbone over
+        the comparison's context and the row's tokens, cached per (comparison, row). The decode computed the same
+        states with a KV cache (equal up to float rounding)."""
+        cache, lock = self._small_cache("_query_cache")
+        key = (p["id"], row["label"])
+        with lock:
+            if key in cache:
+                return cache[key]
+        ctx, toks = list(p["context_ids"]), list(row["tokens"])
+        with self._interactive("a neighbour map") as bb:
+            with torch.no_grad():
+                fc, _ = bb.forward_fc(torch.tensor([ctx + toks[:-1]], dtype=torch.long))
+        start = len(ctx) - 1  # the position whose next token is the first output token
+        out = fc[0, start:start + len(toks)].float().cpu().numpy()
+        with lock:
+            cache[key] = out
+            while len(cache) > QUERY_CACHE:
+                cache.popitem(last=False)
+        return out
+
+    @staticmethod
+    def _nearest(memory: Memory, queries: np.ndarray, k: int) -> np.ndarray:
+        """For each query (n × d, scaled like the keys), the ``k`` entries whose scaled keys are nearest (squared
+        L2 over every entry, one pass over the keys in chunks): (n × k) entry indices, nearest first. The caller
+        recomputes the exact distances of what it shows."""
+        q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+        q_sq = (q ** 2).sum(1)[:, None]
+        best_e, best_d = np.zeros((len(q), 0), np.int64), np.zeros((len(q), 0), np.float32)
+        for b0 in range(0, len(memory), SEARCH_CHUNK):
+            rows = np.arange(b0, min(len(memory), b0 + SEARCH_CHUNK))
+            keys = scaled_keys(memory, rows)
+            d = (keys ** 2).sum(1)[None, :] - 2 * q @ keys.T + q_sq
+            e = np.concatenate([best_e, np.broadcast_to(rows, d.shape)], 1)
+            d = np.concatenate([best_d, d], 1)
+            keep = np.argsort(d, axis=1, kind="stable")[:, :k]
+            best_e, best_d = np.take_along_axis(e, keep, 1), np.take_along_axis(d, keep, 1)
+        return best_e
+
+    def _pema_queries(self, p: dict, row: dict, plugin, memory: Memory, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """h_pd before each of a PEMA row's output tokens, each rescaled to the keys' RMS (1 once divided by the
+        key RMS), and each one's ``k`` nearest entries: one pass over the memory's keys for all the tokens, cached
+        per (comparison, row, k) — picking another token then costs nothing."""
+        cache, lock = self._small_cache("_query_cache")
+        key = (p["id"], row["label"], "pema", k)
+        with lock:
+            if key in cache:
+                return cache[key]
+        fc = self._output_states(p, row)
+        with torch.no_grad():
+            h = plugin.h_pd(plugin.scaled(torch.from_numpy(fc).to(self.backbone.device))).float().cpu().numpy()
+        rms = np.sqrt((h ** 2).mean(1, keepdims=True))
+        h = np.where(rms > 0, h / np.maximum(rms, 1e-30), h)
+        out = (h, self._nearest(memory, h, k))
+        with lock:
+            cache[key] = out
+            while len(cache) > QUERY_CACHE:
+                cache.popitem(last=False)
+        return out
+
+    def neighbour_map(self, comparison_id: str, label: str, token_index: int, *, owner: str | None = None,
+                      k: int = MAP_NEIGHBOURS) -> dict:
+        """One output token of a kNN or PEMA row of the owner's comparison, on its memory's 2-D map (the profile's
+        projection): the query — kNN: f(c) / key RMS; PEMA: h_pd = B_pd·A·(f(c) / key RMS), rescaled to the keys'
+        RMS — and its ``k`` nearest memory entries, each with its value token marked inside its sample's target
+        and its source. The profile's sampled keys come along as the map's background."""
+        owner = self._owner(owner)
+        p = self.recent(comparison_id, owner=owner)
+        row = next((r for r in p["rows"] if r["label"] == label), None)
+        if row is None:
+            raise UserError(f"No output {label!r} in this comparison.")
+        if row["method"] not in QUERY_KINDS or not row.get("plugin_id"):
+            raise UserError(f"The neighbour map is for kNN and PEMA rows; {label!r} is {row['method']}.")
+        try:
+            i = int(token_index)
+            k = int(k)
+        except (TypeError, ValueError):
+            raise UserError("The output token and k must be whole numbers.") from None
+        if not 0 <= i < len(row["tokens"]):
+            raise UserError(f"{label!r} has {len(row['tokens'])} output token(s); token {i} does not exist.")
+        if not 1 <= k <= 64:
+            raise UserError("k (neighbours on the map) must be between 1 and 64.")
+        if p.get("backbone") != (self._bb.name if self._bb is not None else None):
+            raise UserError("This comparison was made on another backbone.")
+        if self._offsite():
+            raise UserError("A neighbour map runs the decoder over the output again, and the model owner keeps the "
+                            "decoder: not available with a remote backbone.")
+        plugin = self._plugin(row["plugin_id"], owner)
+        memory = getattr(plugin, "memory", None)
+        if memory is None:
+            try:
+                memory = self._memory(self._plugin_row(row["plugin_id"], owner)["memory_id"], owner)
+            except UserError:
+                raise UserError(f"The memory {label!r} was trained on has been deleted: no map.") from None
+        if len(memory) == 0:
+            raise UserError("The memory has no training entries to map.")
+        prof = self._profile(memory)
+        traced = (row["trace"][i].get("neighbours") or []) if i < len(row["trace"]) else []
+        if row["method"] == "pema":
+            h, nearest = self._pema_queries(p, row, plugin, memory, k)
+            query, entries = h[i:i + 1], [int(e) for e in nearest[i]]
+        else:
+            query = self._output_states(p, row)[i:i + 1] / np.float32(memory.key_scale)
+            entries = [int(n["entry"]) for n in traced if n.get("entry") is not None][:k] \
+                or [int(e) for e in self._nearest(memory, query, k)[0]]
+        keys = scaled_keys(memory, np.asarray(entries, dtype=np.int64))
+        dist = ((keys - query) ** 2).sum(1)
+        xy, q_xy = project(prof, keys), project(prof, query)[0]
+        name, decode = self._token_namer(memory)
+        decode_dist = {int(n["entry"]): n.get("distance") for n in traced if n.get("entry") is not None}
+        out_tok = int(row["tokens"][i])
+        nbs = []
+        for rank, (e, d, (x_, y_)) in enumerate(zip(entries, dist.tolist(), xy.tolist())):
+            h = highlighted_target(memory, e, decode, name)
+            tid = int(memory.values[e])
+            nbs.append({"rank": rank + 1, "entry": e, "token_id": tid, "token": name(tid),
+                        "same_as_output": tid == out_tok, "distance": round(float(d), 4),
+                        "decode_distance": decode_dist.get(e), "xy": [round(x_, 4), round(y_, 4)],
+                        "source": memory.samples[h["sample"]].get("src") or "", **h})
+        query_kind, neighbour_kind = QUERY_KINDS[row["method"]]
+        proj = prof["projection"]
+        return {"comparison_id": p["id"], "label": label, "method": row["method"], "token_index": i,
+                "token_id": out_tok, "token": name(out_tok), "memory_id": memory.id, "memory_name": prof["name"],
+                "query_kind": query_kind, "neighbour_kind": neighbour_kind,
+                "query": [round(float(q_xy[0]), 4), round(float(q_xy[1]), 4)], "neighbours": nbs,
+                "matching": sum(n["same_as_output"] for n in nbs),
+                "projection": {"method": proj["method"], "explained": proj["explained"],
+                               "points": proj["points"], "tokens": proj["tokens"]}}

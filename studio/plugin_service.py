@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,10 +14,14 @@ from backbone.model import resolve_name
 from ground.errors import UserError
 from ground.jobs import JobContext
 from ground.store import new_id
+from offsite.client import NOT_OFFSITE
 from plugins.api import make_config, method_table, open_memory, open_plugin, train_plugin
+from plugins.estimate import estimate
 from plugins.registry import available_methods, get_method
-from plugins.settings import coerce_all, tuned_decode_settings
+from plugins.settings import coerce_all, presets_table, tuned_decode_settings
 from plugins.training import optimizer_from_tensors, optimizer_tensors
+from plugins.hub import check_package, export_plugin, import_plugin
+from studio.packages import unpack_zip, zip_folder
 
 
 PLUGIN_CACHE = 8
@@ -82,13 +87,35 @@ class PluginService:
 
     # --- plug-ins -----------------------------------------------------------------------------------------------
     def methods(self) -> list[dict]:
-        return method_table()
+        """``plugins.api.method_table``, each with ``offsite`` (whether it works against a model owner's service)
+        and, under a remote backbone, ``unavailable``: why an in-network method cannot be used."""
+        out = []
+        for m in method_table():
+            m["offsite"] = m["level"] == "output"
+            if self._offsite() and not m["offsite"]:
+                m["unavailable"] = NOT_OFFSITE.format(what=m["title"])
+            # the training form's presets ({name: {"values", "about"}}, "default" first) and "continue training"
+            m["presets"] = presets_table(get_method(m["method"]).Config)
+            m["resumable"] = bool(getattr(get_method(m["method"]), "resumable", False))
+            out.append(m)
+        return out
+
+    def training_estimate(self, memory_id: str, method: str, config: dict | None = None, *,
+                          owner: str | None = None) -> dict:
+        """How long training ``method`` with ``config`` (validated as ``submit_train`` does) on one of the owner's
+        memories will take, said before it is queued (``plugins.estimate``: measured throughputs on the memory's
+        backbone × its size × the epochs; whether the time budget stops it first)."""
+        row = self._memory_row(memory_id, self._owner(owner))
+        if method not in available_methods():
+            raise UserError(f"Unknown method {method!r}; choose one of {', '.join(sorted(available_methods()))}.")
+        return estimate(method, config or {}, row["backbone"], int(row["samples"] or 0), int(row["entries"] or 0))
 
     def start_settings(self, task: str) -> dict[str, dict]:
         """Every method's decode settings as a comparison of ``task`` starts them: the declared defaults with the
         values tuned on dev data for this backbone (``backbone/tuned_defaults.json``, written by ``python -m
         eval.quality --save-defaults``). ``{method: {name: value}}``; Compare and Evaluate both start here."""
-        name = resolve_name(self.backbone_name)
+        bb = self._bb
+        name = resolve_name(bb.name if bb is not None and self._offsite(bb) else self.backbone_name)  # owner's model
         return {m: {**{s.name: s.default for s in cls.decode_settings},
                     **coerce_all(cls.decode_settings, tuned_decode_settings(m, task, name), cls.title)}
                 for m, cls in available_methods().items() if cls.decode_settings}
@@ -114,6 +141,7 @@ class PluginService:
             raise UserError("The settings must be a JSON object like {\"rank\": 64}.")
         if method not in available_methods():
             raise UserError(f"Unknown method {method!r}; choose one of {', '.join(sorted(available_methods()))}.")
+        self._check_offsite(method)  # a remote backbone: output-level methods only, with the reason
         cfg = make_config(method, config or {}).to_dict()
         return self.jobs.submit("train_plugin", {"memory_id": memory_id, "method": method, "config": cfg,
                                                  "name": name}, owner=owner)
@@ -127,6 +155,7 @@ class PluginService:
         owner = self._owner(owner)
         row = self._plugin_row(plugin_id, owner)
         cls = get_method(row["method"])
+        self._check_offsite(row["method"])
         if not getattr(cls, "resumable", False):
             raise UserError(f"{cls.title} plug-ins cannot continue training (only "
                             f"{', '.join(m for m, c in available_methods().items() if getattr(c, 'resumable', 0))}"
@@ -190,6 +219,9 @@ class PluginService:
         a = job.args
         bb = self._job_backbone(job)
         row = self._memory_row(a["memory_id"], job.owner)  # still there, still the owner's
+        if getattr(self, "executor", None) is not None and self.executor.runs_training(a):
+            return self.executor.train(self, job)  # a Ray task (studio.ray_executor); no gate: not this backbone
+        self._check_offsite(a["method"], bb)  # queued before the studio switched to a remote backbone
         mem = open_memory(row["path"], bb)
         cls = get_method(a["method"])
         with self.gate.use(holder=f"training {cls.title}"):
@@ -198,6 +230,8 @@ class PluginService:
             if a.get("continue_from"):
                 plugin, row = self._continue_train(job, bb, mem, cls)
             else:
+                job.log("Time estimate: " + estimate(a["method"], a["config"], bb.name, len(mem.split_samples("train")),
+                                                     len(mem))["text"])
                 plugin, row = train_plugin(bb, mem, a["method"], a["config"],
                                            catalog=self.catalog.owned_by(job.owner), name=a.get("name", ""),
                                            progress=job.progress, should_stop=job.should_stop, on_metric=job.metric)
@@ -265,6 +299,7 @@ class PluginService:
     def _plugin(self, plugin_id: str, owner: str | None = None):
         """One of the owner's plug-ins, loaded (cached: loading reads safetensors and, for kNN, the memory's keys)."""
         row = self._plugin_row(plugin_id, owner)  # checked on every use, cached or not
+        self._check_offsite(row["method"])  # an in-network plug-in cannot decode through a model owner
         with self._plugin_lock:
             if plugin_id in self._plugins:
                 self._plugins.move_to_end(plugin_id)
@@ -303,4 +338,47 @@ class PluginService:
 
     def cancel_job(self, job_id: str, *, owner: str | None = None) -> dict:
         return self._public_job(self.jobs.cancel(str(job_id or ""), self._owner(owner)))
+
+    # --- plug-in packages: the Plug-ins tab's Export (zip download) and Import (zip upload) ----------------------
+    def export_plugin_zip(self, plugin_id: str, *, owner: str | None = None,
+                          include_datastore: bool = False) -> Path:
+        """One of the owner's plug-ins as a zip of the package ``python -m plugins export`` writes (config,
+        safetensors, PEFT files for LoRA, model card, manifest; with ``include_datastore`` — required for kNN — the
+        memory's training entries and samples). Written under the owner's download folder (``pema-plugin-<id>.zip``,
+        the same name each time; files older than a day are removed)."""
+        owner = self._owner(owner)
+        row = self._plugin_row(plugin_id, owner)
+        self._prune_downloads()
+        folder = self._downloads_dir(owner)
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="pema-export-") as tmp:
+            pkg = export_plugin(row["path"], self.backbone, Path(tmp) / "package",
+                                catalog=self.catalog.owned_by(owner), include_datastore=bool(include_datastore))
+            return zip_folder(pkg, folder / f"pema-plugin-{row['id']}.zip", f"pema-plugin-{row['id']}")
+
+    def import_plugin_zip(self, upload: str | Path | bytes, name: str = "", *, owner: str | None = None) -> dict:
+        """Import a zipped plug-in package (an Export of any studio) into the owner's catalog under a new id, with
+        ``python -m plugins import``'s checks (``plugins.hub.import_plugin``: manifest hashes, backbone
+        fingerprint, safetensors only, the plug-in's own checks on load) after the zip's (``studio.packages``: size
+        bounds from ``limits.upload_bytes``, zip slip, links, bombs, pickle-capable files). A package with a
+        datastore also becomes one of the owner's memories. Returns the new plug-in as ``plugins`` lists it."""
+        owner = self._owner(owner)
+        if self.read_only:
+            raise UserError("This studio is read-only (another process owns its data directory); import there.")
+        name = self._check_name(name, "plug-in name")
+        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner), "plug-ins")
+        with tempfile.TemporaryDirectory(prefix="pema-import-") as tmp:
+            if isinstance(upload, (bytes, bytearray)):
+                data = Path(tmp) / "upload.zip"
+                data.write_bytes(bytes(upload))
+            else:
+                data = Path(str(upload or ""))
+                if not str(upload or "") or not data.is_file():
+                    raise UserError("Choose a plug-in package (.zip) to import.")
+            pkg = unpack_zip(data, Path(tmp) / "package", self.limits.upload_bytes)
+            manifest = check_package(pkg)
+            if manifest.get("datastore"):
+                self.limits.check_quota("memories_per_owner", self.catalog.count("memories", owner), "memories")
+            row = import_plugin(str(pkg), self.backbone, self.catalog.owned_by(owner), name=name)
+        return next(p for p in self.plugins(owner=owner) if p["id"] == row["id"])
 

@@ -37,7 +37,7 @@ from backbone.model import DEFAULT_BACKBONE
 from ground.jobs import JobQueue
 from ground.errors import UserError
 from ground.store import Catalog, clean_temporary
-from studio.backbone_service import BackboneService
+from studio.backbone_service import BackboneService, check_remote_url
 from studio.compare_service import CompareService
 from studio.evaluate_service import EvaluateService
 from studio.gate import BackboneGate
@@ -45,23 +45,31 @@ from studio.identity import LOCAL, NO_KEY, Identity
 from studio.limits import Limits
 from studio.memory_service import MemoryService
 from studio.plugin_service import PluginService
+from studio.ray_executor import make_executor
+from studio.several_service import SeveralService
 
 __all__ = ["BackboneGate", "Studio"]
 log = logging.getLogger("pema.studio")
 
 
-class Studio(BackboneService, MemoryService, PluginService, CompareService, EvaluateService):
+class Studio(BackboneService, MemoryService, PluginService, CompareService, SeveralService, EvaluateService):
     """The app's service object. ``backbone`` is a name ("gemma-3-270m", a hub id, a local path, or "tiny")."""
 
     def __init__(self, data_dir: str | Path | None = None, backbone: str | None = None, device: str | None = None,
                  workers: int = 1, load: bool = True, start_jobs: bool = True, busy_timeout: float = 120.0,
                  backbone_cache: str | Path | None = None, multi_user: bool = False, limits: Limits | None = None,
-                 secret: str | None = None):
+                 secret: str | None = None, remote: str | None = None, remote_token: str | None = None,
+                 executor=None):
         """``backbone_cache``: another data directory whose ``backbones/`` may already hold the de-quantized
         weights (e.g. baked into a Docker image); used when it has the requested backbone, else ``data_dir``.
         ``multi_user``: callers are told apart by their keys (``studio.identity``); else everyone is the local user.
         ``limits``: default ``Limits.configure(multi_user)`` (defaults ← ``PEMA_LIMIT_*``). ``secret``: signs the
-        keys (default ``$PEMA_SECRET``, else a secret file in the data directory)."""
+        keys (default ``$PEMA_SECRET``, else a secret file in the data directory). ``remote``: a model owner's
+        offsite service instead of a local backbone (``studio.backbone_service``; bearer ``remote_token``, else
+        ``$PEMA_REMOTE_TOKEN``). ``executor``: None / "inprocess" (the default, unless ``$PEMA_RAY_ADDRESS`` is
+        set), "ray", or a started ``studio.ray_executor.RayExecutor``."""
+        if remote:
+            self.remote_url, self._remote_token = check_remote_url(remote), remote_token or None
         self.catalog = Catalog(data_dir)
         self.root = self.catalog.root
         self.multi_user = bool(multi_user)
@@ -84,6 +92,10 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Eval
                                             "evaluate": self._job_evaluate}, workers=workers)
         self.jobs.max_per_owner, self.jobs.max_total = self.limits.jobs_per_owner, self.limits.jobs_total
         self.jobs.on_finish = self._job_finished
+        # --executor ray / $PEMA_RAY_ADDRESS (studio.ray_executor): sharded builds, trainings as Ray tasks on a lane
+        self.executor = make_executor(executor) if executor is None or isinstance(executor, str) else executor
+        if self.executor is not None:
+            self.jobs.add_lane(("train_plugin",), self.executor.training_slots())
         self.read_only = not self.jobs.acquire()
         self.repairs: list[str] = []  # what the start-up repair did (also logged)
         if self.read_only:
@@ -114,6 +126,8 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Eval
     def close(self) -> None:
         """Stop the job worker and give up the data directory (a read-only studio holds nothing)."""
         self.jobs.stop()
+        if getattr(self, "executor", None) is not None:
+            self.executor.close()  # shuts Ray down only if this studio started it
 
     def _clean_temporary_folders(self) -> None:
         """The owner's start-up repair: temporary folders/files of writers that are gone (never those of a CLI

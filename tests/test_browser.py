@@ -121,6 +121,12 @@ def cards(page) -> list[dict]:
     return out
 
 
+def wait_decoded(page, cards: int) -> None:
+    """Until ``cards`` output cards show and the streamed decode has ended (partial cards say "Decoding · step")."""
+    page.wait_for_function(f"document.querySelectorAll('#compare-outputs .pema-card').length === {cards} && "
+                           "!document.querySelector('#compare-outputs').innerText.includes('Decoding · step')")
+
+
 def test_compare_live_slider_share(page, app):
     open_app(page, app["url"])
     page.get_by_role("tab", name="Compare").click()
@@ -131,7 +137,7 @@ def test_compare_live_slider_share(page, app):
     page.wait_for_selector("#set-pema-lambda-max input[type=range]")  # the PEMA controls appear once PEMA is chosen
     t0 = time.time()
     page.locator("#compare-run").click()
-    page.wait_for_function("document.querySelectorAll('#compare-outputs .pema-card').length === 3")
+    wait_decoded(page, 3)
     first = {c["label"]: c for c in cards(page)}
     print(f"first comparison shown after {time.time() - t0:.2f}s")
     assert sorted(first) == ["Base model", "PEMA demo", "kNN demo"]
@@ -149,6 +155,7 @@ def test_compare_live_slider_share(page, app):
     page.keyboard.press("Home")
     page.wait_for_function("[...document.querySelectorAll('#compare-outputs .pema-card-foot')]"
                            ".some(e => e.innerText.includes('lambda_max=0,'))")
+    wait_decoded(page, 3)
     print(f"re-decoded after the slider moved in {time.time() - t0:.2f}s")
     after = {c["label"]: c for c in cards(page)}
     assert after["PEMA demo"]["text"] == after["Base model"]["text"] != pema["text"]
@@ -244,7 +251,7 @@ def test_card_titles_are_whole_and_cards_have_copy_and_plain_view(page, app):
     page.locator("#compare-source textarea").fill("the house is small")
     page.locator("#compare-methods label").filter(has_text=LONG_NAME).click()
     page.locator("#compare-run").click()
-    page.wait_for_function("document.querySelectorAll('#compare-outputs .pema-card').length === 2")
+    wait_decoded(page, 2)
     titles = page.locator("#compare-outputs .pema-card-head b").all_inner_texts()
     assert titles == ["Base model", LONG_NAME]
     cut = page.evaluate("[...document.querySelectorAll('#compare-outputs .pema-card-head b')]"
@@ -328,3 +335,82 @@ def test_hosted_browsers_each_see_only_their_own(browser, tmp_path):
     finally:
         served.close()
         studio.close()
+
+
+# --- memory profile, neighbour maps, several sentences (issue #17) --------------------------------------------------
+def choose(page, dropdown: str, option: str) -> None:
+    """Pick the option whose text contains ``option`` in the Gradio dropdown ``dropdown`` (a CSS selector)."""
+    page.locator(f"{dropdown} input").click()
+    page.get_by_role("option", name=option).first.click()
+
+
+def points(page, plot: str) -> int:
+    """How many markers a Plotly figure (a gr.Plot with this elem_id selector) draws."""
+    return page.evaluate(f"document.querySelectorAll('{plot} .scatterlayer .point').length")
+
+
+def test_memory_profile_renders_and_a_token_shows_its_spread(page, app):
+    open_app(page, app["url"])
+    choose(page, "#memory-pick", "demo pairs")
+    page.wait_for_function("document.querySelector('#memory-profile-summary')?.innerText.includes('entries')")
+    summary = page.locator("#memory-profile-summary").inner_text()
+    assert "distinct value tokens" in summary and "PCA" in summary
+    page.wait_for_function("document.querySelectorAll('#memory-map .scatterlayer .point').length > 0")
+    prof = app["studio"].memory_profile(app["memory_id"])
+    assert points(page, "#memory-map") == prof["projection"]["sample_size"]
+    assert page.evaluate("document.querySelectorAll('#memory-token-freq .bars path').length") >= 5
+    choose(page, "#memory-token", "“ Ha”")  # pick a token: its keys highlighted, its sentences listed
+    page.wait_for_function("document.querySelectorAll('#memory-token-detail mark').length > 0")
+    assert set(page.locator("#memory-token-detail mark").all_inner_texts()) == {"Ha"} or \
+        set(t.strip() for t in page.locator("#memory-token-detail mark").all_inner_texts()) == {"Ha"}
+    assert "spread" in page.locator("#memory-token-detail").inner_text()
+    page.wait_for_function("[...document.querySelectorAll('#memory-map .legendtext')]"
+                           ".some(e => e.textContent.includes('centroid'))")
+    page.locator("#memory-profile").scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / "memory-profile.png"), full_page=True)
+
+
+def test_neighbour_maps_for_knn_and_pema_rows(page, app):
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Compare").click()
+    page.locator("#compare-source textarea").fill("the house is small")
+    for name in ("PEMA demo", "kNN demo"):
+        page.locator("#compare-methods label").filter(has_text=name).first.click()
+    page.locator("#compare-run").click()
+    wait_decoded(page, 3)
+    # a PEMA row first: where h_pd lands, and its nearest entries with the value token marked in their sentence
+    page.wait_for_function("document.querySelector('#neighbour-list')?.innerText.includes('h_pd')")
+    assert page.locator("#map-row input").input_value() == "PEMA demo"
+    assert page.locator("#neighbour-list mark").count() == 8
+    page.wait_for_function("document.querySelectorAll('#neighbour-map .scatterlayer .point').length > 8")
+    page.locator("#neighbour-panel").scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / "neighbour-map-pema.png"))
+    # the kNN row: its query f(c) and the neighbours its decode retrieved
+    choose(page, "#map-row", "kNN demo")
+    page.wait_for_function("document.querySelector('#neighbour-list')?.innerText.includes('the query kNN searches')")
+    assert "the house is small" in page.locator("#neighbour-list").inner_text()
+    choose(page, "#map-token", "1: ")
+    page.wait_for_function("document.querySelector('#map-token input')?.value.startsWith('1: ')")
+    page.wait_for_function("document.querySelector('#neighbour-map .gtitle')?.textContent.includes('(token 1)')")
+    page.wait_for_function("document.querySelectorAll('#neighbour-map .scatterlayer .point').length > 8")
+    assert page.locator("#neighbour-list mark").count() >= 1
+    page.screenshot(path=str(SHOTS / "neighbour-map-knn.png"))
+
+
+def test_several_sentences_table_and_examples(page, app):
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Compare").click()
+    page.locator("#compare-examples button").first.click()  # an example fills the sentence box
+    page.wait_for_function("document.querySelector('#compare-source textarea')?.value.includes('Berlin')")
+    page.locator("#compare-methods label").filter(has_text="kNN demo").first.click()
+    page.get_by_text("…or several sentences at once").click()
+    page.locator("#several-input textarea").fill("the house is small ||| das Haus ist klein\n"
+                                                  "the cat sleeps\tdie Katze schlaeft\ngood morning")
+    page.locator("#several-run").click()
+    page.wait_for_function("document.querySelectorAll('#several-result tbody tr').length === 4")  # 3 + corpus
+    heads = page.locator("#several-result thead th").all_inner_texts()
+    assert heads == ["#", "sentence", "reference", "Base model", "kNN demo"]
+    text = page.locator("#several-result").inner_text()
+    assert text.count("BLEU") >= 2 * 2 + 2 and "corpus" in text and "2 sentences with a reference" in text
+    page.locator("#several-panel").scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / "compare-several.png"))

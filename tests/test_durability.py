@@ -5,8 +5,10 @@
 * ``<data_dir>/studio.lock``: a second Studio (another process) on a live directory runs read-only — it does not
   mark the first one's running job interrupted, take its queued job, or delete its temporary folders; a CLI-like
   writer's temporary folder survives an owner's start-up until that writer is gone.
-* Crash tests: a studio process killed with SIGKILL at several points of a build and a training; the next start
-  marks the job interrupted and leaves no orphan folder, no orphan row, no temporary folder and no upload.
+* Nothing left behind: uploads go when their job is done, failed or cancelled; evaluation downloads go by age;
+  Gradio's cache of both pages (studio, share page) is cleaned on a schedule; a read-only studio says so.
+* Crash tests: a studio process killed with SIGKILL at ten points of a build, a training and an evaluation; the
+  next start marks the job interrupted and leaves no orphan folder, no orphan row, no temporary folder and no upload.
 """
 from __future__ import annotations
 
@@ -289,6 +291,7 @@ def test_the_lock_is_released_on_close_and_taken_again(tmp_path):
     b = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)  # same process, second studio
     try:
         assert not a.read_only and b.read_only
+        assert not a.status()["read_only"] and b.status()["read_only"]
     finally:
         b.close()
         a.close()
@@ -297,6 +300,39 @@ def test_the_lock_is_released_on_close_and_taken_again(tmp_path):
         assert not c.read_only
     finally:
         c.close()
+
+
+def test_a_read_only_studio_says_so_in_its_status_line_and_at_start_up(tmp_path, capsys):
+    import app
+    from ui.render import status_header
+    from studio.service import Studio
+
+    owner = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
+    try:
+        second = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
+        try:
+            assert "Read-only" in status_header(second.status()) and "another PEMA Studio" in \
+                status_header(second.status())
+            assert "Read-only" not in status_header(owner.status())
+        finally:
+            second.close()
+
+        class NoServer(Exception):
+            pass
+
+        def no_launch(*a, **k):
+            raise NoServer()
+
+        real, app.launch_app = app.launch_app, no_launch
+        try:
+            with pytest.raises(NoServer):
+                app.start(["--backbone", "tiny", "--data-dir", str(tmp_path), "--quiet"], block=False)
+        finally:
+            app.launch_app = real
+        out = capsys.readouterr().out
+        assert "PEMA Studio: read-only" in out and "studio.lock is held by process" in out, out
+    finally:
+        owner.close()
 
 
 # --- 3. nothing left behind ---------------------------------------------------------------------------------------
@@ -376,6 +412,80 @@ def test_an_upload_goes_when_its_queued_job_is_cancelled(tmp_path):
         st.close()
 
 
+def test_uploads_go_when_their_job_is_done_or_failed_and_old_downloads_go_by_age(tmp_path):
+    from studio.service import Studio
+
+    st = Studio(tmp_path, backbone="tiny", start_jobs=False)
+    try:
+        assert st.wait_ready(60)
+        ok = st.submit_build(JSONL, "x.jsonl")
+        bad = st.submit_build(JSONL, "y.jsonl")
+        uploads = {Path(st.jobs.get(j)["args"]["upload"]) for j in (ok, bad)}
+        assert set((st.root / "uploads").iterdir()) == uploads
+        Path(st.jobs.get(bad)["args"]["upload"]).write_bytes(b"\x00 not text any more")  # its build will fail
+        st.jobs.start()
+        assert st.jobs.wait(ok, 120)["state"] == "done" and st.jobs.wait(bad, 120)["state"] == "failed"
+        assert list((st.root / "uploads").iterdir()) == []  # both went as soon as their job ended
+        # evaluation downloads: written per evaluation, and any older than a day is removed on the next write
+        stale = st.downloads_root() / "0123456789abcdef0123"
+        stale.mkdir(parents=True)
+        (stale / "pema-eval-old.csv").write_text("old")
+        os.utime(stale / "pema-eval-old.csv", (time.time() - 2 * 86400,) * 2)
+        (stale / "pema-eval-recent.csv").write_text("recent")
+        ev = st.submit_evaluate(methods=["base"], test_data="\n".join(f"{s}\t{t}" for s, t in PAIRS[:4]),
+                                test_filename="t.tsv", limit=2, max_new_tokens=4)
+        assert st.jobs.wait(ev, 120)["state"] == "done"
+        files = st.evaluation_files(ev)
+        assert files and all(f.is_file() and f.parent.parent == st.downloads_root() for f in files)
+        assert sorted(p.name for p in stale.iterdir()) == ["pema-eval-recent.csv"]
+        os.utime(stale / "pema-eval-recent.csv", (time.time() - 2 * 86400,) * 2)
+        st.evaluation_files(ev)
+        assert not stale.exists()  # an emptied owner folder goes too
+    finally:
+        st.close()
+
+
+def test_gradio_caches_of_both_pages_are_cleaned(tmp_path, monkeypatch):
+    """Both mounted apps (the studio and the share page) get ``delete_cache``; an uploaded file in Gradio's cache
+    is removed by the schedule once older than the age, while the server runs."""
+    import httpx
+
+    import ui.server
+    from studio.service import Studio
+    from ui import shared
+    from ui.app import build_app
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio-cache"))
+    monkeypatch.setattr(ui.server, "DELETE_CACHE", (1, 1))  # every second, files older than one second
+    st = Studio(tmp_path / "d", backbone="tiny", start_jobs=False)
+    studio_blocks, share_blocks = build_app(st), shared.build_app(st)
+    assert studio_blocks.delete_cache  # the studio sets its own (downloads are kept a day)
+    studio_blocks.delete_cache = None  # …here the server's default applies to both
+    served = ui.server.serve(st, studio_blocks, share_blocks, "127.0.0.1", free_port())
+    try:
+        assert studio_blocks.delete_cache == share_blocks.delete_cache == (1, 1)
+        with httpx.Client(base_url=served.url, timeout=30) as h:
+            r = h.post("gradio_api/upload", files={"files": ("samples.tsv", b"a\tb\n")})
+            assert r.status_code == 200, r.text
+            path = Path(r.json()[0])
+        assert path.is_file() and str(path).startswith(str(tmp_path / "gradio-cache"))
+        t0 = time.time()
+        while path.exists() and time.time() - t0 < 20:
+            time.sleep(0.2)
+        assert not path.exists()
+    finally:
+        served.close()
+        st.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_a_faiss_index_leaves_no_temporary_file(tiny, tiny_memory, tmp_path):
     import shutil
 
@@ -393,82 +503,171 @@ def test_a_faiss_index_leaves_no_temporary_file(tiny, tiny_memory, tmp_path):
 
 
 # --- 3. crash tests: kill -9 at several points ------------------------------------------------------------------
-CRASH_CHILD = r"""
-import json, os, sys, time
+# One parent process imports the studio once and forks one child per point (so ten studios cost one import); each
+# child is a whole studio process that runs a build, a training or an evaluation and stops at its point, where the
+# test kills it with SIGKILL. Points: where the hook is, and what it leaves half-done.
+CRASH_POINTS = {
+    "build-synthetic": "a monolingual build making its synthetic sources (the upload only)",
+    "build-capture": "a build capturing f(c) (a half-written temporary folder, the upload)",
+    "build-writing": "a build's folder fully written under its temporary name, not yet renamed",
+    "build-publish": "a build's folder renamed into place, its catalog row not committed",
+    "train-rct": "a PEMA training in its reconstruction phase",
+    "train-fit": "a PEMA training in its joint phase",
+    "train-writing": "a plug-in's folder written under its temporary name, not yet renamed",
+    "train-saved": "a plug-in's folder saved, its catalog row not written",
+    "evaluate-decoding": "an evaluation decoding its test sentences",
+    "evaluate-finishing": "an evaluation done, its result not yet stored",
+}
+POINTS = tuple(CRASH_POINTS)
+
+CRASH_PARENT = r"""
+import json, os, sys, time, traceback
 from pathlib import Path
 
-point, d = sys.argv[1], Path(sys.argv[2])
 import ground.store as store
-from ground.jobs import JobContext
+from ground.jobs import JobContext, JobQueue
 from studio.service import Studio
 
-JSONL = sys.argv[3]
-QUICK = json.loads(sys.argv[4])
+root, JSONL, MONO, QUICK, points = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), sys.argv[5:]
+from backbone.tiny import tiny_backbone
 
-def hang(tag):
-    print("AT", tag, flush=True)
+
+def say(*words):  # one write per line: ten processes share this pipe
+    os.write(1, (" ".join(map(str, words)) + "\n").encode())
+
+
+tiny_backbone()  # once here: the children (forked below) find transformers' modules imported
+
+
+def run(point, d):
+    def hang(tag):
+        say("AT", point)
+        time.sleep(600)
+
+    real_progress = JobContext.progress
+    def progress(self, frac, message=""):
+        if (point == "build-synthetic" and message.startswith("synthetic sources")
+                or point == "build-capture" and self.kind == "build_memory" and message.startswith("captured")
+                or point == "train-rct" and self.kind == "train_plugin" and message.startswith("reconstruction")
+                or point == "train-fit" and self.kind == "train_plugin" and frac > 0.3
+                or point == "evaluate-decoding" and self.kind == "evaluate" and message.startswith("decoded")):
+            hang(point)
+        return real_progress(self, frac, message)
+    JobContext.progress = progress
+
+    real_replace = store.replace_dir
+    def replace_dir(tmp, final):
+        if point == ("build-writing" if final.parent.name == "memories" else "train-writing"):
+            hang(point)  # every file written and fsynced under the temporary name
+        real_replace(tmp, final)
+        if point == "build-publish" and final.parent.name == "memories":
+            hang(point)  # renamed, its row not committed yet
+    store.replace_dir = replace_dir
+
+    real_add = store.Catalog.add_plugin
+    def add_plugin(self, row):
+        if point == "train-saved":
+            hang(point)  # the folder is saved, its row not written yet
+        return real_add(self, row)
+    store.Catalog.add_plugin = add_plugin
+
+    real_update = JobQueue._update
+    def update(self, job_id, **fields):
+        if point == "evaluate-finishing" and job_id.startswith("evaluate-") and fields.get("state") == "done":
+            hang(point)  # the result is computed, the row not yet done
+        return real_update(self, job_id, **fields)
+    JobQueue._update = update
+
+    st = Studio(d, backbone="tiny")
+    assert st.wait_ready(300), st.status()
+    if point == "build-synthetic":
+        jid = st.submit_build(MONO, "mono.txt")
+    elif point.startswith("build"):
+        jid = st.submit_build(JSONL, "pairs.jsonl")
+    else:
+        job = st.jobs.wait(st.submit_build(JSONL, "pairs.jsonl"), 120)
+        assert job["state"] == "done", job
+        mid = job["result"]["memory_id"]
+        jid = st.submit_train(mid, "pema", QUICK)
+        if point.startswith("evaluate"):
+            job = st.jobs.wait(jid, 120)
+            assert job["state"] == "done", job
+            jid = st.submit_evaluate(methods=["base", job["result"]["plugin_id"]], memory_id=mid, limit=0,
+                                     max_new_tokens=6)
+    say("JOB", point, jid)
     time.sleep(600)
 
-real_progress = JobContext.progress
-def progress(self, frac, message=""):
-    if point == "build-capture" and self.kind == "build_memory" and message.startswith("captured"):
-        hang(point)
-    if point == "train-fit" and self.kind == "train_plugin" and frac > 0.3:
-        hang(point)
-    return real_progress(self, frac, message)
-JobContext.progress = progress
 
-real_replace = store.replace_dir
-def replace_dir(tmp, final):
-    real_replace(tmp, final)
-    if point == "build-publish" and final.parent.name == "memories":
-        hang(point)  # renamed, its row not committed yet
-store.replace_dir = replace_dir
-
-real_add = store.Catalog.add_plugin
-def add_plugin(self, row):
-    if point == "train-saved":
-        hang(point)  # the folder is saved, its row not written yet
-    return real_add(self, row)
-store.Catalog.add_plugin = add_plugin
-
-st = Studio(d, backbone="tiny")
-assert st.wait_ready(120)
-if point.startswith("train"):
-    job = st.jobs.wait(st.submit_build(JSONL, "pairs.jsonl"), 120)
-    assert job["state"] == "done", job
-    jid = st.submit_train(job["result"]["memory_id"], "pema", QUICK)
-else:
-    jid = st.submit_build(JSONL, "pairs.jsonl")
-print("JOB", jid, flush=True)
-time.sleep(600)
+children = []
+for point in points:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            run(point, root / point)
+        except BaseException:
+            traceback.print_exc()
+            sys.stdout.flush()
+        finally:
+            os._exit(1)
+    say("PID", point, pid)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+say("ALL")
 """
 
-POINTS = ("build-capture", "build-publish", "train-fit", "train-saved")
+
+def read_lines_until(proc: subprocess.Popen, done, timeout: float) -> list[str]:
+    """Lines of the child's stdout until ``done(lines)`` (fails after ``timeout``)."""
+    lines: list[str] = []
+    found = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if done(lines):
+                found.set()
+                return
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not found.wait(timeout):
+        proc.kill()
+        pytest.fail("the crash children never all reached their points; output:\n" + "\n".join(lines[-40:]))
+    return lines
 
 
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
-    """One studio process per point, all started at once, each killed with SIGKILL when it reaches its point."""
-    out = {}
-    procs = {}
+    """Ten studio processes (forked from one), each killed with SIGKILL when it reaches its point."""
+    root = tmp_path_factory.mktemp("crash")
     for point in POINTS:
-        d = tmp_path_factory.mktemp(point)
-        procs[point] = (d, spawn(CRASH_CHILD, point, str(d), JSONL, json.dumps(QUICK_PEMA)))
+        (root / point).mkdir()
+    mono = "\n".join(f"Das ist der Satz Nummer {i} aus dem Test" for i in range(20))
+    parent = spawn(CRASH_PARENT, str(root), JSONL, mono, json.dumps(QUICK_PEMA), *POINTS)
+    out = {}
+    pids: dict[str, int] = {}
     try:
-        for point, (d, proc) in procs.items():
-            lines = read_until(proc, "AT", 240)
-            job_id = next(ln.split()[1] for ln in lines if ln.startswith("JOB"))
+        lines = read_lines_until(parent, lambda ls: sum(ln.startswith("AT ") for ln in ls) == len(POINTS)
+                                 or ls[-1] == "ALL", 600)
+        assert sum(ln.startswith("AT ") for ln in lines) == len(POINTS), "\n".join(lines[-60:])
+        pids = {ln.split()[1]: int(ln.split()[2]) for ln in lines if ln.startswith("PID ")}
+        jobs = {ln.split()[1]: ln.split()[2] for ln in lines if ln.startswith("JOB ")}
+        for point in POINTS:
+            d = root / point
             state = {"tmp": temporaries(d), "memories": folders(d, "memories"), "plugins": folders(d, "plugins"),
                      "uploads": folders(d, "uploads")}
-            proc.send_signal(signal.SIGKILL)  # kill -9
-            assert proc.wait(30) == -signal.SIGKILL
-            out[point] = (d, job_id, state)
+            os.kill(pids[point], signal.SIGKILL)  # kill -9
+            out[point] = (d, jobs[point], state)
+        assert parent.wait(60) == 0
     finally:
-        for _d, proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
     return out
 
 
@@ -478,23 +677,29 @@ def test_a_studio_killed_mid_job_restarts_clean(crashed, point):
     from studio.service import Studio
 
     d, job_id, before = crashed[point]
+    named = lambda names: {n for n in names if not n.startswith(".")}  # noqa: E731
     # what the kill left: half-written work of each kind
-    if point == "build-capture":
-        assert before["tmp"] and before["uploads"]  # a half-written folder and the job's upload
+    if point.startswith("build"):
+        assert before["uploads"]  # the job's upload
+    if point in ("build-capture", "build-writing", "train-writing"):
+        assert before["tmp"], before  # a temporary folder
     if point == "build-publish":
-        assert before["memories"] - {n for n in before["memories"] if n.startswith(".")}  # renamed, no row
+        assert named(before["memories"])  # renamed, no row
     if point == "train-saved":
-        assert {n for n in before["plugins"] if not n.startswith(".")}  # saved, no row
+        assert named(before["plugins"])  # saved, no row
     st = Studio(d, backbone="tiny", load=False, start_jobs=False)
     try:
         job = st.jobs.get(job_id)
         assert job["state"] == "interrupted" and job["message"] == INTERRUPTED_MESSAGE
+        assert not job["result"]
         if point in ("build-publish", "train-saved"):
             assert any("without a catalog row" in r for r in st.repairs), st.repairs
-        if point.startswith("train"):
-            assert len(st.catalog.memories()) == 1 and st.catalog.plugins() == []
-        else:
-            assert st.catalog.memories() == []
+        if point in ("build-capture", "build-writing", "train-writing"):
+            assert any("gone" in r for r in st.repairs), st.repairs  # the dead writer's temporary folder
+        memories, plugins = len(st.catalog.memories()), len(st.catalog.plugins())
+        expected = {"build": (0, 0), "train": (1, 0), "evaluate": (1, 1)}[point.split("-")[0]]
+        assert (memories, plugins) == expected
+        assert not st.downloads_root().exists() or not any(st.downloads_root().iterdir())
     finally:
         st.close()
     assert_consistent(d)

@@ -177,6 +177,69 @@ def test_free_text_gets_the_upload_checks(text, pattern):
     assert check_text("a\tb\nc \u202e ✓", "sentence") == "a\tb\nc \u202e ✓"
 
 
+COMPARE_TEXT = [  # (id, source, reference, pattern): every text a comparison decodes or stores
+    ("source-nul", "a\x00b", None, r"sentence contains a NUL character"),
+    ("source-lone-surrogate", "x\ud800y", None, r"sentence contains a lone surrogate \(U\+D800\)"),
+    ("source-escape", "red \x1b[31m text", None, r"sentence contains U\+001B .*control character"),
+    ("source-c1-csi", "a \x9b b", None, r"sentence contains U\+009B"),
+    ("source-del", "a\x7fb", None, r"sentence contains U\+007F"),
+    ("source-too-long", "x" * 2001, None, r"sentence's length in characters is 2,001; the limit is 2,000"),
+    ("source-not-text", 12345, None, r"Type a sentence"),
+    ("reference-nul", "fine", "r\x00", r"reference contains a NUL character"),
+    ("reference-surrogate", "fine", "\udfff", r"reference contains a lone surrogate"),
+    ("reference-bell", "fine", "ding\x07", r"reference contains U\+0007"),
+    ("reference-too-long", "fine", "y" * 2001, r"reference's length in characters is 2,001"),
+    ("reference-not-text", "fine", ["a"], r"reference must be text"),
+]
+
+
+@pytest.mark.parametrize("source,reference,pattern", [c[1:] for c in COMPARE_TEXT], ids=[c[0] for c in COMPARE_TEXT])
+def test_compare_text_gets_the_text_checks(studio, source, reference, pattern):
+    before = snapshot(studio.root)
+    with pytest.raises(UserError, match=pattern):
+        studio.compare(source, reference=reference, max_new_tokens=4)
+    assert snapshot(studio.root) == before
+
+
+def test_plain_compare_text_passes_the_checks(studio):
+    """Tabs, line breaks, bidi marks and any script are text: the check lets them through (the backbone is not
+    loaded here, so the comparison stops only when it would decode)."""
+    with pytest.raises(UserError, match="still loading"):
+        studio.compare("שלום\u200f\tworld\n✓ é", reference="ok\r\n", max_new_tokens=4)
+
+
+EVAL_TEXT = [  # pairs pasted (or sent through the API) for an evaluation: the parser's checks, naming the line
+    ("nul", "a\tb\nc\x00\td", r"NUL"),
+    ("surrogate", "a\tb\nc\ud800\td", r"lone surrogate"),
+    ("escape", "a\tb\nc\x1b[2J\td", r"line 2: the source contains a control character \(U\+001B\)"),
+    ("c1", "a\tb\nc\td\x9be", r"line 2: the target contains"),
+    ("too-long-side", "a\tb\n" + "x" * 2001 + "\td", r"line 2: the source has 2001 characters"),
+    ("over-upload-bound", "a\tb\n" * 800, r"upload_bytes"),
+    ("no-pairs", "just one column\n", r"source and reference pairs"),
+]
+
+
+@pytest.mark.parametrize("text,pattern", [e[1:] for e in EVAL_TEXT], ids=[e[0] for e in EVAL_TEXT])
+def test_evaluation_pairs_get_the_text_checks(studio, text, pattern):
+    import dataclasses
+
+    studio.limits = dataclasses.replace(studio.limits, upload_bytes=3000)  # room for one over-long line
+    before = snapshot(studio.root)
+    with pytest.raises(UserError, match=pattern):
+        studio.submit_evaluate(methods=["base"], test_data=text, test_filename="t.tsv", limit=0, max_new_tokens=4)
+    assert studio.jobs.list() == [] and snapshot(studio.root) == before
+
+
+@pytest.mark.parametrize("label,pattern", [("\u202eevil", "U\\+202E"), ("two\nlines", "U\\+000A"),
+                                           ("esc\x1b[1m", "U\\+001B"), ("x" * 41, "length in characters is 41"),
+                                           ("   ", "non-empty text"), (7, "non-empty text")])
+def test_share_labels_are_checked_like_names(studio, label, pattern):
+    p = {"rows": [{"label": "Base model", "method": "base"}]}
+    with pytest.raises(UserError, match=pattern):
+        studio.share_labels(p, {"Base model": label})
+    assert studio.share_labels(p, {"Base model": " Mein Modell "}) == {"Base model": "Mein Modell"}
+
+
 def test_a_hostile_file_name_neither_breaks_nor_leaks_into_names(studio):
     with pytest.raises(UserError, match="file name must be text"):
         studio.submit_build(JSONL, 12345)

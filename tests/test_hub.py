@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -195,6 +196,30 @@ def test_lora_loads_in_peft_with_the_same_logits_and_tokens(tiny, home, trained,
     assert seq[len(ctx):] == row_tokens
 
 
+def test_the_studios_own_lora_folder_is_a_peft_adapter(tiny, home, trained, tmp_path):
+    """Plugin.save's extra-files hook: the LoRA folder in the data directory (no export) loads with
+    PeftModel.from_pretrained and gives the studio's logits; the PEFT files are checksummed like the weights, so a
+    changed adapter_config.json makes the plug-in refuse to load."""
+    import shutil
+
+    from peft import PeftModel
+
+    plugin, row = trained("lora")
+    folder = tmp_path / "lora"
+    shutil.copytree(row["path"], folder)
+    files = json.loads((folder / "plugin_config.json").read_text())["files"]
+    assert {"adapter_config.json", "adapter_model.safetensors", "plugin_model.safetensors"} <= set(files)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(tiny.model), str(folder)).eval()
+    ids = torch.tensor([tiny.encode_context(PROMPT.render(SOURCE))], device=tiny.device)
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+    assert torch.allclose(want, _studio_logits(tiny, plugin, ids), atol=1e-5, rtol=1e-5)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": cfg["lora_alpha"] * 2}))
+    with pytest.raises(UserError, match="adapter_config.json does not match its checksum"):
+        load_plugin(folder, tiny)
+
+
 def test_old_lora_plugins_still_load_and_export(tiny, home, trained, tmp_path):
     """A LoRA plug-in saved before checksums and PEFT export (no "files" / "writer" in its config) loads, decodes
     the same and exports a PEFT adapter."""
@@ -209,6 +234,8 @@ def test_old_lora_plugins_still_load_and_export(tiny, home, trained, tmp_path):
     for k in ("files", "writer"):
         cfg.pop(k, None)
     (old / "plugin_config.json").write_text(json.dumps(cfg))
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors"):
+        (old / name).unlink(missing_ok=True)  # saved before the PEFT files were written on every save
     loaded = load_plugin(old, tiny)
     assert tokens(tiny, loaded) == tokens(tiny, plugin)
     out = export_plugin(str(old), tiny, tmp_path / "pkg")
@@ -369,3 +396,97 @@ def test_cli_builds_a_memory_from_a_dataset(parquet, tiny, tmp_path, monkeypatch
                                                                                                  "tgt": "de"}
     with pytest.raises(UserError, match="not both"):
         cli.main(["build", str(parquet), "--dataset", str(parquet), "--data-dir", str(tmp_path / "d")])
+
+
+# --- the Plug-ins tab's Export / Import: zipped packages through the service ----------------------------------------
+@pytest.fixture(scope="module")
+def studio_home(home):
+    """A Studio on the data directory where ``trained`` saves its plug-ins (all of the local owner)."""
+    from studio.service import Studio
+
+    cat, _ = home
+    st = Studio(cat.root, backbone="tiny", start_jobs=False)
+    assert st.wait_ready(120), st.status()
+    yield st
+    st.close()
+
+
+def test_zip_export_import_through_the_service_is_owner_checked(tiny, studio_home, trained, tmp_path):
+    """Export writes a zip of the CLI's package into the owner's downloads; another owner cannot export it; an
+    import lands in the importer's catalog only, decodes the same, and keeps the package's checks."""
+    import zipfile
+
+    st = studio_home
+    plugin, row = trained("lora")
+    path = st.export_plugin_zip(row["id"])
+    assert path.parent == st._downloads_dir("local") and path.name == f"pema-plugin-{row['id']}.zip"
+    with zipfile.ZipFile(path) as z:
+        assert {n.split("/")[0] for n in z.namelist()} == {f"pema-plugin-{row['id']}"}
+        assert {"plugin_config.json", "adapter_model.safetensors", "README.md", "pema_export.json"} <= \
+            {n.split("/")[1] for n in z.namelist()}
+    with pytest.raises(UserError, match="No plug-in"):
+        st.export_plugin_zip(row["id"], owner="mallory")  # another owner's plug-in reads as nonexistent
+
+    got = st.import_plugin_zip(path, "bob's copy", owner="bob")
+    assert got["name"] == "bob's copy" and got["method"] == "lora" and got["id"] != row["id"]
+    assert [p["id"] for p in st.plugins(owner="bob")] == [got["id"]]
+    assert got["id"] not in {p["id"] for p in st.plugins(owner="local")}
+    assert tokens(tiny, open_plugin(st.catalog.plugin(got["id"])["path"], tiny)) == tokens(tiny, plugin)
+    assert st.import_plugin_zip(path.read_bytes(), owner="bob")["name"]  # the bytes of an upload work too
+
+    # a file changed inside the zip: the manifest's hash refuses it, nothing is added
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("plugin_model.safetensors"):
+                data = data[:-4] + b"\0\0\0\1"
+            dst.writestr(info, data)
+    with pytest.raises(UserError, match="plugin_model.safetensors does not match its SHA-256"):
+        st.import_plugin_zip(bad, owner="carol")
+    assert st.plugins(owner="carol") == []
+
+
+def _zip(path, members: dict, symlink: str | None = None):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        if symlink:
+            info = zipfile.ZipInfo(symlink)
+            info.external_attr = (0o120777 << 16)  # a symbolic link (Unix mode bits)
+            z.writestr(info, "/etc/passwd")
+    return path
+
+
+@pytest.mark.parametrize("members,symlink,limit,pattern", [
+    ({"../evil.json": "{}", "plugin_config.json": "{}"}, None, 0, "plain files only"),
+    ({"/abs/plugin_config.json": "{}"}, None, 0, "plain files only"),
+    ({"a/b/plugin_config.json": "{}"}, None, 0, "plain files only"),
+    ({"a/plugin_config.json": "{}", "b/x.json": "{}"}, None, 0, "more than one folder"),
+    ({"plugin_config.json": "{}"}, "link.json", 0, "not a plain file"),
+    ({"plugin_config.json": "{}", "weights.bin": "x"}, None, 0, "not safetensors"),
+    ({"plugin_config.json": "{}", "x.json": "0" * 5_000_000}, None, 0, "zip bomb"),
+    ({"plugin_config.json": "{}", "x.json": "0" * 500_000}, None, 100_000, "unpacks to more than"),
+    ({"readme.md": "hi"}, None, 0, "no plugin_config.json"),
+], ids=["slip", "absolute", "nested", "two-folders", "symlink", "pickle-capable", "bomb", "unpacked-size",
+        "no-config"])
+def test_hostile_zips_are_refused_before_anything_is_imported(members, symlink, limit, pattern, tmp_path):
+    from studio.packages import unpack_zip
+
+    z = _zip(tmp_path / "p.zip", members, symlink)
+    with pytest.raises(UserError, match=pattern):
+        unpack_zip(z, tmp_path / "out", limit)
+
+
+def test_oversized_and_non_zip_uploads_are_one_line_errors(tmp_path):
+    from studio.packages import unpack_zip
+
+    z = _zip(tmp_path / "p.zip", {"plugin_config.json": "{}", "w.safetensors": os.urandom(3000)})
+    with pytest.raises(UserError, match="the limit is 1,000"):
+        unpack_zip(z, tmp_path / "out", 1000)
+    (tmp_path / "n.zip").write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(UserError, match="not a zip file"):
+        unpack_zip(tmp_path / "n.zip", tmp_path / "out2", 0)
+    assert unpack_zip(z, tmp_path / "ok", 0) == tmp_path / "ok" and (tmp_path / "ok" / "w.safetensors").exists()

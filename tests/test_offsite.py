@@ -244,6 +244,159 @@ def test_the_command_lines_work_through_the_owner(tiny, owner, tmp_path, capsys,
                    max_new_tokens=12)
     assert [r["tokens"] for r in far["rows"]] == [r.tokens for r in near.rows]
 
+    # python -m eval run --remote: the outputs and scores of the local evaluation (eval.run.evaluate)
+    from backbone.tasks import task_prompt
+    from eval.__main__ import main as eval_main
+    from eval.run import evaluate
+    from plugins.__main__ import plugin_rows
+
+    run(eval_main, "run", "--memory", mem_id, "--plugin", str(plugin_dir), "--max-new-tokens", "8",
+        "--json", str(tmp_path / "far.json"))
+    far = json.loads((tmp_path / "far.json").read_text())
+    pairs = [(o["source"], o["reference"]) for o in far["outputs"]]  # the memory's held-out split
+    near = evaluate(tiny, pairs, [Row("base")] + plugin_rows([plug], "translation", tiny.name, None),
+                    task_prompt("translation", tiny), batch_sources=1, max_new_tokens=8)
+    assert far["outputs"] and far["outputs"] == near["outputs"]
+    assert [m["chrf"] for m in far["methods"]] == [m["chrf"] for m in near["methods"]]
+
+
+# --- the studio under a remote backbone ----------------------------------------------------------------------------
+STUDIO_TSV = "\n".join(f"{s}\t{t}" for s, t in [
+    ("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+    ("good morning", "Guten Morgen"), ("hello world", "hallo Welt"), ("the dog runs", "der Hund rennt"),
+    ("a small house", "ein kleines Haus")] * 2)
+
+
+@pytest.fixture(scope="module")
+def studios(owner, tmp_path_factory):
+    """The same work through two studios: one on its own tiny backbone, one on the owner's (``remote=``)."""
+    from studio.service import Studio
+
+    local = Studio(tmp_path_factory.mktemp("studio-local"), backbone="tiny")
+    assert local.wait_ready(120)  # one at a time: transformers' lazy imports are not safe across two loader threads
+    far = Studio(tmp_path_factory.mktemp("studio-remote"), backbone="tiny", remote=owner.url, remote_token=TOKEN)
+    try:
+        assert far.wait_ready(120), far.status()["message"]
+        yield local, far
+    finally:
+        local.close()
+        far.close()
+
+
+def _studio_work(s) -> dict:
+    """Build a memory, train PEMA and kNN on it, through the studio's jobs; their ids."""
+    job = s.jobs.wait(s.submit_build(STUDIO_TSV, "pairs.tsv", name="pairs"), 120)
+    assert job["state"] == "done", job
+    mid = job["result"]["memory_id"]
+    out = {"memory": mid}
+    for method, cfg in (("pema", PEMA_FAST), ("knn", {})):
+        job = s.jobs.wait(s.submit_train(mid, method, cfg, method), 180)
+        assert job["state"] == "done", job
+        out[method] = job["result"]["plugin_id"]
+    return out
+
+
+def test_the_studio_builds_trains_and_compares_through_the_owner_as_it_does_locally(studios, owner):
+    from memories.store import Memory
+    from ui.app import status_html
+
+    local, far = studios
+    assert isinstance(far.backbone, RemoteBackbone) and not isinstance(local.backbone, RemoteBackbone)
+    holds = f"model weights: at {owner.url.split('//')[1]} (model owner); memory, plug-ins: here"
+    assert far.status()["remote"]["holds"] == holds and local.status()["remote"] is None
+    assert holds in status_html(far.status()) and "model owner" not in status_html(local.status())
+    near_ids, far_ids = _studio_work(local), _studio_work(far)
+
+    a, b = (_arrays(Memory.load(s._memory_row(ids["memory"], None)["path"]))
+            for s, ids in ((local, near_ids), (far, far_ids)))
+    for k in a:
+        if k.endswith("keys"):
+            np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), atol=1e-3, rtol=1e-3)
+        else:
+            assert np.array_equal(a[k], b[k]), k
+    pa, pb = (load_plugin(s._plugin_row(ids["pema"], None)["path"], local.backbone).state_dict()
+              for s, ids in ((local, near_ids), (far, far_ids)))
+    assert pa.keys() == pb.keys() and all(torch.allclose(pa[k].float(), pb[k].float(), atol=1e-4) for k in pa)
+
+    for src in SOURCES:
+        near = local.compare(src, methods=["base", near_ids["pema"], near_ids["knn"]], max_new_tokens=12)
+        away = far.compare(src, methods=["base", far_ids["pema"], far_ids["knn"]], max_new_tokens=12)
+        assert [r["label"] for r in near["rows"]] == [r["label"] for r in away["rows"]] == ["Base model", "pema",
+                                                                                          "knn"]
+        assert [r["tokens"] for r in near["rows"]] == [r["tokens"] for r in away["rows"]], src
+        assert [r["settings"] for r in near["rows"]] == [r["settings"] for r in away["rows"]]
+    with pytest.raises(UserError, match="Attention maps need the decoder's layers"):
+        far.attention(away, "pema")
+
+    evals = []  # the Evaluate tab's job: the held-out split, every row decoded through the owner's sessions
+    for s, ids in ((local, near_ids), (far, far_ids)):
+        job = s.jobs.wait(s.submit_evaluate(methods=["base", ids["pema"], ids["knn"]], memory_id=ids["memory"],
+                                            limit=0, max_new_tokens=10), 120)
+        assert job["state"] == "done", job
+        evals.append(job["result"])
+    assert evals[0]["outputs"] and evals[0]["outputs"] == evals[1]["outputs"]
+    assert [m["chrf"] for m in evals[0]["methods"]] == [m["chrf"] for m in evals[1]["methods"]]
+
+
+def test_in_network_methods_are_unavailable_in_the_studio_under_a_remote_backbone(studios):
+    local, far = studios
+    table, here = ({m["method"]: m for m in s.methods()} for s in (far, local))
+    network = [m for m, d in table.items() if d["level"] == "network"]
+    assert network and all(not table[m]["offsite"] and "cannot be trained or decoded offsite"
+                           in table[m]["unavailable"] for m in network)
+    assert table["pema"]["offsite"] and "unavailable" not in table["pema"] and "unavailable" not in table["knn"]
+    assert not any("unavailable" in d for d in here.values())
+    mems = far.memories() or [{"id": far.jobs.wait(far.submit_build(STUDIO_TSV, "pairs.tsv"), 120)["result"]
+                                     ["memory_id"]}]  # when this test runs alone
+    mid = mems[0]["id"]
+    for m in network:
+        with pytest.raises(UserError, match="cannot be trained or decoded offsite"):
+            far.submit_train(mid, m, {}, m)
+
+
+def test_app_py_takes_remote_and_the_token_from_the_environment(monkeypatch):
+    import app
+
+    monkeypatch.delenv("PEMA_REMOTE_TOKEN", raising=False)
+    monkeypatch.delenv("PEMA_REMOTE", raising=False)
+    assert app.parse_args([]).remote is None
+    assert app.parse_args(["--remote", "http://owner:8765"]).remote == "http://owner:8765"
+    monkeypatch.setenv("PEMA_REMOTE", "https://owner.example")
+    assert app.parse_args([]).remote == "https://owner.example"
+    with pytest.raises(SystemExit, match=r"must be an http\(s\) URL"):
+        app.start(["--remote", "ftp://owner", "--backbone", "tiny"], block=False)
+    with pytest.raises(SystemExit, match=r"needs the model owner's bearer token in \$PEMA_REMOTE_TOKEN"):
+        app.start(["--remote", "http://owner:8765", "--backbone", "tiny"], block=False)
+
+
+def test_the_remote_setting_switches_in_single_user_mode_only(owner, tmp_path):
+    from studio.service import Studio
+
+    s = Studio(tmp_path / "one", backbone="tiny")
+    try:
+        assert s.wait_ready(60) and s.status()["remote"] is None
+        with pytest.raises(UserError, match=r"http\(s\) URL"):
+            s.set_remote("ftp://owner:21")
+        s.set_remote(owner.url, TOKEN)
+        assert s.wait_ready(60), s.status()
+        assert isinstance(s.backbone, RemoteBackbone) and s.status()["remote"]["url"] == owner.url
+        assert TOKEN not in json.dumps(s.status())
+        s.set_remote(owner.url, "not-the-owners-token")
+        assert not s.wait_ready(60)
+        st = s.status()
+        assert st["state"] == "failed" and "Could not connect to the model owner" in st["message"] \
+            and "wrong bearer token" in st["message"]
+        s.set_remote("", None)  # back to the local backbone
+        assert s.wait_ready(60) and not isinstance(s.backbone, RemoteBackbone) and s.status()["remote"] is None
+    finally:
+        s.close()
+    hosted = Studio(tmp_path / "many", backbone="tiny", multi_user=True, load=False, start_jobs=False)
+    try:
+        with pytest.raises(UserError, match="no per-user remote in multi-user mode"):
+            hosted.set_remote(owner.url, TOKEN, owner="someone")
+    finally:
+        hosted.close()
+
 
 # --- refusals and robustness ---------------------------------------------------------------------------------------
 def test_bad_requests_get_a_clear_4xx(owner, remote):
@@ -296,6 +449,23 @@ def test_bad_requests_get_a_clear_4xx(owner, remote):
     assert r.status_code == 422 and "one token id per row of the session (2)" in r.json()["error"]
     r = post(f"/v1/sessions/{sid}/step", {"tokens": [5, 6], "rows": [0, 7]})
     assert r.status_code == 422 and "rows[1] = 7 is outside [0, 1]" in r.json()["error"]
+    for body, status, reason in [  # a session's steps: malformed ids, unknown rows; the session survives them
+        ({"tokens": [5, "x"]}, 422, "tokens[1] = x is not a token id"),
+        ({"tokens": [5, 400]}, 422, "tokens[1] = 400 is not a token id"),
+        ({"tokens": [5, 6], "reorder": [0, -1]}, 422, "reorder[1] = -1 is outside [0, 1]"),
+        ({"tokens": [5, 6], "rows": [1, 1]}, 422, "rows must be a list of distinct row indices"),
+        ({"tokens": [5, 6], "beams": 2}, 422, "unknown field(s) 'beams'")]:
+        r = post(f"/v1/sessions/{sid}/step", body)
+        assert r.status_code == status and reason in r.json()["error"], (body, r.status_code, r.text)
+    for path, body, status, reason in [  # oversized batches and malformed ids of the other requests
+        ("/v1/sessions", {"context": [1, 2], "rows": 65}, 422, "rows = 65 is outside [1, 64]"),
+        ("/v1/sessions", {"context": [1, None]}, 422, "context[1] = None is not a token id"),
+        ("/v1/generate", {"contexts": [[1, 2]] * 65}, 413, "65 rows (limit 64)"),
+        ("/v1/generate", {"contexts": [[1, True]]}, 422, "contexts[0][1] = True is not a token id"),
+        ("/v1/fc", {"sequences": [[1, 2]], "positions": [[-1]]}, 422, "positions[0][0] = -1 is not a position"),
+        ("/v1/fc", {"prefix": [1, 2], "sequences": [[3]] * 40, "positions": None}, 200, None)]:
+        r = post(path, body)
+        assert r.status_code == status and (reason is None or reason in r.json()["error"]), (path, body, r.text)
     t, meta = unpack(post(f"/v1/sessions/{sid}/step", {"tokens": [5, 6], "rows": [1]}).content)
     assert t["fc"].shape == (1, 64) and t["lm"].shape == (1, 400) and meta["step"] == "1"
     assert httpx.delete(u + f"/v1/sessions/{sid}", headers=h).json() == {"closed": sid}
@@ -341,6 +511,35 @@ def test_the_owner_keeps_serving_when_a_client_is_killed_mid_session(tiny, owner
     near, far = (load_plugin(trained["pema-remote"].plugin_path, bb) for bb in (tiny, remote))
     a = compare(tiny, SOURCES[1], [Row("base"), Row("pema", near)], PROMPT, max_new_tokens=8)
     b = compare_remote(remote, SOURCES[1], [Row("base"), Row("pema", far)], PROMPT, max_new_tokens=8)
+    assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
+
+
+def test_the_owner_keeps_serving_when_a_data_owner_is_killed_mid_decode(tiny, owner, remote, trained, tmp_path):
+    """A real data owner (``python -m plugins compare --remote``) killed while its decode session runs; then
+    another client decodes, token for token as locally."""
+    import httpx
+
+    h = {"Authorization": f"Bearer {TOKEN}"}
+    sessions = lambda: httpx.get(owner.url + "/v1/info", headers=h).json()["sessions_open"]  # noqa: E731
+    before = sessions()
+    p = subprocess.Popen([sys.executable, "-m", "plugins", "compare", SOURCES[2], "--plugin",
+                          str(trained["pema-remote"].plugin_path), "--remote", owner.url, "--max-new-tokens", "400",
+                          "--data-dir", str(tmp_path)], cwd=ROOT, env={**_env(), "PEMA_REMOTE_TOKEN": TOKEN},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while sessions() == before:  # its decode session is open: it is mid-decode (400 steps of 2 rows)
+            assert p.poll() is None, p.stderr.read()
+            assert time.time() < deadline, "the data owner never opened a decode session"
+            time.sleep(0.02)
+    finally:
+        p.kill()
+        p.wait(10)
+    assert p.returncode == -signal.SIGKILL  # killed, not finished
+    assert owner.proc.poll() is None and sessions() == before + 1  # its orphan waits for the idle timeout
+    near, far = (load_plugin(trained["pema-remote"].plugin_path, bb) for bb in (tiny, remote))
+    a = compare(tiny, SOURCES[2], [Row("base"), Row("pema", near)], PROMPT, max_new_tokens=12)
+    b = compare_remote(remote, SOURCES[2], [Row("base"), Row("pema", far)], PROMPT, max_new_tokens=12)
     assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
 
 

@@ -12,6 +12,7 @@
 import dataclasses
 import json
 import os
+import re
 import socket
 import sqlite3
 import time
@@ -350,6 +351,51 @@ def test_share_bounds(bounded):
         st.limits = old
 
 
+def test_rate_limits_throttle_one_owner_and_not_another(tmp_path):
+    from ground.errors import UserError
+    from studio.limits import Limits
+    from studio.service import Studio
+
+    st = Studio(tmp_path, backbone="tiny", multi_user=True, start_jobs=False,
+                limits=Limits(compares_per_minute=3, evaluations_per_minute=1))
+    assert st.wait_ready(60)
+    small = "\n".join(f"{s}\t{t}" for s, t in PAIRS[:5])
+    try:
+        for _ in range(3):
+            assert st.compare("hi", max_new_tokens=2, owner="rate-a")["rows"]
+        with pytest.raises(UserError) as e:
+            st.compare("hi", max_new_tokens=2, owner="rate-a")
+        msg = str(e.value)
+        assert re.match(r"Too many comparisons: at most 3 per minute per user; try again in \d+ s", msg), msg
+        assert "--limit compares_per_minute=" in msg and "PEMA_LIMIT_COMPARES_PER_MINUTE" in msg
+        wait = int(re.search(r"in (\d+) s", msg).group(1))
+        assert 1 <= wait <= 60
+        assert st.compare("hi", max_new_tokens=2, owner="rate-b")["rows"]  # another owner is not throttled
+        ev = dict(methods=["base"], test_data=small, test_filename="t.tsv", limit=2, max_new_tokens=4)
+        st.submit_evaluate(**ev, owner="rate-a")
+        with pytest.raises(UserError, match=r"Too many evaluations: at most 1 per minute per user"):
+            st.submit_evaluate(**ev, owner="rate-a")
+        st.submit_evaluate(**ev, owner="rate-b")
+    finally:
+        st.close()
+
+
+def test_a_rate_window_slides():
+    from studio.limits import RateWindows
+
+    now = [1000.0]
+    w = RateWindows(window=60, clock=lambda: now[0])
+    assert w.take("c", "a", 2) == 0.0
+    now[0] += 10
+    assert w.take("c", "a", 2) == 0.0
+    now[0] += 20
+    assert w.take("c", "a", 2) == pytest.approx(30.0)  # the oldest call leaves the window in 30 s
+    assert w.take("c", "b", 2) == 0.0 and w.take("e", "a", 2) == 0.0  # per owner and per limit
+    now[0] += 30.001
+    assert w.take("c", "a", 2) == 0.0  # the first call has left the window; the refused one was not counted
+    assert w.take("c", "a", 2) == pytest.approx(9.999, abs=1e-3)
+
+
 def test_limits_come_from_env_and_flags_and_quotas_are_off_for_one_user():
     from ground.errors import UserError
     from studio.limits import Limits
@@ -358,6 +404,9 @@ def test_limits_come_from_env_and_flags_and_quotas_are_off_for_one_user():
     assert (lim.input_chars, lim.beams, lim.jobs_total, lim.memories_per_owner) == (100, 1, 0, 20)
     local = Limits.configure(False, {})
     assert local.memories_per_owner == local.jobs_per_owner == 0 and local.input_chars == 2000
+    assert local.compares_per_minute == local.evaluations_per_minute == 0  # rate limits: off for one user too
+    hosted = Limits.configure(True, {"PEMA_LIMIT_COMPARES_PER_MINUTE": "5"})
+    assert (hosted.compares_per_minute, hosted.evaluations_per_minute) == (5, 10)
     with pytest.raises(UserError, match="Unknown limit 'nope'"):
         Limits.configure(True, {}, ["nope=1"])
     with pytest.raises(UserError, match="whole number"):

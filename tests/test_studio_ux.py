@@ -460,3 +460,228 @@ def test_output_cards_have_copy_and_view_buttons_and_explain_the_score():
     assert "pema-card-plain'>a c<" in html and "<del>b</del>" in html
     assert "<abbr class='pema-term' title='score: the output" in html
     assert "title='A plug-in with a very long name that must not be cut'" in html
+
+
+# --- memory profile, neighbour maps, several sentences, examples (issue #17) ---------------------------------------
+@pytest.fixture(scope="module")
+def knn_id(studio, memory_id):
+    job = studio.jobs.wait(studio.submit_train(memory_id, "knn", {}, "kNN for maps"), 120)
+    assert job["state"] == "done", job
+    return job["result"]["plugin_id"]
+
+
+def test_memory_profile_counts_tokens_and_projects_a_seeded_sample(studio, memory_id):
+    import numpy as np
+
+    from memories.profile import memory_profile, project, scaled_keys
+    from memories.store import Memory
+
+    prof = studio.memory_profile(memory_id)
+    assert studio.memory_profile(memory_id) is prof  # computed once per memory
+    mem = Memory.load(studio.catalog.memory(memory_id)["path"])
+    ids, counts = np.unique(np.asarray(mem.values), return_counts=True)
+    assert (prof["entries"], prof["samples"], prof["heldout_samples"]) == (len(mem), 11, 1)
+    assert prof["distinct_tokens"] == len(ids) and prof["entries_per_sample"] == round(len(mem) / 11, 2)
+    got = {t["token_id"]: t["count"] for t in prof["top_tokens"]}
+    assert got == {int(i): int(c) for i, c in zip(ids, counts) if int(i) in got}
+    assert [t["count"] for t in prof["top_tokens"]] == sorted(got.values(), reverse=True)
+    assert prof["top_tokens"][0]["count"] == counts.max()
+    newline = next(t for t in prof["top_tokens"] if t["text"] == "\n")  # every target ends with a line end
+    assert newline["count"] == 11
+    proj = prof["projection"]
+    assert proj["sample_size"] == len(mem) == len(proj["points"])  # a small memory: every key is on the map
+    assert 1 >= proj["explained"][0] >= proj["explained"][1] >= 0
+    # the stored points are the projection of the sampled keys / key RMS; so is any vector put on the map later
+    again = project(prof, scaled_keys(mem, np.asarray(proj["entries"])))
+    assert np.allclose(again, np.asarray(proj["points"]), atol=1e-3)
+    assert [int(mem.values[e]) for e in proj["entries"]] == proj["tokens"]
+    # the two directions are the principal ones: those of a full SVD of the centred sample
+    x = scaled_keys(mem, np.asarray(proj["entries"])).astype(np.float64)
+    _, s, vt = np.linalg.svd(x - x.mean(0), full_matrices=False)
+    assert np.allclose(np.abs((np.asarray(proj["components"]) * vt[:2]).sum(1)), 1, atol=1e-6)
+    assert np.allclose(proj["explained"], (s[:2] ** 2) / (s ** 2).sum(), atol=1e-4)
+    # at most `sample` keys, a seeded sample: the same seed draws the same entries, another seed others
+    a, b, c = (memory_profile(mem, sample=20, seed=s) for s in (0, 0, 1))
+    assert len(a["projection"]["points"]) == 20 and a["projection"] == b["projection"]
+    assert a["projection"]["entries"] != c["projection"]["entries"]
+
+
+def test_a_picked_token_shows_its_spread_and_its_sentences(studio, memory_id):
+    prof = studio.memory_profile(memory_id)
+    haus = next(t for t in prof["top_tokens"] if t["text"] == " Ha")  # the tiny tokenizer: " Ha" "us"
+    info = studio.memory_token(memory_id, haus["token_id"])
+    assert info["count"] == haus["count"] == info["in_sample"] and info["spread"] == haus["spread"]
+    assert info["occurrences"] and all(o["match"] == haus["text"] for o in info["occurrences"])
+    for o in info["occurrences"]:
+        assert o["source"] == "the house is small"
+        assert (o["before"] + o["match"] + o["after"]).strip() == "das Haus ist klein"
+    from ground.errors import UserError
+
+    with pytest.raises(UserError, match="No memory"):  # another owner's memory does not exist for them
+        studio.memory_profile(memory_id, owner="someone-else")
+    with pytest.raises(UserError, match="no entry with token"):
+        studio.memory_token(memory_id, 399)
+
+
+def test_neighbour_map_of_a_knn_row_is_the_decode_s_retrieval(studio, memory_id, knn_id):
+    import numpy as np
+
+    from memories.profile import project
+
+    p = studio.compare("the house is small", "translation", ["base", knn_id], max_new_tokens=6)
+    row = next(r for r in p["rows"] if r["method"] == "knn")
+    prof = studio.memory_profile(memory_id)
+    for i in range(len(row["tokens"])):
+        m = studio.neighbour_map(p["id"], row["label"], i)
+        traced = row["trace"][i]["neighbours"]
+        assert [n["entry"] for n in m["neighbours"]] == [n["entry"] for n in traced][:len(m["neighbours"])]
+        # the map's query is the decode's: its distances to the neighbours are the ones kNN computed
+        assert np.allclose([n["distance"] for n in m["neighbours"]], [n["distance"] for n in traced][:8],
+                           atol=2e-2, rtol=1e-3)
+        assert m["token"] == row["token_texts"][i] and m["query_kind"].startswith("f(c) / key RMS")
+        for n in m["neighbours"]:
+            assert n["match"] == n["token"] and n["same_as_output"] == (n["token_id"] == row["tokens"][i])
+            assert n["source"] == studio._memory(memory_id).samples[n["sample"]]["src"]
+            assert len(n["xy"]) == 2
+    # the sentence is in the memory: the first token's context is a stored key, so it sits on its neighbour
+    m0 = studio.neighbour_map(p["id"], row["label"], 0)
+    assert m0["neighbours"][0]["distance"] < 1e-3
+    assert np.allclose(m0["query"], m0["neighbours"][0]["xy"], atol=1e-2)
+    assert np.allclose(project(prof, np.zeros((1, len(prof["projection"]["mean"])))),
+                       -np.asarray(prof["projection"]["components"]) @ np.asarray(prof["projection"]["mean"]),
+                       atol=1e-4)
+
+
+def test_neighbour_map_of_a_pema_row_places_h_pd_among_the_keys(studio, memory_id, budget_pema):
+    import numpy as np
+    import torch
+
+    from memories.profile import scaled_keys
+    from memories.store import Memory
+
+    pid = budget_pema["result"]["plugin_id"]
+    p = studio.compare("the cat sleeps", "translation", ["base", pid], max_new_tokens=4)
+    row = next(r for r in p["rows"] if r["method"] == "pema")
+    m = studio.neighbour_map(p["id"], row["label"], 1, k=5)
+    assert m["method"] == "pema" and m["query_kind"].startswith("h_pd") and len(m["neighbours"]) == 5
+    # the exact 5 nearest keys to h_pd (rescaled to the keys' RMS), recomputed here from the plug-in itself
+    bb, plugin = studio.backbone, studio._plugin(pid)
+    ids = torch.tensor([p["context_ids"] + row["tokens"][:1]])
+    with torch.no_grad():
+        fc, _ = bb.forward_fc(ids)
+        h = plugin.h_pd(plugin.scaled(fc[:, -1])).numpy()
+    h = h / np.sqrt((h ** 2).mean())
+    mem = Memory.load(studio.catalog.memory(memory_id)["path"])
+    d = ((scaled_keys(mem, np.arange(len(mem))) - h) ** 2).sum(1)
+    assert np.allclose(sorted(d)[:5], [n["distance"] for n in m["neighbours"]], rtol=1e-3, atol=1e-3)
+    assert [n["rank"] for n in m["neighbours"]] == [1, 2, 3, 4, 5]
+
+
+def test_neighbour_maps_are_for_knn_and_pema_rows_of_the_owner(studio, knn_id):
+    from ground.errors import UserError
+
+    p = studio.compare("good morning", "translation", ["base", knn_id], max_new_tokens=3)
+    with pytest.raises(UserError, match="for kNN and PEMA rows"):
+        studio.neighbour_map(p["id"], "Base model", 0)
+    with pytest.raises(UserError, match="does not exist"):
+        studio.neighbour_map(p["id"], "kNN for maps", 99)
+    with pytest.raises(UserError, match="no longer in memory"):  # another owner's comparison
+        studio.neighbour_map(p["id"], "kNN for maps", 0, owner="someone-else")
+
+
+def test_several_sentences_one_batch_a_column_per_method_and_scores(studio, budget_pema):
+    import dataclasses
+
+    from eval.metrics import sentence_bleu, sentence_chrf
+    from ground.errors import UserError
+    from studio.several_service import parse_lines
+
+    assert parse_lines("a ||| b\n\n c\td \ne |||  \n") == [
+        {"line": 1, "source": "a", "reference": "b"}, {"line": 3, "source": "c", "reference": "d"},
+        {"line": 4, "source": "e", "reference": None}]
+    with pytest.raises(UserError, match="Line 2: there is no sentence"):
+        parse_lines("a\n ||| b")
+    pid = budget_pema["result"]["plugin_id"]
+    text = "the house is small ||| das Haus ist klein\nthe cat sleeps\tdie Katze schlaeft\ngood morning"
+    res = studio.compare_several(text, "translation", ["base", pid], max_new_tokens=8)
+    assert [c["method"] for c in res["columns"]] == ["base", "pema"] and res["timings"]["sentences"] == 3
+    assert [ln["reference"] for ln in res["lines"]] == ["das Haus ist klein", "die Katze schlaeft", None]
+    assert res["lines"][2]["scores"] is None
+    for ln in res["lines"][:2]:
+        assert ln["scores"] == [{"sacrebleu": sentence_bleu([o], [ln["reference"]])[0],
+                                 "chrf": sentence_chrf([o], [ln["reference"]])[0]} for o in ln["outputs"]]
+    assert [c["n"] for c in res["corpus"]] == [2, 2]
+    # one batch computes what one comparison per sentence does
+    for ln in res["lines"]:
+        one = studio.compare(ln["source"], "translation", ["base", pid], max_new_tokens=8)
+        assert ln["outputs"] == [r["text"] for r in one["rows"]]
+    limits = studio.limits
+    try:
+        studio.limits = dataclasses.replace(limits, compare_lines=2, input_chars=30)
+        with pytest.raises(UserError, match="number of sentences is 3; the limit is 2.*compare_lines"):
+            studio.compare_several(text, "translation", ["base"])
+        with pytest.raises(UserError, match="line 2's sentence's length"):
+            studio.compare_several("ok\n" + "x" * 31, "translation", ["base"])
+    finally:
+        studio.limits = limits
+    with pytest.raises(UserError, match="No plug-in"):  # another owner's plug-in
+        studio.compare_several("a", "translation", ["base", pid], owner="someone-else")
+
+
+def test_the_views_of_profiles_maps_and_several_sentences(studio, memory_id, knn_id):
+    from ui import plots, render
+    from ui.inspect import mapped_rows, output_token_choices
+
+    prof = studio.memory_profile(memory_id)
+    assert "entries" in render.profile_summary(prof) and "PCA" in render.profile_summary(prof)
+    full = plots.memory_map(prof)
+    assert sum(len(t.x) for t in full.data) == prof["projection"]["sample_size"]
+    tid = prof["top_tokens"][0]["token_id"]
+    one = plots.memory_map(prof, tid)
+    assert [t.name for t in one.data] == ["other tokens", "“⏎”", "its centroid"]
+    assert len(one.data[1].x) == prof["top_tokens"][0]["in_sample"]
+    assert len(plots.token_frequencies(prof).data[0].y) == min(20, len(prof["top_tokens"]))
+    detail = render.token_detail(studio.memory_token(memory_id, tid))
+    assert "<mark>⏎</mark>" in detail
+    p = studio.compare("the house is small", "translation", ["base", knn_id], max_new_tokens=3)
+    assert [r["label"] for r in mapped_rows(p)] == ["kNN for maps"]
+    assert output_token_choices(mapped_rows(p)[0])[0][1] == 0
+    m = studio.neighbour_map(p["id"], "kNN for maps", 0)
+    fig = plots.neighbour_map(m)
+    assert fig.data[-1].name == "query f(c)" and list(fig.data[-1].x) == [m["query"][0]]
+    html = render.neighbour_list(m)
+    assert html.count("<mark>") == len(m["neighbours"]) and "the house is small" in html
+    # several sentences: a column per method, scores under each output and the corpus row
+    res = {"columns": [{"label": "Base model", "settings": {}}, {"label": "P <1>", "settings": {"lambda_max": 0.5}}],
+           "lines": [{"line": 1, "source": "a", "reference": "b", "outputs": ["x", ""],
+                      "scores": [{"sacrebleu": 1.5, "chrf": 2.25}, {"sacrebleu": 0.0, "chrf": 0.0}]}],
+           "corpus": [{"label": "Base model", "sacrebleu": 1.5, "chrf": 2.25, "n": 1},
+                      {"label": "P <1>", "sacrebleu": 0.0, "chrf": 0.0, "n": 1}], "timings": {"sentences": 1}}
+    t = render.several_table(res)
+    assert "<th>P &lt;1&gt;</th>" not in t and ">P &lt;1&gt;</th>" in t and "BLEU 1.5 · chrF 2.2" in t
+    assert "(empty output)" in t and "<b>corpus</b> (1 sentence with a reference)" in t
+
+
+def test_cards_score_each_output_against_a_given_reference():
+    from eval.metrics import sentence_bleu
+    from ui import render
+
+    p = {"source": "s", "base_label": "Base model", "timings": {}, "reference": "das Haus ist klein", "rows": [
+        {"label": "Base model", "method": "base", "text": "das Haus ist klein", "tokens": [1],
+         "diff": [["das Haus ist klein", "same"]]},
+        {"label": "PEMA", "method": "pema", "text": "das Haus", "tokens": [1], "diff": [["das Haus", "same"]]}]}
+    html = render.output_cards(p)
+    assert html.count("vs reference</abbr>") == 2 and "BLEU 100.0 · chrF 100.0" in html
+    assert f"BLEU {sentence_bleu(['das Haus'], ['das Haus ist klein'])[0]:.1f}" in html
+    assert "vs reference" not in render.output_cards({**p, "reference": None})
+
+
+def test_example_sentences_for_every_task():
+    from backbone.prompts import TASKS
+    from backbone.tasks import FEW_SHOT, example_sentences
+
+    for task in TASKS:
+        ex = example_sentences(task)
+        assert len(ex) >= 3 and all(s.strip() and r.strip() for s, r in ex)
+        assert not {s for s, _ in ex} & {s for s, _ in FEW_SHOT.get(task, [])}
+    assert example_sentences("no such task") == []

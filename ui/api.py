@@ -3,6 +3,7 @@ returns plain JSON; a user error comes back as the client's error with the same 
 
     /status /preview /build /job /jobs /cancel /memories /memory /delete_memory /methods /train /plugins
     /continue_training /compare /share /shared /evaluate
+    /export_plugin /import_plugin   (files: the Plug-ins tab's Export / Import events, ``TAB_NAMES``)
 
 Identity: every endpoint about an owner's things acts for the caller (``ui.common.caller``): in multi-user mode the
 key sent in the ``X-Pema-Key`` header (``Client(url, headers={"X-Pema-Key": key})``), else the signed-in HF user or
@@ -22,6 +23,8 @@ _api = user_errors  # API endpoints report a UserError as the same Gradio error 
 
 NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
          "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate"]
+# Named events of a tab that are API endpoints too (files in and out: ui/plugins.py's Export / Import block)
+TAB_NAMES = ["export_plugin", "import_plugin"]
 
 
 def register(studio) -> None:

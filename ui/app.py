@@ -51,6 +51,19 @@ def mode_banner(studio, host: str) -> str:
 
 
 SELECTIONS_KEY = "pema-studio-"  # localStorage keys of the selections this browser keeps (one per selection)
+REMOTE_HELP = ("Work against a **model owner's offsite service** (`python -m offsite serve`, README \"Offsite\"): "
+               "the owner computes f(c) and runs the decoder; its final norm and LM head are fetched once; your "
+               "memories and PEMA / kNN plug-ins stay here. In-network methods need the decoder's layers and are "
+               "unavailable. The token is kept in this process's memory only. Leave the URL empty to go back to "
+               "the local backbone.")
+
+
+def status_html(st: dict) -> str:
+    """The header: the backbone's state and, under a remote backbone, which side holds what."""
+    remote = st.get("remote")
+    extra = (f"<div class='pema-status' id='pema-remote-holds'>{render.esc(remote['holds'])} · offsite methods: "
+             f"{render.esc(remote['methods'])}</div>") if remote else ""
+    return render.status_header(st) + extra
 
 
 def build_app(studio) -> gr.Blocks:
@@ -60,13 +73,37 @@ def build_app(studio) -> gr.Blocks:
             gr.Markdown(f"# PEMA Studio\n{INTRO}", elem_id="pema-title")
             if studio.multi_user and oauth_enabled():
                 gr.LoginButton(scale=0, min_width=220)
-        status = gr.HTML(render.status_header(studio.status()), elem_id="pema-status")
+        status = gr.HTML(status_html(studio.status()), elem_id="pema-status")
         status_timer = gr.Timer(1.0, active=not studio.status()["ready"])
         with gr.Accordion("Your key (for the API)", open=False, visible=studio.multi_user, elem_id="pema-identity"):
             who = gr.Markdown(elem_id="pema-who")
             key = gr.Textbox(label="Your key", type="password", buttons=["copy"], interactive=False,
                              elem_id="pema-key")
             gr.Markdown(KEY_HELP, elem_classes=["pema-help"])
+        # single-user mode only: a hosted studio's remote is its operator's (app.py --remote), not per user
+        with gr.Accordion("Remote backbone (offsite)", open=False, visible=not studio.multi_user,
+                          elem_id="pema-remote"):
+            gr.Markdown(REMOTE_HELP, elem_classes=["pema-help"])
+            with gr.Row(equal_height=True):
+                remote_url = gr.Textbox(studio.remote_url or "", label="Model owner's service URL", scale=3,
+                                        placeholder="http://127.0.0.1:8765", elem_id="remote-url")
+                remote_token = gr.Textbox(label="Bearer token (empty: $PEMA_REMOTE_TOKEN)", type="password",
+                                          scale=2, elem_id="remote-token")
+                remote_apply = gr.Button("Apply", variant="primary", size="sm", scale=0, min_width=90,
+                                         elem_id="remote-apply")
+            remote_msg = gr.HTML(elem_id="remote-message")
+
+        def on_remote(url, token):
+            try:
+                st = studio.set_remote(url, token)
+            except UserError as e:
+                return gr.skip(), gr.skip(), f"<div class='pema-status err'>{render.esc(e)}</div>", gr.skip()
+            where = f"the model owner at {st['remote']['host']}" if st.get("remote") else "the local backbone"
+            return (status_html(st), gr.Timer(active=True), f"<div class='pema-help'>Switching to {where}: the "
+                    f"header shows its progress. Reopen a tab to refresh its lists.</div>", "")
+
+        remote_apply.click(on_remote, [remote_url, remote_token], [status, status_timer, remote_msg, remote_token],
+                           show_progress="hidden", api_visibility="private")
 
         with gr.Column(visible=True):
             with gr.Tabs():
@@ -84,7 +121,7 @@ def build_app(studio) -> gr.Blocks:
         # --- header: backbone loading progress -------------------------------------------------------------
         def on_status():
             st = studio.status()
-            return render.status_header(st), gr.Timer(active=st["state"] == "loading")
+            return status_html(st), gr.Timer(active=st["state"] == "loading")
 
         status_timer.tick(on_status, None, [status, status_timer], show_progress="hidden", api_visibility="private")
 
@@ -122,7 +159,7 @@ def build_app(studio) -> gr.Blocks:
         rest = [*mem.load_outputs, *plug.load_outputs, *cmp.load_outputs, *ev.load_outputs]
 
         def on_load(request: gr.Request):
-            st = render.status_header(studio.status())
+            st = status_html(studio.status())
             try:
                 me = caller(studio, request)
             except UserError as e:
@@ -154,7 +191,7 @@ def build_app(studio) -> gr.Blocks:
 
         # Only the explicit endpoints of ui/api.py are part of the API; the page's own events stay private.
         for fn in demo.fns.values():
-            if fn.api_name not in api.NAMES:
+            if fn.api_name not in api.NAMES + api.TAB_NAMES:
                 fn.api_visibility = "private"
     demo.queue(default_concurrency_limit=1, max_size=64)
     return demo

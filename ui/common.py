@@ -105,6 +105,34 @@ def setting_control(method: str, desc: dict, value, **kw):
     return gr.Textbox(str(value), **common)
 
 
+def allowed_text(desc: dict) -> str:
+    """A declared setting's range in a few words ("≥ 1, ≤ 65536", "> 0, ≤ 1"), or "" when it has none."""
+    def num(x) -> str:
+        return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e10 else f"{x:g}"
+
+    lo = "" if desc["low"] is None else f"{'>' if desc['low_open'] else '≥'} {num(desc['low'])}"
+    hi = "" if desc["high"] is None else f"≤ {num(desc['high'])}"
+    return ", ".join(x for x in (lo, hi) if x)
+
+
+def training_control(method: str, desc: dict, value, **kw):
+    """A training-form control generated from a declared training setting: a checkbox for a bool, a dropdown for
+    choices, a number box (with its range) for a number, else a text box; help and range are its info line.
+    (Number boxes, not sliders: training ranges span decades, e.g. a learning rate or a batch size.)"""
+    rng = allowed_text(desc) if desc["type"] in ("int", "float") else ""
+    info = " · ".join(x for x in (desc["help"], rng and f"allowed {rng}") if x) or None
+    common = dict(label=desc["label"], info=info, elem_id=f"train-{method}-{desc['name']}".replace("_", "-"),
+                  min_width=160, **kw)
+    if desc["type"] == "bool":
+        return gr.Checkbox(bool(value), **common)
+    if desc["choices"]:
+        return gr.Dropdown(list(desc["choices"]), value=value, **common)
+    if desc["type"] in ("int", "float"):
+        return gr.Number(value, precision=0 if desc["type"] == "int" else None, minimum=desc["low"],
+                         maximum=desc["high"], **common)
+    return gr.Textbox(str(value), **common)
+
+
 def setting_elem_id(method: str, name: str) -> str:
     return f"set-{method}-{name}".replace("_", "-")
 

@@ -11,7 +11,7 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS
-from ui import plots, render
+from ui import inspect as neighbour_panel, plots, render, several
 from ui.common import (BASE_CHOICE, choices_update, keep_value, memory_choices, method_choices, owner_of,
                        setting_control, user_errors)
 
@@ -91,11 +91,14 @@ def build(studio) -> SimpleNamespace:
         with gr.Column(scale=1, min_width=170):
             task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="compare-task")
             run = gr.Button("Compare", variant="primary", elem_id="compare-run")
+            stop = gr.Button("Stop", variant="stop", size="sm", elem_id="compare-stop")
+    several.examples_row(source, task, reference)
     with gr.Accordion("…or pick a held-out sample of a memory", open=False):
         with gr.Row():
             hmem = gr.Dropdown([], label="Memory", scale=2, elem_id="compare-memory")
             hsample = gr.Dropdown([], label="Held-out sample", scale=3, elem_id="compare-sample")
         hmem_warn = gr.HTML(elem_id="compare-memory-warning")
+    several_box = several.panel()
     methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
                                elem_id="compare-methods")
     # Live controls are generated from the methods' declared decode settings (``live=True``); each is addressed
@@ -156,6 +159,7 @@ def build(studio) -> SimpleNamespace:
             with gr.Column(visible=False, min_width=400) as mem_col:
                 mem_att = gr.Plot(plots.empty("Attention over memory items (in-network methods)"), show_label=False)
             att_plot = gr.Plot(plots.empty("Backbone attention appears after a comparison"), show_label=False)
+        neighbour_panel.mount(studio, payload)
 
     # --- which controls apply -----------------------------------------------------------------------------------
     live_names = {m: {n for mm, n in live_keys if mm == m} for m in table}
@@ -220,27 +224,45 @@ def build(studio) -> SimpleNamespace:
     outputs = [payload, cards, row_pick, tok, share_link, layer, token_section, chips, lam_plot, bars_plot, nb_df,
                nb_plot, mem_att, att_plot, nb_row, mem_col]
 
-    @user_errors
     def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, *values):
-        me = owner_of(studio, request)
-        refs = ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip() else None
-        settings = decode_settings_of(comp_keys + live_keys, values, ex)
-        p = studio.compare(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs, owner=me)
-        labels = [r["label"] for r in p["rows"]]
-        keep = label if label in labels else row_of(p, None)["label"]
-        row = row_of(p, keep)
-        n = max(1, len(row["trace"]))
-        top = max(0, int(studio.status().get("layers") or 1) - 1)
-        lay = min(int(lay), top)
-        return (p, render.output_cards(p), gr.update(choices=labels, value=keep),
-                gr.update(maximum=max(1, n - 1), value=0), "", gr.update(maximum=max(1, top), value=lay),
-                gr.update(visible=True), *views(p, keep, 0, lay, me))
+        """Compare, streamed: the cards fill token by token as the batch decodes (a generator: one update per
+        step); the final update fills the token views too. A newer decode of this tab or Stop ends it."""
+        skip_rest = tuple(gr.skip() for _ in outputs[2:])
+        try:
+            me = owner_of(studio, request)
+            refs = (ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip()
+                    else None)
+            settings = decode_settings_of(comp_keys + live_keys, values, ex)
+            p = None
+            for p in studio.compare_stream(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs,
+                                           owner=me, stream=view_key(request)):
+                if p.get("partial"):
+                    yield (gr.skip(), streaming_cards(p), *skip_rest)
+            if p is None or p.get("partial"):  # stopped (Stop, or a newer move): the partial cards stay
+                return
+            labels = [r["label"] for r in p["rows"]]
+            keep = label if label in labels else row_of(p, None)["label"]
+            row = row_of(p, keep)
+            n = max(1, len(row["trace"]))
+            top = max(0, int(studio.status().get("layers") or 1) - 1)
+            lay = min(int(lay), top)
+            yield (p, render.output_cards(p), gr.update(choices=labels, value=keep),
+                   gr.update(maximum=max(1, n - 1), value=0), "", gr.update(maximum=max(1, top), value=lay),
+                   gr.update(visible=True), *views(p, keep, 0, lay, me))
+        except UserError as e:
+            raise gr.Error(str(e), print_exception=False) from None
 
     def live(request: gr.Request, p, *args):
-        """A live control moved: re-decode at once — once a comparison has been run (Compare pressed)."""
+        """A live control moved: re-decode at once — once a comparison has been run (Compare pressed). The
+        service re-decodes only what the move changes (plugins.decode.LiveComparison)."""
         if not p or not args[0] or not args[0].strip() or not args[2]:
-            return tuple(gr.skip() for _ in outputs)
-        return do_compare(request, *args)
+            yield tuple(gr.skip() for _ in outputs)
+            return
+        yield from do_compare(request, *args)
+
+    def stop_decode(request: gr.Request):
+        """Stop (or a control moved while a decode runs): the running decode of this tab ends after its step."""
+        studio.cancel_compare(owner=owner_of(studio, request), stream=view_key(request))
 
     def on_task(tk):
         t = studio.start_settings(tk)
@@ -250,7 +272,10 @@ def build(studio) -> SimpleNamespace:
     run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode", show_progress_on=cards)
     source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
                   show_progress_on=cards)
+    stop.click(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
     for ctl in (*live_ctls, *comp_ctls, max_new, beams, methods):
+        # the move first stops the decode in progress (not queued behind it), then queues its own decode
+        ctl.input(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
         ctl.input(live, [payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
                   show_progress_on=cards, api_visibility="private", concurrency_id="decode")
 
@@ -344,6 +369,8 @@ def build(studio) -> SimpleNamespace:
                 gr.update(value=mid) if mid in [c[1] for c in mchoices] else gr.skip(),
                 gr.update(value=tk) if tk else gr.skip(), *ctl)
 
+    several.wire(studio, several_box, task, methods, max_new, beams, [*comp_ctls, *live_ctls, extra],
+                 lambda *v: decode_settings_of(comp_keys + live_keys, v[:-1], v[-1]))
     return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory"],
                            refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
                            on_load=on_load, load_outputs=[methods, hmem, layer],
@@ -352,6 +379,21 @@ def build(studio) -> SimpleNamespace:
                            # what Evaluate decodes with by default: this tab's controls
                            settings_inputs=[*comp_ctls, *live_ctls, extra],
                            settings_of=lambda *vals: decode_settings_of(comp_keys + live_keys, vals[:-1], vals[-1]))
+
+
+def view_key(request: gr.Request | None) -> str | None:
+    """The browser tab a decode belongs to (a newer decode or Stop of the same tab ends the running one)."""
+    return getattr(request, "session_hash", None) if request is not None else None
+
+
+def streaming_cards(p: dict) -> str:
+    """The output cards of a partial payload (every row's tokens so far), under a line saying what runs."""
+    t = p.get("timings", {})
+    state = ("Stopped" if p.get("cancelled") else "Decoding") + (f" · step {p.get('steps', 0)} of at most "
+                                                                  f"{p.get('max_new_tokens', '?')}")
+    note = (f"<div class='pema-timing'>{state} · {t.get('decode_s', 0):.1f}s"
+            + ("" if p.get("cancelled") else " · Stop, or move a control, to end it") + "</div>")
+    return note + render.output_cards(p)
 
 
 def decode_settings_of(live_keys: list[tuple[str, str]], live_values, extra_text: str | None) -> dict:

@@ -1,5 +1,6 @@
 """Memories tab: upload / paste / demo corpus → preview with per-line problems → build in the background → list,
-inspect, delete."""
+inspect (with the memory's profile: counts, value-token frequencies, a 2-D map of its keys, a token's spread),
+delete."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,13 +10,14 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
-from ui import render
+from ui import plots, render
 from ui.common import keep_value, memory_choices, owner_of, read_upload, user_errors
 
 SOURCES = ["Upload a file", "Paste text", "Demo corpus"]
 PASTE_HINT = ('One sample a line: {"src": "...", "tgt": "..."} JSON lines, "source<TAB>target", '
               "or plain target-side text (the backbone then writes a synthetic source).")
 SAMPLE_HEADERS = ["line", "split", "source", "synthetic?", "target"]
+ALL_TOKENS = "— every frequent token, coloured —"
 
 
 def build(studio) -> SimpleNamespace:
@@ -55,9 +57,19 @@ def build(studio) -> SimpleNamespace:
     gr.Markdown("#### Your memories")
     mem_df = gr.Dataframe(headers=render.MEMORY_HEADERS, interactive=False, max_height=240, wrap=True)
     with gr.Row(equal_height=False, elem_classes="pema-actions"):
-        pick = gr.Dropdown([], label="Inspect a memory", scale=4)
+        pick = gr.Dropdown([], label="Inspect a memory", scale=4, elem_id="memory-pick")
         delete_btn = gr.Button("Delete memory", variant="stop", scale=1, size="sm")
     detail = gr.HTML()
+    with gr.Accordion("Profile: what the memory holds", open=True, elem_id="memory-profile"):
+        profile_html = gr.HTML(render.profile_summary(None), elem_id="memory-profile-box")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=2, min_width=300):
+                freq_plot = gr.Plot(plots.token_frequencies(None), show_label=False, elem_id="memory-token-freq")
+            with gr.Column(scale=3, min_width=400):
+                map_plot = gr.Plot(plots.memory_map(None), show_label=False, elem_id="memory-map")
+                token_pick = gr.Dropdown([], label="Show one token's spread (its keys highlighted on the map)",
+                                         elem_id="memory-token")
+        token_html = gr.HTML(elem_id="memory-token-box")
     samples_df = gr.Dataframe(headers=SAMPLE_HEADERS, interactive=False, max_height=320, wrap=True,
                               column_widths=["7%", "9%", "38%", "8%", "38%"], label="Samples")
     data_dir = gr.HTML()
@@ -166,6 +178,39 @@ def build(studio) -> SimpleNamespace:
         return html, rows
 
     pick.change(show, pick, [detail, samples_df], show_progress="hidden")
+
+    # --- profile: computed once per memory by the service (its first pick may take a moment on a large one) ------
+    def show_profile(mid, request: gr.Request):
+        if not mid:
+            return (render.profile_summary(None), plots.token_frequencies(None), plots.memory_map(None),
+                    gr.update(choices=[], value=None), "")
+        try:
+            prof = studio.memory_profile(mid, owner=owner_of(studio, request))
+        except UserError as e:
+            return (f"<div class='pema-error'>{render.esc(e)}</div>", plots.empty(), plots.empty(),
+                    gr.update(choices=[], value=None), "")
+        choices = [(ALL_TOKENS, -1), *render.token_choices(prof)]
+        return (render.profile_summary(prof), plots.token_frequencies(prof), plots.memory_map(prof),
+                gr.update(choices=choices, value=-1), "")
+
+    pick.change(show_profile, pick, [profile_html, freq_plot, map_plot, token_pick, token_html],
+                show_progress="minimal", show_progress_on=[profile_html])
+
+    def show_token(mid, tid, request: gr.Request):
+        if not mid:
+            return gr.skip(), ""
+        me = owner_of(studio, request)
+        try:
+            prof = studio.memory_profile(mid, owner=me)
+            if tid is None or int(tid) < 0:
+                return plots.memory_map(prof), ""
+            info = studio.memory_token(mid, int(tid), owner=me)
+        except UserError as e:
+            return gr.skip(), f"<div class='pema-error'>{render.esc(e)}</div>"
+        return plots.memory_map(prof, info["token_id"]), render.token_detail(info)
+
+    token_pick.input(show_token, [pick, token_pick], [map_plot, token_html], show_progress="hidden",
+                     trigger_mode="always_last")
 
     @user_errors
     def do_delete(mid, request: gr.Request):

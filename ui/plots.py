@@ -258,3 +258,135 @@ def sweep_lines(points: list[dict], metric: str = "sacrebleu", title: str = "") 
     fig.update_xaxes(title_text="λ_max", range=[-0.02, 1.02])
     fig.update_yaxes(title_text=metric)
     return _layout(fig, title or f"{metric} vs λ_max")
+
+
+# --- memory profile and neighbour maps ----------------------------------------------------------------------------
+MAP_COLORED_TOKENS = 8        # the most frequent value tokens get their own colour on a memory map; the rest grey
+OTHER_COLOR = "#cbd5e1"
+HIGHLIGHT_COLOR = "#dc2626"
+
+
+def _xy(points) -> tuple[list, list]:
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _axes(fig: go.Figure, explained: list | None) -> None:
+    ex = list(explained or [0, 0]) + [0, 0]
+    fig.update_xaxes(title_text=f"PC 1 ({100 * ex[0]:.0f}% of the variance)", zeroline=False)
+    fig.update_yaxes(title_text=f"PC 2 ({100 * ex[1]:.0f}%)", zeroline=False)
+
+
+def token_frequencies(profile: dict | None, top_n: int = 20, title: str = "") -> go.Figure:
+    """The memory's most frequent value tokens (horizontal bars: count, share in the hover)."""
+    top = (profile or {}).get("top_tokens") or []
+    if not top:
+        return empty("Pick a memory to see its value tokens")
+    top = top[:top_n]
+    labels = [f"{_tok(t['text'])}  #{t['token_id']}" for t in top]
+    fig = go.Figure(go.Bar(x=[t["count"] for t in top], y=labels, orientation="h", marker_color=COLORS[0],
+                           customdata=[round(100 * t["share"], 1) for t in top],
+                           hovertemplate="%{y}: %{x} entries (%{customdata}%)<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(title_text="entries with this value token")
+    return _layout(fig, title or f"Value tokens: top {len(top)} of {profile.get('distinct_tokens', '?')}",
+                   height=max(260, 20 * len(top) + 90))
+
+
+def memory_map(profile: dict | None, token_id: int | None = None, title: str = "") -> go.Figure:
+    """The profile's 2-D projection of sampled keys, coloured by value token (the most frequent ones; the rest
+    grey). With ``token_id``: that token's keys highlighted (the others faded) and its centroid marked."""
+    proj = (profile or {}).get("projection") or {}
+    pts, toks = proj.get("points") or [], proj.get("tokens") or []
+    if not pts:
+        return empty("Pick a memory to see its keys on a map")
+    names = {t["token_id"]: t["text"] for t in profile.get("top_tokens") or []}
+    fig = go.Figure()
+    if token_id is None:
+        colored = [t["token_id"] for t in (profile.get("top_tokens") or [])[:MAP_COLORED_TOKENS]]
+        groups = [(tid, _tok(names.get(tid, f"#{tid}")), COLORS[i % len(COLORS)], 6) for i, tid in enumerate(colored)]
+        colored_set = set(colored)
+        rest = [p for p, t in zip(pts, toks) if t not in colored_set]
+        if rest:
+            x, y = _xy(rest)
+            fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name="other tokens", hoverinfo="skip",
+                                     marker=dict(size=4, color=OTHER_COLOR)))
+        for tid, label, color, size in groups:
+            mine = [p for p, t in zip(pts, toks) if t == tid]
+            x, y = _xy(mine)
+            fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name=label, marker=dict(size=size, color=color),
+                                     hovertemplate=label + "<extra></extra>"))
+    else:
+        others = [p for p, t in zip(pts, toks) if t != token_id]
+        mine = [p for p, t in zip(pts, toks) if t == token_id]
+        label = _tok(names.get(token_id, f"#{token_id}"))
+        if others:
+            x, y = _xy(others)
+            fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name="other tokens", hoverinfo="skip",
+                                     marker=dict(size=4, color=OTHER_COLOR, opacity=0.6)))
+        if mine:
+            x, y = _xy(mine)
+            fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name=f"“{label}”",
+                                     marker=dict(size=9, color=HIGHLIGHT_COLOR, line=dict(color="white", width=1)),
+                                     hovertemplate=f"“{label}”<extra></extra>"))
+            # the centroid as a ring, so the token's own keys stay visible where they coincide with it
+            cx, cy = sum(x) / len(x), sum(y) / len(y)
+            fig.add_trace(go.Scatter(x=[cx], y=[cy], mode="markers", name="its centroid", hoverinfo="skip",
+                                     marker=dict(size=20, symbol="circle-open", color="#111827",
+                                                 line=dict(color="#111827", width=2))))
+    _axes(fig, proj.get("explained"))
+    n = proj.get("sample_size", len(pts))
+    return _layout(fig, title or f"Keys of {n:,} sampled entries (PCA), by value token", height=420)
+
+
+def neighbour_map(m: dict | None, title: str = "") -> go.Figure:
+    """One output token's query and its nearest memory entries on the memory's map (``Studio.neighbour_map``);
+    the profile's sampled keys in grey behind them."""
+    if not m or not m.get("neighbours"):
+        return empty("Pick a kNN or PEMA row and an output token")
+    proj = m.get("projection") or {}
+    fig = go.Figure()
+    if proj.get("points"):
+        x, y = _xy(proj["points"])
+        fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name="memory keys (sample)", hoverinfo="skip",
+                                 marker=dict(size=4, color=OTHER_COLOR, opacity=0.7)))
+    qx, qy = m["query"]
+    nbs = m["neighbours"]
+    lx, ly = [], []
+    for n in nbs:
+        lx += [qx, n["xy"][0], None]
+        ly += [qy, n["xy"][1], None]
+    fig.add_trace(go.Scatter(x=lx, y=ly, mode="lines", line=dict(color="#94a3b8", width=1, dash="dot"),
+                             hoverinfo="skip", showlegend=False))
+    # neighbours at one spot (duplicate contexts in the memory) share one label: "3,4,5·h"; one spot = within 1%
+    # of the map's extent
+    xs = [p[0] for p in proj.get("points") or []] + [qx] + [n["xy"][0] for n in nbs]
+    ys = [p[1] for p in proj.get("points") or []] + [qy] + [n["xy"][1] for n in nbs]
+    eps = 0.01 * max(max(xs) - min(xs), max(ys) - min(ys), 1e-9)
+    spots: list[tuple[float, float, str, list]] = []
+    for n in nbs:
+        spot = next((sp for sp in spots if sp[2] == n["token"] and abs(sp[0] - n["xy"][0]) <= eps
+                     and abs(sp[1] - n["xy"][1]) <= eps), None)
+        if spot is None:
+            spots.append((n["xy"][0], n["xy"][1], n["token"], [n["rank"]]))
+        else:
+            spot[3].append(n["rank"])
+    label_of = {ranks[0]: f"{','.join(map(str, ranks))}·{_tok(tok)}" for _, _, tok, ranks in spots}
+    for same, name, color in ((True, "neighbour: the output token", COLORS[2]),
+                              (False, "neighbour: another token", COLORS[1])):
+        group = [n for n in nbs if bool(n.get("same_as_output")) == same]
+        if not group:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[n["xy"][0] for n in group], y=[n["xy"][1] for n in group], mode="markers+text", name=name,
+            text=[label_of.get(n["rank"], "") for n in group], textposition="top center",
+            textfont=dict(size=11), marker=dict(size=11, color=color, line=dict(color="white", width=1)),
+            customdata=[[n["rank"], _tok(n["token"]), n["distance"]] for n in group],
+            hovertemplate="%{customdata[0]}. “%{customdata[1]}” distance %{customdata[2]:.3f}<extra></extra>"))
+    q = "h_pd" if m.get("method") == "pema" else "query f(c)"
+    fig.add_trace(go.Scatter(x=[qx], y=[qy], mode="markers", name=q, hovertemplate=q + "<extra></extra>",
+                             marker=dict(size=18, symbol="star", color=HIGHLIGHT_COLOR,
+                                         line=dict(color="#111827", width=1))))
+    _axes(fig, proj.get("explained"))
+    t = title or f"{m.get('label', '')}: “{_tok(m.get('token', ''))}” (token {m.get('token_index', 0)}) among " \
+                 f"the memory's keys"
+    return _layout(fig, t, height=440)

@@ -1,5 +1,6 @@
-"""Plug-ins tab: choose a memory, a method and its hyperparameters (paper defaults), train in the background;
-watch queued/running jobs with a live loss curve and log; cancel; list trained plug-ins."""
+"""Plug-ins tab: choose a memory, a method, a preset and its hyperparameters (a form generated from the method's
+declared settings; the time estimate said before training), train in the background; watch queued/running jobs
+with a live loss curve and log; cancel; list trained plug-ins and continue training them."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import gradio as gr
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from ui import plots, render
-from ui.common import choices_update, keep_value, memory_choices, owner_of, user_errors
+from ui.common import choices_update, keep_value, memory_choices, owner_of, training_control, user_errors
 
 
 def _method_info(m: dict | None) -> str:
@@ -21,27 +22,39 @@ def _method_info(m: dict | None) -> str:
              }.get(m["level"], m["level"])
     dec = ", ".join(f"{d['name']}={d['default']}" + (" (live)" if d["live"] else "")
                     for d in m.get("decode_settings", [])) or "none"
+    unavailable = (f"<br><b>Unavailable here:</b> {render.esc(m['unavailable'])}" if m.get("unavailable") else "")
     return (f"<div class='pema-help'><b>{render.esc(m['title'])}</b> — {render.esc(level)}.<br>"
-            f"{render.esc(m['paper'])}<br>Decode-time settings (set in Compare): {render.esc(dec)}</div>")
+            f"{render.esc(m['paper'])}<br>Decode-time settings (set in Compare): {render.esc(dec)}{unavailable}</div>")
 
 
-SETTING_HEADERS = ["setting", "default", "allowed", "what it does"]
+def preset_form_values(m: dict, preset: str | None) -> dict:
+    """The training form's values of method ``m`` (a ``Studio.methods()`` row) under ``preset``: the shipped
+    defaults with the preset's values over them."""
+    presets = m.get("presets") or {}
+    return {**m["config"], **(presets.get(preset or "default") or {}).get("values", {})}
 
 
-def settings_rows(m: dict | None) -> list[list]:
-    """The method's declared training settings as a reference table for the hyperparameter editor."""
-    out = []
-    for d in (m or {}).get("training_settings", []):
-        if d["choices"]:
-            allowed = " | ".join(map(str, d["choices"]))
-        elif d["low"] is not None or d["high"] is not None:
-            lo = "" if d["low"] is None else f"{'>' if d['low_open'] else '≥'} {d['low']}"
-            hi = "" if d["high"] is None else f"≤ {d['high']}"
-            allowed = f"{d['type']} {lo}{', ' if lo and hi else ''}{hi}"
-        else:
-            allowed = d["type"]
-        out.append([d["name"], json.dumps(d["default"]), allowed, d["help"]])
-    return out
+def form_config(m: dict, values: list) -> dict:
+    """The settings of method ``m`` from its form controls' ``values`` (in declaration order); an emptied number box
+    is left out (the default stands). ``PluginConfig.from_dict`` validates them when the job is submitted."""
+    return {d["name"]: v for d, v in zip(m["training_settings"], values) if v is not None and v != ""}
+
+
+def preset_note(m: dict | None, preset: str | None) -> str:
+    p = ((m or {}).get("presets") or {}).get(preset or "default")
+    if not p:
+        return ""
+    vals = ", ".join(f"{k}={json.dumps(v)}" for k, v in p["values"].items()) or "no changes"
+    return (f"<div class='pema-help' id='train-preset-note'><b>{render.esc(preset or 'default')}</b>: "
+            f"{render.esc(p['about'])} ({render.esc(vals)})</div>")
+
+
+def estimate_html(est: dict | None) -> str:
+    """The time estimate line of the training form (amber when the budget stops training before it converges)."""
+    if not est or not est.get("text"):
+        return ""
+    kind = "warn" if est.get("under_trained") else ("ok" if est.get("measured") else "")
+    return f"<div class='pema-status {kind}' id='train-estimate-text'>Time: {render.esc(est['text'])}</div>"
 
 
 def build(studio) -> SimpleNamespace:
@@ -58,16 +71,29 @@ def build(studio) -> SimpleNamespace:
                                  elem_id="train-method")
             info = gr.HTML(_method_info(methods.get(first)))
             name = gr.Textbox(label="Name (optional)", placeholder="defaults to “<method> on <memory>”")
-            config = gr.Code(render.settings_json(methods[first]["config"]) if first else "{}", language="json",
-                             label="Hyperparameters (paper defaults; edit the JSON)", lines=10, max_lines=18)
-            with gr.Accordion("What each setting does", open=False):
-                settings_ref = gr.Dataframe(headers=SETTING_HEADERS, value=settings_rows(methods.get(first)),
-                                            interactive=False, wrap=True, max_height=260,
-                                            column_widths=["22%", "14%", "18%", "46%"], elem_id="train-settings-ref")
-            with gr.Row():
-                reset = gr.Button("Paper defaults", size="sm")
-                train = gr.Button("Train in background", variant="primary", elem_id="train-plugin")
+            with gr.Row(equal_height=False, elem_classes="pema-actions"):
+                preset = gr.Radio(list((methods.get(first) or {}).get("presets") or ["default"]), value="default",
+                                  label="Preset", info="default: what ships · paper: the paper's / public code's "
+                                  "values · quick: a short run to try the studio", scale=4, elem_id="train-preset")
+                reset = gr.Button("Reset to preset", size="sm", scale=1, min_width=120)
+            note = gr.HTML(preset_note(methods.get(first), "default"))
+            estimate = gr.HTML(elem_id="train-estimate")
+            train = gr.Button("Train in background", variant="primary", elem_id="train-plugin")
             train_msg = gr.HTML()
+            # One generated group of controls per method (declared settings: type, range, choices, help); only the
+            # chosen method's is visible. No hand-written per-method widgets.
+            groups, controls = {}, {}
+            with gr.Accordion("Hyperparameters — every setting of the method, with its help and range", open=False,
+                              elem_id="train-form"):
+                for k, m in methods.items():
+                    with gr.Column(visible=k == first) as groups[k]:
+                        descs = m["training_settings"]
+                        controls[k] = []
+                        for i in range(0, len(descs), 2):
+                            with gr.Row(equal_height=False):
+                                for d in descs[i:i + 2]:
+                                    controls[k].append(training_control(k, d, m["config"][d["name"]]))
+            all_controls = [c for k in methods for c in controls[k]]
         with gr.Column(scale=3, min_width=440):
             gr.Markdown("#### Jobs")
             jobs_df = gr.Dataframe(headers=render.JOB_HEADERS, interactive=False, max_height=190, wrap=True,
@@ -85,22 +111,62 @@ def build(studio) -> SimpleNamespace:
                            column_widths=["15%", "7%", "19%", "12%", "9%", "18%", "9%", "11%"])
     with gr.Row(equal_height=False, elem_classes="pema-actions"):
         plug_pick = gr.Dropdown([], label="Inspect a plug-in", scale=4, elem_id="plugin-pick")
+        # shown for a plug-in that can continue (every in-network method and PEMA, saved with its optimizer)
         more_minutes = gr.Number(5, label="Budget (min)", precision=1, minimum=0.1, scale=1, min_width=110,
-                                 elem_id="continue-minutes")
+                                 elem_id="continue-minutes", visible=False)
         plug_continue = gr.Button("Continue training", size="sm", scale=1, min_width=150,
-                                  elem_id="continue-training")
+                                  elem_id="continue-training", visible=False)
         plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1, min_width=130)
     plug_status = gr.HTML(elem_id="plugin-status")
     plug_detail = gr.Code(language="json", label="Plug-in details", visible=False, lines=8, max_lines=16)
     timer = gr.Timer(1.0)
 
     # --- training form ------------------------------------------------------------------------------------------
+    def selected_values(m, values):
+        """The chosen method's control values out of every method's controls (``all_controls`` order)."""
+        at = 0
+        for k in methods:
+            n = len(controls[k])
+            if k == m:
+                return values[at:at + n]
+            at += n
+        return []
+
+    def fill(m, pre):
+        """Every control: the chosen method's set to its preset's values, the others left as they are."""
+        mm = methods.get(m)
+        vals = preset_form_values(mm, pre) if mm else {}
+        return [gr.update(value=vals[d["name"]]) if k == m else gr.skip()
+                for k in methods for d in methods[k]["training_settings"]]
+
     def on_method(m):
         mm = methods.get(m)
-        return (_method_info(mm), render.settings_json(mm["config"]) if mm else "{}",
-                gr.update(value=settings_rows(mm)))
+        names = list((mm or {}).get("presets") or ["default"])
+        return [_method_info(mm), gr.update(choices=names, value="default"), preset_note(mm, "default")] + \
+            [gr.update(visible=k == m) for k in methods] + fill(m, "default")
 
-    method.change(on_method, method, [info, config, settings_ref], show_progress="hidden")
+    method.change(on_method, method, [info, preset, note] + [groups[k] for k in methods] + all_controls,
+                  show_progress="hidden", api_visibility="private")
+
+    def on_preset(m, pre):
+        return [preset_note(methods.get(m), pre)] + fill(m, pre)
+
+    preset.input(on_preset, [method, preset], [note] + all_controls, show_progress="hidden", api_visibility="private")
+    reset.click(on_preset, [method, preset], [note] + all_controls, show_progress="hidden", api_visibility="private")
+
+    def show_estimate(request: gr.Request, mid, m, *values):  # the request first: Gradio injects it by place
+        if not mid or m not in methods:
+            return ""
+        try:
+            est = studio.training_estimate(mid, m, form_config(methods[m], selected_values(m, values)),
+                                           owner=owner_of(studio, request))
+        except UserError as e:  # a value out of range while typing: say so where the estimate goes
+            return f"<div class='pema-status err' id='train-estimate-text'>{render.esc(str(e))}</div>"
+        return estimate_html(est)
+
+    gr.on([memory.change, method.change] + [c.change for c in all_controls], show_estimate,
+          [memory, method] + all_controls, estimate, show_progress="hidden", trigger_mode="always_last",
+          api_visibility="private")
 
     def memory_warning(mid, me):
         m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
@@ -111,22 +177,19 @@ def build(studio) -> SimpleNamespace:
         return memory_warning(mid, owner_of(studio, request))
 
     memory.change(on_memory, memory, memory_warn, show_progress="hidden")
-    reset.click(on_method, method, [info, config, settings_ref], show_progress="hidden", api_visibility="private")
 
     @user_errors
-    def do_train(mem, m, cfg_text, nm, request: gr.Request):
+    def do_train(request: gr.Request, mem, m, nm, *values):
         me = owner_of(studio, request)
-        try:
-            cfg = json.loads(cfg_text or "{}")
-        except json.JSONDecodeError as e:
-            raise UserError(f"The hyperparameters are not valid JSON: {e.msg} (line {e.lineno}).") from None
-        jid = studio.submit_train(mem, m, cfg, nm, owner=me)
+        if m not in methods:
+            raise UserError("Choose a method.")
+        jid = studio.submit_train(mem, m, form_config(methods[m], selected_values(m, values)), nm, owner=me)
         job = studio.job(jid, owner=me)
         choices = job_choices(me)
         return (f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>.</div>", jid,
                 gr.update(choices=choices, value=jid), render.job_card(job), plots.loss_curve([]), "")
 
-    train.click(do_train, [memory, method, config, name],
+    train.click(do_train, [memory, method, name] + all_controls,
                 [train_msg, selected_job, job_pick, job_html, loss, log], api_visibility="private")
 
     # --- jobs ---------------------------------------------------------------------------------------------------
@@ -212,18 +275,21 @@ def build(studio) -> SimpleNamespace:
 
     # --- plug-in list -------------------------------------------------------------------------------------------
     def show_plugin(pid, request: gr.Request):
+        hidden = gr.update(visible=False)
         if not pid:
-            return gr.update(visible=False), ""
+            return hidden, "", hidden, hidden
         me = owner_of(studio, request)
         try:
             d = studio.plugin_detail(pid, owner=me)
         except UserError as e:
-            return gr.update(visible=True, value=json.dumps({"error": str(e)})), ""
+            return gr.update(visible=True, value=json.dumps({"error": str(e)})), "", hidden, hidden
         d.pop("history", None)
         p = next((x for x in studio.plugins(owner=me) if x["id"] == pid), {})
-        return gr.update(visible=True, value=json.dumps(d, indent=2, default=str)), render.plugin_status(p)
+        can = gr.update(visible=bool(p.get("can_continue")))
+        return gr.update(visible=True, value=json.dumps(d, indent=2, default=str)), render.plugin_status(p), can, can
 
-    plug_pick.change(show_plugin, plug_pick, [plug_detail, plug_status], show_progress="hidden")
+    plug_pick.change(show_plugin, plug_pick, [plug_detail, plug_status, plug_continue, more_minutes],
+                     show_progress="hidden")
 
     @user_errors
     def do_continue(pid, minutes, request: gr.Request):
@@ -285,6 +351,7 @@ def build(studio) -> SimpleNamespace:
                 memory_warning(mid, me) if mid in ids else gr.skip(),
                 gr.update(value=meth) if meth in methods else gr.skip())
 
+    build_packages(studio)
     return SimpleNamespace(refresh=refresh, refresh_keys=["train_memory"],
                            refresh_inputs=[memory],
                            refresh_outputs=[memory, plug_df, plug_pick, memory_warn],
@@ -292,3 +359,58 @@ def build(studio) -> SimpleNamespace:
                                                           selected_job, job_html, loss, log, memory_warn],
                            persist=[("train_memory", memory), ("train_method", method)],
                            restore=restore, restore_outputs=[memory, memory_warn, method])
+
+
+PACKAGE_HELP = ("A package is what `python -m plugins export` writes — config, safetensors weights, PEFT's files for "
+                "LoRA, a model card, SHA-256 manifest — zipped. Import checks it like the CLI does (hashes, backbone "
+                "fingerprint, safetensors only) and adds it to your plug-ins under a new id. kNN packages need the "
+                "datastore: it holds your memory's training entries and samples, i.e. your training data.")
+
+
+def build_packages(studio) -> None:
+    """The Export / Import block of the Plug-ins tab: a plug-in package as a zip download, and a zip upload into the
+    caller's catalog (``Studio.export_plugin_zip`` / ``import_plugin_zip``). Its two events are API endpoints
+    (``/export_plugin``, ``/import_plugin``)."""
+    with gr.Accordion("Export / import a plug-in package", open=False, elem_id="plugin-packages"):
+        gr.Markdown(PACKAGE_HELP, elem_classes=["pema-help"])
+        with gr.Row(equal_height=False):
+            with gr.Column(min_width=300):
+                # any id is accepted (the API passes one); the service answers only for the caller's own
+                pick = gr.Dropdown([], label="Plug-in to export", elem_id="export-pick", allow_custom_value=True)
+                with_datastore = gr.Checkbox(False, label="Include the datastore (required for kNN)")
+                export = gr.Button("Export (.zip)", size="sm", elem_id="export-plugin")
+                exported = gr.File(label="Package", interactive=False, elem_id="export-file")
+            with gr.Column(min_width=300):
+                upload = gr.File(label="Package to import (.zip)", file_types=[".zip"], type="filepath",
+                                 elem_id="import-file")
+                new_name = gr.Textbox(label="Name (optional)", placeholder="defaults to the package's name")
+                do_import = gr.Button("Import", size="sm", variant="primary", elem_id="import-plugin")
+                imported = gr.JSON(label="Imported", visible=True, elem_id="import-result")
+
+    def choices(request: gr.Request):
+        try:
+            plist = studio.plugins(owner=owner_of(studio, request))
+        except UserError:
+            return gr.skip()
+        return gr.update(choices=[(f"{p['name']} · {p['method']}", p["id"]) for p in plist])
+
+    pick.focus(choices, None, pick, show_progress="hidden", api_visibility="private")
+
+    @user_errors
+    def export_plugin(plugin_id: str, include_datastore: bool, request: gr.Request):
+        """One of your plug-ins as a zipped package (a file to download)."""
+        if not plugin_id:
+            raise UserError("Choose a plug-in to export.")
+        return str(studio.export_plugin_zip(plugin_id, include_datastore=bool(include_datastore),
+                                            owner=owner_of(studio, request)))
+
+    export.click(export_plugin, [pick, with_datastore], exported, api_name="export_plugin")
+
+    @user_errors
+    def import_plugin(package: str, name: str, request: gr.Request):
+        """Import a zipped plug-in package into your plug-ins; returns the new plug-in (id, name, method, ...)."""
+        if not package:
+            raise UserError("Choose a plug-in package (.zip) to import.")
+        return studio.import_plugin_zip(package, name or "", owner=owner_of(studio, request))
+
+    do_import.click(import_plugin, [upload, new_name], imported, api_name="import_plugin")

@@ -8,6 +8,9 @@ import datetime as _dt
 import html
 import json
 
+from ground.jobs import READ_ONLY_MESSAGE
+from studio.several_service import reference_scores
+
 STATE_BADGE = {"queued": "#64748b", "running": "#2563eb", "done": "#16a34a", "failed": "#dc2626",
                "cancelled": "#a16207", "interrupted": "#a16207"}
 KIND_LABEL = {"build_memory": "Build memory", "train_plugin": "Train plug-in", "evaluate": "Evaluate"}
@@ -35,7 +38,11 @@ def progress_bar(frac: float, message: str = "", state: str = "running", title: 
 
 
 def status_header(st: dict) -> str:
-    """The page header's backbone line (a progress bar while loading)."""
+    """The page header's backbone line (a progress bar while loading); first a warning when the studio runs
+    read-only (another studio process owns the data directory)."""
+    if st.get("read_only"):
+        return (f"<div class='pema-status err'><b>Read-only</b>: {esc(READ_ONLY_MESSAGE)}</div>"
+                + status_header({**st, "read_only": False}))
     if st.get("state") == "ready":
         return (f"<div class='pema-status ok'>Backbone <b>{esc(st['backbone'])}</b> ready on {esc(st['device'])} · "
                 f"{st.get('layers', 0)} layers</div>")
@@ -267,6 +274,11 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
            if payload.get("reference") else "")
     cards = []
     base = payload.get("base_label")
+    # the user gave a reference (a held-out sample): each output's sentence-level sacreBLEU and chrF against it
+    vs_ref = dict(zip((r["label"] for r in payload["rows"]),
+                      reference_scores([r["text"] for r in payload["rows"]],
+                                       [payload["reference"]] * len(payload["rows"])))) \
+        if payload.get("reference") and payload["rows"] else {}
     for r in payload["rows"]:
         is_base = r["label"] == base
         body = esc(r["text"]) if is_base else _diff_html(r.get("diff") or [[r["text"], "same"]])
@@ -283,12 +295,22 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
             f"<div class='pema-card-text pema-card-plain'>{plain}</div>"
             f"<div class='pema-card-foot'>{r.get('n_tokens', len(r.get('tokens', [])))} tokens · "
             f"<abbr class='pema-term' title='{esc(SCORE_HELP)}'>score</abbr> {r.get('score', 0):.2f}"
-            f"{' · ' + esc(_settings_text(r.get('settings'))) if r.get('settings') else ''}</div>"
+            f"{' · ' + esc(_settings_text(r.get('settings'))) if r.get('settings') else ''}"
+            f"{_reference_foot(vs_ref.get(r['label']))}</div>"
             f"<div class='pema-card-actions'><button type='button' class='pema-act' data-pema-action='copy' "
             f"title='Copy this output to the clipboard'>Copy</button>{toggle}</div></div>")
     return f"{head}{ref}<div class='pema-cards'>{''.join(cards)}</div>"
 
 
+def _reference_foot(scores: dict | None) -> str:
+    if not scores:
+        return ""
+    return (f" · <abbr class='pema-term pema-vs-ref' title='{esc(REFERENCE_HELP)}'>vs reference</abbr> "
+            f"{_scores_text(scores)}")
+
+
+REFERENCE_HELP = ("This output against the reference shown above: sacreBLEU at sentence level (effective order) and "
+                  "chrF, from sacrebleu. One sentence is a noisy measure: use the Evaluate tab for a test set.")
 SCORE_HELP = ("score: the output's log-probability under its row's final distribution — the sum of log P of the "
               "chosen tokens (0 = certain; more negative = less confident; longer outputs score lower, so compare "
               "scores of outputs of similar length only)")
@@ -351,3 +373,140 @@ def token_chips(row: dict | None, selected: int) -> list[tuple[str, str | None]]
 
 def settings_json(d: dict) -> str:
     return json.dumps(d, indent=2, ensure_ascii=False)
+
+
+# --- memory profile, neighbour maps, several sentences -------------------------------------------------------------
+# Styles of the views below, sent with their HTML (one <style> block a view; the page's CSS is ui/common.py's).
+EXPLORE_CSS = """<style>
+.pema-x mark { background: rgba(234,88,12,.22); color: inherit; border-radius: 3px; padding: 0 2px;
+               outline: 1px solid rgba(234,88,12,.55); }
+.pema-x table { border-collapse: collapse; width: 100%; font-size: 0.9rem; table-layout: auto; }
+.pema-x th, .pema-x td { border-bottom: 1px solid var(--border-color-primary); padding: 4px 6px; text-align: left;
+                         vertical-align: top; overflow-wrap: anywhere; }
+.pema-x th { font-weight: 600; white-space: nowrap; }
+.pema-x td.num { white-space: nowrap; text-align: right; }
+.pema-x .pema-score { display: block; font-size: 0.78rem; color: var(--body-text-color-subdued); }
+.pema-x .pema-stats { display: flex; flex-wrap: wrap; gap: 6px 14px; margin: 4px 0 8px; }
+.pema-x .pema-stats span b { font-size: 1.05rem; }
+.pema-x .pema-same { color: #16a34a; font-weight: 600; }
+.pema-x-scroll { overflow-x: auto; max-height: 520px; overflow-y: auto; }
+</style>"""
+
+
+def _visible(t: str) -> str:
+    """A token or text piece with visible line breaks and an empty token shown."""
+    return str(t).replace("\n", "⏎") if t not in (None, "") else "∅"
+
+
+def marked(before: str, match: str, after: str) -> str:
+    """A sentence with one token marked (``<mark>``), everything escaped."""
+    return f"{esc(before)}<mark>{esc(_visible(match))}</mark>{esc(after)}"
+
+
+def profile_summary(prof: dict | None) -> str:
+    """A memory profile's counts, and what its map is."""
+    if not prof:
+        return "<div class='pema-muted'>Pick a memory above to see its profile.</div>"
+    proj = prof.get("projection") or {}
+    ex = proj.get("explained") or [0, 0]
+    stats = [("entries", f"{prof['entries']:,}"), ("training samples", f"{prof['samples']:,}"),
+             ("held-out samples", f"{prof['heldout_samples']:,}"),
+             ("entries per sample", f"{prof['entries_per_sample']:g}"),
+             ("distinct value tokens", f"{prof['distinct_tokens']:,}"),
+             ("key size d", f"{prof.get('hidden_size') or '?'}"), ("key RMS", f"{prof['key_rms']:g}")]
+    items = "".join(f"<span><b>{esc(v)}</b> {esc(k)}</span>" for k, v in stats)
+    spread = prof.get("overall_spread")
+    return (f"{EXPLORE_CSS}<div class='pema-x' id='memory-profile-summary'><div class='pema-stats'>{items}</div>"
+            f"<div class='pema-help'>Map: {esc(proj.get('method', ''))}; {proj.get('sample_size', 0):,} entries "
+            f"shown (seed {proj.get('seed', 0)}); the two axes explain {100 * ex[0]:.0f}% and {100 * ex[1]:.0f}% "
+            f"of their variance. Spread = RMS distance of a token's keys from their centroid in the full key space"
+            f"{f' (all sampled keys: {spread:g})' if spread is not None else ''}: small = its contexts agree."
+            f"</div></div>")
+
+
+def token_choices(prof: dict | None) -> list[tuple[str, int]]:
+    """Dropdown choices for a profile's frequent tokens: ("“Haus” #123 · 41 entries", 123)."""
+    return [(f"“{_visible(t['text'])}” #{t['token_id']} · {t['count']:,} entries", t["token_id"])
+            for t in (prof or {}).get("top_tokens") or []]
+
+
+def token_detail(info: dict | None) -> str:
+    """A picked value token: count, spread beside the sample's, and a few occurrences with the token marked."""
+    if not info:
+        return ""
+    spread, overall = info.get("spread"), info.get("overall_spread")
+    spread_txt = ("spread not measurable (fewer than 2 of its keys in the sample)" if spread is None else
+                  f"spread <b>{spread:g}</b> (all sampled keys: {overall:g})")
+    rows = "".join(f"<tr><td class='num'>{o['entry']:,}</td><td>{esc(o['source'])}</td>"
+                   f"<td>{marked(o['before'], o['match'], o['after'])}</td></tr>" for o in info.get("occurrences", []))
+    table = (f"<table><thead><tr><th>entry</th><th>source</th><th>target (the token marked)</th></tr></thead>"
+             f"<tbody>{rows}</tbody></table>") if rows else ""
+    return (f"{EXPLORE_CSS}<div class='pema-x' id='memory-token-detail'><div>“{esc(_visible(info['text']))}” "
+            f"#{info['token_id']}: <b>{info['count']:,}</b> entries ({100 * info['share']:.1f}%), "
+            f"{info['in_sample']:,} of them in the map's sample of {info['sample_size']:,} · {spread_txt}</div>"
+            f"{table}</div>")
+
+
+def neighbour_list(m: dict | None) -> str:
+    """A neighbour map's entries: rank, value token (✓ when it is the output token), distance, the memory sample's
+    source and its target with the value token marked."""
+    if not m:
+        return ("<div class='pema-muted'>Run a comparison with a kNN or PEMA plug-in: the map shows, for the output "
+                "token you pick, where the query lands among the memory's keys and its nearest entries.</div>")
+    rows = []
+    for n in m["neighbours"]:
+        same = " <span class='pema-same' title='the output token'>✓</span>" if n.get("same_as_output") else ""
+        rows.append(f"<tr><td class='num'>{n['rank']}</td><td>{esc(_visible(n['token']))}{same}</td>"
+                    f"<td class='num'>{n['distance']:.3f}</td><td>{esc(n['source'])}</td>"
+                    f"<td>{marked(n['before'], n['match'], n['after'])}</td></tr>")
+    head = (f"<div class='pema-help'><b>Query</b>: {esc(m['query_kind'])}. <b>Neighbours</b>: "
+            f"{esc(m['neighbour_kind'])}; distance = squared L2 to the query (keys / key RMS). "
+            f"{m['matching']} of {len(m['neighbours'])} have the output token “{esc(_visible(m['token']))}” as "
+            f"their value (✓). Memory: {esc(m.get('memory_name', ''))}.</div>")
+    return (f"{EXPLORE_CSS}<div class='pema-x' id='neighbour-list'>{head}<table><thead><tr><th>rank</th>"
+            f"<th>value token</th><th>distance</th><th>memory sample: source</th>"
+            f"<th>memory sample: target (the value token marked)</th></tr></thead><tbody>{''.join(rows)}</tbody>"
+            f"</table></div>")
+
+
+def _scores_text(s: dict | None) -> str:
+    return "" if not s else f"BLEU {s['sacrebleu']:.1f} · chrF {s['chrf']:.1f}"
+
+
+def several_table(res: dict | None) -> str:
+    """The several-sentences result: one row a sentence, one column a method; each output's sentence-level
+    sacreBLEU/chrF under it where the line gave a reference, and the corpus scores in the last row."""
+    if not res:
+        return ("<div class='pema-muted'>Paste sentences, one a line — optionally “sentence ||| reference” or "
+                "sentence&lt;TAB&gt;reference — and press <b>Compare all</b>: every chosen method decodes them "
+                "together in one batch.</div>")
+    cols = res["columns"]
+    any_ref = any(ln.get("reference") for ln in res["lines"])
+    head = "<th>#</th><th>sentence</th>" + ("<th>reference</th>" if any_ref else "") + \
+        "".join(f"<th title='{esc(_settings_text(c.get('settings')))}'>{esc(c['label'])}</th>" for c in cols)
+    body = []
+    for ln in res["lines"]:
+        cells = [f"<td class='num'>{ln['line']}</td>", f"<td>{esc(ln['source'])}</td>"]
+        if any_ref:
+            cells.append(f"<td>{esc(ln.get('reference') or '—')}</td>")
+        for j, out in enumerate(ln["outputs"]):
+            sc = (ln.get("scores") or [None] * len(cols))[j]
+            score = f"<span class='pema-score'>{_scores_text(sc)}</span>" if sc else ""
+            text = esc(out) if out else "<span class='pema-muted'>(empty output)</span>"
+            cells.append(f"<td>{text}{score}</td>")
+        body.append(f"<tr>{''.join(cells)}</tr>")
+    if res.get("corpus"):
+        by = {c["label"]: c for c in res["corpus"]}
+        n = res["corpus"][0]["n"]
+        cells = [f"<td></td><td><b>corpus</b> ({n} sentence{'s' if n != 1 else ''} with a reference)</td>"]
+        if any_ref:
+            cells.append("<td></td>")
+        cells += [f"<td><b>{_scores_text(by.get(c['label']))}</b></td>" for c in cols]
+        body.append(f"<tr class='pema-corpus'>{''.join(cells)}</tr>")
+    t = res.get("timings") or {}
+    info = (f"<div class='pema-timing'>One batched decode of {t.get('sentences', len(res['lines']))} sentence(s) × "
+            f"{len(cols)} method(s): <b>{t.get('decode_s', 0):.2f}s</b> ({t.get('tokens', 0)} tokens, "
+            f"{t.get('tokens_per_s', 0):.0f} tok/s) · scores: sacreBLEU (sentence level, effective order) and chrF "
+            f"against each line's reference · hover a method's name for its settings</div>")
+    return (f"{EXPLORE_CSS}<div class='pema-x' id='several-result'>{info}<div class='pema-x-scroll'>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div></div>")

@@ -17,6 +17,9 @@ from gradio.http_server import Server
 from studio.identity import COOKIE
 
 COOKIE_MAX_AGE = 400 * 24 * 3600  # browsers cap cookie lifetimes at 400 days
+# Gradio's cache (its copies of uploaded files and of files it served): every hour, files older than a day go
+# (``delete_cache=(frequency, age)``; also emptied when the server stops). A Blocks that sets its own keeps it.
+DELETE_CACHE = (3600, 24 * 3600)
 
 
 class OwnerCookieMiddleware:
@@ -129,6 +132,8 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     nobody may fetch them there by path (the middleware answers 404)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(OwnerCookieMiddleware, studio=studio, downloads=downloads)
+    for blocks in (studio_blocks, share_blocks):  # read by mount_gradio_app: each app cleans its own cache
+        blocks.delete_cache = blocks.delete_cache or DELETE_CACHE
     common = dict(server_name=host, server_port=port, ssr_mode=False, show_error=True, theme=theme, css=css,
                   head=head, max_file_size=max_file_size)
     gr.mount_gradio_app(app, share_blocks, path="/share", footer_links=[], run_history=False, **common)

@@ -1,0 +1,87 @@
+"""Per-worker build throughput on Ray, for README's "Scale-out on Ray" estimate (entries/s of one build worker).
+
+    python -m studio.ray_bench --backbone tiny --samples 400 --workers 1 2
+    python -m studio.ray_bench --backbone gemma-3-270m --samples 200 --workers 0   # in-process only
+
+Builds the same memory from the gettext EN→DE corpus once in-process and once sharded over each number of Ray
+build workers (a local ``ray.init``; one CPU each), and prints entries, wall seconds and entries/s: of the whole
+capture on the head, and per worker (the capture's own time inside the worker, backbone load excluded). The
+per-worker rate is what scales: a build of E entries on N such workers takes about E / (N × rate) plus the
+workers' start (a backbone load each) and the head's tokenizing and writing. ``--workers 0``: the in-process
+build only, on one thread — what one CPU build worker computes, without a second copy of the backbone (a Ray build
+worker runs the same ``capture_entries`` with ``OMP_NUM_THREADS=1``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from backbone.model import load_backbone
+from backbone.tasks import task_prompt
+from backbone.tiny import tiny_backbone
+from memories.build import build_memory
+from memories.corpora import load_corpus
+from memories.parse import Sample
+from studio.ray_executor import ROOT, RayExecutor
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backbone", default="tiny")
+    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args(argv)
+    import ray  # optional: a benchmark of the Ray executor
+
+    import torch  # heavy: the head's own thread count, like a worker's
+
+    torch.set_num_threads(1)
+    bb = tiny_backbone() if a.backbone == "tiny" else load_backbone(a.backbone)
+    samples = [Sample(s["src"], s["tgt"], i + 1) for i, s in enumerate(load_corpus("gettext-de", a.samples))]
+    prompt = task_prompt("translation", bb)
+    spec = {"name": a.backbone, "device": "cpu", "data_dir": None, "fingerprint": bb.fingerprint}
+    out = {"backbone": bb.name, "samples": len(samples), "cpus": os.cpu_count(), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        mem = build_memory(bb, samples, Path(tmp) / "inproc", prompt=prompt, batch_size=a.batch_size,
+                           heldout_frac=0.0)
+        secs = time.time() - t0
+        out["runs"].append({"executor": "inprocess", "entries": len(mem), "seconds": round(secs, 2),
+                            "entries_per_second": round(len(mem) / secs, 1)})
+        print(json.dumps(out["runs"][-1]), flush=True)
+        if not any(a.workers):
+            a.workers = []
+        else:
+            ray.init(num_cpus=max(a.workers), include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+        try:
+            for n in a.workers:
+                ex = RayExecutor(build_workers=n, keep_alive=600).start()
+                # a first build warms the workers (process start + one backbone load each), a second is measured
+                for warm in (True, False):
+                    t0 = time.time()
+                    m = build_memory(bb, samples, Path(tmp) / f"ray{n}{warm}", prompt=prompt,
+                                     batch_size=a.batch_size, heldout_frac=0.0, capture=ex.capture(spec))
+                    secs = time.time() - t0
+                cap = ex.captures[-1]
+                per = [w["entries_per_second"] for w in cap["per_worker"] if w["entries_per_second"]]
+                out["runs"].append({"executor": f"ray x{n}", "entries": len(m), "seconds": round(secs, 2),
+                                    "entries_per_second": round(len(m) / secs, 1), "capture_seconds": cap["seconds"],
+                                    "per_worker_entries_per_second": per})
+                print(json.dumps(out["runs"][-1]), flush=True)
+                ex.release_pool()
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Lower-precision weights (issue 18): bfloat16 and int8 paths run and stay close to float32, float32 is untouched,
+the precision is recorded with every memory and a memory or plug-in of another precision is refused."""
+import pytest
+import torch
+from torch import nn
+
+from backbone.model import (DEFAULT_CPU_PRECISION, Backbone, Int8Linear, model_precision, resolve_precision,
+                            set_precision)
+from backbone.prompts import Prompt
+from backbone.tiny import tiny_backbone
+from ground.errors import UserError
+from memories.build import build_memory
+from memories.parse import Sample
+from memories.store import Memory
+from plugins.decode import Row, compare
+
+PROMPT = Prompt.for_task("translation")
+PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+         ("good morning", "Guten Morgen")] * 3
+
+
+def tiny_in(precision: str) -> Backbone:
+    t = tiny_backbone()
+    return Backbone(model=set_precision(t.model, precision), tokenizer=t.tokenizer, name=t.name)
+
+
+def _logits(bb: Backbone, text: str = "English: the house is small\nGerman:") -> torch.Tensor:
+    ids = torch.tensor([bb.encode_context(text)])
+    with torch.no_grad():
+        fc, _ = bb.forward_fc(ids)
+        return bb.logits_from_fc(fc[0])
+
+
+def test_float32_is_the_unchanged_reference(tiny):
+    """float32 adds nothing: the fingerprint keeps its old form, the head product is plain F.linear, and
+    set_precision("float32") changes no bit of any output."""
+    assert tiny.precision == "float32" and "dtype=" not in tiny.fingerprint
+    ref = _logits(tiny)
+    again = tiny_in("float32")
+    assert again.fingerprint == tiny.fingerprint
+    assert torch.equal(_logits(again), ref)
+    normed = torch.randn(3, tiny.hidden_size)
+    assert torch.equal(tiny.head_logits(normed), nn.functional.linear(normed, tiny.lm_head.weight))
+    a = compare(tiny, "the house is small", [Row("base")], PROMPT, max_new_tokens=6)
+    b = compare(again, "the house is small", [Row("base")], PROMPT, max_new_tokens=6)
+    assert a.rows[0].tokens == b.rows[0].tokens and a.rows[0].score == b.rows[0].score
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_lower_precision_runs_close_to_float32(tiny, precision):
+    bb = tiny_in(precision)
+    assert bb.precision == precision == model_precision(bb.model)
+    assert bb.fingerprint == f"{tiny.fingerprint}|dtype={precision}"
+    got, ref = _logits(bb), _logits(tiny)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert not torch.equal(got, ref)  # it really computed in another precision ...
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9  # ... and stays close
+    assert torch.allclose(got, ref, atol=0.05 * float(ref.abs().max()))
+    c = compare(bb, "the house is small", [Row("base")], PROMPT, max_new_tokens=6)
+    assert c.rows[0].tokens
+
+
+def test_int8_swaps_every_linear_keeping_the_float32_weights(tiny):
+    bb = tiny_in("int8")
+    linears = [m for m in bb.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    # the LM head is still tied to the input embeddings, in float32 (state_dict and lm_head.weight readers)
+    assert bb.lm_head.weight is bb.model.get_input_embeddings().weight
+    assert bb.lm_head.weight.dtype == torch.float32 and bb.dtype == torch.float32
+    assert set(bb.model.state_dict()) == set(tiny.model.state_dict())
+
+
+def test_int8_linear_uses_int8_without_gradients_and_float32_with_them():
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 48)
+    q = Int8Linear(lin)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        exact = nn.functional.linear(x, lin.weight, lin.bias)
+        fast = q(x)
+    assert not torch.equal(fast, exact) and torch.allclose(fast, exact, atol=0.05 * float(exact.abs().max()))
+    xg = x.clone().requires_grad_(True)
+    out = q(xg)  # training through the frozen backbone: exact float32, with a gradient
+    assert torch.equal(out, exact)
+    out.sum().backward()
+    assert torch.allclose(xg.grad, lin.weight.sum(0).expand(5, -1))
+
+
+def test_memory_records_its_precision_and_other_precisions_are_refused(tmp_path, tiny):
+    bb = tiny_in("int8")
+    mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m8", prompt=PROMPT,
+                       heldout_frac=0)
+    assert mem.meta["precision"] == "int8" and mem.fingerprint.endswith("|dtype=int8")
+    assert len(Memory.load(mem.path, bb)) == len(mem)  # the same precision loads it
+    with pytest.raises(UserError, match="int8.*float32"):
+        Memory.load(mem.path, tiny)
+    with pytest.raises(UserError, match="float32.*bfloat16"):
+        tiny_in("bfloat16").check_fingerprint(tiny.fingerprint)
+    with pytest.raises(UserError, match="another backbone"):  # a different model is still a different model
+        bb.check_fingerprint(tiny_backbone(seed=0, hidden=32).fingerprint)
+
+
+def test_plugin_of_another_precision_is_refused_in_a_comparison(tmp_path, tiny):
+    from plugins.api import train_plugin
+
+    bb = tiny_in("bfloat16")
+    mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m16", prompt=PROMPT,
+                       heldout_frac=0)
+    knn, _ = train_plugin(bb, mem, "knn", {}, out_dir=tmp_path / "knn")
+    ok = compare(bb, "the house is small", [Row("base"), Row("knn", knn)], PROMPT, max_new_tokens=4)
+    assert [r.label for r in ok.rows] == ["base", "knn"]
+    with pytest.raises(UserError, match="bfloat16"):
+        compare(tiny, "the house is small", [Row("knn", knn)], PROMPT, max_new_tokens=4)
+
+
+def test_precision_choice(monkeypatch):
+    monkeypatch.delenv("PEMA_DTYPE", raising=False)
+    assert resolve_precision(None, "cpu") == DEFAULT_CPU_PRECISION
+    assert resolve_precision("bf16", "cpu") == "bfloat16" and resolve_precision(torch.float32, "cpu") == "float32"
+    monkeypatch.setenv("PEMA_DTYPE", "int8")  # the studio's setting
+    assert resolve_precision(None, "cpu") == resolve_precision("auto", "cpu") == "int8"
+    assert resolve_precision("float32", "cpu") == "float32"  # an explicit flag wins
+    with pytest.raises(UserError, match="Unknown dtype"):
+        resolve_precision("int4", "cpu")
+    with pytest.raises(UserError, match="GPU"):
+        resolve_precision("int8", "cuda")
