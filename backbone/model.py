@@ -459,14 +459,19 @@ def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_token
     """Plain greedy continuation of many different contexts (left-padded batches, HF ``generate``), stopping each
     at the end of its line. Used to make synthetic sources; comparisons use ``plugins.decode`` instead.
 
-    ``should_stop()`` is called before every batch (a job's checkpoint: it may hand the backbone to an interactive
-    user there, so nobody waits longer than one batch); when it returns True, :class:`Cancelled` is raised."""
+    ``should_stop()`` is called before every batch and after every generated token (a job's checkpoint: it may
+    hand the backbone to an interactive user there, so nobody waits longer than one step, and a cancel ends a long
+    batch at once); when it returns True, :class:`Cancelled` is raised."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     stop = torch.tensor(sorted(backbone.stop_ids), device=backbone.device)
+    cancelled = []
 
     class StopAtLineEnd(StoppingCriteria):
         def __call__(self, input_ids, scores, **kw):
+            if should_stop is not None and should_stop():
+                cancelled.append(True)
+                return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
             return torch.isin(input_ids[:, -1], stop)
 
     pad = backbone.tokenizer.pad_token_id
@@ -485,6 +490,8 @@ def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_token
             gen = backbone.model.generate(input_ids=ids.to(backbone.device), attention_mask=mask.to(backbone.device),
                                           max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
                                           stopping_criteria=StoppingCriteriaList([StopAtLineEnd()]))
+        if cancelled:
+            raise Cancelled()
         for row in gen[:, width:].tolist():
             cut = next((i for i, t in enumerate(row) if t in backbone.stop_ids or t == pad), len(row))
             outs.append(row[:cut])
