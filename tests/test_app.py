@@ -6,12 +6,11 @@ at unit level; the figure/HTML builders; one integration path on the real embedd
 """
 import json
 import os
-import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from _server import start_app, wait_job
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -22,31 +21,6 @@ SMALL_PEMA = {"rank": 16, "max_epochs_rct": 2, "max_epochs_joint": 2, "candidate
 API = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
        "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate",
        "export_plugin", "import_plugin"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_job(client, job_id: str, timeout: float = 120) -> dict:
-    t0 = time.time()
-    while True:
-        job = client.predict(job_id, api_name="/job")
-        if job["state"] not in ("queued", "running"):
-            return job
-        assert time.time() - t0 < timeout, f"job {job_id} still {job['state']} after {timeout}s: {job['message']}"
-        time.sleep(0.2)
-
-
-def start_app(data_dir: Path, backbone: str = "tiny", extra: list[str] | None = None):
-    import app
-
-    port = free_port()
-    studio, demo, url = app.start(["--backbone", backbone, "--data-dir", str(data_dir), "--port", str(port),
-                                   "--quiet", *(extra or [])], block=False)
-    return studio, demo, url
 
 
 @pytest.fixture(scope="module")
