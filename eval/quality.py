@@ -115,6 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--save-defaults", action="store_true")
+    ap.add_argument("--gu-code-sl", choices=["source", "reference"], default="source",
+                    help="SL of PEMA's GU gu_variant='code' rows: 'source' (what a decode without a reference uses: "
+                         "template + source + source tokens) or 'reference' (the public code's: template + source + "
+                         "the reference's tokens; evaluation only)")
     ap.add_argument("--memory", default=None, help="reuse a memory (id or path) instead of building one")
     ap.add_argument("--plugin", action="append", default=[], metavar="LABEL=ID",
                     help="reuse a trained plug-in for LABEL instead of training it (e.g. pema=pema-1a2b)")
@@ -213,7 +217,7 @@ def tune_decode(args, bb, cat, plugins: dict, prompt, tune_pairs, tune_extra) ->
         rows = [Row("base")] + [Row(json.dumps(g), p, g) for g in grid]
         with progress_bar(f"tune {m}") as prog:
             res = evaluate(bb, tune_pairs, rows, prompt, args.task, batch_sources=max(1, args.batch // 2),
-                           progress=prog, extra=tune_extra)
+                           progress=prog, extra=tune_extra, reference_sl=args.gu_code_sl == "reference")
         tuned[m] = json.loads(best_setting(args.task, res["methods"])["label"])
         tables[m] = res["methods"]
     return tuned, tables
@@ -282,7 +286,8 @@ def main(argv=None) -> int:
         rows += ablation_rows(args, bb, cat, mem, plugins, tuned, overrides, train_info)
     with progress_bar("report") as prog:
         rep = evaluate(bb, task_pairs(args.task, "dev", *span(args.report)), rows, prompt, args.task,
-                       batch_sources=args.batch, progress=prog, extra=report_extra)
+                       batch_sources=args.batch, progress=prog, extra=report_extra,
+                       reference_sl=args.gu_code_sl == "reference")
     if args.task != "style":  # paired bootstrap of every row against the base on the same report items
 
         refs = [o["reference"] for o in rep["outputs"]]

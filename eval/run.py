@@ -55,7 +55,8 @@ CHRF_PREFIX = "chrF · "  # per-sentence chrF of a row in ``outputs``: key CHRF_
 def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], prompt: Prompt, task: str = "translation",
              batch_sources: int = 4, max_new_tokens: int = 96, progress: Progress = _noop,
              should_stop: Callable[[], bool] = lambda: False, extra: dict | None = None,
-             no_repeat_ngram: int | None = None, bootstrap: int = 1000, decode: Callable = decode_batch) -> dict:
+             no_repeat_ngram: int | None = None, bootstrap: int = 1000, decode: Callable = decode_batch,
+             reference_sl: bool = False) -> dict:
     """Decode every pair's source with every row; return per-method metrics and the outputs.
 
     ``pairs`` are (source, reference) — the reference may be None (style transfer without references).
@@ -68,9 +69,14 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
     ``outputs``: one dict per pair with source, reference, every row's output (key: its label) and its sentence
     chrF (key ``"chrF · " + label``). ``decode``: ``plugins.decode.decode_batch``, or a function called alike
     (``offsite.decode.decode_batch_remote``: through a model owner's service).
+    ``reference_sl``: hand each reference's token length to the decode (``ref_lens``), for PEMA's GU
+    ``gu_variant="code"``, whose SL the public code counts with the reference; off by default (a user's decode
+    has no reference, so the source's length stands in for it), and only where every pair has a reference.
     """
     if not pairs:
         raise UserError("No evaluation pairs.")
+    if reference_sl and any(r is None or not isinstance(r, str) for _, r in pairs):
+        raise UserError("A reference-length SL needs one reference (a string) per pair.")
     t0 = time.time()
     sources = [s for s, _ in pairs]
     hyps: dict[str, list[str]] = {r.label: [] for r in rows}
@@ -83,8 +89,10 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
         # An output far longer than its input is a runaway (repetition); capping the batch's length at twice the
         # longest source (+16 tokens) keeps one such row from making the whole batch decode to max_new_tokens.
         cap = min(max_new_tokens, 2 * max(len(backbone.encode_target(s.strip())) for s in chunk) + 16)
+        ref_kw = {"ref_lens": [len(backbone.encode_target(r.strip())) for _, r in pairs[b0:b0 + batch_sources]]} \
+            if reference_sl else {}
         for comp in decode(backbone, chunk, rows, prompt, max_new_tokens=cap, trace=False,
-                           no_repeat_ngram=no_repeat_ngram):
+                           no_repeat_ngram=no_repeat_ngram, **ref_kw):
             for r in comp.rows:
                 hyps[r.label].append(r.text)
                 used.setdefault(r.label, r.settings)
@@ -123,6 +131,7 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
             "outputs": outputs, "backbone": backbone.name, "signatures": sigs,
             "decode": {"max_new_tokens": max_new_tokens, "num_beams": 1,
                        "length_cap": "per batch: min(max_new_tokens, 2 × the longest source's tokens + 16)",
+                       "gu_code_sl": "reference" if reference_sl else "source",
                        "no_repeat_ngram": int(next(iter(used.values()), {}).get("no_repeat_ngram", 0))}}
 
 

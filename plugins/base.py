@@ -109,6 +109,8 @@ class MixInput:
     step: int                   # number of tokens generated so far in this row (0 for the first)
     src_len: list[int]          # SL per row: token length of the row's input sentence (instruction excluded)
     settings: list[dict]        # decode-time settings per row
+    ref_len: list[int | None] | None = None  # per row: the reference's token length, in evaluations that ask for it
+                                             # (PEMA's GU "code" variant, whose SL counts the reference); else None
 
 
 @dataclass

@@ -176,7 +176,7 @@ def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | N
 def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
                  max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
                  contexts: list[list[int]] | None = None, use_prefix_cache: bool = True,
-                 no_repeat_ngram: int | None = None) -> list[Comparison]:
+                 no_repeat_ngram: int | None = None, ref_lens: list[int] | None = None) -> list[Comparison]:
     """Decode several sources × every row in one batch (left-padded prompts); one Comparison per source.
 
     A single source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
@@ -190,11 +190,15 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     here or in any row's settings): no row may repeat an n-gram of its own output tokens — every row alike, the
     base model's included. Off (0) by default.
 
+    ``ref_lens``: per source, the token length of its reference — evaluation only, for plug-ins whose schedule
+    the public code ties to the reference (PEMA's GU ``gu_variant="code"``, ``MixInput.ref_len``); a decode
+    without references leaves it None.
+
     The loop itself is ``BatchDecode`` (one step at a time: streaming and cancelling between steps).
     """
     t0 = time.time()
     batch = plan_batch(backbone, sources, rows, prompt, num_beams, contexts,
-                       {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram})
+                       {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram}, ref_lens)
     return BatchDecode(backbone, batch, max_new_tokens, trace, use_prefix_cache, t0=t0).run()
 
 
@@ -374,6 +378,7 @@ class OutGroup:
     rows: torch.Tensor        # batch rows
     settings: list[dict]      # per batch row
     src_lens: list[int]       # per batch row
+    ref_lens: list[int | None] | None = None  # per batch row, when the request gave reference lengths
 
 
 @dataclass
@@ -394,6 +399,7 @@ class Batch:
     shared: int
     group_of_row: list[int]   # prefill group per row
     comparison: dict = field(default_factory=dict)  # settings of every row alike that are on (repetition guard)
+    ref_lens: list[int] | None = None  # per source: the reference's token length (evaluation only; else None)
 
     @property
     def S(self) -> int:
@@ -448,7 +454,7 @@ def _comparison_of(rows: list[Row], given: dict | None) -> tuple[dict, list[dict
 
 def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
                num_beams: int = 1, contexts: list[list[int]] | None = None,
-               comparison: dict | None = None) -> Batch:
+               comparison: dict | None = None, ref_lens: list[int] | None = None) -> Batch:
     """Check a request and lay out its batch: every row's complete settings, in-network groups by (plug-in,
     settings), output-level groups by plug-in; the comparison settings (``comparison``, or found in the rows'
     settings) that every row decodes with."""
@@ -458,6 +464,8 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
         raise UserError("Type a sentence to translate or rewrite.")
     if num_beams < 1:
         raise UserError("The number of beams must be ≥ 1.")
+    if ref_lens is not None and (len(ref_lens) != len(sources) or any(int(n) < 0 for n in ref_lens)):
+        raise UserError("Reference lengths: one non-negative token count per source.")
     for r in rows:
         if r.plugin is not None and r.plugin.fingerprint != backbone.fingerprint:
             backbone.check_fingerprint(r.plugin.fingerprint, f"The plug-in of row {r.label!r}")
@@ -483,7 +491,7 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
             out.setdefault(id(r.plugin), (r.plugin, []))[1].append(i)
     shared = int(any(r.plugin is None or r.plugin.level != "network" for r in rows))
     batch = Batch(list(sources), list(rows), prompt, ctxs, src_lens, settings, num_beams, list(net.values()), [],
-                  shared, [0] * len(rows), comp)
+                  shared, [0] * len(rows), comp, None if ref_lens is None else [int(n) for n in ref_lens])
     dev = backbone.device
     for g, grp in enumerate(batch.net, start=shared):
         grp.prefill = g
@@ -493,7 +501,8 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
     for plugin, members in out.values():
         rr = batch.batch_rows(members)
         batch.out.append(OutGroup(plugin, torch.tensor(rr, device=dev), [settings[batch.row_of(b)] for b in rr],
-                                  [src_lens[batch.source_of(b)] for b in rr]))
+                                  [src_lens[batch.source_of(b)] for b in rr],
+                                  None if batch.ref_lens is None else [batch.ref_lens[batch.source_of(b)] for b in rr]))
     return batch
 
 
@@ -595,7 +604,7 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
                 ex_logits = backbone.head_logits_subset(backbone.final_norm(e.to(backbone.dtype)),
                                                         grp.plugin.head_vocab())
             mo = grp.plugin.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[rr], extra_logits=ex_logits, step=step,
-                                         src_len=grp.src_lens, settings=grp.settings))
+                                         src_len=grp.src_lens, settings=grp.settings, ref_len=grp.ref_lens))
             final[rr] = mo.logprobs
             if attached is not None:
                 _mix_trace(backbone, info, rr.tolist(), mo)

@@ -38,8 +38,10 @@ Decoding:
     own schedule; the code subtracts in float32, here the count of decrements is exact. The code's SL is
     ``label_ids.ge(2).sum()``, the token length of instruction + source + "German:" + *reference*; a decode has
     no reference, so SL = the tokens of the memory prompt's template (no few-shot examples, no chat wrapper) +
-    the source's tokens + the source's tokens again as the stand-in for the reference length (``code_sl``; it
-    also takes a reference length, for evaluations that have one). With GU off λ_t = λ_max.
+    the source's tokens + the source's tokens again as the stand-in for the reference length (``code_sl``). An
+    evaluation with references can use the code's own SL instead: ``evaluate(..., reference_sl=True)`` /
+    ``python -m eval.quality --gu-code-sl reference`` hands each reference's token length to the decode
+    (``MixInput.ref_len``); off by default, since a user's decode never has one. With GU off λ_t = λ_max.
 
 Adaptations, all recorded in the plug-in's ``train_info``:
     * f(c) is divided by the memory's key RMS (``key_scale``) before the adapter. Gemma 3's pre-norm states have
@@ -444,9 +446,10 @@ class PEMA(Plugin):
         return self.template_tokens() + int(src_len) + int(src_len if ref_len is None else ref_len)
 
     def mix_lambdas(self, inp: MixInput) -> list[float]:
-        return [gu_lambda(inp.step, float(s["lambda_max"]), self.code_sl(sl) if s["gu_variant"] == "code" else sl,
+        refs = inp.ref_len or [None] * len(inp.src_len)
+        return [gu_lambda(inp.step, float(s["lambda_max"]), self.code_sl(sl, rl) if s["gu_variant"] == "code" else sl,
                           bool(s["gu"]), s["gu_variant"], float(s["gu_min"]))
-                for s, sl in zip(inp.settings, inp.src_len)]
+                for s, sl, rl in zip(inp.settings, inp.src_len, refs)]
 
     def distribution_key(self, settings: dict) -> tuple:
         return ()  # P_PEMA depends on f(c) only; λ_max and GU set λ_t

@@ -232,6 +232,43 @@ def test_gradual_unrolling_code_variant_by_hand(tiny, lam_max, src, pct):
     assert got == pytest.approx(want, abs=1e-12)
 
 
+def test_gradual_unrolling_code_variant_takes_the_reference_length_in_evaluation(tiny):
+    """With references (evaluation only), the code variant's SL is the public code's own: instruction + source +
+    the *reference's* tokens, handed from ``evaluate(reference_sl=True)`` through the batched decode to each row."""
+    from eval.run import evaluate
+    from ground.errors import UserError
+    from plugins.decode import Row, decode_batch
+
+    p = PEMA(PEMAConfig(rank=8, decode_vocab="full"), tiny, {"key_rms": 1.0, "prompt": PROMPT.to_dict()})
+    p = p.to(tiny.device)
+    tpl = len(tiny.encode_target(PROMPT.template.format(src="")))
+    lam_max, pct = 0.7, 20.0
+    row = Row("code", p, {"lambda_max": lam_max, "gu": True, "gu_variant": "code", "gu_min": pct})
+    pairs = [("the house is small", "das Haus ist sehr sehr klein und alt"), ("good morning", "Guten Morgen")]
+    src = [len(tiny.encode_target(s)) for s, _ in pairs]
+    ref = [len(tiny.encode_target(r)) for _, r in pairs]
+    assert src != ref
+    for ref_lens, sl in ((ref, [tpl + a + b for a, b in zip(src, ref)]), (None, [tpl + 2 * a for a in src])):
+        comps = decode_batch(tiny, [s for s, _ in pairs], [row], PROMPT, max_new_tokens=8, ref_lens=ref_lens)
+        for comp, n in zip(comps, sl):
+            got = [t["lambda"] for t in comp.rows[0].trace]
+            assert got and got == pytest.approx([round(x, 4) for x in public_code_gu(lam_max, n, pct, len(got))])
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(kw.get("ref_lens"))
+        return decode_batch(*a, **kw)
+
+    res = evaluate(tiny, pairs, [Row("base"), row], PROMPT, batch_sources=1, max_new_tokens=4, bootstrap=0,
+                   decode=spy, reference_sl=True)
+    assert seen == [[ref[0]], [ref[1]]] and res["decode"]["gu_code_sl"] == "reference"
+    seen.clear()
+    evaluate(tiny, pairs, [row], PROMPT, batch_sources=2, max_new_tokens=4, bootstrap=0, decode=spy)
+    assert seen == [None]
+    with pytest.raises(UserError):
+        evaluate(tiny, [("a", None)], [row], PROMPT, task="style", decode=spy, reference_sl=True)
+
+
 # --- kNN-LM / kNN-MT ------------------------------------------------------------------------------------------------
 
 def test_knn_distribution_and_mix_by_hand(tiny, tiny_memory):
