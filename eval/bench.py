@@ -8,6 +8,7 @@
     python -m eval.bench rows       # per step, one run: 1 row vs 4 rows vs all 7 methods, kNN over 100k; profile
     python -m eval.bench precision 200   # quality guard: base sacreBLEU/chrF per precision on WMT dev 1000-1199
     python -m eval.bench precision 200 float32,bfloat16   # some precisions only
+    python -m eval.bench knn1m      # kNN over 1M entries: exact vs FAISS IVF-PQ (re-ranked / PQ distances)
     python -m eval.bench anchor     # llama.cpp on the same Q4_K_M GGUF vs base/PEMA in float32, bfloat16, int8
     python -m eval.bench rows --dtype bfloat16   # any benchmark in another backbone precision
     python -m eval.bench all        # one run: the train children save their plug-ins, decode times them
@@ -187,23 +188,115 @@ class _FixedSteps:
         self.bb.stop_ids = self.saved
 
 
-def _datastore_100k(mem, path: Path):
-    """A 100k-entry copy of ``mem`` for timing only: the real keys tiled with small noise (search cost depends on
-    the number and size of the keys, not on where they came from)."""
+def _datastore_tiled(mem, path: Path, n: int = 100_000, noise: float = 0.01):
+    """An ``n``-entry copy of ``mem``: the real entries first, then copies of them whose keys get Gaussian noise of
+    ``noise`` × the key RMS per dimension, each copy keeping its entry's value and sample (a denser corpus of
+    similar contexts). For timing, search cost depends on the number and size of the keys, not on where they
+    came from; for fidelity, approximate and exact search face the same neighbourhoods."""
     path.mkdir()
     for f in mem.path.iterdir():
-        if f.is_file():
+        if f.is_file() and not f.name.startswith("faiss_"):
             (path / f.name).write_bytes(f.read_bytes())
-    reps = int(np.ceil(100_000 / len(mem)))
-    keys = np.tile(np.asarray(mem.keys, np.float32), (reps, 1))[:100_000]
-    keys += np.random.default_rng(0).normal(0, 0.01 * mem.key_scale, keys.shape).astype(np.float32)
-    np.save(path / "keys.npy", keys.astype(np.float16))
-    np.save(path / "values.npy", np.tile(np.asarray(mem.values), reps)[:100_000])
-    np.save(path / "entry_sample.npy", np.tile(np.asarray(mem.entry_sample), reps)[:100_000])
+    reps = int(np.ceil(n / len(mem)))
+    real = np.asarray(mem.keys, np.float32)
+    rng = np.random.default_rng(0)
+    keys = np.lib.format.open_memmap(path / "keys.npy", mode="w+", dtype=np.float16, shape=(n, real.shape[1]))
+    for r in range(reps):
+        b0, b1 = r * len(mem), min(n, (r + 1) * len(mem))
+        block = real[:b1 - b0]
+        if r or noise == 0.01:  # the 100k timing copy noises every block (as before); the others keep block 0 real
+            block = block + rng.normal(0, noise * mem.key_scale, block.shape).astype(np.float32)
+        keys[b0:b1] = block.astype(np.float16)
+    keys.flush()
+    del keys
+    np.save(path / "values.npy", np.tile(np.asarray(mem.values), reps)[:n])
+    np.save(path / "entry_sample.npy", np.tile(np.asarray(mem.entry_sample), reps)[:n])
     meta = json.loads((path / "meta.json").read_text())
-    meta["stats"]["entries"] = 100_000
+    meta["stats"]["entries"] = n
     (path / "meta.json").write_text(json.dumps(meta))
     return Memory.load(path)
+
+
+def _datastore_100k(mem, path: Path):
+    return _datastore_tiled(mem, path, 100_000, 0.01)
+
+
+def bench_knn_1m(bb, mem, work: Path, n: int = 1_000_000, report=(1000, 100), queries: int = 256,
+                 batch_sources: int = 8) -> dict:
+    """kNN over a 1M-entry datastore: exact search vs the FAISS IVF-PQ index with exact re-rank (the default
+    beyond ``exact_max_entries``) vs the index's PQ distances. Search time per query batch and recall of the
+    exact top-k, decode time per token (fixed steps), and sacreBLEU/chrF on WMT dev ``report`` with the shipped
+    kNN decode settings, paired bootstrap of each approximate row against the exact one.
+
+    The datastore is ``mem``'s real entries tiled to ``n`` (``_datastore_tiled``), every copy's key moved by
+    Gaussian noise whose expected distance to its original equals the median distance between a real key and
+    its nearest real neighbour: a corpus ~n/len(mem) times denser in the same regions (a real 1M-entry Gemma
+    memory takes ~3 h to capture on 2 CPU cores)."""
+    import torch
+
+    rms = float(mem.key_scale)
+    real = torch.from_numpy(np.asarray(mem.keys, np.float32)) / rms
+    rng = np.random.default_rng(1)
+    probe = real[torch.from_numpy(rng.choice(len(real), 1000, replace=False))]
+    d = torch.cdist(probe, real).topk(2, largest=False).values[:, 1]  # 0 is the key itself
+    nn_med = float(d.median())
+    noise = nn_med / np.sqrt(real.shape[1])
+    t0 = time.time()
+    big = _datastore_tiled(mem, work / "big", n, noise)
+    res: dict = {"entries": n, "real_entries": len(mem), "median_nn_distance_scaled": round(nn_med, 3),
+                 "noise_per_dim_scaled": round(noise, 4), "datastore_seconds": round(time.time() - t0, 1)}
+    print(res, file=sys.stderr)
+    t0 = time.time()
+    exact, _ = train_plugin(bb, big, "knn", {"search": "exact"}, out_dir=work / "knn-exact")
+    res["exact_load_seconds"] = round(time.time() - t0, 1)
+    t0 = time.time()
+    ivf, _ = train_plugin(bb, big, "knn", {}, out_dir=work / "knn-ivfpq")  # the default at 1M: FAISS + re-rank
+    res["index_build_seconds"] = round(time.time() - t0, 1)
+    pq, _ = train_plugin(bb, big, "knn", {"exact_rerank": False}, out_dir=work / "knn-ivfpq-pq")
+    res["search"] = {"exact": exact.search_kind, "faiss": ivf.search_kind, "faiss_pq": pq.search_kind}
+    print(res, file=sys.stderr)
+    k = int(ivf.settings({})["k"])
+    # queries: held-out-like contexts, real keys moved by the same noise (never an entry's own key)
+    q = real[torch.from_numpy(rng.choice(len(real), queries, replace=False))]
+    q = q + torch.randn(q.shape, generator=torch.Generator().manual_seed(2)) * noise
+    times = {}
+    found = {}
+    for name, p in (("exact", exact), ("faiss", ivf), ("faiss_pq", pq)):
+        p.search(q[:8], k)  # warm-up
+        t0 = time.time()
+        out = [p.search(q[b0:b0 + 8], k) for b0 in range(0, queries, 8)]  # 8 rows: a comparison step's size
+        times[name] = (time.time() - t0) / (queries / 8)
+        found[name] = torch.cat([i for _, i in out]).numpy()
+    truth = found["exact"]
+    res["search_ms_per_8_queries"] = {m: round(1000 * t, 2) for m, t in times.items()}
+    res["exact_over_faiss"] = round(times["exact"] / times["faiss"], 2)
+    res["recall_at_k"] = {m: round(float(np.mean([len(set(a) & set(b)) / k for a, b in zip(found[m], truth)])), 4)
+                          for m in ("faiss", "faiss_pq")}
+    res["k"] = k
+    print(res, file=sys.stderr)
+    prompt = mem.prompt
+    sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
+    with _FixedSteps(bb):
+        per = {}
+        for name, rows in (("base", [Row("base")]), ("exact", [Row("knn", exact)]), ("faiss", [Row("knn", ivf)]),
+                           ("faiss_pq", [Row("knn", pq)])):
+            per[name] = _time_decode(bb, rows, prompt, sources, 16)
+    res["decode_ms_per_token"] = {m: round(1000 * t, 1) for m, t in per.items()}
+    res["decode_over_base"] = {m: round(t / per["base"], 3) for m, t in per.items()}
+    print(res, file=sys.stderr)
+    pairs = wmt_pairs("dev", *report)
+    rows = [Row("base"), Row("knn exact", exact), Row("knn faiss", ivf), Row("knn faiss pq", pq)]
+    ev = evaluate(bb, pairs, rows, prompt, batch_sources=batch_sources, progress=lambda f, m: print(m, file=sys.stderr))
+    refs = [r for _, r in pairs]
+    res["quality"] = {"items": f"WMT22 dev {report[0]}-{report[0] + report[1] - 1}", "settings":
+                      ev["methods"][1]["settings"],
+                      **{m["label"]: {"sacrebleu": m["sacrebleu"], "chrf": m["chrf"]} for m in ev["methods"]}}
+    hyp = {m["label"]: [o[m["label"]] for o in ev["outputs"]] for m in ev["methods"]}
+    for lab in ("knn faiss", "knn faiss pq"):
+        pb = paired_bootstrap(hyp["knn exact"], hyp[lab], refs)
+        res["quality"][lab]["vs_exact"] = pb
+        res["quality"][lab]["identical_outputs"] = sum(a == b for a, b in zip(hyp["knn exact"], hyp[lab]))
+    return res
 
 
 def bench_decode(bb, mem, plugin_dir: Path, tokens: int = 24) -> dict:
@@ -515,9 +608,9 @@ def main(argv=None) -> int:
         print(json.dumps(_precision_child(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))))
         return 0
     what = argv[0] if argv else "all"
-    if what not in ("build", "train", "decode", "softmax", "head", "precision", "rows", "anchor", "all"):
+    if what not in ("build", "train", "decode", "softmax", "head", "precision", "rows", "anchor", "knn1m", "all"):
         raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | head | precision | rows | "
-                         "anchor | all")
+                         "anchor | knn1m | all")
     if what in ("precision", "anchor"):  # several backbones: precision decodes each in a child process
         n = int(argv[1]) if len(argv) > 1 else 200
         if what == "precision":
@@ -536,6 +629,15 @@ def main(argv=None) -> int:
                  "head_share": head_share(bb)}
     if what == "head":
         res["head"] = bench_head(bb)
+    if what == "knn1m":  # on a memory given with --memory (id or path), else the first 1,000 WMT train pairs'
+        with tempfile.TemporaryDirectory(dir=os.environ.get("PEMA_BENCH_TMP")) as tmp:
+            if len(argv) > 1:
+                from ground.store import Catalog
+                from plugins.api import open_memory
+                mem = open_memory(argv[1], bb, Catalog())
+            else:
+                mem, _ = _mem(bb, 1000, tmp)
+            res["knn1m"] = bench_knn_1m(bb, mem, Path(tmp))
     if what == "rows":
         with tempfile.TemporaryDirectory() as tmp:
             mem, secs = _mem(bb, 60, tmp)

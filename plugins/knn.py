@@ -8,8 +8,9 @@ Search: exact (chunked torch matmul, keys held in RAM as float32) up to ``exact_
 IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the memory with ``faiss.write_index``,
 never pickled, its file name keyed by every setting that changes it), keys left memory-mapped on disk. As kNN-LM
 does, the k neighbours the approximate index returns get their exact squared L2 distances recomputed from the
-stored keys (k rows per query) and are re-sorted by them, so P_kNN's weights are exact. ``search_kind`` says which
-search is in use.
+stored keys (k rows per query) and are re-sorted by them, so P_kNN's weights are exact (``exact_rerank``, on by
+default; off uses the index's PQ distances — measured on a 1M-entry datastore in BENCHMARKS §3c,
+``python -m eval.bench knn1m <memory-id>``). ``search_kind`` says which search is in use.
 
 The index file is written under a temporary name (``ground.lock.temp_name``: a crashed writer's leftovers are
 removed at the next start), fsynced and renamed into place, with ``<index>.json`` beside it holding its sha256; the
@@ -47,6 +48,8 @@ class KNNConfig(PluginConfig):
     pq_m: int = setting(64, "PQ sub-quantizers (must divide d; lowered automatically if not)", low=0, high=1024)
     nprobe: int = setting(32)
     normalize_keys: bool = setting(True)
+    exact_rerank: bool = setting(True, "FAISS only: recompute the k neighbours' exact L2 distances (kNN-LM); off: "
+                                       "the index's PQ distances (BENCHMARKS §3c measures the difference)")
     max_neighbours_traced: int = setting(8)
 
     # kNN trains nothing: its paper's knobs are decode settings (k, T, λ: the Compare tab). "paper" searches with
@@ -194,8 +197,9 @@ class KNN(Plugin):
             self.index = index
         self.index_record = {"file": name, "sha256": sha} if sha else None
         self.index.nprobe = self.config.nprobe
+        dists = "exact L2 re-rank" if self.config.exact_rerank else "PQ distances"
         self.search_kind = (f"FAISS IVF-PQ ({self.index.nlist} lists, {m}×{nbits}-bit PQ, nprobe "
-                            f"{self.config.nprobe}, {n:,} keys; exact L2 re-rank)")
+                            f"{self.config.nprobe}, {n:,} keys; {dists})")
 
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         progress(0.1, "preparing the datastore")
@@ -226,8 +230,11 @@ class KNN(Plugin):
         k = max(1, min(k, len(self.values)))
         if self.index is not None:
             q = queries.float().cpu().numpy()
-            _, idx = self.index.search(q, k)
-            dist, idx = self._exact_rerank(q, idx)
+            dist, idx = self.index.search(q, k)
+            if self.config.exact_rerank:
+                dist, idx = self._exact_rerank(q, idx)
+            else:
+                dist = np.where(idx >= 0, dist, np.inf).astype(np.float32)
             return torch.from_numpy(dist).to(queries.device), torch.from_numpy(idx).long().to(queries.device)
         q = queries.float().to(self.keys.device)
         best_d, best_i = None, None

@@ -431,6 +431,14 @@ def test_knn_faiss_index_is_cached_per_setting_and_reranked_exactly(tiny, tmp_pa
     exact = ((keys[idx] - q[:, None, :]) ** 2).sum(-1)
     assert np.allclose(dist, exact, rtol=1e-4, atol=1e-4)
     assert (np.diff(dist, axis=1) >= 0).all()
+    # exact_rerank off: the index's own PQ distances (same index file), which are not the exact ones
+    pq = KNN(KNNConfig(search="faiss", ivf_lists=4, pq_m=16, nprobe=4, exact_rerank=False), tiny)
+    pq.fit(mem)
+    assert len(list(mem.path.glob("faiss_ivfpq*.index"))) == 3 and "PQ distances" in pq.search_kind
+    d_pq, i_pq = pq.search(torch.tensor(q, dtype=torch.float32), 4)
+    d_idx, i_idx = a.index.search(q.astype(np.float32), 4)
+    assert np.allclose(d_pq.numpy(), d_idx) and np.array_equal(i_pq.numpy(), i_idx)
+    assert not np.allclose(d_pq.numpy(), ((keys[i_idx] - q[:, None, :]) ** 2).sum(-1), rtol=1e-3, atol=1e-3)
 
 
 def test_float16_keys_that_would_overflow_are_stored_as_float32(tiny, tmp_path, monkeypatch):
