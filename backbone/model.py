@@ -75,6 +75,57 @@ class Int8Linear(nn.Linear):
         return self._int8[0](x.float()).to(x.dtype)
 
 
+PACKED_BF16 = {"on": True}  # benchmarks switch it off to time the plain F.linear path in the same process
+
+
+class PackedBF16Linear(nn.Linear):
+    """A bfloat16 ``nn.Linear`` whose forward without gradients runs oneDNN's linear on a weight pre-packed into
+    oneDNN's blocked layout once (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``: the calls
+    torch's own Inductor emits for a frozen bfloat16 linear on a CPU). The plain bfloat16 GEMV that ``F.linear``
+    runs for 1-8 rows does not read weights at bfloat16's bandwidth on this CPU (BENCHMARKS §3: one row only 1.10×
+    float32); the packed one does, and 4-8 rows cost little more than one. Same arithmetic (bfloat16 inputs and
+    weights, float32 accumulation, bfloat16 output).
+
+    Like :class:`Int8Linear` it *is* an ``nn.Linear`` with the original ``weight`` Parameter (tied embeddings stay
+    tied; readers of ``lm_head.weight`` see it); with gradients enabled it runs ``F.linear`` on that weight, so
+    training through the frozen backbone is unchanged. The packed copy costs the weights' bytes once more in RAM."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        with torch.no_grad():  # in a list: not a submodule or buffer, so .to()/state_dict/deepcopy leave it out
+            self._packed = [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not PACKED_BF16["on"]:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed[0], self.bias, "none", [], "")
+
+    def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) packs its own weight
+        import copy
+
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          dtype=self.weight.dtype, device=self.weight.device)
+        plain.weight = copy.deepcopy(self.weight, memo)
+        plain.bias = copy.deepcopy(self.bias, memo)
+        for h in ("_forward_hooks", "_forward_pre_hooks"):
+            getattr(plain, h).update(getattr(self, h))
+        return PackedBF16Linear(plain)
+
+
+def packed_bf16_available() -> bool:
+    """oneDNN's bfloat16 linear is built into this torch and runs on this CPU."""
+    try:
+        w = torch.zeros(4, 8, dtype=torch.bfloat16)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=torch.bfloat16),
+                                           torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
+        return bool(torch.backends.mkldnn.is_available())
+    except Exception:  # noqa: BLE001 - any failure means: use the plain path
+        return False
+
+
 def _dynamic_int8(linear: nn.Linear) -> nn.Module:
     import warnings
 
@@ -96,17 +147,25 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     if precision not in PRECISIONS:
         raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
     if precision == "bfloat16":
-        return model.to(torch.bfloat16)
+        model.to(torch.bfloat16)
+        if all(p.device.type == "cpu" for p in model.parameters()) and packed_bf16_available():
+            _swap_linears(model, PackedBF16Linear)
+        return model
     if precision == "int8":
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise UserError("--dtype int8 runs torch's CPU int8 kernels; on a GPU use --dtype bfloat16.")
-        for parent in list(model.modules()):
-            for child_name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(parent, child_name, Int8Linear(child))
-        # An output embedding tied to the input embedding is reached through get_output_embeddings(), which
-        # is the module just swapped (its weight stays the embedding's Parameter).
+        _swap_linears(model, Int8Linear)
     return model
+
+
+def _swap_linears(model: nn.Module, cls) -> None:
+    """Replace every plain ``nn.Linear`` (the decoder's projections and the LM head) by ``cls(linear)``. An output
+    embedding tied to the input embedding is reached through get_output_embeddings(), which is the module
+    swapped (its weight stays the embedding's Parameter)."""
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, child_name, cls(child))
 
 
 def model_precision(model: nn.Module) -> str:
@@ -203,6 +262,8 @@ class Backbone:
         head = self.lm_head
         if isinstance(head, Int8Linear) and not torch.is_grad_enabled():
             return self.softcap_logits(head(normed.float()))
+        if isinstance(head, PackedBF16Linear) and not torch.is_grad_enabled() and PACKED_BF16["on"]:
+            return self.softcap_logits(head(normed.to(torch.bfloat16)).float())
         return self.softcap_logits(_project(normed.to(self.dtype), head.weight).float())
 
     def head_logits_subset(self, normed: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -449,6 +510,8 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
     if precision == "int8":  # converted at load; the cache on disk stays float32
         progress(0.95, f"Quantizing {name}'s linear layers and LM head to int8")
         set_precision(model, "int8")
+    elif precision == "bfloat16":  # loaded in bfloat16; on a CPU the linears get oneDNN-packed weights
+        set_precision(model, "bfloat16")
     progress(1.0, f"{name} ready in {time.time() - t0:.1f}s on {dev} ({precision})")
     return Backbone(model=model, tokenizer=tok, name=name, chat=chat)
 

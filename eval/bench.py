@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from backbone import load_backbone
-from backbone.model import Backbone, resolve_precision, set_precision
+from backbone.model import PACKED_BF16, Backbone, resolve_precision, set_precision
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap
@@ -521,6 +521,8 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
                                out_dir=Path(tmp) / "pema")
         configs = {"llama.cpp Q4_K_M": ("llama", None, None)}
         configs.update({f"base {p}": ("pema-studio", bbs[p], [Row("base")]) for p in precisions})
+        if "bfloat16" in bbs:  # the same backbone without the oneDNN-packed linears (PACKED_BF16 off)
+            configs["base bfloat16, plain F.linear"] = ("plain", bbs["bfloat16"], [Row("base")])
         configs[f"PEMA {default.precision}"] = ("pema-studio", default, [Row("pema", pema)])
         src = iter(sources * reps * len(configs))
 
@@ -529,8 +531,12 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
             s = next(src)
             if kind == "llama":
                 return llama_seconds(default.encode_context(prompt.render(s)))
-            with _FixedSteps(bb):
-                return _decode_seconds(bb, rows, prompt, s, tokens)
+            PACKED_BF16["on"] = kind != "plain"
+            try:
+                with _FixedSteps(bb):
+                    return _decode_seconds(bb, rows, prompt, s, tokens)
+            finally:
+                PACKED_BF16["on"] = True
 
         for c in configs.values():
             run(c)  # warm-up

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from backbone.model import (DEFAULT_CPU_PRECISION, Backbone, Int8Linear, model_precision, resolve_precision,
-                            set_precision)
+from backbone.model import (DEFAULT_CPU_PRECISION, PACKED_BF16, Backbone, Int8Linear, PackedBF16Linear,
+                            model_precision, packed_bf16_available, resolve_precision, set_precision)
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
 from ground.errors import UserError
@@ -84,6 +84,45 @@ def test_int8_linear_uses_int8_without_gradients_and_float32_with_them():
     assert torch.equal(out, exact)
     out.sum().backward()
     assert torch.allclose(xg.grad, lin.weight.sum(0).expand(5, -1))
+
+
+@pytest.mark.skipif(not packed_bf16_available(), reason="this torch/CPU has no oneDNN bfloat16 linear")
+def test_bfloat16_linears_run_oneDNN_packed_weights_with_the_plain_paths_arithmetic(tiny):
+    """On a CPU, bfloat16 swaps every linear (LM head included) for a PackedBF16Linear: the same weight Parameter
+    (tied embeddings stay tied), the same numbers as bfloat16 F.linear, F.linear with gradients (training), and
+    a decode identical to the plain bfloat16 path's."""
+    import copy
+
+    bb = tiny_in("bfloat16")
+    linears = [m for m in bb.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, PackedBF16Linear) for m in linears)
+    assert bb.lm_head.weight is bb.model.get_input_embeddings().weight and bb.dtype == torch.bfloat16
+    assert set(bb.model.state_dict()) == set(tiny.model.state_dict())
+    lin = linears[0]
+    x = torch.randn(5, lin.in_features).bfloat16()
+    with torch.no_grad():
+        fast, plain = lin(x), nn.functional.linear(x, lin.weight, lin.bias)
+    assert torch.equal(fast, plain) or torch.allclose(fast.float(), plain.float(), atol=1e-2)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    try:  # no gradients: the packed kernel; with gradients: F.linear on the Parameter
+        torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(1) or real(*a)
+        with torch.no_grad():
+            lin(x)
+        assert calls == [1]
+        out = lin(x.clone().requires_grad_(True))
+        assert calls == [1] and out.grad_fn is not None
+    finally:
+        torch.ops.mkldnn._linear_pointwise = real
+    c = copy.deepcopy(bb.model)  # LoRA trains on a deep copy of the last layer: the copy packs its own weight
+    assert all(isinstance(m, PackedBF16Linear) for m in c.modules() if isinstance(m, nn.Linear))
+    a = compare(bb, "the house is small", [Row("base")], PROMPT, max_new_tokens=8)
+    PACKED_BF16["on"] = False
+    try:
+        b = compare(bb, "the house is small", [Row("base")], PROMPT, max_new_tokens=8)
+    finally:
+        PACKED_BF16["on"] = True
+    assert a.rows[0].tokens == b.rows[0].tokens
 
 
 def test_memory_records_its_precision_and_other_precisions_are_refused(tmp_path, tiny):
