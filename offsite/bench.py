@@ -38,7 +38,7 @@ from backbone.tasks import task_prompt  # noqa: E402
 from backbone.tiny import tiny_backbone  # noqa: E402
 from memories.build import build_memory  # noqa: E402
 from memories.parse import Sample, parse_samples_strict  # noqa: E402
-from offsite.client import connect  # noqa: E402
+from offsite.client import connect, wait_for_owner  # noqa: E402
 from offsite.decode import compare_remote  # noqa: E402
 from offsite.protocol import Limits  # noqa: E402
 from offsite.server import OwnerService, make_app  # noqa: E402
@@ -99,8 +99,6 @@ class _ThreadOwner:
 
 
 def run(name: str, pairs: int, new_tokens: int, repeats: int, owner_in_process: bool = False) -> dict:
-    import httpx  # heavy: the benchmark talks HTTP
-
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -113,19 +111,11 @@ def run(name: str, pairs: int, new_tokens: int, repeats: int, owner_in_process: 
         try:
             if not owner_in_process:
                 local = tiny_backbone() if name == "tiny" else load_backbone(name)
-            deadline = time.time() + 600
-            while True:
-                if proc.poll() is not None:
-                    log = tmp / "owner.log"
-                    raise RuntimeError(log.read_text() if log.is_file() else "the owner's thread stopped")
-                try:
-                    if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.time() > deadline:
-                    raise RuntimeError("the owner did not start")
-                time.sleep(0.5)
+            try:
+                wait_for_owner(url, lambda: proc.poll() is None, timeout=600)
+            except RuntimeError:
+                log = tmp / "owner.log"
+                raise RuntimeError(log.read_text() if log.is_file() else "the owner's thread stopped") from None
             t0 = time.time()
             remote = connect(url, token, data_dir=tmp / "client")
             client = remote.client

@@ -320,6 +320,25 @@ class RemoteBackbone(Backbone):
 
 
 # --- connecting ------------------------------------------------------------------------------------------------
+def wait_for_owner(url: str, alive=lambda: True, timeout: float = 600.0, poll: float = 0.5) -> None:
+    """Wait until an owner's service at ``url`` answers ``/healthz`` with 200. ``alive()`` is asked between tries
+    (e.g. whether the owner's process still runs): False raises RuntimeError at once; so does ``timeout``."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        if not alive():
+            raise RuntimeError("the owner's service stopped before it answered")
+        try:
+            if httpx.get(url.rstrip("/") + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            raise RuntimeError(f"the owner's service at {url} did not come up within {timeout:.0f} s")
+        time.sleep(poll)
+
+
 def _norm_module(rec: dict, d: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
     """The owner's final-norm class, instantiated here from its name (transformers' or torch's norm classes only:
     nothing but a class name and numbers is taken from the owner) and loaded with its parameters."""

@@ -22,7 +22,7 @@ from backbone.prompts import Prompt
 from ground.errors import UserError
 from memories.build import build_memory
 from memories.parse import Sample
-from offsite.client import OwnerError, RemoteBackbone, connect
+from offsite.client import OwnerError, RemoteBackbone, connect, wait_for_owner
 from offsite.decode import check_offsite_method, compare_remote
 from offsite.protocol import Limits, pack, unpack
 from offsite.server import ApiError, OwnerService, make_app
@@ -54,8 +54,6 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def owner(tmp_path_factory):
     """The model owner: its own process, the tiny backbone, a bearer token, a free port on 127.0.0.1."""
-    import httpx
-
     port = _free_port()
     log = tmp_path_factory.mktemp("owner") / "owner.log"
     with open(log, "w") as out:
@@ -63,19 +61,11 @@ def owner(tmp_path_factory):
                                  "--token", TOKEN, "--max-sessions", "8"], cwd=ROOT, env=_env(), stdout=out,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the owner's process exited ({proc.returncode}):\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"the owner's service did not come up:\n{log.read_text()}")
-        time.sleep(0.3)
+    try:
+        wait_for_owner(url, lambda: proc.poll() is None, timeout=180, poll=0.3)
+    except RuntimeError as e:
+        proc.kill()
+        pytest.fail(f"{e} (exit code {proc.poll()}):\n{log.read_text()}")
     yield SimpleNamespace(url=url, proc=proc, log=log)
     proc.send_signal(signal.SIGINT)
     try:
