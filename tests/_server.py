@@ -34,3 +34,24 @@ def wait_job(client, job_id: str, timeout: float = 120, poll: float = 0.2) -> di
             return job
         assert time.time() - t0 < timeout, f"job {job_id} still {job['state']} after {timeout}s: {job['message']}"
         time.sleep(poll)
+
+
+TINY_PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+              ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 3
+
+
+def tiny_studio(data_dir: Path):
+    """A ``studio.service.Studio`` on the tiny backbone, ready (the caller closes it)."""
+    from studio.service import Studio
+
+    st = Studio(data_dir, backbone="tiny")
+    assert st.wait_ready(120), st.status()
+    return st
+
+
+def build_tiny_memory(studio, pairs=TINY_PAIRS, name: str = "pairs") -> str:
+    """Build a memory from sentence pairs through the studio's job (as an upload of a TSV would); its id."""
+    tsv = "\n".join(f"{s}\t{t}" for s, t in pairs)
+    job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name=name), 120)
+    assert job["state"] == "done", job
+    return job["result"]["memory_id"]

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _server import build_tiny_memory, tiny_studio
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -74,15 +75,10 @@ def browser():
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from studio.service import Studio
     from ui.app import launch_app
 
-    studio = Studio(tmp_path_factory.mktemp("browser-data"), backbone="tiny")
-    assert studio.wait_ready(120), studio.status()
-    tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
-    job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name="demo pairs"), 120)
-    assert job["state"] == "done", job
-    mid = job["result"]["memory_id"]
+    studio = tiny_studio(tmp_path_factory.mktemp("browser-data"))
+    mid = build_tiny_memory(studio, PAIRS, "demo pairs")
     budget = studio.jobs.wait(studio.submit_train(mid, "pema", BUDGET_PEMA, LONG_NAME), 180)
     assert budget["state"] == "done" and budget["result"]["training"]["under_trained"], budget
     pema = studio.jobs.wait(studio.submit_train(mid, "pema", STRONG_PEMA, "PEMA demo"), 180)

@@ -18,6 +18,7 @@ from plugins.api import new_plugin
 from plugins.decode import BatchDecode, LiveComparison, Row, compare, decode_batch, plan_batch, start_compare
 from plugins.knn import KNN, KNNConfig
 from plugins.registry import available_methods
+from _server import build_tiny_memory, tiny_studio
 
 PROMPT = Prompt.for_task("translation")
 SOURCE = "the cat sleeps"
@@ -192,14 +193,8 @@ PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die K
 
 @pytest.fixture(scope="module")
 def studio_knn(tmp_path_factory):
-    from studio.service import Studio
-
-    st = Studio(tmp_path_factory.mktemp("live-data"), backbone="tiny")
-    assert st.wait_ready(120), st.status()
-    tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
-    job = st.jobs.wait(st.submit_build(tsv, "pairs.tsv", name="live pairs"), 120)
-    assert job["state"] == "done", job
-    job = st.jobs.wait(st.submit_train(job["result"]["memory_id"], "knn", {}, "kNN"), 120)
+    st = tiny_studio(tmp_path_factory.mktemp("live-data"))
+    job = st.jobs.wait(st.submit_train(build_tiny_memory(st, PAIRS, "live pairs"), "knn", {}, "kNN"), 120)
     assert job["state"] == "done", job
     yield st, job["result"]["plugin_id"]
     st.close()

@@ -17,12 +17,12 @@ import os
 import time
 
 import pytest
+from _server import build_tiny_memory, tiny_studio
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
          ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 3
-TSV = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
 # A budget far too small for the epochs asked for: training stops on the time budget.
 BUDGET_PEMA = {"rank": 16, "max_minutes": 0.0003, "max_epochs_rct": 2, "max_epochs_joint": 400, "patience": 1000,
                "candidate_contexts": 64}
@@ -35,19 +35,14 @@ def has_repeated_ngram(tokens: list[int], n: int) -> bool:
 
 @pytest.fixture(scope="module")
 def studio(tmp_path_factory):
-    from studio.service import Studio
-
-    st = Studio(tmp_path_factory.mktemp("ux-data"), backbone="tiny")
-    assert st.wait_ready(120), st.status()
+    st = tiny_studio(tmp_path_factory.mktemp("ux-data"))
     yield st
     st.close()
 
 
 @pytest.fixture(scope="module")
 def memory_id(studio):
-    job = studio.jobs.wait(studio.submit_build(TSV, "pairs.tsv", name="ux pairs"), 120)
-    assert job["state"] == "done", job
-    return job["result"]["memory_id"]
+    return build_tiny_memory(studio, PAIRS, "ux pairs")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ground.errors import UserError
+from _server import build_tiny_memory, tiny_studio
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -157,22 +158,14 @@ def test_shipped_throughputs_cover_every_method_on_tiny_and_gemma():
 # --- the studio: presets, estimate, the generated form ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def studio(tmp_path_factory):
-    from studio.service import Studio
-
-    st = Studio(tmp_path_factory.mktemp("form-data"), backbone="tiny")
-    assert st.wait_ready(120), st.status()
+    st = tiny_studio(tmp_path_factory.mktemp("form-data"))
     yield st
     st.close()
 
 
 @pytest.fixture(scope="module")
 def memory_id(studio):
-    tsv = "\n".join(f"{s}\t{t}" for s, t in [("the house is small", "das Haus ist klein"),
-                                              ("the cat sleeps", "die Katze schlaeft"),
-                                              ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 3)
-    job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name="form pairs"), 120)
-    assert job["state"] == "done", job
-    return job["result"]["memory_id"]
+    return build_tiny_memory(studio, name="form pairs")
 
 
 def test_studio_estimate_before_training(studio, memory_id):
