@@ -125,6 +125,54 @@ def test_bfloat16_linears_run_oneDNN_packed_weights_with_the_plain_paths_arithme
     assert a.rows[0].tokens == b.rows[0].tokens
 
 
+def test_cpu_decode_attention_is_sdpa_with_its_masks():
+    """bfloat16 decode steps on a CPU use cpu_decode_attention: the same result as transformers' SDPA function up to
+    bfloat16 rounding, with grouped KV heads and boolean or additive masks (padding, sliding window)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from backbone.model import cpu_decode_attention
+
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, L, D = 3, 8, 2, 37, 16
+    q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in ((B, H, 1, D), (B, Hkv, L, D), (B, Hkv, L, D)))
+    keep = torch.ones(B, 1, 1, L + 5, dtype=torch.bool)
+    keep[0, ..., :10] = False
+    keep[2, ..., 30:] = False
+    for mask in (None, keep, torch.where(keep, 0.0, float("-inf")).bfloat16()):
+        got, _ = cpu_decode_attention(module, q, k, v, mask, scaling=0.25)
+        want, _ = sdpa_attention_forward(module, q, k, v, None if mask is None else mask[..., :L], scaling=0.25)
+        assert got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=2e-2)
+    masked, _ = cpu_decode_attention(module, q, k, v, keep, scaling=0.25)
+    assert not torch.allclose(masked.float(), cpu_decode_attention(module, q, k, v, None, scaling=0.25)[0].float(),
+                              atol=0.1)
+
+
+@pytest.mark.skipif(not packed_bf16_available(), reason="this torch/CPU has no oneDNN bfloat16 linear")
+def test_bfloat16_backbone_masks_padding_in_batched_decodes(tiny):
+    """The bfloat16 CPU backbone runs the registered decode attention with SDPA's masks: a context left-padded
+    beside a longer one gives the f(c) it gives alone, at the prefill and at a decode step (one query token)."""
+    from backbone.model import CPU_DECODE_ATTENTION
+
+    bb = tiny_in("bfloat16")
+    assert bb.model.config._attn_implementation == CPU_DECODE_ATTENTION
+    short = bb.encode_context("English: good morning\nGerman:")
+    long = bb.encode_context("English: the house is small and the cat sleeps on the old red chair\nGerman:")
+    pad = len(long) - len(short)
+    ids = torch.tensor([long, [0] * pad + short])
+    mask = torch.tensor([[1] * len(long), [0] * pad + [1] * len(short)])
+    nxt = torch.tensor([[5], [7]])
+    with torch.no_grad():
+        fc_b, out_b = bb.forward_fc(ids, attention_mask=mask, use_cache=True)
+        step_b, _ = bb.forward_fc(nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+                                  past_key_values=out_b.past_key_values, use_cache=True)
+        fc_a, out_a = bb.forward_fc(torch.tensor([short]), use_cache=True)
+        step_a, _ = bb.forward_fc(nxt[1:], past_key_values=out_a.past_key_values, use_cache=True)
+    for got, want in ((fc_b[1, -1], fc_a[0, -1]), (step_b[1, -1], step_a[0, -1])):
+        assert torch.allclose(got.float(), want.float(), atol=0.005 * float(want.abs().max()))
+
+
 def test_memory_records_its_precision_and_other_precisions_are_refused(tmp_path, tiny):
     bb = tiny_in("int8")
     mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m8", prompt=PROMPT,
