@@ -71,6 +71,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from backbone.model import CPU_DECODE_ATTENTION
 from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.network import (
@@ -88,7 +89,8 @@ from plugins.settings import Preset, setting
 
 VARIANTS = ("MT-F", "MT-M", "MT-MF")
 TRACE_TOP = 5
-ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive float mask of any key length
+# those that take an additive float mask of any key length (the bfloat16 CPU decode attention adds it as eager does)
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", CPU_DECODE_ATTENTION)
 LEGACY_SETTINGS = ("query_dim", "key_dim", "slot_dim", "value_dim")
 
 

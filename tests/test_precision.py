@@ -173,6 +173,22 @@ def test_bfloat16_backbone_masks_padding_in_batched_decodes(tiny):
         assert torch.allclose(got.float(), want.float(), atol=0.005 * float(want.abs().max()))
 
 
+@pytest.mark.skipif(not packed_bf16_available(), reason="this torch/CPU has no oneDNN bfloat16 linear")
+def test_memory_tuning_prefix_runs_on_the_bfloat16_cpu_attention(tmp_path):
+    """MT-M hands its prefix to the attention as extra keys with an additive mask: the bfloat16 CPU decode
+    attention takes it (a batched MT-M row decodes as it does alone)."""
+    from plugins.api import train_plugin
+    from plugins.decode import decode_batch
+
+    bb = tiny_in("bfloat16")
+    mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m", prompt=PROMPT)
+    mt, _ = train_plugin(bb, mem, "memory_tuning", {"max_epochs": 1, "max_minutes": 0}, out_dir=tmp_path / "mt")
+    rows = [Row("base"), Row("mt", mt)]
+    both = decode_batch(bb, ["the house is small", "good morning"], rows, PROMPT, max_new_tokens=5)
+    alone = compare(bb, "good morning", rows, PROMPT, max_new_tokens=5)
+    assert [r.tokens for r in both[1].rows] == [r.tokens for r in alone.rows]
+
+
 def test_memory_records_its_precision_and_other_precisions_are_refused(tmp_path, tiny):
     bb = tiny_in("int8")
     mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m8", prompt=PROMPT,
