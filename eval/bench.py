@@ -38,10 +38,11 @@ from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap
 from eval.run import evaluate
+from ground.store import Catalog
 from memories.build import build_memory
 from memories.parse import Sample
 from memories.store import Memory
-from plugins.api import train_plugin
+from plugins.api import open_memory, train_plugin
 from plugins.base import load_plugin
 from plugins.decode import Row, compare
 from plugins.pema import mix_logprobs
@@ -638,8 +639,6 @@ def main(argv=None) -> int:
     if what == "knn1m":  # on a memory given with --memory (id or path), else the first 1,000 WMT train pairs'
         with tempfile.TemporaryDirectory(dir=os.environ.get("PEMA_BENCH_TMP")) as tmp:
             if len(argv) > 1:
-                from ground.store import Catalog
-                from plugins.api import open_memory
                 mem = open_memory(argv[1], bb, Catalog())
             else:
                 mem, _ = _mem(bb, 1000, tmp)
