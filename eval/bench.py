@@ -189,10 +189,10 @@ class _FixedSteps:
         self.bb.stop_ids = self.saved
 
 
-def _datastore_tiled(mem, path: Path, n: int = 100_000, noise: float = 0.01):
-    """An ``n``-entry copy of ``mem``: the real entries first, then copies of them whose keys get Gaussian noise of
-    ``noise`` × the key RMS per dimension, each copy keeping its entry's value and sample (a denser corpus of
-    similar contexts). For timing, search cost depends on the number and size of the keys, not on where they
+def _datastore_tiled(mem, path: Path, n: int = 100_000, noise: float = 0.01, keep_real: bool = True):
+    """An ``n``-entry copy of ``mem``: the real entries first (``keep_real``; else they are noised too), then copies
+    of them whose keys get Gaussian noise of ``noise`` × the key RMS per dimension, each copy keeping its entry's
+    value and sample (a denser corpus of similar contexts). For timing, search cost depends on the number and size of the keys, not on where they
     came from; for fidelity, approximate and exact search face the same neighbourhoods."""
     path.mkdir()
     for f in mem.path.iterdir():
@@ -205,7 +205,7 @@ def _datastore_tiled(mem, path: Path, n: int = 100_000, noise: float = 0.01):
     for r in range(reps):
         b0, b1 = r * len(mem), min(n, (r + 1) * len(mem))
         block = real[:b1 - b0]
-        if r or noise == 0.01:  # the 100k timing copy noises every block (as before); the others keep block 0 real
+        if r or not keep_real:
             block = block + rng.normal(0, noise * mem.key_scale, block.shape).astype(np.float32)
         keys[b0:b1] = block.astype(np.float16)
     keys.flush()
@@ -219,7 +219,7 @@ def _datastore_tiled(mem, path: Path, n: int = 100_000, noise: float = 0.01):
 
 
 def _datastore_100k(mem, path: Path):
-    return _datastore_tiled(mem, path, 100_000, 0.01)
+    return _datastore_tiled(mem, path, 100_000, 0.01, keep_real=False)
 
 
 def bench_knn_1m(bb, mem, work: Path, n: int = 1_000_000, report=(1000, 100), queries: int = 256,
