@@ -124,8 +124,9 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     """Attention for bfloat16 on a CPU, registered with transformers' ``AttentionInterface``: a decode step
     (one query token) is two small matrix products and a softmax, as transformers' eager attention computes them
     (scores in bfloat16, softmax in float32); everything else goes to transformers' SDPA function. torch's
-    bfloat16 SDPA kernels for one query token on this CPU take ~1.8 ms per layer for 7 rows against ~0.3 ms this
-    way (BENCHMARKS §3): with 18 layers, a third of a 7-row comparison step."""
+    bfloat16 SDPA kernel for one query token is slow on this CPU: in ``python -m eval.bench rows --dtype
+    bfloat16`` it took 32 ms of a 185-ms 7-row Gemma step (16 ms at 4 rows), gone with this function
+    (BENCHMARKS §3)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (query.shape[2] != 1 or query.device.type != "cpu" or query.dtype != torch.bfloat16 or dropout

@@ -355,7 +355,8 @@ def _heldout_scores(bb, plugin, mem, lam: float = 0.5, n: int = 2000) -> dict:
 
 
 def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dict:
-    """ms per LM-head projection of a few rows: ``F.linear`` (x·Wᵀ) vs ``W @ xᵀ`` (see ``backbone.model._project``)."""
+    """ms per LM-head projection of a few rows: ``F.linear`` (x·Wᵀ) vs ``W @ xᵀ`` (see ``backbone.model._project``)
+    vs the backbone's own head product (``head``: ``Backbone.head_logits``, e.g. the packed bfloat16 linear)."""
     import torch
 
     w = bb.lm_head.weight
@@ -364,7 +365,8 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
         for m in rows:
             x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
             res = {}
-            for name, f in (("linear", lambda: torch.nn.functional.linear(x, w)), ("w_xt", lambda: (w @ x.T).T)):
+            for name, f in (("linear", lambda: torch.nn.functional.linear(x, w)), ("w_xt", lambda: (w @ x.T).T),
+                            ("head", lambda: bb.head_logits(x))):
                 f(), f()
                 t0 = time.perf_counter()
                 for _ in range(reps):
