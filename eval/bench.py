@@ -45,6 +45,7 @@ from memories.store import Memory
 from plugins.api import open_memory, train_plugin
 from plugins.base import load_plugin
 from plugins.decode import Row, compare
+from plugins.knn import CERTIFIED_SEARCH
 from plugins.pema import mix_logprobs
 
 # Idle OpenMP threads spin-wait by default and starve the other core on a busy 2-core machine.
@@ -456,7 +457,8 @@ def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> li
 
 def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
-    and exact kNN over 100k entries alone; the configs take turns (medians). Also a profile of the 1-, 4- and
+    and exact kNN over 100k entries alone (its certified bfloat16 pre-filter scan, and the plain float32 scan); the
+    configs take turns (medians). Also a profile of the 1-, 4- and
     7-row steps."""
     R = Row
     prompt = mem.prompt
@@ -467,12 +469,21 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
     configs = {"base": [R("base")],
                "4 rows": [R("base")] + [R(n, plugins[n]) for n in ("pema", "adapter", "knn")],
                "7 rows": [R("base")] + [R(n, plugins[n]) for n in SEVEN],
-               "knn 100k": [R("knn100k", knn100k)]}
+               "knn 100k": [R("knn100k", knn100k)],
+               "knn 100k, plain float32 scan": [R("knn100k", knn100k)]}
     src = iter(sources * reps * len(configs))
+
+    def run(name):
+        CERTIFIED_SEARCH["on"] = not name.endswith("plain float32 scan")
+        try:
+            return _decode_seconds(bb, configs[name], prompt, next(src), tokens)
+        finally:
+            CERTIFIED_SEARCH["on"] = True
+
     with _FixedSteps(bb):
         for c in configs.values():  # warm-up: prefix KV cache, candidate rows, kernels
             compare(bb, sources[0], c, prompt, max_new_tokens=2, trace=False)
-        med = _interleaved(configs, lambda c: _decode_seconds(bb, c, prompt, next(src), tokens), reps)
+        med = _interleaved({k: k for k in configs}, run, reps)
         prof = {k: profile_step(bb, configs[k], prompt, sources[0]) for k in ("base", "4 rows", "7 rows")}
     base = med["base"]
     return {"precision": bb.precision, "tokens": tokens, "reps": reps,

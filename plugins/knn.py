@@ -4,7 +4,9 @@ Datastore = the memory's training entries (keys f(c), values y); retriever = the
 distance; combiner: P_kNN(y) ∝ Σ_{(k_j, v_j) ∈ N, v_j = y} exp(−d_j / T) and P = λ·P_kNN + (1−λ)·P_LM.
 k, T and λ are decode-time settings: nothing is rebuilt when they change.
 
-Search: exact (chunked torch matmul, keys held in RAM as float32) up to ``exact_max_entries``; beyond that FAISS
+Search: exact (keys held in RAM as float32; on a CPU from 4,096 entries a bfloat16 pre-filter scan whose result is
+certified equal to the float32 scan's, :class:`CertifiedL2Search`; else a chunked float32 torch matmul) up to
+``exact_max_entries``; beyond that FAISS
 IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the memory with ``faiss.write_index``,
 never pickled, its file name keyed by every setting that changes it), keys left memory-mapped on disk. As kNN-LM
 does, the k neighbours the approximate index returns get their exact squared L2 distances recomputed from the
@@ -38,6 +40,61 @@ from plugins.settings import Preset, Setting, setting
 from ground.errors import UserError
 from ground.lock import temp_name
 from ground.store import write_json_atomic
+
+
+CERTIFIED_SEARCH = {"on": True}  # benchmarks switch it off to time the plain float32 search in the same process
+_BF16_U = 2.0 ** -8          # bfloat16's unit roundoff (8 significant bits)
+_FP32_DOT_GAMMA = 1e-4       # bound on float32 accumulation error of a ≤ 1,600-term dot product, relative to |q|·|k|
+
+
+class CertifiedL2Search:
+    """Exact k-nearest-neighbour search by squared L2 whose full scan reads the keys in bfloat16 (half the bytes of
+    float32: the scan is memory-bound) and whose answer is nevertheless the float32 search's. Per query:
+
+    1. approximate distances d̃_j = |q|² + |k_j|² − 2·s̃_j, with s̃ = q·k by oneDNN's bfloat16 linear on keys packed
+       once (bfloat16 inputs and output, float32 accumulation);
+    2. a rigorous error bound e_j ≥ |d̃_j − d_j| from the rounding of q, k_j and s̃ to bfloat16 and of the float32
+       accumulation: e_j = 2·(u/(1−u)·|s̃_j| + (2u + u² + γ)·|q|·|k_j|) + 10⁻⁵·(|q|² + |k_j|²), u = 2⁻⁸;
+    3. the k smallest d̃ give candidates whose float32 distances are computed from the float32 keys; D_k is the
+       largest of them. Every entry that could beat D_k has d̃_j − e_j ≤ D_k: that set S (the candidates included;
+       typically tens of entries) gets float32 distances, and its k nearest are the answer — the same entries and
+       distances (up to float32 rounding) as a float32 scan of all keys, which no entry outside S can enter.
+
+    ``tests/test_knn.py`` checks it against the float32 scan; BENCHMARKS §3 times it (``eval.bench rows``)."""
+
+    MIN_ENTRIES = 4096  # below this the float32 scan is already cheap and exactly as before
+
+    def __init__(self, keys: torch.Tensor, key_sqnorm: torch.Tensor):
+        self.keys, self.key_sqnorm = keys, key_sqnorm
+        # the bound's per-key terms, folded once: |k|² − 10⁻⁵·|k|² and 2·(2u + u² + γ)·|k|
+        self.key_sqnorm_low = key_sqnorm * (1 - 1e-5)
+        self.key_bound = (2 * (2 * _BF16_U + _BF16_U ** 2 + _FP32_DOT_GAMMA)) * key_sqnorm.sqrt()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(keys.to(torch.bfloat16), 1)
+
+    @staticmethod
+    def applies(keys: torch.Tensor) -> bool:
+        from backbone.model import packed_bf16_available  # a leaf import: the backbone layer's kernel probe
+
+        return keys.device.type == "cpu" and len(keys) >= CertifiedL2Search.MIN_ENTRIES and packed_bf16_available()
+
+    def search(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(squared L2 distances, entry indices), each (n, k), ascending, for float32 queries ``q`` (n, d)."""
+        u = _BF16_U
+        q_sqnorm = (q * q).sum(1, keepdim=True)
+        s = torch.ops.mkldnn._linear_pointwise(q.to(torch.bfloat16), self.packed, None, "none", [], "").float()
+        approx = (q_sqnorm - 2 * s).add_(self.key_sqnorm)
+        cand = approx.topk(k, dim=1, largest=False).indices
+        lower = torch.addcmul(q_sqnorm * (1 - 1e-5) - 2 * s, q_sqnorm.sqrt(), self.key_bound, value=-1)
+        lower.add_(self.key_sqnorm_low).sub_(s.abs_().mul_(2 * u / (1 - u)))  # s is not needed after this
+        out_d, out_i = [], []
+        for r in range(len(q)):
+            d_cand = ((self.keys[cand[r]] - q[r]) ** 2).sum(1)
+            near = (lower[r] <= d_cand.max()).nonzero()[:, 0]  # ⊇ cand: d̃ − e ≤ d ≤ D_k for each candidate
+            d = ((self.keys[near] - q[r]) ** 2).sum(1)
+            dv, o = d.topk(k, largest=False)
+            out_d.append(dv)
+            out_i.append(near[o])
+        return torch.stack(out_d), torch.stack(out_i)
 
 
 @dataclass
@@ -91,6 +148,7 @@ class KNN(Plugin):
         self.index = None
         self.index_record: dict | None = None  # {"file", "sha256"} of the FAISS index in use
         self.search_kind = ""
+        self.exact_l2: CertifiedL2Search | None = None
 
     @classmethod
     def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
@@ -122,7 +180,9 @@ class KNN(Plugin):
             keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)).to(dev) / float(self.key_scale)
             self.keys = keys
             self.key_sqnorm = (keys * keys).sum(1)
-            self.search_kind = f"exact (torch matmul over {n:,} keys)"
+            self.exact_l2 = CertifiedL2Search(keys, self.key_sqnorm) if CertifiedL2Search.applies(keys) else None
+            self.search_kind = (f"exact (torch matmul over {n:,} keys)" if self.exact_l2 is None else
+                                f"exact (bfloat16 pre-filter, certified float32 distances, over {n:,} keys)")
 
     def _damaged_index(self, path: Path, what: str) -> UserError:
         return UserError(f"The kNN plug-in's FAISS index {path} {what}. Train the kNN plug-in again (a new index "
@@ -237,6 +297,8 @@ class KNN(Plugin):
                 dist = np.where(idx >= 0, dist, np.inf).astype(np.float32)
             return torch.from_numpy(dist).to(queries.device), torch.from_numpy(idx).long().to(queries.device)
         q = queries.float().to(self.keys.device)
+        if self.exact_l2 is not None and CERTIFIED_SEARCH["on"]:
+            return self.exact_l2.search(q, k)
         best_d, best_i = None, None
         for b0 in range(0, len(self.keys), 262144):  # chunked so the distance matrix stays small
             kc = self.keys[b0:b0 + 262144]

@@ -1,0 +1,73 @@
+"""kNN's certified exact search: the bfloat16 pre-filter scan returns what a float64 scan of all keys returns."""
+import numpy as np
+import pytest
+import torch
+
+from backbone.model import packed_bf16_available
+from plugins.knn import CERTIFIED_SEARCH, KNN, CertifiedL2Search, KNNConfig
+
+needs_onednn = pytest.mark.skipif(not packed_bf16_available(), reason="oneDNN bfloat16 linear not available")
+
+
+def _clustered_keys(n=6000, d=64, seed=0):
+    """Hard for a bfloat16 scan: near-duplicate keys (tiles of 300 centres with 0.1 % noise), large norms (RMS ~40,
+    so bfloat16's rounding of q·k is far larger than the gaps between neighbours), and a dominant shared direction."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(300, d, generator=g) * 40 + 200 * torch.randn(1, d, generator=g)
+    keys = centres.repeat(n // 300, 1)
+    return keys + 0.04 * torch.randn(keys.shape, generator=g)
+
+
+def _float64_topk(keys, q, k):
+    d = ((keys.double()[None] - q.double()[:, None]) ** 2).sum(-1)
+    return d.topk(k, dim=1, largest=False)
+
+
+@needs_onednn
+@pytest.mark.parametrize("k", [1, 8, 64])
+def test_certified_search_equals_a_float64_scan(k):
+    keys = _clustered_keys()
+    q = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(1))[:5]] + 0.03 * torch.randn(5, 64)
+    search = CertifiedL2Search(keys, (keys * keys).sum(1))
+    d, i = search.search(q, k)
+    ref_d, ref_i = _float64_topk(keys, q, k)
+    # the same neighbour sets (orders may differ only between float-equal distances) and their float32 distances
+    for r in range(len(q)):
+        assert set(i[r].tolist()) == set(ref_i[r].tolist())
+    assert torch.allclose(d.double(), ref_d, rtol=1e-5, atol=1e-3)
+    assert (d.diff(dim=1) >= 0).all()
+    # the pre-filter alone would be wrong here: the bfloat16 approximate top-k differs from the true one
+    s = torch.nn.functional.linear(q.bfloat16(), keys.bfloat16()).float()
+    approx = (q * q).sum(1, keepdim=True) - 2 * s + (keys * keys).sum(1)
+    approx_i = approx.topk(k, dim=1, largest=False).indices
+    assert any(set(approx_i[r].tolist()) != set(ref_i[r].tolist()) for r in range(len(q)))
+
+
+@needs_onednn
+def test_knn_uses_the_certified_search_from_4096_entries(tiny, monkeypatch):
+    class Mem:  # the datastore interface attach_memory reads
+        path, id, key_scale = "m", "m", 40.0
+        keys = _clustered_keys(d=tiny.hidden_size).numpy()
+        values = np.arange(len(keys)) % 50
+        entry_sample = np.zeros(len(keys), dtype=np.int64)
+
+        def __len__(self):
+            return len(self.keys)
+
+    plugin = KNN(KNNConfig(search="exact"), tiny)
+    plugin.attach_memory(Mem())
+    assert plugin.exact_l2 is not None and "certified" in plugin.search_kind
+    q = torch.from_numpy(Mem.keys[:3] * 1.001) / 40.0
+    d, i = plugin.search(q, 16)
+    ref_d, ref_i = _float64_topk(plugin.keys, q, 16)
+    for r in range(3):
+        assert set(i[r].tolist()) == set(ref_i[r].tolist())
+    # the plain float32 scan (|q|² − 2q·k + |k|², cancellation and all) gives the same distances to its precision
+    monkeypatch.setitem(CERTIFIED_SEARCH, "on", False)
+    d32, _ = plugin.search(q, 16)
+    assert torch.allclose(d, d32, rtol=1e-3, atol=0.05)
+
+    small = KNN(KNNConfig(search="exact"), tiny)
+    Mem.keys = Mem.keys[:4095]
+    small.attach_memory(Mem())
+    assert small.exact_l2 is None and "certified" not in small.search_kind
