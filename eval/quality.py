@@ -112,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(e.g. pema-warm=pema with --set pema-warm.pd_init=\"warm\")")
     ap.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", help="training config override")
     ap.add_argument("--backbone", default=None)
+    ap.add_argument("--dtype", default=None, help="the backbone's precision (float32, bfloat16, int8; default: the "
+                    "app's); results of a precision other than float32 go to a file named with it")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--save-defaults", action="store_true")
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     cat = Catalog(args.data_dir)
-    bb = load_backbone(args.backbone, data_dir=args.data_dir)
+    bb = load_backbone(args.backbone, data_dir=args.data_dir, dtype=args.dtype)
     tune_pairs = task_pairs(args.task, "dev", *span(args.tune))
     tune_extra = report_extra = None
     style_info = {}
@@ -294,14 +296,16 @@ def main(argv=None) -> int:
         for r in rep["methods"][1:]:
             r["vs_base"] = paired_bootstrap([o["base"] for o in rep["outputs"]],
                                             [o[r["label"]] for o in rep["outputs"]], refs)
-    out = {"task": args.task, "backbone": bb.name, "train_pairs": args.train, "memory_entries": len(mem),
+    out = {"task": args.task, "backbone": bb.name, "precision": bb.precision, "train_pairs": args.train,
+           "memory_entries": len(mem),
            "memory_build_seconds": round(build_s, 1), "skipped_long_pairs": skipped_long,
            "tune_items": args.tune, "tune_likelihood_items": args.tune_likelihood, "report_items": args.report,
            "prompt": prompt.to_dict(), "prompt_tuning": prompt_table,
            "tuned": tuned, "train_info": train_info, "tune": tune_tables, "report": rep["methods"],
            "outputs": rep["outputs"], "report_seconds": rep["seconds"], **style_info}
     Path("out").mkdir(exist_ok=True)
-    path = Path("out") / f"quality-{args.task}-{args.train}-{bb.name}.json"
+    precision = "" if bb.precision == "float32" else f"-{bb.precision}"
+    path = Path("out") / f"quality-{args.task}-{args.train}-{bb.name}{precision}.json"
     write_json_atomic(path, json.loads(json.dumps(out, default=str)))  # default=str: numpy scalars in tables
     print(format_table(rep["methods"]))
     print(f"tuned: {json.dumps(tuned)}\nwrote {path}")
