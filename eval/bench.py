@@ -502,15 +502,34 @@ def _gguf_path() -> Path:
     return out
 
 
+def _llama_child(gguf: str, tokens: int, threads: int) -> None:
+    """``python -m eval.bench _llama``: llama.cpp in a process of its own, so its worker threads never share a
+    process (or an OpenMP pool's wake-ups) with the project's rows. Reads one prompt (JSON token ids) per stdin line,
+    writes the greedy decode's seconds per step after the first."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
+    for line in sys.stdin:
+        llm.reset()  # no prompt reuse between decodes (the project's side reuses only the shared prompt prefix)
+        stamps = []
+        for _ in llm.generate(json.loads(line), top_k=1, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == tokens:
+                break
+        print((stamps[-1] - stamps[0]) / (tokens - 1), flush=True)  # steps after the first, as _decode_seconds
+    llm.close()
+
+
 def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat16", "int8")) -> dict:
     """A dedicated CPU engine side by side: llama.cpp (``llama-cpp-python``, requirements-bench.txt) on the very
     Q4_K_M GGUF the embedded Gemma is de-quantized from, and the project's base row — and a PEMA row in the default
     precision — in float32, bfloat16 and int8. Greedy decode ms per step after the first (prefill excluded alike),
-    the engines taking turns; tok/s and each one's ratio to llama.cpp."""
+    the engines taking turns; tok/s and each one's ratio to llama.cpp. llama.cpp runs in a child process (idle
+    while the project's rows run): in the same process its threads slowed the project's bfloat16 rows by ~1.6×."""
     import torch
 
     try:
-        from llama_cpp import Llama  # optional: a benchmark-only dependency
+        import llama_cpp  # noqa: F401 - optional: a benchmark-only dependency, used by the child
     except ImportError:
         raise SystemExit("bench anchor needs llama-cpp-python: pip install -r requirements-bench.txt") from None
     name = os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m"
@@ -518,49 +537,54 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
     default = bbs.get(resolve_precision(None, "cpu"), bbs[precisions[0]])
     prompt = task_prompt("translation", default)
     sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
-    llm = Llama(model_path=str(_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    llama = subprocess.Popen([sys.executable, "-m", "eval.bench", "_llama", str(_gguf_path()), str(tokens),
+                              str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def llama_seconds(ctx: list[int]) -> float:
-        llm.reset()  # no prompt reuse between decodes (the project's side reuses only the shared prompt prefix)
-        stamps = []
-        for _ in llm.generate(ctx, top_k=1, temp=0.0, reset=True):
-            stamps.append(time.perf_counter())
-            if len(stamps) == tokens:
-                break
-        return (stamps[-1] - stamps[0]) / (tokens - 1)  # steps after the first, as _decode_seconds
+        llama.stdin.write(json.dumps(ctx) + "\n")
+        llama.stdin.flush()
+        line = llama.stdout.readline()
+        if not line:
+            raise SystemExit("the llama.cpp child process ended (see its error above)")
+        return float(line)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        mem, _ = _mem(default, 20, tmp)
-        pema, _ = train_plugin(default, mem, "pema", {**TRAIN_RUNS["pema"], "max_minutes": 0.5},
-                               out_dir=Path(tmp) / "pema")
-        configs = {"llama.cpp Q4_K_M": ("llama", None, None)}
-        configs.update({f"base {p}": ("pema-studio", bbs[p], [Row("base")]) for p in precisions})
-        if "bfloat16" in bbs:  # the same backbone without the oneDNN-packed linears (PACKED_BF16 off)
-            configs["base bfloat16, plain F.linear"] = ("plain", bbs["bfloat16"], [Row("base")])
-        configs[f"PEMA {default.precision}"] = ("pema-studio", default, [Row("pema", pema)])
-        src = iter(sources * reps * len(configs))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mem, _ = _mem(default, 20, tmp)
+            pema, _ = train_plugin(default, mem, "pema", {**TRAIN_RUNS["pema"], "max_minutes": 0.5},
+                                   out_dir=Path(tmp) / "pema")
+            configs = {"llama.cpp Q4_K_M": ("llama", None, None)}
+            configs.update({f"base {p}": ("pema-studio", bbs[p], [Row("base")]) for p in precisions})
+            if "bfloat16" in bbs:  # the same backbone without the oneDNN-packed linears (PACKED_BF16 off)
+                configs["base bfloat16, plain F.linear"] = ("plain", bbs["bfloat16"], [Row("base")])
+            configs[f"PEMA {default.precision}"] = ("pema-studio", default, [Row("pema", pema)])
+            src = iter(sources * reps * len(configs))
 
-        def run(c):
-            kind, bb, rows = c
-            s = next(src)
-            if kind == "llama":
-                return llama_seconds(default.encode_context(prompt.render(s)))
-            PACKED_BF16["on"] = kind != "plain"
-            try:
-                with _FixedSteps(bb):
-                    return _decode_seconds(bb, rows, prompt, s, tokens)
-            finally:
-                PACKED_BF16["on"] = True
+            def run(c):
+                kind, bb, rows = c
+                s = next(src)
+                if kind == "llama":
+                    return llama_seconds(default.encode_context(prompt.render(s)))
+                PACKED_BF16["on"] = kind != "plain"
+                try:
+                    with _FixedSteps(bb):
+                        return _decode_seconds(bb, rows, prompt, s, tokens)
+                finally:
+                    PACKED_BF16["on"] = True
 
-        for c in configs.values():
-            run(c)  # warm-up
-        src = iter(sources * reps * len(configs))
-        med = _interleaved(configs, run, reps)
-    llm.close()
+            for c in configs.values():
+                run(c)  # warm-up
+            src = iter(sources * reps * len(configs))
+            med = _interleaved(configs, run, reps)
+    finally:
+        llama.stdin.close()
+        llama.wait(timeout=60)
     ref = med["llama.cpp Q4_K_M"]
+    f32 = med.get("base float32")
     return {"tokens": tokens, "reps": reps, "threads": torch.get_num_threads(),
             "ms_per_step": {k: round(1000 * v, 1) for k, v in med.items()},
             "tok_per_s": {k: round(1 / v, 1) for k, v in med.items()},
+            "over_float32_tok_per_s": {k: round(f32 / v, 3) for k, v in med.items()} if f32 else {},
             "over_llama_cpp_tok_per_s": {k: round(ref / v, 3) for k, v in med.items()}}
 
 
@@ -623,6 +647,9 @@ def main(argv=None) -> int:
         del argv[i:i + 2]
     if argv and argv[0] == "_child":
         print(json.dumps(_train_child(argv[1], json.loads(argv[2]), argv[3], argv[4])))
+        return 0
+    if argv and argv[0] == "_llama":
+        _llama_child(argv[1], int(argv[2]), int(argv[3]))
         return 0
     if argv and argv[0] == "_precision":
         print(json.dumps(_precision_child(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))))
