@@ -635,6 +635,30 @@ def bench_precision(precisions=("float32", "bfloat16", "int8"), start: int = 100
     return out
 
 
+def bench_pair(ref_file: str, other_file: str) -> dict:
+    """Quality guard of a whole flow in another precision: two ``eval.quality`` result files over the same report
+    items (e.g. ``--dtype float32`` and ``--dtype bfloat16``, each building its memory and training its plug-ins in
+    its own precision); per method, sacreBLEU / chrF of each and the paired bootstrap (1,000 resamples) of the
+    second against the first, with the count of identical outputs."""
+    a, b = (json.loads(Path(f).read_text()) for f in (ref_file, other_file))
+    refs = [o["reference"] for o in a["outputs"]]
+    if refs != [o["reference"] for o in b["outputs"]]:
+        raise SystemExit("the two runs did not report the same items")
+    out = {"ref": {"file": ref_file, "precision": a.get("precision", "float32")},
+           "other": {"file": other_file, "precision": b.get("precision", "float32")}, "methods": {}}
+    for label in (r["label"] for r in a["report"]):
+        if label not in b["outputs"][0]:
+            continue
+        ha, hb = [o[label] for o in a["outputs"]], [o[label] for o in b["outputs"]]
+        trained = [(run.get("train_info") or {}).get(label) or {} for run in (a, b)]
+        out["methods"][label] = {"ref": bleu_chrf(ha, refs), "other": bleu_chrf(hb, refs),
+                                 "other_vs_ref": paired_bootstrap(ha, hb, refs, n_samples=1000),
+                                 "identical_outputs": sum(x == y for x, y in zip(ha, hb)), "items": len(refs),
+                                 "train_steps": [t.get("steps") for t in trained],
+                                 "train_epochs": [t.get("epochs") for t in trained]}
+    return out
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--backbone" in argv:  # children inherit it through the environment
@@ -655,6 +679,14 @@ def main(argv=None) -> int:
         print(json.dumps(_precision_child(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))))
         return 0
     what = argv[0] if argv else "all"
+    if what == "pair":
+        if len(argv) != 3:
+            raise SystemExit("usage: python -m eval.bench pair <reference eval.quality json> <other json>")
+        res = {"pair": bench_pair(argv[1], argv[2])}
+        Path("out").mkdir(exist_ok=True)
+        Path("out/bench-pair.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return 0
     if what not in ("build", "train", "decode", "softmax", "head", "precision", "rows", "anchor", "knn1m", "all"):
         raise SystemExit(f"unknown benchmark {what!r}: build | train | decode | softmax | head | precision | rows | "
                          "anchor | knn1m | all")

@@ -96,3 +96,30 @@ def test_save_defaults_keeps_what_it_is_not_given(tmp_path, monkeypatch):
     entry = json.loads(path.read_text())["formality"]["backbones"]["bb"]
     assert entry == {"decode": {"pema": {"lambda_max": 0.3, "gu": True}}, "shots": 0, "paper_prompt": False}
     assert tasks.tuned_defaults("formality", "bb")["shots"] == 0
+
+
+def test_bench_pair_compares_two_precisions_runs_item_by_item(tmp_path):
+    from eval.bench import bench_pair
+
+    refs = [f"das ist satz nummer {i} hier" for i in range(30)]
+    def run(precision, adapter, steps):
+        return {"precision": precision, "report": [{"label": "base"}, {"label": "adapter"}],
+                "train_info": {"adapter": {"steps": steps, "epochs": 0.1}},
+                "outputs": [{"reference": r, "base": "das ist", "adapter": a} for r, a in zip(refs, adapter)]}
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    a.write_text(json.dumps(run("float32", refs[:15] + ["nichts"] * 15, 18)))
+    b.write_text(json.dumps(run("bfloat16", refs, 40)))
+    res = bench_pair(str(a), str(b))
+    ad = res["methods"]["adapter"]
+    assert res["other"]["precision"] == "bfloat16"
+    assert ad["identical_outputs"] == 15 and ad["train_steps"] == [18, 40]
+    assert ad["other"]["sacrebleu"] > ad["ref"]["sacrebleu"] and ad["other_vs_ref"]["sacrebleu"]["delta"] > 0
+    assert res["methods"]["base"]["identical_outputs"] == 30
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps({**run("bfloat16", refs, 1), "outputs": []}))
+    try:
+        bench_pair(str(a), str(c))
+        raise AssertionError("different items must be refused")
+    except SystemExit as e:
+        assert "same items" in str(e)
