@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -47,9 +48,22 @@ DEFAULT_BACKBONE = "gemma-3-270m"
 
 
 PRECISIONS = ("float32", "bfloat16", "int8")
-# The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``): chosen from the quality
-# guard and the decode benchmark (BENCHMARKS §3). float32 stays the exact reference path.
-DEFAULT_CPU_PRECISION = "float32"
+
+
+def native_bf16_cpu() -> bool:
+    """This CPU computes bfloat16 natively (x86 ``avx512_bf16`` or ``amx_bf16``, read from /proc/cpuinfo): oneDNN's
+    bfloat16 kernels then read half of float32's bytes at full speed; elsewhere they are emulated (slower)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+# The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``): bfloat16 where the CPU has it
+# natively — chosen from the quality guard (the base model and the best plug-in's whole flow on WMT dev 1000–1199)
+# and the decode benchmark (BENCHMARKS §3) —, else float32. float32 stays the exact reference path (--dtype float32).
+DEFAULT_CPU_PRECISION = "bfloat16" if native_bf16_cpu() else "float32"
 
 
 class Int8Linear(nn.Linear):

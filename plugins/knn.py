@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backbone.model import packed_bf16_available
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, Plugin, PluginConfig, file_sha256, plain_file_name
 from plugins.registry import register
@@ -73,8 +74,6 @@ class CertifiedL2Search:
 
     @staticmethod
     def applies(keys: torch.Tensor) -> bool:
-        from backbone.model import packed_bf16_available  # a leaf import: the backbone layer's kernel probe
-
         return keys.device.type == "cpu" and len(keys) >= CertifiedL2Search.MIN_ENTRIES and packed_bf16_available()
 
     def search(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
