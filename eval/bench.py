@@ -503,9 +503,8 @@ def _gguf_path() -> Path:
 
 
 def _llama_child(gguf: str, tokens: int, threads: int) -> None:
-    """``python -m eval.bench _llama``: llama.cpp in a process of its own, so its worker threads never share a
-    process (or an OpenMP pool's wake-ups) with the project's rows. Reads one prompt (JSON token ids) per stdin line,
-    writes the greedy decode's seconds per step after the first."""
+    """``python -m eval.bench _llama``: llama.cpp in a process of its own. Reads one prompt (JSON token ids) per
+    stdin line, writes the greedy decode's seconds per step after the first."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
@@ -520,68 +519,115 @@ def _llama_child(gguf: str, tokens: int, threads: int) -> None:
     llm.close()
 
 
+def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
+    """``python -m eval.bench _rows``: the project's backbone in one precision in a process of its own (as a studio
+    runs one), with a briefly trained PEMA when asked. Reads one request per stdin line — ``{"row": "base" |
+    "base-plain" | "pema" | "context", "source": …}`` — and writes the decode's seconds per step after the first
+    (``context``: the prompt's token ids, for llama.cpp)."""
+    bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m", dtype=precision)
+    prompt = task_prompt("translation", bb)
+    rows = {"base": [Row("base")], "base-plain": [Row("base")]}
+    with tempfile.TemporaryDirectory() as tmp:
+        if with_pema:
+            mem, _ = _mem(bb, 20, tmp)
+            pema, _ = train_plugin(bb, mem, "pema", {**TRAIN_RUNS["pema"], "max_minutes": 0.5},
+                                   out_dir=Path(tmp) / "pema")
+            rows["pema"] = [Row("pema", pema)]
+        print(json.dumps({"ready": bb.precision}), flush=True)
+        for line in sys.stdin:
+            req = json.loads(line)
+            if req["row"] == "context":
+                print(json.dumps(bb.encode_context(prompt.render(req["source"]))), flush=True)
+                continue
+            PACKED_BF16["on"] = req["row"] != "base-plain"  # the same backbone without the oneDNN-packed linears
+            try:
+                with _FixedSteps(bb):
+                    print(_decode_seconds(bb, rows[req["row"]], prompt, req["source"], tokens), flush=True)
+            finally:
+                PACKED_BF16["on"] = True
+
+
+class _Child:
+    """A benchmark child process (``python -m eval.bench <args>``) answering one stdin line per request."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-m", "eval.bench", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+    def ask(self, request):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def read(self):
+        """The child's next JSON answer (other lines a library printed to stdout are passed on to stderr)."""
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise SystemExit("a benchmark child process ended (see its error above)")
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                print(line, end="", file=sys.stderr)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
 def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat16", "int8")) -> dict:
     """A dedicated CPU engine side by side: llama.cpp (``llama-cpp-python``, requirements-bench.txt) on the very
     Q4_K_M GGUF the embedded Gemma is de-quantized from, and the project's base row — and a PEMA row in the default
     precision — in float32, bfloat16 and int8. Greedy decode ms per step after the first (prefill excluded alike),
-    the engines taking turns; tok/s and each one's ratio to llama.cpp. llama.cpp runs in a child process (idle
-    while the project's rows run): in the same process its threads slowed the project's bfloat16 rows by ~1.6×."""
+    the engines taking turns; tok/s and each one's ratio to float32 and to llama.cpp.
+
+    Every engine and every precision runs in a process of its own, as a studio runs one backbone, idle while the
+    others take their turn; float32 and bfloat16 also run once more with OpenMP threads that spin briefly instead of
+    sleeping at once (``OMP_WAIT_POLICY`` unset, ``GOMP_SPINCOUNT=20000``: a dedicated CPU's setting)."""
     import torch
 
     try:
         import llama_cpp  # noqa: F401 - optional: a benchmark-only dependency, used by the child
     except ImportError:
         raise SystemExit("bench anchor needs llama-cpp-python: pip install -r requirements-bench.txt") from None
-    name = os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m"
-    bbs = {p: load_backbone(name, dtype=p) for p in precisions}
-    default = bbs.get(resolve_precision(None, "cpu"), bbs[precisions[0]])
-    prompt = task_prompt("translation", default)
-    sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
-    llama = subprocess.Popen([sys.executable, "-m", "eval.bench", "_llama", str(_gguf_path()), str(tokens),
-                              str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def llama_seconds(ctx: list[int]) -> float:
-        llama.stdin.write(json.dumps(ctx) + "\n")
-        llama.stdin.flush()
-        line = llama.stdout.readline()
-        if not line:
-            raise SystemExit("the llama.cpp child process ended (see its error above)")
-        return float(line)
-
+    default = resolve_precision(None, "cpu")
+    threads = str(torch.get_num_threads())
+    children = {p: _Child("_rows", p, str(tokens), "1" if p == default else "0") for p in precisions}
+    # OpenMP's wait policy: the project sets PASSIVE (idle threads sleep at once: on a shared CPU, spinning threads
+    # made decodes 5× slower next to a training job), which costs every parallel region a wake-up. On a dedicated
+    # CPU a short spin (policy unset, GOMP_SPINCOUNT) avoids it: timed here for float32 and bfloat16 alike.
+    spin = {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "20000"}
+    spinning = {p: _Child("_rows", p, str(tokens), "0", env=spin) for p in ("float32", "bfloat16") if p in precisions}
+    llama = _Child("_llama", str(_gguf_path()), str(tokens), threads)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            mem, _ = _mem(default, 20, tmp)
-            pema, _ = train_plugin(default, mem, "pema", {**TRAIN_RUNS["pema"], "max_minutes": 0.5},
-                                   out_dir=Path(tmp) / "pema")
-            configs = {"llama.cpp Q4_K_M": ("llama", None, None)}
-            configs.update({f"base {p}": ("pema-studio", bbs[p], [Row("base")]) for p in precisions})
-            if "bfloat16" in bbs:  # the same backbone without the oneDNN-packed linears (PACKED_BF16 off)
-                configs["base bfloat16, plain F.linear"] = ("plain", bbs["bfloat16"], [Row("base")])
-            configs[f"PEMA {default.precision}"] = ("pema-studio", default, [Row("pema", pema)])
-            src = iter(sources * reps * len(configs))
+        for c in [*children.values(), *spinning.values()]:
+            c.read()  # {"ready": …}: loaded (and PEMA trained) before any timing
+        first = children.get(default) or next(iter(children.values()))
+        sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
+        contexts = {s: first.ask({"row": "context", "source": s}) for s in sources}
+        configs = {"llama.cpp Q4_K_M": (llama, None)}
+        configs.update({f"base {p}": (children[p], "base") for p in precisions})
+        if "bfloat16" in children:
+            configs["base bfloat16, plain F.linear"] = (children["bfloat16"], "base-plain")
+        if default in children:
+            configs[f"PEMA {default}"] = (children[default], "pema")
+        configs.update({f"base {p}, OpenMP short spin": (c, "base") for p, c in spinning.items()})
+        src = iter(sources * (reps + 1) * len(configs))
 
-            def run(c):
-                kind, bb, rows = c
-                s = next(src)
-                if kind == "llama":
-                    return llama_seconds(default.encode_context(prompt.render(s)))
-                PACKED_BF16["on"] = kind != "plain"
-                try:
-                    with _FixedSteps(bb):
-                        return _decode_seconds(bb, rows, prompt, s, tokens)
-                finally:
-                    PACKED_BF16["on"] = True
+        def run(c):
+            child, row = c
+            s = next(src)
+            return float(child.ask(contexts[s] if row is None else {"row": row, "source": s}))
 
-            for c in configs.values():
-                run(c)  # warm-up
-            src = iter(sources * reps * len(configs))
-            med = _interleaved(configs, run, reps)
+        for c in configs.values():
+            run(c)  # warm-up
+        med = _interleaved(configs, run, reps)
     finally:
-        llama.stdin.close()
-        llama.wait(timeout=60)
+        for c in [*children.values(), *spinning.values(), llama]:
+            c.close()
     ref = med["llama.cpp Q4_K_M"]
     f32 = med.get("base float32")
-    return {"tokens": tokens, "reps": reps, "threads": torch.get_num_threads(),
+    return {"tokens": tokens, "reps": reps, "threads": int(threads), "default_precision": default,
             "ms_per_step": {k: round(1000 * v, 1) for k, v in med.items()},
             "tok_per_s": {k: round(1 / v, 1) for k, v in med.items()},
             "over_float32_tok_per_s": {k: round(f32 / v, 3) for k, v in med.items()} if f32 else {},
@@ -674,6 +720,9 @@ def main(argv=None) -> int:
         return 0
     if argv and argv[0] == "_llama":
         _llama_child(argv[1], int(argv[2]), int(argv[3]))
+        return 0
+    if argv and argv[0] == "_rows":
+        _rows_child(argv[1], int(argv[2]), argv[3] == "1")
         return 0
     if argv and argv[0] == "_precision":
         print(json.dumps(_precision_child(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))))
