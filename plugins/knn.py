@@ -45,7 +45,7 @@ from ground.store import write_json_atomic
 
 CERTIFIED_SEARCH = {"on": True}  # benchmarks switch it off to time the plain float32 search in the same process
 _BF16_U = 2.0 ** -8          # bfloat16's unit roundoff (8 significant bits)
-_FP32_DOT_GAMMA = 1e-4       # bound on float32 accumulation error of a ≤ 1,600-term dot product, relative to |q|·|k|
+_FP32_U = 2.0 ** -24          # float32's unit roundoff
 
 
 class CertifiedL2Search:
@@ -55,7 +55,8 @@ class CertifiedL2Search:
     1. approximate distances d̃_j = |q|² + |k_j|² − 2·s̃_j, with s̃ = q·k by oneDNN's bfloat16 linear on keys packed
        once (bfloat16 inputs and output, float32 accumulation);
     2. a rigorous error bound e_j ≥ |d̃_j − d_j| from the rounding of q, k_j and s̃ to bfloat16 and of the float32
-       accumulation: e_j = 2·(u/(1−u)·|s̃_j| + (2u + u² + γ)·|q|·|k_j|) + 10⁻⁵·(|q|² + |k_j|²), u = 2⁻⁸;
+       accumulation: e_j = 2·(u/(1−u)·|s̃_j| + (2u + u² + γ)·|q|·|k_j|) + 10⁻⁵·(|q|² + |k_j|²), u = 2⁻⁸ and
+       γ = 2·d·2⁻²⁴ (twice the classic bound d·u₃₂ on a d-term float32 sum, in any order);
     3. the k smallest d̃ give candidates whose float32 distances are computed from the float32 keys; D_k is the
        largest of them. Every entry that could beat D_k has d̃_j − e_j ≤ D_k: that set S (the candidates included;
        typically tens of entries) gets float32 distances, and its k nearest are the answer — the same entries and
@@ -68,8 +69,9 @@ class CertifiedL2Search:
     def __init__(self, keys: torch.Tensor, key_sqnorm: torch.Tensor):
         self.keys, self.key_sqnorm = keys, key_sqnorm
         # the bound's per-key terms, folded once: |k|² − 10⁻⁵·|k|² and 2·(2u + u² + γ)·|k|
+        gamma = 2 * keys.shape[1] * _FP32_U
         self.key_sqnorm_low = key_sqnorm * (1 - 1e-5)
-        self.key_bound = (2 * (2 * _BF16_U + _BF16_U ** 2 + _FP32_DOT_GAMMA)) * key_sqnorm.sqrt()
+        self.key_bound = (2 * (2 * _BF16_U + _BF16_U ** 2 + gamma)) * key_sqnorm.sqrt()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(keys.to(torch.bfloat16), 1)
 
     @staticmethod
