@@ -597,7 +597,8 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
     # made decodes 5× slower next to a training job), which costs every parallel region a wake-up. On a dedicated
     # CPU a short spin (policy unset, GOMP_SPINCOUNT) avoids it: timed here for float32 and bfloat16 alike.
     spin = {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "20000"}
-    spinning = {p: _Child("_rows", p, str(tokens), "0", env=spin) for p in ("float32", "bfloat16") if p in precisions}
+    spinning = {p: _Child("_rows", p, str(tokens), "1" if p == default else "0", env=spin)
+                for p in ("float32", "bfloat16") if p in precisions}
     llama = _Child("_llama", str(_gguf_path()), str(tokens), threads)
     try:
         for c in [*children.values(), *spinning.values()]:
@@ -612,6 +613,8 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
         if default in children:
             configs[f"PEMA {default}"] = (children[default], "pema")
         configs.update({f"base {p}, OpenMP short spin": (c, "base") for p, c in spinning.items()})
+        if default in spinning:
+            configs[f"PEMA {default}, OpenMP short spin"] = (spinning[default], "pema")
         src = iter(sources * (reps + 1) * len(configs))
 
         def run(c):
