@@ -59,7 +59,7 @@ class CertifiedL2Search:
        γ = 2·d·2⁻²⁴ (twice the classic bound d·u₃₂ on a d-term float32 sum, in any order);
     3. the k smallest d̃ give candidates whose float32 distances are computed from the float32 keys; D_k is the
        largest of them. Every entry that could beat D_k has d̃_j − e_j ≤ D_k: that set S (the candidates included;
-       typically tens of entries) gets float32 distances, and its k nearest are the answer — the same entries and
+       in practice a small set) gets float32 distances, and its k nearest are the answer — the same entries and
        distances (up to float32 rounding) as a float32 scan of all keys, which no entry outside S can enter.
 
     ``tests/test_knn.py`` checks it against the float32 scan; BENCHMARKS §3 times it (``eval.bench rows``)."""
