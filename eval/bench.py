@@ -457,9 +457,9 @@ def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> li
 
 def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
-    and exact kNN over 100k entries alone (its certified bfloat16 pre-filter scan, and the plain float32 scan); the
-    configs take turns (medians). Also a profile of the 1-, 4- and
-    7-row steps."""
+    exact kNN over 100k entries alone (its certified bfloat16 pre-filter scan, and the plain float32 scan), and the
+    base row with each method's row beside it (what each method adds to a step); the configs take turns (medians).
+    Also a profile of the 1-, 4- and 7-row steps."""
     R = Row
     prompt = mem.prompt
     sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
@@ -470,7 +470,8 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
                "4 rows": [R("base")] + [R(n, plugins[n]) for n in ("pema", "adapter", "knn")],
                "7 rows": [R("base")] + [R(n, plugins[n]) for n in SEVEN],
                "knn 100k": [R("knn100k", knn100k)],
-               "knn 100k, plain float32 scan": [R("knn100k", knn100k)]}
+               "knn 100k, plain float32 scan": [R("knn100k", knn100k)],
+               **{f"base + {m}": [R("base"), R(m, plugins[m])] for m in SEVEN}}  # what each method adds
     src = iter(sources * reps * len(configs))
 
     def run(name):
