@@ -6,6 +6,7 @@ final norm rather than forking the model code.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -178,6 +179,7 @@ def use_cpu_decode_attention(model: nn.Module) -> bool:
         return False
 
 
+@functools.cache  # a property of this torch build and CPU: probed once per process (every kNN attach asks)
 def packed_bf16_available() -> bool:
     """oneDNN's bfloat16 linear is built into this torch and runs on this CPU."""
     try:
