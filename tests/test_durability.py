@@ -169,15 +169,17 @@ def test_a_monolingual_build_cancelled_mid_way_stops_within_seconds_and_leaves_n
 
 # --- 2. one owner process ------------------------------------------------------------------------------------------
 OWNER_CHILD = r"""
-import json, os, sys, time
+import json, os, sys, threading, time
 from pathlib import Path
 from ground.jobs import JobQueue
 from ground.store import Catalog, atomic_dir
 
 d = Path(sys.argv[1])
 cat = Catalog(d)
+ids_printed = threading.Event()  # the worker may start before IDS is out: RUNNING must come after it
 
 def slow(job):
+    ids_printed.wait(30)
     with atomic_dir(d / "memories" / f"mem-{job.args['n']}") as tmp:
         (tmp / "meta.json").write_text("{}")
         print("RUNNING", job.id, flush=True)
@@ -188,6 +190,7 @@ def slow(job):
 q = JobQueue(cat, {"slow": slow}, throttle=0.0).start()
 first, second = q.submit("slow", {"n": 1}), q.submit("slow", {"n": 2})
 print("IDS", first, second, flush=True)
+ids_printed.set()
 q.wait(second, 120)
 print("DONE", json.dumps([q.get(first)["state"], q.get(second)["state"]]), flush=True)
 q.stop()
