@@ -130,6 +130,25 @@ class PackedBF16Linear(nn.Linear):
         return PackedBF16Linear(plain)
 
 
+SMALL_FORWARD_ONE_THREAD = {"on": True, "max_tokens": 32}  # benchmarks switch it off to time the other way
+
+
+def small_forward_threads(n_tokens: int) -> int | None:
+    """How many threads a forward pass of ``n_tokens`` tokens (batch × length) should run on, or None to leave the
+    count as it is. A decode step's products are small (Gemma 3 270M: 640-wide layers, 1-32 rows), and under
+    ``OMP_WAIT_POLICY=PASSIVE`` — the project's default, see ``ground`` — every parallel region first wakes a
+    sleeping thread: the 126 decoder linears of a bfloat16 step spent more waking threads than the second core gave
+    back. One thread for such a forward, the LM head (one large product, outside the decoder) on all of them:
+    bfloat16 base step 74 → 51-57 ms, float32 129 → 126 ms (``python -m eval.bench anchor``, BENCHMARKS §3). With
+    spinning threads (policy not PASSIVE) the second core wins, so the count is left alone; training (gradients on)
+    is left alone too."""
+    if (not SMALL_FORWARD_ONE_THREAD["on"] or n_tokens > SMALL_FORWARD_ONE_THREAD["max_tokens"]
+            or torch.is_grad_enabled() or torch.get_num_threads() <= 1
+            or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"):
+        return None
+    return 1
+
+
 CPU_DECODE_ATTENTION = "pema_cpu_decode"
 
 
@@ -361,11 +380,17 @@ class Backbone:
             captured["fc"] = args[0]
 
         handle = self.final_norm.register_forward_pre_hook(pre_hook)
+        threads = torch.get_num_threads()
+        few = small_forward_threads(input_ids.numel()) if self.device.type == "cpu" else None
         try:
+            if few is not None:
+                torch.set_num_threads(few)
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                                use_cache=use_cache, output_attentions=output_attentions)
         finally:
             handle.remove()
+            if few is not None:
+                torch.set_num_threads(threads)
         return captured["fc"], out
 
     def forward_until_stopped(self, input_ids: torch.Tensor, attention_mask=None) -> "StopForward | None":

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 from backbone import load_backbone
-from backbone.model import PACKED_BF16, Backbone, resolve_precision, set_precision
+from backbone.model import PACKED_BF16, SMALL_FORWARD_ONE_THREAD, Backbone, resolve_precision, set_precision
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap
@@ -523,8 +523,9 @@ def _llama_child(gguf: str, tokens: int, threads: int) -> None:
 def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
     """``python -m eval.bench _rows``: the project's backbone in one precision in a process of its own (as a studio
     runs one), with a briefly trained PEMA when asked. Reads one request per stdin line — ``{"row": "base" |
-    "base-plain" | "pema" | "context", "source": …}`` — and writes the decode's seconds per step after the first
-    (``context``: the prompt's token ids, for llama.cpp)."""
+    "base-plain" | "base-threads" | "pema" | "context", "source": …}`` — and writes the decode's seconds per step
+    after the first (``context``: the prompt's token ids, for llama.cpp; ``base-threads``: the base row with the
+    decoder on every thread, ``SMALL_FORWARD_ONE_THREAD`` off)."""
     bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m", dtype=precision)
     prompt = task_prompt("translation", bb)
     rows = {"base": [Row("base")], "base-plain": [Row("base")]}
@@ -541,11 +542,13 @@ def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
                 print(json.dumps(bb.encode_context(prompt.render(req["source"]))), flush=True)
                 continue
             PACKED_BF16["on"] = req["row"] != "base-plain"  # the same backbone without the oneDNN-packed linears
+            SMALL_FORWARD_ONE_THREAD["on"] = req["row"] != "base-threads"  # … or with every thread on each layer
             try:
                 with _FixedSteps(bb):
-                    print(_decode_seconds(bb, rows[req["row"]], prompt, req["source"], tokens), flush=True)
+                    row = "base" if req["row"] == "base-threads" else req["row"]
+                    print(_decode_seconds(bb, rows[row], prompt, req["source"], tokens), flush=True)
             finally:
-                PACKED_BF16["on"] = True
+                PACKED_BF16["on"] = SMALL_FORWARD_ONE_THREAD["on"] = True
 
 
 class _Child:
@@ -611,6 +614,8 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
         configs.update({f"base {p}": (children[p], "base") for p in precisions})
         if "bfloat16" in children:
             configs["base bfloat16, plain F.linear"] = (children["bfloat16"], "base-plain")
+        configs.update({f"base {p}, decoder on every thread": (children[p], "base-threads")
+                        for p in ("float32", "bfloat16") if p in children})
         if default in children:
             configs[f"PEMA {default}"] = (children[default], "pema")
         configs.update({f"base {p}, OpenMP short spin": (c, "base") for p, c in spinning.items()})

@@ -227,3 +227,36 @@ def test_precision_choice(monkeypatch):
         resolve_precision("int4", "cpu")
     with pytest.raises(UserError, match="GPU"):
         resolve_precision("int8", "cuda")
+
+
+def test_small_forwards_run_on_one_thread_only_where_threads_sleep(tiny, monkeypatch):
+    """Under OMP_WAIT_POLICY=PASSIVE a decode step's decoder runs on one thread (each parallel region would wake a
+    sleeping thread) and the caller's thread count is back afterwards; a long forward, a forward with gradients
+    and spinning threads keep the count. The outputs are the same either way."""
+    from backbone import model as model_module
+
+    seen = []
+    hook = tiny.decoder.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        ids = torch.tensor([tiny.encode_context("English: the house is small\nGerman:")])
+        with torch.no_grad():
+            one, _ = tiny.forward_fc(ids[:, :4])
+            assert seen[-1] == 1 and torch.get_num_threads() == 2
+            tiny.forward_fc(torch.zeros(1, 33, dtype=torch.long))  # longer than max_tokens
+            assert seen[-1] == 2
+            monkeypatch.setitem(model_module.SMALL_FORWARD_ONE_THREAD, "on", False)
+            both, _ = tiny.forward_fc(ids[:, :4])
+            assert seen[-1] == 2 and torch.equal(one, both)
+            monkeypatch.setitem(model_module.SMALL_FORWARD_ONE_THREAD, "on", True)
+            monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+            tiny.forward_fc(ids[:, :4])
+            assert seen[-1] == 2
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        tiny.forward_fc(ids[:, :4])  # gradients on: training keeps its threads
+        assert seen[-1] == 2 and torch.get_num_threads() == 2
+    finally:
+        hook.remove()
+        torch.set_num_threads(threads)
