@@ -385,8 +385,12 @@ class Backbone:
         try:
             if few is not None:
                 torch.set_num_threads(few)
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                               use_cache=use_cache, output_attentions=output_attentions)
+            # without gradients, inference mode: no version counters or autograd bookkeeping on the ~3,000 small
+            # ops of a decode step (measured −7 % of a bfloat16 step on Gemma 3 270M, one-off probe)
+            with torch.inference_mode(not torch.is_grad_enabled()):
+                out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   output_attentions=output_attentions)
         finally:
             handle.remove()
             if few is not None:
