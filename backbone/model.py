@@ -177,7 +177,48 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs, value)  # (B, Hkv, H/Hkv, D)
+    extra = getattr(module, "pema_row_keys", None)
+    if extra is not None and extra.live():
+        out = extra.attend(out, q, key, value, m if attention_mask is not None else None, scale)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+class RowKeys:
+    """Extra keys and values that only some batch rows' attention reads, in one decode step of one layer: prefix
+    tuning's P_k, P_v (memory-tuning's MT-M) for that method's rows of a comparison batch. Set as the attention
+    module's ``pema_row_keys`` for the call; :func:`cpu_decode_attention` computes the other rows exactly as
+    without it and then, for ``rows``, the attention over [keys; the row's own keys] with the additive mask
+    [log_weight; the row's mask] — the very scores, softmax and product as for every row — and puts those rows'
+    outputs in place (before the module's ``o_proj``, which then runs once for all rows). ``done`` tells the caller
+    the attention took it (otherwise it must do the work itself); ``probs`` keeps the rows' attention weights
+    (rows, KV heads, heads per KV head, prefix + keys) in float32 when ``keep_probs``."""
+
+    def __init__(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_weight: float,
+                 live: Callable[[], bool] = lambda: True, keep_probs: bool = False):
+        self.rows, self.keys, self.values, self.log_weight = rows, keys, values, log_weight
+        self.live, self.keep_probs = live, keep_probs
+        self.done, self.probs = False, None
+
+    def attend(self, out: torch.Tensor, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        r = self.rows.to(out.device)
+        n = r.numel()
+        qr = q.index_select(0, r)  # (n, Hkv, H/Hkv, D)
+        ctx = torch.matmul(qr, key.index_select(0, r).transpose(2, 3)) * scale  # the rows' scores as above
+        if mask is not None:
+            mr = mask if mask.shape[0] == 1 else mask.index_select(0, r)
+            ctx = ctx.masked_fill(~mr, float("-inf")) if mr.dtype == torch.bool else ctx + mr
+        pk = self.keys.to(key.dtype).unsqueeze(0).expand(n, -1, -1, -1)
+        pre = torch.matmul(qr, pk.transpose(2, 3)) * scale + self.log_weight
+        probs = torch.softmax(torch.cat([pre.to(ctx.dtype), ctx], dim=-1), dim=-1, dtype=torch.float32)
+        if self.keep_probs:
+            self.probs = probs
+        vv = torch.cat([self.values.to(value.dtype).unsqueeze(0).expand(n, -1, -1, -1), value.index_select(0, r)],
+                       dim=2)
+        out = out.clone()
+        out[r] = torch.matmul(probs.to(value.dtype), vv)
+        self.done = True
+        return out
 
 
 def use_cpu_decode_attention(model: nn.Module) -> bool:

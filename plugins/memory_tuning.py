@@ -71,7 +71,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from backbone.model import CPU_DECODE_ATTENTION
+from backbone.model import CPU_DECODE_ATTENTION, RowKeys
 from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.network import (
@@ -82,6 +82,7 @@ from plugins.network import (
     module_input,
     replace_first,
     rows_apply,
+    sub_batch,
 )
 from plugins.registry import register
 from plugins.seqtrain import SeqData, collate
@@ -92,6 +93,9 @@ TRACE_TOP = 5
 # those that take an additive float mask of any key length (the bfloat16 CPU decode attention adds it as eager does)
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", CPU_DECODE_ATTENTION)
 LEGACY_SETTINGS = ("query_dim", "key_dim", "slot_dim", "value_dim")
+# A decode step on the bfloat16 CPU attention hands the prefix to the attention for this method's rows only
+# (``RowKeys``) instead of re-running the attention; tests and benchmarks switch it off to compare the two.
+ROW_KEYS_IN_ATTENTION = {"on": True}
 
 
 @dataclass
@@ -225,6 +229,16 @@ def prefixed_mask(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int,
     return torch.cat([pre, ctx], dim=-1)
 
 
+def _batch_rows(value, rows: torch.Tensor, batch: int):
+    """A per-batch-row attention argument (a tensor, or a tuple of them — the rotary ``position_embeddings``) cut to
+    batch rows ``rows``; one shared by all rows (first dimension 1) or not per row is passed on as it is."""
+    if isinstance(value, tuple):
+        return tuple(_batch_rows(v, rows, batch) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == batch and batch > 1:
+        return value.index_select(0, rows.to(value.device))
+    return value
+
+
 def kv_layout(backbone) -> tuple[int, int]:
     """(key/value heads, head dim) of the backbone's self-attention."""
     attn = getattr(backbone.layers[0], "self_attn", None)
@@ -319,11 +333,27 @@ class MemoryTuning(NetworkPlugin):
                 mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], x.shape[1], n_prefix,
                                      None, log_sigma, x.dtype, x.device)
                 return args, {**kwargs, "past_key_values": PrefixKV(None, self.prefix(l)), "attention_mask": mask}
-            call["kv"] = PrefixKV(past)  # a plain pass that records the keys/values; ``post`` re-runs it
+            call["kv"] = PrefixKV(past)  # a plain pass that records the keys/values; ``post`` re-runs it …
+            if (ROW_KEYS_IN_ATTENTION["on"] and att.rows is not None and x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                    and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION):
+                # … unless the bfloat16 CPU decode attention reads the prefix for this method's rows itself
+                pk, pv = self.prefix(l)
+                call["row_keys"] = mod.pema_row_keys = RowKeys(att.rows, pk, pv, log_sigma, lambda: att.live,
+                                                              keep_probs=trace)
             return args, {**kwargs, "past_key_values": call["kv"]}
 
         def post(mod, args, kwargs, output):
-            kv = call.pop("kv", None)
+            kv, row_keys = call.pop("kv", None), call.pop("row_keys", None)
+            if row_keys is not None:
+                mod.pema_row_keys = None
+                if row_keys.done:  # the attention read the prefix for these rows: nothing to re-run
+                    if trace and row_keys.probs is not None:
+                        got = self._trace_from_probs(row_keys.probs, n_prefix)
+                        if not self.use_ffn:
+                            self._trace_weights(att, l, "attention", got[0], got[1])
+                        else:
+                            shared["lambda"] = got[1]
+                    return None
             if kv is None or kv.seen is None:
                 return None
             keys, values = kv.seen
@@ -336,14 +366,26 @@ class MemoryTuning(NetworkPlugin):
             mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], keys.shape[-2], n_prefix,
                                  allowed, log_sigma, x.dtype, x.device)
             pk, pv = self.prefix(l)
-            redo = first_tensor(mod.forward(*args, **{**kwargs, "attention_mask": mask,
-                                                      "past_key_values": PrefixKV(None, (pk, pv), (keys, values))}))
             h = first_tensor(output)
             if rows is None:
+                redo = first_tensor(mod.forward(*args, **{**kwargs, "attention_mask": mask, "past_key_values":
+                                                          PrefixKV(None, (pk, pv), (keys, values))}))
                 new = redo.to(h.dtype)
-            else:
+            else:  # the re-run for this method's rows only: a sub-batch (every other row is kept as it is)
+                B = x.shape[0]
+                sub_mask = prefixed_mask(_batch_rows(kwargs.get("attention_mask"), rows, B), rows.numel(),
+                                         x.shape[1], keys.shape[-2], n_prefix, None, log_sigma, x.dtype, x.device)
+                sub_kwargs = {k: _batch_rows(v, rows, B) for k, v in kwargs.items() if k != "cache_position"}
+                sub_kwargs.update(attention_mask=sub_mask, past_key_values=PrefixKV(
+                    None, (pk, pv), (keys.index_select(0, rows), values.index_select(0, rows))))
+                if args:
+                    args = (x.index_select(0, rows), *args[1:])
+                if "cache_position" in kwargs:
+                    sub_kwargs["cache_position"] = kwargs["cache_position"]
+                with sub_batch(rows):  # other methods' hooks inside the attention (LoRA) act on none of these rows
+                    redo = first_tensor(mod.forward(*args, **sub_kwargs))
                 new = h.clone()
-                new[rows] = redo.index_select(0, rows).to(h.dtype)
+                new[rows] = redo.to(h.dtype)
             if trace:
                 got = self._prefix_trace(mod, args, kwargs, rows, keys, mask, pk)
                 if got is not None and not self.use_ffn:
@@ -353,6 +395,15 @@ class MemoryTuning(NetworkPlugin):
             return replace_first(output, new)
 
         return pre, post
+
+    @staticmethod
+    def _trace_from_probs(probs: torch.Tensor, n_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``_prefix_trace``, from the attention weights (rows, KV heads, heads per KV head, prefix + keys) that
+        the decode attention kept (``RowKeys.probs``)."""
+        p = probs.flatten(1, 2)                                                    # (n, heads, l + K)
+        lam = p[..., :n_prefix].sum(-1)
+        within = p[..., :n_prefix] / lam.clamp_min(1e-30).unsqueeze(-1)
+        return within.mean(1), lam.mean(1)
 
     @staticmethod
     def _prefix_trace(mod, args, kwargs, rows, keys, mask, pk) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
@@ -103,16 +105,40 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
     return new
 
 
+_SUB_BATCH: ContextVar = ContextVar("pema_sub_batch", default=None)
+
+
+@contextmanager
+def sub_batch(rows: torch.Tensor):
+    """While inside, forward passes run on the batch rows ``rows`` (full-batch indices) only — a module re-run for
+    one plug-in's rows (memory-tuning's prefixed attention) —, so every attachment's ``rows`` reads as positions
+    within them: another method's hooks on the re-run's submodules (LoRA on ``o_proj``) act on none of them, a hook
+    for all rows (None) on all."""
+    token = _SUB_BATCH.set(rows)
+    try:
+        yield
+    finally:
+        _SUB_BATCH.reset(token)
+
+
 class Attachment:
     """One ``attach`` call: its rows and settings, per-pass inputs of a training forward (``state``, e.g. the memory
     adapter's memory-dropout mask), and what its hooks recorded for ``network_trace``."""
 
     def __init__(self, rows, settings: dict, state: dict | None = None):
-        self.rows = rows
+        self.batch_rows = rows  # full-batch row indices (None: every row)
         self.settings = settings
         self.state = dict(state or {})
         self.live = True
         self.trace = None  # what the latest forward pass recorded (default layout: {"per_row": [dict per row]})
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """The batch rows the hooks act on (None: every row); inside ``sub_batch``, as positions within it."""
+        sub = _SUB_BATCH.get()
+        if sub is None or self.batch_rows is None:
+            return self.batch_rows
+        return torch.isin(sub, self.batch_rows.to(sub.device)).nonzero().flatten()
 
 
 class _Handle:

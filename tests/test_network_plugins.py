@@ -305,3 +305,16 @@ def test_mt_m_trace_and_attention_implementations(tiny, tiny_memory, tmp_path, m
     with pytest.raises(UserError, match="eager or sdpa"):
         p.attach(None, {})
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
+
+
+def test_attachment_rows_read_as_positions_inside_a_sub_batch():
+    """A module re-run for some batch rows (memory-tuning's prefixed attention) sees every other attachment's rows
+    as positions within that sub-batch: none for a method whose rows are elsewhere, all for rows=None."""
+    from plugins.network import Attachment, sub_batch
+
+    lora, mt, every = Attachment(torch.tensor([1, 4]), {}), Attachment(torch.tensor([2, 5]), {}), Attachment(None, {})
+    with sub_batch(torch.tensor([2, 5])):
+        assert lora.rows.numel() == 0 and mt.rows.tolist() == [0, 1] and every.rows is None
+    with sub_batch(torch.tensor([0, 4, 6])):
+        assert lora.rows.tolist() == [1]
+    assert lora.rows.tolist() == [1, 4]  # outside: the full batch's rows again

@@ -260,3 +260,54 @@ def test_small_forwards_run_on_one_thread_only_where_threads_sleep(tiny, monkeyp
     finally:
         hook.remove()
         torch.set_num_threads(threads)
+
+
+def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run(tmp_path, monkeypatch):
+    """On the bfloat16 CPU decode attention, MT-M's rows read the prefix inside the layer's one attention call
+    (RowKeys) instead of a second run of the attention: a decode step's f(c) for those rows as the re-run gives it,
+    the other rows bit-identical to a step without memory-tuning attached, and the same λ trace in a comparison."""
+    import copy
+
+    from plugins import memory_tuning
+    from plugins.api import train_plugin
+
+    bb = tiny_in("bfloat16")
+    assert bb.model.config._attn_implementation == "pema_cpu_decode"
+    mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m", prompt=PROMPT)
+    mt, _ = train_plugin(bb, mem, "memory_tuning", {"max_epochs": 1, "max_minutes": 0, "variant": "MT-M"},
+                         out_dir=tmp_path / "mt")
+    with torch.no_grad():
+        mt.prefix_v.mul_(30.0)  # a prefix that visibly moves the states (the briefly trained one barely does)
+    ids = torch.tensor([bb.encode_context("English: the house is small\nGerman:")] * 3)
+    with torch.no_grad():
+        past = bb.forward_fc(ids, use_cache=True)[1].past_key_values
+    calls = []
+    real = memory_tuning.RowKeys.attend
+    monkeypatch.setattr(memory_tuning.RowKeys, "attend", lambda self, *a: calls.append(1) or real(self, *a))
+
+    def step(attached: bool):
+        handles = mt.attach([1, 2], {"scale": 2.0}) if attached else []
+        try:
+            with torch.no_grad():
+                return bb.forward_fc(ids[:, -1:] * 0 + 5, past_key_values=copy.deepcopy(past), use_cache=True)[0]
+        finally:
+            for h in handles:
+                h.remove()
+
+    plain, fused = step(False), step(True)
+    assert calls
+    monkeypatch.setitem(memory_tuning.ROW_KEYS_IN_ATTENTION, "on", False)
+    n = len(calls)
+    rerun = step(True)
+    assert len(calls) == n  # switched off: the re-run
+    assert torch.equal(fused[0], plain[0]) and torch.equal(rerun[0], plain[0])
+    assert (fused[1:] - plain[1:]).abs().max() > 0.1  # the prefix does act
+    assert torch.allclose(fused[1:].float(), rerun[1:].float(), atol=0.05, rtol=0.02)
+    monkeypatch.setitem(memory_tuning.ROW_KEYS_IN_ATTENTION, "on", True)
+    rows = [Row("base"), Row("mt", mt)]
+    traces = []
+    for on in (True, False):
+        monkeypatch.setitem(memory_tuning.ROW_KEYS_IN_ATTENTION, "on", on)
+        c = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=4)
+        traces.append([t["memory_attention"]["attention_lambda"] for t in c.row("mt").trace])
+    assert all(abs(x - y) < 0.02 for x, y in zip(*traces)) and len(traces[0]) == 4
