@@ -130,3 +130,23 @@ def test_every_head_product_goes_through_one_softcap(tiny, monkeypatch):
     vocab = torch.tensor([1, 5, 9])
     sub = tiny.head_logits_subset(x, vocab)
     assert torch.allclose(sub[:, vocab], capped[:, vocab])
+
+
+def test_top_k_equals_a_stable_full_sort_on_vocabulary_sized_rows():
+    """``top_k`` (two stages over 1,024-wide chunks) gives exactly the first k of a stable descending sort — values
+    and indices, ties broken by the lower index — on rows with many ties and −inf entries, 1-D and 2-D."""
+    from plugins.decode import top_k
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(24):
+        V, R, k = 20_000 + 7_919 * trial, 1 + trial % 3, [1, 2, 5, 64][trial % 4]
+        x = torch.randn(R, V, generator=g)
+        if trial % 2:
+            x = x.to(torch.bfloat16).float()  # bfloat16 logits: many exact ties
+        if trial % 3 == 0:
+            x[:, torch.randint(0, V, (V // 2,), generator=g)] = float("-inf")
+        ref_v, ref_i = torch.sort(x, dim=-1, descending=True, stable=True)
+        v, i = top_k(x, k)
+        assert torch.equal(v, ref_v[:, :k]) and torch.equal(i, ref_i[:, :k]), trial
+        v1, i1 = top_k(x[0], k)
+        assert torch.equal(v1, ref_v[0, :k]) and torch.equal(i1, ref_i[0, :k])
