@@ -410,8 +410,10 @@ class Backbone:
 
     # --- f(c) capture -----------------------------------------------------------------------------
     def forward_fc(self, input_ids: torch.Tensor, attention_mask=None, past_key_values=None,
-                   use_cache: bool = False, output_attentions: bool = False):
-        """Run the decoder (no LM head) and return ``(f(c), outputs)``: f(c) is the final norm's input."""
+                   use_cache: bool = False, output_attentions: bool = False, inference: bool = True):
+        """Run the decoder (no LM head) and return ``(f(c), outputs)``: f(c) is the final norm's input. Without
+        gradients it runs in ``torch.inference_mode`` unless ``inference`` is False (what its hooks capture is
+        then an ordinary tensor that a later pass with gradients may save for backward)."""
         captured = {}
         input_ids = input_ids.to(self.device)  # callers may build ids on the CPU; the model may sit on a GPU
         if attention_mask is not None:
@@ -428,7 +430,7 @@ class Backbone:
                 torch.set_num_threads(few)
             # without gradients, inference mode: no version counters or autograd bookkeeping on the ~3,000 small
             # ops of a decode step (measured −7 % of a bfloat16 step on Gemma 3 270M, one-off probe)
-            with torch.inference_mode(not torch.is_grad_enabled()):
+            with torch.inference_mode(inference and not torch.is_grad_enabled()):
                 out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    output_attentions=output_attentions)
@@ -443,8 +445,8 @@ class Backbone:
         :class:`StopForward` to skip the layers above it. Returns that exception (its ``captured``), or None when
         the pass ran to the end."""
         try:
-            with torch.no_grad():
-                self.forward_fc(input_ids, attention_mask=attention_mask)
+            with torch.no_grad():  # what the hooks capture feeds training (LoRA): no inference tensors
+                self.forward_fc(input_ids, attention_mask=attention_mask, inference=False)
         except StopForward as stop:
             return stop
         return None

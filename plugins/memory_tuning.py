@@ -36,9 +36,12 @@ Mechanism: a forward pre-hook on ``layers[l].self_attn`` hands the attention a s
 (``PrefixKV``) whose ``update`` prepends P_k, P_v to what the real cache (or the new tokens) gives, and an additive
 attention mask with l more columns (``prefixed_mask``); the KV cache itself never holds the prefix. In training (all
 rows, no cache) that is the attention's one pass. In a comparison batch, where only this method's rows may see the
-prefix, the attention first runs as usual (the stand-in records its keys and values) and a forward hook re-runs it
-with the prefix visible to this method's rows only and takes their outputs, so every other row stays bit-identical
-(the price: the attention runs twice per layer in such a batch). Needs ``eager`` or ``sdpa`` attention (the project's default).
+prefix, every other row must stay bit-identical: at a decode step on the bfloat16 CPU decode attention
+(``backbone.model.RowKeys``) the attention itself computes the other rows as usual and then, for this method's rows,
+the same scores, softmax and product over [P_k; K] with [log σ; mask] — one attention call per layer, o_proj once.
+Elsewhere (prefill, float32, GPU) the attention first runs as usual (the stand-in records its keys and values) and
+a forward hook re-runs it for this method's rows only (``network.sub_batch``: another method's hooks inside the
+attention, e.g. LoRA on o_proj, act on none of them) and puts their outputs in place. Needs ``eager`` or ``sdpa`` attention (the project's default).
 
 Adaptations (recorded in ``train_info``):
     * s_l ∈ R^d (a saved buffer, not trained): the per-feature RMS of the MLP output at layer l, measured on the

@@ -311,3 +311,29 @@ def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run
         c = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=4)
         traces.append([t["memory_attention"]["attention_lambda"] for t in c.row("mt").trace])
     assert all(abs(x - y) < 0.02 for x, y in zip(*traces)) and len(traces[0]) == 4
+
+
+def test_decode_passes_run_in_inference_mode_but_captures_for_training_do_not(tiny):
+    """A forward without gradients (a decode step) runs in inference mode; what ``forward_until_stopped`` captures
+    for training (LoRA's last-layer inputs) stays an ordinary tensor that backward may save."""
+    from backbone.model import StopForward
+
+    ids = torch.tensor([tiny.encode_context("English: the house is small\nGerman:")])
+    with torch.no_grad():
+        fc, _ = tiny.forward_fc(ids)
+    assert fc.is_inference()
+    fc, _ = tiny.forward_fc(ids)  # gradients on (training): no inference mode
+    assert not fc.is_inference()
+
+    def stop(mod, args):
+        raise StopForward(args[0])
+
+    h = tiny.layers[-1].register_forward_pre_hook(stop)
+    try:
+        got = tiny.forward_until_stopped(ids).captured
+    finally:
+        h.remove()
+    assert not got.is_inference()
+    w = torch.ones(got.shape[-1], requires_grad=True)
+    (got * w).sum().backward()  # saving it for backward works
+    assert w.grad is not None
