@@ -41,7 +41,8 @@ prefix, every other row must stay bit-identical: at a decode step on the bfloat1
 the same scores, softmax and product over [P_k; K] with [log σ; mask] — one attention call per layer, o_proj once.
 Elsewhere (prefill, float32, GPU) the attention first runs as usual (the stand-in records its keys and values) and
 a forward hook re-runs it for this method's rows only (``network.sub_batch``: another method's hooks inside the
-attention, e.g. LoRA on o_proj, act on none of them) and puts their outputs in place. Needs ``eager`` or ``sdpa`` attention (the project's default).
+attention, e.g. LoRA on o_proj, act on none of them) and puts their outputs in place. Needs ``eager`` or ``sdpa``
+attention (the project's default).
 
 Adaptations (recorded in ``train_info``):
     * s_l ∈ R^d (a saved buffer, not trained): the per-feature RMS of the MLP output at layer l, measured on the
@@ -337,7 +338,8 @@ class MemoryTuning(NetworkPlugin):
                                      None, log_sigma, x.dtype, x.device)
                 return args, {**kwargs, "past_key_values": PrefixKV(None, self.prefix(l)), "attention_mask": mask}
             call["kv"] = PrefixKV(past)  # a plain pass that records the keys/values; ``post`` re-runs it …
-            if (ROW_KEYS_IN_ATTENTION["on"] and att.rows is not None and x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            if (ROW_KEYS_IN_ATTENTION["on"] and att.rows is not None and x.shape[1] == 1
+                    and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                     and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION):
                 # … unless the bfloat16 CPU decode attention reads the prefix for this method's rows itself
                 pk, pv = self.prefix(l)
@@ -366,8 +368,10 @@ class MemoryTuning(NetworkPlugin):
             if rows is not None:
                 allowed = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
                 allowed[rows] = True
-            mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], keys.shape[-2], n_prefix,
-                                 allowed, log_sigma, x.dtype, x.device)
+            mask = None  # the whole batch's prefixed mask: for a re-run of every row, and the trace
+            if rows is None or trace:
+                mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], keys.shape[-2], n_prefix,
+                                     allowed, log_sigma, x.dtype, x.device)
             pk, pv = self.prefix(l)
             h = first_tensor(output)
             if rows is None:
@@ -381,12 +385,11 @@ class MemoryTuning(NetworkPlugin):
                 sub_kwargs = {k: _batch_rows(v, rows, B) for k, v in kwargs.items() if k != "cache_position"}
                 sub_kwargs.update(attention_mask=sub_mask, past_key_values=PrefixKV(
                     None, (pk, pv), (keys.index_select(0, rows), values.index_select(0, rows))))
-                if args:
-                    args = (x.index_select(0, rows), *args[1:])
+                sub_args = (x.index_select(0, rows), *args[1:]) if args else ()
                 if "cache_position" in kwargs:
                     sub_kwargs["cache_position"] = kwargs["cache_position"]
                 with sub_batch(rows):  # other methods' hooks inside the attention (LoRA) act on none of these rows
-                    redo = first_tensor(mod.forward(*args, **sub_kwargs))
+                    redo = first_tensor(mod.forward(*sub_args, **sub_kwargs))
                 new = h.clone()
                 new[rows] = redo.to(h.dtype)
             if trace:
