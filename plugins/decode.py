@@ -82,33 +82,43 @@ class Comparison:
         return next(r for r in self.rows if r.label == label)
 
 
-TOPK_CHUNK = 1024
+def _stable_top(y: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of ``y`` (R, n), largest first, ties broken by the lower index: ``torch.topk``
+    for the k-th value, then of the entries equal to it the lowest-indexed ones (``topk`` leaves ties unspecified)."""
+    R = y.shape[0]
+    vk = y.topk(k, dim=-1).values[:, -1:]
+    gt = y > vk
+    eq = y == vk
+    take = gt | (eq & (eq.cumsum(-1) <= k - gt.sum(-1, keepdim=True)))
+    if int(take.sum()) != R * k:  # NaN: no order to keep; a full stable sort decides
+        v, i = torch.sort(y, dim=-1, descending=True, stable=True)
+        return v[:, :k], i[:, :k]
+    pos = take.nonzero()[:, 1].view(R, k)  # ascending positions per row
+    v, o = torch.sort(y.gather(1, pos), dim=-1, descending=True, stable=True)
+    return v, pos.gather(1, o)
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest values along the last dimension of ``x`` (1-D or 2-D) and their indices, largest first,
-    ties broken by the lower index. For a vocabulary-sized row (Gemma: 262,144) in two stages — the largest value
-    of each 1,024-wide chunk, then the chunks holding the top ``k``, then a stable sort of their entries —, exact:
-    a chunk whose maximum is not among the top k chunk maxima holds none of the top k values. ``torch.topk`` on
-    such a row first copies all of it into a scratch vector of (value, index) pairs, which cost 0.6-2.3 ms per row
-    and decode step here (one-off probe); this reads the row once."""
+    ties broken by the lower index (as a stable descending sort). For a vocabulary-sized row (Gemma: 262,144) in two
+    stages — each chunk's maximum, the k chunks with the largest maxima, then the top k among their entries —,
+    exact: a chunk whose maximum is not among the top k maxima holds none of the top k values. ``torch.topk`` on
+    such a row first copies all of it into a scratch vector of (value, index) pairs (0.6-2.3 ms per row and decode
+    step here, one-off probe); this reads the row once."""
     one = x.dim() == 1
     x2 = x.unsqueeze(0) if one else x
     R, V = x2.shape
     k = min(k, V)
-    if V < 16 * TOPK_CHUNK or k > 64:
-        v, i = torch.sort(x2, dim=-1, descending=True, stable=True)
-        v, i = v[:, :k], i[:, :k]
+    C = 1024 if k <= 8 else 128  # chunk width: the candidates (k·C) stay a small share of the row
+    if V < 8 * k * C:
+        v, i = _stable_top(x2, k)
     else:
-        C = TOPK_CHUNK
         pad = (-V) % C
         xp = torch.nn.functional.pad(x2, (0, pad), value=float("-inf")) if pad else x2
         chunks = xp.reshape(R, -1, C)
-        order = torch.sort(chunks.amax(-1), dim=-1, descending=True, stable=True).indices[:, :k]
-        order = order.sort(-1).values                                      # chunks in index order
+        order = _stable_top(chunks.amax(-1), k)[1].sort(-1).values       # the chunks, in index order
         cand = chunks.gather(1, order.unsqueeze(-1).expand(-1, -1, C)).reshape(R, -1)
-        v, j = torch.sort(cand, dim=-1, descending=True, stable=True)      # ties: the lower index first
-        v, j = v[:, :k], j[:, :k]
+        v, j = _stable_top(cand, k)                                       # candidates are in index order too
         i = order.gather(1, j // C) * C + j % C
     return (v[0], i[0]) if one else (v, i)
 

@@ -145,6 +145,9 @@ def test_top_k_equals_a_stable_full_sort_on_vocabulary_sized_rows():
             x = x.to(torch.bfloat16).float()  # bfloat16 logits: many exact ties
         if trial % 3 == 0:
             x[:, torch.randint(0, V, (V // 2,), generator=g)] = float("-inf")
+        if trial % 8 == 7:
+            x = torch.full((R, V), float("-inf"))
+            x[:, 5:8] = 1.0  # fewer finite entries than k, all tied
         ref_v, ref_i = torch.sort(x, dim=-1, descending=True, stable=True)
         v, i = top_k(x, k)
         assert torch.equal(v, ref_v[:, :k]) and torch.equal(i, ref_i[:, :k]), trial
