@@ -133,7 +133,7 @@ def test_every_head_product_goes_through_one_softcap(tiny, monkeypatch):
 
 
 def test_top_k_equals_a_stable_full_sort_on_vocabulary_sized_rows():
-    """``top_k`` (two stages over 1,024-wide chunks) gives exactly the first k of a stable descending sort — values
+    """``top_k`` (two stages over chunks for long rows) gives exactly the first k of a stable descending sort — values
     and indices, ties broken by the lower index — on rows with many ties and −inf entries, 1-D and 2-D."""
     from plugins.decode import top_k
 
