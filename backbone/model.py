@@ -116,6 +116,13 @@ class PackedBF16Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not PACKED_BF16["on"]:
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        if x.numel() == self.in_features:
+            # One row runs as two: for one row oneDNN picks a GEMV kernel whose sums round differently from its
+            # GEMM's (seen on Gemma's 2048-wide down_proj), so a comparison row alone (a slider re-decode, a
+            # single-row compare) would not decode as it does in a batch. Two rows cost about the same.
+            two = x.reshape(1, -1).expand(2, -1).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise(two, self._packed[0], self.bias, "none", [], "")
+            return out[:1].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed[0], self.bias, "none", [], "")
 
     def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) packs its own weight
