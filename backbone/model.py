@@ -112,18 +112,33 @@ class PackedBF16Linear(nn.Linear):
         self.bias = linear.bias
         with torch.no_grad():  # in a list: not a submodule or buffer, so .to()/state_dict/deepcopy leave it out
             self._packed = [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)]
+            self.one_row_as_two = self._lone_row_rounds_differently()
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed[0], self.bias, "none", [], "")
+
+    def _lone_row_rounds_differently(self, rows: int = 16) -> bool:
+        """Whether oneDNN gives one row alone other bits than it gives the same row in a batch. For one row it may
+        pick a GEMV kernel whose sums round differently from its GEMM's (on this CPU: Gemma's 2048-wide down_proj,
+        not the 640- and 1024-wide products nor the LM head), and then a comparison row alone (a slider re-decode,
+        a single-row compare) would not decode as it does in a batch. Checked once on fixed heavy-tailed inputs
+        (like real activations), where such a kernel shows it within a few rows."""
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, self.in_features, generator=g) * torch.exp(2 * torch.randn(rows, self.in_features,
+                                                                                        generator=g))
+        x = x.to(self.weight.dtype)
+        batch = self._product(x)
+        return any(not torch.equal(self._product(x[i:i + 1]), batch[i:i + 1]) for i in range(rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not PACKED_BF16["on"]:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if x.numel() == self.in_features:
-            # One row runs as two: for one row oneDNN picks a GEMV kernel whose sums round differently from its
-            # GEMM's (seen on Gemma's 2048-wide down_proj), so a comparison row alone (a slider re-decode, a
-            # single-row compare) would not decode as it does in a batch. Two rows cost about the same.
+        if x.numel() == self.in_features and self.one_row_as_two:
+            # One row runs as two where its kernel rounds differently (see _lone_row_rounds_differently); two rows
+            # of a 640-wide product cost the same as one, so only those products pay (the LM head would: +8 %).
             two = x.reshape(1, -1).expand(2, -1).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise(two, self._packed[0], self.bias, "none", [], "")
-            return out[:1].reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed[0], self.bias, "none", [], "")
+            return self._product(two)[:1].reshape(*x.shape[:-1], self.out_features)
+        return self._product(x)
 
     def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) packs its own weight
         import copy

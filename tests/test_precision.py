@@ -358,3 +358,12 @@ def test_packed_bfloat16_linear_gives_one_row_what_it_gives_that_row_in_a_batch(
             assert lin(x).shape == (1, 1, 640)
             differs += not torch.equal(raw(x[0]), raw(batch[:, 0])[:1])
     assert differs  # the kernel itself does differ on such inputs (else this test would prove nothing)
+    assert lin.one_row_as_two
+    for d_in, d_out in ((640, 1024), (1024, 640), (640, 4096)):  # whatever each shape decided, a row is a row
+        lin = PackedBF16Linear(nn.Linear(d_in, d_out, bias=False, dtype=torch.bfloat16))
+        with torch.no_grad():
+            for trial in range(8):
+                g = torch.Generator().manual_seed(100 + trial)
+                x = torch.randn(1, d_in, generator=g) * torch.exp(torch.randn(1, d_in, generator=g) * 2)
+                batch = torch.cat([x, torch.randn(5, d_in)]).to(torch.bfloat16)
+                assert torch.equal(lin(batch[:1]), lin(batch)[:1]), (d_in, d_out, trial)
