@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 from backbone import load_backbone
-from backbone.model import PACKED_BF16, SMALL_FORWARD_ONE_THREAD, Backbone, resolve_precision, set_precision
+from backbone.model import (FUSED_NORMS, PACKED_BF16, SMALL_FORWARD_ONE_THREAD, Backbone, resolve_precision,
+                            set_precision)
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap
@@ -523,9 +524,9 @@ def _llama_child(gguf: str, tokens: int, threads: int) -> None:
 def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
     """``python -m eval.bench _rows``: the project's backbone in one precision in a process of its own (as a studio
     runs one), with a briefly trained PEMA when asked. Reads one request per stdin line — ``{"row": "base" |
-    "base-plain" | "base-threads" | "pema" | "context", "source": …}`` — and writes the decode's seconds per step
-    after the first (``context``: the prompt's token ids, for llama.cpp; ``base-threads``: the base row with the
-    decoder on every thread, ``SMALL_FORWARD_ONE_THREAD`` off)."""
+    "base-plain" | "base-threads" | "base-unfused" | "pema" | "context", "source": …}`` — and writes the decode's
+    seconds per step after the first (``context``: the prompt's token ids, for llama.cpp; ``base-threads``: the base
+    row with the decoder on every thread, ``SMALL_FORWARD_ONE_THREAD`` off; ``base-unfused``: ``FUSED_NORMS`` off)."""
     bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m", dtype=precision)
     prompt = task_prompt("translation", bb)
     rows = {"base": [Row("base")], "base-plain": [Row("base")]}
@@ -543,12 +544,13 @@ def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
                 continue
             PACKED_BF16["on"] = req["row"] != "base-plain"  # the same backbone without the oneDNN-packed linears
             SMALL_FORWARD_ONE_THREAD["on"] = req["row"] != "base-threads"  # … or with every thread on each layer
+            FUSED_NORMS["on"] = req["row"] != "base-unfused"  # … or with the model's own RMSNorm forward
             try:
                 with _FixedSteps(bb):
-                    row = "base" if req["row"] == "base-threads" else req["row"]
+                    row = "base" if req["row"] in ("base-threads", "base-unfused") else req["row"]
                     print(_decode_seconds(bb, rows[row], prompt, req["source"], tokens), flush=True)
             finally:
-                PACKED_BF16["on"] = SMALL_FORWARD_ONE_THREAD["on"] = True
+                PACKED_BF16["on"] = SMALL_FORWARD_ONE_THREAD["on"] = FUSED_NORMS["on"] = True
 
 
 class _Child:
@@ -615,6 +617,8 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
         if "bfloat16" in children:
             configs["base bfloat16, plain F.linear"] = (children["bfloat16"], "base-plain")
         configs.update({f"base {p}, decoder on every thread": (children[p], "base-threads")
+                        for p in ("float32", "bfloat16") if p in children})
+        configs.update({f"base {p}, the model's own RMSNorm (not fused)": (children[p], "base-unfused")
                         for p in ("float32", "bfloat16") if p in children})
         if default in children:
             configs[f"PEMA {default}"] = (children[default], "pema")

@@ -151,7 +151,7 @@ class OwnerService:
 
     # --- what is handed over -------------------------------------------------------------------------------------
     def _norm_record(self) -> dict:
-        norm = self.bb.final_norm
+        norm = getattr(self.bb.final_norm, "original", self.bb.final_norm)  # the model's class, not a fused stand-in
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         return {"module": type(norm).__module__, "class": type(norm).__qualname__,
                 "eps": float(eps) if eps is not None else None}

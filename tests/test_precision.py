@@ -367,3 +367,60 @@ def test_packed_bfloat16_linear_gives_one_row_what_it_gives_that_row_in_a_batch(
                 x = torch.randn(1, d_in, generator=g) * torch.exp(torch.randn(1, d_in, generator=g) * 2)
                 batch = torch.cat([x, torch.randn(5, d_in)]).to(torch.bfloat16)
                 assert torch.equal(lin(batch[:1]), lin(batch)[:1]), (d_in, d_out, trial)
+
+
+def _tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                           sliding_window=8)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.5)  # Gemma's norms start at w = 0, where (1 + w) and w could not be told apart
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norms_replace_only_norms_they_reproduce_bit_for_bit(tiny, dtype):
+    """Both known RMSNorm formulations (Llama's w · x̂, Gemma's x̂ · (1 + w)) are swapped for torch's fused
+    F.rms_norm, and a model's outputs are bit-identical with the fused norms on and off; a norm computing anything
+    else is left alone; with gradients the original module runs (and gradients flow)."""
+    from backbone.model import FUSED_NORMS, FusedRMSNorm
+
+    llama = [m for m in tiny.model.modules() if isinstance(m, FusedRMSNorm)]
+    assert len(llama) == 2 * tiny.num_layers + 1 and {m.style for m in llama} == {"times"}
+    gemma = _tiny_gemma3().to(dtype)
+    assert FusedRMSNorm.swap_into(gemma) == 2 * 6 + 1  # 4 per layer, q_norm, k_norm, the final norm
+    assert {m.style for m in gemma.modules() if isinstance(m, FusedRMSNorm)} == {"one_plus"}
+    assert FusedRMSNorm.swap_into(gemma) == 0  # already swapped: not wrapped twice
+    ids = torch.randint(0, 97, (2, 11))
+    for model in (gemma, tiny_backbone().model.to(dtype)):  # a fresh one: the fixture stays float32
+        with torch.no_grad():
+            fused = model(input_ids=ids).logits
+            FUSED_NORMS["on"] = False
+            try:
+                plain = model(input_ids=ids).logits
+            finally:
+                FUSED_NORMS["on"] = True
+        assert torch.equal(fused, plain)
+
+    class ScaleOnlyRMSNorm(nn.Module):  # named like a norm, but no normalisation: no fused formulation matches
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    box = nn.Sequential(ScaleOnlyRMSNorm())
+    assert FusedRMSNorm.swap_into(box) == 0 and isinstance(box[0], ScaleOnlyRMSNorm)
+    norm = llama[0]
+    x = torch.randn(3, tiny.hidden_size, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and torch.equal(norm(x.detach()), norm._original[0](x.detach()))
+
