@@ -177,8 +177,9 @@ FUSED_NORMS = {"on": True}  # benchmarks switch it off to time the other way
 class FusedRMSNorm(nn.Module):
     """An RMSNorm run as torch's ``F.rms_norm`` (one operator instead of the ~10 of a model's Python forward:
     float32 cast, pow, mean, add, rsqrt, mul, weight cast, 1 + w, mul, cast — 109 norms a Gemma decode step, ~9 µs
-    each saved in isolation; in a whole bfloat16 step 46.9 → 45.4 ms, within noise: BENCHMARKS §3, tenth session). Two formulations of the library's RMSNorm classes are known: Gemma's ``(x̂ · (1 + w))`` computed in
-    float32 then cast, and Llama's ``w · x̂`` with x̂ cast first. :meth:`swap_into` swaps a norm only where one of
+    each saved in isolation; a whole bfloat16 step 46.9 → 45.4 ms, within noise: BENCHMARKS §3, tenth session).
+    Two formulations of the library's RMSNorm classes are known: Gemma's ``(x̂ · (1 + w))`` computed in float32
+    then cast, and Llama's ``w · x̂`` with x̂ cast first. :meth:`swap_into` swaps a norm only where one of
     them gives bit-for-bit what the module's own forward gives on heavy-tailed test inputs, so outputs, memories
     and kept decodes do not change. With gradients enabled the original module runs."""
 
