@@ -142,15 +142,28 @@ class FitResult:
     history: list[dict] = field(default_factory=list)  # one row per logged step: {"step","phase","loss",...}
 
 
-def mix_logprobs(lm_logprobs: torch.Tensor, plugin_logprobs: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+def mix_logprobs(lm_logprobs: torch.Tensor, plugin_logprobs: torch.Tensor, lam: torch.Tensor,
+                 support: torch.Tensor | None = None) -> torch.Tensor:
     """log(λ·P_plugin + (1−λ)·P_LM) row-wise, stable in log space; λ of 0 or 1 selects one side exactly.
-    Works on any column subset (e.g. only the reference token's column): each column is mixed on its own."""
+    Works on any column subset (e.g. only the reference token's column): each column is mixed on its own.
+
+    ``support`` (rows × s column ids): the only columns where ``plugin_logprobs`` may be above −inf (kNN's
+    neighbours' tokens). Elsewhere the mixture is log(1−λ) + log P_LM exactly — logaddexp(−inf, b) is b —, so only
+    those columns are mixed: the same result without vocabulary-wide logaddexp work."""
     lam = lam.to(lm_logprobs).unsqueeze(1)
-    a = plugin_logprobs + torch.log(lam.clamp_min(1e-30))
-    b = lm_logprobs + torch.log((1 - lam).clamp_min(1e-30))
-    out = torch.logaddexp(a, b)
-    out = torch.where(lam >= 1.0, plugin_logprobs, out)
-    return torch.where(lam <= 0.0, lm_logprobs, out)
+    log_lam, log_rest = torch.log(lam.clamp_min(1e-30)), torch.log((1 - lam).clamp_min(1e-30))
+    if support is None:
+        out = torch.logaddexp(plugin_logprobs + log_lam, lm_logprobs + log_rest)
+    else:
+        out = lm_logprobs + log_rest
+        s = support.to(out.device)
+        out.scatter_(1, s, torch.logaddexp(plugin_logprobs.gather(1, s) + log_lam, out.gather(1, s)))
+    # λ of 1 or 0: that side's row as it is (row by row: no vocabulary-wide select)
+    for sel, side in ((lam[:, 0] >= 1.0, plugin_logprobs), (lam[:, 0] <= 0.0, lm_logprobs)):
+        if bool(sel.any()):
+            rows = sel.expand(out.shape[0]) if sel.shape[0] == 1 else sel
+            out[rows] = side.expand_as(out)[rows]
+    return out
 
 
 class Plugin(nn.Module):

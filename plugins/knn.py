@@ -35,7 +35,8 @@ import torch
 
 from backbone.model import packed_bf16_available
 from memories.store import Memory
-from plugins.base import FitResult, MixInput, Plugin, PluginConfig, file_sha256, plain_file_name
+from plugins.base import (FitResult, MixInput, MixOutput, Plugin, PluginConfig, file_sha256, mix_logprobs,
+                          plain_file_name)
 from plugins.registry import register
 from plugins.settings import Preset, Setting, setting
 from ground.errors import UserError
@@ -316,34 +317,59 @@ class KNN(Plugin):
 
     def knn_logprobs(self, fc: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
+        """log P_kNN (n, V) of the rows, the neighbours' distances and entry ids."""
+        lp, _, dist, idx = self.knn_support(fc, k, temperature)
+        return lp, dist, idx
+
+    def knn_support(self, fc: torch.Tensor, k: int, temperature: float):
+        """(log P_kNN (n, V), its support (n, k): the neighbours' tokens — a token once per neighbour carrying it —,
+        distances, entry ids). P_kNN is zero beyond the neighbours' tokens, so the log runs over their k columns and
+        the rest is −inf (a log over Gemma's 262,144 mostly-zero probabilities cost ~2-4 ms a row and step)."""
         dist, idx = self.search(fc.float() / float(self.key_scale), k)
         valid = idx >= 0
         w = torch.where(valid, -dist / temperature, torch.full_like(dist, float("-inf")))
         w = torch.log_softmax(w, dim=1)
         vals = self.values[idx.clamp_min(0).to(self.values.device)].to(fc.device)
         V = self.backbone.vocab_size
-        probs = torch.zeros(len(fc), V, device=fc.device)
-        probs.scatter_add_(1, vals, w.exp().to(fc.device))
-        return torch.log(probs.clamp_min(0)), dist, idx
+        lp = torch.zeros(len(fc), V, device=fc.device)
+        lp.scatter_add_(1, vals, w.exp().to(fc.device))  # a token's probability: its neighbours' weights summed
+        at_support = torch.log(lp.gather(1, vals).clamp_min(0))
+        lp.fill_(float("-inf")).scatter_(1, vals, at_support)
+        return lp, vals, dist, idx
 
     def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, list[dict]]:
+        plp, _, extras = self._logprobs(inp)
+        return plp, extras
+
+    def mix(self, inp: MixInput) -> MixOutput:
+        """P = λ·P_kNN + (1−λ)·P_LM, mixed on P_kNN's support only (``mix_logprobs``: the same result)."""
+        plp, support, extras = self._logprobs(inp)
+        lams = self.mix_lambdas(inp)
+        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams), support=support)
+        return MixOutput(logprobs=out, plugin_logprobs=plp, lam=lams, extras=extras)
+
+    def _logprobs(self, inp: MixInput) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
         n = len(inp.fc)
         # Rows may have different k/T; group rows with the same settings into one search.
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(inp.settings):
             groups.setdefault(self.distribution_key(s), []).append(i)
         plp = torch.empty(n, inp.lm_logprobs.shape[1], device=inp.lm_logprobs.device)
+        width = max(k for k, _ in groups)
+        support = torch.zeros(n, width, dtype=torch.long, device=plp.device)
         extras: list[dict] = [{} for _ in range(n)]
         for (k, T), rows in groups.items():
-            lp, dist, idx = self.knn_logprobs(inp.fc[rows], k, T)
+            lp, vals, dist, idx = self.knn_support(inp.fc[rows], k, T)
             plp[rows] = lp
+            # rows of a smaller k repeat their first token up to the widest k (a column mixed twice is the same)
+            support[rows] = torch.cat([vals, vals[:, :1].expand(-1, width - vals.shape[1])], 1).to(plp.device)
             for j, r in enumerate(rows):
                 m = self.config.max_neighbours_traced
                 extras[r] = {"neighbours": [
                     {"token": int(self.values[int(e)]), "distance": round(float(d), 3), "entry": int(e),
                      "sample": int(self.entry_sample[int(e)])}
                     for d, e in zip(dist[j, :m].tolist(), idx[j, :m].tolist()) if e >= 0]}
-        return plp, extras
+        return plp, support, extras
 
     def mix_lambdas(self, inp: MixInput) -> list[float]:
         return [float(s["lambda"]) for s in inp.settings]  # kNN-LM/MT: a constant λ

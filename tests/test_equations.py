@@ -305,6 +305,36 @@ def test_knn_distribution_and_mix_by_hand(tiny, tiny_memory):
     assert np.allclose(out.logprobs.cpu().numpy()[0], want, atol=1e-4)
 
 
+def test_knn_mixes_on_its_support_exactly_as_over_the_whole_vocabulary(tiny, tiny_memory):
+    """P_kNN is −inf beyond the neighbours' tokens, so kNN mixes only those columns (mix_logprobs(support=)): bit
+    for bit the vocabulary-wide mix, rows of different k and λ of 0 and 1 included; the same on random rows of a
+    262,144-token vocabulary."""
+    from plugins.base import mix_logprobs
+
+    knn = KNN(KNNConfig(search="exact"), tiny)
+    knn.fit(tiny_memory)
+    g = torch.Generator().manual_seed(1)
+    q = torch.tensor(np.asarray(tiny_memory.keys[:4], dtype=np.float32)) + 0.3 * torch.randn(4, tiny.hidden_size,
+                                                                                           generator=g)
+    lm = torch.log_softmax(torch.randn(4, tiny.vocab_size, generator=g), -1)
+    settings = [knn.settings({"k": k, "temperature": 2.0, "lambda": lam})
+                for k, lam in ((8, 0.3), (3, 0.6), (8, 0.0), (5, 1.0))]
+    out = knn.mix(MixInput(fc=q.to(tiny.device), lm_logprobs=lm.to(tiny.device), extra_logits=None, step=0,
+                           src_len=[3] * 4, settings=settings))
+    assert torch.isinf(out.plugin_logprobs).any(1).all()  # a sparse P_kNN: the case the support path is for
+    dense = mix_logprobs(lm.to(tiny.device), out.plugin_logprobs, torch.tensor([0.3, 0.6, 0.0, 1.0]))
+    assert torch.equal(out.logprobs, dense)
+    assert torch.equal(out.logprobs[2], lm[2].to(out.logprobs.device))
+    assert torch.equal(out.logprobs[3], out.plugin_logprobs[3])
+    V, n = 262_144, 3
+    for trial in range(5):
+        lm = torch.log_softmax(3 * torch.randn(n, V, generator=g), -1)
+        support = torch.randint(0, V, (n, 8), generator=g)
+        plp = torch.full((n, V), float("-inf")).scatter_(1, support, torch.log_softmax(torch.randn(n, 8), 1))
+        lam = torch.rand(n, generator=g)
+        assert torch.equal(mix_logprobs(lm, plp, lam, support=support), mix_logprobs(lm, plp, lam))
+
+
 # --- residual adapter and LoRA -------------------------------------------------------------------------------------
 
 def test_residual_adapter_is_h_plus_relu_ln_h_we_wd(tiny):
