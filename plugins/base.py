@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -239,8 +240,14 @@ class Plugin(nn.Module):
             return MixOutput(logprobs=inp.lm_logprobs)
         plp, extras = self.plugin_logprobs(inp)
         lams = self.mix_lambdas(inp)
-        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams))
+        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams), support=self.plugin_support(len(plp)))
         return MixOutput(logprobs=out, plugin_logprobs=plp, lam=lams, extras=extras)
+
+    def plugin_support(self, n: int) -> torch.Tensor | None:
+        """Interpolating plug-ins whose P_plugin is zero outside a fixed set of tokens (PEMA restricted to its
+        candidate vocabulary): those token ids for ``n`` rows, (n, s), so that ``mix`` mixes only those columns
+        (``mix_logprobs(support=)``: the same result); None: every token may have mass."""
+        return None
 
     def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, list[dict] | None]:
         """Interpolating plug-ins: log P_plugin (n, V) of the rows, and per-row trace extras (or None)."""
@@ -255,8 +262,9 @@ class Plugin(nn.Module):
         share one ``plugin_logprobs``. Default: all of them."""
         return tuple(sorted(settings.items()))
 
-    def attach(self, rows: torch.Tensor, settings: dict | None = None) -> list:
-        """Register forward hooks acting on batch rows ``rows`` only; return the handles."""
+    def attach(self, rows: torch.Tensor, settings: dict | None = None, trace: bool = True) -> list:
+        """Register forward hooks acting on batch rows ``rows`` only; return the handles. ``trace`` False: no
+        ``network_trace`` will be asked of them."""
         return []
 
     def network_trace(self, handles: list) -> dict | None:
@@ -318,7 +326,8 @@ class Plugin(nn.Module):
     def to_backbone(self) -> "Plugin":
         """Put the weights where the backbone is (a no-op when they are there already)."""
         dev = self.backbone.device
-        t = next(iter(self.state_dict().values()), None)
+        # the first tensor only (called at every decode step's attach: building a state_dict cost ~0.3 ms)
+        t = next(itertools.chain(self.parameters(), self.buffers()), None)
         return self if t is None or t.device == dev else self.to(device=dev)
 
 

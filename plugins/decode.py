@@ -328,7 +328,8 @@ class BatchDecode:
             return False
         bb, batch = self.backbone, self.batch
         if self.cache is None:
-            self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(bb, batch, self.use_prefix_cache)
+            self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(bb, batch, self.use_prefix_cache,
+                                                                                self.trace)
             self.forwards += 1
         step = self.step_no
         attached = list(zip(batch.net, self.net_handles, self.prefill_handles)) if self.trace else None
@@ -348,7 +349,7 @@ class BatchDecode:
         handles: list = []
         try:
             for g, grp in enumerate(batch.net):  # hooks on for this forward pass only
-                self.net_handles[g] = grp.plugin.attach(grp.rows, grp.settings)
+                self.net_handles[g] = grp.plugin.attach(grp.rows, grp.settings, trace=self.trace)
                 handles += self.net_handles[g]
             self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
                                                                src if batch.B > 1 else None, padded=batch.S > 1)
@@ -548,7 +549,7 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
 
 
 # --- prefill -------------------------------------------------------------------------------------------------------
-def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True):
+def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, trace: bool = True):
     """Encode the prompts and start every batch row's KV cache.
 
     One prefill row per (source, prefill group), each in-network group's hooks attached to its prefill rows; a
@@ -564,7 +565,7 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True):
     try:
         for grp in batch.net:
             attached.append(grp.plugin.attach(torch.tensor([s * G + grp.prefill for s in range(S)], device=dev),
-                                              grp.settings))
+                                              grp.settings, trace=trace))
         with torch.no_grad():
             P, past = _cached_prefix(backbone, batch, ids) if S == 1 and use_prefix_cache else (0, None)
             fc, out = backbone.forward_fc(ids[:, P:], attention_mask=mask if S > 1 else None, past_key_values=past,

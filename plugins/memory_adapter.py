@@ -465,7 +465,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
             info.clear()
             h = first_tensor(output)
             out = replace_first(output, rows_apply(h, h, att.rows, fn))
-            if att.rows is not None and "sides" in info:  # decoding: record the trace
+            if att.rows is not None and att.recording and "sides" in info:  # decoding with a trace: record it
                 if l == layers[0]:
                     recording.clear()
                 recording[l] = {s: (a[:, -1].detach().float().cpu(), g[:, -1, 0].detach().float().cpu())

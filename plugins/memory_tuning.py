@@ -293,7 +293,7 @@ class MemoryTuning(NetworkPlugin):
         handles = []
         L = self.backbone.num_layers
         for l, layer in enumerate(self.backbone.layers):
-            trace = att.rows is not None and l == L - 1
+            trace = att.rows is not None and att.recording and l == L - 1
             shared: dict = {}  # MT-MF: the attention hook leaves λ for the FFN hook's trace of the same layer
             if self.use_attn:
                 pre, post = self._prefix_hooks(l, att, trace, shared)

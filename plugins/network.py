@@ -125,11 +125,12 @@ class Attachment:
     """One ``attach`` call: its rows and settings, per-pass inputs of a training forward (``state``, e.g. the memory
     adapter's memory-dropout mask), and what its hooks recorded for ``network_trace``."""
 
-    def __init__(self, rows, settings: dict, state: dict | None = None):
+    def __init__(self, rows, settings: dict, state: dict | None = None, recording: bool = True):
         self.batch_rows = rows  # full-batch row indices (None: every row)
         self.settings = settings
         self.state = dict(state or {})
         self.live = True
+        self.recording = recording  # whether a decode wants the trace (False: the hooks skip recording it)
         self.trace = None  # what the latest forward pass recorded (default layout: {"per_row": [dict per row]})
 
     @property
@@ -193,13 +194,15 @@ class NetworkPlugin(Plugin):
         return cls(config, backbone, memory_meta)
 
     # --- attaching ------------------------------------------------------------------------------------------
-    def attach(self, rows: torch.Tensor | None, settings: dict | None = None, **state) -> list:
+    def attach(self, rows: torch.Tensor | None, settings: dict | None = None, trace: bool = True, **state) -> list:
         """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row, as in training);
-        return handles (pass them to ``network_trace``). ``state``: per-pass inputs of a training forward."""
+        return handles (pass them to ``network_trace``). ``trace`` False: nobody will ask for ``network_trace``, so
+        the hooks need not record it (a decode without traces). ``state``: per-pass inputs of a training forward."""
         self.to_backbone()
         s = dict(self.decode_defaults)
         s.update(settings or {})
-        att = Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s, state)
+        att = Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s, state,
+                         recording=trace)
         return [_Handle(self._register_hooks(att), att)]
 
     def _register_hooks(self, att: Attachment) -> list:

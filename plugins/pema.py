@@ -409,11 +409,18 @@ class PEMA(Plugin):
 
     def pema_logprobs_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """log P_PEMA from W_hd·norm(h_pd) logits (restricted to the candidates when trained that way)."""
-        if len(self.candidates) and self.config.decode_vocab == "candidates":
-            masked = torch.full_like(logits, float("-inf"))
-            masked[:, self.candidates] = logits[:, self.candidates]
-            logits = masked
-        return torch.log_softmax(logits, dim=-1)
+        vocab = self.head_vocab()
+        if vocab is None:
+            return torch.log_softmax(logits, dim=-1)
+        # the softmax over the candidates' columns only: outside them exp(−inf) adds nothing to its sum
+        vocab = vocab.to(logits.device)
+        out = torch.full_like(logits, float("-inf"))
+        out[:, vocab] = torch.log_softmax(logits[:, vocab], dim=-1)
+        return out
+
+    def plugin_support(self, n: int) -> torch.Tensor | None:
+        vocab = self.head_vocab()
+        return None if vocab is None else vocab.unsqueeze(0).expand(n, -1)
 
     def pema_logprobs(self, fc: torch.Tensor) -> torch.Tensor:
         """log P_PEMA(·|c) for pre-norm states f(c) (n, d) — outside a decode."""

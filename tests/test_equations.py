@@ -207,6 +207,31 @@ def test_pema_mix_is_lambda_p_pema_plus_one_minus_lambda_p_lm_with_gu(tiny):
     assert not torch.allclose(out.logprobs, lam * torch.log_softmax(ex, -1) + (1 - lam) * lm, atol=1e-2)
 
 
+def test_pema_on_its_candidates_mixes_as_over_the_whole_vocabulary(tiny):
+    """Restricted to its candidate vocabulary, P_PEMA is the softmax over the candidates' logits (−inf elsewhere),
+    and the mix runs on those columns only (``plugin_support``): the vocabulary-wide mix of that P_PEMA bit for bit,
+    λ of 0 and 1 included."""
+    from plugins.base import mix_logprobs
+
+    p = PEMA(PEMAConfig(rank=8), tiny, {"key_rms": 1.0}).to(tiny.device)
+    g = torch.Generator().manual_seed(9)
+    p.candidates = torch.randperm(tiny.vocab_size, generator=g)[:40].to(tiny.device)
+    lm = torch.log_softmax(torch.randn(4, tiny.vocab_size, generator=g) * 3, -1).to(tiny.device)
+    ex = (torch.randn(4, tiny.vocab_size, generator=g) * 3).to(tiny.device)
+    settings = [p.settings({"lambda_max": lam, "gu": False}) for lam in (0.3, 0.7, 0.0, 1.0)]
+    out = p.mix(MixInput(fc=torch.zeros(4, tiny.hidden_size, device=tiny.device), lm_logprobs=lm, extra_logits=ex,
+                         step=0, src_len=[5] * 4, settings=settings))
+    masked = torch.full_like(ex, float("-inf"))
+    masked[:, p.candidates] = ex[:, p.candidates]
+    assert torch.allclose(out.plugin_logprobs, torch.log_softmax(masked, -1), atol=1e-6)
+    outside = torch.ones(tiny.vocab_size, dtype=torch.bool, device=tiny.device)
+    outside[p.candidates] = False
+    assert torch.isinf(out.plugin_logprobs[:, outside]).all()
+    assert torch.equal(out.logprobs, mix_logprobs(lm, out.plugin_logprobs, torch.tensor([0.3, 0.7, 0.0, 1.0])))
+    assert torch.equal(out.logprobs[2], lm[2]) and torch.equal(out.logprobs[3], out.plugin_logprobs[3])
+    assert torch.equal(p.plugin_support(2), p.candidates.expand(2, -1))  # … so only those columns were mixed
+
+
 def test_gradual_unrolling_paper_by_hand(tiny):
     """Paper §3.3: SS = λ_max/SL, CS_t = λ_max − t·SS, λ_t = CS_t² while CS_t > 0, then 0."""
     p = PEMA(PEMAConfig(rank=8), tiny, {"key_rms": 1.0})
