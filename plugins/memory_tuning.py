@@ -278,9 +278,24 @@ class MemoryTuning(NetworkPlugin):
             self.register_buffer("key_rms", torch.ones(L, n_kv, 1, hd))     # r_k: per-feature RMS of real keys
             self.register_buffer("value_rms", torch.ones(L, n_kv, 1, hd))   # r_v
 
-    def prefix(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer l's prefix keys and values P_k = P̃_k ⊙ r_k, P_v = P̃_v ⊙ r_v, each (kv heads, l, head dim)."""
-        return self.prefix_k[l] * self.key_rms[l], self.prefix_v[l] * self.value_rms[l]
+    def prefix(self, l: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's prefix keys and values P_k = P̃_k ⊙ r_k, P_v = P̃_v ⊙ r_v, each (kv heads, l, head dim); in
+        ``dtype`` when given. Without gradients they are constants: computed once per weights (and dtype), not at
+        every decode step's layer."""
+        if torch.is_grad_enabled():
+            pk, pv = self.prefix_k[l] * self.key_rms[l], self.prefix_v[l] * self.value_rms[l]
+            return (pk, pv) if dtype is None else (pk.to(dtype), pv.to(dtype))
+        tensors = (self.prefix_k, self.prefix_v, self.key_rms, self.value_rms)
+        version = tuple((t._version, t.data_ptr(), t.device, t.dtype) for t in tensors)
+        caches = self.__dict__.setdefault("_prefix_cache", {})  # dtype → (version, P_k of every layer, P_v)
+        cache = caches.get(dtype)
+        if cache is None or cache[0] != version:
+            with torch.no_grad():
+                pk, pv = self.prefix_k * self.key_rms, self.prefix_v * self.value_rms
+                if dtype is not None:
+                    pk, pv = pk.to(dtype), pv.to(dtype)
+            cache = caches[dtype] = (version, pk, pv)
+        return cache[1][l], cache[2][l]
 
     # --- hooks --------------------------------------------------------------------------------------------
     def _register_hooks(self, att: Attachment) -> list:
@@ -342,7 +357,7 @@ class MemoryTuning(NetworkPlugin):
                     and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                     and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION):
                 # … unless the bfloat16 CPU decode attention reads the prefix for this method's rows itself
-                pk, pv = self.prefix(l)
+                pk, pv = self.prefix(l, x.dtype)
                 call["row_keys"] = mod.pema_row_keys = RowKeys(att.rows, pk, pv, log_sigma, lambda: att.live,
                                                               keep_probs=trace)
             return args, {**kwargs, "past_key_values": call["kv"]}

@@ -101,7 +101,8 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
         return h
     rows = rows.to(h.device)
     new = h.clone()
-    new[rows] = fn(x.index_select(0, rows), h.index_select(0, rows)).to(h.dtype)
+    sub_h = h.index_select(0, rows)
+    new[rows] = fn(sub_h if x is h else x.index_select(0, rows), sub_h).to(h.dtype)
     return new
 
 
