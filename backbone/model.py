@@ -49,6 +49,9 @@ DEFAULT_BACKBONE = "gemma-3-270m"
 
 
 PRECISIONS = ("float32", "bfloat16", "int8")
+# A precision's name in fingerprints where it differs from the name: ``int8`` became weight-only (earlier versions'
+# dynamic int8, fingerprinted "int8", computed other keys f(c), so their memories must not pass for this one's).
+FINGERPRINT_TAGS = {"int8": "int8-weight-only"}
 
 
 def native_bf16_cpu() -> bool:
@@ -67,80 +70,64 @@ def native_bf16_cpu() -> bool:
 DEFAULT_CPU_PRECISION = "bfloat16" if native_bf16_cpu() else "float32"
 
 
-class Int8Linear(nn.Linear):
-    """An ``nn.Linear`` whose forward without gradients runs torch's maintained dynamic int8 kernel (weights int8
-    per output row, activations quantized per call: ``torch.ao.nn.quantized.dynamic.Linear`` on fbgemm/oneDNN),
-    a quarter of float32's bytes read per token. With gradients enabled (training through the frozen backbone) it
-    uses its float32 weight, since the int8 kernel has no backward; so training stays exact.
+PACKED_BF16 = {"on": True}  # benchmarks switch it off to time the plain F.linear path in the same process
+
+
+class KernelLinear(nn.Linear):
+    """Base of the CPU inference linears (:class:`PackedBF16Linear`, :class:`Int8Linear`): a frozen ``nn.Linear``
+    whose forward without gradients runs a maintained torch kernel on weights prepared once at load
+    (``_prepare``, ``_product``), and with gradients plain ``F.linear`` on the original weight — training through
+    the frozen backbone is unchanged.
 
     It *is* an ``nn.Linear`` with the original ``weight`` Parameter (same object: tied embeddings stay tied, and
-    ``state_dict`` keys, ``in_features`` and every ``lm_head.weight`` reader see float32 as before)."""
+    ``state_dict`` keys, ``in_features`` and every ``lm_head.weight`` reader see it as before); the prepared
+    weights sit in a list (not a submodule or buffer, so ``.to()``/``state_dict`` leave them out).
 
-    def __init__(self, linear: nn.Linear):
+    A kernel may give one row alone other bits than the same row in a batch (a GEMV instead of a GEMM: on this
+    CPU oneDNN's bfloat16 kernel on Gemma's 2048-wide ``down_proj``); a comparison row alone (a slider re-decode,
+    a single-row compare) would then not decode as it does in a batch. Checked once per layer at load
+    (``_lone_row_rounds_differently``); where it does, one row runs as two."""
+
+    def __init__(self, linear: nn.Linear, prepared: list | None = None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         with torch.no_grad():
-            self._int8 = [_dynamic_int8(linear)]  # in a list: not a submodule, so .to()/state_dict ignore it
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        return self._int8[0](x.float()).to(x.dtype)
-
-
-PACKED_BF16 = {"on": True}  # benchmarks switch it off to time the plain F.linear path in the same process
-
-
-class PackedBF16Linear(nn.Linear):
-    """A bfloat16 ``nn.Linear`` whose forward without gradients runs oneDNN's linear on a weight pre-packed into
-    oneDNN's blocked layout once (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``: the calls
-    torch's own Inductor emits for a frozen bfloat16 linear on a CPU). The plain bfloat16 GEMV that ``F.linear``
-    runs for 1-8 rows does not read weights at bfloat16's bandwidth on this CPU (BENCHMARKS §3: one row only 1.10×
-    float32); the packed one does, and 4-8 rows cost little more than one. Same arithmetic (bfloat16 inputs and
-    weights, float32 accumulation, bfloat16 output).
-
-    Like :class:`Int8Linear` it *is* an ``nn.Linear`` with the original ``weight`` Parameter (tied embeddings stay
-    tied; readers of ``lm_head.weight`` see it); with gradients enabled it runs ``F.linear`` on that weight, so
-    training through the frozen backbone is unchanged. The packed copy costs the weights' bytes once more in RAM."""
-
-    def __init__(self, linear: nn.Linear):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        with torch.no_grad():  # in a list: not a submodule or buffer, so .to()/state_dict/deepcopy leave it out
-            self._packed = [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)]
+            self._prepared = prepared if prepared is not None else self._prepare()
             self.one_row_as_two = self._lone_row_rounds_differently()
 
+    def _prepare(self) -> list:
+        raise NotImplementedError
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed[0], self.bias, "none", [], "")
+        """x (…, in) in bfloat16 → (…, out) in bfloat16, through the kernel."""
+        raise NotImplementedError
+
+    def _runs_kernel(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
     def _lone_row_rounds_differently(self, rows: int = 16) -> bool:
-        """Whether oneDNN gives one row alone other bits than it gives the same row in a batch. For one row it may
-        pick a GEMV kernel whose sums round differently from its GEMM's (on this CPU: Gemma's 2048-wide down_proj,
-        not the 640- and 1024-wide products nor the LM head), and then a comparison row alone (a slider re-decode,
-        a single-row compare) would not decode as it does in a batch. Checked once on fixed heavy-tailed inputs
-        (like real activations), where such a kernel shows it within a few rows."""
+        """Whether the kernel gives one row alone other bits than it gives the same row in a batch, checked on
+        fixed heavy-tailed inputs (like real activations), where a GEMV kernel shows it within a few rows."""
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, self.in_features, generator=g) * torch.exp(2 * torch.randn(rows, self.in_features,
                                                                                         generator=g))
-        x = x.to(self.weight.dtype)
+        x = x.to(torch.bfloat16)
         batch = self._product(x)
         return any(not torch.equal(self._product(x[i:i + 1]), batch[i:i + 1]) for i in range(rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not PACKED_BF16["on"]:
+        if torch.is_grad_enabled() or not self._runs_kernel(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if x.numel() == self.in_features and self.one_row_as_two:
-            # One row runs as two where its kernel rounds differently (see _lone_row_rounds_differently); two rows
-            # of a 640-wide product cost the same as one, so only those products pay (the LM head would: +8 %).
+            # One row runs as two where its kernel rounds differently; two rows of a 640-wide product cost the
+            # same as one, so only those products pay (the LM head would: +8 %).
             two = x.reshape(1, -1).expand(2, -1).contiguous()
             return self._product(two)[:1].reshape(*x.shape[:-1], self.out_features)
         return self._product(x)
 
-    def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) packs its own weight
+    def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) has its own weight
         import copy
 
         plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
@@ -149,7 +136,49 @@ class PackedBF16Linear(nn.Linear):
         plain.bias = copy.deepcopy(self.bias, memo)
         for h in ("_forward_hooks", "_forward_pre_hooks"):
             getattr(plain, h).update(getattr(self, h))
-        return PackedBF16Linear(plain)
+        return type(self)(plain, prepared=[t.clone() for t in self._prepared])
+
+
+class PackedBF16Linear(KernelLinear):
+    """A bfloat16 linear whose forward without gradients runs oneDNN's linear on a weight pre-packed into oneDNN's
+    blocked layout once (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``: the calls torch's own
+    Inductor emits for a frozen bfloat16 linear on a CPU). The plain bfloat16 GEMV that ``F.linear`` runs for 1-8
+    rows does not read weights at bfloat16's bandwidth on this CPU (BENCHMARKS §3: one row only 1.10× float32);
+    the packed one does, and 4-8 rows cost little more than one. Same arithmetic (bfloat16 inputs and weights,
+    float32 accumulation, bfloat16 output). The packed copy costs the weights' bytes once more in RAM."""
+
+    def _prepare(self) -> list:
+        return [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._prepared[0], self.bias, "none", [], "")
+
+    def _runs_kernel(self, x: torch.Tensor) -> bool:
+        return super()._runs_kernel(x) and PACKED_BF16["on"]
+
+
+class Int8Linear(KernelLinear):
+    """int8 *weight-only*: weights int8 per output row (symmetric, scale = max |w| / 127 of the row, the scale
+    held in bfloat16 and the weights rounded against it), activations bfloat16, float32 accumulation —
+    ``torch._weight_int8pack_mm``, the CPU kernel torchao's int8 weight-only quantization runs. Half of
+    bfloat16's bytes read per token (a quarter of float32's). The rest of the model is bfloat16.
+
+    (Before, ``int8`` was torch.ao's *dynamic* int8, which also quantizes each call's activations to 8 bits: on
+    Gemma 3's outlier channels it lost 5.3 sacreBLEU, BENCHMARKS §3. Weights alone lose little.)"""
+
+    def _prepare(self) -> list:
+        w = self.weight.detach().float()
+        # a bfloat16 scale rounded up (never below max|w|/127, so no weight is clipped), the int8 values against it
+        scale = (w.abs().amax(1).clamp_min(1e-12) / 127 * (1 + 2 ** -7)).to(torch.bfloat16)
+        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return [q, scale]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), *self._prepared)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
 
 
 SMALL_FORWARD_ONE_THREAD = {"on": True, "max_tokens": 32}  # benchmarks switch it off to time the other way
@@ -359,20 +388,6 @@ def packed_bf16_available() -> bool:
         return False
 
 
-def _dynamic_int8(linear: nn.Linear) -> nn.Module:
-    import warnings
-
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-    from torch.ao.quantization import per_channel_dynamic_qconfig
-
-    plain = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
-    plain.weight, plain.bias = nn.Parameter(linear.weight.detach().float()), linear.bias
-    plain.qconfig = per_channel_dynamic_qconfig
-    with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice (torchao is its successor)
-        warnings.simplefilter("ignore")
-        return DynamicLinear.from_float(plain)
-
-
 def set_precision(model: nn.Module, precision: str) -> nn.Module:
     """Put a float32 model into ``precision`` in place: ``bfloat16`` converts every weight; ``int8`` swaps every
     ``nn.Linear`` (the decoder's projections and the LM head) for an :class:`Int8Linear` (CPU only); ``float32``
@@ -388,7 +403,9 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     if precision == "int8":
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise UserError("--dtype int8 runs torch's CPU int8 kernels; on a GPU use --dtype bfloat16.")
-        _swap_linears(model, Int8Linear)
+        _swap_linears(model, Int8Linear)  # quantized from the float32 weights …
+        model.to(torch.bfloat16)  # … and the rest in bfloat16 (the Parameters F.linear uses with gradients too)
+        use_cpu_decode_attention(model)
     return model
 
 
@@ -495,9 +512,8 @@ class Backbone:
         """LM head on already-normed states (float32 result), with the model's logit soft-capping if any. In
         int8 precision the product runs the int8 kernel (one call for all rows, without gradients)."""
         head = self.lm_head
-        if isinstance(head, Int8Linear) and not torch.is_grad_enabled():
-            return self.softcap_logits(head(normed.float()))
-        if isinstance(head, PackedBF16Linear) and not torch.is_grad_enabled() and PACKED_BF16["on"]:
+        if isinstance(head, KernelLinear) and not torch.is_grad_enabled() and head._runs_kernel(
+                normed.to(torch.bfloat16)):
             return self.softcap_logits(head(normed.to(torch.bfloat16)).float())
         return self.softcap_logits(_project(normed.to(self.dtype), head.weight).float())
 
@@ -614,13 +630,17 @@ class Backbone:
         # f(c) depends on the weights' precision, so memories (keys) and plug-ins name it; float32, the reference,
         # adds nothing (fingerprints made before precisions existed stay valid).
         precision = getattr(self, "precision", None) or model_precision(self.model)
-        return base if precision == "float32" else f"{base}|dtype={precision}"
+        return base if precision == "float32" else f"{base}|dtype={FINGERPRINT_TAGS.get(precision, precision)}"
 
     def check_fingerprint(self, fingerprint: str, what: str = "This memory") -> None:
         mine, theirs = self.fingerprint.split("|dtype=")[0], fingerprint.split("|dtype=")[0]
         if fingerprint != self.fingerprint and mine == theirs:
-            made = fingerprint.split("|dtype=")[1] if "|dtype=" in fingerprint else "float32"
+            tag = fingerprint.split("|dtype=")[1] if "|dtype=" in fingerprint else "float32"
             now = getattr(self, "precision", "?")
+            if tag == "int8":  # the dynamic int8 of earlier versions: no precision loads it any more
+                raise UserError(f"{what} was made with an earlier version's dynamic int8 backbone (activations "
+                                f"quantized too), which no precision of this version reproduces: rebuild it.")
+            made = {v: k for k, v in FINGERPRINT_TAGS.items()}.get(tag, tag)
             raise UserError(f"{what} was made with the backbone in {made}; the loaded {self.name} runs in {now}. "
                             f"Its keys f(c) come from {made} weights: load the backbone with --dtype {made} "
                             f"(studio: PEMA_DTYPE={made}), or rebuild it in this precision.")

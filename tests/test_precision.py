@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from backbone.model import (DEFAULT_CPU_PRECISION, PACKED_BF16, Backbone, Int8Linear, PackedBF16Linear,
-                            model_precision, packed_bf16_available, resolve_precision, set_precision)
+from backbone.model import (DEFAULT_CPU_PRECISION, FINGERPRINT_TAGS, PACKED_BF16, Backbone, Int8Linear,
+                            PackedBF16Linear, model_precision, packed_bf16_available, resolve_precision,
+                            set_precision)
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
 from ground.errors import UserError
@@ -50,7 +51,7 @@ def test_float32_is_the_unchanged_reference(tiny):
 def test_lower_precision_runs_close_to_float32(tiny, precision):
     bb = tiny_in(precision)
     assert bb.precision == precision == model_precision(bb.model)
-    assert bb.fingerprint == f"{tiny.fingerprint}|dtype={precision}"
+    assert bb.fingerprint == f"{tiny.fingerprint}|dtype={FINGERPRINT_TAGS.get(precision, precision)}"
     got, ref = _logits(bb), _logits(tiny)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert not torch.equal(got, ref)  # it really computed in another precision ...
@@ -60,27 +61,37 @@ def test_lower_precision_runs_close_to_float32(tiny, precision):
     assert c.rows[0].tokens
 
 
-def test_int8_swaps_every_linear_keeping_the_float32_weights(tiny):
+def test_int8_swaps_every_linear_keeping_the_weight_parameters(tiny):
+    """int8 is weight-only: every linear (LM head included) an Int8Linear, the rest of the model bfloat16; the
+    weight Parameters stay (tied embeddings tied, the same state_dict keys) for training's F.linear."""
     bb = tiny_in("int8")
     linears = [m for m in bb.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(isinstance(m, Int8Linear) for m in linears)
-    # the LM head is still tied to the input embeddings, in float32 (state_dict and lm_head.weight readers)
     assert bb.lm_head.weight is bb.model.get_input_embeddings().weight
-    assert bb.lm_head.weight.dtype == torch.float32 and bb.dtype == torch.float32
+    assert bb.lm_head.weight.dtype == torch.bfloat16 and bb.dtype == torch.bfloat16
     assert set(bb.model.state_dict()) == set(tiny.model.state_dict())
 
 
-def test_int8_linear_uses_int8_without_gradients_and_float32_with_them():
+def test_int8_linear_is_weight_only_without_gradients_and_f_linear_with_them():
+    """Without gradients: int8 weights (per output row, scale ≥ max|w|/127 so nothing is clipped) times bfloat16
+    activations, i.e. x·(q·s)ᵀ up to bfloat16 rounding — not an activation-quantized product; with gradients the
+    original weight through F.linear, exact."""
     torch.manual_seed(0)
     lin = nn.Linear(32, 48)
     q = Int8Linear(lin)
-    x = torch.randn(5, 32)
+    w8, scale = q._prepared
+    assert w8.dtype == torch.int8 and int(w8.abs().max()) <= 127
+    dequant = w8.float() * scale.float()[:, None]
+    assert torch.allclose(dequant, lin.weight, atol=float(scale.float().max()) / 2 + 1e-6)
+    x = torch.randn(5, 32) * torch.exp(2 * torch.randn(5, 32))  # outlier activations: weight-only keeps them
     with torch.no_grad():
         exact = nn.functional.linear(x, lin.weight, lin.bias)
-        fast = q(x)
-    assert not torch.equal(fast, exact) and torch.allclose(fast, exact, atol=0.05 * float(exact.abs().max()))
+        fast = q(x.bfloat16()).float()
+        want = nn.functional.linear(x.bfloat16().float(), dequant, lin.bias)
+    assert not torch.equal(fast, exact)
+    assert torch.allclose(fast, want, atol=0.01 * float(want.abs().max()))
     xg = x.clone().requires_grad_(True)
-    out = q(xg)  # training through the frozen backbone: exact float32, with a gradient
+    out = q(xg)  # training through the frozen backbone: F.linear on the weight, with a gradient
     assert torch.equal(out, exact)
     out.sum().backward()
     assert torch.allclose(xg.grad, lin.weight.sum(0).expand(5, -1))
@@ -193,7 +204,7 @@ def test_memory_records_its_precision_and_other_precisions_are_refused(tmp_path,
     bb = tiny_in("int8")
     mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m8", prompt=PROMPT,
                        heldout_frac=0)
-    assert mem.meta["precision"] == "int8" and mem.fingerprint.endswith("|dtype=int8")
+    assert mem.meta["precision"] == "int8" and mem.fingerprint.endswith("|dtype=int8-weight-only")
     assert len(Memory.load(mem.path, bb)) == len(mem)  # the same precision loads it
     with pytest.raises(UserError, match="int8.*float32"):
         Memory.load(mem.path, tiny)
@@ -201,6 +212,8 @@ def test_memory_records_its_precision_and_other_precisions_are_refused(tmp_path,
         tiny_in("bfloat16").check_fingerprint(tiny.fingerprint)
     with pytest.raises(UserError, match="another backbone"):  # a different model is still a different model
         bb.check_fingerprint(tiny_backbone(seed=0, hidden=32).fingerprint)
+    with pytest.raises(UserError, match="earlier version's dynamic int8.*rebuild"):  # int8 before weight-only
+        bb.check_fingerprint(f"{tiny.fingerprint}|dtype=int8")
 
 
 def test_plugin_of_another_precision_is_refused_in_a_comparison(tmp_path, tiny):
@@ -346,7 +359,7 @@ def test_packed_bfloat16_linear_gives_one_row_what_it_gives_that_row_in_a_batch(
     PackedBF16Linear runs one row as two, so a row's output does not depend on the batch it is in."""
     torch.manual_seed(0)
     lin = PackedBF16Linear(nn.Linear(2048, 640, bias=False, dtype=torch.bfloat16))
-    raw = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin._packed[0], None, "none", [], "")  # noqa: E731
+    raw = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin._prepared[0], None, "none", [], "")  # noqa: E731
     differs = 0
     with torch.no_grad():
         for trial in range(20):
@@ -359,14 +372,16 @@ def test_packed_bfloat16_linear_gives_one_row_what_it_gives_that_row_in_a_batch(
             differs += not torch.equal(raw(x[0]), raw(batch[:, 0])[:1])
     assert differs  # the kernel itself does differ on such inputs (else this test would prove nothing)
     assert lin.one_row_as_two
-    for d_in, d_out in ((640, 1024), (1024, 640), (640, 4096)):  # whatever each shape decided, a row is a row
-        lin = PackedBF16Linear(nn.Linear(d_in, d_out, bias=False, dtype=torch.bfloat16))
+    shapes = ((640, 1024), (1024, 640), (640, 4096), (2048, 640))
+    for cls, (d_in, d_out) in [(c, sh) for c in (PackedBF16Linear, Int8Linear) for sh in shapes]:
+        weights = torch.bfloat16 if cls is PackedBF16Linear else torch.float32  # int8 quantizes float32 weights
+        lin = cls(nn.Linear(d_in, d_out, bias=False, dtype=weights))  # whatever each kernel and shape decided …
         with torch.no_grad():
             for trial in range(8):
                 g = torch.Generator().manual_seed(100 + trial)
                 x = torch.randn(1, d_in, generator=g) * torch.exp(torch.randn(1, d_in, generator=g) * 2)
                 batch = torch.cat([x, torch.randn(5, d_in)]).to(torch.bfloat16)
-                assert torch.equal(lin(batch[:1]), lin(batch)[:1]), (d_in, d_out, trial)
+                assert torch.equal(lin(batch[:1]), lin(batch)[:1]), (cls, d_in, d_out, trial)  # … a row is a row
 
 
 def _tiny_gemma3():
