@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from backbone.model import Backbone
+from backbone.model import Backbone, small_work_threads
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
 from plugins.settings import comparison_settings, split_comparison
@@ -334,14 +334,15 @@ class BatchDecode:
         step = self.step_no
         attached = list(zip(batch.net, self.net_handles, self.prefill_handles)) if self.trace else None
         out = decode_step(bb, batch, self.fc_last, step, attached, keep_plugin=self.keep)
-        if self.guard:
-            ban_repeated_ngrams(out.final, self.beams.tokens, self.guard)
-        if self.keep:
-            for r, plug in out.plugin.items():
-                if not self.beams.done[r]:
-                    rec = self.records.setdefault(r, StepRecords())
-                    rec.add(self.fc_last[r], out.lm_logprobs[r], plug, min(KEEP_TOP, plug.shape[-1]))
-        next_tok, src = self.beams.select(out.final, trace_item(bb, out) if self.trace else None)
+        with torch.no_grad(), small_work_threads():
+            if self.guard:
+                ban_repeated_ngrams(out.final, self.beams.tokens, self.guard)
+            if self.keep:
+                for r, plug in out.plugin.items():
+                    if not self.beams.done[r]:
+                        rec = self.records.setdefault(r, StepRecords())
+                        rec.add(self.fc_last[r], out.lm_logprobs[r], plug, min(KEEP_TOP, plug.shape[-1]))
+            next_tok, src = self.beams.select(out.final, trace_item(bb, out) if self.trace else None)
         self.step_no = step + 1
         if self.beams.all_done or self.step_no >= self.max_new_tokens:
             self.finished, self.seconds = True, time.time() - self.t0
@@ -624,7 +625,7 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
     plug-in's own distribution per row (``StepOutput.plugin``)."""
     kept: dict = {}
     N = batch.N
-    with torch.no_grad():
+    with torch.no_grad(), small_work_threads():  # small operators on one thread, the LM head on all
         normed = backbone.final_norm(fc_last)
         extra = [(grp, grp.plugin.extra_states(fc_last[grp.rows], grp.settings)) for grp in batch.out]
         # States whose plug-in needs every token's logit share one pass over the LM head's weights with f(c); a

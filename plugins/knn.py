@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbone.model import packed_bf16_available
+from backbone.model import all_threads, packed_bf16_available
 from memories.store import Memory
 from plugins.base import (FitResult, MixInput, MixOutput, Plugin, PluginConfig, file_sha256, mix_logprobs,
                           plain_file_name)
@@ -83,7 +83,8 @@ class CertifiedL2Search:
         """(squared L2 distances, entry indices), each (n, k), ascending, for float32 queries ``q`` (n, d)."""
         u = _BF16_U
         q_sqnorm = (q * q).sum(1, keepdim=True)
-        s = torch.ops.mkldnn._linear_pointwise(q.to(torch.bfloat16), self.packed, None, "none", [], "").float()
+        with all_threads():  # the scan of every key: the one large product of the search
+            s = torch.ops.mkldnn._linear_pointwise(q.to(torch.bfloat16), self.packed, None, "none", [], "").float()
         approx = (q_sqnorm - 2 * s).add_(self.key_sqnorm)
         cand = approx.topk(k, dim=1, largest=False).indices
         lower = torch.addcmul(q_sqnorm * (1 - 1e-5) - 2 * s, q_sqnorm.sqrt(), self.key_bound, value=-1)
@@ -304,7 +305,9 @@ class KNN(Plugin):
         best_d, best_i = None, None
         for b0 in range(0, len(self.keys), 262144):  # chunked so the distance matrix stays small
             kc = self.keys[b0:b0 + 262144]
-            d = (q * q).sum(1, keepdim=True) - 2 * q @ kc.T + self.key_sqnorm[b0:b0 + 262144]
+            with all_threads():
+                qk = q @ kc.T
+            d = (q * q).sum(1, keepdim=True) - 2 * qk + self.key_sqnorm[b0:b0 + 262144]
             dv, di = d.topk(min(k, len(kc)), dim=1, largest=False)
             di = di + b0
             if best_d is None:

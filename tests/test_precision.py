@@ -275,6 +275,52 @@ def test_small_forwards_run_on_one_thread_only_where_threads_sleep(tiny, monkeyp
         torch.set_num_threads(threads)
 
 
+def test_decode_step_runs_small_work_on_one_thread_and_the_lm_head_on_all(tiny, tiny_memory, monkeypatch):
+    """Under PASSIVE a decode step's work around the decoder (the plug-ins' mixes, token selection) runs on one
+    thread, the LM head product and a kNN scan on the caller's threads; the caller's count is back afterwards and
+    the comparison is the same with the switch off."""
+    from backbone import model as model_module
+    from plugins.knn import KNN, KNNConfig
+
+    knn = KNN(KNNConfig(search="exact"), tiny)
+    knn.fit(tiny_memory)
+    seen: dict[str, list[int]] = {"head": [], "mix": [], "scan": []}
+    real_project, real_mix, real_search = model_module._project, knn.mix, knn.search
+
+    def project(x, w):  # the float32 LM head's product
+        seen["head"].append(torch.get_num_threads())
+        return real_project(x, w)
+
+    def mix(inp):
+        seen["mix"].append(torch.get_num_threads())
+        return real_mix(inp)
+
+    def search(q, k):
+        out = real_search(q, k)
+        seen["scan"].append(torch.get_num_threads())  # back to the small work's count after the scan
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(model_module, "_project", project)
+    monkeypatch.setattr(knn, "mix", mix)
+    monkeypatch.setattr(knn, "search", search)
+    try:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        rows = [Row("base"), Row("knn", knn)]
+        a = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4)
+        assert seen["head"] and set(seen["head"]) == {2} and set(seen["mix"]) == {1} and set(seen["scan"]) == {1}
+        assert torch.get_num_threads() == 2
+        monkeypatch.setitem(model_module.SMALL_WORK_ONE_THREAD, "on", False)
+        seen["mix"].clear()
+        b = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4)
+        assert set(seen["mix"]) == {2}
+        assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
+        assert [r.score for r in a.rows] == [r.score for r in b.rows]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run(tmp_path, monkeypatch):
     """On the bfloat16 CPU decode attention, MT-M's rows read the prefix inside the layer's one attention call
     (RowKeys) instead of a second run of the attention: a decode step's f(c) for those rows as the re-run gives it,
