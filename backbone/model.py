@@ -95,9 +95,13 @@ class KernelLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.kernel_ok = self._supports()  # a shape the kernel cannot take runs F.linear on the weight instead
         with torch.no_grad():
-            self._prepared = prepared if prepared is not None else self._prepare()
-            self.one_row_as_two = self._lone_row_rounds_differently()
+            self._prepared = (prepared if prepared is not None else self._prepare()) if self.kernel_ok else []
+            self.one_row_as_two = self.kernel_ok and self._lone_row_rounds_differently()
+
+    def _supports(self) -> bool:
+        return True
 
     def _prepare(self) -> list:
         raise NotImplementedError
@@ -107,7 +111,7 @@ class KernelLinear(nn.Linear):
         raise NotImplementedError
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        return self.kernel_ok and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
     def _lone_row_rounds_differently(self, rows: int = 16) -> bool:
         """Whether the kernel gives one row alone other bits than it gives the same row in a batch, checked on
@@ -167,6 +171,11 @@ class Int8Linear(KernelLinear):
 
     (Before, ``int8`` was torch.ao's *dynamic* int8, which also quantizes each call's activations to 8 bits: on
     Gemma 3's outlier channels it lost 5.3 sacreBLEU, BENCHMARKS §3. Weights alone lose little.)"""
+
+    def _supports(self) -> bool:
+        # torch's kernel needs the input width to be a multiple of 16 (other widths crash the process, torch 2.13);
+        # such a layer (none in Gemma 3 or SmolLM2) runs bfloat16 F.linear
+        return self.in_features % 16 == 0
 
     def _prepare(self) -> list:
         w = self.weight.detach().float()

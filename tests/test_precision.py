@@ -95,6 +95,12 @@ def test_int8_linear_is_weight_only_without_gradients_and_f_linear_with_them():
     assert torch.equal(out, exact)
     out.sum().backward()
     assert torch.allclose(xg.grad, lin.weight.sum(0).expand(5, -1))
+    # a width torch's int8 kernel cannot take (not a multiple of 16: it would crash the process) runs F.linear
+    odd = nn.Linear(1000, 8).to(torch.bfloat16)
+    q = Int8Linear(odd)
+    xo = torch.randn(2, 1000).bfloat16()
+    with torch.no_grad():
+        assert not q.kernel_ok and torch.equal(q(xo), nn.functional.linear(xo, odd.weight, odd.bias))
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="this torch/CPU has no oneDNN bfloat16 linear")
