@@ -205,14 +205,47 @@ def small_forward_threads(n_tokens: int) -> int | None:
     spinning threads (policy not PASSIVE) the second core wins, so the count is left alone; training (gradients on)
     is left alone too."""
     if (not SMALL_FORWARD_ONE_THREAD["on"] or n_tokens > SMALL_FORWARD_ONE_THREAD["max_tokens"]
-            or torch.is_grad_enabled() or torch.get_num_threads() <= 1
+            or torch.is_grad_enabled() or process_threads() <= 1
             or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"):
         return None
     return 1
 
 
+# torch's thread count is one setting for the whole process, and the studio decodes in several threads at once: a
+# per-caller save/restore could interleave (A saves 2 and sets 1, B saves 1, A restores 2, B restores 1) and leave
+# the process on one thread. So one-thread sections are counted: the first to enter lowers the count, the last to
+# leave restores what the process had.
+_ONE_THREAD = {"sections": 0, "full": 0}
+_ONE_THREAD_LOCK = threading.Lock()
+
+
+def process_threads() -> int:
+    """The process's thread count outside one-thread sections."""
+    with _ONE_THREAD_LOCK:
+        return _ONE_THREAD["full"] if _ONE_THREAD["sections"] else torch.get_num_threads()
+
+
+@contextmanager
+def one_thread_section(enabled: bool = True):
+    """One thread while inside (``enabled``), counted across the process's threads (see above)."""
+    if not enabled:
+        yield
+        return
+    with _ONE_THREAD_LOCK:
+        if _ONE_THREAD["sections"] == 0:
+            _ONE_THREAD["full"] = torch.get_num_threads()
+        _ONE_THREAD["sections"] += 1
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        with _ONE_THREAD_LOCK:
+            _ONE_THREAD["sections"] -= 1
+            if _ONE_THREAD["sections"] == 0:
+                torch.set_num_threads(_ONE_THREAD["full"])
+
+
 SMALL_WORK_ONE_THREAD = {"on": True}  # benchmarks switch it off to time the other way
-_CALLER_THREADS = threading.local()  # inside small_work_threads: the thread counts it lowered from (a stack)
 
 
 @contextmanager
@@ -220,38 +253,30 @@ def small_work_threads():
     """A decode step's work around the decoder and the LM head — the plug-ins' extra states and mixes, log-softmax,
     token selection: hundreds of small operators, each under ``OMP_WAIT_POLICY=PASSIVE`` a parallel region that
     first wakes a sleeping thread — on one thread, as ``small_forward_threads`` does for the decoder; the large
-    products inside (the LM head, a kNN scan) take the caller's threads back with :func:`all_threads`. Where
-    ``small_forward_threads`` leaves the count alone (spinning threads, a benchmark's switch) this does too. Measured
-    (one-off probe, interleaved): a 7-row bfloat16 step on Gemma 101 → 81 ms, the PEMA row alone 56 → 53 ms."""
+    products inside (the LM head, a kNN scan) take the process's threads back with :func:`all_threads`. Where
+    ``small_forward_threads`` leaves the count alone (spinning threads, a benchmark's switch) this does too.
+    Measured in two one-off A/B probes (one process, interleaved): a 7-row bfloat16 step on Gemma 91.7 → 84.7 and
+    76.3 → 74.6 ms (BENCHMARKS §3, eleventh session)."""
     few = None if torch.is_grad_enabled() or not SMALL_WORK_ONE_THREAD["on"] else small_forward_threads(1)
-    if few is None:
+    with one_thread_section(few is not None):
         yield
-        return
-    saved = torch.get_num_threads()
-    stack = _CALLER_THREADS.__dict__.setdefault("stack", [])
-    stack.append(saved)
-    torch.set_num_threads(few)
-    try:
-        yield
-    finally:
-        stack.pop()
-        torch.set_num_threads(saved)
 
 
 @contextmanager
 def all_threads():
-    """Inside :func:`small_work_threads`: the caller's thread count for one large product (the LM head over a
+    """Inside a one-thread section: the process's thread count for one large product (the LM head over a
     262,144-token vocabulary, a scan of 100k memory keys); elsewhere nothing changes."""
-    stack = getattr(_CALLER_THREADS, "stack", None)
-    if not stack or torch.get_num_threads() == stack[-1]:
+    with _ONE_THREAD_LOCK:
+        full = _ONE_THREAD["full"] if _ONE_THREAD["sections"] else 0
+    if full <= 1 or torch.get_num_threads() == full:
         yield
         return
-    inner = torch.get_num_threads()
-    torch.set_num_threads(stack[-1])
+    torch.set_num_threads(full)
     try:
         yield
     finally:
-        torch.set_num_threads(inner)
+        with _ONE_THREAD_LOCK:
+            torch.set_num_threads(1 if _ONE_THREAD["sections"] else _ONE_THREAD["full"])
 
 
 FUSED_NORMS = {"on": True}  # benchmarks switch it off to time the other way
@@ -605,21 +630,16 @@ class Backbone:
             captured["fc"] = args[0]
 
         handle = self.final_norm.register_forward_pre_hook(pre_hook)
-        threads = torch.get_num_threads()
         few = small_forward_threads(input_ids.numel()) if self.device.type == "cpu" else None
         try:
-            if few is not None:
-                torch.set_num_threads(few)
             # without gradients, inference mode: no version counters or autograd bookkeeping on the ~3,000 small
             # ops of a decode step (measured −7 % of a bfloat16 step on Gemma 3 270M, one-off probe)
-            with torch.inference_mode(inference and not torch.is_grad_enabled()):
+            with one_thread_section(few is not None), torch.inference_mode(inference and not torch.is_grad_enabled()):
                 out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    output_attentions=output_attentions)
         finally:
             handle.remove()
-            if few is not None:
-                torch.set_num_threads(threads)
         return captured["fc"], out
 
     def forward_until_stopped(self, input_ids: torch.Tensor, attention_mask=None) -> "StopForward | None":

@@ -281,6 +281,47 @@ def test_small_forwards_run_on_one_thread_only_where_threads_sleep(tiny, monkeyp
         torch.set_num_threads(threads)
 
 
+def test_one_thread_sections_of_concurrent_decodes_leave_the_process_its_threads():
+    """torch's thread count is process-wide and the studio decodes in several threads: sections entered and left
+    interleaved (A in, B in, A out, B out — where a per-caller save/restore ends on one thread) give the process
+    its count back when the last one leaves; all_threads inside one restores the count for a product."""
+    import threading
+
+    from backbone.model import all_threads, one_thread_section, process_threads
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with one_thread_section():
+            a_in.set()
+            b_in.wait(5)
+            seen["a"] = torch.get_num_threads()
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with one_thread_section():
+            b_in.set()
+            a_out.wait(5)
+            seen["b"] = torch.get_num_threads()
+            seen["process"] = process_threads()
+            with all_threads():
+                seen["product"] = torch.get_num_threads()
+            seen["after product"] = torch.get_num_threads()
+
+    try:
+        ta, tb = threading.Thread(target=a), threading.Thread(target=b)
+        ta.start(), tb.start()
+        ta.join(10), tb.join(10)
+        assert seen == {"a": 1, "b": 1, "process": 2, "product": 2, "after product": 1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_step_runs_small_work_on_one_thread_and_the_lm_head_on_all(tiny, tiny_memory, monkeypatch):
     """Under PASSIVE a decode step's work around the decoder (the plug-ins' mixes, token selection) runs on one
     thread, the LM head product and a kNN scan on the caller's threads; the caller's count is back afterwards and
