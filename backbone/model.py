@@ -395,7 +395,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     out = torch.matmul(probs, value)  # (B, Hkv, H/Hkv, D)
     extra = getattr(module, "pema_row_keys", None)
     if extra is not None and extra.live():
-        out = extra.attend(out, q, key, value, m if attention_mask is not None else None, scale)
+        out = extra.attend(out, q, scores, value, scale)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
 
 
@@ -415,16 +415,14 @@ class RowKeys:
         self.live, self.keep_probs = live, keep_probs
         self.done, self.probs = False, None
 
-    def attend(self, out: torch.Tensor, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def attend(self, out: torch.Tensor, q: torch.Tensor, scores: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``scores``: every row's scaled, masked scores over its own keys, as the attention computed them."""
         r = self.rows.to(out.device)
         n = r.numel()
         qr = q.index_select(0, r)  # (n, Hkv, H/Hkv, D)
-        ctx = torch.matmul(qr, key.index_select(0, r).transpose(2, 3)) * scale  # the rows' scores as above
-        if mask is not None:
-            mr = mask if mask.shape[0] == 1 else mask.index_select(0, r)
-            ctx = ctx.masked_fill(~mr, float("-inf")) if mr.dtype == torch.bool else ctx + mr
-        pk = self.keys.to(key.dtype).unsqueeze(0).expand(n, -1, -1, -1)
+        ctx = scores.index_select(0, r)  # the rows' scores, the very ones every row got
+        pk = self.keys.to(qr.dtype).unsqueeze(0).expand(n, -1, -1, -1)
         pre = torch.matmul(qr, pk.transpose(2, 3)) * scale + self.log_weight
         probs = torch.softmax(torch.cat([pre.to(ctx.dtype), ctx], dim=-1), dim=-1, dtype=torch.float32)
         if self.keep_probs:
