@@ -586,13 +586,14 @@ class Backbone:
         return logits
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """LM head on already-normed states (float32 result), with the model's logit soft-capping if any. In
-        int8 precision the product runs the int8 kernel (one call for all rows, without gradients)."""
+        """LM head on already-normed states (float32 result), with the model's logit soft-capping if any. On a CPU in
+        bfloat16 or int8 the product runs the head's kernel (``KernelLinear``: one call for all rows, without
+        gradients), on every thread."""
         head = self.lm_head
+        x = normed.to(torch.bfloat16) if isinstance(head, KernelLinear) else None
         with all_threads():  # one large product: on every thread even inside a decode step's small work
-            if isinstance(head, KernelLinear) and not torch.is_grad_enabled() and head._runs_kernel(
-                    normed.to(torch.bfloat16)):
-                logits = head(normed.to(torch.bfloat16))
+            if x is not None and not torch.is_grad_enabled() and head._runs_kernel(x):
+                logits = head(x)
             else:
                 logits = _project(normed.to(self.dtype), head.weight)
         return self.softcap_logits(logits.float())
