@@ -111,6 +111,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ground.errors import UserError
+from backbone.model import PackedBF16Linear, packed_bf16_available
 from memories.build import target_ids
 from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_memory
 from memories.store import Memory
@@ -277,17 +278,32 @@ class MemoryAdapter(nn.Module):
         v = mem @ self.W_v
         return qk, v, v @ self.W_1[self.d:]
 
+    def anchor_product(self, dtype: torch.dtype) -> nn.Module | None:
+        """A·W_1[:d] for decoding in a bfloat16 backbone's precision: W_1[:d] packed for oneDNN's bfloat16 linear
+        (bfloat16 inputs and weights, float32 accumulation: the backbone's own linears' arithmetic). It is the
+        adapter's one large product (d×d, 1.6 MB in float32, read twice per layer and step); in float32 on one
+        thread it was ~60 % of a memory-adapter row's step (BENCHMARKS §3, twelfth session). None where the
+        backbone is float32 or the kernel is missing: the float32 product then, as in training."""
+        if dtype != torch.bfloat16 or self.W_1.device.type != "cpu" or not packed_bf16_available():
+            return None
+        lin = nn.Linear(self.d, self.d, bias=False)
+        lin.weight = nn.Parameter(self.W_1[:self.d].detach().T.to(torch.bfloat16).contiguous(), requires_grad=False)
+        return PackedBF16Linear(lin)
+
     def forward(self, x: torch.Tensor, prep, exclude: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` (B, T, d) is both the anchor A and the query Q; ``exclude`` (B, n) True removes item j from row b's
-        attention (a training sample's own sentence; a row must keep at least one item)."""
-        qk, v, vw = prep
+        attention (a training sample's own sentence; a row must keep at least one item). ``prep``: ``prepare``'s
+        products, and for decoding an ``anchor_product`` (or None)."""
+        qk, v, vw, *packed = prep
+        anchor = packed[0] if packed and packed[0] is not None else None
         logits = x @ qk
         if exclude is not None:
             logits = logits.masked_fill(exclude[:, None, :], float("-inf"))
         att = torch.softmax(logits, dim=-1)
         r = att @ v
-        h = F.relu(x @ self.W_1[:self.d] + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
+        xa = x @ self.W_1[:self.d] if anchor is None else anchor(x.to(torch.bfloat16)).float()
+        h = F.relu(xa + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
         g = torch.sigmoid(h @ self.W_2 + self.b_2)
         return g * x + (1 - g) * r, att, g
 
@@ -304,8 +320,11 @@ class LayerBlock(nn.Module):
         self.sides = sides
         self.adapters = nn.ModuleDict({s: MemoryAdapter(d, gate_bias, g) for s in sides})
 
-    def prepare(self, temperature: float) -> dict:
-        return {s: self.adapters[s].prepare(getattr(self, f"mem_{s}"), temperature) for s in self.sides}
+    def prepare(self, temperature: float, dtype: torch.dtype | None = None) -> dict:
+        """Each side's memory products; with ``dtype`` (decoding) also its ``anchor_product`` for that precision."""
+        return {s: (*self.adapters[s].prepare(getattr(self, f"mem_{s}"), temperature),
+                    *(() if dtype is None else (self.adapters[s].anchor_product(dtype),)))
+                for s in self.sides}
 
     def apply(self, a: torch.Tensor, prep: dict, keep: torch.Tensor | None = None,
               exclude: torch.Tensor | None = None):
@@ -482,7 +501,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
             return self._prepare_all(temperature)
         if temperature not in self._prep_cache:
             with torch.no_grad():
-                self._prep_cache[temperature] = self._prepare_all(temperature)
+                self._prep_cache[temperature] = self._prepare_all(temperature, self.backbone.dtype)
         return self._prep_cache[temperature]
 
     def load_state_dict(self, *args, **kw):
@@ -493,8 +512,8 @@ class MemoryAdapterPlugin(NetworkPlugin):
         self._prep_cache = {}
         return super()._apply(fn, *args, **kw)
 
-    def _prepare_all(self, temperature: float) -> dict:
-        return {l: self.blocks[str(l)].prepare(temperature) for l in self.adapted_layers}
+    def _prepare_all(self, temperature: float, dtype: torch.dtype | None = None) -> dict:
+        return {l: self.blocks[str(l)].prepare(temperature, dtype) for l in self.adapted_layers}
 
     def _trace_rows(self, att: Attachment) -> dict:
         """The recorded memory attention as the trace (module docstring), top ``trace_top_k`` items per layer."""

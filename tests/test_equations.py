@@ -585,6 +585,35 @@ def test_memory_adapter_retrieval_gate_and_fusion_by_hand():
 
 
 @pytest.mark.equations
+def test_memory_adapter_decodes_its_anchor_product_in_a_bfloat16_backbones_precision():
+    """Decoding in a bfloat16 backbone, A·W_1[:d] runs on W_1[:d] packed for the bfloat16 kernel: the same equations
+    to bfloat16 rounding (and a lone row as in a batch); a float32 backbone keeps the float32 product (none)."""
+    from backbone.model import packed_bf16_available
+
+    if not packed_bf16_available():
+        pytest.skip("no oneDNN bfloat16 linear on this CPU")
+    d, n, T = 64, 5, 0.5
+    ad, g = _random_xu_adapter(d, seed=13)
+    with torch.no_grad():  # a gate that does not saturate at d = 64
+        ad.W_2.mul_(0.05)
+    K = torch.randn(n, d, generator=g)
+    A = torch.randn(4, 1, d, generator=g)
+    assert ad.anchor_product(torch.float32) is None
+    with torch.no_grad():
+        exact, _, _ = ad(A, ad.prepare(K, T))
+        packed = ad.anchor_product(torch.bfloat16)
+        got, _, lam = ad(A, (*ad.prepare(K, T), packed))
+        xb = A.to(torch.bfloat16)
+        batch, lone = packed(xb), packed(xb[2:3])
+    want, _, _ = _xu_adapter_by_hand(A, K, ad.W_q, ad.W_k, ad.W_v, ad.W_1, ad.W_2, ad.b_2, T)
+    err = float((got.double() - want).norm() / want.norm())
+    assert 0 < err < 2e-2  # bfloat16 rounding of A and W_1[:d], nothing more
+    assert float((exact.double() - want).norm() / want.norm()) < 1e-5
+    assert torch.equal(lone, batch[2:3])
+    assert 0.005 < float(lam.min()) and float(lam.max()) < 0.99  # the product matters through the gate
+
+
+@pytest.mark.equations
 def test_memory_adapter_layer_runs_target_then_source_adapter_on_rms_scaled_states():
     """Per adapted layer: x = a/s_l; O_tgt = adapter_tgt(x) with K = V = the target-side items; O_src =
     adapter_src(O_tgt) with the source-side items; the hook's output is s_l·O_src. Memory dropout (keep False) makes

@@ -44,6 +44,29 @@ def test_certified_search_equals_a_float64_scan(k):
 
 
 @needs_onednn
+def test_certified_search_centres_keys_that_share_a_large_common_component():
+    """Hidden states share a large common vector (Gemma's: |k − c| ≈ 0.44·|k|; here 0.2): the search is still the
+    float64 scan's, and its bound — on centred keys — re-checks only a few entries in float32. With the bound on
+    uncentred norms, as before, over half of the keys would need the re-check here."""
+    keys = _clustered_keys()
+    offset = 4 * keys.norm(dim=1).mean() * torch.nn.functional.normalize(torch.randn(64), dim=0)
+    keys = keys + offset
+    q = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(2))[:4]] + 0.03 * torch.randn(4, 64)
+    search = CertifiedL2Search(keys, (keys * keys).sum(1))
+    d, i = search.search(q, 8)
+    ref_d, ref_i = _float64_topk(keys, q, 8)
+    for r in range(len(q)):
+        assert set(i[r].tolist()) == set(ref_i[r].tolist())
+    assert torch.allclose(d.double(), ref_d, rtol=1e-5, atol=1e-2)
+    assert search.checked <= 0.05 * len(keys) * len(q)
+    # what the uncentred bound would admit: entries whose d̃ − 6u·|q|·|k| reaches D_k
+    s = torch.nn.functional.linear(q.bfloat16(), keys.bfloat16()).float()
+    approx = (q * q).sum(1, keepdim=True) - 2 * s + (keys * keys).sum(1)
+    uncentred = approx - 6 * 2 ** -8 * q.norm(dim=1, keepdim=True) * keys.norm(dim=1)
+    assert int((uncentred <= ref_d[:, -1:].float()).sum()) > 0.5 * len(keys) * len(q)
+
+
+@needs_onednn
 def test_knn_uses_the_certified_search_from_4096_entries(tiny, monkeypatch):
     class Mem:  # the datastore interface attach_memory reads
         path, id, key_scale = "m", "m", 40.0
