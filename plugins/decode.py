@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from backbone.model import Backbone, small_work_threads
+from backbone.model import Backbone, small_work_threads, vocab_wide_threads
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
 from plugins.settings import comparison_settings, split_comparison
@@ -633,7 +633,8 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
         full_vocab = [e is not None and grp.plugin.head_vocab() is None for grp, e in extra]
         states = [normed] + [backbone.final_norm(e.to(backbone.dtype)) for (_, e), f in zip(extra, full_vocab) if f]
         logits = backbone.head_logits(torch.cat(states))
-        lm_lp = torch.log_softmax(logits[:N], dim=-1)
+        with vocab_wide_threads(logits[:N]):
+            lm_lp = torch.log_softmax(logits[:N], dim=-1)
         final = lm_lp.clone()
         info: list[dict] = [{} for _ in range(N)]
         off = N
@@ -724,8 +725,9 @@ class Beams:
         new_tokens, new_traces = list(self.tokens), list(self.traces)
         V = logprobs.shape[1]
         # every row's 2B best continuations in one call
-        top_vs, top_is = top_k((self.scores.unsqueeze(2) + logprobs.view(self.n_rows, B, V)).view(self.n_rows, -1),
-                               2 * B)
+        with vocab_wide_threads(logprobs):
+            top_vs, top_is = top_k((self.scores.unsqueeze(2) + logprobs.view(self.n_rows, B, V)).view(self.n_rows, -1),
+                                   2 * B)
         for r in range(self.n_rows):
             if self.done[r]:
                 continue

@@ -368,6 +368,39 @@ def test_decode_step_runs_small_work_on_one_thread_and_the_lm_head_on_all(tiny, 
         torch.set_num_threads(threads)
 
 
+def test_vocabulary_wide_row_operations_of_a_step_take_every_thread_with_the_same_bits(tiny, monkeypatch):
+    """Inside a step's one-thread small work, the token selection's top-k over rows × vocabulary takes every thread
+    once it is large (``VOCAB_WIDE_ELEMENTS``; lowered here for the tiny vocabulary), and the comparison is bit for
+    bit the one-thread one."""
+    from backbone import model as model_module
+    from plugins import decode as decode_module
+
+    seen: list[int] = []
+    real_top_k = decode_module.top_k
+
+    def top_k(x, k):
+        seen.append(torch.get_num_threads())
+        return real_top_k(x, k)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(decode_module, "top_k", top_k)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        rows = [Row("base"), Row("base2")]
+        a = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4, trace=False)
+        assert seen and set(seen) == {1}
+        seen.clear()
+        monkeypatch.setattr(model_module, "VOCAB_WIDE_ELEMENTS", 2 * tiny.vocab_size)
+        b = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4, trace=False)
+        assert seen and set(seen) == {2}
+        assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
+        assert [r.score for r in a.rows] == [r.score for r in b.rows]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run(tmp_path, monkeypatch):
     """On the bfloat16 CPU decode attention, MT-M's rows read the prefix inside the layer's one attention call
     (RowKeys) instead of a second run of the attention: a decode step's f(c) for those rows as the re-run gives it,
