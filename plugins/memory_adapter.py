@@ -278,34 +278,52 @@ class MemoryAdapter(nn.Module):
         v = mem @ self.W_v
         return qk, v, v @ self.W_1[self.d:]
 
-    def anchor_product(self, dtype: torch.dtype) -> nn.Module | None:
-        """A·W_1[:d] for decoding in a bfloat16 backbone's precision: W_1[:d] packed for oneDNN's bfloat16 linear
-        (bfloat16 inputs and weights, float32 accumulation: the backbone's own linears' arithmetic). It is the
-        adapter's one large product (d×d, 1.6 MB in float32, read twice per layer and step); in float32 on one
-        thread it was ~60 % of a memory-adapter row's step (BENCHMARKS §3, twelfth session). None where the
-        backbone is float32 or the kernel is missing: the float32 product then, as in training."""
-        if dtype != torch.bfloat16 or self.W_1.device.type != "cpu" or not packed_bf16_available():
-            return None
-        lin = nn.Linear(self.d, self.d, bias=False)
-        lin.weight = nn.Parameter(self.W_1[:self.d].detach().T.to(torch.bfloat16).contiguous(), requires_grad=False)
-        return PackedBF16Linear(lin)
-
     def forward(self, x: torch.Tensor, prep, exclude: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` (B, T, d) is both the anchor A and the query Q; ``exclude`` (B, n) True removes item j from row b's
-        attention (a training sample's own sentence; a row must keep at least one item). ``prep``: ``prepare``'s
-        products, and for decoding an ``anchor_product`` (or None)."""
-        qk, v, vw, *packed = prep
-        anchor = packed[0] if packed and packed[0] is not None else None
+        attention (a training sample's own sentence; a row must keep at least one item)."""
+        qk, v, vw = prep
         logits = x @ qk
         if exclude is not None:
             logits = logits.masked_fill(exclude[:, None, :], float("-inf"))
         att = torch.softmax(logits, dim=-1)
         r = att @ v
-        xa = x @ self.W_1[:self.d] if anchor is None else anchor(x.to(torch.bfloat16)).float()
-        h = F.relu(xa + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
+        h = F.relu(x @ self.W_1[:self.d] + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
         g = torch.sigmoid(h @ self.W_2 + self.b_2)
         return g * x + (1 - g) * r, att, g
+
+    def decode_prep(self, mem: torch.Tensor, temperature: float, scale: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """``prepare``'s products folded for decoding on unscaled states A·s (``LayerBlock.decode``): with x = A·s,
+        x·(W_q·W_kᵀ·Kᵀ/(T√d·s)) are the same logits, x·(W_1[:d]/s) the same gate input, and att·[s·V·W_v;
+        V·W_v·W_1[d:]] gives s·R and R·W_1[d:] in one product, so the gate's g·A + (1−g)·R comes out times s. In a
+        bfloat16 backbone W_1[:d]/s is packed for oneDNN's bfloat16 linear (bfloat16 inputs and weights, float32
+        accumulation: the backbone's own linears' arithmetic): the adapter's one large product (d×d, 1.6 MB in
+        float32, read twice per layer and step), which in float32 on one thread was ~60 % of a memory-adapter row's
+        hook time (BENCHMARKS §3, twelfth session). Returns (logit matrix, value matrix, anchor product, W_2, b_2)."""
+        qk, v, vw = self.prepare(mem, temperature)
+        w1a = self.W_1[:self.d] / scale
+        if dtype == torch.bfloat16 and w1a.device.type == "cpu" and packed_bf16_available():
+            lin = nn.Linear(self.d, self.d, bias=False)
+            lin.weight = nn.Parameter(w1a.T.to(torch.bfloat16).contiguous(), requires_grad=False)
+            packed = PackedBF16Linear(lin)
+            anchor = lambda x: packed(x.to(torch.bfloat16)).float()  # noqa: E731
+        else:
+            anchor = lambda x: x @ w1a  # noqa: E731
+        return qk / scale, torch.cat([v * scale, vw], 1), anchor, self.W_2.detach(), self.b_2.detach()
+
+    @staticmethod
+    def decode(x: torch.Tensor, prep: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` on x = A·s with ``decode_prep``'s folded products (no exclusion: decoding), output times s."""
+        qk, values, anchor, w2, b2 = prep
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        att = torch.softmax(x @ qk, dim=-1)
+        rv = att @ values
+        d = x.shape[-1]
+        h = F.relu(anchor(x).add_(rv[:, d:]))
+        g = torch.sigmoid(torch.addmm(b2, h, w2))
+        out = torch.lerp(rv[:, :d], x, g)  # g·x + (1 − g)·s·R
+        return out.view(shape), att.view(*shape[:-1], -1), g.view(*shape[:-1], 1)
 
 
 class LayerBlock(nn.Module):
@@ -320,11 +338,22 @@ class LayerBlock(nn.Module):
         self.sides = sides
         self.adapters = nn.ModuleDict({s: MemoryAdapter(d, gate_bias, g) for s in sides})
 
-    def prepare(self, temperature: float, dtype: torch.dtype | None = None) -> dict:
-        """Each side's memory products; with ``dtype`` (decoding) also its ``anchor_product`` for that precision."""
-        return {s: (*self.adapters[s].prepare(getattr(self, f"mem_{s}"), temperature),
-                    *(() if dtype is None else (self.adapters[s].anchor_product(dtype),)))
+    def prepare(self, temperature: float) -> dict:
+        return {s: self.adapters[s].prepare(getattr(self, f"mem_{s}"), temperature) for s in self.sides}
+
+    def decode_prep(self, temperature: float, dtype: torch.dtype) -> dict:
+        return {s: self.adapters[s].decode_prep(getattr(self, f"mem_{s}"), temperature, self.scale, dtype)
                 for s in self.sides}
+
+    def decode(self, a: torch.Tensor, prep: dict):
+        """``apply`` for decoding (no memory dropout, no exclusion) with ``decode_prep``'s products: the layer scale
+        is folded into them, so the states go through unscaled."""
+        out = a.float()
+        info = {}
+        for s in self.sides:
+            out, att, g = MemoryAdapter.decode(out, prep[s])
+            info[s] = (att, g)
+        return out.to(a.dtype), info
 
     def apply(self, a: torch.Tensor, prep: dict, keep: torch.Tensor | None = None,
               exclude: torch.Tensor | None = None):
@@ -462,7 +491,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         rows while training, where ``att.state["keep"]`` (batch, layers) False drops a layer's memory)."""
         if not len(self.blocks):
             return []
-        preps = self._preps(float(att.settings["temperature"]), cached=att.rows is not None)
+        preps = self._preps(float(att.settings["temperature"]), cached=att.batch_rows is not None)
         keep = att.state.get("keep")
         exclude = att.state.get("exclude") or {}  # layer → (B, n) items hidden from each row (training)
         recording: dict = {}  # layer → the newest position's memory attention, for the trace
@@ -475,9 +504,13 @@ class MemoryAdapterPlugin(NetworkPlugin):
         blk = self.blocks[str(l)]
         layers = self.adapted_layers
         info: dict = {}
+        decoding = att.batch_rows is not None  # ``prep`` is then ``_preps(cached=True)``'s: decode_prep's folded products
 
         def fn(x, h):
-            new, info["sides"] = blk.apply(x, prep, keep, exclude)
+            if decoding:
+                new, info["sides"] = blk.decode(x, prep)
+            else:
+                new, info["sides"] = blk.apply(x, prep, keep, exclude)
             return new
 
         def hook(module, args, output):
@@ -501,7 +534,8 @@ class MemoryAdapterPlugin(NetworkPlugin):
             return self._prepare_all(temperature)
         if temperature not in self._prep_cache:
             with torch.no_grad():
-                self._prep_cache[temperature] = self._prepare_all(temperature, self.backbone.dtype)
+                self._prep_cache[temperature] = {l: self.blocks[str(l)].decode_prep(temperature, self.backbone.dtype)
+                                                 for l in self.adapted_layers}
         return self._prep_cache[temperature]
 
     def load_state_dict(self, *args, **kw):
@@ -512,8 +546,8 @@ class MemoryAdapterPlugin(NetworkPlugin):
         self._prep_cache = {}
         return super()._apply(fn, *args, **kw)
 
-    def _prepare_all(self, temperature: float, dtype: torch.dtype | None = None) -> dict:
-        return {l: self.blocks[str(l)].prepare(temperature, dtype) for l in self.adapted_layers}
+    def _prepare_all(self, temperature: float) -> dict:
+        return {l: self.blocks[str(l)].prepare(temperature) for l in self.adapted_layers}
 
     def _trace_rows(self, att: Attachment) -> dict:
         """The recorded memory attention as the trace (module docstring), top ``trace_top_k`` items per layer."""

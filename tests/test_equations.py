@@ -585,32 +585,42 @@ def test_memory_adapter_retrieval_gate_and_fusion_by_hand():
 
 
 @pytest.mark.equations
-def test_memory_adapter_decodes_its_anchor_product_in_a_bfloat16_backbones_precision():
-    """Decoding in a bfloat16 backbone, A·W_1[:d] runs on W_1[:d] packed for the bfloat16 kernel: the same equations
-    to bfloat16 rounding (and a lone row as in a batch); a float32 backbone keeps the float32 product (none)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_adapter_decode_path_is_the_layer_with_its_scale_folded_in(dtype):
+    """Decoding, a layer's adapters run on unscaled states with the scale folded into their memory products
+    (``decode_prep``) and, in a bfloat16 backbone, A·W_1[:d] on packed bfloat16 weights: the layer's output, its
+    memory attention and gates as ``apply`` gives them — to float32 rounding for a float32 backbone, to the
+    bfloat16 rounding of A and W_1[:d] for a bfloat16 one."""
     from backbone.model import packed_bf16_available
+    from plugins.memory_adapter import LayerBlock
 
-    if not packed_bf16_available():
+    if dtype == torch.bfloat16 and not packed_bf16_available():
         pytest.skip("no oneDNN bfloat16 linear on this CPU")
-    d, n, T = 64, 5, 0.5
-    ad, g = _random_xu_adapter(d, seed=13)
-    with torch.no_grad():  # a gate that does not saturate at d = 64
-        ad.W_2.mul_(0.05)
-    K = torch.randn(n, d, generator=g)
-    A = torch.randn(4, 1, d, generator=g)
-    assert ad.anchor_product(torch.float32) is None
+    d, n, T, s = 64, 5, 0.5, 37.0
+    g = torch.Generator().manual_seed(13)
+    blk = LayerBlock(d, n, ("tgt", "src"), 0.0, g)
     with torch.no_grad():
-        exact, _, _ = ad(A, ad.prepare(K, T))
-        packed = ad.anchor_product(torch.bfloat16)
-        got, _, lam = ad(A, (*ad.prepare(K, T), packed))
-        xb = A.to(torch.bfloat16)
-        batch, lone = packed(xb), packed(xb[2:3])
-    want, _, _ = _xu_adapter_by_hand(A, K, ad.W_q, ad.W_k, ad.W_v, ad.W_1, ad.W_2, ad.b_2, T)
-    err = float((got.double() - want).norm() / want.norm())
-    assert 0 < err < 2e-2  # bfloat16 rounding of A and W_1[:d], nothing more
-    assert float((exact.double() - want).norm() / want.norm()) < 1e-5
-    assert torch.equal(lone, batch[2:3])
-    assert 0.005 < float(lam.min()) and float(lam.max()) < 0.99  # the product matters through the gate
+        for side in ("tgt", "src"):
+            ad = blk.adapters[side]
+            for w in (ad.W_q, ad.W_k, ad.W_v, ad.W_1):
+                w.copy_(0.3 * torch.randn(w.shape, generator=g))
+            ad.W_2.copy_(0.05 * torch.randn(ad.W_2.shape, generator=g))
+            ad.b_2.fill_(0.2)
+        blk.mem_tgt.copy_(torch.randn(n, d, generator=g))
+        blk.mem_src.copy_(torch.randn(n, d, generator=g))
+        blk.scale.fill_(s)
+    a = (torch.randn(3, 1, d, generator=g) * s).to(dtype)
+    with torch.no_grad():
+        want, want_info = blk.apply(a, blk.prepare(T))
+        got, info = blk.decode(a, blk.decode_prep(T, dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = float((got.double() - want.double()).norm() / (want.double() - a.double()).norm())  # of the change
+    assert err < tol
+    for side in ("tgt", "src"):
+        assert torch.allclose(info[side][0], want_info[side][0], atol=tol)
+        assert torch.allclose(info[side][1], want_info[side][1], atol=tol)
+        assert 0.05 < float(info[side][1].min()) and float(info[side][1].max()) < 0.95  # the gate mixes both
+    assert not torch.allclose(got.float(), a.float(), atol=1e-2)
 
 
 @pytest.mark.equations
