@@ -51,6 +51,7 @@ from torch import nn
 from plugins.base import FitResult
 from plugins.network import (
     Attachment,
+    derived,
     NetworkConfig,
     NetworkPlugin,
     first_tensor,
@@ -122,9 +123,13 @@ class Adapter(NetworkPlugin):
     def _hook(self, l: int, att: Attachment):
         ad = self.adapters[l]
         scale = self._scale_of(att)
+        out = self._folded_out(l, scale) if att.batch_rows is not None else None  # decoding
 
         def fn(x, h):
-            delta = ad(x.float()) * (self.out_scale[l] * scale)
+            if out is None:
+                delta = ad(x.float()) * (self.out_scale[l] * scale)
+            else:  # the same with σ·s_l folded into W_D and b_D
+                delta = F.linear(F.relu(ad.W_E(ad.ln(x.float()))), *out)
             return h + delta.to(h.dtype)
 
         def hook(mod, args, output):
@@ -133,6 +138,12 @@ class Adapter(NetworkPlugin):
             h = first_tensor(output)
             return replace_first(output, rows_apply(h, h, att.rows, fn))
         return hook
+
+    def _folded_out(self, l: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's W_D and b_D times σ·s_l, for decoding: (ReLU(…)·W_D + b_D) ⊙ σ·s_l in one product."""
+        W_D, s = self.adapters[l].W_D, self.out_scale
+        return derived(self, ("out", l, scale), (W_D.weight, W_D.bias, s),
+                       lambda: (W_D.weight * (s[l] * scale)[:, None], W_D.bias * (s[l] * scale)))
 
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         def prepare(train):

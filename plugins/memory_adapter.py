@@ -117,7 +117,8 @@ from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, MixOutput
 from plugins.knn import KNN, KNNConfig
-from plugins.network import Attachment, NetworkConfig, NetworkPlugin, first_tensor, replace_first, rows_apply
+from plugins.network import (Attachment, NetworkConfig, NetworkPlugin, derived, first_tensor, replace_first,
+                              rows_apply)
 from plugins.registry import register
 from plugins.settings import Preset, Setting, setting
 from plugins.seqtrain import SeqData
@@ -399,7 +400,6 @@ class MemoryAdapterPlugin(NetworkPlugin):
         self.phrases: list[dict] = []
         self.phrase_stats: dict = {}
         self._knn = None
-        self._prep_cache: dict[float, dict] = {}  # decode-time memory products per temperature
         self._drop_rng: torch.Generator | None = None  # memory dropout while training
         self._own: tuple[dict, dict] | None = None  # while training: what ``_exclusion`` masks (see there)
 
@@ -458,7 +458,6 @@ class MemoryAdapterPlugin(NetworkPlugin):
             for i in idx:
                 self.phrases.append({**pairs[i].to_dict(), "layer": layer})
         self._build_blocks({l: len(idx) for l, idx in alloc.items()})
-        self._prep_cache = {}
         t0 = time.time()
         self._capture(memory.prompt, lambda f, m: progress(0.8 + 0.2 * f, m), should_stop)
         stats["seconds_capture"] = round(time.time() - t0, 2)
@@ -532,19 +531,9 @@ class MemoryAdapterPlugin(NetworkPlugin):
         gradients), once per temperature (and weights) for decoding."""
         if not cached:
             return self._prepare_all(temperature)
-        if temperature not in self._prep_cache:
-            with torch.no_grad():
-                self._prep_cache[temperature] = {l: self.blocks[str(l)].decode_prep(temperature, self.backbone.dtype)
-                                                 for l in self.adapted_layers}
-        return self._prep_cache[temperature]
-
-    def load_state_dict(self, *args, **kw):
-        self._prep_cache = {}
-        return super().load_state_dict(*args, **kw)
-
-    def _apply(self, fn, *args, **kw):  # .to(), .float(), ...: cached products would be stale
-        self._prep_cache = {}
-        return super()._apply(fn, *args, **kw)
+        dtype = self.backbone.dtype
+        return derived(self, ("decode_prep", temperature, dtype), (*self.blocks.parameters(), *self.blocks.buffers()),
+                       lambda: {l: self.blocks[str(l)].decode_prep(temperature, dtype) for l in self.adapted_layers})
 
     def _prepare_all(self, temperature: float) -> dict:
         return {l: self.blocks[str(l)].prepare(temperature) for l in self.adapted_layers}
@@ -595,7 +584,6 @@ class MemoryAdapterPlugin(NetworkPlugin):
 
         def prepare(train) -> dict:
             self._drop_rng = torch.Generator().manual_seed(cfg.seed)
-            self._prep_cache = {}
             self._own = self._own_sentence_tables(memory)
             return {"temperature": cfg.temperature, "alpha": cfg.alpha, "beta": cfg.beta,
                     "memory_dropout": cfg.memory_dropout, "allocation": cfg.allocation,
@@ -610,7 +598,6 @@ class MemoryAdapterPlugin(NetworkPlugin):
             result = self.fit_sequences(memory, progress, should_stop, prepare)
         finally:
             self._own = None
-        self._prep_cache = {}
         initial = next((h["heldout_loss"] for h in result.history if "heldout_loss" in h), None)
         extra = {"phrase_memory": self.phrase_stats, "memory_items": len(self.phrases),
                  "adapted_layers": self.adapted_layers, "initial_heldout_nll": initial,

@@ -80,6 +80,7 @@ from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.network import (
     Attachment,
+    derived,
     NetworkConfig,
     NetworkPlugin,
     first_tensor,
@@ -164,16 +165,11 @@ class SlotMemory(nn.Module):
         return a @ vo, a
 
     def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ver = tuple(p._version for p in (self.M, self.W_query.weight, self.W_key.weight, self.W_value.weight,
-                                         self.W_o.weight)) + (self.M.device, self.M.data_ptr())
-        cache = getattr(self, "_fold_cache", None)
-        if cache is None or cache[0] != ver:
-            with torch.no_grad():
-                qk = (self.W_query.weight.T @ self.W_key(self.M).T).contiguous()   # (d, k)
-                vo = self.W_o(self.W_value(self.M)).contiguous()                    # (k, d)
-            cache = (ver, qk, vo)
-            self._fold_cache = cache
-        return cache[1], cache[2]
+        def build():
+            return ((self.W_query.weight.T @ self.W_key(self.M).T).contiguous(),   # (d, k)
+                    self.W_o(self.W_value(self.M)).contiguous())                   # (k, d)
+        return derived(self, "folded", (self.M, self.W_query.weight, self.W_key.weight, self.W_value.weight,
+                                        self.W_o.weight), build)
 
 
 # --- MT-M: the prefix inside the backbone's own attention -----------------------------------------------------------
@@ -285,17 +281,12 @@ class MemoryTuning(NetworkPlugin):
         if torch.is_grad_enabled():
             pk, pv = self.prefix_k[l] * self.key_rms[l], self.prefix_v[l] * self.value_rms[l]
             return (pk, pv) if dtype is None else (pk.to(dtype), pv.to(dtype))
-        tensors = (self.prefix_k, self.prefix_v, self.key_rms, self.value_rms)
-        version = tuple((t._version, t.data_ptr(), t.device, t.dtype) for t in tensors)
-        caches = self.__dict__.setdefault("_prefix_cache", {})  # dtype → (version, P_k of every layer, P_v)
-        cache = caches.get(dtype)
-        if cache is None or cache[0] != version:
-            with torch.no_grad():
-                pk, pv = self.prefix_k * self.key_rms, self.prefix_v * self.value_rms
-                if dtype is not None:
-                    pk, pv = pk.to(dtype), pv.to(dtype)
-            cache = caches[dtype] = (version, pk, pv)
-        return cache[1][l], cache[2][l]
+
+        def build():
+            pk, pv = self.prefix_k * self.key_rms, self.prefix_v * self.value_rms
+            return (pk, pv) if dtype is None else (pk.to(dtype), pv.to(dtype))
+        pk, pv = derived(self, ("prefix", dtype), (self.prefix_k, self.prefix_v, self.key_rms, self.value_rms), build)
+        return pk[l], pv[l]
 
     # --- hooks --------------------------------------------------------------------------------------------
     def _register_hooks(self, att: Attachment) -> list:
@@ -321,13 +312,19 @@ class MemoryTuning(NetworkPlugin):
     def _ffn_hook(self, l: int, att: Attachment, trace: bool, shared: dict):
         mem = self.ffn_mem[l]
         scale = self._scale_of(att)
+        folded = self._ffn_folded(l, scale) if att.batch_rows is not None else None  # decoding
 
         def fn(h, _h):
-            s = self.ffn_scale[l]
-            delta, a = mem.read(h.float() / s)         # queried with the FFN's output H (⊘ s_l) ...
+            if folded is None:
+                s = self.ffn_scale[l]
+                delta, a = mem.read(h.float() / s)         # queried with the FFN's output H (⊘ s_l) ...
+                delta = delta * (s * scale)
+            else:  # the same, with s_l and σ folded into the read's two products
+                a = torch.softmax(h.float() @ folded[0], dim=-1)
+                delta = a @ folded[1]
             if trace:
                 self._trace_weights(att, l, "ffn", a[:, -1], shared.pop("lambda", None))
-            return h + (delta * (s * scale)).to(h.dtype)  # ... and added to it
+            return h + delta.to(h.dtype)  # ... and added to it
 
         def hook(mod, args, output):
             if scale == 0.0:
@@ -335,6 +332,14 @@ class MemoryTuning(NetworkPlugin):
             h = first_tensor(output)
             return replace_first(output, rows_apply(h, h, att.rows, fn))
         return hook
+
+    def _ffn_folded(self, l: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's slot read for decoding with the query divisor s_l and the output factor s_l·σ folded in:
+        softmax((H ⊘ s_l)·QK)·VO ⊙ (s_l·σ) = softmax(H·(QK ⊘ s_l))·(VO ⊙ s_l·σ), QK and VO ``SlotMemory._folded``'s."""
+        qk, vo = self.ffn_mem[l]._folded()
+        s = self.ffn_scale
+        return derived(self, ("ffn", l, scale), (qk, vo, s),
+                       lambda: ((qk / s[l][:, None]).contiguous(), (vo * (s[l] * scale)).contiguous()))
 
     def _prefix_hooks(self, l: int, att: Attachment, trace: bool, shared: dict):
         """MT-M on layer l's self-attention (module docstring): the pre-hook and the forward hook."""

@@ -67,6 +67,24 @@ class NetworkConfig(PluginConfig):
         self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
 
 
+def derived(owner, key, sources, build: Callable[[], object]):
+    """What ``build()`` derives from the tensors ``sources`` (a plug-in's weights: folded products, packed copies,
+    a dtype's copy), computed once under ``no_grad`` and kept on ``owner`` under ``key`` until a source changes —
+    another tensor, an in-place update (its version counter: an optimiser step, ``load_state_dict``), new storage
+    (``.to()``) —, so that a decode step reads constants instead of recomputing them at every layer. The entry holds
+    its sources, so no freed tensor's address can pass for one of them."""
+    sources = tuple(sources)
+    # (an inference tensor — made under ``inference_mode`` — has no version counter, and cannot be changed in place
+    # outside that mode)
+    stamp = tuple((-1 if t.is_inference() else t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
+    cache = owner.__dict__.setdefault("_derived", {})
+    hit = cache.get(key)
+    if hit is None or hit[1] != stamp or any(a is not b for a, b in zip(hit[0], sources)) or len(hit[0]) != len(sources):
+        with torch.no_grad():
+            hit = cache[key] = (sources, stamp, build())
+    return hit[2]
+
+
 def first_tensor(output):
     """The hidden state of a module output (a tensor, or a tuple/list whose first element is the hidden state)."""
     return output[0] if isinstance(output, (tuple, list)) else output

@@ -678,7 +678,6 @@ def test_memory_adapter_objective_nll_alpha_beta_symmetric_kl_by_hand(tiny, tiny
                 ad.W_v.copy_(10 * torch.randn(ad.W_v.shape, generator=g))
                 ad.W_2.copy_(torch.randn(ad.W_2.shape, generator=g) / 8)
                 ad.b_2.fill_(0.0)
-    p._prep_cache = {}
     L = len(p.adapted_layers)
     data = memory_sequences(tiny, tiny_memory, "train")
     B = min(4, len(data))

@@ -318,3 +318,35 @@ def test_attachment_rows_read_as_positions_inside_a_sub_batch():
     with sub_batch(torch.tensor([0, 4, 6])):
         assert lora.rows.tolist() == [1]
     assert lora.rows.tolist() == [1, 4]  # outside: the full batch's rows again
+
+
+def test_derived_tensors_are_rebuilt_exactly_when_a_source_changes():
+    """``derived`` keeps what it built from a plug-in's weights until one of them changes: in place (an optimiser
+    step, ``load_state_dict``), by new storage (``.to()``), or by being another tensor; otherwise the same object."""
+    from plugins.network import derived
+
+    class Owner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+    owner, builds = Owner(), []
+
+    def get():
+        return derived(owner, "twice", (owner.w,), lambda: builds.append(1) or owner.w * 2)
+
+    first = get()
+    assert get() is first and len(builds) == 1
+    with torch.no_grad():
+        owner.w.add_(1.0)
+    assert torch.equal(get(), torch.full((3,), 4.0)) and len(builds) == 2
+    owner.load_state_dict({"w": torch.zeros(3)})
+    assert torch.equal(get(), torch.zeros(3)) and len(builds) == 3
+    owner.to(torch.float64)
+    assert get().dtype == torch.float64 and len(builds) == 4
+    owner.w = torch.nn.Parameter(torch.full((3,), 5.0, dtype=torch.float64))
+    assert torch.equal(get(), torch.full((3,), 10.0, dtype=torch.float64)) and len(builds) == 5
+    assert derived(owner, "other", (owner.w,), lambda: 7) == 7  # keys are independent
+    with torch.inference_mode():
+        frozen = owner.w.detach() * 1  # an inference tensor: no version counter
+    assert derived(owner, "frozen", (frozen,), lambda: 1) == 1 == derived(owner, "frozen", (frozen,), lambda: 2)
