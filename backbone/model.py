@@ -401,19 +401,93 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     q = query.reshape(B, Hkv, H // Hkv, D)  # head h reads KV head h // (H / Hkv): as repeat_kv lays them out
     scale = scaling if scaling is not None else D ** -0.5
     L = key.shape[2]
+    # Keys and values from a ``GrowingKVLayer`` are the first L positions of a block-sized buffer: the products run
+    # over the whole (contiguous) buffer, its unused positions masked (−inf scores, zero values) — a strided view
+    # would send torch's bmm down a copying path (7 rows: 219 instead of 47 µs).
+    key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
+    C = key.shape[2]
     # as a 3-D bmm: the same products and bits as the 4-D matmul, which first copied the transposed keys (one row:
     # 22 instead of 50 µs a layer; BENCHMARKS §3, twelfth session)
-    scores = torch.bmm(q.reshape(B * Hkv, H // Hkv, D), key.reshape(B * Hkv, L, D).transpose(1, 2))
-    scores = scores.view(B, Hkv, H // Hkv, L) * scale  # (B, Hkv, H/Hkv, L)
+    scores = torch.bmm(q.reshape(B * Hkv, H // Hkv, D), key.reshape(B * Hkv, C, D).transpose(1, 2))
+    scores = scores.view(B, Hkv, H // Hkv, C) * scale  # (B, Hkv, H/Hkv, C)
+    if C > L:
+        scores[..., L:] = float("-inf")
     if attention_mask is not None:
-        m = attention_mask[:, :, :, : key.shape[-2]]
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
+        m = attention_mask[:, :, :, :L]
+        if m.dtype == torch.bool:
+            scores[..., :L].masked_fill_(~m, float("-inf"))
+        else:
+            scores[..., :L] += m
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs, value)  # (B, Hkv, H/Hkv, D)
     extra = getattr(module, "pema_row_keys", None)
     if extra is not None and extra.live():
         out = extra.attend(out, q, scores, value, scale)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+KV_BLOCK = 64  # a growing KV cache's buffers hold a multiple of this many positions
+GROWING_KV = {"on": True}  # benchmarks and tests switch it off to compare with transformers' concatenating cache
+
+
+class GrowingKVLayer:
+    """A transformers cache layer (``DynamicLayer``, ``DynamicSlidingWindowLayer`` below its window) that appends a
+    decode step's keys and values into buffers of ``KV_BLOCK``-rounded capacity instead of concatenating: the
+    dynamic cache copied every row's keys and values at every layer and step (7 rows: ~2 ms a step, BENCHMARKS §3,
+    twelfth session). ``keys``/``values`` stay exactly the cached positions (views of the buffers, each view
+    carrying its buffer as ``pema_buffer`` for :func:`cpu_decode_attention`), so every other use of the cache —
+    ``batch_select_indices``, ``crop``, ``reorder_cache``, the prefix cache's deep copies — sees what it saw before;
+    any of them that replaces the tensors makes the next append copy them into a new buffer.
+
+    A buffer's capacity depends only on the length (``KV_BLOCK`` rounding), so a row's attention runs over the same
+    shapes however its cache came to be — in a batch, alone, resumed from a slider move. An append writes in place
+    only into the buffer its own ``keys`` view came from and only at that buffer's fill mark: a copy of the cache
+    that shares a buffer (a shallow copy; a deep copy whose memo keeps the tensors) and appends second gets a buffer
+    of its own."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        window = getattr(self, "sliding_window", None)
+        if (not GROWING_KV["on"] or not self.is_initialized or self.keys is None or self.keys.dim() != 4
+                or (window is not None and self.cumulative_length + n >= window)):
+            return super().update(key_states, value_states, *args, **kwargs)
+        L = self.keys.shape[-2]
+        kb, vb = getattr(self.keys, "pema_buffer", None), getattr(self.values, "pema_buffer", None)
+        if (kb is None or vb is None or getattr(kb, "pema_fill", -1) != L or getattr(vb, "pema_fill", -1) != L
+                or kb.shape[-2] < L + n or kb.dtype != key_states.dtype):
+            cap = -(-(L + n) // KV_BLOCK) * KV_BLOCK
+            kb = self.keys.new_zeros(*self.keys.shape[:2], cap, self.keys.shape[-1])
+            vb = self.values.new_zeros(*self.values.shape[:2], cap, self.values.shape[-1])
+            kb[:, :, :L] = self.keys
+            vb[:, :, :L] = self.values
+        kb[:, :, L:L + n] = key_states
+        vb[:, :, L:L + n] = value_states
+        kb.pema_fill = vb.pema_fill = L + n
+        self.keys, self.values = kb[:, :, :L + n], vb[:, :, :L + n]
+        self.keys.pema_buffer, self.values.pema_buffer = kb, vb
+        if window is not None:
+            self.cumulative_length += n
+        return self.keys, self.values
+
+
+def grow_kv_cache(cache) -> None:
+    """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
+    cache after its prefill); layers of other kinds are left as they are."""
+    try:
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:  # pragma: no cover — an older transformers: keep its cache
+        return
+    layers = getattr(cache, "layers", None)
+    for i, layer in enumerate(layers or ()):
+        kind = type(layer)
+        if kind in (DynamicLayer, DynamicSlidingWindowLayer):
+            grown = object.__new__(_GROWING.setdefault(kind, type(f"Growing{kind.__name__}", (GrowingKVLayer, kind),
+                                                                  {})))
+            grown.__dict__.update(layer.__dict__)  # the same state (a class swap is refused: managed dicts)
+            layers[i] = grown
+
+
+_GROWING: dict = {}
 
 
 class RowKeys:

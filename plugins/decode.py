@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from backbone.model import Backbone, small_work_threads, vocab_wide_threads
+from backbone.model import Backbone, grow_kv_cache, small_work_threads, vocab_wide_threads
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
 from plugins.settings import comparison_settings, split_comparison
@@ -578,6 +578,7 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
     cache = out.past_key_values
     src_rows = torch.tensor([batch.prefill_row(b) for b in range(batch.N)], device=dev)
     cache.batch_select_indices(src_rows)
+    grow_kv_cache(cache)
     return fc[src_rows, -1], cache, mask[src_rows], attached
 
 
@@ -1029,6 +1030,7 @@ def _rows_cache(cache, rows: list[int], remove: int):
         raise ValueError("the cache is shorter than the step")
     if remove:
         out.crop(-remove)
+    grow_kv_cache(out)
     return out
 
 

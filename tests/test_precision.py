@@ -565,3 +565,47 @@ def test_fused_norms_replace_only_norms_they_reproduce_bit_for_bit(tiny, dtype):
     norm(x).sum().backward()
     assert x.grad is not None and torch.equal(norm(x.detach()), norm._original[0](x.detach()))
 
+
+
+def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(monkeypatch):
+    """After the prefill a decode's KV cache appends into KV_BLOCK-rounded buffers instead of concatenating: the
+    same comparison, token for token and score for score, as with transformers' own dynamic cache; a copy that
+    shares the buffers (a deep copy whose memo keeps the tensors, as a slider move's) appends into a buffer of its
+    own, leaving the original's positions as they were."""
+    import copy
+
+    from backbone.model import GROWING_KV, KV_BLOCK, grow_kv_cache
+
+    bb = tiny_in("bfloat16")
+    rows = [Row("base"), Row("again")]
+    on = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=6, trace=False)
+    monkeypatch.setitem(GROWING_KV, "on", False)
+    off = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=6, trace=False)
+    monkeypatch.setitem(GROWING_KV, "on", True)
+    assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
+    assert [r.score for r in on.rows] == [r.score for r in off.rows]
+
+    ids = torch.tensor([bb.encode_context("a small house")])
+    with torch.no_grad():
+        cache = bb.decoder(input_ids=ids, use_cache=True).past_key_values
+    grow_kv_cache(cache)
+    layer = cache.layers[0]
+    L = layer.keys.shape[-2]
+    new_k = torch.randn(1, layer.keys.shape[1], 1, layer.keys.shape[-1], dtype=layer.keys.dtype)
+    keys, _ = layer.update(new_k, new_k.clone())
+    buffer = keys.pema_buffer
+    assert buffer.shape[-2] % KV_BLOCK == 0 and buffer.shape[-2] >= L + 1
+    assert keys.shape[-2] == L + 1 and torch.equal(keys[:, :, -1:], new_k)
+    keys2, _ = layer.update(new_k + 1, new_k + 1)
+    assert keys2.pema_buffer is buffer  # in place while the block lasts
+    shared = {id(t): t for t in (layer.keys, layer.values)}
+    twin = copy.deepcopy(cache, shared).layers[0]
+    assert twin.keys is layer.keys
+    mine, _ = layer.update(new_k + 2, new_k + 2)
+    theirs, _ = twin.update(new_k + 3, new_k + 3)
+    assert theirs.pema_buffer is not buffer and mine.pema_buffer is buffer
+    assert torch.equal(mine[:, :, -1:], new_k + 2) and torch.equal(theirs[:, :, -1:], new_k + 3)
+    assert torch.equal(mine[:, :, :-1], theirs[:, :, :-1])
+    cache.batch_select_indices(torch.tensor([0, 0]))  # replaced tensors: the next append copies them first
+    again, _ = cache.layers[0].update(torch.cat([new_k, new_k]), torch.cat([new_k, new_k]))
+    assert again.pema_buffer is not buffer and again.shape[0] == 2 and torch.equal(again[1, :, :-1], mine[0])
