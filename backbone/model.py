@@ -426,7 +426,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
 
 
-KV_BLOCK = 64  # a growing KV cache's buffers hold a multiple of this many positions
+KV_BLOCK = 32  # a growing KV cache's buffers hold a multiple of this many positions
 GROWING_KV = {"on": True}  # benchmarks and tests switch it off to compare with transformers' concatenating cache
 
 
@@ -470,9 +470,12 @@ class GrowingKVLayer:
         return self.keys, self.values
 
 
-def grow_kv_cache(cache) -> None:
+def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
-    cache after its prefill); layers of other kinds are left as they are."""
+    cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` (the attention that reads the
+    buffers; others would get strided views); layers of other kinds are left as they are."""
+    if getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION:
+        return
     try:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
     except ImportError:  # pragma: no cover — an older transformers: keep its cache

@@ -578,7 +578,7 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
     cache = out.past_key_values
     src_rows = torch.tensor([batch.prefill_row(b) for b in range(batch.N)], device=dev)
     cache.batch_select_indices(src_rows)
-    grow_kv_cache(cache)
+    grow_kv_cache(cache, backbone.model)
     return fc[src_rows, -1], cache, mask[src_rows], attached
 
 
@@ -1030,8 +1030,7 @@ def _rows_cache(cache, rows: list[int], remove: int):
         raise ValueError("the cache is shorter than the step")
     if remove:
         out.crop(-remove)
-    grow_kv_cache(out)
-    return out
+    return out  # a growing cache's copy grows too (its layers are copies of the same kind)
 
 
 class LiveMove:

@@ -588,8 +588,9 @@ def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(
     ids = torch.tensor([bb.encode_context("a small house")])
     with torch.no_grad():
         cache = bb.decoder(input_ids=ids, use_cache=True).past_key_values
-    grow_kv_cache(cache)
+    grow_kv_cache(cache, bb.model)
     layer = cache.layers[0]
+    assert type(layer).__name__.startswith("Growing")
     L = layer.keys.shape[-2]
     new_k = torch.randn(1, layer.keys.shape[1], 1, layer.keys.shape[-1], dtype=layer.keys.dtype)
     keys, _ = layer.update(new_k, new_k.clone())
@@ -609,3 +610,8 @@ def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(
     cache.batch_select_indices(torch.tensor([0, 0]))  # replaced tensors: the next append copies them first
     again, _ = cache.layers[0].update(torch.cat([new_k, new_k]), torch.cat([new_k, new_k]))
     assert again.pema_buffer is not buffer and again.shape[0] == 2 and torch.equal(again[1, :, :-1], mine[0])
+    f32 = tiny_in("float32")  # its attention (SDPA) would get strided views: its cache is left as it is
+    with torch.no_grad():
+        plain = f32.decoder(input_ids=ids, use_cache=True).past_key_values
+    grow_kv_cache(plain, f32.model)
+    assert not type(plain.layers[0]).__name__.startswith("Growing")
