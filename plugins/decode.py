@@ -423,6 +423,13 @@ class OutGroup:
     src_lens: list[int]       # per batch row
     ref_lens: list[int | None] | None = None  # per batch row, when the request gave reference lengths
 
+    @property
+    def row_index(self) -> slice | torch.Tensor:
+        """``rows`` as a slice where they are consecutive (the usual layout): a step then reads the rows' P_LM as a
+        view and writes their mixture with one copy, instead of an indexed copy of vocabulary-wide rows each way."""
+        r = self.rows.tolist()
+        return slice(r[0], r[-1] + 1) if r and r == list(range(r[0], r[-1] + 1)) else self.rows
+
 
 @dataclass
 class Batch:
@@ -640,7 +647,7 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
         info: list[dict] = [{} for _ in range(N)]
         off = N
         for (grp, e), full in zip(extra, full_vocab):
-            rr = grp.rows
+            rr, at = grp.rows, grp.row_index
             ex_logits = None
             if full:
                 ex_logits = logits[off:off + len(rr)]
@@ -648,9 +655,9 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
             elif e is not None:
                 ex_logits = backbone.head_logits_subset(backbone.final_norm(e.to(backbone.dtype)),
                                                         grp.plugin.head_vocab())
-            mo = grp.plugin.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[rr], extra_logits=ex_logits, step=step,
+            mo = grp.plugin.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[at], extra_logits=ex_logits, step=step,
                                          src_len=grp.src_lens, settings=grp.settings, ref_len=grp.ref_lens))
-            final[rr] = mo.logprobs
+            final[at] = mo.logprobs
             if attached is not None:
                 _mix_trace(backbone, info, rr.tolist(), mo)
             if keep_plugin and grp.plugin.interpolates and mo.plugin_logprobs is not None:

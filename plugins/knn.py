@@ -390,21 +390,26 @@ class KNN(Plugin):
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(inp.settings):
             groups.setdefault(self.distribution_key(s), []).append(i)
-        plp = torch.empty(n, inp.lm_logprobs.shape[1], device=inp.lm_logprobs.device)
+        one = len(groups) == 1  # the usual case: the rows' own tensors, no vocabulary-wide copy into a shared one
+        plp = None if one else torch.empty(n, inp.lm_logprobs.shape[1], device=inp.lm_logprobs.device)
         width = max(k for k, _ in groups)
-        support = torch.zeros(n, width, dtype=torch.long, device=plp.device)
+        support = None if one else torch.zeros(n, width, dtype=torch.long, device=plp.device)
         extras: list[dict] = [{} for _ in range(n)]
         for (k, T), rows in groups.items():
             lp, vals, dist, idx = self.knn_support(inp.fc[rows], k, T)
-            plp[rows] = lp
-            # rows of a smaller k repeat their first token up to the widest k (a column mixed twice is the same)
-            support[rows] = torch.cat([vals, vals[:, :1].expand(-1, width - vals.shape[1])], 1).to(plp.device)
-            for j, r in enumerate(rows):
-                m = self.config.max_neighbours_traced
+            if one:
+                plp, support = lp, vals.to(lp.device)
+            else:
+                plp[rows] = lp
+                # rows of a smaller k repeat their first token up to the widest k (a column mixed twice is the same)
+                support[rows] = torch.cat([vals, vals[:, :1].expand(-1, width - vals.shape[1])], 1).to(plp.device)
+            m = self.config.max_neighbours_traced
+            near_d, near_e, near_t = dist[:, :m].tolist(), idx[:, :m].tolist(), vals[:, :m].tolist()
+            for j, r in enumerate(rows):  # the neighbours' tokens are ``vals`` (the values of entries idx)
                 extras[r] = {"neighbours": [
-                    {"token": int(self.values[int(e)]), "distance": round(float(d), 3), "entry": int(e),
-                     "sample": int(self.entry_sample[int(e)])}
-                    for d, e in zip(dist[j, :m].tolist(), idx[j, :m].tolist()) if e >= 0]}
+                    {"token": int(t), "distance": round(float(d), 3), "entry": int(e),
+                     "sample": int(self.entry_sample[e])}
+                    for d, e, t in zip(near_d[j], near_e[j], near_t[j]) if e >= 0]}
         return plp, support, extras
 
     def mix_lambdas(self, inp: MixInput) -> list[float]:

@@ -153,3 +153,15 @@ def test_top_k_equals_a_stable_full_sort_on_vocabulary_sized_rows():
         assert torch.equal(v, ref_v[:, :k]) and torch.equal(i, ref_i[:, :k]), trial
         v1, i1 = top_k(x[0], k)
         assert torch.equal(v1, ref_v[0, :k]) and torch.equal(i1, ref_i[0, :k])
+
+
+def test_output_group_rows_read_as_a_slice_when_consecutive():
+    """A step reads an output-level group's P_LM rows as a view when they are consecutive (no indexed copy of
+    vocabulary-wide rows), as an index otherwise."""
+    import torch
+
+    from plugins.decode import OutGroup
+
+    assert OutGroup(None, torch.tensor([2, 3, 4]), [], []).row_index == slice(2, 5)
+    scattered = OutGroup(None, torch.tensor([1, 3]), [], []).row_index
+    assert isinstance(scattered, torch.Tensor) and scattered.tolist() == [1, 3]
