@@ -523,8 +523,7 @@ class RowKeys:
             self.probs = probs
         vv = torch.cat([self.values.to(value.dtype).unsqueeze(0).expand(n, -1, -1, -1), value.index_select(0, r)],
                        dim=2)
-        out = out.clone()
-        out[r] = torch.matmul(probs.to(value.dtype), vv)
+        out[r] = torch.matmul(probs.to(value.dtype), vv)  # ``out``: the attention's own fresh product
         self.done = True
         return out
 

@@ -112,13 +112,15 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
     """Return ``h`` with batch rows ``rows`` replaced by ``fn(x[rows], h[rows])`` (all rows when ``rows`` is None).
 
     Shapes are (batch, tokens, features) for any number of tokens. Rows not selected are returned bit-identical.
+    Without gradients (decoding) the rows are written into ``h`` itself — a module's fresh output that the hook
+    replaces anyway — instead of into a copy of the whole batch.
     """
     if rows is None:
         return fn(x, h).to(h.dtype)
     if rows.numel() == 0:
         return h
     rows = rows.to(h.device)
-    new = h.clone()
+    new = h if not torch.is_grad_enabled() and not h.requires_grad else h.clone()
     sub_h = h.index_select(0, rows)
     new[rows] = fn(sub_h if x is h else x.index_select(0, rows), sub_h).to(h.dtype)
     return new
