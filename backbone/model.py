@@ -656,8 +656,13 @@ class Backbone:
 
     @property
     def decoder(self) -> nn.Module:
-        """The transformer without the LM head (``model.model`` for Llama/Gemma-style models)."""
-        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        """The transformer without the LM head (``model.model`` for Llama/Gemma-style models). Looked up once per
+        model: transformers' ``get_decoder`` searches attribute names, and a decode step asks several times."""
+        found = self.__dict__.get("_decoder_of")
+        if found is None or found[0] is not self.model:
+            dec = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+            found = self.__dict__["_decoder_of"] = (self.model, dec)
+        return found[1]
 
     @property
     def layers(self) -> nn.ModuleList:

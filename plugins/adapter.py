@@ -115,15 +115,14 @@ class Adapter(NetworkPlugin):
         self.register_buffer("out_scale", torch.ones(L, d))  # s_l: per-feature RMS of block l's output
 
     def _register_hooks(self, att: Attachment) -> list:
-        handles = []
-        for l, layer in enumerate(self.backbone.layers):
-            handles.append(layer.register_forward_hook(self._hook(l, att)))
-        return handles
+        folded = self._folded_out(self._scale_of(att)) if att.batch_rows is not None else None  # decoding
+        return [layer.register_forward_hook(self._hook(l, att, None if folded is None else folded[l]))
+                for l, layer in enumerate(self.backbone.layers)]
 
-    def _hook(self, l: int, att: Attachment):
+    def _hook(self, l: int, att: Attachment, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``out``: layer l's W_D, b_D with σ·s_l folded in when decoding (``_folded_out``; None: as trained)."""
         ad = self.adapters[l]
         scale = self._scale_of(att)
-        out = self._folded_out(l, scale) if att.batch_rows is not None else None  # decoding
 
         def fn(x, h):
             if out is None:
@@ -139,11 +138,14 @@ class Adapter(NetworkPlugin):
             return replace_first(output, rows_apply(h, h, att.rows, fn))
         return hook
 
-    def _folded_out(self, l: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer l's W_D and b_D times σ·s_l, for decoding: (ReLU(…)·W_D + b_D) ⊙ σ·s_l in one product."""
-        W_D, s = self.adapters[l].W_D, self.out_scale
-        return derived(self, ("out", l, scale), (W_D.weight, W_D.bias, s),
-                       lambda: (W_D.weight * (s[l] * scale)[:, None], W_D.bias * (s[l] * scale)))
+    def _folded_out(self, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's W_D and b_D times σ·s_l, for decoding: (ReLU(…)·W_D + b_D) ⊙ σ·s_l in one product (one
+        cache check for all layers: a decode step attaches the hooks anew)."""
+        s = self.out_scale
+        sources = [s, *(t for ad in self.adapters for t in (ad.W_D.weight, ad.W_D.bias))]
+        return derived(self, ("out", scale), sources,
+                       lambda: [(ad.W_D.weight * (s[l] * scale)[:, None], ad.W_D.bias * (s[l] * scale))
+                                for l, ad in enumerate(self.adapters)])
 
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         def prepare(train):

@@ -494,14 +494,16 @@ class MemoryAdapterPlugin(NetworkPlugin):
         keep = att.state.get("keep")
         exclude = att.state.get("exclude") or {}  # layer → (B, n) items hidden from each row (training)
         recording: dict = {}  # layer → the newest position's memory attention, for the trace
-        return [self.backbone.layers[l].self_attn.register_forward_hook(
-                    self._hook(att, l, preps[l], None if keep is None else keep[:, i], recording, exclude.get(l)))
-                for i, l in enumerate(self.adapted_layers)]
+        layers, adapted = self.backbone.layers, self.adapted_layers
+        return [layers[l].self_attn.register_forward_hook(
+                    self._hook(att, l, preps[l], None if keep is None else keep[:, i], recording, exclude.get(l),
+                               adapted))
+                for i, l in enumerate(adapted)]
 
     def _hook(self, att: Attachment, l: int, prep: dict, keep: torch.Tensor | None, recording: dict,
-              exclude: torch.Tensor | None = None):
+              exclude: torch.Tensor | None = None, layers: list[int] | None = None):
         blk = self.blocks[str(l)]
-        layers = self.adapted_layers
+        layers = self.adapted_layers if layers is None else layers
         info: dict = {}
         decoding = att.batch_rows is not None  # ``prep`` is then ``_preps(cached=True)``'s: decode_prep's folded products
 
@@ -532,8 +534,16 @@ class MemoryAdapterPlugin(NetworkPlugin):
         if not cached:
             return self._prepare_all(temperature)
         dtype = self.backbone.dtype
-        return derived(self, ("decode_prep", temperature, dtype), (*self.blocks.parameters(), *self.blocks.buffers()),
+        return derived(self, ("decode_prep", temperature, dtype), self._block_tensors(),
                        lambda: {l: self.blocks[str(l)].decode_prep(temperature, dtype) for l in self.adapted_layers})
+
+    def _block_tensors(self) -> tuple:
+        """Every parameter and buffer of the blocks (what the decode products derive from), listed once per blocks
+        object: walking the modules at every decode step cost more than the products' cache check."""
+        listed = self.__dict__.get("_listed")
+        if listed is None or listed[0] is not self.blocks:
+            listed = self.__dict__["_listed"] = (self.blocks, (*self.blocks.parameters(), *self.blocks.buffers()))
+        return listed[1]
 
     def _prepare_all(self, temperature: float) -> dict:
         return {l: self.blocks[str(l)].prepare(temperature) for l in self.adapted_layers}

@@ -298,6 +298,8 @@ class MemoryTuning(NetworkPlugin):
                                 f"{self.backbone.name} uses {impl!r}.")
         handles = []
         L = self.backbone.num_layers
+        ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.batch_rows is not None
+                      else None)  # decoding: the slot reads with their scales folded in, every layer at once
         for l, layer in enumerate(self.backbone.layers):
             trace = att.rows is not None and att.recording and l == L - 1
             shared: dict = {}  # MT-MF: the attention hook leaves λ for the FFN hook's trace of the same layer
@@ -306,13 +308,15 @@ class MemoryTuning(NetworkPlugin):
                 handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.append(layer.self_attn.register_forward_hook(post, with_kwargs=True))
             if self.use_ffn:
-                handles.append(layer.mlp.register_forward_hook(self._ffn_hook(l, att, trace, shared)))
+                handles.append(layer.mlp.register_forward_hook(
+                    self._ffn_hook(l, att, trace, shared, None if ffn_folded is None else ffn_folded[l])))
         return handles
 
-    def _ffn_hook(self, l: int, att: Attachment, trace: bool, shared: dict):
+    def _ffn_hook(self, l: int, att: Attachment, trace: bool, shared: dict,
+                  folded: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``folded``: layer l's entry of ``_ffn_folded`` when decoding (None: the read as trained)."""
         mem = self.ffn_mem[l]
         scale = self._scale_of(att)
-        folded = self._ffn_folded(l, scale) if att.batch_rows is not None else None  # decoding
 
         def fn(h, _h):
             if folded is None:
@@ -333,13 +337,21 @@ class MemoryTuning(NetworkPlugin):
             return replace_first(output, rows_apply(h, h, att.rows, fn))
         return hook
 
-    def _ffn_folded(self, l: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer l's slot read for decoding with the query divisor s_l and the output factor s_l·σ folded in:
-        softmax((H ⊘ s_l)·QK)·VO ⊙ (s_l·σ) = softmax(H·(QK ⊘ s_l))·(VO ⊙ s_l·σ), QK and VO ``SlotMemory._folded``'s."""
-        qk, vo = self.ffn_mem[l]._folded()
-        s = self.ffn_scale
-        return derived(self, ("ffn", l, scale), (qk, vo, s),
-                       lambda: ((qk / s[l][:, None]).contiguous(), (vo * (s[l] * scale)).contiguous()))
+    def _ffn_folded(self, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's slot read for decoding with the query divisor s_l and the output factor s_l·σ folded in:
+        softmax((H ⊘ s_l)·QK)·VO ⊙ (s_l·σ) = softmax(H·(QK ⊘ s_l))·(VO ⊙ s_l·σ), QK and VO ``SlotMemory._folded``'s
+        (one cache check for all layers: a decode step attaches the hooks anew)."""
+        mems, s = self.ffn_mem, self.ffn_scale
+        sources = [s, *(t for m in mems for t in (m.M, m.W_query.weight, m.W_key.weight, m.W_value.weight,
+                                                   m.W_o.weight))]
+
+        def build():
+            out = []
+            for l, m in enumerate(mems):
+                qk, vo = m._folded()
+                out.append(((qk / s[l][:, None]).contiguous(), (vo * (s[l] * scale)).contiguous()))
+            return out
+        return derived(self, ("ffn", scale), sources, build)
 
     def _prefix_hooks(self, l: int, att: Attachment, trace: bool, shared: dict):
         """MT-M on layer l's self-attention (module docstring): the pre-hook and the forward hook."""

@@ -13,6 +13,7 @@ with the output-level methods (PEMA, kNN) and the base row.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -74,12 +75,14 @@ def derived(owner, key, sources, build: Callable[[], object]):
     (``.to()``) —, so that a decode step reads constants instead of recomputing them at every layer. The entry holds
     its sources, so no freed tensor's address can pass for one of them."""
     sources = tuple(sources)
-    # (an inference tensor — made under ``inference_mode`` — has no version counter, and cannot be changed in place
-    # outside that mode)
-    stamp = tuple((-1 if t.is_inference() else t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
+    try:
+        versions = tuple([t._version for t in sources])
+    except RuntimeError:  # an inference tensor (made under ``inference_mode``) has no version counter, and cannot
+        versions = tuple([-1 if t.is_inference() else t._version for t in sources])  # change in place outside it
+    stamp = (versions, tuple([t.data_ptr() for t in sources]), tuple([(t.dtype, t.device) for t in sources]))
     cache = owner.__dict__.setdefault("_derived", {})
     hit = cache.get(key)
-    if hit is None or hit[1] != stamp or any(a is not b for a, b in zip(hit[0], sources)) or len(hit[0]) != len(sources):
+    if hit is None or hit[1] != stamp or len(hit[0]) != len(sources) or any(map(operator.is_not, hit[0], sources)):
         with torch.no_grad():
             hit = cache[key] = (sources, stamp, build())
     return hit[2]
