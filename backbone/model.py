@@ -514,16 +514,21 @@ class RowKeys:
         """``scores``: every row's scaled, masked scores over its own keys, as the attention computed them."""
         r = self.rows.to(out.device)
         n = r.numel()
-        qr = q.index_select(0, r)  # (n, Hkv, H/Hkv, D)
-        ctx = scores.index_select(0, r)  # the rows' scores, the very ones every row got
-        pk = self.keys.to(qr.dtype).unsqueeze(0).expand(n, -1, -1, -1)
-        pre = torch.matmul(qr, pk.transpose(2, 3)) * scale + self.log_weight
+        _, Hkv, G, D = q.shape
+        l, C = self.keys.shape[1], value.shape[2]
+        # the rows' queries, scores (the very ones every row got) and values: a lone row as a view, else copies
+        at = slice(int(r[0]), int(r[0]) + 1) if n == 1 else r
+        qr, ctx, vr = (q[at], scores[at], value[at]) if n == 1 else (t.index_select(0, r) for t in (q, scores, value))
+        pk = self.keys.to(qr.dtype)
+        # 3-D products (same bits as the 4-D broadcast matmul, which first copied the expanded operand)
+        pre = torch.bmm(qr.transpose(0, 1).reshape(Hkv, n * G, D), pk.transpose(1, 2))
+        pre = pre.view(Hkv, n, G, l).transpose(0, 1) * scale + self.log_weight  # (n, Hkv, G, l)
         probs = torch.softmax(torch.cat([pre.to(ctx.dtype), ctx], dim=-1), dim=-1, dtype=torch.float32)
         if self.keep_probs:
             self.probs = probs
-        vv = torch.cat([self.values.to(value.dtype).unsqueeze(0).expand(n, -1, -1, -1), value.index_select(0, r)],
-                       dim=2)
-        out[r] = torch.matmul(probs.to(value.dtype), vv)  # ``out``: the attention's own fresh product
+        vv = torch.cat([self.values.to(value.dtype).unsqueeze(0).expand(n, -1, -1, -1), vr], dim=2)
+        out[at] = torch.bmm(probs.to(value.dtype).reshape(n * Hkv, G, l + C),
+                            vv.reshape(n * Hkv, l + C, D)).view(n, Hkv, G, D)  # into the attention's own product
         self.done = True
         return out
 
