@@ -420,7 +420,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
             scores[..., :L] += m
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs, value)  # (B, Hkv, H/Hkv, D)
-    extra = getattr(module, "pema_row_keys", None)
+    extra = module.__dict__.get("pema_row_keys")  # set by memory-tuning's pre-hook (see RowKeys)
     if extra is not None and extra.live():
         out = extra.attend(out, q, scores, value, scale)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None

@@ -282,11 +282,15 @@ class MemoryTuning(NetworkPlugin):
             pk, pv = self.prefix_k[l] * self.key_rms[l], self.prefix_v[l] * self.value_rms[l]
             return (pk, pv) if dtype is None else (pk.to(dtype), pv.to(dtype))
 
+        pk, pv = self._all_prefixes(dtype)
+        return pk[l], pv[l]
+
+    def _all_prefixes(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's P_k, P_v (layers, kv heads, l, head dim) without gradients, in ``dtype`` when given."""
         def build():
             pk, pv = self.prefix_k * self.key_rms, self.prefix_v * self.value_rms
             return (pk, pv) if dtype is None else (pk.to(dtype), pv.to(dtype))
-        pk, pv = derived(self, ("prefix", dtype), (self.prefix_k, self.prefix_v, self.key_rms, self.value_rms), build)
-        return pk[l], pv[l]
+        return derived(self, ("prefix", dtype), (self.prefix_k, self.prefix_v, self.key_rms, self.value_rms), build)
 
     # --- hooks --------------------------------------------------------------------------------------------
     def _register_hooks(self, att: Attachment) -> list:
@@ -300,11 +304,17 @@ class MemoryTuning(NetworkPlugin):
         L = self.backbone.num_layers
         ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.batch_rows is not None
                       else None)  # decoding: the slot reads with their scales folded in, every layer at once
+        # decoding on the bfloat16 CPU decode attention: every layer's prefix in bfloat16, looked up once
+        row_keys = (self._all_prefixes(torch.bfloat16) if self.use_attn and ROW_KEYS_IN_ATTENTION["on"]
+                    and att.batch_rows is not None
+                    and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION
+                    else None)
         for l, layer in enumerate(self.backbone.layers):
             trace = att.rows is not None and att.recording and l == L - 1
             shared: dict = {}  # MT-MF: the attention hook leaves λ for the FFN hook's trace of the same layer
             if self.use_attn:
-                pre, post = self._prefix_hooks(l, att, trace, shared)
+                pre, post = self._prefix_hooks(l, att, trace, shared,
+                                               None if row_keys is None else (row_keys[0][l], row_keys[1][l]))
                 handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.append(layer.self_attn.register_forward_hook(post, with_kwargs=True))
             if self.use_ffn:
@@ -353,8 +363,10 @@ class MemoryTuning(NetworkPlugin):
             return out
         return derived(self, ("ffn", scale), sources, build)
 
-    def _prefix_hooks(self, l: int, att: Attachment, trace: bool, shared: dict):
-        """MT-M on layer l's self-attention (module docstring): the pre-hook and the forward hook."""
+    def _prefix_hooks(self, l: int, att: Attachment, trace: bool, shared: dict,
+                      bf16_prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """MT-M on layer l's self-attention (module docstring): the pre-hook and the forward hook. ``bf16_prefix``
+        (decoding on the bfloat16 CPU decode attention): the layer's P_k, P_v in bfloat16 for ``RowKeys``."""
         scale = self._scale_of(att)
         log_sigma = math.log(scale) if scale > 0 else 0.0
         n_prefix = self.config.prefix_length
@@ -370,19 +382,17 @@ class MemoryTuning(NetworkPlugin):
                                      None, log_sigma, x.dtype, x.device)
                 return args, {**kwargs, "past_key_values": PrefixKV(None, self.prefix(l)), "attention_mask": mask}
             call["kv"] = PrefixKV(past)  # a plain pass that records the keys/values; ``post`` re-runs it …
-            if (ROW_KEYS_IN_ATTENTION["on"] and att.rows is not None and x.shape[1] == 1
-                    and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                    and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION):
+            if bf16_prefix is not None and x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
                 # … unless the bfloat16 CPU decode attention reads the prefix for this method's rows itself
-                pk, pv = self.prefix(l, x.dtype)
-                call["row_keys"] = mod.pema_row_keys = RowKeys(att.rows, pk, pv, log_sigma, lambda: att.live,
-                                                              keep_probs=trace)
+                # (set in the module's __dict__: nn.Module's __setattr__ costs more than the rest of this hook)
+                call["row_keys"] = mod.__dict__["pema_row_keys"] = RowKeys(att.rows, *bf16_prefix, log_sigma,
+                                                                           lambda: att.live, keep_probs=trace)
             return args, {**kwargs, "past_key_values": call["kv"]}
 
         def post(mod, args, kwargs, output):
             kv, row_keys = call.pop("kv", None), call.pop("row_keys", None)
             if row_keys is not None:
-                mod.pema_row_keys = None
+                mod.__dict__["pema_row_keys"] = None
                 if row_keys.done:  # the attention read the prefix for these rows: nothing to re-run
                     if trace and row_keys.probs is not None:
                         got = self._trace_from_probs(row_keys.probs, n_prefix)
