@@ -419,14 +419,25 @@ def _decode_seconds(bb, rows, prompt, source, tokens) -> float:
     return max((t2 - t1) - (t1 - t0), 1e-6) / (tokens - 1)
 
 
-def _interleaved(configs: dict, run, reps: int) -> dict:
+def _interleaved(configs: dict, run, reps: int, per_turn: dict | None = None) -> dict:
     """Median seconds of ``run(config)`` per config, the configs taking turns ``reps`` times: on a shared machine
-    the load drifts, and turns spread the drift over every config alike."""
+    the load drifts, and turns spread the drift over every config alike. ``per_turn`` (a dict) receives every
+    config's time in each turn."""
     times: dict[str, list[float]] = {k: [] for k in configs}
     for _ in range(reps):
         for k, c in configs.items():
             times[k].append(run(c))
+    if per_turn is not None:
+        per_turn.update(times)
     return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def paired_ratios(per_turn: dict, base: str) -> dict:
+    """Per config, the median over turns of its time over ``base``'s time *in the same turn* (measured seconds
+    apart): a slow or fast turn moves both, so the ratio keeps less of the machine's drift than a ratio of two
+    medians does."""
+    b = np.asarray(per_turn[base])
+    return {k: round(float(np.median(np.asarray(v) / b)), 3) for k, v in per_turn.items()}
 
 
 SEVEN = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")
@@ -459,8 +470,10 @@ def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> li
 def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
     exact kNN over 100k entries alone (its certified bfloat16 pre-filter scan, and the plain float32 scan), and the
-    base row with each method's row beside it (what each method adds to a step); the configs take turns (medians).
-    Also a profile of the 1-, 4- and 7-row steps."""
+    base row with each method's row beside it (what each method adds to a step). The configs take turns:
+    ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to that turn's base
+    step (``paired_ratios``; the ratio of the medians is kept as ``over_one_row_of_medians``). Also a profile of
+    the 1-, 4- and 7-row steps."""
     R = Row
     prompt = mem.prompt
     sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
@@ -485,13 +498,16 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
     with _FixedSteps(bb):
         for c in configs.values():  # warm-up: prefix KV cache, candidate rows, kernels
             compare(bb, sources[0], c, prompt, max_new_tokens=2, trace=False)
-        med = _interleaved({k: k for k in configs}, run, reps)
+        turns: dict = {}
+        med = _interleaved({k: k for k in configs}, run, reps, turns)
         prof = {k: profile_step(bb, configs[k], prompt, sources[0]) for k in ("base", "4 rows", "7 rows")}
     base = med["base"]
     return {"precision": bb.precision, "tokens": tokens, "reps": reps,
             "rows": {k: [r.label for r in v] for k, v in configs.items()},
             "ms_per_step": {k: round(1000 * v, 1) for k, v in med.items()},
-            "over_one_row": {k: round(v / base, 3) for k, v in med.items()},
+            "over_one_row": paired_ratios(turns, "base"),
+            "over_one_row_of_medians": {k: round(v / base, 3) for k, v in med.items()},
+            "ms_per_turn": {k: [round(1000 * t, 1) for t in v] for k, v in turns.items()},
             "knn_entries": len(big), "profile": prof}
 
 

@@ -123,3 +123,14 @@ def test_bench_pair_compares_two_precisions_runs_item_by_item(tmp_path):
         raise AssertionError("different items must be refused")
     except SystemExit as e:
         assert "same items" in str(e)
+
+
+def test_paired_ratios_take_each_turns_ratio_to_its_own_base():
+    """The rows benchmark's ratios pair each config with the base step of the same turn: a turn where the machine
+    was slow for both leaves the ratio alone, where a ratio of medians would mix turns."""
+    from eval.bench import paired_ratios
+
+    turns = {"base": [40.0, 50.0, 60.0], "7 rows": [64.0, 80.0, 96.0]}  # 1.6× in every turn
+    assert paired_ratios(turns, "base") == {"base": 1.0, "7 rows": 1.6}
+    skew = {"base": [40.0, 60.0, 45.0], "x": [60.0, 66.0, 63.0]}  # ratios 1.5, 1.1, 1.4
+    assert paired_ratios(skew, "base")["x"] == 1.4
