@@ -584,6 +584,27 @@ def test_memory_adapter_retrieval_gate_and_fusion_by_hand():
     assert not torch.allclose(O.double(), bad, atol=1e-3)
 
 
+def _random_layer_block(d, n, s, seed, w_scale=1.0, w2_scale=1.0, b_2=0.0):
+    """A memory-adapter layer (both sides) with random non-symmetric weights (W_q, W_k, W_v, W_1 times
+    ``w_scale``, W_2 times ``w2_scale``), gate bias ``b_2``, random memories and layer scale ``s``; and its
+    generator, to draw inputs from."""
+    from plugins.memory_adapter import LayerBlock
+
+    g = torch.Generator().manual_seed(seed)
+    blk = LayerBlock(d, n, ("tgt", "src"), 0.0, g)
+    with torch.no_grad():
+        for side in ("tgt", "src"):
+            ad = blk.adapters[side]
+            for w in (ad.W_q, ad.W_k, ad.W_v, ad.W_1):
+                w.copy_(w_scale * torch.randn(w.shape, generator=g))
+            ad.W_2.copy_(w2_scale * torch.randn(ad.W_2.shape, generator=g))
+            ad.b_2.fill_(b_2)
+        blk.mem_tgt.copy_(torch.randn(n, d, generator=g))
+        blk.mem_src.copy_(torch.randn(n, d, generator=g))
+        blk.scale.fill_(s)
+    return blk, g
+
+
 @pytest.mark.equations
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_memory_adapter_decode_path_is_the_layer_with_its_scale_folded_in(dtype):
@@ -592,23 +613,10 @@ def test_memory_adapter_decode_path_is_the_layer_with_its_scale_folded_in(dtype)
     memory attention and gates as ``apply`` gives them — to float32 rounding for a float32 backbone, to the
     bfloat16 rounding of A and W_1[:d] for a bfloat16 one."""
     from backbone.model import packed_bf16_available
-    from plugins.memory_adapter import LayerBlock
-
     if dtype == torch.bfloat16 and not packed_bf16_available():
         pytest.skip("no oneDNN bfloat16 linear on this CPU")
     d, n, T, s = 64, 5, 0.5, 37.0
-    g = torch.Generator().manual_seed(13)
-    blk = LayerBlock(d, n, ("tgt", "src"), 0.0, g)
-    with torch.no_grad():
-        for side in ("tgt", "src"):
-            ad = blk.adapters[side]
-            for w in (ad.W_q, ad.W_k, ad.W_v, ad.W_1):
-                w.copy_(0.3 * torch.randn(w.shape, generator=g))
-            ad.W_2.copy_(0.05 * torch.randn(ad.W_2.shape, generator=g))
-            ad.b_2.fill_(0.2)
-        blk.mem_tgt.copy_(torch.randn(n, d, generator=g))
-        blk.mem_src.copy_(torch.randn(n, d, generator=g))
-        blk.scale.fill_(s)
+    blk, g = _random_layer_block(d, n, s, seed=13, w_scale=0.3, w2_scale=0.05, b_2=0.2)  # the gate mixes at d = 64
     a = (torch.randn(3, 1, d, generator=g) * s).to(dtype)
     with torch.no_grad():
         want, want_info = blk.apply(a, blk.prepare(T))
@@ -628,20 +636,8 @@ def test_memory_adapter_layer_runs_target_then_source_adapter_on_rms_scaled_stat
     """Per adapted layer: x = a/s_l; O_tgt = adapter_tgt(x) with K = V = the target-side items; O_src =
     adapter_src(O_tgt) with the source-side items; the hook's output is s_l·O_src. Memory dropout (keep False) makes
     that row's layer the identity."""
-    from plugins.memory_adapter import LayerBlock
-
     d, n, T, s = 4, 3, 0.5, 2.5
-    g = torch.Generator().manual_seed(12)
-    blk = LayerBlock(d, n, ("tgt", "src"), 0.0, g)
-    with torch.no_grad():
-        for side in ("tgt", "src"):
-            ad = blk.adapters[side]
-            for w in (ad.W_q, ad.W_k, ad.W_v, ad.W_1, ad.W_2):
-                w.copy_(torch.randn(w.shape, generator=g))
-            ad.b_2.fill_(-0.2)
-        blk.mem_tgt.copy_(torch.randn(n, d, generator=g))
-        blk.mem_src.copy_(torch.randn(n, d, generator=g))
-        blk.scale.fill_(s)
+    blk, g = _random_layer_block(d, n, s, seed=12, b_2=-0.2)
     a = torch.randn(2, 3, d, generator=g) * s
     with torch.no_grad():
         out, _ = blk.apply(a, blk.prepare(T))
