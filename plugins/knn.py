@@ -77,11 +77,12 @@ class CertifiedL2Search:
     MIN_ENTRIES = 4096  # below this the float32 scan is already cheap and exactly as before
     _CHUNK = 65536      # keys centred and rounded per chunk (no second float32 copy of every key)
 
-    def __init__(self, keys: torch.Tensor, key_sqnorm: torch.Tensor):
-        self.keys, self.key_sqnorm = keys, key_sqnorm
-        d = keys.shape[1]
-        self.gamma = 2 * d * _FP32_U
-        self.center = keys.double().mean(0).float() if len(keys) else torch.zeros(d)
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys
+        self.gamma = 2 * keys.shape[1] * _FP32_U
+        # the mean in float64, a chunk at a time (no float64 copy of every key)
+        total = sum(keys[b0:b0 + self._CHUNK].double().sum(0) for b0 in range(0, len(keys), self._CHUNK))
+        self.center = (total / len(keys)).float()
         rounded, norm, resid, rnorm = [], [], [], []
         for b0 in range(0, len(keys), self._CHUNK):
             kc = keys[b0:b0 + self._CHUNK] - self.center
@@ -90,13 +91,12 @@ class CertifiedL2Search:
             norm.append(kc.double().pow(2).sum(1))
             resid.append((kc - kb.float()).norm(dim=1))   # exact differences; their norm to float32 precision
             rnorm.append(kb.float().norm(dim=1))
-        cat = (lambda xs: torch.cat(xs)) if rounded else (lambda xs: torch.zeros(0))
-        sq = cat(norm).float()  # |k'|², rounded once from float64
+        sq = torch.cat(norm).float()  # |k'|², rounded once from float64
         self.centered_sqnorm, self.centered_sqnorm_low = sq, sq * (1 - 1e-5)
         self.centered_norm = sq.sqrt()
         # the per-key part of the bound, γ·|k̃'| + |k' − k̃'| (times |q̃'| per query), folded once
-        self.key_bound = self.gamma * cat(rnorm) + cat(resid)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(cat(rounded).to(torch.bfloat16), 1)
+        self.key_bound = self.gamma * torch.cat(rnorm) + torch.cat(resid)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(rounded), 1)
         self.checked = 0  # entries whose float32 distance the last search computed (benchmarks, tests)
 
     @staticmethod
@@ -216,7 +216,7 @@ class KNN(Plugin):
             keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)).to(dev) / float(self.key_scale)
             self.keys = keys
             self.key_sqnorm = (keys * keys).sum(1)
-            self.exact_l2 = CertifiedL2Search(keys, self.key_sqnorm) if CertifiedL2Search.applies(keys) else None
+            self.exact_l2 = CertifiedL2Search(keys) if CertifiedL2Search.applies(keys) else None
             self.search_kind = (f"exact (torch matmul over {n:,} keys)" if self.exact_l2 is None else
                                 f"exact (bfloat16 pre-filter, certified float32 distances, over {n:,} keys)")
 
