@@ -85,10 +85,16 @@ class KernelLinear(nn.Linear):
     ``state_dict`` keys, ``in_features`` and every ``lm_head.weight`` reader see it as before); the prepared
     weights sit in a list (not a submodule or buffer, so ``.to()``/``state_dict`` leave them out).
 
-    A kernel may give one row alone other bits than the same row in a batch (a GEMV instead of a GEMM: on this
-    CPU oneDNN's bfloat16 kernel on Gemma's 2048-wide ``down_proj``); a comparison row alone (a slider re-decode,
-    a single-row compare) would then not decode as it does in a batch. Checked once per layer at load
-    (``_lone_row_rounds_differently``); where it does, one row runs as two."""
+    A product of fewer than ``min_rows`` rows runs padded to ``min_rows`` (copies of its first row; the extra
+    outputs are dropped), for two reasons. Speed: a kernel may be slower for 1-3 rows than for 4 (oneDNN's packed
+    bfloat16 kernel on this CPU: a one-row Gemma step's decoder products 15.5 → 13.4 ms and its LM head 12.8 →
+    11.4 ms as four rows; BENCHMARKS §3, thirteenth session) — ``FEW_ROWS``, per kernel. Exactness: a kernel may
+    give one row alone other bits than the same row in a batch (a GEMV instead of a GEMM: oneDNN's bfloat16 kernel
+    on Gemma's 2048-wide ``down_proj``); a comparison row alone (a slider re-decode, a single-row compare) would
+    then not decode as it does in a batch. Where ``FEW_ROWS`` is 1 this is checked once per layer at load
+    (``_lone_row_rounds_differently``), and where it does, one row runs as two."""
+
+    FEW_ROWS = 1  # the fewest rows a product runs with (see above)
 
     def __init__(self, linear: nn.Linear, prepared: list | None = None):
         nn.Module.__init__(self)
@@ -98,7 +104,9 @@ class KernelLinear(nn.Linear):
         self.kernel_ok = self._supports()  # a shape the kernel cannot take runs F.linear on the weight instead
         with torch.no_grad():
             self._prepared = (prepared if prepared is not None else self._prepare()) if self.kernel_ok else []
-            self.one_row_as_two = self.kernel_ok and self._lone_row_rounds_differently()
+            self.min_rows = self.FEW_ROWS
+            if self.kernel_ok and self.min_rows == 1 and self._lone_row_rounds_differently():
+                self.min_rows = 2
 
     def _supports(self) -> bool:
         return True
@@ -126,11 +134,11 @@ class KernelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or not self._runs_kernel(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if x.numel() == self.in_features and self.one_row_as_two:
-            # One row runs as two where its kernel rounds differently; two rows of a 640-wide product cost the
-            # same as one, so only those products pay (the LM head would: +8 %).
-            two = x.reshape(1, -1).expand(2, -1).contiguous()
-            return self._product(two)[:1].reshape(*x.shape[:-1], self.out_features)
+        rows = x.numel() // self.in_features
+        if 0 < rows < self.min_rows:
+            flat = x.reshape(rows, self.in_features)
+            padded = torch.cat([flat, flat[:1].expand(self.min_rows - rows, -1)])
+            return self._product(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
         return self._product(x)
 
     def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) has its own weight
@@ -150,8 +158,11 @@ class PackedBF16Linear(KernelLinear):
     blocked layout once (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``: the calls torch's own
     Inductor emits for a frozen bfloat16 linear on a CPU). The plain bfloat16 GEMV that ``F.linear`` runs for 1-8
     rows does not read weights at bfloat16's bandwidth on this CPU (BENCHMARKS §3: one row only 1.10× float32);
-    the packed one does, and 4-8 rows cost little more than one. Same arithmetic (bfloat16 inputs and weights,
-    float32 accumulation, bfloat16 output). The packed copy costs the weights' bytes once more in RAM."""
+    the packed one does, and 4-6 rows cost less than one (``FEW_ROWS``). Same arithmetic (bfloat16 inputs and
+    weights, float32 accumulation, bfloat16 output); any 2-16 rows give a row the same bits (checked: tests). The
+    packed copy costs the weights' bytes once more in RAM."""
+
+    FEW_ROWS = 4
 
     def _prepare(self) -> list:
         return [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)]
