@@ -734,8 +734,13 @@ class Beams:
         V = logprobs.shape[1]
         # every row's 2B best continuations in one call
         with vocab_wide_threads(logprobs):
-            top_vs, top_is = top_k((self.scores.unsqueeze(2) + logprobs.view(self.n_rows, B, V)).view(self.n_rows, -1),
-                                   2 * B)
+            if B == 1:  # greedy: one score per row ranks nothing, so it is added to the two best only (not to
+                # every token of the vocabulary first: a vocabulary-wide pass of each row fewer)
+                top_vs, top_is = top_k(logprobs.view(self.n_rows, V), 2)
+                top_vs = top_vs + self.scores
+            else:
+                top_vs, top_is = top_k((self.scores.unsqueeze(2) + logprobs.view(self.n_rows, B, V))
+                                       .view(self.n_rows, -1), 2 * B)
         for r in range(self.n_rows):
             if self.done[r]:
                 continue
