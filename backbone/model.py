@@ -137,7 +137,9 @@ class KernelLinear(nn.Linear):
         rows = x.numel() // self.in_features
         if 0 < rows < self.min_rows:
             flat = x.reshape(rows, self.in_features)
-            padded = torch.cat([flat, flat[:1].expand(self.min_rows - rows, -1)])
+            # one row: its broadcast view (the kernel takes it as it is: same bits, no copy op per product)
+            padded = (flat.expand(self.min_rows, -1) if rows == 1
+                      else torch.cat([flat, flat[:1].expand(self.min_rows - rows, -1)]))
             return self._product(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
         return self._product(x)
 

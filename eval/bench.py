@@ -601,7 +601,8 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
     """A dedicated CPU engine side by side: llama.cpp (``llama-cpp-python``, requirements-bench.txt) on the very
     Q4_K_M GGUF the embedded Gemma is de-quantized from, and the project's base row — and a PEMA row in the default
     precision — in float32, bfloat16 and int8. Greedy decode ms per step after the first (prefill excluded alike),
-    the engines taking turns; tok/s and each one's ratio to float32 and to llama.cpp.
+    the engines taking turns; tok/s and each one's ratio to float32 and to llama.cpp — as a ratio of medians, and
+    paired (``*_paired``: the median over turns of each turn's ratio, ``paired_ratios``), with every turn's time.
 
     Every engine and every precision runs in a process of its own, as a studio runs one backbone, idle while the
     others take their turn; float32 and bfloat16 also run once more with OpenMP threads that spin briefly instead of
@@ -650,17 +651,25 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
 
         for c in configs.values():
             run(c)  # warm-up
-        med = _interleaved(configs, run, reps)
+        turns: dict = {}
+        med = _interleaved(configs, run, reps, turns)
     finally:
         for c in [*children.values(), *spinning.values(), llama]:
             c.close()
     ref = med["llama.cpp Q4_K_M"]
     f32 = med.get("base float32")
+
+    def paired_speedup(base: str) -> dict:  # each turn's tok/s over ``base``'s in the same turn, median over turns
+        b = np.asarray(turns[base])
+        return {k: round(float(np.median(b / np.asarray(v))), 3) for k, v in turns.items()}
     return {"tokens": tokens, "reps": reps, "threads": int(threads), "default_precision": default,
             "ms_per_step": {k: round(1000 * v, 1) for k, v in med.items()},
+            "ms_per_turn": {k: [round(1000 * t, 1) for t in v] for k, v in turns.items()},
             "tok_per_s": {k: round(1 / v, 1) for k, v in med.items()},
             "over_float32_tok_per_s": {k: round(f32 / v, 3) for k, v in med.items()} if f32 else {},
-            "over_llama_cpp_tok_per_s": {k: round(ref / v, 3) for k, v in med.items()}}
+            "over_llama_cpp_tok_per_s": {k: round(ref / v, 3) for k, v in med.items()},
+            "over_float32_paired": paired_speedup("base float32") if f32 else {},
+            "over_llama_cpp_paired": paired_speedup("llama.cpp Q4_K_M")}
 
 
 PRECISION_OUT = Path("out/precision")
