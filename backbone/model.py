@@ -87,8 +87,8 @@ class KernelLinear(nn.Linear):
 
     A product of fewer than ``min_rows`` rows runs padded to ``min_rows`` (copies of its first row; the extra
     outputs are dropped), for two reasons. Speed: a kernel may be slower for 1-3 rows than for 4 (oneDNN's packed
-    bfloat16 kernel on this CPU: a one-row Gemma step's decoder products 15.5 → 13.4 ms and its LM head 12.8 →
-    11.4 ms as four rows; BENCHMARKS §3, thirteenth session) — ``FEW_ROWS``, per kernel. Exactness: a kernel may
+    bfloat16 kernel on this CPU: Gemma's decoder products for one row 16.1 ms, as four rows 14.4 ms; its LM head
+    10.2 → 8.3 ms; BENCHMARKS §3, thirteenth session) — ``FEW_ROWS``, per kernel. Exactness: a kernel may
     give one row alone other bits than the same row in a batch (a GEMV instead of a GEMM: oneDNN's bfloat16 kernel
     on Gemma's 2048-wide ``down_proj``); a comparison row alone (a slider re-decode, a single-row compare) would
     then not decode as it does in a batch. Where ``FEW_ROWS`` is 1 this is checked once per layer at load
