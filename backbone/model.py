@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -107,6 +108,8 @@ class KernelLinear(nn.Linear):
             self.min_rows = self.FEW_ROWS
             if self.kernel_ok and self.min_rows == 1 and self._lone_row_rounds_differently():
                 self.min_rows = 2
+            if self.kernel_ok and self.min_rows > 1:
+                self._check_rows_invariant()
 
     def _supports(self) -> bool:
         return True
@@ -131,6 +134,30 @@ class KernelLinear(nn.Linear):
         batch = self._product(x)
         return any(not torch.equal(self._product(x[i:i + 1]), batch[i:i + 1]) for i in range(rows))
 
+    def _check_rows_invariant(self, rows: int = 16) -> bool:
+        """Whether the kernel gives each row the same bits in a product of ``min_rows`` (a padded lone row) and of
+        ``rows`` rows — what ``FEW_ROWS`` relies on (true of this development CPU: tests). Checked once per kernel
+        and shape per process; where it fails (another CPU's kernels), a warning says that a bfloat16 row may decode
+        differently alone and in a batch, and that ``--dtype float32`` is the exact path."""
+        key = (type(self), self.in_features, self.out_features, self.min_rows)
+        ok = _ROWS_INVARIANT.get(key)
+        if ok is None:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(rows, self.in_features, generator=g) * torch.exp(
+                2 * torch.randn(rows, self.in_features, generator=g))
+            x = x.to(torch.bfloat16)
+            batch = self._product(x)
+            ok = all(torch.equal(self._product(x[i:i + 1].expand(self.min_rows, -1))[:1], batch[i:i + 1])
+                     for i in range(min(rows, 4)))
+            ok = ok and torch.equal(self._product(x[:7]), batch[:7])
+            _ROWS_INVARIANT[key] = ok
+            if not ok:
+                _log.warning("%s (%d → %d): this CPU's kernel rounds a row differently in products of different "
+                             "row counts, so a comparison row may decode slightly differently alone and in a batch "
+                             "(a slider re-decode, a single-row compare); --dtype float32 is exact.",
+                             type(self).__name__, self.in_features, self.out_features)
+        return ok
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or not self._runs_kernel(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -153,6 +180,10 @@ class KernelLinear(nn.Linear):
         for h in ("_forward_hooks", "_forward_pre_hooks"):
             getattr(plain, h).update(getattr(self, h))
         return type(self)(plain, prepared=[t.clone() for t in self._prepared])
+
+
+_ROWS_INVARIANT: dict = {}  # (kernel class, in, out, min_rows) → whether rows keep their bits (checked at load)
+_log = logging.getLogger("pema.backbone")
 
 
 class PackedBF16Linear(KernelLinear):

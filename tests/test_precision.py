@@ -514,6 +514,30 @@ def test_packed_bfloat16_linear_gives_one_row_what_it_gives_that_row_in_a_batch(
                     assert torch.equal(got, lin(batch)[:rows]), (cls, d_in, d_out, trial, rows)
 
 
+@pytest.mark.skipif(not packed_bf16_available(), reason="oneDNN bfloat16 linear not available")
+def test_a_kernel_whose_rows_change_bits_with_the_row_count_is_reported_at_load(caplog):
+    """Padding few-row products (``FEW_ROWS``) keeps a row's bits only where the kernel gives a row the same bits in
+    products of any row count: true of this CPU's packed kernel (checked for Gemma's shapes), and a kernel that
+    does not (another CPU's) is named in a warning at load instead of decoding rows differently unannounced."""
+    import logging
+
+    from backbone import model as M
+
+    for d_in, d_out in ((640, 1024), (2048, 640), (640, 4096)):
+        assert PackedBF16Linear(nn.Linear(d_in, d_out, bias=False, dtype=torch.bfloat16))._check_rows_invariant()
+
+    class RowCountDependent(PackedBF16Linear):
+        def _product(self, x):
+            y = super()._product(x)
+            return y + 0.5 if x.shape[0] > self.FEW_ROWS else y  # rounds "differently" in larger products
+
+    M._ROWS_INVARIANT.pop((RowCountDependent, 64, 32, 4), None)
+    with caplog.at_level(logging.WARNING, logger="pema.backbone"):
+        lin = RowCountDependent(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16))
+    assert not lin._check_rows_invariant()
+    assert "decode slightly differently alone and in a batch" in caplog.text and "float32" in caplog.text
+
+
 def _tiny_gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
