@@ -122,7 +122,7 @@ class KernelLinear(nn.Linear):
         raise NotImplementedError
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
-        return self.kernel_ok and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        return self.kernel_ok and x.dtype == torch.bfloat16 and x.is_cpu
 
     def _lone_row_rounds_differently(self, rows: int = 16) -> bool:
         """Whether the kernel gives one row alone other bits than it gives the same row in a batch, checked on
@@ -161,13 +161,14 @@ class KernelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or not self._runs_kernel(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        rows = x.numel() // self.in_features
-        if 0 < rows < self.min_rows:
-            flat = x.reshape(rows, self.in_features)
-            # one row: its broadcast view (the kernel takes it as it is: same bits, no copy op per product)
-            padded = (flat.expand(self.min_rows, -1) if rows == 1
-                      else torch.cat([flat, flat[:1].expand(self.min_rows - rows, -1)]))
-            return self._product(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
+        n = self.min_rows  # (the few-row test first: a decode step makes ~130 of these calls, each µs counts)
+        if n > 1 and x.numel() < n * self.in_features:
+            rows = x.numel() // self.in_features
+            if rows:
+                flat = x.view(rows, -1) if x.is_contiguous() else x.reshape(rows, -1)
+                # one row: its broadcast view (the kernel takes it as it is: same bits, no copy op per product)
+                padded = flat.expand(n, -1) if rows == 1 else torch.cat([flat, flat[:1].expand(n - rows, -1)])
+                return self._product(padded)[:rows].view(*x.shape[:-1], self.out_features)
         return self._product(x)
 
     def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) has its own weight
@@ -204,7 +205,7 @@ class PackedBF16Linear(KernelLinear):
         return torch.ops.mkldnn._linear_pointwise(x, self._prepared[0], self.bias, "none", [], "")
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
-        return super()._runs_kernel(x) and PACKED_BF16["on"]
+        return self.kernel_ok and x.dtype == torch.bfloat16 and x.is_cpu and PACKED_BF16["on"]
 
 
 class Int8Linear(KernelLinear):
