@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 from backbone import load_backbone
-from backbone.model import (FUSED_NORMS, PACKED_BF16, SMALL_FORWARD_ONE_THREAD, Backbone, resolve_precision,
-                            set_precision)
+from backbone.model import (FUSED_NORMS, PACKED_BF16, SMALL_FORWARD_ONE_THREAD, Backbone, KernelLinear,
+                            one_thread_section, resolve_precision, set_precision)
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap
@@ -363,8 +363,6 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
     on one thread — what a decode step's decoder multiplies — as the layers run them (``decoder``: few rows padded to
     ``min_rows``) and as the bare kernel (``decoder_unpadded``), and the head's bare kernel (``head_unpadded``)."""
     import torch
-
-    from backbone.model import KernelLinear, one_thread_section
 
     w = bb.lm_head.weight
     kernels = [m for m in bb.layers.modules() if isinstance(m, KernelLinear) and m.kernel_ok]
