@@ -124,13 +124,17 @@ class KernelLinear(nn.Linear):
     def _runs_kernel(self, x: torch.Tensor) -> bool:
         return self.kernel_ok and x.dtype == torch.bfloat16 and x.is_cpu
 
-    def _lone_row_rounds_differently(self, rows: int = 16) -> bool:
-        """Whether the kernel gives one row alone other bits than it gives the same row in a batch, checked on
-        fixed heavy-tailed inputs (like real activations), where a GEMV kernel shows it within a few rows."""
+    def _test_rows(self, rows: int = 16) -> torch.Tensor:
+        """Fixed heavy-tailed bfloat16 inputs (like real activations, where a kernel's roundings show within a few
+        rows) for the checks below."""
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, self.in_features, generator=g) * torch.exp(2 * torch.randn(rows, self.in_features,
                                                                                         generator=g))
-        x = x.to(torch.bfloat16)
+        return x.to(torch.bfloat16)
+
+    def _lone_row_rounds_differently(self, rows: int = 16) -> bool:
+        """Whether the kernel gives one row alone other bits than it gives the same row in a batch."""
+        x = self._test_rows(rows)
         batch = self._product(x)
         return any(not torch.equal(self._product(x[i:i + 1]), batch[i:i + 1]) for i in range(rows))
 
@@ -142,10 +146,7 @@ class KernelLinear(nn.Linear):
         key = (type(self), self.in_features, self.out_features, self.min_rows)
         ok = _ROWS_INVARIANT.get(key)
         if ok is None:
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(rows, self.in_features, generator=g) * torch.exp(
-                2 * torch.randn(rows, self.in_features, generator=g))
-            x = x.to(torch.bfloat16)
+            x = self._test_rows(rows)
             batch = self._product(x)
             ok = all(torch.equal(self._product(x[i:i + 1].expand(self.min_rows, -1))[:1], batch[i:i + 1])
                      for i in range(min(rows, 4)))
@@ -165,7 +166,7 @@ class KernelLinear(nn.Linear):
         if n > 1 and x.numel() < n * self.in_features:
             rows = x.numel() // self.in_features
             if rows:
-                flat = x.view(rows, -1) if x.is_contiguous() else x.reshape(rows, -1)
+                flat = x.reshape(rows, -1)
                 # one row: its broadcast view (the kernel takes it as it is: same bits, no copy op per product)
                 padded = flat.expand(n, -1) if rows == 1 else torch.cat([flat, flat[:1].expand(n - rows, -1)])
                 return self._product(padded)[:rows].view(*x.shape[:-1], self.out_features)
