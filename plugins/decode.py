@@ -288,7 +288,9 @@ class BatchDecode:
     """``decode_batch`` one step at a time. ``step()`` runs the next step (the prefill first) and says whether the
     decode goes on; ``partial()`` is every row's output so far (streaming), ``result()`` the comparisons, ``run()``
     all steps. To cancel, stop calling ``step()``: no hook stays attached between two steps (in-network plug-ins
-    attach for each forward pass only), so the backbone is free for others between steps.
+    attach for each forward pass only, a step putting back the hooks the previous one took off: the same functions,
+    rows, settings and products derived from the plug-in's weights, which a decode reads as they were at its first
+    step), so the backbone is free for others between steps.
 
     ``keep=True`` (one source, greedy): also record, per row and step, what a slider move needs
     (``StepRecords``), and keep the KV cache — ``live()`` is then the comparison's ``LiveComparison``.
@@ -349,14 +351,19 @@ class BatchDecode:
             return False
         handles: list = []
         try:
-            for g, grp in enumerate(batch.net):  # hooks on for this forward pass only
-                self.net_handles[g] = grp.plugin.attach(grp.rows, grp.settings, trace=self.trace)
+            for g, grp in enumerate(batch.net):  # hooks on for this forward pass only: the last step's put back
+                kept = self.net_handles[g]
+                if not (kept and all(hasattr(h, "resume") and h.resume() for h in kept)):
+                    for h in kept:
+                        h.remove()
+                    self.net_handles[g] = grp.plugin.attach(grp.rows, grp.settings, trace=self.trace)
                 handles += self.net_handles[g]
             self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
                                                                src if batch.B > 1 else None, padded=batch.S > 1)
         finally:
             for h in handles:
-                h.remove()
+                if not (hasattr(h, "suspend") and h.suspend()):
+                    h.remove()
         self.forwards += 1
         return True
 

@@ -350,3 +350,69 @@ def test_derived_tensors_are_rebuilt_exactly_when_a_source_changes():
     with torch.inference_mode():
         frozen = owner.w.detach() * 1  # an inference tensor: no version counter
     assert derived(owner, "frozen", (frozen,), lambda: 1) == 1 == derived(owner, "frozen", (frozen,), lambda: 2)
+
+
+def test_a_decode_puts_back_the_hooks_of_its_last_step(tiny, tiny_memory, trained, monkeypatch):
+    """A decode attaches each in-network plug-in once and puts its hooks back at every later step (``suspend`` /
+    ``resume``), nothing attached between steps; it decodes exactly as attaching anew at every step does."""
+    from plugins import network
+    from plugins.decode import BatchDecode, plan_batch
+
+    plugins = trained[0]
+    rows = [Row("base")] + [Row(m, plugins[m][0]) for m in METHODS]
+    attaches = []
+    real_attach = network.NetworkPlugin.attach
+    monkeypatch.setattr(network.NetworkPlugin, "attach",
+                        lambda self, *a, **k: attaches.append(self.method) or real_attach(self, *a, **k))
+
+    def decode():
+        dec = BatchDecode(tiny, plan_batch(tiny, [SOURCE], rows, tiny_memory.prompt), max_new_tokens=8)
+        steps = 0
+        while dec.step():
+            steps += 1
+            assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
+        return dec.result()[0], steps
+
+    kept, steps = decode()
+    assert steps >= 3 and sorted(attaches) == sorted(METHODS * 2)  # the prefill's attachment and the steps' one
+    attaches.clear()
+    monkeypatch.setattr(network._Handle, "resume", lambda self: False)  # as a handle that cannot put hooks back
+    anew, _ = decode()
+    assert len(attaches) == len(METHODS) * (steps + 1)
+    for a, b in zip(kept.rows, anew.rows):
+        assert a.tokens == b.tokens and a.score == b.score, a.label
+
+
+def test_suspended_hooks_come_back_in_their_order():
+    from plugins.network import Attachment, _Handle
+
+    lin, calls = torch.nn.Linear(2, 2), []
+    first = _Handle([lin.register_forward_hook(lambda *a: calls.append("a")),
+                     lin.register_forward_pre_hook(lambda m, a, k: calls.append("pre") or None, with_kwargs=True)],
+                    Attachment(None, {}))
+    second = _Handle([lin.register_forward_hook(lambda *a: calls.append("b"))], Attachment(None, {}))
+    for h in (first, second):
+        assert h.suspend() and not h.att.live
+    assert not lin._forward_hooks and not lin._forward_pre_hooks and not lin._forward_pre_hooks_with_kwargs
+    lin(torch.ones(2))
+    assert calls == []
+    assert first.resume() and second.resume() and first.att.live and not first.resume()
+    lin(torch.ones(2))
+    assert calls == ["pre", "a", "b"]
+    first.remove()
+    second.remove()
+    assert not lin._forward_hooks and not lin._forward_pre_hooks
+
+
+@pytest.mark.parametrize("rows", [[1], [1, 2], [0, 2], [2, 0]])
+def test_rows_apply_changes_exactly_its_rows(rows):
+    """Consecutive rows go through views, others through index operators: either way only those rows change, to
+    ``fn`` of their own inputs."""
+    from plugins.network import rows_apply
+
+    h, x = torch.randn(4, 3, 5), torch.randn(4, 3, 5)
+    want = h.clone()
+    want[rows] = x[rows] * 2 + h[rows]
+    with torch.no_grad():
+        got = rows_apply(h.clone(), x, torch.tensor(rows), lambda xs, hs: xs * 2 + hs)
+    assert torch.equal(got, want)
