@@ -650,7 +650,8 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
         logits = backbone.head_logits(torch.cat(states))
         with vocab_wide_threads(logits[:N]):
             lm_lp = torch.log_softmax(logits[:N], dim=-1)
-        final = lm_lp.clone()
+        with vocab_wide_threads(lm_lp):  # 7 rows: 0.42 ms on one thread, 0.14 on two (one-off probe)
+            final = lm_lp.clone()
         info: list[dict] = [{} for _ in range(N)]
         off = N
         for (grp, e), full in zip(extra, full_vocab):
