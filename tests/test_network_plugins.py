@@ -416,3 +416,25 @@ def test_rows_apply_changes_exactly_its_rows(rows):
     with torch.no_grad():
         got = rows_apply(h.clone(), x, torch.tensor(rows), lambda xs, hs: xs * 2 + hs)
     assert torch.equal(got, want)
+
+
+def test_two_decodes_taking_turns_keep_their_own_hooks(tiny, tiny_memory, trained):
+    """Two users' decodes with the same plug-in objects take turns step by step (as the studio's backbone gate lets
+    them): each step puts back only its own decode's hooks, so both decode as they do alone."""
+    from plugins.decode import BatchDecode, plan_batch
+
+    plugins = trained[0]
+    rows_a = [Row("base"), Row("adapter", plugins["adapter"][0]), Row("mt", plugins["memory_tuning"][0])]
+    rows_b = [Row("mt", plugins["memory_tuning"][0], {"scale": 0.5}), Row("lora", plugins["lora"][0])]
+    kw = dict(prompt=tiny_memory.prompt, max_new_tokens=8)
+    alone = [compare(tiny, SOURCE, rows_a, **kw), compare(tiny, "a small house", rows_b, **kw)]
+    decs = [BatchDecode(tiny, plan_batch(tiny, [SOURCE], rows_a, tiny_memory.prompt), max_new_tokens=8),
+            BatchDecode(tiny, plan_batch(tiny, ["a small house"], rows_b, tiny_memory.prompt), max_new_tokens=8)]
+    going = [True, True]
+    while any(going):
+        for i, d in enumerate(decs):
+            if going[i]:
+                going[i] = d.step()
+    for want, d in zip(alone, decs):
+        got = d.result()[0]
+        assert [r.tokens for r in got.rows] == [r.tokens for r in want.rows]
