@@ -32,6 +32,7 @@ import torch
 from backbone.model import Backbone, grow_kv_cache, small_work_threads, vocab_wide_threads
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
+from plugins.network import row_span
 from plugins.settings import comparison_settings, split_comparison
 from ground.errors import UserError
 
@@ -434,8 +435,8 @@ class OutGroup:
     def row_index(self) -> slice | torch.Tensor:
         """``rows`` as a slice where they are consecutive (the usual layout): a step then reads the rows' P_LM as a
         view and writes their mixture with one copy, instead of an indexed copy of vocabulary-wide rows each way."""
-        r = self.rows.tolist()
-        return slice(r[0], r[-1] + 1) if r and r == list(range(r[0], r[-1] + 1)) else self.rows
+        span = row_span(self.rows)
+        return self.rows if span is None else span
 
 
 @dataclass

@@ -123,7 +123,7 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
     if rows.numel() == 0:
         return h
     new = h if not torch.is_grad_enabled() and not h.requires_grad else h.clone()
-    span = _span(rows)
+    span = row_span(rows)
     if span is not None:  # consecutive rows (a comparison's usual layout): views and one copy, no index operators
         sub_h = h[span]
         new[span] = fn(sub_h if x is h else x[span], sub_h).to(h.dtype)
@@ -134,10 +134,11 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
     return new
 
 
-def _span(rows: torch.Tensor) -> slice | None:
-    """``rows`` (a 1-D index tensor) as a slice when they are consecutive and ascending, else None."""
+def row_span(rows: torch.Tensor) -> slice | None:
+    """``rows`` (a 1-D index tensor) as a slice when they are consecutive and ascending, else None: a step then reads
+    and writes those batch rows as views instead of through index operators."""
     r = rows.tolist()
-    return slice(r[0], r[-1] + 1) if r == list(range(r[0], r[0] + len(r))) else None
+    return slice(r[0], r[-1] + 1) if r and r == list(range(r[0], r[0] + len(r))) else None
 
 
 _SUB_BATCH: ContextVar = ContextVar("pema_sub_batch", default=None)
