@@ -680,3 +680,23 @@ def test_example_sentences_for_every_task():
         assert len(ex) >= 3 and all(s.strip() and r.strip() for s, r in ex)
         assert not {s for s, _ in ex} & {s for s, _ in FEW_SHOT.get(task, [])}
     assert example_sentences("no such task") == []
+
+
+def test_output_cards_say_when_a_comparison_was_answered_from_the_kept_decode():
+    """A slider move (or the same request again) answered from the kept decode says so and how many forward passes
+    it ran, instead of a token rate over near-zero seconds."""
+    from ui import render
+
+    rows = [{"label": "Base model", "method": "base", "text": "a", "tokens": [1], "diff": [["a", "same"]]}]
+    full = {"source": "s", "base_label": "Base model", "steps": 3, "rows": rows,
+            "timings": {"decode_s": 1.5, "tokens": 3, "tokens_per_s": 2.0, "total_s": 1.6,
+                        "reuse": {"kind": "full decode", "forward_passes": None, "reused_steps": 0}}}
+    assert "One batched decode of 1 method(s)" in render.output_cards(full) and "2 tok/s" in render.output_cards(full)
+    kept = {**full, "timings": {"decode_s": 0.001, "tokens": 3, "tokens_per_s": 3000.0, "total_s": 0.01,
+                                "reuse": {"kind": "slider move", "forward_passes": 0, "reused_steps": 3}}}
+    html = render.output_cards(kept)
+    assert "from the kept decode" in html and "no forward pass" in html and "3 row-steps reused" in html
+    assert "tok/s" not in html
+    moved = {**kept, "timings": {**kept["timings"], "reuse": {"kind": "slider move", "forward_passes": 2,
+                                                             "reused_steps": 1}}}
+    assert "2 backbone forward pass(es)" in render.output_cards(moved)

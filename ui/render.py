@@ -265,11 +265,20 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
                 "appear here side by side.</div>")
     t = payload.get("timings", {})
     n = len(payload["rows"])
-    head = (f"<div class='pema-timing'>One batched decode of {n} method(s): <b>{t.get('decode_s', 0):.2f}s</b> "
-            f"({payload.get('steps', 0)} steps, {t.get('tokens', 0)} tokens, {t.get('tokens_per_s', 0):.0f} tok/s"
-            + (f", plug-ins loaded in {t['load_plugins_s']:.2f}s" if t.get("load_plugins_s", 0) > 0.05 else "")
-            + f") · total {t.get('total_s', 0):.2f}s · differences from the base output: <ins>added</ins> "
-            f"<del>removed</del></div>")
+    loaded = f", plug-ins loaded in {t['load_plugins_s']:.2f}s" if t.get("load_plugins_s", 0) > 0.05 else ""
+    reuse = t.get("reuse") or {}
+    if reuse.get("kind") == "slider move":  # answered from the kept decode: a token rate would mean nothing here
+        passes = reuse.get("forward_passes") or 0
+        what = (f"{passes} backbone forward pass(es) from the first changed step" if passes
+                else "no token changed, no forward pass")
+        head_text = (f"Re-decoded {n} method(s) from the kept decode: <b>{t.get('decode_s', 0):.2f}s</b> "
+                     f"({what}; {reuse.get('reused_steps', 0)} row-steps reused{loaded})")
+    else:
+        head_text = (f"One batched decode of {n} method(s): <b>{t.get('decode_s', 0):.2f}s</b> "
+                     f"({payload.get('steps', 0)} steps, {t.get('tokens', 0)} tokens, "
+                     f"{t.get('tokens_per_s', 0):.0f} tok/s{loaded})")
+    head = (f"<div class='pema-timing'>{head_text} · total {t.get('total_s', 0):.2f}s · differences from the base "
+            f"output: <ins>added</ins> <del>removed</del></div>")
     ref = (f"<div class='pema-ref'><span>Reference</span> {esc(payload['reference'])}</div>"
            if payload.get("reference") else "")
     cards = []
