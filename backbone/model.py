@@ -67,6 +67,25 @@ def native_bf16_cpu() -> bool:
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
+def cpu_description() -> dict:
+    """What a benchmark result was measured on: the CPU's name, family / model, torch's vector ISA, whether bfloat16
+    is native, the cores. The development machines have changed between sessions (an AVX-512 BF16 EPYC, then an
+    AVX2-only one), and the precisions' speeds differ by kind: numbers from two kinds are not comparable."""
+    fields: dict = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+    except OSError:
+        pass
+    return {"cpu": fields.get("model name", "unknown"),
+            "family_model": f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}",
+            "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16_cpu(),
+            "cores": os.cpu_count()}
+
+
 # The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``): bfloat16 where the CPU has it
 # natively — chosen from the quality guard (the base model and the best plug-in's whole flow on WMT dev 1000–1199)
 # and the decode benchmark (BENCHMARKS §3) —, else float32. float32 stays the exact reference path (--dtype float32).
@@ -544,8 +563,9 @@ class RowKeys:
     tuning's P_k, P_v (memory-tuning's MT-M) for that method's rows of a comparison batch. Set as the attention
     module's ``pema_row_keys`` for the call; :func:`cpu_decode_attention` computes the other rows exactly as
     without it and then, for ``rows``, the attention over [keys; the row's own keys] with the additive mask
-    [log_weight; the row's mask] — the very scores, softmax and product as for every row — and puts those rows'
-    outputs in place (before the module's ``o_proj``, which then runs once for all rows). ``done`` tells the caller
+    [log_weight; the row's mask] — from the very scores every row got, as the mixture of the rows' own attention
+    and the prefix's by the prefix's share of the softmax (:meth:`attend`) — and puts those rows' outputs in place
+    (before the module's ``o_proj``, which then runs once for all rows). ``done`` tells the caller
     the attention took it (otherwise it must do the work itself); ``probs`` keeps the rows' attention weights
     (rows, KV heads, heads per KV head, prefix + keys) in float32 when ``keep_probs``."""
 
@@ -564,17 +584,29 @@ class RowKeys:
         l, C = self.keys.shape[1], value.shape[2]
         # the rows' queries, scores (the very ones every row got) and values: a lone row as a view, else copies
         at = slice(int(r[0]), int(r[0]) + 1) if n == 1 else r
-        qr, ctx, vr = (q[at], scores[at], value[at]) if n == 1 else (t.index_select(0, r) for t in (q, scores, value))
+        qr, ctx = (q[at], scores[at]) if n == 1 else (t.index_select(0, r) for t in (q, scores))
         pk = self.keys.to(qr.dtype)
         # 3-D products (same bits as the 4-D broadcast matmul, which first copied the expanded operand)
         pre = torch.bmm(qr.transpose(0, 1).reshape(Hkv, n * G, D), pk.transpose(1, 2))
         pre = pre.view(Hkv, n, G, l).transpose(0, 1) * scale + self.log_weight  # (n, Hkv, G, l)
-        probs = torch.softmax(torch.cat([pre.to(ctx.dtype), ctx], dim=-1), dim=-1, dtype=torch.float32)
-        if self.keep_probs:
+        if self.keep_probs:  # the trace: the softmax over [prefix; keys] itself, and its product
+            vr = value[at] if n == 1 else value.index_select(0, r)
+            probs = torch.softmax(torch.cat([pre.to(ctx.dtype), ctx], dim=-1), dim=-1, dtype=torch.float32)
             self.probs = probs
-        vv = torch.cat([self.values.to(value.dtype).unsqueeze(0).expand(n, -1, -1, -1), vr], dim=2)
-        out[at] = torch.bmm(probs.to(value.dtype).reshape(n * Hkv, G, l + C),
-                            vv.reshape(n * Hkv, l + C, D)).view(n, Hkv, G, D)  # into the attention's own product
+            vv = torch.cat([self.values.to(value.dtype).unsqueeze(0).expand(n, -1, -1, -1), vr], dim=2)
+            out[at] = torch.bmm(probs.to(value.dtype).reshape(n * Hkv, G, l + C),
+                                vv.reshape(n * Hkv, l + C, D)).view(n, Hkv, G, D)  # into the attention's product
+            self.done = True
+            return out
+        # Otherwise the same attention as a mixture (He et al. 2022, eq. 6-7): the rows' attention over their own keys
+        # is ``out`` already, so (1 − λ)·out + λ·softmax(pre)·P_v with λ = sigmoid(lse(pre) − lse(ctx)), the
+        # prefix's share of the softmax over [pre; ctx]. The same function, without copying the rows' values behind
+        # the prefix at every layer and step (a 7-method step: RowKeys' ~3 ms were mostly those copies).
+        pre = pre.float()
+        lse_pre = torch.logsumexp(pre, dim=-1, keepdim=True)
+        share = torch.sigmoid(lse_pre - torch.logsumexp(ctx.float(), dim=-1, keepdim=True))  # (n, Hkv, G, 1)
+        read = torch.matmul(torch.exp(pre - lse_pre).to(value.dtype), self.values.to(value.dtype))  # (n, Hkv, G, D)
+        out[at] = torch.lerp(out[at].float(), read.float(), share).to(out.dtype)
         self.done = True
         return out
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from backbone import load_backbone
 from backbone.model import (FUSED_NORMS, PACKED_BF16, SMALL_FORWARD_ONE_THREAD, Backbone, KernelLinear,
-                            one_thread_section, resolve_precision, set_precision)
+                            cpu_description, one_thread_section, resolve_precision, set_precision)
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap
@@ -801,6 +801,7 @@ def main(argv=None) -> int:
             res = {"precision": bench_precision(dtypes, n=n)}
         else:
             res = {"anchor": bench_anchor()}
+        res["machine"] = cpu_description()
         Path("out").mkdir(exist_ok=True)
         tag = f"-{n}" if what == "precision" else ""
         Path(f"out/bench-{what}{tag}.json").write_text(json.dumps(res, indent=1))
@@ -809,7 +810,7 @@ def main(argv=None) -> int:
 
     bb = _bench_backbone()
     res: dict = {"backbone": bb.name, "precision": bb.precision, "torch_threads": __import__("torch").get_num_threads(),
-                 "head_share": head_share(bb)}
+                 "head_share": head_share(bb), "machine": cpu_description()}
     if what == "head":
         res["head"] = bench_head(bb)
     if what == "knn1m":  # on a memory given with --memory (id or path), else the first 1,000 WMT train pairs'

@@ -123,7 +123,8 @@ def test_hooks_change_only_their_rows(tiny, train_data, trained, method):
     mixed = _logits(tiny, train_data, plugin, rows=torch.tensor([1]), n=3)
     full = _logits(tiny, train_data, plugin, n=3)
     assert torch.equal(mixed[0], base[0]) and torch.equal(mixed[2], base[2])
-    assert torch.allclose(mixed[1], full[1], atol=1e-5)
+    # float32 rounding only: a re-run of the attention for a sub-batch may take other kernel blocks (AVX2: 4e-5)
+    assert torch.allclose(mixed[1], full[1], atol=1e-4, rtol=1e-5), (mixed[1] - full[1]).abs().max()
     assert not torch.allclose(mixed[1], base[1], atol=1e-3)
 
 

@@ -25,6 +25,18 @@ def tiny_in(precision: str) -> Backbone:
     return Backbone(model=set_precision(t.model, precision), tokenizer=t.tokenizer, name=t.name)
 
 
+def tiny_on_decode_attention(precision: str = "bfloat16") -> Backbone:
+    """``tiny_in`` on the bfloat16 CPU decode attention whatever this CPU is: ``set_precision`` switches to it only
+    where oneDNN's bfloat16 linear runs (AVX-512 BF16 / AMX), but what rides on it (RowKeys, the growing KV cache)
+    needs only bfloat16 tensors on a CPU, and must hold on every machine the tests run on."""
+    from backbone.model import CPU_DECODE_ATTENTION, use_cpu_decode_attention
+
+    bb = tiny_in(precision)
+    use_cpu_decode_attention(bb.model)
+    assert bb.model.config._attn_implementation == CPU_DECODE_ATTENTION
+    return bb
+
+
 def _logits(bb: Backbone, text: str = "English: the house is small\nGerman:") -> torch.Tensor:
     ids = torch.tensor([bb.encode_context(text)])
     with torch.no_grad():
@@ -410,8 +422,7 @@ def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run
     from plugins import memory_tuning
     from plugins.api import train_plugin
 
-    bb = tiny_in("bfloat16")
-    assert bb.model.config._attn_implementation == "pema_cpu_decode"
+    bb = tiny_on_decode_attention()
     mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m", prompt=PROMPT)
     mt, _ = train_plugin(bb, mem, "memory_tuning", {"max_epochs": 1, "max_minutes": 0, "variant": "MT-M"},
                          out_dir=tmp_path / "mt")
@@ -604,7 +615,7 @@ def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(
 
     from backbone.model import GROWING_KV, KV_BLOCK, grow_kv_cache
 
-    bb = tiny_in("bfloat16")
+    bb = tiny_on_decode_attention()
     rows = [Row("base"), Row("again")]
     on = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=6, trace=False)
     monkeypatch.setitem(GROWING_KV, "on", False)
