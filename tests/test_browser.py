@@ -281,12 +281,16 @@ def test_card_titles_are_whole_and_cards_have_copy_and_plain_view(page, app):
 def test_selections_persist_after_a_reload(page, app):
     open_app(page, app["url"])
     page.get_by_role("tab", name="Compare").click()
+    stored = "Object.fromEntries(Object.entries(localStorage).filter(([k]) => k.startsWith('pema-studio-')))"
+    before = page.evaluate(stored)
     page.locator("#compare-methods label").filter(has_text="kNN demo").click()
     page.locator("#compare-task input").click()
     page.get_by_role("option", name="formality").click()
     page.get_by_role("tab", name="Evaluate").click()
     page.locator("#eval-methods label").filter(has_text="kNN demo").click()
-    time.sleep(1)  # the choices are written to this browser's storage
+    # the three choices are written to this browser's storage (a round trip each; slow on a loaded machine)
+    page.wait_for_function(f"(before => Object.entries({stored}).filter(([k, v]) => before[k] !== v).length >= 3)",
+                           arg=before)
     page.reload(wait_until="domcontentloaded")
     page.wait_for_selector("#pema-status .pema-status.ok")
     page.get_by_role("tab", name="Compare").click()
