@@ -38,7 +38,10 @@ attention mask with l more columns (``prefixed_mask``); the KV cache itself neve
 rows, no cache) that is the attention's one pass. In a comparison batch, where only this method's rows may see the
 prefix, every other row must stay bit-identical: at a decode step on the bfloat16 CPU decode attention
 (``backbone.model.RowKeys``) the attention itself computes the other rows as usual and then, for this method's rows,
-the same scores, softmax and product over [P_k; K] with [log σ; mask] — one attention call per layer, o_proj once.
+the attention over [P_k; K] with [log σ; mask] from the same scores — as the mixture above, (1 − λ)·(the row's own
+attention, already computed) + λ·softmax(c·q·P_kᵀ + log σ)·P_v with λ the prefix's share of the joint softmax, so its
+values are not copied behind the prefix at every step (the trace's last layer keeps the joint softmax itself) — one
+attention call per layer, o_proj once.
 Elsewhere (prefill, float32, GPU) the attention first runs as usual (the stand-in records its keys and values) and
 a forward hook re-runs it for this method's rows only (``network.sub_batch``: another method's hooks inside the
 attention, e.g. LoRA on o_proj, act on none of them) and puts their outputs in place. Needs ``eager`` or ``sdpa``
