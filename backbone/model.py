@@ -733,7 +733,9 @@ def _project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         weight @ xᵀ   27    62    56    52    57    55    50    53    49    78
 
     so ``weight @ xᵀ`` only for 7–15 rows (SmolLM2's 49,152 × 576 head: the same picture). Reproduce with
-    ``python -m eval.bench head``."""
+    ``python -m eval.bench head``. (That was an AVX-512 EPYC; the full float32 head on a CPU now runs
+    :class:`PackedF32Linear`, and this choice serves the plain path: a subset of the head's rows, a switched-off
+    kernel, gradients.)"""
     if x.dim() == 2 and 7 <= x.shape[0] <= 15 and x.device.type == "cpu":
         return (weight @ x.T).T.contiguous()
     return torch.nn.functional.linear(x, weight)

@@ -358,7 +358,8 @@ def _heldout_scores(bb, plugin, mem, lam: float = 0.5, n: int = 2000) -> dict:
 
 def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dict:
     """ms per LM-head projection of a few rows: ``F.linear`` (x·Wᵀ) vs ``W @ xᵀ`` (see ``backbone.model._project``)
-    vs the backbone's own head product (``head``: ``Backbone.head_logits``, e.g. the packed bfloat16 linear). Where
+    vs the backbone's own head product (``head``: ``Backbone.head_logits``, e.g. the packed bfloat16 or float32
+    linear). Where
     the backbone's linears are ``KernelLinear``s (bfloat16, int8 on a CPU), also every decoder linear's product once
     on one thread — what a decode step's decoder multiplies — as the layers run them (``decoder``: few rows padded to
     ``min_rows``) and as the bare kernel (``decoder_unpadded``), and the head's bare kernel (``head_unpadded``)."""
@@ -371,7 +372,7 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
     with torch.no_grad():
         for m in rows:
             x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
-            ins = {k.in_features: torch.randn(m, k.in_features, dtype=torch.bfloat16) for k in kernels}
+            ins = {k.in_features: torch.randn(m, k.in_features, dtype=k.INPUT_DTYPE) for k in kernels}
 
             def decoder(padded: bool):
                 with one_thread_section():
@@ -380,7 +381,7 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
             cases = [("linear", lambda: torch.nn.functional.linear(x, w)), ("w_xt", lambda: (w @ x.T).T),
                      ("head", lambda: bb.head_logits(x))]
             if head is not None:
-                xb = x.to(torch.bfloat16)
+                xb = x.to(head.INPUT_DTYPE)
                 cases.append(("head_unpadded", lambda: head._product(xb)))
             if kernels:
                 cases += [("decoder", lambda: decoder(True)), ("decoder_unpadded", lambda: decoder(False))]
