@@ -219,18 +219,20 @@ class PackedBF16Linear(KernelLinear):
     packed copy costs the weights' bytes once more in RAM."""
 
     FEW_ROWS = 4
+    PACKED_FOR_ROWS = 1  # the row count oneDNN's packed layout is chosen for
+    SWITCH = PACKED_BF16  # benchmarks switch the kernel off through it
 
     def _prepare(self) -> list:
-        return [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)]
+        return [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACKED_FOR_ROWS)]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._prepared[0], self.bias, "none", [], "")
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
-        return self.kernel_ok and x.dtype == torch.bfloat16 and x.is_cpu and PACKED_BF16["on"]
+        return self.kernel_ok and x.dtype == self.INPUT_DTYPE and x.is_cpu and self.SWITCH["on"]
 
 
-class PackedF32Linear(KernelLinear):
+class PackedF32Linear(PackedBF16Linear):
     """The float32 LM head on a CPU through oneDNN's linear on a weight pre-packed once (the calls of
     :class:`PackedBF16Linear`, in float32: the same IEEE float32 multiply-adds as ``F.linear``, summed in another
     order — logits agree to ~1e-6 relative). Measured on an AVX2-only EPYC (BENCHMARKS §3, fifteenth session):
@@ -242,15 +244,9 @@ class PackedF32Linear(KernelLinear):
     costs the head's bytes once more in RAM."""
 
     INPUT_DTYPE = torch.float32
-
-    def _prepare(self) -> list:
-        return [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 4)]
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._prepared[0], self.bias, "none", [], "")
-
-    def _runs_kernel(self, x: torch.Tensor) -> bool:
-        return self.kernel_ok and x.dtype == torch.float32 and x.is_cpu and PACKED_F32_HEAD["on"]
+    FEW_ROWS = 1
+    PACKED_FOR_ROWS = 4
+    SWITCH = PACKED_F32_HEAD
 
 
 class Int8Linear(KernelLinear):
