@@ -470,32 +470,62 @@ CPU_DECODE_ATTENTION = "pema_cpu_decode"
 def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          **kwargs):
-    """Attention for bfloat16 on a CPU, registered with transformers' ``AttentionInterface``: a decode step
-    (one query token) is two small matrix products and a softmax, as transformers' eager attention computes them
-    (scores in bfloat16, softmax in float32); everything else goes to transformers' SDPA function. torch's
-    bfloat16 SDPA kernel for one query token is slow on this CPU: in ``python -m eval.bench rows --dtype
-    bfloat16`` it took 32 ms of a 185-ms 7-row Gemma step (16 ms at 4 rows), gone with this function
-    (BENCHMARKS §3)."""
+    """A decode step's attention on a CPU (one query token), registered with transformers' ``AttentionInterface``
+    for bfloat16 and float32 models on a CPU; everything else (a prefill, training, other dtypes) goes to
+    transformers' SDPA function.
+
+    bfloat16: two small matrix products and a softmax, as transformers' eager attention computes them (scores in
+    bfloat16, softmax in float32). torch's bfloat16 SDPA kernel for one query token is slow on an AVX-512 BF16 CPU:
+    in ``python -m eval.bench rows --dtype bfloat16`` it took 32 ms of a 185-ms 7-row Gemma step (16 ms at 4 rows),
+    gone with this function (BENCHMARKS §3).
+
+    float32: SDPA itself for every row (its kernel is the faster one there, and its bits are float32's reference),
+    plus only what rides on this function: memory-tuning's prefix for its rows (:class:`RowKeys`), which otherwise
+    re-runs the whole attention module for those rows at every layer and step (BENCHMARKS §3, sixteenth session)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (query.shape[2] != 1 or query.device.type != "cpu" or query.dtype != torch.bfloat16 or dropout
-            or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
+    if (query.shape[2] != 1 or query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32)
+            or dropout or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     B, H, _, D = query.shape
     Hkv = key.shape[1]
     q = query.reshape(B, Hkv, H // Hkv, D)  # head h reads KV head h // (H / Hkv): as repeat_kv lays them out
     scale = scaling if scaling is not None else D ** -0.5
+    extra = module.__dict__.get("pema_row_keys")  # set by memory-tuning's pre-hook (see RowKeys)
+    if query.dtype == torch.float32:
+        got = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+        if extra is None or not extra.live():
+            return got
+        out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
+        scores = _decode_scores(q, key, attention_mask, scale)
+        return extra.attend(out, q, scores, value, scale).reshape(B, 1, H, D), None
+    scores = _decode_scores(q, key, attention_mask, scale)
+    key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs, value)  # (B, Hkv, H/Hkv, D)
+    if extra is not None and extra.live():
+        out = extra.attend(out, q, scores, value, scale)
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+def _decode_scores(q: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+    """A decode step's scaled, masked attention scores (B, KV heads, heads per KV head, C) of queries ``q`` (B, KV
+    heads, heads per KV head, D) over ``key``'s positions — over its whole buffer (C ≥ L) where it is a growing
+    cache's view (the unused positions at −inf)."""
+    B, Hkv, G, D = q.shape
     L = key.shape[2]
     # Keys and values from a ``GrowingKVLayer`` are the first L positions of a block-sized buffer: the products run
     # over the whole (contiguous) buffer, its unused positions masked (−inf scores, zero values) — a strided view
     # would send torch's bmm down a copying path (7 rows: 219 instead of 47 µs).
-    key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
+    key = getattr(key, "pema_buffer", key)
     C = key.shape[2]
     # as a 3-D bmm: the same products and bits as the 4-D matmul, which first copied the transposed keys (one row:
     # 22 instead of 50 µs a layer; BENCHMARKS §3, twelfth session)
-    scores = torch.bmm(q.reshape(B * Hkv, H // Hkv, D), key.reshape(B * Hkv, C, D).transpose(1, 2))
-    scores = scores.view(B, Hkv, H // Hkv, C) * scale  # (B, Hkv, H/Hkv, C)
+    scores = torch.bmm(q.reshape(B * Hkv, G, D), key.reshape(B * Hkv, C, D).transpose(1, 2))
+    scores = scores.view(B, Hkv, G, C) * scale  # (B, Hkv, G, C)
     if C > L:
         scores[..., L:] = float("-inf")
     if attention_mask is not None:
@@ -504,12 +534,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
             scores[..., :L].masked_fill_(~m, float("-inf"))
         else:
             scores[..., :L] += m
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    out = torch.matmul(probs, value)  # (B, Hkv, H/Hkv, D)
-    extra = module.__dict__.get("pema_row_keys")  # set by memory-tuning's pre-hook (see RowKeys)
-    if extra is not None and extra.live():
-        out = extra.attend(out, q, scores, value, scale)
-    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+    return scores
 
 
 KV_BLOCK = 32  # a growing KV cache's buffers hold a multiple of this many positions
@@ -560,7 +585,8 @@ def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
     cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` (the attention that reads the
     buffers; others would get strided views); layers of other kinds are left as they are."""
-    if getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION:
+    if (getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION
+            or getattr(model, "dtype", None) != torch.bfloat16):  # float32 runs SDPA, which would get strided views
         return
     try:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -692,6 +718,8 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
         if (type(head) is nn.Linear and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
                 and packed_f32_available()):
             model.set_output_embeddings(PackedF32Linear(head))
+        if all(p.device.type == "cpu" for p in model.parameters()):
+            use_cpu_decode_attention(model)  # SDPA for every row; memory-tuning's prefix read inside it (RowKeys)
         return model
     if precision == "int8":
         if any(p.device.type != "cpu" for p in model.parameters()):

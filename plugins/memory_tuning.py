@@ -36,13 +36,13 @@ Mechanism: a forward pre-hook on ``layers[l].self_attn`` hands the attention a s
 (``PrefixKV``) whose ``update`` prepends P_k, P_v to what the real cache (or the new tokens) gives, and an additive
 attention mask with l more columns (``prefixed_mask``); the KV cache itself never holds the prefix. In training (all
 rows, no cache) that is the attention's one pass. In a comparison batch, where only this method's rows may see the
-prefix, every other row must stay bit-identical: at a decode step on the bfloat16 CPU decode attention
-(``backbone.model.RowKeys``) the attention itself computes the other rows as usual and then, for this method's rows,
+prefix, every other row must stay bit-identical: at a decode step on the CPU decode attention (bfloat16 or float32,
+``backbone.model.RowKeys``) the attention itself computes the other rows as usual and then, for this method's rows,
 the attention over [P_k; K] with [log σ; mask] from the same scores — as the mixture above, (1 − λ)·(the row's own
 attention, already computed) + λ·softmax(c·q·P_kᵀ + log σ)·P_v with λ the prefix's share of the joint softmax, so its
 values are not copied behind the prefix at every step (the trace's last layer keeps the joint softmax itself) — one
 attention call per layer, o_proj once.
-Elsewhere (prefill, float32, GPU) the attention first runs as usual (the stand-in records its keys and values) and
+Elsewhere (prefill, a GPU) the attention first runs as usual (the stand-in records its keys and values) and
 a forward hook re-runs it for this method's rows only (``network.sub_batch``: another method's hooks inside the
 attention, e.g. LoRA on o_proj, act on none of them) and puts their outputs in place. Needs ``eager`` or ``sdpa``
 attention (the project's default).
@@ -98,10 +98,10 @@ from plugins.settings import Preset, setting
 
 VARIANTS = ("MT-F", "MT-M", "MT-MF")
 TRACE_TOP = 5
-# those that take an additive float mask of any key length (the bfloat16 CPU decode attention adds it as eager does)
+# those that take an additive float mask of any key length (the CPU decode attention adds it as eager does)
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", CPU_DECODE_ATTENTION)
 LEGACY_SETTINGS = ("query_dim", "key_dim", "slot_dim", "value_dim")
-# A decode step on the bfloat16 CPU attention hands the prefix to the attention for this method's rows only
+# A decode step on the CPU decode attention hands the prefix to the attention for this method's rows only
 # (``RowKeys``) instead of re-running the attention; tests and benchmarks switch it off to compare the two.
 ROW_KEYS_IN_ATTENTION = {"on": True}
 
@@ -307,8 +307,8 @@ class MemoryTuning(NetworkPlugin):
         L = self.backbone.num_layers
         ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.batch_rows is not None
                       else None)  # decoding: the slot reads with their scales folded in, every layer at once
-        # decoding on the bfloat16 CPU decode attention: every layer's prefix in bfloat16, looked up once
-        row_keys = (self._all_prefixes(torch.bfloat16) if self.use_attn and ROW_KEYS_IN_ATTENTION["on"]
+        # decoding on the CPU decode attention: every layer's prefix in the backbone's dtype, looked up once
+        row_keys = (self._all_prefixes(self.backbone.dtype) if self.use_attn and ROW_KEYS_IN_ATTENTION["on"]
                     and att.batch_rows is not None
                     and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION
                     else None)
@@ -367,9 +367,9 @@ class MemoryTuning(NetworkPlugin):
         return derived(self, ("ffn", scale), sources, build)
 
     def _prefix_hooks(self, l: int, att: Attachment, trace: bool, shared: dict,
-                      bf16_prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """MT-M on layer l's self-attention (module docstring): the pre-hook and the forward hook. ``bf16_prefix``
-        (decoding on the bfloat16 CPU decode attention): the layer's P_k, P_v in bfloat16 for ``RowKeys``."""
+                      decode_prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """MT-M on layer l's self-attention (module docstring): the pre-hook and the forward hook. ``decode_prefix``
+        (decoding on the CPU decode attention): the layer's P_k, P_v in the backbone's dtype for ``RowKeys``."""
         scale = self._scale_of(att)
         log_sigma = math.log(scale) if scale > 0 else 0.0
         n_prefix = self.config.prefix_length
@@ -385,10 +385,11 @@ class MemoryTuning(NetworkPlugin):
                                      None, log_sigma, x.dtype, x.device)
                 return args, {**kwargs, "past_key_values": PrefixKV(None, self.prefix(l)), "attention_mask": mask}
             call["kv"] = PrefixKV(past)  # a plain pass that records the keys/values; ``post`` re-runs it …
-            if bf16_prefix is not None and x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-                # … unless the bfloat16 CPU decode attention reads the prefix for this method's rows itself
+            if (decode_prefix is not None and x.shape[1] == 1 and x.dtype == decode_prefix[0].dtype
+                    and x.device.type == "cpu"):
+                # … unless the CPU decode attention reads the prefix for this method's rows itself
                 # (set in the module's __dict__: nn.Module's __setattr__ costs more than the rest of this hook)
-                call["row_keys"] = mod.__dict__["pema_row_keys"] = RowKeys(att.rows, *bf16_prefix, log_sigma,
+                call["row_keys"] = mod.__dict__["pema_row_keys"] = RowKeys(att.rows, *decode_prefix, log_sigma,
                                                                            lambda: att.live, keep_probs=trace)
             return args, {**kwargs, "past_key_values": call["kv"]}
 

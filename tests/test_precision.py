@@ -431,16 +431,18 @@ def test_vocabulary_wide_row_operations_of_a_step_take_every_thread_with_the_sam
         torch.set_num_threads(threads)
 
 
-def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run(tmp_path, monkeypatch):
-    """On the bfloat16 CPU decode attention, MT-M's rows read the prefix inside the layer's one attention call
-    (RowKeys) instead of a second run of the attention: a decode step's f(c) for those rows as the re-run gives it,
-    the other rows bit-identical to a step without memory-tuning attached, and the same λ trace in a comparison."""
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run(tmp_path, monkeypatch, precision):
+    """On the CPU decode attention (bfloat16's own; float32's SDPA plus RowKeys), MT-M's rows read the prefix
+    inside the layer's one attention call (RowKeys) instead of a second run of the attention: a decode step's f(c)
+    for those rows as the re-run gives it (to the precision's rounding), the other rows bit-identical to a step
+    without memory-tuning attached, and the same λ trace in a comparison."""
     import copy
 
     from plugins import memory_tuning
     from plugins.api import train_plugin
 
-    bb = tiny_on_decode_attention()
+    bb = tiny_on_decode_attention(precision)
     mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m", prompt=PROMPT)
     mt, _ = train_plugin(bb, mem, "memory_tuning", {"max_epochs": 1, "max_minutes": 0, "variant": "MT-M"},
                          out_dir=tmp_path / "mt")
@@ -470,7 +472,8 @@ def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run
     assert len(calls) == n  # switched off: the re-run
     assert torch.equal(fused[0], plain[0]) and torch.equal(rerun[0], plain[0])
     assert (fused[1:] - plain[1:]).abs().max() > 0.1  # the prefix does act
-    assert torch.allclose(fused[1:].float(), rerun[1:].float(), atol=0.05, rtol=0.02)
+    tol = {"atol": 0.05, "rtol": 0.02} if precision == "bfloat16" else {"atol": 1e-4, "rtol": 1e-4}
+    assert torch.allclose(fused[1:].float(), rerun[1:].float(), **tol)
     monkeypatch.setitem(memory_tuning.ROW_KEYS_IN_ATTENTION, "on", True)
     rows = [Row("base"), Row("mt", mt)]
     traces = []
@@ -667,7 +670,7 @@ def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(
     cache.batch_select_indices(torch.tensor([0, 0]))  # replaced tensors: the next append copies them first
     again, _ = cache.layers[0].update(torch.cat([new_k, new_k]), torch.cat([new_k, new_k]))
     assert again.pema_buffer is not buffer and again.shape[0] == 2 and torch.equal(again[1, :, :-1], mine[0])
-    f32 = tiny_in("float32")  # its attention (SDPA) would get strided views: its cache is left as it is
+    f32 = tiny_in("float32")  # its decode attention is SDPA, which would get strided views: its cache is left as it is
     with torch.no_grad():
         plain = f32.decoder(input_ids=ids, use_cache=True).past_key_values
     grow_kv_cache(plain, f32.model)
