@@ -499,7 +499,8 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if extra is None or not extra.live():
             return got
         out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
-        scores = _decode_scores(q, key, attention_mask, scale)
+        scores = _decode_scores(q, key, attention_mask, scale)  # over a growing cache's whole buffer, as below
+        value = getattr(value, "pema_buffer", value)
         return extra.attend(out, q, scores, value, scale).reshape(B, 1, H, D), None
     scores = _decode_scores(q, key, attention_mask, scale)
     key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
@@ -583,10 +584,10 @@ class GrowingKVLayer:
 
 def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
-    cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` (the attention that reads the
-    buffers; others would get strided views); layers of other kinds are left as they are."""
-    if (getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION
-            or getattr(model, "dtype", None) != torch.bfloat16):  # float32 runs SDPA, which would get strided views
+    cache after its prefill), where ``model`` runs :func:`cpu_decode_attention`: bfloat16's reads the whole
+    buffers, float32's SDPA reads the views (strided; the same bits and time as contiguous keys — measured,
+    BENCHMARKS §3, sixteenth session). Layers of other kinds are left as they are."""
+    if getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION:
         return
     try:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer

@@ -5,7 +5,9 @@ distance; combiner: P_kNN(y) ∝ Σ_{(k_j, v_j) ∈ N, v_j = y} exp(−d_j / T) 
 k, T and λ are decode-time settings: nothing is rebuilt when they change.
 
 Search: exact (keys held in RAM as float32; on a CPU from 4,096 entries a bfloat16 pre-filter scan whose result is
-certified equal to the float32 scan's, :class:`CertifiedL2Search`; else a chunked float32 torch matmul) up to
+certified equal to the float32 scan's, :class:`CertifiedL2Search`, where oneDNN's bfloat16 linear runs; else a
+chunked float32 scan — on a CPU from 4,096 entries by oneDNN's float32 linear on the keys packed once, ``PACKED_SCAN``:
+Gemma's 100k keys 20.7 → 12.7 ms a query on an AVX2 EPYC, BENCHMARKS §3, sixteenth session) up to
 ``exact_max_entries``; beyond that FAISS
 IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the memory with ``faiss.write_index``,
 never pickled, its file name keyed by every setting that changes it), keys left memory-mapped on disk. As kNN-LM
@@ -33,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbone.model import all_threads, packed_bf16_available
+from backbone.model import all_threads, packed_bf16_available, packed_f32_available
 from memories.store import Memory
 from plugins.base import (FitResult, MixInput, MixOutput, Plugin, PluginConfig, file_sha256, mix_logprobs,
                           plain_file_name)
@@ -47,6 +49,11 @@ from ground.store import write_json_atomic
 CERTIFIED_SEARCH = {"on": True}  # benchmarks switch it off to time the plain float32 search in the same process
 _BF16_U = 2.0 ** -8          # bfloat16's unit roundoff (8 significant bits)
 _FP32_U = 2.0 ** -24          # float32's unit roundoff
+# The float32 scan on a CPU through oneDNN's linear on the keys packed once (for four rows: a query gets the same bits
+# alone and beside others); benchmarks and tests switch it off to compare with the plain matmul. Costs the keys'
+# bytes once more in RAM (as the certified search's bfloat16 copy costs half of them).
+PACKED_SCAN = {"on": True}
+_SCAN_CHUNK = 262144  # keys per product: the (queries × chunk) distance matrix stays small
 
 
 class CertifiedL2Search:
@@ -185,6 +192,7 @@ class KNN(Plugin):
         self.index_record: dict | None = None  # {"file", "sha256"} of the FAISS index in use
         self.search_kind = ""
         self.exact_l2: CertifiedL2Search | None = None
+        self.packed_keys: list | None = None  # the float32 scan's packed keys (``PACKED_SCAN``), per chunk
 
     @classmethod
     def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
@@ -217,8 +225,15 @@ class KNN(Plugin):
             self.keys = keys
             self.key_sqnorm = (keys * keys).sum(1)
             self.exact_l2 = CertifiedL2Search(keys) if CertifiedL2Search.applies(keys) else None
-            self.search_kind = (f"exact (torch matmul over {n:,} keys)" if self.exact_l2 is None else
-                                f"exact (bfloat16 pre-filter, certified float32 distances, over {n:,} keys)")
+            self.packed_keys = (
+                [torch.ops.mkldnn._reorder_linear_weight(keys[b0:b0 + _SCAN_CHUNK].contiguous(), 4)
+                 for b0 in range(0, n, _SCAN_CHUNK)]
+                if self.exact_l2 is None and keys.device.type == "cpu" and n >= CertifiedL2Search.MIN_ENTRIES
+                and packed_f32_available() else None)
+            self.search_kind = (f"exact (bfloat16 pre-filter, certified float32 distances, over {n:,} keys)"
+                                if self.exact_l2 is not None else
+                                f"exact (float32 scan of {n:,} packed keys)" if self.packed_keys is not None else
+                                f"exact (torch matmul over {n:,} keys)")
 
     def _damaged_index(self, path: Path, what: str) -> UserError:
         return UserError(f"The kNN plug-in's FAISS index {path} {what}. Train the kNN plug-in again (a new index "
@@ -336,11 +351,13 @@ class KNN(Plugin):
         if self.exact_l2 is not None and CERTIFIED_SEARCH["on"]:
             return self.exact_l2.search(q, k)
         best_d, best_i = None, None
-        for b0 in range(0, len(self.keys), 262144):  # chunked so the distance matrix stays small
-            kc = self.keys[b0:b0 + 262144]
+        packed = self.packed_keys if PACKED_SCAN["on"] and q.device.type == "cpu" else None
+        for c, b0 in enumerate(range(0, len(self.keys), _SCAN_CHUNK)):
+            kc = self.keys[b0:b0 + _SCAN_CHUNK]
             with all_threads():
-                qk = q @ kc.T
-            d = (q * q).sum(1, keepdim=True) - 2 * qk + self.key_sqnorm[b0:b0 + 262144]
+                qk = (q @ kc.T if packed is None else
+                      torch.ops.mkldnn._linear_pointwise(q.contiguous(), packed[c], None, "none", [], ""))
+            d = (q * q).sum(1, keepdim=True) - 2 * qk + self.key_sqnorm[b0:b0 + _SCAN_CHUNK]
             dv, di = d.topk(min(k, len(kc)), dim=1, largest=False)
             di = di + b0
             if best_d is None:

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from backbone.model import packed_bf16_available
-from plugins.knn import CERTIFIED_SEARCH, KNN, CertifiedL2Search, KNNConfig
+from backbone.model import packed_bf16_available, packed_f32_available
+from plugins.knn import CERTIFIED_SEARCH, KNN, PACKED_SCAN, CertifiedL2Search, KNNConfig
 
 needs_onednn = pytest.mark.skipif(not packed_bf16_available(), reason="oneDNN bfloat16 linear not available")
 
@@ -64,6 +64,44 @@ def test_certified_search_centres_keys_that_share_a_large_common_component():
     approx = (q * q).sum(1, keepdim=True) - 2 * s + (keys * keys).sum(1)
     uncentred = approx - 6 * 2 ** -8 * q.norm(dim=1, keepdim=True) * keys.norm(dim=1)
     assert int((uncentred <= ref_d[:, -1:].float()).sum()) > 0.5 * len(keys) * len(q)
+
+
+@pytest.mark.skipif(not packed_f32_available(), reason="oneDNN float32 linear not available")
+def test_knn_float32_scan_on_packed_keys_finds_the_exact_neighbours(tiny, monkeypatch):
+    """Where the certified bfloat16 search cannot run (no oneDNN bfloat16 on this CPU: switched off here), the
+    float32 scan from 4,096 entries reads the keys packed once for oneDNN's linear: the k nearest by a float64 scan,
+    the plain matmul's distances to float32 rounding, and a query's bits the same alone and beside others."""
+    from plugins import knn as knn_module
+
+    monkeypatch.setattr(knn_module, "packed_bf16_available", lambda: False)
+
+    class Mem:  # keys without the certified test's near-ties (a float32 scan's cancellation would reorder those)
+        path, id, key_scale = "m", "m", 1.0
+        keys = torch.randn(5000, tiny.hidden_size, generator=torch.Generator().manual_seed(0)).numpy()
+        values = np.arange(len(keys)) % 50
+        entry_sample = np.zeros(len(keys), dtype=np.int64)
+
+        def __len__(self):
+            return len(self.keys)
+
+    plugin = KNN(KNNConfig(search="exact"), tiny)
+    plugin.attach_memory(Mem())
+    assert plugin.exact_l2 is None and plugin.packed_keys is not None and "packed" in plugin.search_kind
+    q = torch.from_numpy(Mem.keys[:5]) + 0.5 * torch.randn(5, tiny.hidden_size)
+    d, i = plugin.search(q, 16)
+    _, ref_i = _float64_topk(plugin.keys, q, 16)
+    for r in range(5):
+        assert set(i[r].tolist()) == set(ref_i[r].tolist())
+    for r in range(5):
+        d1, i1 = plugin.search(q[r:r + 1], 16)
+        assert torch.equal(d1, d[r:r + 1]) and torch.equal(i1, i[r:r + 1])
+    monkeypatch.setitem(PACKED_SCAN, "on", False)
+    plain_d, plain_i = plugin.search(q, 16)
+    assert torch.allclose(d, plain_d, rtol=1e-4, atol=1e-3)
+    small = KNN(KNNConfig(search="exact"), tiny)
+    Mem.keys = Mem.keys[:4095]
+    small.attach_memory(Mem())
+    assert small.packed_keys is None and "matmul" in small.search_kind
 
 
 @needs_onednn
