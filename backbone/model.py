@@ -584,10 +584,11 @@ class GrowingKVLayer:
 
 def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
-    cache after its prefill), where ``model`` runs :func:`cpu_decode_attention`: bfloat16's reads the whole
-    buffers, float32's SDPA reads the views (strided; the same bits and time as contiguous keys — measured,
-    BENCHMARKS §3, sixteenth session). Layers of other kinds are left as they are."""
-    if getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION:
+    cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` in bfloat16 (the attention that
+    reads the buffers). Not in float32: its SDPA would read the views (the same bits), but the 7-row float32 step
+    was no faster for it (0.98×, BENCHMARKS §3, sixteenth session). Layers of other kinds are left as they are."""
+    if (getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION
+            or getattr(model, "dtype", None) != torch.bfloat16):
         return
     try:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
