@@ -499,7 +499,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if extra is None or not extra.live():
             return got
         out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
-        scores = _decode_scores(q, key, attention_mask, scale)  # over a growing cache's whole buffer, as below
+        scores = _decode_scores(q, key, attention_mask, scale)  # (a growing cache: over its whole buffer)
         value = getattr(value, "pema_buffer", value)
         return extra.attend(out, q, scores, value, scale).reshape(B, 1, H, D), None
     scores = _decode_scores(q, key, attention_mask, scale)

@@ -18,6 +18,19 @@ def _clustered_keys(n=6000, d=64, seed=0):
     return keys + 0.04 * torch.randn(keys.shape, generator=g)
 
 
+class _Datastore:
+    """The datastore interface ``KNN.attach_memory`` reads, over given keys (values: 50 token ids in turn)."""
+
+    def __init__(self, keys: np.ndarray, key_scale: float):
+        self.path, self.id, self.key_scale = "m", "m", key_scale
+        self.keys = keys
+        self.values = np.arange(len(keys)) % 50
+        self.entry_sample = np.zeros(len(keys), dtype=np.int64)
+
+    def __len__(self):
+        return len(self.keys)
+
+
 def _float64_topk(keys, q, k):
     d = ((keys.double()[None] - q.double()[:, None]) ** 2).sum(-1)
     return d.topk(k, dim=1, largest=False)
@@ -75,19 +88,12 @@ def test_knn_float32_scan_on_packed_keys_finds_the_exact_neighbours(tiny, monkey
 
     monkeypatch.setattr(knn_module, "packed_bf16_available", lambda: False)
 
-    class Mem:  # keys without the certified test's near-ties (a float32 scan's cancellation would reorder those)
-        path, id, key_scale = "m", "m", 1.0
-        keys = torch.randn(5000, tiny.hidden_size, generator=torch.Generator().manual_seed(0)).numpy()
-        values = np.arange(len(keys)) % 50
-        entry_sample = np.zeros(len(keys), dtype=np.int64)
-
-        def __len__(self):
-            return len(self.keys)
-
+    # keys without the certified test's near-ties (a float32 scan's cancellation would reorder those)
+    keys = torch.randn(5000, tiny.hidden_size, generator=torch.Generator().manual_seed(0)).numpy()
     plugin = KNN(KNNConfig(search="exact"), tiny)
-    plugin.attach_memory(Mem())
+    plugin.attach_memory(_Datastore(keys, 1.0))
     assert plugin.exact_l2 is None and plugin.packed_keys is not None and "packed" in plugin.search_kind
-    q = torch.from_numpy(Mem.keys[:5]) + 0.5 * torch.randn(5, tiny.hidden_size)
+    q = torch.from_numpy(keys[:5]) + 0.5 * torch.randn(5, tiny.hidden_size)
     d, i = plugin.search(q, 16)
     _, ref_i = _float64_topk(plugin.keys, q, 16)
     for r in range(5):
@@ -99,26 +105,17 @@ def test_knn_float32_scan_on_packed_keys_finds_the_exact_neighbours(tiny, monkey
     plain_d, plain_i = plugin.search(q, 16)
     assert torch.allclose(d, plain_d, rtol=1e-4, atol=1e-3)
     small = KNN(KNNConfig(search="exact"), tiny)
-    Mem.keys = Mem.keys[:4095]
-    small.attach_memory(Mem())
+    small.attach_memory(_Datastore(keys[:4095], 1.0))
     assert small.packed_keys is None and "matmul" in small.search_kind
 
 
 @needs_onednn
 def test_knn_uses_the_certified_search_from_4096_entries(tiny, monkeypatch):
-    class Mem:  # the datastore interface attach_memory reads
-        path, id, key_scale = "m", "m", 40.0
-        keys = _clustered_keys(d=tiny.hidden_size).numpy()
-        values = np.arange(len(keys)) % 50
-        entry_sample = np.zeros(len(keys), dtype=np.int64)
-
-        def __len__(self):
-            return len(self.keys)
-
+    keys = _clustered_keys(d=tiny.hidden_size).numpy()
     plugin = KNN(KNNConfig(search="exact"), tiny)
-    plugin.attach_memory(Mem())
+    plugin.attach_memory(_Datastore(keys, 40.0))
     assert plugin.exact_l2 is not None and "certified" in plugin.search_kind
-    q = torch.from_numpy(Mem.keys[:3] * 1.001) / 40.0
+    q = torch.from_numpy(keys[:3] * 1.001) / 40.0
     d, i = plugin.search(q, 16)
     ref_d, ref_i = _float64_topk(plugin.keys, q, 16)
     for r in range(3):
@@ -129,6 +126,5 @@ def test_knn_uses_the_certified_search_from_4096_entries(tiny, monkeypatch):
     assert torch.allclose(d, d32, rtol=1e-3, atol=0.05)
 
     small = KNN(KNNConfig(search="exact"), tiny)
-    Mem.keys = Mem.keys[:4095]
-    small.attach_memory(Mem())
+    small.attach_memory(_Datastore(keys[:4095], 40.0))
     assert small.exact_l2 is None and "certified" not in small.search_kind
