@@ -46,7 +46,8 @@ from memories.store import Memory
 from plugins.api import open_memory, train_plugin
 from plugins.base import load_plugin
 from plugins.decode import Row, compare
-from plugins.knn import CERTIFIED_SEARCH
+from plugins.knn import CERTIFIED_SEARCH, PACKED_SCAN
+from plugins.memory_tuning import ROW_KEYS_IN_ATTENTION
 from plugins.pema import mix_logprobs
 
 # Idle OpenMP threads spin-wait by default and starve the other core on a busy 2-core machine.
@@ -487,8 +488,9 @@ def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> li
 
 def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
-    exact kNN over 100k entries alone (its certified bfloat16 pre-filter scan, and the plain float32 scan), and the
-    base row with each method's row beside it (what each method adds to a step). The configs take turns:
+    exact kNN over 100k entries alone (its certified bfloat16 pre-filter scan or packed float32 scan, and the plain
+    float32 matmul), the base row with each method's row beside it (what each method adds to a step), and the base
+    + memory-tuning pair with MT-M's attention re-run instead of its prefix read inside the decode attention. The configs take turns:
     ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to that turn's base
     step (``paired_ratios``; the ratio of the medians is kept as ``over_one_row_of_medians``). Also a profile of
     the 1-, 4- and 7-row steps."""
@@ -503,15 +505,18 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
                "7 rows": [R("base")] + [R(n, plugins[n]) for n in SEVEN],
                "knn 100k": [R("knn100k", knn100k)],
                "knn 100k, plain float32 scan": [R("knn100k", knn100k)],
-               **{f"base + {m}": [R("base"), R(m, plugins[m])] for m in SEVEN}}  # what each method adds
+               **{f"base + {m}": [R("base"), R(m, plugins[m])] for m in SEVEN},  # what each method adds
+               "base + memory_tuning, MT-M re-run": [R("base"), R("memory_tuning", plugins["memory_tuning"])]}
     src = iter(sources * reps * len(configs))
 
     def run(name):
-        CERTIFIED_SEARCH["on"] = not name.endswith("plain float32 scan")
+        plain = name.endswith("plain float32 scan")  # the float32 matmul over every key (no certified, no packed scan)
+        CERTIFIED_SEARCH["on"] = PACKED_SCAN["on"] = not plain
+        ROW_KEYS_IN_ATTENTION["on"] = not name.endswith("MT-M re-run")  # the attention re-run for MT-M's rows
         try:
             return _decode_seconds(bb, configs[name], prompt, next(src), tokens)
         finally:
-            CERTIFIED_SEARCH["on"] = True
+            CERTIFIED_SEARCH["on"] = PACKED_SCAN["on"] = ROW_KEYS_IN_ATTENTION["on"] = True
 
     with _FixedSteps(bb):
         for c in configs.values():  # warm-up: prefix KV cache, candidate rows, kernels
