@@ -499,8 +499,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if extra is None or not extra.live():
             return got
         out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
-        scores = _decode_scores(q, key, attention_mask, scale)  # (a growing cache: over its whole buffer)
-        value = getattr(value, "pema_buffer", value)
+        scores = _decode_scores(q, key, attention_mask, scale)
         return extra.attend(out, q, scores, value, scale).reshape(B, 1, H, D), None
     scores = _decode_scores(q, key, attention_mask, scale)
     key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
@@ -586,7 +585,7 @@ def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
     cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` in bfloat16 (the attention that
     reads the buffers). Not in float32: its SDPA would read the views (the same bits), but the 7-row float32 step
-    was no faster for it (0.98×, BENCHMARKS §3, sixteenth session). Layers of other kinds are left as they are."""
+    was not measurably faster for it (a one-off A/B, BENCHMARKS §3, sixteenth session). Layers of other kinds are left as they are."""
     if (getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION
             or getattr(model, "dtype", None) != torch.bfloat16):
         return

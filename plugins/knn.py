@@ -7,7 +7,7 @@ k, T and λ are decode-time settings: nothing is rebuilt when they change.
 Search: exact (keys held in RAM as float32; on a CPU from 4,096 entries a bfloat16 pre-filter scan whose result is
 certified equal to the float32 scan's, :class:`CertifiedL2Search`, where oneDNN's bfloat16 linear runs; else a
 chunked float32 scan — on a CPU from 4,096 entries by oneDNN's float32 linear on the keys packed once, ``PACKED_SCAN``:
-Gemma's 100k keys 20.7 → 12.7 ms a query on an AVX2 EPYC, BENCHMARKS §3, sixteenth session) up to
+on an AVX2 EPYC kNN over 100k entries 1.13× a base step against the plain matmul's 1.25×, BENCHMARKS §3) up to
 ``exact_max_entries``; beyond that FAISS
 IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the memory with ``faiss.write_index``,
 never pickled, its file name keyed by every setting that changes it), keys left memory-mapped on disk. As kNN-LM
