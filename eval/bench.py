@@ -45,7 +45,7 @@ from memories.parse import Sample
 from memories.store import Memory
 from plugins.api import open_memory, train_plugin
 from plugins.base import load_plugin
-from plugins.decode import Row, compare
+from plugins.decode import COMPACT_ROWS, Row, compare, start_compare
 from plugins.knn import CERTIFIED_SEARCH, PACKED_SCAN
 from plugins.memory_tuning import ROW_KEYS_IN_ATTENTION
 from plugins.pema import mix_logprobs
@@ -506,17 +506,19 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
                "knn 100k": [R("knn100k", knn100k)],
                "knn 100k, plain float32 scan": [R("knn100k", knn100k)],
                **{f"base + {m}": [R("base"), R(m, plugins[m])] for m in SEVEN},  # what each method adds
-               "base + memory_tuning, MT-M re-run": [R("base"), R("memory_tuning", plugins["memory_tuning"])]}
+               "base + memory_tuning, MT-M re-run": [R("base"), R("memory_tuning", plugins["memory_tuning"])],
+               "7 rows, every batch row": [R("base")] + [R(n, plugins[n]) for n in SEVEN]}
     src = iter(sources * reps * len(configs))
 
     def run(name):
         plain = name.endswith("plain float32 scan")  # the float32 matmul over every key (no certified, no packed scan)
         CERTIFIED_SEARCH["on"] = PACKED_SCAN["on"] = not plain
         ROW_KEYS_IN_ATTENTION["on"] = not name.endswith("MT-M re-run")  # the attention re-run for MT-M's rows
+        COMPACT_ROWS["on"] = not name.endswith("every batch row")  # one cache row per batch row, as before
         try:
             return _decode_seconds(bb, configs[name], prompt, next(src), tokens)
         finally:
-            CERTIFIED_SEARCH["on"] = PACKED_SCAN["on"] = ROW_KEYS_IN_ATTENTION["on"] = True
+            CERTIFIED_SEARCH["on"] = PACKED_SCAN["on"] = ROW_KEYS_IN_ATTENTION["on"] = COMPACT_ROWS["on"] = True
 
     with _FixedSteps(bb):
         for c in configs.values():  # warm-up: prefix KV cache, candidate rows, kernels
@@ -524,6 +526,7 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
         turns: dict = {}
         med = _interleaved({k: k for k in configs}, run, reps, turns)
         prof = {k: profile_step(bb, configs[k], prompt, sources[0]) for k in ("base", "4 rows", "7 rows")}
+    natural = bench_whole_comparisons(bb, configs["7 rows"], prompt, [en for en, _ in wmt_pairs("dev", 3, 6)])
     base = med["base"]
     return {"precision": bb.precision, "tokens": tokens, "reps": reps,
             "rows": {k: [r.label for r in v] for k, v in configs.items()},
@@ -531,7 +534,46 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
             "over_one_row": paired_ratios(turns, "base"),
             "over_one_row_of_medians": {k: round(v / base, 3) for k, v in med.items()},
             "ms_per_turn": {k: [round(1000 * t, 1) for t in v] for k, v in turns.items()},
-            "knn_entries": len(big), "profile": prof}
+            "knn_entries": len(big), "profile": prof, "whole_comparisons": natural}
+
+
+def bench_whole_comparisons(bb, rows, prompt, sources, max_new_tokens: int = 48) -> dict:
+    """Whole comparisons as the studio runs them (``start_compare``: traces, the kept state for sliders; rows stop
+    at their own end, up to the studio's 48 new tokens) of every source, with ``BatchDecode``'s compact layout (rows
+    that agree share a cache row, finished rows leave the forward pass) and with one cache row per batch row; the
+    two take turns per source. Seconds per comparison (median and total), the forward pass's rows per step (mean),
+    and whether both give every row the same tokens."""
+    widths: dict[bool, list[int]] = {True: [], False: []}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    same, inner = 0, bb.forward_fc
+    compare(bb, sources[0], rows, prompt, max_new_tokens=2)  # warm-up (prefix cache of this prompt)
+    try:
+        for src in sources:
+            toks = {}
+            for on in (True, False):
+                COMPACT_ROWS["on"] = on
+                seen = widths[on]
+                # a step's pass feeds one token per row (the prefill's, the source's tokens)
+                bb.forward_fc = lambda ids, **k: (ids.shape[1] == 1 and seen.append(ids.shape[0])) or inner(ids, **k)
+                t0 = time.perf_counter()
+                dec = start_compare(bb, src, rows, prompt, max_new_tokens=max_new_tokens)
+                while dec.step():
+                    pass
+                times[on].append(time.perf_counter() - t0)
+                toks[on] = [r.tokens for r in dec.result()[0].rows]
+            same += toks[True] == toks[False]
+    finally:
+        COMPACT_ROWS["on"] = True
+        del bb.forward_fc
+    med = {on: float(np.median(v)) for on, v in times.items()}
+    return {"sources": len(sources), "rows": len(rows), "max_new_tokens": max_new_tokens,
+            "seconds_per_comparison": {"compact": round(med[True], 2), "every batch row": round(med[False], 2)},
+            "total_seconds": {"compact": round(sum(times[True]), 1), "every batch row": round(sum(times[False]), 1)},
+            "compact_over_every_row": round(sum(times[True]) / sum(times[False]), 3),
+            "paired_ratio_median": round(float(np.median(np.asarray(times[True]) / np.asarray(times[False]))), 3),
+            "rows_per_step": {"compact": round(float(np.mean(widths[True])), 2),
+                              "every batch row": round(float(np.mean(widths[False])), 2)},
+            "identical_tokens": f"{same} / {len(sources)}"}
 
 
 def _gguf_path() -> Path:

@@ -5,7 +5,8 @@ Per step: the backbone runs once for the whole batch with the in-network plug-in
 f(c) of every row and the output-level plug-ins' extra states (PEMA's h_pd) go through the frozen norm + LM head
 in **one** matrix product; each output-level plug-in mixes its rows; tokens are picked per row; rows stop
 independently at the end of the sentence line. The prompt is encoded once per distinct in-network state (rows
-without in-network plug-ins share one prefill) and its KV cache is repeated over the rows.
+without in-network plug-ins share one prefill); the forward pass then runs one row per distinct live batch row
+(``BatchDecode``'s compact layout: rows that agree share, finished rows leave).
 
 Greedy by default; ``num_beams > 1`` runs beam search per row (no length penalty; a row stops when its best
 finished hypothesis scores at least as well as its best live one, which is exact since scores only decrease).
@@ -244,6 +245,7 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     return BatchDecode(backbone, batch, max_new_tokens, trace, use_prefix_cache, t0=t0).run()
 
 
+COMPACT_ROWS = {"on": True}  # BatchDecode's compact layout; benchmarks and tests switch it off to compare
 KEEP_TOP = 64  # per step and row of a kept decode: the top tokens of P_LM and of P_plug-in (LiveComparison)
 
 
@@ -293,9 +295,17 @@ class BatchDecode:
     rows, settings and products derived from the plug-in's weights, which a decode reads as they were at its first
     step), so the backbone is free for others between steps.
 
+    Compact layout (``COMPACT_ROWS``): the forward pass, the KV cache and the LM head's P_LM hold one row per
+    *distinct live* batch row, not one per batch row. Rows of one prefill group (the base row, PEMA and kNN: no
+    in-network plug-in) compute the very same hidden states while their tokens agree, so they share a row until
+    their tokens part; a finished row leaves the forward pass (rows finish at different steps, and the decode runs
+    until the last one does). ``phys[b]`` is batch row ``b``'s row; the cache is re-laid out (one row selection)
+    only at a step where a row parts or finishes. Exact: a row computes what it computes alone (as the batch does).
+
     ``keep=True`` (one source, greedy): also record, per row and step, what a slider move needs
-    (``StepRecords``), and keep the KV cache — ``live()`` is then the comparison's ``LiveComparison``.
-    ``resume()`` starts from a kept state (a slider move's re-decode of the rows that change)."""
+    (``StepRecords``), and keep each row's KV cache (``row_cache``) — ``live()`` is then the comparison's
+    ``LiveComparison``. ``resume()`` starts from a kept state (a slider move's re-decode of the rows that
+    change)."""
 
     def __init__(self, backbone: Backbone, batch: Batch, max_new_tokens: int = 64, trace: bool = True,
                  use_prefix_cache: bool = True, keep: bool = False, t0: float | None = None):
@@ -304,11 +314,17 @@ class BatchDecode:
         self.max_new_tokens, self.trace, self.use_prefix_cache = int(max_new_tokens), trace, use_prefix_cache
         self.guard = int(batch.comparison.get("no_repeat_ngram", 0))
         self.keep = keep and batch.S == 1 and batch.B == 1
+        self.compact = COMPACT_ROWS["on"]
         self.beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
         self.step_no = 0  # the next step's index
-        self.fc_last = self.cache = self.mask = None
+        self.fc_last = self.cache = self.mask = None  # per row of the cache (compact: ``phys``), else per batch row
+        self.phys: torch.Tensor | None = None  # compact layout: batch row → its row of the cache and of fc_last
+        self.layout = 0  # how many times the compact layout changed (the cache re-laid out)
+        self.finished_caches: dict[int, tuple] = {}  # keep: batch row → (cache, row) as it was when it finished
         self.prefill_handles: list[list] = [[] for _ in batch.net]
         self.net_handles: list[list] = [[] for _ in batch.net]  # per in-network group: its latest forward's
+        # per in-network group: (the rows its step hooks act on, the position there of each of its batch rows)
+        self.net_rows: list[tuple] = [(None, None) for _ in batch.net]
         self.forwards = 0  # backbone forward passes run (the prefill counts as one)
         self.finished = False
         self.seconds = 0.0
@@ -321,22 +337,37 @@ class BatchDecode:
         self.step_no, self.fc_last, self.cache = step, fc_last, cache
         dev = self.backbone.device
         self.mask = torch.ones((len(tokens), len(self.batch.contexts[0]) + step), dtype=torch.long, device=dev)
+        if self.compact:
+            self.phys = torch.arange(len(tokens), device=dev)
         self.beams.tokens = [list(t) for t in tokens]
         self.beams.traces = [list(t) for t in traces]
         self.beams.scores = torch.tensor(scores, dtype=torch.float32).reshape(len(tokens), 1)
         return self
+
+    def row_fc(self, b: int) -> torch.Tensor:
+        """Batch row ``b``'s f(c) at the current step."""
+        return self.fc_last[b if self.phys is None else int(self.phys[b])]
+
+    def row_cache(self, b: int) -> tuple:
+        """(the KV cache holding batch row ``b``, its row in it): a finished row's as it was when it finished."""
+        if b in self.finished_caches:
+            return self.finished_caches[b]
+        return self.cache, b if self.phys is None else int(self.phys[b])
 
     def step(self) -> bool:
         if self.finished:
             return False
         bb, batch = self.backbone, self.batch
         if self.cache is None:
-            self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(bb, batch, self.use_prefix_cache,
-                                                                                self.trace)
+            self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(
+                bb, batch, self.use_prefix_cache, self.trace, expand=not self.compact)
+            if self.compact:
+                self.phys = torch.tensor([batch.prefill_row(b) for b in range(batch.N)], device=bb.device)
             self.forwards += 1
         step = self.step_no
-        attached = list(zip(batch.net, self.net_handles, self.prefill_handles)) if self.trace else None
-        out = decode_step(bb, batch, self.fc_last, step, attached, keep_plugin=self.keep)
+        attached = [(grp, self.net_handles[g], self.prefill_handles[g], self.net_rows[g][1])
+                    for g, grp in enumerate(batch.net)] if self.trace else None
+        out = decode_step(bb, batch, self.fc_last, step, attached, keep_plugin=self.keep, phys=self.phys)
         with torch.no_grad(), small_work_threads():
             if self.guard:
                 ban_repeated_ngrams(out.final, self.beams.tokens, self.guard)
@@ -344,20 +375,28 @@ class BatchDecode:
                 for r, plug in out.plugin.items():
                     if not self.beams.done[r]:
                         rec = self.records.setdefault(r, StepRecords())
-                        rec.add(self.fc_last[r], out.lm_logprobs[r], plug, min(KEEP_TOP, plug.shape[-1]))
+                        rec.add(self.row_fc(r), out.lm(r), plug, min(KEEP_TOP, plug.shape[-1]))
             next_tok, src = self.beams.select(out.final, trace_item(bb, out) if self.trace else None)
         self.step_no = step + 1
         if self.beams.all_done or self.step_no >= self.max_new_tokens:
             self.finished, self.seconds = True, time.time() - self.t0
             return False
+        if self.phys is not None:
+            next_tok = self._relayout(next_tok, src)
+            src = None
         handles: list = []
         try:
             for g, grp in enumerate(batch.net):  # hooks on for this forward pass only: the last step's put back
-                kept = self.net_handles[g]
-                if not (kept and all(hasattr(h, "resume") and h.resume() for h in kept)):
+                rows, where = self._group_rows(g, grp)
+                if rows is None:
+                    continue
+                kept, key = self.net_handles[g], rows.tolist()
+                if not (kept and self.net_rows[g][0] == key
+                        and all(hasattr(h, "resume") and h.resume() for h in kept)):
                     for h in kept:
                         h.remove()
-                    self.net_handles[g] = grp.plugin.attach(grp.rows, grp.settings, trace=self.trace)
+                    self.net_handles[g] = grp.plugin.attach(rows, grp.settings, trace=self.trace)
+                self.net_rows[g] = (key, where)
                 handles += self.net_handles[g]
             self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
                                                                src if batch.B > 1 else None, padded=batch.S > 1)
@@ -367,6 +406,46 @@ class BatchDecode:
                     h.remove()
         self.forwards += 1
         return True
+
+    def _relayout(self, next_tok: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """The compact layout of the next forward pass: one row per distinct (row it continues, next token) among
+        the live batch rows; the cache (and mask) re-laid out when that is not the current one. Returns the next
+        token per row of the new layout."""
+        B, dev = self.batch.B, self.backbone.device
+        old = self.phys.tolist()
+        rows: dict[tuple[int, int], int] = {}
+        phys = [0] * len(old)  # a finished row's entry is never read
+        for b, (s, tok) in enumerate(zip(src.tolist(), next_tok.tolist())):
+            if not self.beams.done[b // B]:
+                phys[b] = rows.setdefault((old[s], tok), len(rows))
+        if self.keep:  # a row that finished leaves the layout: keep its cache as it is (the tensors are not copied)
+            gone = [b for b in range(len(old)) if self.beams.done[b // B] and b not in self.finished_caches]
+            if gone:
+                snapshot = _cache_view(self.cache)
+                self.finished_caches.update({b: (snapshot, old[b]) for b in gone})
+        gather = [s for s, _ in rows]
+        if gather != list(range(self.mask.shape[0])):
+            idx = torch.tensor(gather, device=dev)
+            self.cache.reorder_cache(idx)
+            self.mask = self.mask[idx]
+            self.layout += 1
+        self.phys = torch.tensor(phys, device=dev)
+        return torch.tensor([tok for _, tok in rows], dtype=torch.long)
+
+    def _group_rows(self, g: int, grp: NetGroup) -> tuple:
+        """(the rows in-network group ``g``'s hooks act on in the next forward pass — None: none live —, for a
+        compact layout the position there of each of the group's batch rows)."""
+        if self.phys is None:
+            return grp.rows, None
+        B = self.batch.B
+        members = grp.rows.tolist()
+        live = [b for b in members if not self.beams.done[b // B]]
+        if not live:
+            return None, None
+        rows = sorted({int(self.phys[b]) for b in live})
+        at = {p: j for j, p in enumerate(rows)}
+        return (torch.tensor(rows, device=self.backbone.device),
+                [at[int(self.phys[b])] if not self.beams.done[b // B] else None for b in members])
 
     def run(self) -> list[Comparison]:
         while self.step():
@@ -565,14 +644,17 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
 
 
 # --- prefill -------------------------------------------------------------------------------------------------------
-def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, trace: bool = True):
+def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, trace: bool = True,
+            expand: bool = True):
     """Encode the prompts and start every batch row's KV cache.
 
     One prefill row per (source, prefill group), each in-network group's hooks attached to its prefill rows; a
     single source reuses the cached KV of the prompt's shared prefix (``PREFIX_KV``). Each prefill row's cache is
-    then repeated over its rows and beams. Returns (f(c) at the last position per batch row, the KV cache, the
-    attention mask per batch row, and per in-network group the handles of its prefill attachment — removed; their
-    trace stands for the first step's).
+    then repeated over its rows and beams (``expand``; else it stays one row per prefill row, batch row ``b``
+    starting from row ``batch.prefill_row(b)``: ``BatchDecode``'s compact layout). Returns (f(c) at the last
+    position per batch row — or per prefill row —, the KV cache, the attention mask per batch row — or prefill
+    row —, and per in-network group the handles of its prefill attachment — removed; their trace stands for the
+    first step's).
     """
     S, G, dev = batch.S, batch.G, backbone.device
     ids, mask = _left_padded(batch.contexts, G, backbone.tokenizer.pad_token_id or 0)
@@ -591,6 +673,9 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
             for h in handles:
                 h.remove()
     cache = out.past_key_values
+    if not expand:
+        grow_kv_cache(cache, backbone.model)
+        return fc[:, -1], cache, mask, attached
     src_rows = torch.tensor([batch.prefill_row(b) for b in range(batch.N)], device=dev)
     cache.batch_select_indices(src_rows)
     grow_kv_cache(cache, backbone.model)
@@ -626,35 +711,48 @@ def _cached_prefix(backbone: Backbone, batch: Batch, ids: torch.Tensor):
 # --- one step: LM head, mixing, trace ------------------------------------------------------------------------------
 @dataclass
 class StepOutput:
-    lm_logprobs: torch.Tensor  # (N, V) log P_LM, on the backbone's device
+    lm_logprobs: torch.Tensor  # (N, V) log P_LM, on the backbone's device; with ``phys``: (P, V), one per f(c) row
     final: torch.Tensor        # (N, V) the final log-probabilities after every plug-in's mix, on the CPU
     info: list[dict]           # per batch row: trace items (λ_t, the plug-in's top tokens, extras, memory attention)
     plugin: dict = field(default_factory=dict)  # with ``keep_plugin``: batch row → log P_plug-in (V,) of its mix
+    phys: torch.Tensor | None = None  # batch row → row of ``lm_logprobs`` (a compact step: ``decode_step``)
+
+    def lm(self, b: int) -> torch.Tensor:
+        """Batch row ``b``'s log P_LM (V,)."""
+        return self.lm_logprobs[b if self.phys is None else int(self.phys[b])]
 
 
 def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: int,
-                attached: list | None = None, keep_plugin: bool = False) -> StepOutput:
+                attached: list | None = None, keep_plugin: bool = False,
+                phys: torch.Tensor | None = None) -> StepOutput:
     """One step's distributions from the last position's f(c) of every batch row: f(c) and the output-level
     plug-ins' extra states go through the frozen norm + LM head in one matrix product, then each output-level
-    plug-in mixes its rows. With ``attached`` (per in-network group: (group, step handles, prefill handles)) the
-    per-row trace items are collected too; None: no trace. ``keep_plugin``: also return each interpolating
-    plug-in's own distribution per row (``StepOutput.plugin``)."""
+    plug-in mixes its rows. With ``attached`` (per in-network group: (group, step handles, prefill handles[,
+    position of each of the group's rows in the step attachment's rows])) the per-row trace items are collected
+    too; None: no trace. ``keep_plugin``: also return each interpolating plug-in's own distribution per row
+    (``StepOutput.plugin``). ``phys`` (``BatchDecode``'s compact layout): ``fc_last`` holds one row per distinct
+    live batch row and batch row ``b`` reads its row ``phys[b]``, so P_LM is computed once per distinct row."""
     kept: dict = {}
     N = batch.N
+    P = fc_last.shape[0]
+
+    def rows_of(t: torch.Tensor, rr: torch.Tensor, at=None) -> torch.Tensor:  # batch rows ``rr`` of a per-f(c) tensor
+        return (t[rr if at is None else at]) if phys is None else t[phys[rr]]
+
     with torch.no_grad(), small_work_threads():  # small operators on one thread, the LM head on all
         normed = backbone.final_norm(fc_last)
-        extra = [(grp, grp.plugin.extra_states(fc_last[grp.rows], grp.settings)) for grp in batch.out]
+        extra = [(grp, grp.plugin.extra_states(rows_of(fc_last, grp.rows), grp.settings)) for grp in batch.out]
         # States whose plug-in needs every token's logit share one pass over the LM head's weights with f(c); a
         # plug-in with a restricted vocabulary (PEMA after candidate training) uses only its rows.
         full_vocab = [e is not None and grp.plugin.head_vocab() is None for grp, e in extra]
         states = [normed] + [backbone.final_norm(e.to(backbone.dtype)) for (_, e), f in zip(extra, full_vocab) if f]
         logits = backbone.head_logits(torch.cat(states))
-        with vocab_wide_threads(logits[:N]):
-            lm_lp = torch.log_softmax(logits[:N], dim=-1)
+        with vocab_wide_threads(logits[:P]):
+            lm_lp = torch.log_softmax(logits[:P], dim=-1)
         with vocab_wide_threads(lm_lp):  # 7 rows: 0.42 ms on one thread, 0.14 on two (one-off probe)
-            final = lm_lp.clone()
+            final = lm_lp.clone() if phys is None else lm_lp[phys]
         info: list[dict] = [{} for _ in range(N)]
-        off = N
+        off = P
         for (grp, e), full in zip(extra, full_vocab):
             rr, at = grp.rows, grp.row_index
             ex_logits = None
@@ -664,8 +762,9 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
             elif e is not None:
                 ex_logits = backbone.head_logits_subset(backbone.final_norm(e.to(backbone.dtype)),
                                                         grp.plugin.head_vocab())
-            mo = grp.plugin.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[at], extra_logits=ex_logits, step=step,
-                                         src_len=grp.src_lens, settings=grp.settings, ref_len=grp.ref_lens))
+            mo = grp.plugin.mix(MixInput(fc=rows_of(fc_last, rr), lm_logprobs=rows_of(lm_lp, rr, at),
+                                         extra_logits=ex_logits, step=step, src_len=grp.src_lens,
+                                         settings=grp.settings, ref_len=grp.ref_lens))
             final[at] = mo.logprobs
             if attached is not None:
                 _mix_trace(backbone, info, rr.tolist(), mo)
@@ -673,7 +772,7 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
                 kept.update({b: mo.plugin_logprobs[j] for j, b in enumerate(rr.tolist())})
         if attached is not None:
             _network_trace(batch, attached, info)
-    return StepOutput(lm_lp, final.cpu(), info, kept)
+    return StepOutput(lm_lp, final.cpu(), info, kept, phys)
 
 
 def _mix_trace(backbone: Backbone, info: list[dict], rows: list[int], mo: MixOutput) -> None:
@@ -687,13 +786,16 @@ def _mix_trace(backbone: Backbone, info: list[dict], rows: list[int], mo: MixOut
 
 def _network_trace(batch: Batch, attached: list, info: list[dict]) -> None:
     """Each in-network group's trace of the forward pass that made this step's f(c): its step attachment's, or
-    before the first step's pass its prefill attachment's (one prefill row per source)."""
-    for grp, handles, prefill_handles in attached:
+    before the first step's pass its prefill attachment's (one prefill row per source). An entry's optional fourth
+    item maps the group's rows to their positions in the step attachment's rows (a compact layout; None: the same)."""
+    for grp, handles, prefill_handles, *where in attached:
         rows = grp.rows.tolist()
         per_row = grp.plugin.network_trace(handles)
         if per_row is None:
             pre = grp.plugin.network_trace(prefill_handles) or {}
             per_row = {j: pre.get(batch.source_of(b)) for j, b in enumerate(rows)}
+        elif where and where[0] is not None:
+            per_row = {j: per_row.get(at) for j, at in enumerate(where[0]) if at is not None}
         for j, b in enumerate(rows):
             if per_row.get(j) is not None:
                 info[b]["memory_attention"] = per_row[j]
@@ -703,7 +805,7 @@ def trace_item(backbone: Backbone, out: StepOutput):
     """``item(b, token, logprob)``: the trace entry of a token chosen for batch row ``b`` at this step."""
     def item(b: int, tok: int, logprob: float) -> dict:
         return {"token": tok, "text": backbone.token_str(tok), "logprob": round(logprob, 4),
-                "top_lm": _top(out.lm_logprobs[b].cpu(), backbone), "top_final": _top(out.final[b], backbone),
+                "top_lm": _top(out.lm(b).cpu(), backbone), "top_final": _top(out.final[b], backbone),
                 **out.info[b]}
     return item
 
@@ -867,7 +969,7 @@ class LiveComparison:
         self.tokens = [list(t) for _, t, _ in best]
         self.traces = [list(tr) for _, _, tr in best]
         self.records: list[StepRecords | None] = [dec.records.get(r) for r in range(b.R)]
-        self.caches = [(dec.cache, r) for r in range(b.R)]  # (the KV cache holding the row, its row in it)
+        self.caches = [dec.row_cache(r) for r in range(b.R)]  # (the KV cache holding the row, its row in it)
 
     def matches(self, backbone: Backbone, batch: Batch, max_new_tokens: int) -> bool:
         """Whether ``batch`` is this comparison with other row settings only."""
@@ -1039,13 +1141,20 @@ class LiveComparison:
         return infos
 
 
+def _cache_view(cache):
+    """A copy of a KV cache that shares its tensors: what the cache holds now, kept as it is (a cache only ever
+    replaces its tensors — a row selection, a crop, an append of a growing cache into a buffer it owns alone)."""
+    shared = {id(t): t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+              if isinstance(t, torch.Tensor)}
+    return copy.deepcopy(cache, shared)
+
+
 def _rows_cache(cache, rows: list[int], remove: int):
     """A KV cache of ``rows`` of ``cache`` without its last ``remove`` positions; ``cache`` is left as it is (its
     tensors are shared until selected, and a cache only ever replaces its tensors)."""
-    shared = {id(t): t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-              if isinstance(t, torch.Tensor)}
-    out = copy.deepcopy(cache, shared)
-    dev = next(iter(shared.values())).device if shared else None
+    out = _cache_view(cache)
+    dev = next((t.device for layer in out.layers for t in (getattr(layer, "keys", None),)
+                if isinstance(t, torch.Tensor)), None)
     out.batch_select_indices(torch.tensor(rows, device=dev))
     if remove < 0:
         raise ValueError("the cache is shorter than the step")
@@ -1110,7 +1219,7 @@ class LiveMove:
         for dec, members in self.tails:
             for j, i in enumerate(members):
                 live.records[i] = live.records[i].extended(dec.records.get(j) or StepRecords())
-                live.caches[i] = (dec.cache, j)
+                live.caches[i] = dec.row_cache(j)
         live.tokens = [list(r[0]) for r in rows]
         live.traces = [list(r[1]) for r in rows]
         live.scores = [float(r[2]) for r in rows]

@@ -143,6 +143,26 @@ def test_a_move_back_and_forth_and_the_kept_cache_is_untouched(tiny, plugins):
     assert got.row("knn").tokens != base.row("knn").tokens  # the move did change that row
 
 
+def test_a_row_that_finished_early_resumes_from_its_kept_cache(tiny, plugins):
+    """In the compact layout a finished row leaves the cache; the comparison keeps that row's cache as it was, and a
+    move that changes one of its tokens re-decodes from there exactly as a full decode does."""
+    first = start_compare(tiny, SOURCE, _rows(plugins, {"knn": {"lambda": 0.9}}), PROMPT, max_new_tokens=24)
+    base = _run(first)
+    knn = [r.label for r in base.rows].index("knn")
+    assert len(base.rows[knn].tokens) < 24 <= max(len(r.tokens) for r in base.rows)  # kNN finished before the rest
+    assert knn in first.finished_caches
+    live = first.live()
+    assert live.caches[knn] == first.finished_caches[knn] and live.caches[knn][0] is not first.cache
+    moved = 0
+    for lam in (0.85, 0.7, 0.5, 0.9):
+        got = _run(start_compare(tiny, SOURCE, _rows(plugins, {"knn": {"lambda": lam}}), PROMPT, max_new_tokens=24,
+                                 live=live))
+        _same(got, compare(tiny, SOURCE, _rows(plugins, {"knn": {"lambda": lam}}), PROMPT, max_new_tokens=24),
+              f"λ={lam}")
+        moved += got.rows[knn].tokens != base.rows[knn].tokens
+    assert moved >= 1
+
+
 def test_what_is_not_a_slider_move_decodes_in_full(tiny, plugins):
     first = start_compare(tiny, SOURCE, _rows(plugins, {}), PROMPT, max_new_tokens=8)
     _run(first)
@@ -184,6 +204,41 @@ def test_a_stopped_decode_leaves_no_hook_attached(tiny, plugins):
     assert not any(m._forward_hooks for m in tiny.model.modules())  # between steps: nothing attached
     part = dec.partial()[0]
     assert all(len(r.tokens) == 2 for r in part.rows)
+
+
+# --- the compact layout: rows that agree share the forward pass, finished rows leave it ---------------------------
+@pytest.mark.parametrize("sources,beams,guard", [(1, 1, 0), (1, 1, 2), (2, 1, 0), (1, 2, 0), (2, 3, 2)])
+def test_the_compact_layout_decodes_as_one_row_per_batch_row(tiny, plugins, monkeypatch, sources, beams, guard):
+    """``BatchDecode``'s compact layout (``COMPACT_ROWS``: one cache row per distinct live batch row) gives every row
+    the tokens, scores and trace that one cache row per batch row gives — and does run fewer rows."""
+    from plugins import decode
+
+    srcs = [SOURCE, "a dog barks at the moon"][:sources]
+    rows = _rows(plugins, {"knn": {"lambda": 0.6}}) + [Row("mt again", plugins["mt"])]  # two rows of one mt group
+    widths = []
+    inner = tiny.forward_fc
+    monkeypatch.setattr(tiny, "forward_fc", lambda ids, **k: widths.append(ids.shape[0]) or inner(ids, **k))
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(decode, "COMPACT_ROWS", {"on": on})
+        widths.clear()
+        results[on] = decode_batch(tiny, srcs, rows, PROMPT, max_new_tokens=14, num_beams=beams, no_repeat_ngram=guard)
+        if on:
+            N = sources * len(rows) * beams
+            # the prefill runs one row per source and prefill group; the steps run at most N rows, and fewer once
+            # the base, PEMA and kNN rows share one or rows have finished
+            assert widths[0] == sources * 2 and max(widths[1:]) <= N and min(widths[1:]) < N, widths
+        else:
+            assert set(widths[1:]) == {sources * len(rows) * beams}
+    for a, b in zip(results[True], results[False]):
+        _same(a, b, f"compact, {sources} sources, {beams} beams")
+        for ra, rb in zip(a.rows, b.rows):  # (float32 products over other row counts may round differently)
+            for ea, eb in zip(ra.trace, rb.trace):  # the in-network rows' memory attention, step by step
+                ma, mb = ea.get("memory_attention"), eb.get("memory_attention")
+                assert (ma is None) == (mb is None) == (ra.method not in ("memory_tuning",)), ra.label
+                if ma is not None:
+                    assert [t for t, _ in ma["top"]] == [t for t, _ in mb["top"]], ra.label
+                    assert ma["weights"] == pytest.approx(mb["weights"], abs=1e-3), ra.label
 
 
 # --- the studio: kept comparisons, streaming, Stop -----------------------------------------------------------------
