@@ -319,6 +319,7 @@ class BatchDecode:
         self.step_no = 0  # the next step's index
         self.fc_last = self.cache = self.mask = None  # per row of the cache (compact: ``phys``), else per batch row
         self.phys: torch.Tensor | None = None  # compact layout: batch row → its row of the cache and of fc_last
+        self.phys_list: list[int] = []  # the same as a list (no device round trip per use)
         self.layout = 0  # how many times the compact layout changed (the cache re-laid out)
         self.finished_caches: dict[int, tuple] = {}  # keep: batch row → (cache, row) as it was when it finished
         self.prefill_handles: list[list] = [[] for _ in batch.net]
@@ -338,7 +339,7 @@ class BatchDecode:
         dev = self.backbone.device
         self.mask = torch.ones((len(tokens), len(self.batch.contexts[0]) + step), dtype=torch.long, device=dev)
         if self.compact:
-            self.phys = torch.arange(len(tokens), device=dev)
+            self._set_layout(list(range(len(tokens))))
         self.beams.tokens = [list(t) for t in tokens]
         self.beams.traces = [list(t) for t in traces]
         self.beams.scores = torch.tensor(scores, dtype=torch.float32).reshape(len(tokens), 1)
@@ -346,13 +347,13 @@ class BatchDecode:
 
     def row_fc(self, b: int) -> torch.Tensor:
         """Batch row ``b``'s f(c) at the current step."""
-        return self.fc_last[b if self.phys is None else int(self.phys[b])]
+        return self.fc_last[b if self.phys is None else self.phys_list[b]]
 
     def row_cache(self, b: int) -> tuple:
         """(the KV cache holding batch row ``b``, its row in it): a finished row's as it was when it finished."""
         if b in self.finished_caches:
             return self.finished_caches[b]
-        return self.cache, b if self.phys is None else int(self.phys[b])
+        return self.cache, b if self.phys is None else self.phys_list[b]
 
     def step(self) -> bool:
         if self.finished:
@@ -362,7 +363,7 @@ class BatchDecode:
             self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(
                 bb, batch, self.use_prefix_cache, self.trace, expand=not self.compact)
             if self.compact:
-                self.phys = torch.tensor([batch.prefill_row(b) for b in range(batch.N)], device=bb.device)
+                self._set_layout([batch.prefill_row(b) for b in range(batch.N)])
             self.forwards += 1
         step = self.step_no
         attached = [(grp, self.net_handles[g], self.prefill_handles[g], self.net_rows[g][1])
@@ -412,7 +413,7 @@ class BatchDecode:
         the live batch rows; the cache (and mask) re-laid out when that is not the current one. Returns the next
         token per row of the new layout."""
         B, dev = self.batch.B, self.backbone.device
-        old = self.phys.tolist()
+        old = self.phys_list
         rows: dict[tuple[int, int], int] = {}
         phys = [0] * len(old)  # a finished row's entry is never read
         for b, (s, tok) in enumerate(zip(src.tolist(), next_tok.tolist())):
@@ -429,8 +430,12 @@ class BatchDecode:
             self.cache.reorder_cache(idx)
             self.mask = self.mask[idx]
             self.layout += 1
-        self.phys = torch.tensor(phys, device=dev)
+        self._set_layout(phys)
         return torch.tensor([tok for _, tok in rows], dtype=torch.long)
+
+    def _set_layout(self, phys: list[int]) -> None:
+        self.phys_list = phys
+        self.phys = torch.tensor(phys, device=self.backbone.device)
 
     def _group_rows(self, g: int, grp: NetGroup) -> tuple:
         """(the rows in-network group ``g``'s hooks act on in the next forward pass — None: none live —, for a
@@ -442,10 +447,10 @@ class BatchDecode:
         live = [b for b in members if not self.beams.done[b // B]]
         if not live:
             return None, None
-        rows = sorted({int(self.phys[b]) for b in live})
+        rows = sorted({self.phys_list[b] for b in live})
         at = {p: j for j, p in enumerate(rows)}
         return (torch.tensor(rows, device=self.backbone.device),
-                [at[int(self.phys[b])] if not self.beams.done[b // B] else None for b in members])
+                [at[self.phys_list[b]] if not self.beams.done[b // B] else None for b in members])
 
     def run(self) -> list[Comparison]:
         while self.step():
