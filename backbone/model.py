@@ -51,10 +51,12 @@ ALIASES = {"gemma": "gemma-3-270m", "gemma3": "gemma-3-270m", "smollm2": "smollm
 DEFAULT_BACKBONE = "gemma-3-270m"
 
 
-PRECISIONS = ("float32", "bfloat16", "int8")
+PRECISIONS = ("float32", "bfloat16", "int8", "float16")
 # A precision's name in fingerprints where it differs from the name: ``int8`` became weight-only (earlier versions'
-# dynamic int8, fingerprinted "int8", computed other keys f(c), so their memories must not pass for this one's).
+# dynamic int8, fingerprinted "int8", computed other keys f(c), so their memories must not pass for this one's);
+# ``float16`` on a CPU is weight-only (float32 activations: other f(c) than a GPU's float16 model, tagged "float16").
 FINGERPRINT_TAGS = {"int8": "int8-weight-only"}
+CPU_FLOAT16_TAG = "float16-weight-only"
 
 
 def native_bf16_cpu() -> bool:
@@ -84,12 +86,6 @@ def cpu_description() -> dict:
             "family_model": f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}",
             "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16_cpu(),
             "cores": os.cpu_count()}
-
-
-# The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``): bfloat16 where the CPU has it
-# natively — chosen from the quality guard (the base model and the best plug-in's whole flow on WMT dev 1000–1199)
-# and the decode benchmark (BENCHMARKS §3) —, else float32. float32 stays the exact reference path (--dtype float32).
-DEFAULT_CPU_PRECISION = "bfloat16" if native_bf16_cpu() else "float32"
 
 
 PACKED_BF16 = {"on": True}  # benchmarks switch it off to time the plain F.linear path in the same process
@@ -193,6 +189,10 @@ class KernelLinear(nn.Linear):
                 return self._product(padded)[:rows].view(*x.shape[:-1], self.out_features)
         return self._product(x)
 
+    def _copied_prepared(self) -> list | None:
+        """The prepared weights for a deep copy (None: prepare them again)."""
+        return [t.clone() for t in self._prepared]
+
     def __deepcopy__(self, memo):  # a copy (LoRA trains on a deep copy of the last layer) has its own weight
         import copy
 
@@ -202,7 +202,7 @@ class KernelLinear(nn.Linear):
         plain.bias = copy.deepcopy(self.bias, memo)
         for h in ("_forward_hooks", "_forward_pre_hooks"):
             getattr(plain, h).update(getattr(self, h))
-        return type(self)(plain, prepared=[t.clone() for t in self._prepared])
+        return type(self)(plain, prepared=self._copied_prepared())
 
 
 _ROWS_INVARIANT: dict = {}  # (kernel class, in, out, min_rows) → whether rows keep their bits (checked at load)
@@ -247,6 +247,80 @@ class PackedF32Linear(PackedBF16Linear):
     FEW_ROWS = 1
     PACKED_FOR_ROWS = 4
     SWITCH = PACKED_F32_HEAD
+
+
+class Fp16WeightLinear(KernelLinear):
+    """float16 *weight-only* on a CPU: the weights rounded to float16 once and packed for FBGEMM's float16 GEMM
+    (``torch.ops.quantized.linear_prepack_fp16`` / ``linear_dynamic_fp16``: the kernel torch's dynamic float16
+    quantization runs); activations, accumulation and outputs float32. Half of float32's bytes read per product, and
+    float16's 11-bit significand (bfloat16 has 8, and bfloat16 also rounds every activation). The ``weight``
+    Parameter keeps float32 storage holding the rounded values, so a product with gradients (``F.linear``, training
+    through the frozen backbone) multiplies the very same weights.
+
+    Why: on a CPU without native bfloat16 (AVX2 only) float32 was the default, and MKL's float32 products of 2-7 rows
+    cost 1.5-2.2× one row's; FBGEMM's float16 kernel runs up to six rows in one pass over the weights. One-off probe
+    (Gemma's 126 decoder shapes, random weights, one thread, AVX2 EPYC; not a repository command): 1 / 2 / 4 / 7 rows
+    15.6 / 17.5 / 20.0 / 27.5 ms against ``F.linear``'s 34 / 51 / 55 / 77; ``python -m eval.bench rows --dtype
+    float16`` and ``anchor`` measure whole steps.
+
+    Row bits: FBGEMM splits a product into blocks of at most six rows, and a block of one or two rows rounds
+    differently from the others (on that CPU: 1, 2, 7, 14, 31, 32, ... rows). So that a comparison row decodes alone as
+    in a batch (slider re-decodes, the compact layout's changing row counts), a product of up to 64 rows runs padded
+    to the nearest row count whose rows all keep their bits, found once per shape at load (``_steady_rows``)."""
+
+    INPUT_DTYPE = torch.float32
+    FEW_ROWS = 3  # min_rows > 1 makes KernelLinear run ``_check_rows_invariant``, which builds the padding table
+    PAD_UP_TO = 64
+
+    def __init__(self, linear: nn.Linear, prepared: list | None = None):
+        with torch.no_grad():  # the weights the kernel multiplies, for the gradient path too
+            linear.weight.copy_(linear.weight.to(torch.float16).float())
+        super().__init__(linear, prepared)
+
+    def _prepare(self) -> list:
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        return [torch.ops.quantized.linear_prepack_fp16(self.weight.detach().float().contiguous(), bias)]
+
+    def _copied_prepared(self) -> list | None:
+        return None  # FBGEMM's packed weights are an opaque object: a copy packs its own
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features).contiguous(), self._prepared[0])
+        return y.view(*lead, self.out_features)
+
+    def _check_rows_invariant(self, rows: int = 16) -> bool:
+        self.pad_to = _steady_rows(self)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or not self._runs_kernel(x):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        if 0 < rows <= self.PAD_UP_TO and self.pad_to[rows] != rows:
+            flat = x.reshape(rows, -1)
+            padded = torch.cat([flat, flat[:1].expand(self.pad_to[rows] - rows, -1)])
+            return self._product(padded)[:rows].view(*x.shape[:-1], self.out_features)
+        return self._product(x)
+
+
+_STEADY_ROWS: dict = {}  # (in, out) → padded row count per row count (``Fp16WeightLinear``)
+
+
+def _steady_rows(layer: "Fp16WeightLinear") -> list[int]:
+    """For 0..PAD_UP_TO rows, the smallest row count ≥ it whose product gives every row the bits it gets in a
+    product of PAD_UP_TO rows (fixed heavy-tailed inputs). Once per shape and process."""
+    key = (layer.in_features, layer.out_features)
+    if key not in _STEADY_ROWS:
+        n = layer.PAD_UP_TO
+        x = layer._test_rows(n)
+        ref = layer._product(x)
+        steady = [m for m in range(1, n + 1) if torch.equal(layer._product(x[:m]), ref[:m])] + [n]
+        _STEADY_ROWS[key] = [0] + [min(m for m in steady if m >= r) for r in range(1, n + 1)]
+        if _STEADY_ROWS[key][1] > 4:
+            _log.warning("Fp16WeightLinear (%d → %d): one row is padded to %d rows for steady bits on this CPU.",
+                         *key, _STEADY_ROWS[key][1])
+    return _STEADY_ROWS[key]
 
 
 class Int8Linear(KernelLinear):
@@ -690,6 +764,17 @@ def packed_bf16_available() -> bool:
 
 
 @functools.cache
+def fp16_weight_available() -> bool:
+    """FBGEMM's float16-weight linear (x86 with AVX2) is built into this torch and runs on this CPU."""
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(4, 8), None)
+        return bool(torch.equal(torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed),
+                                torch.full((1, 4), 8.0)))
+    except Exception:  # noqa: BLE001 - any failure means: not available
+        return False
+
+
+@functools.cache
 def packed_f32_available() -> bool:
     """oneDNN's float32 linear on packed weights is built into this torch."""
     try:
@@ -705,9 +790,22 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     """Put a float32 model into ``precision`` in place: ``bfloat16`` converts every weight; ``int8`` swaps every
     ``nn.Linear`` (the decoder's projections and the LM head) for an :class:`Int8Linear` (CPU only); ``float32``
     leaves the weights and the decoder as they are and, on a CPU, runs the LM head packed (:class:`PackedF32Linear`:
-    same weight Parameter, f(c) bit-identical, logits to float32 rounding). Returns the model."""
+    same weight Parameter, f(c) bit-identical, logits to float32 rounding); ``float16`` on a CPU is float32's with the
+    decoder's projections float16 weight-only (:class:`Fp16WeightLinear`; the LM head stays float32 and packed), on
+    a GPU the whole model in float16. Returns the model."""
     if precision not in PRECISIONS:
         raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if precision == "float16":
+        if not on_cpu:
+            return model.to(torch.float16)
+        if not fp16_weight_available():
+            raise UserError("--dtype float16 on a CPU runs FBGEMM's float16-weight kernel (x86 with AVX2), which this "
+                            "torch or CPU lacks; use --dtype float32.")
+        set_precision(model, "float32")  # the packed float32 LM head (no longer a plain nn.Linear: not swapped)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        _swap_linears(model, Fp16WeightLinear, skip=head)
+        return model
     if precision == "bfloat16":
         model.to(torch.bfloat16)
         if all(p.device.type == "cpu" for p in model.parameters()) and packed_bf16_available():
@@ -731,20 +829,23 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     return model
 
 
-def _swap_linears(model: nn.Module, cls) -> None:
-    """Replace every plain ``nn.Linear`` (the decoder's projections and the LM head) by ``cls(linear)``. An output
-    embedding tied to the input embedding is reached through get_output_embeddings(), which is the module
-    swapped (its weight stays the embedding's Parameter)."""
+def _swap_linears(model: nn.Module, cls, skip: nn.Module | None = None) -> None:
+    """Replace every plain ``nn.Linear`` (the decoder's projections and the LM head, unless it is ``skip``) by
+    ``cls(linear)``. An output embedding tied to the input embedding is reached through get_output_embeddings(),
+    which is the module swapped (its weight stays the embedding's Parameter)."""
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and child is not skip:
                 setattr(parent, child_name, cls(child))
 
 
 def model_precision(model: nn.Module) -> str:
-    """``int8`` when the model's projections run int8 (:func:`set_precision`), else its LM head's dtype name."""
+    """``int8`` / ``float16`` when the model's projections run int8 / float16 weight-only (:func:`set_precision`),
+    else its LM head's dtype name."""
     if any(isinstance(m, Int8Linear) for m in model.modules()):
         return "int8"
+    if any(isinstance(m, Fp16WeightLinear) for m in model.modules()):
+        return "float16"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return str(head.weight.dtype).replace("torch.", "") if head is not None else "float32"
 
@@ -958,7 +1059,10 @@ class Backbone:
         # f(c) depends on the weights' precision, so memories (keys) and plug-ins name it; float32, the reference,
         # adds nothing (fingerprints made before precisions existed stay valid).
         precision = getattr(self, "precision", None) or model_precision(self.model)
-        return base if precision == "float32" else f"{base}|dtype={FINGERPRINT_TAGS.get(precision, precision)}"
+        tag = FINGERPRINT_TAGS.get(precision, precision)
+        if precision == "float16" and any(isinstance(m, Fp16WeightLinear) for m in self.model.modules()):
+            tag = CPU_FLOAT16_TAG
+        return base if precision == "float32" else f"{base}|dtype={tag}"
 
     def check_fingerprint(self, fingerprint: str, what: str = "This memory") -> None:
         mine, theirs = self.fingerprint.split("|dtype=")[0], fingerprint.split("|dtype=")[0]
@@ -968,7 +1072,7 @@ class Backbone:
             if tag == "int8":  # the dynamic int8 of earlier versions: no precision loads it any more
                 raise UserError(f"{what} was made with an earlier version's dynamic int8 backbone (activations "
                                 f"quantized too), which no precision of this version reproduces: rebuild it.")
-            made = {v: k for k, v in FINGERPRINT_TAGS.items()}.get(tag, tag)
+            made = {**{v: k for k, v in FINGERPRINT_TAGS.items()}, CPU_FLOAT16_TAG: "float16"}.get(tag, tag)
             raise UserError(f"{what} was made with the backbone in {made}; the loaded {self.name} runs in {now}. "
                             f"Its keys f(c) come from {made} weights: load the backbone with --dtype {made} "
                             f"(studio: PEMA_DTYPE={made}), or rebuild it in this precision.")
@@ -1004,7 +1108,7 @@ def resolve_precision(dtype: str | torch.dtype | None, device: str) -> str:
     names = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
              "bfloat16": "bfloat16", "bf16": "bfloat16", "int8": "int8", "qint8": "int8"}
     if dtype not in names:
-        raise UserError(f"Unknown dtype {dtype!r}; use float32, bfloat16 or int8 (float16 on a GPU).")
+        raise UserError(f"Unknown dtype {dtype!r}; use float32, bfloat16, float16 or int8.")
     if names[dtype] == "int8" and device.startswith("cuda"):
         raise UserError("--dtype int8 runs torch's CPU int8 kernels; on a GPU use --dtype bfloat16.")
     return names[dtype]
@@ -1013,6 +1117,8 @@ def resolve_precision(dtype: str | torch.dtype | None, device: str) -> str:
 def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     """The torch dtype the weights load in (int8 loads float32, then :func:`set_precision` converts)."""
     precision = resolve_precision(dtype, device)
+    if precision == "float16" and not device.startswith("cuda"):
+        return torch.float32  # a CPU's float16 is weight-only: loaded in float32, then converted
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(precision, torch.float32)
 
 
@@ -1037,6 +1143,14 @@ def _embedded_gguf(short: str, cache: Path) -> Path:
     if not files:
         raise UserError(f"No .gguf file found inside {root}.")
     return files[0]
+
+
+# The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``), each chosen from the quality
+# guard (the base model and the best plug-in's whole flow on WMT dev 1000–1199) and the decode benchmarks
+# (BENCHMARKS §3): bfloat16 where the CPU has it natively; else float16 weight-only where FBGEMM's kernel runs (x86
+# with AVX2: a comparison's multi-row steps, where float32's products of several rows are slow); else float32.
+# float32 stays the exact reference path (--dtype float32).
+DEFAULT_CPU_PRECISION = ("bfloat16" if native_bf16_cpu() else "float16" if fp16_weight_available() else "float32")
 
 
 def load_backbone(name: str | None = None, device: str | None = None, dtype: str | None = None,
@@ -1105,8 +1219,10 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
     if precision == "int8":  # converted at load; the cache on disk stays float32
         progress(0.95, f"Quantizing {name}'s linear layers and LM head to int8")
         set_precision(model, "int8")
-    elif precision in ("bfloat16", "float32"):  # bfloat16: loaded in bfloat16, on a CPU the linears get
-        set_precision(model, precision)         # oneDNN-packed weights; float32: the LM head
+    elif precision in ("bfloat16", "float32") or (precision == "float16" and not dev.startswith("cuda")):
+        # bfloat16: loaded in bfloat16, on a CPU the linears get oneDNN-packed weights; float32: the LM head;
+        # float16 on a CPU: float32's, and the decoder's projections float16 weight-only
+        set_precision(model, precision)
     progress(1.0, f"{name} ready in {time.time() - t0:.1f}s on {dev} ({precision})")
     return Backbone(model=model, tokenizer=tok, name=name, chat=chat)
 

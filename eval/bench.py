@@ -662,10 +662,10 @@ class _Child:
         self.proc.wait(timeout=120)
 
 
-def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat16", "int8")) -> dict:
+def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat16", "int8", "float16")) -> dict:
     """A dedicated CPU engine side by side: llama.cpp (``llama-cpp-python``, requirements-bench.txt) on the very
     Q4_K_M GGUF the embedded Gemma is de-quantized from, and the project's base row — and a PEMA row in the default
-    precision — in float32, bfloat16 and int8. Greedy decode ms per step after the first (prefill excluded alike),
+    precision and in float16 — in float32, bfloat16, int8 and float16. Greedy decode ms per step after the first (prefill excluded alike),
     the engines taking turns; tok/s and each one's ratio to float32 and to llama.cpp — as a ratio of medians, and
     paired (``*_paired``: the median over turns of each turn's ratio, ``paired_ratios``), with every turn's time.
 
@@ -680,7 +680,8 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
         raise SystemExit("bench anchor needs llama-cpp-python: pip install -r requirements-bench.txt") from None
     default = resolve_precision(None, "cpu")
     threads = str(torch.get_num_threads())
-    children = {p: _Child("_rows", p, str(tokens), "1" if p == default else "0") for p in precisions}
+    with_pema = {default, "float16"}  # a PEMA row in the default precision and in float16 (a default candidate)
+    children = {p: _Child("_rows", p, str(tokens), "1" if p in with_pema else "0") for p in precisions}
     # OpenMP's wait policy: the project sets PASSIVE (idle threads sleep at once: on a shared CPU, spinning threads
     # made decodes 5× slower next to a training job), which costs every parallel region a wake-up. On a dedicated
     # CPU a short spin (policy unset, GOMP_SPINCOUNT) avoids it: timed here for float32 and bfloat16 alike.
@@ -702,8 +703,7 @@ def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat
                         for p in ("float32", "bfloat16") if p in children})
         configs.update({f"base {p}, the model's own RMSNorm (not fused)": (children[p], "base-unfused")
                         for p in ("float32", "bfloat16") if p in children})
-        if default in children:
-            configs[f"PEMA {default}"] = (children[default], "pema")
+        configs.update({f"PEMA {p}": (children[p], "pema") for p in precisions if p in with_pema})
         configs.update({f"base {p}, OpenMP short spin": (c, "base") for p, c in spinning.items()})
         if default in spinning:
             configs[f"PEMA {default}, OpenMP short spin"] = (spinning[default], "pema")

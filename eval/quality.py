@@ -112,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(e.g. pema-warm=pema with --set pema-warm.pd_init=\"warm\")")
     ap.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", help="training config override")
     ap.add_argument("--backbone", default=None)
-    ap.add_argument("--dtype", default=None, help="the backbone's precision (float32, bfloat16, int8; default: the "
+    ap.add_argument("--dtype", default=None, help="the backbone's precision (float32, bfloat16, int8, float16; default: the "
                     "app's); results of a precision other than float32 go to a file named with it")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--batch", type=int, default=8)

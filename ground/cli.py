@@ -17,8 +17,9 @@ def add_common(p: argparse.ArgumentParser, backbone: bool = True) -> None:
                        help="embedded short name (gemma-3-270m [default], smollm2-135m-instruct), hub id or path")
         p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
         p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8", "float16", "auto"],
-                       help="backbone weight precision: float32 (exact reference), bfloat16, int8 (CPU; dynamic "
-                            "int8 linear layers + LM head); default $PEMA_DTYPE, else README 'Precision'")
+                       help="backbone weight precision: float32 (exact reference), bfloat16, int8 (CPU; int8 "
+                            "weight-only linear layers + LM head), float16 (CPU: float16 weight-only decoder linears; "
+                            "GPU: the whole model); default $PEMA_DTYPE, else README 'Precision'")
 
 
 @contextlib.contextmanager

@@ -300,7 +300,10 @@ class BatchDecode:
     in-network plug-in) compute the very same hidden states while their tokens agree, so they share a row until
     their tokens part; a finished row leaves the forward pass (rows finish at different steps, and the decode runs
     until the last one does). ``phys[b]`` is batch row ``b``'s row; the cache is re-laid out (one row selection)
-    only at a step where a row parts or finishes. Exact: a row computes what it computes alone (as the batch does).
+    only at a step where a row parts or finishes. A row computes what it computes in a batch of any other size —
+    bit for bit where the linears pad their products for steady bits (packed bfloat16, float16 weight-only), else to
+    the rounding of a product over another row count (float32's BLAS): the same tokens (tested on the tiny model and
+    measured on Gemma, ``eval.bench rows``' ``whole_comparisons``).
 
     ``keep=True`` (one source, greedy): also record, per row and step, what a slider move needs
     (``StepRecords``), and keep each row's KV cache (``row_cache``) — ``live()`` is then the comparison's

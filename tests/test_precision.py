@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from backbone.model import (DEFAULT_CPU_PRECISION, FINGERPRINT_TAGS, PACKED_BF16, Backbone, Int8Linear,
-                            PackedBF16Linear, model_precision, packed_bf16_available, resolve_precision,
-                            set_precision)
+from backbone.model import (CPU_FLOAT16_TAG, DEFAULT_CPU_PRECISION, FINGERPRINT_TAGS, PACKED_BF16, Backbone,
+                            Fp16WeightLinear, Int8Linear, PackedBF16Linear, fp16_weight_available, model_precision,
+                            packed_bf16_available, resolve_precision, set_precision)
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
 from ground.errors import UserError
@@ -77,11 +77,14 @@ def test_float32_is_the_unchanged_reference(tiny):
     assert a.rows[0].tokens == b.rows[0].tokens and abs(a.rows[0].score - b.rows[0].score) < 1e-4
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+@pytest.mark.parametrize("precision", ["bfloat16", "int8",
+                                       pytest.param("float16", marks=pytest.mark.skipif(
+                                           not fp16_weight_available(), reason="no FBGEMM float16 kernel here"))])
 def test_lower_precision_runs_close_to_float32(tiny, precision):
     bb = tiny_in(precision)
     assert bb.precision == precision == model_precision(bb.model)
-    assert bb.fingerprint == f"{tiny.fingerprint}|dtype={FINGERPRINT_TAGS.get(precision, precision)}"
+    tag = CPU_FLOAT16_TAG if precision == "float16" else FINGERPRINT_TAGS.get(precision, precision)
+    assert bb.fingerprint == f"{tiny.fingerprint}|dtype={tag}"
     got, ref = _logits(bb), _logits(tiny)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert not torch.equal(got, ref)  # it really computed in another precision ...
@@ -100,6 +103,58 @@ def test_int8_swaps_every_linear_keeping_the_weight_parameters(tiny):
     assert bb.lm_head.weight is bb.model.get_input_embeddings().weight
     assert bb.lm_head.weight.dtype == torch.bfloat16 and bb.dtype == torch.bfloat16
     assert set(bb.model.state_dict()) == set(tiny.model.state_dict())
+
+
+@pytest.mark.skipif(not fp16_weight_available(), reason="no FBGEMM float16 kernel in this torch / on this CPU")
+def test_float16_on_a_cpu_is_weight_only_and_a_row_keeps_its_bits_alone_and_in_a_batch(tiny):
+    """``float16`` on a CPU: the decoder's projections Fp16WeightLinear — float16-rounded weights (the float32
+    Parameter holds them: the gradient path multiplies the same weights), float32 activations and outputs —, the LM
+    head float32 as in float32 (tied to the embedding); FBGEMM's kernel rounds a row in a block of one or two rows
+    differently, so products are padded to row counts that keep every row's bits: a row alone, in any batch of up
+    to 64 rows, and a comparison row alone decode alike."""
+    from backbone.model import PackedF32Linear, packed_f32_available
+
+    bb = tiny_in("float16")
+    swapped = [m for m in bb.model.modules() if isinstance(m, Fp16WeightLinear)]
+    assert len(swapped) == len([m for m in tiny.model.modules() if type(m) is nn.Linear]) - 1  # all but the head
+    assert not isinstance(bb.lm_head, Fp16WeightLinear) and bb.dtype == torch.float32
+    assert bb.lm_head.weight is bb.model.get_input_embeddings().weight
+    if packed_f32_available():
+        assert isinstance(bb.lm_head, PackedF32Linear)
+    lin = swapped[0]
+    assert torch.equal(lin.weight, lin.weight.half().float())  # float16 values in float32 storage
+    x = torch.randn(64, lin.in_features) * torch.exp(2 * torch.randn(64, lin.in_features))
+    with torch.no_grad():
+        want = nn.functional.linear(x, lin.weight, lin.bias)
+        batch = lin(x)
+        assert torch.allclose(batch, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        for n in (1, 2, 3, 7, 14, 31, 32, 64):  # row counts FBGEMM rounds differently unpadded (on an AVX2 CPU)
+            assert torch.equal(lin(x[:n]), batch[:n]), n
+        assert all(torch.equal(lin(x[i:i + 1]), batch[i:i + 1]) for i in range(0, 64, 9))
+    xg = x[:3].clone().requires_grad_(True)
+    out = lin(xg)  # with gradients: F.linear on the same (rounded) weights
+    assert torch.equal(out, nn.functional.linear(x[:3], lin.weight, lin.bias))
+    out.sum().backward()
+    assert xg.grad is not None
+    copy_ = __import__("copy").deepcopy(lin)  # LoRA copies the last layer: the copy packs its own weights
+    with torch.no_grad():
+        assert isinstance(copy_, Fp16WeightLinear) and torch.equal(copy_(x[:5]), batch[:5])
+    rows = [Row("base")]
+    alone = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=6)
+    among = decode_batch_rows(bb, "the house is small", 7)
+    assert all(r.tokens == alone.rows[0].tokens and r.score == alone.rows[0].score for r in among.rows)
+
+
+def decode_batch_rows(bb: Backbone, source: str, n: int):
+    """``n`` base rows of one comparison, each in a row of its own (the compact layout would share them: off)."""
+    from plugins import decode
+
+    saved = decode.COMPACT_ROWS["on"]
+    decode.COMPACT_ROWS["on"] = False
+    try:
+        return compare(bb, source, [Row(f"base {i}") for i in range(n)], PROMPT, max_new_tokens=6)
+    finally:
+        decode.COMPACT_ROWS["on"] = saved
 
 
 def test_int8_linear_is_weight_only_without_gradients_and_f_linear_with_them():
@@ -276,6 +331,21 @@ def test_precision_choice(monkeypatch):
         resolve_precision("int4", "cpu")
     with pytest.raises(UserError, match="GPU"):
         resolve_precision("int8", "cuda")
+    assert resolve_precision("fp16", "cpu") == resolve_precision("float16", "cuda") == "float16"
+    import backbone.model as model
+
+    monkeypatch.setattr(model, "fp16_weight_available", lambda: False)  # no FBGEMM (e.g. an ARM CPU): said so
+    with pytest.raises(UserError, match="FBGEMM.*--dtype float32"):
+        set_precision(tiny_backbone().model, "float16")
+
+
+@pytest.mark.skipif(not fp16_weight_available(), reason="no FBGEMM float16 kernel in this torch / on this CPU")
+def test_a_float16_memory_is_refused_by_a_float32_backbone_naming_the_precision(tmp_path, tiny):
+    mem = build_memory(tiny_in("float16"), [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m",
+                       prompt=PROMPT)
+    assert mem.fingerprint.endswith(f"|dtype={CPU_FLOAT16_TAG}")
+    with pytest.raises(UserError, match="--dtype float16"):
+        Memory.load(mem.path, tiny)
 
 
 def test_small_forwards_run_on_one_thread_only_where_threads_sleep(tiny, monkeypatch):
