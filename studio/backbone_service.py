@@ -152,7 +152,8 @@ class BackboneService:
         bb = self._bb
         s.update(backbone=bb.name if bb else self.backbone_name, ready=s["state"] == "ready",
                  device=str(bb.device) if bb else (self.device or "auto"),
-                 layers=bb.num_layers if bb else 0, data_dir=str(self.root), multi_user=self.multi_user,
+                 layers=bb.num_layers if bb else 0, precision=getattr(bb, "precision", None) if bb else None,
+                 data_dir=str(self.root), multi_user=self.multi_user,
                  read_only=bool(getattr(self, "read_only", False)))  # another process owns the data directory
         s.pop("stage_started", None)
         s["remote"] = None

@@ -700,3 +700,12 @@ def test_output_cards_say_when_a_comparison_was_answered_from_the_kept_decode():
     moved = {**kept, "timings": {**kept["timings"], "reuse": {"kind": "slider move", "forward_passes": 2,
                                                              "reused_steps": 1}}}
     assert "2 backbone forward pass(es)" in render.output_cards(moved)
+
+
+def test_the_header_names_the_backbone_precision():
+    """A user sees which precision decodes (f(c), and so memories and plug-ins, depend on it): README 'Precision'."""
+    from ui.render import status_header
+
+    ready = {"state": "ready", "backbone": "gemma-3-270m", "device": "cpu", "layers": 18}
+    assert "ready on cpu in float16 · 18 layers" in status_header({**ready, "precision": "float16"})
+    assert "ready on cpu · 18 layers" in status_header(ready)  # a status without one (a remote backbone's)

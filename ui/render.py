@@ -44,8 +44,9 @@ def status_header(st: dict) -> str:
         return (f"<div class='pema-status err'><b>Read-only</b>: {esc(READ_ONLY_MESSAGE)}</div>"
                 + status_header({**st, "read_only": False}))
     if st.get("state") == "ready":
-        return (f"<div class='pema-status ok'>Backbone <b>{esc(st['backbone'])}</b> ready on {esc(st['device'])} · "
-                f"{st.get('layers', 0)} layers</div>")
+        precision = f" in {esc(st['precision'])}" if st.get("precision") else ""  # (README 'Precision')
+        return (f"<div class='pema-status ok'>Backbone <b>{esc(st['backbone'])}</b> ready on {esc(st['device'])}"
+                f"{precision} · {st.get('layers', 0)} layers</div>")
     if st.get("state") == "failed":
         return f"<div class='pema-status err'>{esc(st.get('message'))}</div>"
     return progress_bar(st.get("progress", 0), f"{st.get('message', '')} ({st.get('elapsed', 0):.0f}s)",
