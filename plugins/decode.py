@@ -323,7 +323,6 @@ class BatchDecode:
         self.fc_last = self.cache = self.mask = None  # per row of the cache (compact: ``phys``), else per batch row
         self.phys: torch.Tensor | None = None  # compact layout: batch row → its row of the cache and of fc_last
         self.phys_list: list[int] = []  # the same as a list (no device round trip per use)
-        self.layout = 0  # how many times the compact layout changed (the cache re-laid out)
         self.finished_caches: dict[int, tuple] = {}  # keep: batch row → (cache, row) as it was when it finished
         self.prefill_handles: list[list] = [[] for _ in batch.net]
         self.net_handles: list[list] = [[] for _ in batch.net]  # per in-network group: its latest forward's
@@ -432,7 +431,6 @@ class BatchDecode:
             idx = torch.tensor(gather, device=dev)
             self.cache.reorder_cache(idx)
             self.mask = self.mask[idx]
-            self.layout += 1
         self._set_layout(phys)
         return torch.tensor([tok for _, tok in rows], dtype=torch.long)
 
