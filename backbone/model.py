@@ -125,6 +125,7 @@ class KernelLinear(nn.Linear):
             self.min_rows = self.FEW_ROWS
             if self.kernel_ok and self.min_rows == 1 and self._lone_row_rounds_differently():
                 self.min_rows = 2
+            self.pad_limit = self.min_rows - 1  # the most rows a product may be padded from (``_padded_rows``)
             if self.kernel_ok and self.min_rows > 1:
                 self._check_rows_invariant()
 
@@ -179,15 +180,20 @@ class KernelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or not self._runs_kernel(x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        n = self.min_rows  # (the few-row test first: a decode step makes ~130 of these calls, each µs counts)
-        if n > 1 and x.numel() < n * self.in_features:
+        limit = self.pad_limit  # (the few-row test first: a decode step makes ~130 of these calls, each µs counts)
+        if limit and x.numel() <= limit * self.in_features:
             rows = x.numel() // self.in_features
-            if rows:
+            n = self._padded_rows(rows)
+            if rows and n != rows:
                 flat = x.reshape(rows, -1)
                 # one row: its broadcast view (the kernel takes it as it is: same bits, no copy op per product)
                 padded = flat.expand(n, -1) if rows == 1 else torch.cat([flat, flat[:1].expand(n - rows, -1)])
                 return self._product(padded)[:rows].view(*x.shape[:-1], self.out_features)
         return self._product(x)
+
+    def _padded_rows(self, rows: int) -> int:
+        """The row count a product of ``rows`` (≤ ``pad_limit``) rows runs with: at least ``min_rows``."""
+        return max(rows, self.min_rows)
 
     def _copied_prepared(self) -> list | None:
         """The prepared weights for a deep copy (None: prepare them again)."""
@@ -290,18 +296,11 @@ class Fp16WeightLinear(KernelLinear):
         return y.view(*lead, self.out_features)
 
     def _check_rows_invariant(self, rows: int = 16) -> bool:
-        self.pad_to = _steady_rows(self)
+        self.pad_to, self.pad_limit = _steady_rows(self), self.PAD_UP_TO
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or not self._runs_kernel(x):
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        rows = x.numel() // self.in_features
-        if 0 < rows <= self.PAD_UP_TO and self.pad_to[rows] != rows:
-            flat = x.reshape(rows, -1)
-            padded = torch.cat([flat, flat[:1].expand(self.pad_to[rows] - rows, -1)])
-            return self._product(padded)[:rows].view(*x.shape[:-1], self.out_features)
-        return self._product(x)
+    def _padded_rows(self, rows: int) -> int:
+        return self.pad_to[rows]
 
 
 _STEADY_ROWS: dict = {}  # (in, out) → padded row count per row count (``Fp16WeightLinear``)
