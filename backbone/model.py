@@ -54,9 +54,11 @@ DEFAULT_BACKBONE = "gemma-3-270m"
 PRECISIONS = ("float32", "bfloat16", "int8", "float16")
 # A precision's name in fingerprints where it differs from the name: ``int8`` became weight-only (earlier versions'
 # dynamic int8, fingerprinted "int8", computed other keys f(c), so their memories must not pass for this one's);
-# ``float16`` on a CPU is weight-only (float32 activations: other f(c) than a GPU's float16 model, tagged "float16").
+# ``float16`` on a CPU is weight-only (float32 activations: other f(c) than a GPU's float16 model, tagged "float16"),
+# its LM head and so a tied input embedding float16 too since the eighteenth session (the earlier "float16-weight-only"
+# kept them float32: other f(c)).
 FINGERPRINT_TAGS = {"int8": "int8-weight-only"}
-CPU_FLOAT16_TAG = "float16-weight-only"
+CPU_FLOAT16_TAG = "float16-weight-only-head"
 
 
 def native_bf16_cpu() -> bool:
@@ -790,8 +792,7 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     ``nn.Linear`` (the decoder's projections and the LM head) for an :class:`Int8Linear` (CPU only); ``float32``
     leaves the weights and the decoder as they are and, on a CPU, runs the LM head packed (:class:`PackedF32Linear`:
     same weight Parameter, f(c) bit-identical, logits to float32 rounding); ``float16`` on a CPU is float32's with the
-    decoder's projections float16 weight-only (:class:`Fp16WeightLinear`; the LM head stays float32 and packed), on
-    a GPU the whole model in float16. Returns the model."""
+    projections and LM head float16 weight-only (:class:`Fp16WeightLinear`), on a GPU the whole model in float16. Returns the model."""
     if precision not in PRECISIONS:
         raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
@@ -801,9 +802,9 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
         if not fp16_weight_available():
             raise UserError("--dtype float16 on a CPU runs FBGEMM's float16-weight kernel (x86 with AVX2), which this "
                             "torch or CPU lacks; use --dtype float32.")
-        set_precision(model, "float32")  # the packed float32 LM head (no longer a plain nn.Linear: not swapped)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        _swap_linears(model, Fp16WeightLinear, skip=head)
+        # every projection, the LM head too (a tied head's rounding rounds the input embedding with it: one weight)
+        _swap_linears(model, Fp16WeightLinear)
+        use_cpu_decode_attention(model)
         return model
     if precision == "bfloat16":
         model.to(torch.bfloat16)

@@ -107,20 +107,22 @@ def test_int8_swaps_every_linear_keeping_the_weight_parameters(tiny):
 
 @pytest.mark.skipif(not fp16_weight_available(), reason="no FBGEMM float16 kernel in this torch / on this CPU")
 def test_float16_on_a_cpu_is_weight_only_and_a_row_keeps_its_bits_alone_and_in_a_batch(tiny):
-    """``float16`` on a CPU: the decoder's projections Fp16WeightLinear — float16-rounded weights (the float32
-    Parameter holds them: the gradient path multiplies the same weights), float32 activations and outputs —, the LM
-    head float32 as in float32 (tied to the embedding); FBGEMM's kernel rounds a row in a block of one or two rows
-    differently, so products are padded to row counts that keep every row's bits: a row alone, in any batch of up
-    to 64 rows, and a comparison row alone decode alike."""
-    from backbone.model import PackedF32Linear, packed_f32_available
-
+    """``float16`` on a CPU: every projection and the LM head Fp16WeightLinear — float16-rounded weights (the
+    float32 Parameter holds them: the gradient path multiplies the same weights; the head's is the tied input
+    embedding, rounded with it), float32 activations and outputs; FBGEMM's kernel rounds a row in a block of one or
+    two rows differently, so products are padded to row counts that keep every row's bits: a row alone, in any batch
+    of up to 64 rows, and a comparison row alone decode alike."""
     bb = tiny_in("float16")
     swapped = [m for m in bb.model.modules() if isinstance(m, Fp16WeightLinear)]
-    assert len(swapped) == len([m for m in tiny.model.modules() if type(m) is nn.Linear]) - 1  # all but the head
-    assert not isinstance(bb.lm_head, Fp16WeightLinear) and bb.dtype == torch.float32
-    assert bb.lm_head.weight is bb.model.get_input_embeddings().weight
-    if packed_f32_available():
-        assert isinstance(bb.lm_head, PackedF32Linear)
+    assert len(swapped) == len([m for m in tiny.model.modules() if type(m) is nn.Linear])  # the head too
+    assert isinstance(bb.lm_head, Fp16WeightLinear) and bb.dtype == torch.float32
+    emb = bb.model.get_input_embeddings().weight
+    assert bb.lm_head.weight is emb and torch.equal(emb, emb.half().float())
+    assert not torch.equal(emb, tiny.model.get_input_embeddings().weight)  # rounded: not the float32 model's
+    with torch.no_grad():
+        h = torch.randn(5, bb.hidden_size)
+        assert torch.allclose(bb.head_logits(h), nn.functional.linear(h, emb).float(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(bb.head_logits(h[:1]), bb.head_logits(h)[:1])  # a lone row's logits as in a batch
     lin = swapped[0]
     assert torch.equal(lin.weight, lin.weight.half().float())  # float16 values in float32 storage
     x = torch.randn(64, lin.in_features) * torch.exp(2 * torch.randn(64, lin.in_features))
