@@ -574,8 +574,8 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if extra is None or not extra.live():
             return got
         out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
-        scores = _decode_scores(q, key, attention_mask, scale)
-        return extra.attend(out, q, scores, value, scale).reshape(B, 1, H, D), None
+        scores = _decode_scores(q, key, attention_mask, scale)  # over a growing cache's whole buffer: its values
+        return extra.attend(out, q, scores, getattr(value, "pema_buffer", value), scale).reshape(B, 1, H, D), None
     scores = _decode_scores(q, key, attention_mask, scale)
     key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
@@ -658,11 +658,12 @@ class GrowingKVLayer:
 
 def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
-    cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` in bfloat16 (the attention that
-    reads the buffers). Not in float32: its SDPA would read the views (the same bits), but the 7-row float32 step
-    was not measurably faster for it (a one-off A/B, BENCHMARKS §3, sixteenth session). Layers of other kinds are left as they are."""
+    cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` (bfloat16: its products read the
+    buffers; float32 — also float16 weight-only's activations —: SDPA reads the views, the same bits as on
+    concatenated tensors, and saves the concatenation: Gemma's six rows ~2 ms a step, BENCHMARKS §3, eighteenth
+    session). Layers of other kinds are left as they are."""
     if (getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION
-            or getattr(model, "dtype", None) != torch.bfloat16):
+            or getattr(model, "dtype", None) not in (torch.bfloat16, torch.float32)):
         return
     try:
         from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer

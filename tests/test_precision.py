@@ -742,8 +742,27 @@ def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(
     cache.batch_select_indices(torch.tensor([0, 0]))  # replaced tensors: the next append copies them first
     again, _ = cache.layers[0].update(torch.cat([new_k, new_k]), torch.cat([new_k, new_k]))
     assert again.pema_buffer is not buffer and again.shape[0] == 2 and torch.equal(again[1, :, :-1], mine[0])
-    f32 = tiny_in("float32")  # float32's decode attention is SDPA itself: its cache is left as it is
+    plain = tiny_backbone()  # a model whose attention is not the decode attention: its cache is left as it is
     with torch.no_grad():
-        plain = f32.decoder(input_ids=ids, use_cache=True).past_key_values
-    grow_kv_cache(plain, f32.model)
-    assert not type(plain.layers[0]).__name__.startswith("Growing")
+        kept = plain.decoder(input_ids=ids, use_cache=True).past_key_values
+    grow_kv_cache(kept, plain.model)
+    assert not type(kept.layers[0]).__name__.startswith("Growing")
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_float32_activations_decode_alike_with_the_growing_kv_cache(monkeypatch, precision):
+    """float32 activations (float32, float16 weight-only on a CPU): SDPA reads the growing cache's views — the
+    same tokens and scores as on transformers' concatenated cache, across a buffer's growth (memory-tuning's rows on
+    it: the test above)."""
+    from backbone.model import GROWING_KV, KV_BLOCK
+
+    if precision == "float16" and not fp16_weight_available():
+        pytest.skip("no FBGEMM float16 kernel")
+    bb = tiny_on_decode_attention(precision)
+    bb.stop_ids = set()  # every row decodes all its steps
+    rows = [Row("base"), Row("again")]
+    on = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=KV_BLOCK + 4, trace=False)
+    monkeypatch.setitem(GROWING_KV, "on", False)
+    off = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=KV_BLOCK + 4, trace=False)
+    assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows] and len(on.rows[0].tokens) == KV_BLOCK + 4
+    assert [r.score for r in on.rows] == [r.score for r in off.rows]
