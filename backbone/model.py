@@ -269,7 +269,10 @@ class Fp16WeightLinear(KernelLinear):
     cost 1.5-2.2× one row's; FBGEMM's float16 kernel runs up to six rows in one pass over the weights. One-off probe
     (Gemma's 126 decoder shapes, random weights, one thread, AVX2 EPYC; not a repository command): 1 / 2 / 4 / 7 rows
     15.6 / 17.5 / 20.0 / 27.5 ms against ``F.linear``'s 34 / 51 / 55 / 77; ``python -m eval.bench rows --dtype
-    float16`` and ``anchor`` measure whole steps.
+    float16`` and ``anchor`` measure whole steps. The LM head too (a tied head rounds the input embedding with it):
+    ``python -m eval.bench head --dtype float16`` times it per row count (Gemma's for one row 14 ms against the
+    packed float32 head's 25; a block's float16→float32 conversions of every weight cost about as much as reading it,
+    so seven rows — two blocks — cost twice six).
 
     Row bits: FBGEMM splits a product into blocks of at most six rows, and a block of one or two rows rounds
     differently from the others (on that CPU: 1, 2, 7, 14, 31, 32, ... rows). So that a comparison row decodes alone as
