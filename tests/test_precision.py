@@ -766,3 +766,27 @@ def test_float32_activations_decode_alike_with_the_growing_kv_cache(monkeypatch,
     off = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=KV_BLOCK + 4, trace=False)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows] and len(on.rows[0].tokens) == KV_BLOCK + 4
     assert [r.score for r in on.rows] == [r.score for r in off.rows]
+
+
+@pytest.mark.skipif(not fp16_weight_available(), reason="no FBGEMM float16 kernel in this torch / on this CPU")
+def test_float16_padding_table_of_a_wide_layer_is_found_on_a_slice_of_its_rows(monkeypatch):
+    """A layer wider than ``STEADY_ROWS_SLICE`` output rows (Gemma's LM head) finds its padding table on a slice of
+    its rows: the same table as the whole weight's, and with it every row count keeps each row's bits."""
+    from backbone import model as bm
+
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=True)
+    monkeypatch.setattr(bm, "_STEADY_ROWS", {})
+    whole = bm.Fp16WeightLinear(lin)
+    monkeypatch.setattr(bm, "_STEADY_ROWS", {})
+    monkeypatch.setattr(bm, "STEADY_ROWS_SLICE", 48)
+    calls = []
+    real = bm.Fp16WeightLinear._product
+    monkeypatch.setattr(bm.Fp16WeightLinear, "_product", lambda self, x: calls.append(1) or real(self, x))
+    sliced = bm.Fp16WeightLinear(lin)
+    assert len(calls) <= 8  # the whole weight only checked (its own table: 65 products)
+    assert sliced.pad_to == whole.pad_to and sliced.pad_to[1] >= 1
+    x = sliced._test_rows(64)
+    with torch.no_grad():
+        batch = sliced(x)
+        assert all(torch.equal(sliced(x[:n]), batch[:n]) for n in range(1, 65))
