@@ -4,8 +4,9 @@ Datastore = the memory's training entries (keys f(c), values y); retriever = the
 distance; combiner: P_kNN(y) ∝ Σ_{(k_j, v_j) ∈ N, v_j = y} exp(−d_j / T) and P = λ·P_kNN + (1−λ)·P_LM.
 k, T and λ are decode-time settings: nothing is rebuilt when they change.
 
-Search: exact (keys held in RAM as float32; on a CPU from 4,096 entries a bfloat16 pre-filter scan whose result is
-certified equal to the float32 scan's, :class:`CertifiedL2Search`, where oneDNN's bfloat16 linear runs; else a
+Search: exact (keys held in RAM as float32; on a CPU from 4,096 entries a 16-bit pre-filter scan whose result is
+certified equal to the float32 scan's, :class:`CertifiedL2Search`: bfloat16 where oneDNN's bfloat16 linear runs,
+else float16 keys through FBGEMM's float16 GEMM on x86 with AVX2; else a
 chunked float32 scan — on a CPU from 4,096 entries by oneDNN's float32 linear on the keys packed once, ``PACKED_SCAN``:
 on an AVX2 EPYC kNN over 100k entries 1.13× a base step against the plain matmul's 1.25×, BENCHMARKS §3) up to
 ``exact_max_entries``; beyond that FAISS
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backbone.model import all_threads, packed_bf16_available, packed_f32_available
+from backbone.model import all_threads, fp16_weight_available, packed_bf16_available, packed_f32_available
 from memories.store import Memory
 from plugins.base import (FitResult, MixInput, MixOutput, Plugin, PluginConfig, file_sha256, mix_logprobs,
                           plain_file_name)
@@ -57,20 +58,23 @@ _SCAN_CHUNK = 262144  # keys per product: the (queries × chunk) distance matrix
 
 
 class CertifiedL2Search:
-    """Exact k-nearest-neighbour search by squared L2 whose full scan reads the keys in bfloat16 (half the bytes of
+    """Exact k-nearest-neighbour search by squared L2 whose full scan reads the keys in 16 bits (half the bytes of
     float32: the scan is memory-bound) and whose answer is nevertheless the float32 search's. L2 distances do not
     change when every key and the query are shifted by one vector, so the scan runs on *centred* keys
     k'_j = k_j − c (c the keys' mean) and queries q' = q − c: a model's hidden states share a large common component
     (Gemma 3's keys: |k − c| ≈ 0.44·|k|), and every rounding error below scales with |q'|·|k'| instead of |q|·|k|.
-    Per query:
+    The 16-bit kernel (``kernel``): ``bfloat16`` — oneDNN's bfloat16 linear on the centred keys packed once (query
+    rounded to bfloat16 too, bfloat16 output), where it runs natively —, else ``float16`` — FBGEMM's float16-weight
+    GEMM (x86 with AVX2: keys rounded to float16, the float32 query as it is, float32 output). Per query:
 
-    1. approximate distances d̃_j = |q'|² + |k'_j|² − 2·s̃_j, with s̃ = q̃'·k̃' by oneDNN's bfloat16 linear on the
-       centred keys packed once (q̃', k̃': bfloat16 roundings; float32 accumulation; bfloat16 output);
+    1. approximate distances d̃_j = |q'|² + |k'_j|² − 2·s̃_j, with s̃ = q̃'·k̃' by the kernel (q̃', k̃': the
+       kernel's roundings, q̃' = q' for ``float16``; float32 accumulation);
     2. a rigorous error bound e_j ≥ |d̃_j − d_j|: q'·k' − s̃ = (q'−q̃')·k' + q̃'·(k'−k̃') + (accumulation) + (output
        rounding), so |q'·k' − s̃| ≤ |q'−q̃'|·|k'| + |q̃'|·|k'−k̃'| + γ·|q̃'|·|k̃'| + u/(1−u)·|s̃|, with the rounding
-       residuals' norms computed exactly (a float minus its bfloat16 rounding is exact in float32; per key once),
-       γ = 2·d·2⁻²⁴ (twice the classic bound on a d-term float32 sum, in any order) and u = 2⁻⁸; e_j = 2·(1 + 10⁻³)·
-       that + 10⁻⁵·(|q'|² + |k'_j|²) (the norms' and the centring's own float32 rounding, with room to spare);
+       residuals' norms computed exactly (a float minus its 16-bit rounding is exact in float32; per key once),
+       γ = 2·d·2⁻²⁴ (twice the classic bound on a d-term float32 sum, in any order) and u the output's unit
+       roundoff (2⁻⁸ for bfloat16, 0 for float32 output); e_j = 2·(1 + 10⁻³)·that + 10⁻⁵·(|q'|² + |k'_j|²) (the
+       norms' and the centring's own float32 rounding, with room to spare);
     3. the k smallest d̃ give candidates whose float32 distances are computed from the float32 keys; D_k is the
        largest of them. Every entry that could beat D_k has d̃_j − e_j ≤ D_k: that set S (the candidates included;
        in practice a small set — ``checked`` counts it) gets float32 distances, and its k nearest are the answer —
@@ -79,21 +83,29 @@ class CertifiedL2Search:
 
     ``tests/test_knn.py`` checks it against a float64 scan; BENCHMARKS §3 times it (``eval.bench rows``). Before the
     centring and the exact residual norms (twelfth session) the bound used |q|·|k| and elementwise rounding bounds:
-    on the benchmark's 100k datastore ~1,000 entries per query were re-checked in float32 (1.9 ms of a step)."""
+    on the benchmark's 100k datastore ~1,000 entries per query were re-checked in float32 (1.9 ms of a step).
+    ``float16`` since the eighteenth session (before, a CPU without native bfloat16 scanned float32 keys)."""
 
     MIN_ENTRIES = 4096  # below this the float32 scan is already cheap and exactly as before
     _CHUNK = 65536      # keys centred and rounded per chunk (no second float32 copy of every key)
 
-    def __init__(self, keys: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, kernel: str | None = None):
+        self.kernel = kernel or self.kernel_for(keys)
+        if self.kernel not in ("bfloat16", "float16"):
+            raise ValueError(f"no 16-bit scan kernel for these keys on this CPU ({self.kernel!r})")
+        half = torch.bfloat16 if self.kernel == "bfloat16" else torch.float16
         self.keys = keys
         self.gamma = 2 * keys.shape[1] * _FP32_U
+        self.u = _BF16_U if self.kernel == "bfloat16" else 0.0  # the product's output rounding
         # the mean in float64, a chunk at a time (no float64 copy of every key)
         total = sum(keys[b0:b0 + self._CHUNK].double().sum(0) for b0 in range(0, len(keys), self._CHUNK))
         self.center = (total / len(keys)).float()
         rounded, norm, resid, rnorm = [], [], [], []
         for b0 in range(0, len(keys), self._CHUNK):
             kc = keys[b0:b0 + self._CHUNK] - self.center
-            kb = kc.to(torch.bfloat16)
+            kb = kc.to(half)
+            if not torch.isfinite(kb).all():  # beyond float16's range: no 16-bit scan (the caller scans float32)
+                raise OverflowError("a centred key does not fit in float16")
             rounded.append(kb)
             norm.append(kc.double().pow(2).sum(1))
             resid.append((kc - kb.float()).norm(dim=1))   # exact differences; their norm to float32 precision
@@ -103,30 +115,48 @@ class CertifiedL2Search:
         self.centered_norm = sq.sqrt()
         # the per-key part of the bound, γ·|k̃'| + |k' − k̃'| (times |q̃'| per query), folded once
         self.key_bound = self.gamma * torch.cat(rnorm) + torch.cat(resid)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(rounded), 1)
+        if self.kernel == "bfloat16":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(rounded), 1)
+        else:  # float16 values in float32: FBGEMM's packing rounds nothing further
+            self.packed = torch.ops.quantized.linear_prepack_fp16(torch.cat(rounded).float(), None)
         self.checked = 0  # entries whose float32 distance the last search computed (benchmarks, tests)
 
     @staticmethod
+    def kernel_for(keys: torch.Tensor) -> str | None:
+        """The 16-bit kernel this CPU scans ``keys`` with (None: too few keys, not on a CPU, or no kernel)."""
+        if keys.device.type != "cpu" or len(keys) < CertifiedL2Search.MIN_ENTRIES:
+            return None
+        return "bfloat16" if packed_bf16_available() else "float16" if fp16_weight_available() else None
+
+    @staticmethod
     def applies(keys: torch.Tensor) -> bool:
-        return keys.device.type == "cpu" and len(keys) >= CertifiedL2Search.MIN_ENTRIES and packed_bf16_available()
+        return CertifiedL2Search.kernel_for(keys) is not None
+
+    def _scan(self, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(s̃, |q' − q̃'|, |q̃'|) for centred float32 queries."""
+        if self.kernel == "bfloat16":
+            qb = qc.to(torch.bfloat16)
+            with all_threads():  # the scan of every key: the one large product of the search
+                s = torch.ops.mkldnn._linear_pointwise(qb, self.packed, None, "none", [], "").float()
+            return s, (qc - qb.float()).norm(dim=1, keepdim=True), qb.float().norm(dim=1, keepdim=True)
+        with all_threads():
+            s = torch.ops.quantized.linear_dynamic_fp16(qc.contiguous(), self.packed)
+        return s, torch.zeros(len(qc), 1), qc.norm(dim=1, keepdim=True)
 
     def search(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(squared L2 distances, entry indices), each (n, k), ascending, for float32 queries ``q`` (n, d)."""
-        u = _BF16_U
+        u = self.u
         qc = q - self.center
-        qb = qc.to(torch.bfloat16)
         q_sqnorm = qc.double().pow(2).sum(1, keepdim=True).float()
-        q_resid = (qc - qb.float()).norm(dim=1, keepdim=True)      # |q' − q̃'|
-        q_round = qb.float().norm(dim=1, keepdim=True)             # |q̃'|
-        with all_threads():  # the scan of every key: the one large product of the search
-            s = torch.ops.mkldnn._linear_pointwise(qb, self.packed, None, "none", [], "").float()
+        s, q_resid, q_round = self._scan(qc)   # s̃, |q' − q̃'|, |q̃'|
         approx = (q_sqnorm - 2 * s).add_(self.centered_sqnorm)
         cand = approx.topk(k, dim=1, largest=False).indices
         slack = 2 * (1 + 1e-3)
         # lower_j = d̃_j − e_j (class docstring), in place over the scan's (n, N) buffer
         lower = torch.addcmul(q_sqnorm * (1 - 1e-5) - 2 * s, q_resid * slack, self.centered_norm, value=-1)
         lower.addcmul_(q_round * slack, self.key_bound, value=-1).add_(self.centered_sqnorm_low)
-        lower.sub_(s.abs_().mul_(slack * u / (1 - u)))  # s is not needed after this
+        if u:
+            lower.sub_(s.abs_().mul_(slack * u / (1 - u)))  # s is not needed after this
         out_d, out_i = [], []
         self.checked = 0
         for r in range(len(q)):
@@ -224,13 +254,17 @@ class KNN(Plugin):
             keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)).to(dev) / float(self.key_scale)
             self.keys = keys
             self.key_sqnorm = (keys * keys).sum(1)
-            self.exact_l2 = CertifiedL2Search(keys) if CertifiedL2Search.applies(keys) else None
+            try:
+                self.exact_l2 = CertifiedL2Search(keys) if CertifiedL2Search.applies(keys) else None
+            except OverflowError:  # keys beyond float16's range: the float32 scan below
+                self.exact_l2 = None
             self.packed_keys = (
                 [torch.ops.mkldnn._reorder_linear_weight(keys[b0:b0 + _SCAN_CHUNK].contiguous(), 4)
                  for b0 in range(0, n, _SCAN_CHUNK)]
                 if self.exact_l2 is None and keys.device.type == "cpu" and n >= CertifiedL2Search.MIN_ENTRIES
                 and packed_f32_available() else None)
-            self.search_kind = (f"exact (bfloat16 pre-filter, certified float32 distances, over {n:,} keys)"
+            self.search_kind = (f"exact ({self.exact_l2.kernel} pre-filter, certified float32 distances, over "
+                                f"{n:,} keys)"
                                 if self.exact_l2 is not None else
                                 f"exact (float32 scan of {n:,} packed keys)" if self.packed_keys is not None else
                                 f"exact (torch matmul over {n:,} keys)")
