@@ -488,7 +488,7 @@ def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> li
 
 def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
-    exact kNN over 100k entries alone (its certified bfloat16 pre-filter scan or packed float32 scan, and the plain
+    exact kNN over 100k entries alone (its certified 16-bit pre-filter scan or packed float32 scan, and the plain
     float32 matmul), the base row with each method's row beside it (what each method adds to a step), and the base
     + memory-tuning pair with MT-M's attention re-run instead of its prefix read inside the decode attention. The configs take turns:
     ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to that turn's base
