@@ -327,8 +327,8 @@ def _steady_rows(layer: "Fp16WeightLinear") -> list[int]:
 
         if layer.out_features > STEADY_ROWS_SLICE:
             # FBGEMM's roundings depend on a row's block of rows and the input width, not on the output width: a
-            # slice of the output rows gives the table (Gemma's 262,144-row head: the same 64 entries in 0.4 s
-            # instead of ~15 s at load), checked on the whole weight for a few row counts
+            # slice of the output rows gives the table (Gemma's 262,144-row head: the same 64 entries; the head's
+            # load 18 → 4.5 s, a one-off probe, BENCHMARKS §3), checked on the whole weight for a few row counts
             w, b = layer.weight.detach()[:STEADY_ROWS_SLICE], layer.bias
             part = torch.ops.quantized.linear_prepack_fp16(
                 w.float().contiguous(), None if b is None else b.detach()[:STEADY_ROWS_SLICE].float().contiguous())
@@ -681,8 +681,8 @@ def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
     cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` (bfloat16: its products read the
     buffers; float32 — also float16 weight-only's activations —: SDPA reads the views, the same bits as on
-    concatenated tensors, and saves the concatenation: Gemma's six rows ~2 ms a step, BENCHMARKS §3, eighteenth
-    session). Layers of other kinds are left as they are."""
+    concatenated tensors, and saves the concatenation: the 7-row float16 profile's ``aten::cat`` 7.7 → 3.2 ms a
+    step, BENCHMARKS §3, eighteenth session). Layers of other kinds are left as they are."""
     if (getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION
             or getattr(model, "dtype", None) not in (torch.bfloat16, torch.float32)):
         return
