@@ -132,8 +132,8 @@ class CertifiedL2Search:
     def applies(keys: torch.Tensor) -> bool:
         return CertifiedL2Search.kernel_for(keys) is not None
 
-    def _scan(self, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(s̃, |q' − q̃'|, |q̃'|) for centred float32 queries."""
+    def _scan(self, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(s̃, |q' − q̃'| or None where the kernel keeps the query as it is, |q̃'|) for centred float32 queries."""
         if self.kernel == "bfloat16":
             qb = qc.to(torch.bfloat16)
             with all_threads():  # the scan of every key: the one large product of the search
@@ -141,7 +141,7 @@ class CertifiedL2Search:
             return s, (qc - qb.float()).norm(dim=1, keepdim=True), qb.float().norm(dim=1, keepdim=True)
         with all_threads():
             s = torch.ops.quantized.linear_dynamic_fp16(qc.contiguous(), self.packed)
-        return s, torch.zeros(len(qc), 1), qc.norm(dim=1, keepdim=True)
+        return s, None, qc.norm(dim=1, keepdim=True)  # the float32 query is not rounded: no residual
 
     def search(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(squared L2 distances, entry indices), each (n, k), ascending, for float32 queries ``q`` (n, d)."""
@@ -153,7 +153,9 @@ class CertifiedL2Search:
         cand = approx.topk(k, dim=1, largest=False).indices
         slack = 2 * (1 + 1e-3)
         # lower_j = d̃_j − e_j (class docstring), in place over the scan's (n, N) buffer
-        lower = torch.addcmul(q_sqnorm * (1 - 1e-5) - 2 * s, q_resid * slack, self.centered_norm, value=-1)
+        lower = q_sqnorm * (1 - 1e-5) - 2 * s
+        if q_resid is not None:
+            lower.addcmul_(q_resid * slack, self.centered_norm, value=-1)
         lower.addcmul_(q_round * slack, self.key_bound, value=-1).add_(self.centered_sqnorm_low)
         if u:
             lower.sub_(s.abs_().mul_(slack * u / (1 - u)))  # s is not needed after this
