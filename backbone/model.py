@@ -595,28 +595,34 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if extra is None or not extra.live():
             return got
         out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
-        scores = _decode_scores(q, key, attention_mask, scale)  # over a growing cache's whole buffer: its values
+        # the scores of the prefix's rows only (SDPA computed every row's attention; a 7-method step's score product
+        # over all rows was 2.7 of its ~3 ms here), over a growing cache's whole buffer: its values
+        scores = _decode_scores(q, key, attention_mask, scale, extra.take)
         return extra.attend(out, q, scores, getattr(value, "pema_buffer", value), scale).reshape(B, 1, H, D), None
     scores = _decode_scores(q, key, attention_mask, scale)
     key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs, value)  # (B, Hkv, H/Hkv, D)
     if extra is not None and extra.live():
-        out = extra.attend(out, q, scores, value, scale)
+        out = extra.attend(out, q, extra.take(scores), value, scale)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
 
 
 def _decode_scores(q: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                   scale: float) -> torch.Tensor:
+                   scale: float, take: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """A decode step's scaled, masked attention scores (B, KV heads, heads per KV head, C) of queries ``q`` (B, KV
     heads, heads per KV head, D) over ``key``'s positions — over its whole buffer (C ≥ L) where it is a growing
-    cache's view (the unused positions at −inf)."""
-    B, Hkv, G, D = q.shape
+    cache's view (the unused positions at −inf). ``take``: only the batch rows it selects (``RowKeys.take``)."""
     L = key.shape[2]
     # Keys and values from a ``GrowingKVLayer`` are the first L positions of a block-sized buffer: the products run
     # over the whole (contiguous) buffer, its unused positions masked (−inf scores, zero values) — a strided view
     # would send torch's bmm down a copying path (7 rows: 219 instead of 47 µs).
     key = getattr(key, "pema_buffer", key)
+    if take is not None:
+        if attention_mask is not None and attention_mask.shape[0] == q.shape[0]:
+            attention_mask = take(attention_mask)
+        q, key = take(q), take(key)
+    B, Hkv, G, D = q.shape
     C = key.shape[2]
     # as a 3-D bmm: the same products and bits as the 4-D matmul, which first copied the transposed keys (one row:
     # 22 instead of 50 µs a layer; BENCHMARKS §3, twelfth session)
@@ -720,16 +726,21 @@ class RowKeys:
         self.live, self.keep_probs = live, keep_probs
         self.done, self.probs = False, None
 
-    def attend(self, out: torch.Tensor, q: torch.Tensor, scores: torch.Tensor, value: torch.Tensor,
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """``rows`` of a per-batch-row tensor: a lone row as a view, else a copy."""
+        r = self.rows
+        return t[int(r[0]):int(r[0]) + 1] if r.numel() == 1 else t.index_select(0, r.to(t.device))
+
+    def attend(self, out: torch.Tensor, q: torch.Tensor, ctx: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """``scores``: every row's scaled, masked scores over its own keys, as the attention computed them."""
+        """``ctx``: ``rows``' scaled, masked scores over their own keys (``_decode_scores``), as the attention
+        computes them for every row."""
         r = self.rows.to(out.device)
         n = r.numel()
         _, Hkv, G, D = q.shape
         l, C = self.keys.shape[1], value.shape[2]
-        # the rows' queries, scores (the very ones every row got) and values: a lone row as a view, else copies
         at = slice(int(r[0]), int(r[0]) + 1) if n == 1 else r
-        qr, ctx = (q[at], scores[at]) if n == 1 else (t.index_select(0, r) for t in (q, scores))
+        qr = self.take(q)
         pk = self.keys.to(qr.dtype)
         # 3-D products (same bits as the 4-D broadcast matmul, which first copied the expanded operand)
         pre = torch.bmm(qr.transpose(0, 1).reshape(Hkv, n * G, D), pk.transpose(1, 2))

@@ -556,6 +556,47 @@ def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run
     assert all(abs(x - y) < 0.02 for x, y in zip(*traces)) and len(traces[0]) == 4
 
 
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_memory_tuning_row_steps_alone_as_among_other_rows_on_the_decode_attention(tmp_path, precision):
+    """With float32 activations the decode attention scores only MT-M's own rows for the prefix read (SDPA gives
+    every row's attention): a decode step's f(c) of its row alone is what it is among other rows — in float16
+    weight-only (whose products keep a row's bits in any batch) bit for bit, in float32 to BLAS's rounding — and
+    the prefix does act."""
+    import copy
+
+    if precision == "float16" and not fp16_weight_available():
+        pytest.skip("no FBGEMM float16 kernel in this torch / on this CPU")
+    from plugins.api import train_plugin
+
+    bb = tiny_on_decode_attention(precision)
+    mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m", prompt=PROMPT)
+    mt, _ = train_plugin(bb, mem, "memory_tuning", {"max_epochs": 1, "max_minutes": 0, "variant": "MT-M"},
+                         out_dir=tmp_path / "mt")
+    with torch.no_grad():
+        mt.prefix_v.mul_(30.0)  # a prefix that visibly moves the states
+    contexts = ["English: the house is small\nGerman:", "English: the cat sleeps\nGerman: die", "English: a"]
+    width = max(len(bb.encode_context(c)) for c in contexts)
+    ids = torch.tensor([bb.encode_context(c)[-width:] + [5] * (width - len(bb.encode_context(c)))
+                        for c in contexts])
+
+    def step(rows: list[int], mt_rows: list[int]):
+        with torch.no_grad():
+            past = bb.forward_fc(ids[rows], use_cache=True)[1].past_key_values
+            handles = mt.attach(mt_rows, {}) if mt_rows else []
+            try:
+                return bb.forward_fc(ids[rows, -1:] * 0 + 7, past_key_values=copy.deepcopy(past), use_cache=True)[0]
+            finally:
+                for h in handles:
+                    h.remove()
+
+    alone, among, plain = step([1], [0]), step([0, 1, 2], [1]), step([1], [])
+    assert (alone[0] - plain[0]).abs().max() > 0.1  # the prefix acts
+    if precision == "float16":
+        assert torch.equal(among[1], alone[0])
+    else:
+        assert torch.allclose(among[1], alone[0], atol=1e-5, rtol=1e-5)
+
+
 def test_decode_passes_run_in_inference_mode_but_captures_for_training_do_not(tiny):
     """A forward without gradients (a decode step) runs in inference mode; what ``forward_until_stopped`` captures
     for training (LoRA's last-layer inputs) stays an ordinary tensor that backward may save."""
