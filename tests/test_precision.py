@@ -574,10 +574,10 @@ def test_memory_tuning_row_steps_alone_as_among_other_rows_on_the_decode_attenti
                          out_dir=tmp_path / "mt")
     with torch.no_grad():
         mt.prefix_v.mul_(30.0)  # a prefix that visibly moves the states
-    contexts = ["English: the house is small\nGerman:", "English: the cat sleeps\nGerman: die", "English: a"]
-    width = max(len(bb.encode_context(c)) for c in contexts)
-    ids = torch.tensor([bb.encode_context(c)[-width:] + [5] * (width - len(bb.encode_context(c)))
-                        for c in contexts])
+    contexts = ["English: the house is small\nGerman:", "a cat sleeps on the mat", "German: die Katze schlaeft"]
+    width = min(len(bb.encode_context(c)) for c in contexts)  # three different rows, no padding
+    ids = torch.tensor([bb.encode_context(c)[:width] for c in contexts])
+    assert width >= 4 and len({tuple(r) for r in ids.tolist()}) == 3
 
     def step(rows: list[int], mt_rows: list[int]):
         with torch.no_grad():
