@@ -595,8 +595,8 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         if extra is None or not extra.live():
             return got
         out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
-        # the scores of the prefix's rows only (SDPA computed every row's attention; a 7-method step's score product
-        # over all rows was 2.7 of its ~3 ms here), over a growing cache's whole buffer: its values
+        # the scores of the prefix's rows only (SDPA computed every row's attention; scoring all rows cost a 7-method
+        # step ~2.7 ms, BENCHMARKS §3, nineteenth session), over a growing cache's whole buffer: its values
         scores = _decode_scores(q, key, attention_mask, scale, extra.take)
         return extra.attend(out, q, scores, getattr(value, "pema_buffer", value), scale).reshape(B, 1, H, D), None
     scores = _decode_scores(q, key, attention_mask, scale)
@@ -726,27 +726,31 @@ class RowKeys:
         self.live, self.keep_probs = live, keep_probs
         self.done, self.probs = False, None
 
+    def _at(self, device: torch.device) -> slice | torch.Tensor:
+        """``rows`` as an index: a lone row as a slice (a view), else the row tensor on ``device``."""
+        r = self.rows
+        return slice(int(r[0]), int(r[0]) + 1) if r.numel() == 1 else r.to(device)
+
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """``rows`` of a per-batch-row tensor: a lone row as a view, else a copy."""
-        r = self.rows
-        return t[int(r[0]):int(r[0]) + 1] if r.numel() == 1 else t.index_select(0, r.to(t.device))
+        at = self._at(t.device)
+        return t[at] if isinstance(at, slice) else t.index_select(0, at)
 
     def attend(self, out: torch.Tensor, q: torch.Tensor, ctx: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:
         """``ctx``: ``rows``' scaled, masked scores over their own keys (``_decode_scores``), as the attention
         computes them for every row."""
-        r = self.rows.to(out.device)
-        n = r.numel()
+        n = self.rows.numel()
         _, Hkv, G, D = q.shape
         l, C = self.keys.shape[1], value.shape[2]
-        at = slice(int(r[0]), int(r[0]) + 1) if n == 1 else r
+        at = self._at(out.device)
         qr = self.take(q)
         pk = self.keys.to(qr.dtype)
         # 3-D products (same bits as the 4-D broadcast matmul, which first copied the expanded operand)
         pre = torch.bmm(qr.transpose(0, 1).reshape(Hkv, n * G, D), pk.transpose(1, 2))
         pre = pre.view(Hkv, n, G, l).transpose(0, 1) * scale + self.log_weight  # (n, Hkv, G, l)
         if self.keep_probs:  # the trace: the softmax over [prefix; keys] itself, and its product
-            vr = value[at] if n == 1 else value.index_select(0, r)
+            vr = self.take(value)
             probs = torch.softmax(torch.cat([pre.to(ctx.dtype), ctx], dim=-1), dim=-1, dtype=torch.float32)
             self.probs = probs
             vv = torch.cat([self.values.to(value.dtype).unsqueeze(0).expand(n, -1, -1, -1), vr], dim=2)
