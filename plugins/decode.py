@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from backbone.model import Backbone, grow_kv_cache, small_work_threads, vocab_wide_threads
+from backbone.model import Backbone, grow_kv_cache, relayout_kv_rows, small_work_threads, vocab_wide_threads
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
 from plugins.network import row_span
@@ -385,7 +385,8 @@ class BatchDecode:
             self.finished, self.seconds = True, time.time() - self.t0
             return False
         if self.phys is not None:
-            next_tok = self._relayout(next_tok, src)
+            with torch.no_grad(), small_work_threads():  # row copies: parallel regions that would wake a thread
+                next_tok = self._relayout(next_tok, src)
             src = None
         handles: list = []
         try:
@@ -412,27 +413,32 @@ class BatchDecode:
 
     def _relayout(self, next_tok: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """The compact layout of the next forward pass: one row per distinct (row it continues, next token) among
-        the live batch rows; the cache (and mask) re-laid out when that is not the current one. Returns the next
-        token per row of the new layout."""
+        the live batch rows; the cache (and mask) re-laid out when that is not the current one. A row keeps its
+        place while one of its continuations lives (the first in batch-row order) and the others are appended, so
+        that rows parting copy only the parted rows' caches (``relayout_kv_rows``). Returns the next token per row
+        of the new layout."""
         B, dev = self.batch.B, self.backbone.device
         old = self.phys_list
-        rows: dict[tuple[int, int], int] = {}
-        phys = [0] * len(old)  # a finished row's entry is never read
-        for b, (s, tok) in enumerate(zip(src.tolist(), next_tok.tolist())):
-            if not self.beams.done[b // B]:
-                phys[b] = rows.setdefault((old[s], tok), len(rows))
+        live = {b: (old[s], tok) for b, (s, tok) in enumerate(zip(src.tolist(), next_tok.tolist()))
+                if not self.beams.done[b // B]}
+        distinct = list(dict.fromkeys(live.values()))  # (old row, token), in batch-row order
+        stays = {}
+        for key in distinct:
+            stays.setdefault(key[0], key)
+        order = [stays[r] for r in sorted(stays)] + [key for key in distinct if stays[key[0]] != key]
+        at = {key: i for i, key in enumerate(order)}
+        phys = [at[live[b]] if b in live else 0 for b in range(len(old))]  # a finished row's entry is never read
         if self.keep:  # a row that finished leaves the layout: keep its cache as it is (the tensors are not copied)
             gone = [b for b in range(len(old)) if self.beams.done[b // B] and b not in self.finished_caches]
             if gone:
                 snapshot = _cache_view(self.cache)
                 self.finished_caches.update({b: (snapshot, old[b]) for b in gone})
-        gather = [s for s, _ in rows]
+        gather = [r for r, _ in order]
         if gather != list(range(self.mask.shape[0])):
-            idx = torch.tensor(gather, device=dev)
-            self.cache.reorder_cache(idx)
-            self.mask = self.mask[idx]
+            relayout_kv_rows(self.cache, gather, row_capacity=len(live))
+            self.mask = self.mask[torch.tensor(gather, device=dev)]
         self._set_layout(phys)
-        return torch.tensor([tok for _, tok in rows], dtype=torch.long)
+        return torch.tensor([tok for _, tok in order], dtype=torch.long)
 
     def _set_layout(self, phys: list[int]) -> None:
         self.phys_list = phys
@@ -906,7 +912,8 @@ def forward_step(backbone: Backbone, cache, mask: torch.Tensor, next_tok: torch.
     Returns (f(c) per batch row, the cache, the mask)."""
     dev = backbone.device
     if src is not None:
-        cache.reorder_cache(src.to(dev))
+        with torch.no_grad(), small_work_threads():
+            relayout_kv_rows(cache, src.tolist(), row_capacity=len(src))
         mask = mask[src.to(dev)]
     mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=dev)], dim=1)
     with torch.no_grad():

@@ -767,27 +767,73 @@ def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(
     L = layer.keys.shape[-2]
     new_k = torch.randn(1, layer.keys.shape[1], 1, layer.keys.shape[-1], dtype=layer.keys.dtype)
     keys, _ = layer.update(new_k, new_k.clone())
-    buffer = keys.pema_buffer
-    assert buffer.shape[-2] % KV_BLOCK == 0 and buffer.shape[-2] >= L + 1
+    store = keys.pema_store
+    assert store.shape[-2] % KV_BLOCK == 0 and store.shape[-2] >= L + 1 and keys.pema_buffer.shape == store.shape
     assert keys.shape[-2] == L + 1 and torch.equal(keys[:, :, -1:], new_k)
     keys2, _ = layer.update(new_k + 1, new_k + 1)
-    assert keys2.pema_buffer is buffer  # in place while the block lasts
+    assert keys2.pema_store is store  # in place while the block lasts
     shared = {id(t): t for t in (layer.keys, layer.values)}
     twin = copy.deepcopy(cache, shared).layers[0]
     assert twin.keys is layer.keys
     mine, _ = layer.update(new_k + 2, new_k + 2)
     theirs, _ = twin.update(new_k + 3, new_k + 3)
-    assert theirs.pema_buffer is not buffer and mine.pema_buffer is buffer
+    assert theirs.pema_store is not store and mine.pema_store is store
     assert torch.equal(mine[:, :, -1:], new_k + 2) and torch.equal(theirs[:, :, -1:], new_k + 3)
     assert torch.equal(mine[:, :, :-1], theirs[:, :, :-1])
     cache.batch_select_indices(torch.tensor([0, 0]))  # replaced tensors: the next append copies them first
     again, _ = cache.layers[0].update(torch.cat([new_k, new_k]), torch.cat([new_k, new_k]))
-    assert again.pema_buffer is not buffer and again.shape[0] == 2 and torch.equal(again[1, :, :-1], mine[0])
+    assert again.pema_store is not store and again.shape[0] == 2 and torch.equal(again[1, :, :-1], mine[0])
     plain = tiny_backbone()  # a model whose attention is not the decode attention: its cache is left as it is
     with torch.no_grad():
         kept = plain.decoder(input_ids=ids, use_cache=True).past_key_values
     grow_kv_cache(kept, plain.model)
     assert not type(kept.layers[0]).__name__.startswith("Growing")
+
+
+def test_growing_kv_cache_relayout_appends_parting_rows_in_place_and_selects_with_one_copy():
+    """``relayout_kv_rows``: rows that part are written into the store's spare rows (the kept rows' store and
+    views stay as they were: a snapshot of the cache is unchanged), any other selection is one copy into a new
+    store; either way the cache equals transformers' row selection, positions past the fill stay zero, and the
+    next append goes in place."""
+    from backbone.model import GrowingKVLayer, grow_kv_cache, relayout_kv_rows
+
+    bb = tiny_on_decode_attention()
+    one = bb.encode_context("a small house")
+    ids = torch.tensor([one, one[::-1]])  # two rows of one length, different keys
+    with torch.no_grad():
+        cache = bb.decoder(input_ids=ids, use_cache=True).past_key_values
+    grow_kv_cache(cache, bb.model)
+    layers = [layer for layer in cache.layers if isinstance(layer, GrowingKVLayer)]
+    assert layers
+    step = lambda c, x: [layer.update(x, x + 1) for layer in c.layers]  # noqa: E731
+    first = layers[0]
+    x = torch.randn(2, first.keys.shape[1], 1, first.keys.shape[-1], dtype=first.keys.dtype)
+    relayout_kv_rows(cache, [1, 0], row_capacity=4)  # from the prefill's tensors: one copy, room for 4 rows
+    store = first.keys.pema_store
+    assert store.shape[0] == 4 and first.keys.shape[0] == 2
+    step(cache, x)
+    assert first.keys.pema_store is store  # the append went in place
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
+    views = [(layer.keys, layer.values) for layer in layers]
+    relayout_kv_rows(cache, [0, 1, 1, 0], row_capacity=4)  # rows 0 and 1 stay, two parted rows appended
+    assert first.keys.pema_store is store and first.keys.shape[0] == 4
+    for layer, (k, v), (vk, vv) in zip(layers, before, views):
+        assert torch.equal(layer.keys, k[[0, 1, 1, 0]]) and torch.equal(layer.values, v[[0, 1, 1, 0]])
+        assert torch.equal(vk, k) and torch.equal(vv, v)  # the old views (a snapshot's) unchanged
+        L = layer.keys.shape[-2]
+        assert not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
+    step(cache, torch.cat([x, x]))
+    assert first.keys.pema_store is store
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
+    relayout_kv_rows(cache, [3, 1], row_capacity=3)  # a row left: one copy into a new store
+    assert first.keys.pema_store is not store and first.keys.pema_store.shape[0] == 3
+    for layer, (k, v) in zip(layers, kept):
+        assert torch.equal(layer.keys, k[[3, 1]]) and torch.equal(layer.values, v[[3, 1]])
+        L = layer.keys.shape[-2]
+        assert not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
+    moved = first.keys.pema_store
+    step(cache, x)
+    assert first.keys.pema_store is moved
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
