@@ -688,9 +688,10 @@ class GrowingKVLayer:
         stores = self._store(rows, L)
         if stores is None or stores[0].shape[-2] < L + n or stores[0].dtype != key_states.dtype:
             spare = stores[0].shape[0] if stores is not None else rows
-            stores = _new_kv_store(self.keys, spare, L + n), _new_kv_store(self.values, spare, L + n)
-            stores[0][:rows, :, :L] = self.keys
-            stores[1][:rows, :, :L] = self.values
+            stores = tuple(_new_kv_store(view, spare, L + n, zero=False) for view in (self.keys, self.values))
+            for store, view in zip(stores, (self.keys, self.values)):
+                store[:rows, :, :L] = view
+                store[:, :, L + n:].zero_()  # a spare row's first positions are written when a row moves in
         ks, vs = stores
         ks[:rows, :, L:L + n] = key_states
         vs[:rows, :, L:L + n] = value_states
@@ -720,7 +721,8 @@ class GrowingKVLayer:
         new = []
         for view, own in zip((keys, values), stores or (None, None)):
             # a spare row's positions below the fill are written when a row is appended there, the rest stay zero
-            store, old = _new_kv_store(view, max(row_capacity, G), L + 1, zero=False), getattr(view, "pema_buffer", None)
+            store = _new_kv_store(view, max(row_capacity, G), L + 1, zero=False)
+            old = getattr(view, "pema_buffer", None)
             if own is not None and old.shape[-2] == store.shape[-2]:  # one copy, the positions past the fill (zero) too
                 torch.index_select(old, 0, idx, out=store[:G])
                 store[G:, :, L:].zero_()

@@ -824,6 +824,17 @@ def test_growing_kv_cache_relayout_appends_parting_rows_in_place_and_selects_wit
         assert not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
     step(cache, torch.cat([x, x]))
     assert first.keys.pema_store is store
+    want = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
+    room = store.shape[-2] - first.keys.shape[-2]
+    for i in range(room + 2):  # past the block: the appends move to a bigger store, spare rows kept
+        y = torch.cat([x, x]) + i
+        step(cache, y)
+        want = [(torch.cat([k, y], dim=2), torch.cat([v, y + 1], dim=2)) for k, v in want]
+    assert first.keys.pema_store is not store and first.keys.pema_store.shape[0] == 4
+    for layer, (k, v) in zip(layers, want):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        L = layer.keys.shape[-2]
+        assert not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
     kept = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
     relayout_kv_rows(cache, [3, 1], row_capacity=3)  # a row left: one copy into a new store
     assert first.keys.pema_store is not store and first.keys.pema_store.shape[0] == 3
