@@ -575,9 +575,11 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     in ``python -m eval.bench rows --dtype bfloat16`` it took 32 ms of a 185-ms 7-row Gemma step (16 ms at 4 rows),
     gone with this function (BENCHMARKS §3).
 
-    float32: SDPA itself for every row (its kernel is the faster one there, and its bits are float32's reference),
-    plus only what rides on this function: memory-tuning's prefix for its rows (:class:`RowKeys`), which otherwise
-    re-runs the whole attention module for those rows at every layer and step (BENCHMARKS §3, sixteenth session)."""
+    float32 (also float16 weight-only's activations): SDPA itself for every row (its kernel is the faster one there,
+    and its bits are float32's reference), on the query heads of each KV head packed as that head's queries, as
+    transformers packs them when a mask is given; plus only what rides on this function: memory-tuning's prefix for
+    its rows (:class:`RowKeys`), which otherwise re-runs the whole attention module for those rows at every layer and
+    step (BENCHMARKS §3, sixteenth session)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (query.shape[2] != 1 or query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32)
@@ -590,15 +592,18 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     scale = scaling if scaling is not None else D ** -0.5
     extra = module.__dict__.get("pema_row_keys")  # set by memory-tuning's pre-hook (see RowKeys)
     if query.dtype == torch.float32:
-        got = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                     **kwargs)
-        if extra is None or not extra.live():
-            return got
-        out = got[0].reshape(B, Hkv, H // Hkv, D)  # (B, 1, H, D), contiguous: a view in the layout below
-        # the scores of the prefix's rows only (SDPA computed every row's attention; scoring all rows cost a 7-method
-        # step ~2.7 ms, BENCHMARKS §3, nineteenth session), over a growing cache's whole buffer: its values
-        scores = _decode_scores(q, key, attention_mask, scale, extra.take)
-        return extra.attend(out, q, scores, getattr(value, "pema_buffer", value), scale).reshape(B, 1, H, D), None
+        # SDPA with a KV head's query heads as that head's queries (transformers' own ``pack_gqa``, which it takes
+        # only with a mask; unmasked it asks SDPA for ``enable_gqa``, whose CPU kernel reads each KV head once per
+        # query head: Gemma, 7 rows, one layer 451 → 207 µs, BENCHMARKS §3, twentieth session)
+        mask = attention_mask if attention_mask is None or attention_mask.shape[1] == 1 else \
+            attention_mask.reshape(B, Hkv, H // Hkv, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+        if extra is not None and extra.live():
+            # the scores of the prefix's rows only (SDPA computed every row's attention; scoring all rows cost a
+            # 7-method step ~2.7 ms, BENCHMARKS §3, nineteenth session), over a growing cache's whole buffer
+            scores = _decode_scores(q, key, attention_mask, scale, extra.take)
+            out = extra.attend(out, q, scores, getattr(value, "pema_buffer", value), scale)
+        return out.reshape(B, 1, H, D), None
     scores = _decode_scores(q, key, attention_mask, scale)
     key, value = getattr(key, "pema_buffer", key), getattr(value, "pema_buffer", value)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
