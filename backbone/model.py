@@ -749,11 +749,15 @@ def _new_kv_store(like: torch.Tensor, rows: int, length: int, zero: bool = True)
 
 def relayout_kv_rows(cache, gather: list[int], row_capacity: int) -> None:
     """Row i of a decode's KV cache becomes row ``gather[i]`` (a comparison's rows part or finish): a growing
-    layer's :meth:`GrowingKVLayer.relayout`, any other layer transformers' ``reorder_cache``."""
+    layer's :meth:`GrowingKVLayer.relayout`, any other layer transformers' ``reorder_cache``. A store made by an
+    append inside the forward pass (``torch.inference_mode``) takes writes only in inference mode: the relayout of
+    such a cache runs in it too."""
     idx = None
     for layer in cache.layers:
         if isinstance(layer, GrowingKVLayer) and GROWING_KV["on"]:
-            layer.relayout(gather, row_capacity)
+            keys = getattr(layer, "keys", None)
+            with torch.inference_mode(isinstance(keys, torch.Tensor) and keys.is_inference()):
+                layer.relayout(gather, row_capacity)
         else:
             if idx is None:
                 idx = torch.tensor(gather, device=layer.keys.device if layer.keys is not None else None)

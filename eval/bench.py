@@ -357,16 +357,27 @@ def _heldout_scores(bb, plugin, mem, lam: float = 0.5, n: int = 2000) -> dict:
     return {k: (round(v / len(y), 4) if k != "tokens" else v) for k, v in out.items()}
 
 
+ATTENTION_POSITIONS = 200  # ``bench_head``'s attention: about a comparison's prompt and first tokens
+
+
 def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dict:
     """ms per LM-head projection of a few rows: ``F.linear`` (x·Wᵀ) vs ``W @ xᵀ`` (see ``backbone.model._project``)
     vs the backbone's own head product (``head``: ``Backbone.head_logits``, e.g. the packed bfloat16 or float32
     linear). Where
     the backbone's linears are ``KernelLinear``s (bfloat16, int8 on a CPU), also every decoder linear's product once
     on one thread — what a decode step's decoder multiplies — as the layers run them (``decoder``: few rows padded to
-    ``min_rows``) and as the bare kernel (``decoder_unpadded``), and the head's bare kernel (``head_unpadded``)."""
+    ``min_rows``) and as the bare kernel (``decoder_unpadded``), and the head's bare kernel (``head_unpadded``).
+    Also a decode step's attention over every layer on one thread (random float32 queries, keys and values of
+    ``ATTENTION_POSITIONS`` positions in the model's head layout): SDPA on each KV head's query heads packed as its
+    queries, as ``cpu_decode_attention`` runs it (``attention``), and with ``enable_gqa``, as transformers asks it
+    unmasked (``attention_gqa``)."""
     import torch
 
     w = bb.lm_head.weight
+    cfg = getattr(bb.model.config, "text_config", bb.model.config)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     kernels = [m for m in bb.layers.modules() if isinstance(m, KernelLinear) and m.kernel_ok]
     head = bb.lm_head if isinstance(bb.lm_head, KernelLinear) and bb.lm_head.kernel_ok else None
     out = {}
@@ -379,8 +390,19 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
                 with one_thread_section():
                     for k in kernels:
                         (k if padded else k._product)(ins[k.in_features])
+            q = torch.randn(m, heads, 1, head_dim)
+            kv = [torch.randn(m, kv_heads, ATTENTION_POSITIONS, head_dim) for _ in range(2)]
+
+            def attention(packed: bool):
+                with one_thread_section():
+                    for _ in range(bb.num_layers):
+                        if packed:
+                            sdpa(q.reshape(m, kv_heads, heads // kv_heads, head_dim), *kv)
+                        else:
+                            sdpa(q, *kv, enable_gqa=True)
             cases = [("linear", lambda: torch.nn.functional.linear(x, w)), ("w_xt", lambda: (w @ x.T).T),
-                     ("head", lambda: bb.head_logits(x))]
+                     ("head", lambda: bb.head_logits(x)), ("attention", lambda: attention(True)),
+                     ("attention_gqa", lambda: attention(False))]
             if head is not None:
                 xb = x.to(head.INPUT_DTYPE)
                 cases.append(("head_unpadded", lambda: head._product(xb)))

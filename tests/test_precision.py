@@ -845,6 +845,16 @@ def test_growing_kv_cache_relayout_appends_parting_rows_in_place_and_selects_wit
     moved = first.keys.pema_store
     step(cache, x)
     assert first.keys.pema_store is moved
+    with torch.inference_mode():  # a decode's forward appends in inference mode: past the block, a new store …
+        for _ in range(moved.shape[-2] - first.keys.shape[-2] + 1):
+            step(cache, x)
+    assert first.keys.pema_store is not moved and first.keys.pema_store.is_inference()
+    inferred = first.keys.pema_store
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
+    relayout_kv_rows(cache, [0, 1, 0], row_capacity=3)  # … that the relayout outside it writes in place
+    assert first.keys.pema_store is inferred
+    for layer, (k, v) in zip(layers, before):
+        assert torch.equal(layer.keys, k[[0, 1, 0]]) and torch.equal(layer.values, v[[0, 1, 0]])
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
