@@ -806,6 +806,10 @@ def test_growing_kv_cache_relayout_appends_parting_rows_in_place_and_selects_wit
     layers = [layer for layer in cache.layers if isinstance(layer, GrowingKVLayer)]
     assert layers
     step = lambda c, x: [layer.update(x, x + 1) for layer in c.layers]  # noqa: E731
+
+    def zero_past_fill(layer) -> bool:  # every row of both stores, spare rows too
+        L = layer.keys.shape[-2]
+        return not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
     first = layers[0]
     x = torch.randn(2, first.keys.shape[1], 1, first.keys.shape[-1], dtype=first.keys.dtype)
     relayout_kv_rows(cache, [1, 0], row_capacity=4)  # from the prefill's tensors: one copy, room for 4 rows
@@ -820,8 +824,7 @@ def test_growing_kv_cache_relayout_appends_parting_rows_in_place_and_selects_wit
     for layer, (k, v), (vk, vv) in zip(layers, before, views):
         assert torch.equal(layer.keys, k[[0, 1, 1, 0]]) and torch.equal(layer.values, v[[0, 1, 1, 0]])
         assert torch.equal(vk, k) and torch.equal(vv, v)  # the old views (a snapshot's) unchanged
-        L = layer.keys.shape[-2]
-        assert not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
+        assert zero_past_fill(layer)
     step(cache, torch.cat([x, x]))
     assert first.keys.pema_store is store
     want = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
@@ -833,15 +836,13 @@ def test_growing_kv_cache_relayout_appends_parting_rows_in_place_and_selects_wit
     assert first.keys.pema_store is not store and first.keys.pema_store.shape[0] == 4
     for layer, (k, v) in zip(layers, want):
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-        L = layer.keys.shape[-2]
-        assert not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
+        assert zero_past_fill(layer)
     kept = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
     relayout_kv_rows(cache, [3, 1], row_capacity=3)  # a row left: one copy into a new store
     assert first.keys.pema_store is not store and first.keys.pema_store.shape[0] == 3
     for layer, (k, v) in zip(layers, kept):
         assert torch.equal(layer.keys, k[[3, 1]]) and torch.equal(layer.values, v[[3, 1]])
-        L = layer.keys.shape[-2]
-        assert not layer.keys.pema_store[:, :, L:].any() and not layer.values.pema_store[:, :, L:].any()
+        assert zero_past_fill(layer)
     moved = first.keys.pema_store
     step(cache, x)
     assert first.keys.pema_store is moved
