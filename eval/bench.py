@@ -369,8 +369,9 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
     ``min_rows``) and as the bare kernel (``decoder_unpadded``), and the head's bare kernel (``head_unpadded``).
     Also a decode step's attention over every layer on one thread (random float32 queries, keys and values of
     ``ATTENTION_POSITIONS`` positions in the model's head layout): SDPA on each KV head's query heads packed as its
-    queries, as ``cpu_decode_attention`` runs it (``attention``), and with ``enable_gqa``, as transformers asks it
-    unmasked (``attention_gqa``)."""
+    queries, as ``cpu_decode_attention`` runs it (``attention``), with ``enable_gqa``, as transformers asks it
+    unmasked (``attention_gqa``), and packed on float16 queries, keys and values (``attention_f16_kv``: what a
+    float16 KV cache would run; its bytes are half, but a CPU without float16 arithmetic converts inside SDPA)."""
     import torch
 
     w = bb.lm_head.weight
@@ -392,17 +393,20 @@ def bench_head(bb, rows=(1, 2, 3, 4, 6, 7, 8, 12, 16, 32), reps: int = 5) -> dic
                         (k if padded else k._product)(ins[k.in_features])
             q = torch.randn(m, heads, 1, head_dim)
             kv = [torch.randn(m, kv_heads, ATTENTION_POSITIONS, head_dim) for _ in range(2)]
+            kv16 = [t.half() for t in kv]
 
-            def attention(packed: bool):
+            def attention(packed: bool, half: bool = False):
                 with one_thread_section():
                     for _ in range(bb.num_layers):
                         if packed:
-                            sdpa(q.reshape(m, kv_heads, heads // kv_heads, head_dim), *kv)
+                            qp = q.reshape(m, kv_heads, heads // kv_heads, head_dim)
+                            sdpa(qp.half(), *kv16) if half else sdpa(qp, *kv)
                         else:
                             sdpa(q, *kv, enable_gqa=True)
             cases = [("linear", lambda: torch.nn.functional.linear(x, w)), ("w_xt", lambda: (w @ x.T).T),
                      ("head", lambda: bb.head_logits(x)), ("attention", lambda: attention(True)),
-                     ("attention_gqa", lambda: attention(False))]
+                     ("attention_gqa", lambda: attention(False)),
+                     ("attention_f16_kv", lambda: attention(True, half=True))]
             if head is not None:
                 xb = x.to(head.INPUT_DTYPE)
                 cases.append(("head_unpadded", lambda: head._product(xb)))
