@@ -304,3 +304,17 @@ def test_form_in_the_browser_preset_estimate_train(studio, memory_id):
             b.close()
     finally:
         demo.close()
+
+
+def test_method_info_says_where_a_comparison_starts_other_than_the_declared_defaults(studio):
+    """The Plug-ins tab listed PEMA's declared λ_max 0.8 / GU on while Compare starts translation on Gemma at the
+    tuned 0.2 / GU off: the tab now says which values a comparison starts at, per task, where they differ."""
+    from ui import plugins as tab
+
+    pema = next(m for m in studio.methods() if m["method"] == "pema")
+    starts = {"translation": {"lambda_max": 0.2, "gu": False, "gu_min": 0.0}, "style": {"lambda_max": 0.8}}
+    text = tab._method_info(pema, starts)
+    assert "lambda_max=0.8 (live)" in text  # the declared defaults
+    tuned = text.split("tuned on dev data")[1]
+    assert "translation: lambda_max=0.2, gu=False" in tuned and "style" not in tuned and "gu_min" not in tuned
+    assert "tuned" not in tab._method_info(pema, {"translation": {"lambda_max": 0.8}})

@@ -1,5 +1,5 @@
 """Compare tab: one sentence, several methods decoded in one batch, outputs side by side with differences from the
-base model highlighted; live decode controls (every move re-decodes); token-level views; Share."""
+base model highlighted; live decode controls (a move re-decodes only from the first token it changes); token-level views; Share."""
 from __future__ import annotations
 
 import json
@@ -113,8 +113,9 @@ def build(studio) -> SimpleNamespace:
                 if d["live"]:
                     live_keys.append((m, d["name"]))
                     live_ctls.append(setting_control(m, d, start[m][d["name"]], visible=False, min_width=180))
-    knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods that have them; every "
-                        "move re-decodes all methods in one batch. Other settings are under “More decode "
+    knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods that have them; a move "
+                        "re-mixes the moved row's kept steps and decodes again only from the first token it "
+                        "changes (no forward pass when no token changes). Other settings are under “More decode "
                         "settings”.</div>")
     with gr.Accordion("More decode settings", open=False):
         with gr.Row():

@@ -8,23 +8,36 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from ui import plots, render
 from ui.common import choices_update, keep_value, memory_choices, owner_of, training_control, user_errors
 
 
-def _method_info(m: dict | None) -> str:
+def _method_info(m: dict | None, starts: dict | None = None) -> str:
+    """The method's summary; ``starts`` ({task: {setting: value}}, ``Studio.start_settings``) are the values a
+    comparison of each task starts this method at on this backbone — said where they differ from the declared
+    defaults, so that this tab and Compare never show different numbers without saying why."""
     if not m:
         return ""
     level = {"output": "output-level: mixes the next-token distribution",
              "network": "in-network: changes the backbone's hidden states of its own rows",
              }.get(m["level"], m["level"])
+    declared = {d["name"]: d["default"] for d in m.get("decode_settings", [])}
     dec = ", ".join(f"{d['name']}={d['default']}" + (" (live)" if d["live"] else "")
                     for d in m.get("decode_settings", [])) or "none"
+    tuned = []
+    for task, values in (starts or {}).items():
+        differ = [f"{k}={v}" for k, v in values.items() if k in declared and v != declared[k]]
+        if differ:
+            tuned.append(f"{task}: {', '.join(differ)}")
+    start = (f"<br>A comparison starts at the values tuned on dev data for this backbone — {render.esc('; '.join(tuned))}"
+             if tuned else "")
     unavailable = (f"<br><b>Unavailable here:</b> {render.esc(m['unavailable'])}" if m.get("unavailable") else "")
     return (f"<div class='pema-help'><b>{render.esc(m['title'])}</b> — {render.esc(level)}.<br>"
-            f"{render.esc(m['paper'])}<br>Decode-time settings (set in Compare): {render.esc(dec)}{unavailable}</div>")
+            f"{render.esc(m['paper'])}<br>Decode-time settings (set in Compare), declared defaults: {render.esc(dec)}"
+            f"{start}{unavailable}</div>")
 
 
 def preset_form_values(m: dict, preset: str | None) -> dict:
@@ -60,6 +73,9 @@ def estimate_html(est: dict | None) -> str:
 def build(studio) -> SimpleNamespace:
     methods = {m["method"]: m for m in studio.methods()}
     first = "pema" if "pema" in methods else next(iter(methods), None)
+
+    def method_info(k: str | None) -> str:  # start values read when shown (a remote backbone may change them)
+        return _method_info(methods.get(k), {task: studio.start_settings(task).get(k, {}) for task in TASKS})
     selected_job = gr.State(None)
     seen = gr.State(None)
     with gr.Row(equal_height=False):
@@ -69,7 +85,7 @@ def build(studio) -> SimpleNamespace:
             memory_warn = gr.HTML(elem_id="train-memory-warning")
             method = gr.Dropdown([(m["title"], k) for k, m in methods.items()], value=first, label="Method",
                                  elem_id="train-method")
-            info = gr.HTML(_method_info(methods.get(first)))
+            info = gr.HTML(method_info(first))
             name = gr.Textbox(label="Name (optional)", placeholder="defaults to “<method> on <memory>”")
             with gr.Row(equal_height=False, elem_classes="pema-actions"):
                 preset = gr.Radio(list((methods.get(first) or {}).get("presets") or ["default"]), value="default",
@@ -142,7 +158,7 @@ def build(studio) -> SimpleNamespace:
     def on_method(m):
         mm = methods.get(m)
         names = list((mm or {}).get("presets") or ["default"])
-        return [_method_info(mm), gr.update(choices=names, value="default"), preset_note(mm, "default")] + \
+        return [method_info(m), gr.update(choices=names, value="default"), preset_note(mm, "default")] + \
             [gr.update(visible=k == m) for k in methods] + fill(m, "default")
 
     method.change(on_method, method, [info, preset, note] + [groups[k] for k in methods] + all_controls,
