@@ -238,15 +238,19 @@ class CompareService:
                 live_id, live = self._take_live(owner, src, int(max_new_tokens), [r.label for r in rows])
                 run = start_compare(bb, src, rows, prompt, int(max_new_tokens), int(num_beams), live=live)
                 moved = not isinstance(run, BatchDecode)
+
+                def so_far() -> dict | None:  # a move's partial payloads say it is one (the view's header)
+                    return ({"kind": "slider move", "forward_passes": run.forwards,
+                             "reused_steps": run.reused_steps} if moved else None)
                 while not should_stop() and run.step():
                     if partials:
                         yield self._payload(run.partial()[0], methods, task, reference, bb, prompt, t0, t_load,
-                                            int(max_new_tokens), partial=True)
+                                            int(max_new_tokens), partial=True, reuse=so_far())
                 if not run.finished:  # stopped: what is kept stays as it was (a move commits when it finishes)
                     if live is not None:
                         self._keep_live(owner, live_id, live)
                     yield self._payload(run.partial()[0], methods, task, reference, bb, prompt, t0, t_load,
-                                        int(max_new_tokens), partial=True, cancelled=True)
+                                        int(max_new_tokens), partial=True, cancelled=True, reuse=so_far())
                     return
                 comp = run.result()[0]
                 new_live = run.live if moved else run.live()

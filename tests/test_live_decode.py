@@ -277,6 +277,19 @@ def test_studio_slider_move_reuses_and_equals_a_fresh_decode(studio_knn):
     assert [r["trace"] for r in moved["rows"]][1][0]["lambda"] == 0.9
 
 
+def test_a_streamed_slider_move_says_so_while_it_decodes(studio_knn):
+    """The Compare view's header read "One batched decode" while a move's tokens streamed in, and "Re-decoded …
+    from the kept decode" only at its end: every partial payload of a move now carries the move's reuse."""
+    st, knn_id = studio_knn
+    args = dict(methods=["base", knn_id], max_new_tokens=10)
+    st.compare(SOURCE, settings={"knn": {"lambda": 0.0}}, **args)
+    items = list(st.compare_stream(SOURCE, settings={"knn": {"lambda": 1.0}}, **args))
+    partials = [p for p in items if p.get("partial")]
+    assert partials, "the move changed no token: pick settings that do"
+    assert all(p["timings"]["reuse"]["kind"] == "slider move" for p in items)
+    assert items[-1]["timings"]["reuse"]["forward_passes"] >= partials[-1]["timings"]["reuse"]["forward_passes"]
+
+
 def test_studio_stream_ends_as_compare_and_stop_ends_it(studio_knn, monkeypatch):
     st, knn_id = studio_knn
     args = dict(methods=["base", knn_id], settings={"knn": {"k": 3}}, max_new_tokens=12)
