@@ -1,5 +1,6 @@
 """Compare tab: one sentence, several methods decoded in one batch, outputs side by side with differences from the
-base model highlighted; live decode controls (a move re-decodes only from the first token it changes); token-level views; Share."""
+base model highlighted; live decode controls (a move re-decodes only from the first token it changes); token-level
+views; Share."""
 from __future__ import annotations
 
 import json

@@ -32,8 +32,8 @@ def _method_info(m: dict | None, starts: dict | None = None) -> str:
         differ = [f"{k}={v}" for k, v in values.items() if k in declared and v != declared[k]]
         if differ:
             tuned.append(f"{task}: {', '.join(differ)}")
-    start = (f"<br>A comparison starts at the values tuned on dev data for this backbone — {render.esc('; '.join(tuned))}"
-             if tuned else "")
+    start = (f"<br>A comparison starts at the values tuned on dev data for this backbone — "
+             f"{render.esc('; '.join(tuned))}" if tuned else "")
     unavailable = (f"<br><b>Unavailable here:</b> {render.esc(m['unavailable'])}" if m.get("unavailable") else "")
     return (f"<div class='pema-help'><b>{render.esc(m['title'])}</b> — {render.esc(level)}.<br>"
             f"{render.esc(m['paper'])}<br>Decode-time settings (set in Compare), declared defaults: {render.esc(dec)}"
