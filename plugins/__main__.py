@@ -21,7 +21,8 @@ import argparse
 import json
 
 from backbone.cli import load_backbone_from_args
-from backbone.prompts import Prompt
+from backbone.model import resolve_name
+from backbone.prompts import TASKS, Prompt
 from backbone.tasks import task_prompt
 from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
 from ground.errors import UserError
@@ -34,7 +35,8 @@ from plugins.decode import Row, compare
 from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
 from plugins.estimate import estimate
 from plugins.registry import get_method
-from plugins.settings import address_sets, parse_sets, preset_values, presets_table, resolve_row_settings, row_settings
+from plugins.settings import (address_sets, describe_changes, parse_sets, preset_values, presets_table,
+                              resolve_row_settings, row_settings, tuned_decode_settings, tuned_start_changes)
 
 
 def main(argv=None) -> int:
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("methods", help="list the methods with their defaults")
     m.add_argument("--json", action="store_true")
+    m.add_argument("--backbone", default=None, help="whose tuned start values to list (default: the default "
+                   "backbone); nothing is loaded")
     t = sub.add_parser("train", help="train a plug-in on a memory")
     t.add_argument("memory", help="memory id (python -m memories list) or folder")
     t.add_argument("--method", required=True)
@@ -94,6 +98,7 @@ def main(argv=None) -> int:
 
     if args.cmd == "methods":
         rows = method_table()
+        bb_name = resolve_name(args.backbone)
         if args.json:
             dump_json(rows)
         else:
@@ -106,6 +111,11 @@ def main(argv=None) -> int:
                 for d in r["decode_settings"]:
                     print(f"    decode {r['method']}.{d['name']} = {d['default']!r} ({d['type']}, "
                           f"{'live, ' if d['live'] else ''}{_range(d)}): {d['help']}")
+                declared = {d["name"]: d["default"] for d in r["decode_settings"]}
+                starts = {task: tuned_decode_settings(r["method"], task, bb_name) for task in TASKS}
+                changes = describe_changes(tuned_start_changes(declared, starts))
+                if changes:
+                    print(f"    a comparison on {bb_name} starts at the values tuned on dev data: {changes}")
         return 0
     cat = Catalog(args.data_dir)
     if args.cmd == "list":

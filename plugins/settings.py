@@ -283,6 +283,24 @@ def tuned_decode_settings(method: str, task: str | None, backbone_name: str | No
     return dict(tuned_defaults(task, backbone_name).get("decode", {}).get(method, {}))
 
 
+def tuned_start_changes(declared: dict, starts: dict[str, dict]) -> dict[str, dict]:
+    """Per task, the settings whose start value (``starts``: {task: {name: value}}, e.g. declared ← tuned) differs
+    from the declared default (``declared``: {name: default}) — what a listing of the declared defaults must add so
+    that it never disagrees silently with where a comparison starts (the Plug-ins tab, ``python -m plugins
+    methods``)."""
+    out = {}
+    for task, values in starts.items():
+        changed = {k: v for k, v in values.items() if k in declared and v != declared[k]}
+        if changed:
+            out[task] = changed
+    return out
+
+
+def describe_changes(changes: dict[str, dict]) -> str:
+    """``tuned_start_changes`` in one line: "translation: lambda_max=0.2, gu=False; style: …"."""
+    return "; ".join(f"{task}: " + ", ".join(f"{k}={v}" for k, v in vals.items()) for task, vals in changes.items())
+
+
 def row_settings(plugin, task: str | None, backbone_name: str | None, overrides: dict | None = None) -> dict:
     """A row's complete decode settings — declared defaults ← tuned for (task, backbone) ← ``overrides`` — checked
     against the method's declarations. The one place where defaults are merged (Compare, Evaluate, CLIs, eval)."""

@@ -318,3 +318,20 @@ def test_method_info_says_where_a_comparison_starts_other_than_the_declared_defa
     tuned = text.split("tuned on dev data")[1]
     assert "translation: lambda_max=0.2, gu=False" in tuned and "style" not in tuned and "gu_min" not in tuned
     assert "tuned" not in tab._method_info(pema, {"translation": {"lambda_max": 0.8}})
+
+
+def test_cli_methods_lists_where_a_comparison_starts(capsys):
+    """``python -m plugins methods`` lists the declared decode defaults, and — as the Plug-ins tab — the tuned values a
+    comparison starts at where they differ (the shipped tuned file's, per backbone)."""
+    import plugins.__main__ as cli
+    from plugins.settings import tuned_decode_settings
+
+    tuned = tuned_decode_settings("pema", "translation", "gemma-3-270m")
+    assert tuned.get("lambda_max") not in (None, 0.8)  # the shipped file tunes it away from the paper's 0.8
+    assert cli.main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "decode pema.lambda_max = 0.8" in out
+    assert f"a comparison on gemma-3-270m starts at the values tuned on dev data: translation: lambda_max=" \
+           f"{tuned['lambda_max']}" in out
+    assert cli.main(["methods", "--backbone", "no-such-model"]) == 0  # no tuned values: only the declared ones
+    assert "starts at the values tuned" not in capsys.readouterr().out

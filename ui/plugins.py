@@ -11,6 +11,7 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
+from plugins.settings import describe_changes, tuned_start_changes
 from ui import plots, render
 from ui.common import choices_update, keep_value, memory_choices, owner_of, training_control, user_errors
 
@@ -27,13 +28,9 @@ def _method_info(m: dict | None, starts: dict | None = None) -> str:
     declared = {d["name"]: d["default"] for d in m.get("decode_settings", [])}
     dec = ", ".join(f"{d['name']}={d['default']}" + (" (live)" if d["live"] else "")
                     for d in m.get("decode_settings", [])) or "none"
-    tuned = []
-    for task, values in (starts or {}).items():
-        differ = [f"{k}={v}" for k, v in values.items() if k in declared and v != declared[k]]
-        if differ:
-            tuned.append(f"{task}: {', '.join(differ)}")
-    start = (f"<br>A comparison starts at the values tuned on dev data for this backbone — "
-             f"{render.esc('; '.join(tuned))}" if tuned else "")
+    tuned = describe_changes(tuned_start_changes(declared, starts or {}))
+    start = (f"<br>A comparison starts at the values tuned on dev data for this backbone — {render.esc(tuned)}"
+             if tuned else "")
     unavailable = (f"<br><b>Unavailable here:</b> {render.esc(m['unavailable'])}" if m.get("unavailable") else "")
     return (f"<div class='pema-help'><b>{render.esc(m['title'])}</b> — {render.esc(level)}.<br>"
             f"{render.esc(m['paper'])}<br>Decode-time settings (set in Compare), declared defaults: {render.esc(dec)}"
