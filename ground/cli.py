@@ -19,7 +19,7 @@ def add_common(p: argparse.ArgumentParser, backbone: bool = True) -> None:
         p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8", "float16", "auto"],
                        help="backbone weight precision: float32 (exact reference), bfloat16, int8 (CPU; int8 "
                             "weight-only linear layers + LM head), float16 (CPU: float16 weight-only decoder linears; "
-                            "GPU: the whole model); default $PEMA_DTYPE, else README 'Precision'")
+                            "GPU: the whole model); default $PEMA_DTYPE, else docs/precision.md")
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ the KV cache stays with the owner). It never returns decoder weights.
 
 The **data owner** (``offsite.client.RemoteBackbone``) builds its memory, trains PEMA or kNN and decodes with the
 project's own code (``memories.build``, ``plugins.api.train_plugin``, the plug-ins' ``mix``); its samples' targets,
-the memory and the plug-in never leave it (the contexts it asks f(c) of do: see README "Offsite").
+the memory and the plug-in never leave it (the contexts it asks f(c) of do: see docs/offsite.md).
 
 Floor 5 (beside ``eval``): imports ground, backbone, memories and plugins; only entry points import it.
 """

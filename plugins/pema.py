@@ -5,7 +5,7 @@ Model (paper §3, public code ``pema``, ``train_rct_pd.py``'s ``LoraLinear``):
     s = α/r (``lora_alpha`` / r): the public code multiplies both outputs by ``scaling = lora_alpha / r`` with
     ``lora_alpha=1`` and r = 512, i.e. s = 1/512 (the paper does not mention it). Adam's steps are ~lr whatever
     the gradient's size, so with s = 1/512 B_rct needs ~10× the steps to reach a reconstruction (synthetic check in
-    README "PEMA"; the public code trains up to 200 epochs); ``rct_init="pca"`` starts there for any s, and
+    docs/methods.md; the public code trains up to 200 epochs); ``rct_init="pca"`` starts there for any s, and
     ``lora_alpha`` = r gives s = 1 (this project's earlier parametrisation). P_PEMA does not depend on s (RMSNorm
     is scale invariant, up to its ε). ``drop`` is the dropout on the adapter input (p = 0.2); the public code
     draws it separately for h_pd and for h_rct, and so does ``fit``.
@@ -81,7 +81,7 @@ class PEMAConfig(PluginConfig):
     lr: float = setting(1e-3, "Adam, β (0.9, 0.999), eps 1e-8", low=0.0, low_open=True, high=1.0)
     dropout: float = setting(0.2, "on the adapter input", low=0.0, high=0.99)
     # entries per step. Public scripts: 2,048 (joint phase) to 20,480 / 40,960 (reconstruction); 2,048 is the
-    # joint-phase value; with the candidate softmax ~1 s/step on Gemma on 2 CPU cores (module docstring, README).
+    # joint-phase value; with the candidate softmax ~1 s/step on Gemma on 2 CPU cores (docstring, docs/methods.md).
     batch_size: int = setting(256, "entries per step (public code: 2,048; see lora_alpha for why 256 is the "
                                    "default)", low=1, high=65536)
     max_epochs_rct: int = setting(10, low=0, high=1000)
@@ -106,7 +106,7 @@ class PEMAConfig(PluginConfig):
     # α of the public code's LoraLinear: h = (α/r)·B·A·x with lora_alpha = 1, r = 512 (s = 1/512). 0 = no factor
     # (s = 1): the default, because the public code's s = 1/512 with B = 0 and 2,048 entries per step trained a
     # plug-in that changed no output within this machine's budget (BENCHMARKS §5e). The public code's values are
-    # one named preset away: lora_alpha=1, b_init="zeros", batch_size=2048 (README "PEMA").
+    # one named preset away: lora_alpha=1, b_init="zeros", batch_size=2048 (docs/methods.md).
     lora_alpha: float = setting(0.0, "α of h = (α/r)·B·A·x; 0 = no factor (s = 1, default); public code: 1",
                                 low=0.0, high=1e6)
     b_init: str = setting("random", "B_rct, B_pd start: \"random\" (Kaiming-uniform, as A; default) | \"zeros\" "

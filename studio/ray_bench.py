@@ -1,4 +1,4 @@
-"""Per-worker build throughput on Ray, for README's "Scale-out on Ray" estimate (entries/s of one build worker).
+"""Per-worker build throughput on Ray, for the build-time estimate in docs/ray.md (entries/s of one build worker).
 
     python -m studio.ray_bench --backbone tiny --samples 400 --workers 1 2
     python -m studio.ray_bench --backbone gemma-3-270m --samples 200 --workers 0   # in-process only

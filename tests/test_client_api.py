@@ -1,6 +1,6 @@
-"""The documented client API (README "Client API"): the README's gradio_client session — build → train → poll the
+"""The documented client API (docs/client-api.md): its gradio_client session — build → train → poll the
 job → compare → share, then export the plug-in as a package and import it back — run against a studio served on
-127.0.0.1 with the tiny backbone. If this test changes, change the README's session with it."""
+127.0.0.1 with the tiny backbone. If this test changes, change docs/client-api.md's session with it."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ def test_the_readme_session_build_train_poll_compare_share_export_import(served,
     from gradio_client import handle_file
 
     studio, client, url = served
-    # --- the README's session, step by step -------------------------------------------------------------------
+    # --- docs/client-api.md's session, step by step ----------------------------------------------------------------
     samples = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in PAIRS)
     job_id = client.predict(samples, "pairs.jsonl", "my pairs", "translation", api_name="/build")["job_id"]
     job = wait_job(client, job_id)

@@ -703,7 +703,7 @@ def test_output_cards_say_when_a_comparison_was_answered_from_the_kept_decode():
 
 
 def test_the_header_names_the_backbone_precision():
-    """A user sees which precision decodes (f(c), and so memories and plug-ins, depend on it): README 'Precision'."""
+    """A user sees which precision decodes (f(c), and so memories and plug-ins, depend on it): docs/precision.md."""
     from ui.render import status_header
 
     ready = {"state": "ready", "backbone": "gemma-3-270m", "device": "cpu", "layers": 18}

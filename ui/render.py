@@ -44,7 +44,7 @@ def status_header(st: dict) -> str:
         return (f"<div class='pema-status err'><b>Read-only</b>: {esc(READ_ONLY_MESSAGE)}</div>"
                 + status_header({**st, "read_only": False}))
     if st.get("state") == "ready":
-        precision = f" in {esc(st['precision'])}" if st.get("precision") else ""  # (README 'Precision')
+        precision = f" in {esc(st['precision'])}" if st.get("precision") else ""  # (docs/precision.md)
         return (f"<div class='pema-status ok'>Backbone <b>{esc(st['backbone'])}</b> ready on {esc(st['device'])}"
                 f"{precision} · {st.get('layers', 0)} layers</div>")
     if st.get("state") == "failed":
