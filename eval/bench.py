@@ -32,9 +32,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from backbone import load_backbone
-from backbone.model import (FUSED_NORMS, PACKED_BF16, SMALL_FORWARD_ONE_THREAD, Backbone, KernelLinear,
-                            cpu_description, one_thread_section, resolve_precision, set_precision)
+from backbone.model import (
+    FUSED_NORMS,
+    PACKED_BF16,
+    SMALL_FORWARD_ONE_THREAD,
+    Backbone,
+    KernelLinear,
+    cpu_description,
+    one_thread_section,
+    resolve_precision,
+    set_precision,
+)
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap

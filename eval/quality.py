@@ -25,8 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from backbone import load_backbone
-from backbone import tasks
+from backbone import load_backbone, tasks
 from backbone.tasks import task_prompt
 from eval.datasets import task_pairs
 from eval.likelihood import tune_settings

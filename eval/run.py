@@ -7,12 +7,11 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ground.errors import Cancelled
 from backbone.prompts import Prompt
 from eval.datasets import informal_pattern_counts
 from eval.metrics import bleu_chrf, bootstrap_ci, content_similarity, paired_bootstrap, sentence_chrf, signatures
 from eval.style import perplexity
-from ground.errors import UserError
+from ground.errors import Cancelled, UserError
 from plugins.decode import Row, decode_batch
 
 Progress = Callable[[float, str], None]

@@ -29,12 +29,12 @@ import torch
 
 from backbone.model import Backbone, generate_greedy
 from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES, Prompt, common_prefix_len
-from memories.parse import Sample
-from memories.store import FORMAT_VERSION, Memory, disk_bytes
 from ground.errors import Cancelled, UserError
 from ground.lock import writer_tag
 from ground.store import atomic_dir, write_json_atomic
 from ground.text import check_name
+from memories.parse import Sample
+from memories.store import FORMAT_VERSION, Memory, disk_bytes
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]

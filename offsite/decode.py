@@ -21,9 +21,18 @@ from offsite.client import NOT_OFFSITE, RemoteBackbone
 from offsite.protocol import LM_MODES
 from plugins.api import plugin_folder
 from plugins.base import MixInput, Plugin, load_plugin
-from plugins.decode import (PrefixKV, Row, StepOutput, Beams, ban_repeated_ngrams, decode_step, plan_batch,
-                            trace_item)
-from plugins.decode import _comparisons, _mix_trace  # the local decode's result and trace builders, reused as is
+from plugins.decode import (  # the local decode's result and trace builders, reused as is
+    Beams,
+    PrefixKV,
+    Row,
+    StepOutput,
+    _comparisons,
+    _mix_trace,
+    ban_repeated_ngrams,
+    decode_step,
+    plan_batch,
+    trace_item,
+)
 from plugins.registry import get_method
 
 

@@ -32,11 +32,20 @@ from offsite.cli import add_remote, remote_backbone_from_args
 from offsite.decode import check_offsite_method, compare_remote, open_offsite_plugin
 from plugins.api import method_table, open_memory, open_plugin, train_plugin
 from plugins.decode import Row, compare
-from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
 from plugins.estimate import estimate
+from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
 from plugins.registry import get_method
-from plugins.settings import (address_sets, describe_changes, parse_sets, preset_values, presets_table,
-                              resolve_row_settings, row_settings, tuned_decode_settings, tuned_start_changes)
+from plugins.settings import (
+    address_sets,
+    describe_changes,
+    parse_sets,
+    preset_values,
+    presets_table,
+    resolve_row_settings,
+    row_settings,
+    tuned_decode_settings,
+    tuned_start_changes,
+)
 
 
 def main(argv=None) -> int:

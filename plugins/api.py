@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ground.errors import UserError
+from ground.store import Catalog, new_id
 from memories.store import Memory
 from plugins.base import Plugin, load_plugin
 from plugins.registry import available_methods, get_method
-from ground.errors import UserError
-from ground.store import Catalog, new_id
 
 Progress = Callable[[float, str], None]
 

@@ -32,8 +32,8 @@ from torch import nn
 from ground.errors import UserError
 from ground.lock import writer_tag
 from ground.store import atomic_dir, write_json_atomic
-from plugins.settings import Setting, coerce_all, config_settings
 from plugins.registry import get_method
+from plugins.settings import Setting, coerce_all, config_settings
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]

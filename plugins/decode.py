@@ -32,10 +32,10 @@ import torch
 
 from backbone.model import Backbone, grow_kv_cache, relayout_kv_rows, small_work_threads, vocab_wide_threads
 from backbone.prompts import Prompt, common_prefix_len, postprocess
+from ground.errors import UserError
 from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
 from plugins.network import row_span
 from plugins.settings import comparison_settings, split_comparison
-from ground.errors import UserError
 
 TOP = 5
 

@@ -37,15 +37,22 @@ import numpy as np
 import torch
 
 from backbone.model import all_threads, fp16_weight_available, packed_bf16_available, packed_f32_available
-from memories.store import Memory
-from plugins.base import (FitResult, MixInput, MixOutput, Plugin, PluginConfig, file_sha256, mix_logprobs,
-                          plain_file_name)
-from plugins.registry import register
-from plugins.settings import Preset, Setting, setting
 from ground.errors import UserError
 from ground.lock import temp_name
 from ground.store import write_json_atomic
-
+from memories.store import Memory
+from plugins.base import (
+    FitResult,
+    MixInput,
+    MixOutput,
+    Plugin,
+    PluginConfig,
+    file_sha256,
+    mix_logprobs,
+    plain_file_name,
+)
+from plugins.registry import register
+from plugins.settings import Preset, Setting, setting
 
 CERTIFIED_SEARCH = {"on": True}  # benchmarks switch it off to time the plain float32 search in the same process
 _BF16_U = 2.0 ** -8          # bfloat16's unit roundoff (8 significant bits)

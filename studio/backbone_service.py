@@ -20,7 +20,6 @@ from ground.jobs import JobContext
 from offsite.client import TOKEN_ENV, RemoteBackbone, connect
 from offsite.decode import check_offsite_method, decode_batch_remote
 
-
 TINY_NAMES = ("tiny", "tiny-llama")
 # P_LM under a remote backbone: computed here from the owner's f(c) with the final norm and W_hd this side holds —
 # exact (the local arithmetic), and per row and step ~2.5 KB on Gemma instead of ~1 MB for the owner's float32 P_LM

@@ -26,7 +26,6 @@ from plugins.settings import ALL_ROWS, resolve_row_settings, row_settings, split
 from studio.backbone_service import REMOTE_LM
 from studio.payload import json_safe, shared_trace, word_diff
 
-
 RECENT_COMPARISONS = 64
 LIVE_PER_OWNER, LIVE_TOTAL = 2, 8  # kept for slider moves (each holds its KV cache: ~7 MB per row on Gemma 3 270M)
 

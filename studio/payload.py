@@ -5,7 +5,6 @@ import difflib
 import json
 from typing import Any
 
-
 # What a shared comparison may contain in each output token's trace (never memory samples or file paths).
 SHARED_TRACE_KEYS = ("token", "text", "logprob", "lambda", "top_lm", "top_plugin", "top_final",
                      "memory_attention")

@@ -17,12 +17,11 @@ from ground.store import new_id
 from offsite.client import NOT_OFFSITE
 from plugins.api import make_config, method_table, open_memory, open_plugin, train_plugin
 from plugins.estimate import estimate
+from plugins.hub import check_package, export_plugin, import_plugin
 from plugins.registry import available_methods, get_method
 from plugins.settings import coerce_all, presets_table, tuned_decode_settings
 from plugins.training import optimizer_from_tensors, optimizer_tensors
-from plugins.hub import check_package, export_plugin, import_plugin
 from studio.packages import unpack_zip, zip_folder
-
 
 PLUGIN_CACHE = 8
 OPTIMIZER_FILE = "optimizer.safetensors"  # a resumable plug-in's optimizer state, next to its weights

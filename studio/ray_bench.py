@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
     import ray  # optional: a benchmark of the Ray executor
-
     import torch  # heavy: the head's own thread count, like a worker's
 
     torch.set_num_threads(1)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from ground.errors import UserError
 from eval.metrics import bleu_chrf, sentence_bleu, sentence_chrf
+from ground.errors import UserError
 from plugins.decode import decode_batch
 from studio.compare_service import with_comparison
 from studio.payload import json_safe

@@ -276,8 +276,7 @@ def test_restart_marks_running_jobs_interrupted_and_resumes_queued(tmp_path):
 
 
 def test_queue_runs_fifo_reports_progress_and_classifies_errors(tmp_path):
-    from ground.errors import Cancelled
-    from ground.errors import UserError
+    from ground.errors import Cancelled, UserError
 
     order = []
     gate = threading.Event()

@@ -7,7 +7,6 @@ import json
 import zipfile
 
 import pytest
-
 from _server import start_app, wait_job
 
 PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),

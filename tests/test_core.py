@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from backbone.prompts import Prompt, postprocess
+from ground.errors import UserError
+from ground.store import Catalog
 from memories.build import build_memory, target_ids
 from memories.parse import Sample, parse_samples, parse_samples_strict
 from memories.store import Memory
@@ -14,8 +16,6 @@ from plugins.base import load_plugin
 from plugins.decode import Row, compare
 from plugins.knn import KNN, KNNConfig
 from plugins.pema import PEMA, PEMAConfig, gu_lambda, mix_logprobs
-from ground.errors import UserError
-from ground.store import Catalog
 
 PROMPT = Prompt.for_task("translation")
 

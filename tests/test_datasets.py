@@ -9,13 +9,27 @@ from pathlib import Path
 
 import pytest
 
-from eval.datasets import (formality_pairs, informal_pattern_counts, informalize, load_gyafc, shakespeare_lines,
-                           shared_data_dir, wmt_pairs)
+from eval.datasets import (
+    formality_pairs,
+    informal_pattern_counts,
+    informalize,
+    load_gyafc,
+    shakespeare_lines,
+    shared_data_dir,
+    wmt_pairs,
+)
 from eval.metrics import bleu_chrf, content_similarity_report, tfidf_cosines
 from eval.style import StyleClassifier, heldout_accuracy, perplexity, train_shakespeare_classifier
-from memories.corpora import (DEFAULT_LOCALE_DIR, available_corpora, bible_verses, gettext_pairs, is_sentence_like,
-                              load_corpus, parse_mo)
 from ground.errors import UserError
+from memories.corpora import (
+    DEFAULT_LOCALE_DIR,
+    available_corpora,
+    bible_verses,
+    gettext_pairs,
+    is_sentence_like,
+    load_corpus,
+    parse_mo,
+)
 
 
 @pytest.fixture(scope="module")

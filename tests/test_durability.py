@@ -308,8 +308,8 @@ def test_the_lock_is_released_on_close_and_taken_again(tmp_path):
 
 def test_a_read_only_studio_says_so_in_its_status_line_and_at_start_up(tmp_path, capsys):
     import app
-    from ui.render import status_header
     from studio.service import Studio
+    from ui.render import status_header
 
     owner = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
     try:

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def wmt_memory(gemma, shared_data, tmp_path_factory):
-    from eval.datasets import wmt_pairs
     from backbone.tasks import task_prompt
+    from eval.datasets import wmt_pairs
 
     pairs = wmt_pairs("train", 0, 200)
     samples = [Sample(en, de, i + 1) for i, (en, de) in enumerate(pairs)]

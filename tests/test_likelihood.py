@@ -144,9 +144,9 @@ def test_quality_tune_decode_teacher_forced_tunes_interpolating_plugins_only(tin
 
     from eval import quality
     from eval.likelihood import best_likelihood_setting
+    from plugins.api import new_plugin, train_plugin
     from plugins.pema import PEMA
     from plugins.settings import decode_grid
-    from plugins.api import new_plugin, train_plugin
 
     pema, _ = train_plugin(tiny, tiny_memory, "pema", {"rank": 8, "max_epochs_rct": 1, "max_epochs_joint": 2},
                            out_dir=tmp_path / "pema")

@@ -12,13 +12,13 @@ import time
 
 import pytest
 import torch
+from _server import build_tiny_memory, tiny_studio
 
 from backbone.prompts import Prompt
 from plugins.api import new_plugin
 from plugins.decode import BatchDecode, LiveComparison, Row, compare, decode_batch, plan_batch, start_compare
 from plugins.knn import KNN, KNNConfig
 from plugins.registry import available_methods
-from _server import build_tiny_memory, tiny_studio
 
 PROMPT = Prompt.for_task("translation")
 SOURCE = "the cat sleeps"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ground.errors import UserError
 from plugins.api import make_config, new_plugin, train_plugin
 from plugins.base import load_plugin
 from plugins.decode import Row, compare, decode_batch
 from plugins.seqtrain import collate, heldout_nll, memory_sequences, target_logits
-from ground.errors import UserError
 
 METHODS = ["adapter", "lora", "memory_tuning"]
 # Small, fast settings for the 64-dim tiny model (the defaults are sized for Gemma 3 270M).

@@ -4,9 +4,21 @@ import pytest
 import torch
 from torch import nn
 
-from backbone.model import (CPU_FLOAT16_TAG, DEFAULT_CPU_PRECISION, FINGERPRINT_TAGS, PACKED_BF16, Backbone,
-                            Fp16WeightLinear, Int8Linear, PackedBF16Linear, fp16_weight_available, model_precision,
-                            packed_bf16_available, resolve_precision, set_precision)
+from backbone.model import (
+    CPU_FLOAT16_TAG,
+    DEFAULT_CPU_PRECISION,
+    FINGERPRINT_TAGS,
+    PACKED_BF16,
+    Backbone,
+    Fp16WeightLinear,
+    Int8Linear,
+    PackedBF16Linear,
+    fp16_weight_available,
+    model_precision,
+    packed_bf16_available,
+    resolve_precision,
+    set_precision,
+)
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
 from ground.errors import UserError

@@ -85,8 +85,9 @@ def error_of(fn, *args) -> str:
 def hosted(tmp_path_factory):
     """A multi-user studio over HTTP; owner A has a memory (from a "confidential" file), a kNN plug-in, a
     comparison and a share; B has a key and nothing else."""
-    import app
     from gradio_client import Client
+
+    import app
 
     studio, served, url = app.start(["--backbone", "tiny", "--multi-user", "--port", str(free_port()), "--quiet",
                                      "--data-dir", str(tmp_path_factory.mktemp("hosted"))], block=False)

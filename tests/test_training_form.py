@@ -16,9 +16,9 @@ import time
 
 import pytest
 import torch
+from _server import build_tiny_memory, tiny_studio
 
 from ground.errors import UserError
-from _server import build_tiny_memory, tiny_studio
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 

@@ -12,9 +12,18 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS
-from ui import inspect as neighbour_panel, plots, render, several
-from ui.common import (BASE_CHOICE, choices_update, keep_value, memory_choices, method_choices, owner_of,
-                       setting_control, user_errors)
+from ui import inspect as neighbour_panel
+from ui import plots, render, several
+from ui.common import (
+    BASE_CHOICE,
+    choices_update,
+    keep_value,
+    memory_choices,
+    method_choices,
+    owner_of,
+    setting_control,
+    user_errors,
+)
 
 TOKEN_COLORS = {"selected": "#2563eb", "λ high": "#fb923c", "λ low": "#fde68a"}
 TOKEN_HELP = ("Colours: <b>λ high</b> = the plug-in's weight λ_t in the mix P = λ_t·P_plug-in + (1−λ_t)·P_LM was "
