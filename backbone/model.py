@@ -145,8 +145,8 @@ class KernelLinear(nn.Linear):
         return self.kernel_ok and x.dtype == self.INPUT_DTYPE and x.is_cpu
 
     def _test_rows(self, rows: int = 16) -> torch.Tensor:
-        """Fixed heavy-tailed inputs in ``INPUT_DTYPE`` (like real activations, where a kernel's roundings show within a few
-        rows) for the checks below."""
+        """Fixed heavy-tailed inputs in ``INPUT_DTYPE`` (like real activations, where a kernel's roundings show within a
+        few rows) for the checks below."""
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, self.in_features, generator=g) * torch.exp(2 * torch.randn(rows, self.in_features,
                                                                                         generator=g))
@@ -911,7 +911,8 @@ def set_precision(model: nn.Module, precision: str) -> nn.Module:
     ``nn.Linear`` (the decoder's projections and the LM head) for an :class:`Int8Linear` (CPU only); ``float32``
     leaves the weights and the decoder as they are and, on a CPU, runs the LM head packed (:class:`PackedF32Linear`:
     same weight Parameter, f(c) bit-identical, logits to float32 rounding); ``float16`` on a CPU is float32's with the
-    projections and LM head float16 weight-only (:class:`Fp16WeightLinear`), on a GPU the whole model in float16. Returns the model."""
+    projections and LM head float16 weight-only (:class:`Fp16WeightLinear`), on a GPU the whole model in float16.
+    Returns the model."""
     if precision not in PRECISIONS:
         raise UserError(f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())

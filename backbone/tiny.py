@@ -34,7 +34,8 @@ def tiny_tokenizer():
 
 
 def tiny_backbone(seed: int = 0, hidden: int = 64, layers: int = 2, device: str | None = None) -> Backbone:
-    """``device`` defaults to ``$PEMA_TINY_DEVICE`` or the CPU (``PEMA_TINY_DEVICE=cuda`` runs the unit tests on a GPU)."""
+    """``device`` defaults to ``$PEMA_TINY_DEVICE`` or the CPU (``PEMA_TINY_DEVICE=cuda`` runs the unit tests on a
+    GPU)."""
     import os
 
     from transformers import LlamaConfig, LlamaForCausalLM

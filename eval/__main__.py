@@ -74,7 +74,8 @@ def main(argv=None) -> int:
         p.add_argument("--task", default="translation", choices=["translation", "formality", "style"])
         p.add_argument("--split", default="dev", choices=["train", "dev"])
         p.add_argument("--start", type=int, default=None,
-                       help="first item (default: 1000 of the reference data, after the tuning items; 0 of a test file)")
+                       help="first item (default: 1000 of the reference data, after the tuning items; "
+                            "0 of a test file)")
         p.add_argument("--n", type=int, default=200)
         p.add_argument("--test-file", help="your own pairs (JSONL/CSV/TSV) instead of the reference data")
         p.add_argument("--memory", help="evaluate on this memory's held-out samples")

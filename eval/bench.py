@@ -205,8 +205,8 @@ class _FixedSteps:
 def _datastore_tiled(mem, path: Path, n: int = 100_000, noise: float = 0.01, keep_real: bool = True):
     """An ``n``-entry copy of ``mem``: the real entries first (``keep_real``; else they are noised too), then copies
     of them whose keys get Gaussian noise of ``noise`` × the key RMS per dimension, each copy keeping its entry's
-    value and sample (a denser corpus of similar contexts). For timing, search cost depends on the number and size of the keys, not on where they
-    came from; for fidelity, approximate and exact search face the same neighbourhoods."""
+    value and sample (a denser corpus of similar contexts). For timing, search cost depends on the number and size of
+    the keys, not on where they came from; for fidelity, approximate and exact search face the same neighbourhoods."""
     path.mkdir()
     for f in mem.path.iterdir():
         if f.is_file() and not f.name.startswith("faiss_"):
@@ -526,8 +526,9 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
     exact kNN over 100k entries alone (its certified 16-bit pre-filter scan or packed float32 scan, and the plain
     float32 matmul), the base row with each method's row beside it (what each method adds to a step), and the base
-    + memory-tuning pair with MT-M's attention re-run instead of its prefix read inside the decode attention. The configs take turns:
-    ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to that turn's base
+    + memory-tuning pair with MT-M's attention re-run instead of its prefix read inside the decode attention. The
+    configs take turns: ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to
+    that turn's base
     step (``paired_ratios``; the ratio of the medians is kept as ``over_one_row_of_medians``). Also a profile of
     the 1-, 4- and 7-row steps."""
     R = Row
@@ -701,8 +702,9 @@ class _Child:
 def bench_anchor(tokens: int = 16, reps: int = 5, precisions=("float32", "bfloat16", "int8", "float16")) -> dict:
     """A dedicated CPU engine side by side: llama.cpp (``llama-cpp-python``, requirements-bench.txt) on the very
     Q4_K_M GGUF the embedded Gemma is de-quantized from, and the project's base row — and a PEMA row in the default
-    precision and in float16 — in float32, bfloat16, int8 and float16. Greedy decode ms per step after the first (prefill excluded alike),
-    the engines taking turns; tok/s and each one's ratio to float32 and to llama.cpp — as a ratio of medians, and
+    precision and in float16 — in float32, bfloat16, int8 and float16. Greedy decode ms per step after the first
+    (prefill excluded alike), the engines taking turns; tok/s and each one's ratio to float32 and to llama.cpp — as a
+    ratio of medians, and
     paired (``*_paired``: the median over turns of each turn's ratio, ``paired_ratios``), with every turn's time.
 
     Every engine and every precision runs in a process of its own, as a studio runs one backbone, idle while the

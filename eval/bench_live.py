@@ -110,7 +110,8 @@ def bench(backbone: str = "gemma-3-270m", sentences: int = 20, moves: int = 10, 
             print(f"sentence {n}: full {full:.2f}s, moves median "
                   f"{statistics.median(x['ratio'] for x in per_move if x['sentence'] == n):.3f}×", file=sys.stderr)
     ratios = [x["ratio"] for x in per_move]
-    return {"backbone": bb.name, "dtype": str(bb.dtype), "precision": bb.precision, "machine": cpu_description(), "sentences": sentences, "moves_per_sentence": moves,
+    return {"backbone": bb.name, "dtype": str(bb.dtype), "precision": bb.precision, "machine": cpu_description(),
+            "sentences": sentences, "moves_per_sentence": moves,
             "max_new_tokens": tokens, "rows": ["base", "PEMA", "kNN"],
             "full_decode_s_median": round(statistics.median(full_times), 3),
             "kept_decode_over_full_median": round(statistics.median(k / f for k, f in zip(keep_times, full_times)), 3),

@@ -182,8 +182,8 @@ def score_settings(backbone, plugin, keys: np.ndarray, values: np.ndarray, steps
 
 def tune_settings(backbone, plugins: list, pairs: list[tuple[str, str]], prompt, task: str, cache_root: Path,
                   progress=None) -> list[tuple[dict, list[dict]]]:
-    """Score each plug-in's declared fine grid teacher-forced on ``pairs`` (one pass, the LM head shared); per plug-in the
-    best setting (``best_likelihood_setting``) and the table. The dev memory is cached by content."""
+    """Score each plug-in's declared fine grid teacher-forced on ``pairs`` (one pass, the LM head shared); per plug-in
+    the best setting (``best_likelihood_setting``) and the table. The dev memory is cached by content."""
     progress = progress or (lambda f, m: None)
     mem = dev_memory(backbone, prompt, pairs, cache_root, task, lambda f, m: progress(0.2 * f, m))
     sample_of = np.asarray(mem.entry_sample)

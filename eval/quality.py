@@ -111,8 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(e.g. pema-warm=pema with --set pema-warm.pd_init=\"warm\")")
     ap.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE", help="training config override")
     ap.add_argument("--backbone", default=None)
-    ap.add_argument("--dtype", default=None, help="the backbone's precision (float32, bfloat16, int8, float16; default: the "
-                    "app's); results of a precision other than float32 go to a file named with it")
+    ap.add_argument("--dtype", default=None, help="the backbone's precision (float32, bfloat16, int8, float16; "
+                    "default: the app's); results of a precision other than float32 go to a file named with it")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--save-defaults", action="store_true")
@@ -195,8 +195,8 @@ def train_or_open_plugins(args, bb, cat, mem) -> tuple[dict, dict, dict]:
 
 def tune_decode(args, bb, cat, plugins: dict, prompt, tune_pairs, tune_extra) -> tuple[dict, dict]:
     """Each plug-in's best decode settings and its tuning table: teacher-forced on ``--tune-likelihood`` items for
-    interpolating plug-ins when asked, else by decoding the ``--tune`` items once per setting of its declared grid (``plugins.settings.decode_grid``). A plug-in
-    with a single setting (the in-network ones) is not tuned."""
+    interpolating plug-ins when asked, else by decoding the ``--tune`` items once per setting of its declared grid
+    (``plugins.settings.decode_grid``). A plug-in with a single setting (the in-network ones) is not tuned."""
     tuned, tables = {}, {}
     if args.tune_likelihood:  # all interpolating plug-ins in one teacher-forced pass
 
@@ -266,7 +266,8 @@ def main(argv=None) -> int:
             Path("out").mkdir(exist_ok=True)
             path = Path("out") / f"prompt-{args.task}-{bb.name}.json"
             write_json_atomic(path, {"task": args.task, "backbone": bb.name, "tune_items": args.tune,
-                                     "prompt": prompt.to_dict(), "chosen": prompt_choice, "prompt_tuning": prompt_table})
+                                     "prompt": prompt.to_dict(), "chosen": prompt_choice,
+                                     "prompt_tuning": prompt_table})
             print(f"wrote {path}")
             if args.save_defaults:
                 save_defaults(args.task, bb.name, prompt=prompt_choice)

@@ -63,8 +63,9 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
     Each methods row reports what a reviewer needs to trust it: n, the backbone, how it was decoded (its complete
     settings, ``max_new_tokens``, greedy, the repetition guard ``no_repeat_ngram`` — one value for every row), the
     metrics with their 95% bootstrap confidence intervals (``sacrebleu_ci95``, ``chrf_ci95``; ``bootstrap``
-    resamples, 0: none; none either below ``MIN_BOOTSTRAP_N`` sentences) and, against the base model's row when there is one, the paired-bootstrap difference and
-    one-sided p-value (``sacrebleu_delta``, ``p_sacrebleu``, ...). The result holds sacreBLEU's ``signatures``.
+    resamples, 0: none; none either below ``MIN_BOOTSTRAP_N`` sentences) and, against the base model's row when there is
+    one, the paired-bootstrap difference and one-sided p-value (``sacrebleu_delta``, ``p_sacrebleu``, ...). The result
+    holds sacreBLEU's ``signatures``.
     ``outputs``: one dict per pair with source, reference, every row's output (key: its label) and its sentence
     chrF (key ``"chrF · " + label``). ``decode``: ``plugins.decode.decode_batch``, or a function called alike
     (``offsite.decode.decode_batch_remote``: through a model owner's service).

@@ -239,7 +239,8 @@ def _capture_offsite(backbone: Backbone, ctx: list[list[int]], tgt: list[list[in
 
 def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path, *, prompt: Prompt | None = None,
                  task: str = "translation", mode: str = "teacher", name: str = "", key_dtype: str = "float16",
-                 heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8, max_target_tokens: int = MAX_TARGET_TOKENS,
+                 heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8,
+                 max_target_tokens: int = MAX_TARGET_TOKENS,
                  progress: Progress = _noop, should_stop: ShouldStop = lambda: False, catalog=None,
                  capture: Capture | None = None) -> Memory:
     """Build a memory folder atomically at ``out_dir`` and return it loaded.
@@ -318,7 +319,9 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
                     s2 = _capture_offsite(backbone, *args, progress=prog, should_stop=should_stop)
                 if not part:
                     sumsq = s2
-            keys.flush(); vals.flush(); smp.flush()
+            keys.flush()
+            vals.flush()
+            smp.flush()
             stored_dtype = keys.dtype
             del keys, vals, smp
             stats[f"{part}samples"] = len(sel)

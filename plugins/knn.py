@@ -253,7 +253,8 @@ class KNN(Plugin):
         self.memory_meta = {**self.memory_meta, "path": str(memory.path), "id": memory.id,
                             "key_rms": memory.key_scale}
         n = len(memory)
-        use_faiss = self.config.search == "faiss" or (self.config.search == "auto" and n > self.config.exact_max_entries)
+        use_faiss = self.config.search == "faiss" or (self.config.search == "auto"
+                                                     and n > self.config.exact_max_entries)
         dev = self.backbone.device  # exact search runs where the backbone runs (a GPU when there is one)
         self.values = torch.from_numpy(np.asarray(memory.values, dtype=np.int64)).to(dev)
         self.entry_sample = np.asarray(memory.entry_sample)

@@ -390,7 +390,8 @@ class PEMA(Plugin):
             p.requires_grad_(False)
         metrics = {"reconstruction": s1, "joint": s2, "early_stop_entries": int(len(hx)),
                    "train_entries": int(len(train_rows)), "candidates": int(len(self.candidates)) or bb.vocab_size}
-        self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input, "pd_init": cfg.pd_init, "rct_init": cfg.rct_init,
+        self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input, "pd_init": cfg.pd_init,
+                           "rct_init": cfg.rct_init,
                            "decode_vocab": cfg.decode_vocab, "scaling": self.scaling, "b_init": cfg.b_init,
                            "early_stopping": "a seeded tenth of the training samples (never the held-out ones)",
                            "key_scale": float(self.key_scale), "lr_schedule": cfg.lr_schedule, **metrics}

@@ -41,7 +41,8 @@ def test_scaling_rescores_a_longer_report_on_the_curves_items(tmp_path, monkeypa
     # "pema" is perfect on the curve's items and wrong on the extra ones; the stored score covers all of them
     outs = [{"source": "s", "reference": r, "base": "x", "pema": r if i < n else "nein"} for i, r in enumerate(refs)]
     d = {"memory_entries": 9, "report_items": f"{start}:{2 * n}", "outputs": outs,
-         "report": [{"label": "base", "sacrebleu": 0.0, "chrf": 1.0}, {"label": "pema", "sacrebleu": 50.0, "chrf": 50.0}]}
+         "report": [{"label": "base", "sacrebleu": 0.0, "chrf": 1.0},
+                    {"label": "pema", "sacrebleu": 50.0, "chrf": 50.0}]}
     (tmp_path / "quality-translation-10000-bb.json").write_text(json.dumps(d))
     rows = {r["method"]: r for r in scaling.collect("translation", [10000], "bb")}
     assert round(rows["pema"]["sacrebleu"], 6) == 100.0 and round(rows["pema"]["chrf"], 6) == 100.0

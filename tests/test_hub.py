@@ -289,7 +289,8 @@ def test_card_carries_the_evaluation_and_its_sacrebleu_signature(tiny, home, tra
           "outputs": [{"source": s, "reference": r, **{lb: h[i] for lb, h in hyps.items()}}
                       for i, (s, r) in enumerate(zip(["the house is small", "the cat sleeps"], refs))]}
     (tmp_path / "ev.json").write_text(json.dumps(ev))
-    out = export_plugin(row["id"], tiny, tmp_path / "pkg", catalog=cat, evaluation=load_evaluation(tmp_path / "ev.json"))
+    out = export_plugin(row["id"], tiny, tmp_path / "pkg", catalog=cat,
+                        evaluation=load_evaluation(tmp_path / "ev.json"))
     readme = (out / "README.md").read_text()
     meta = card_metadata(readme)
     assert meta["pema_studio"]["evaluated"] is True

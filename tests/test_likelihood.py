@@ -155,6 +155,7 @@ def test_quality_tune_decode_teacher_forced_tunes_interpolating_plugins_only(tin
     args = argparse.Namespace(task="translation", tune_likelihood="0:3", batch=2)
     tuned, tables = quality.tune_decode(args, tiny, SimpleNamespace(root=tmp_path), {"pema": pema, "adapter": adapter},
                                         tiny_memory.prompt, tune_pairs=[], tune_extra=None)
-    assert [r["label"] for r in tables["pema"]][0] == "base" and len(tables["pema"]) == 1 + len(decode_grid(PEMA, fine=True))
+    assert [r["label"] for r in tables["pema"]][0] == "base"
+    assert len(tables["pema"]) == 1 + len(decode_grid(PEMA, fine=True))
     assert tuned["pema"] == best_likelihood_setting(tables["pema"])
     assert tuned["adapter"] == {} and tables["adapter"] == []  # nothing to tune: no decode was spent on it
