@@ -16,8 +16,8 @@ run:  ## start the studio on the embedded default backbone
 test:  ## the whole suite (unit tests on tiny models + a few integration tests on the embedded backbone)
 	$(PY) -m pytest
 
-test-fast:  ## unit tests only
-	PEMA_SKIP_REAL_BACKBONE=1 $(PY) -m pytest -m "not integration and not browser"
+test-fast:  ## unit tests only: no real backbone, browser, Ray or extra processes
+	PEMA_SKIP_REAL_BACKBONE=1 $(PY) -m pytest -m "not integration and not browser and not slow"
 
 bench:  ## benchmarks → BENCHMARKS.md numbers
 	$(PY) -m eval.bench all

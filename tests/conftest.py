@@ -1,3 +1,4 @@
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -51,3 +52,21 @@ def gemma():
         return load_backbone("gemma-3-270m")
     except Exception as e:  # missing package: say so instead of failing obscurely
         pytest.skip(f"embedded Gemma backbone unavailable: {e}")
+
+
+# Tests that start Ray or other processes (a model-owner server, studio processes killed mid-job, the load test's
+# studio) take most of the suite's time on 2 cores: marked `slow`, so `make test-fast` can leave them out.
+SLOW_MODULES = {"test_ray.py", "test_loadtest.py"}
+SLOW_FIXTURES = {"owner", "crashed"}  # test_offsite's owner process; test_durability's forked studios
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fn = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(fn) if fn else ""
+        except (OSError, TypeError):
+            source = ""
+        if (item.path.name in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or "spawn(" in source or "subprocess.Popen" in source):
+            item.add_marker(pytest.mark.slow)
