@@ -125,7 +125,8 @@ def test_shared_comparison_restores_the_same_outputs_without_private_data(flow):
     assert [(r["method"], r["text"], r["tokens"]) for r in p["rows"]] == \
         [(r["method"], r["text"], r["tokens"]) for r in c["rows"]]
     # neutral labels: the method's title, never the plug-in's name (which defaults to the memory's / file's name)
-    assert [r["label"] for r in p["rows"]] == ["Base model", "PEMA (+ Gradual Unrolling)", "kNN-LM / kNN-MT"] != [r["label"] for r in c["rows"]]
+    assert [r["label"] for r in p["rows"]] == ["Base model", "PEMA (+ Gradual Unrolling)", "kNN-LM / kNN-MT"] \
+        != [r["label"] for r in c["rows"]]
     assert [r["settings"] for r in p["rows"]] == [r["settings"] for r in c["rows"]]
     assert p["rows"][1]["trace"][0]["lambda"] == c["rows"][1]["trace"][0]["lambda"]
     assert set(p["attention"]) == {r["label"] for r in p["rows"]}
