@@ -360,6 +360,85 @@ def test_knn_mixes_on_its_support_exactly_as_over_the_whole_vocabulary(tiny, tin
         assert torch.equal(mix_logprobs(lm, plp, lam, support=support), mix_logprobs(lm, plp, lam))
 
 
+def test_knn_temperature_divides_the_distance_on_a_spread_out_softmax(tiny, tiny_memory):
+    """p_kNN(y) ∝ Σ_{j: v_j = y} exp(−d_j/T) where the softmax is far from one-hot: the query sits between two stored
+    keys of different tokens, so the neighbours' distances differ by about T and several tokens keep real weight.
+    exp(−d·T), exp(−d) (no T) and exp(−d/T²) give other distributions here, and the test checks that they do."""
+    knn = KNN(KNNConfig(search="exact"), tiny)
+    knn.fit(tiny_memory)
+    rms = tiny_memory.key_scale
+    keys = np.asarray(tiny_memory.keys, dtype=np.float64) / rms
+    vals = np.asarray(tiny_memory.values)
+    a = 5
+    b = next(j for j in np.argsort(((keys - keys[a]) ** 2).sum(1), kind="stable") if vals[j] != vals[a])
+    q_scaled = 0.6 * keys[a] + 0.4 * keys[b]
+    k, T = 8, 10.0
+    d = ((keys - q_scaled) ** 2).sum(1)
+    nn_ids = np.argsort(d, kind="stable")[:k]
+
+    def p_by_hand(weight):
+        p = np.zeros(tiny.vocab_size)
+        for j in nn_ids:
+            p[vals[j]] += weight(d[j])
+        return p / p.sum()
+
+    want = p_by_hand(lambda dj: math.exp(-dj / T))
+    assert want.max() < 0.85 and np.sort(want)[-2] > 0.1  # far from one-hot
+    for wrong in (lambda dj: math.exp(-dj * T), lambda dj: math.exp(-dj), lambda dj: math.exp(-dj / T ** 2)):
+        assert np.abs(p_by_hand(wrong) - want).sum() > 0.1
+
+    q = torch.tensor(q_scaled * rms, dtype=torch.float32, device=tiny.device)[None]
+    lp, dist, _ = knn.knn_logprobs(q, k, T)
+    assert np.allclose(dist.cpu().numpy()[0], d[nn_ids], rtol=1e-4, atol=1e-3)
+    assert np.allclose(lp.exp().cpu().numpy()[0], want, atol=1e-5)
+    lam = 0.4
+    lm = torch.log_softmax(torch.randn(1, tiny.vocab_size, generator=torch.Generator().manual_seed(3)), -1)
+    out = knn.mix(MixInput(fc=q, lm_logprobs=lm.to(tiny.device), extra_logits=None, step=0, src_len=[3],
+                           settings=[knn.settings({"k": k, "temperature": T, "lambda": lam})]))
+    assert np.allclose(out.logprobs.exp().cpu().numpy()[0], lam * want + (1 - lam) * lm.exp().numpy()[0], atol=1e-5)
+
+
+def test_knn_faiss_index_is_trained_on_the_seeds_sample_and_named_by_the_seed(tiny, tmp_path):
+    """The IVF-PQ index is trained on sorted(default_rng(seed).choice(N, min(N, max(64·lists, 40·lists, 10000)),
+    replace=False)) — a seed-dependent sample once N exceeds it — and its cached file name carries the seed, so a
+    plug-in of another seed never reads an index trained on another sample. Checked against indexes trained by hand
+    on each seed's sample."""
+    import faiss
+
+    n, d, nlist, m = 12_000, 32, 4, 8
+    g = torch.Generator().manual_seed(4)
+    centres = torch.randn(6, d, generator=g) * 3
+    keys = (centres[torch.randint(0, 6, (n,), generator=g)] + torch.randn(n, d, generator=g)).numpy()
+
+    class Keys:  # what the index build reads of a memory
+        def __init__(self, path):
+            self.keys, self.path = keys, path
+
+        def __len__(self):
+            return n
+
+    def by_hand(seed):
+        size = min(n, max(256 * nlist // 4, 40 * nlist, 10000))
+        sample = np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
+        index = faiss.IndexIVFPQ(faiss.IndexFlatL2(d), d, nlist, m, 8)
+        index.train(keys[sample])
+        return faiss.vector_to_array(index.pq.centroids)
+
+    mem = Keys(tmp_path)
+    got = {}
+    for seed in (1, 2, 1):
+        knn = KNN(KNNConfig(search="faiss", ivf_lists=nlist, pq_m=m, normalize_keys=False, seed=seed), tiny)
+        knn.memory = mem
+        knn._build_faiss()
+        assert knn.index_record["file"] == f"faiss_ivfpq_rawkeys_{nlist}lists_{m}x8pq_seed{seed}.index"
+        got.setdefault(seed, faiss.vector_to_array(knn.index.pq.centroids))
+    assert sorted(p.name for p in tmp_path.glob("*.index")) == [f"faiss_ivfpq_rawkeys_{nlist}lists_{m}x8pq_seed{s}"
+                                                                ".index" for s in (1, 2)]
+    want1, want2 = by_hand(1), by_hand(2)
+    assert not np.allclose(want1, want2, atol=1e-3)  # the seeds' samples train different codebooks
+    assert np.allclose(got[1], want1, atol=1e-4) and np.allclose(got[2], want2, atol=1e-4)
+
+
 # --- residual adapter and LoRA -------------------------------------------------------------------------------------
 
 def test_residual_adapter_is_h_plus_relu_ln_h_we_wd(tiny):
@@ -760,6 +839,179 @@ def test_memory_adapter_memory_dropout_rate_per_sequence_and_layer(tiny, tiny_me
     assert float(mixed) > 0.9
 
 
+def _fast_back_translation(monkeypatch):
+    """Back-translation by the backbone replaced by a constant (the phrase memory's source side is not under test)."""
+    import memories.phrases as ph
+
+    monkeypatch.setattr(ph, "generate_greedy", lambda backbone, contexts, **kw: [backbone.encode_target(" xyz")
+                                                                                 for _ in contexts])
+
+
+def _allocation_by_hand(lengths, layers, how):
+    """Xu et al.'s allocation: items ordered by length (ties by index), cut into len(layers) contiguous shares as
+    equal as can be (the first n mod L shares one longer), the shortest share on the lowest layer (short_to_long) or
+    on the highest (long_to_short); with fewer items than layers, one item on each of n evenly spaced layers."""
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    k = min(n, len(layers))
+    sizes = [n // k + (1 if j < n % k else 0) for j in range(k)]
+    shares, at = [], 0
+    for size in sizes:
+        shares.append(order[at:at + size])
+        at += size
+    chosen = list(layers) if k == len(layers) else [layers[round(j * (len(layers) - 1) / (k - 1))]
+                                                    for j in range(k)] if k > 1 else [layers[-1]]
+    if how == "long_to_short":
+        chosen = chosen[::-1]
+    return dict(sorted(zip(chosen, shares)))
+
+
+@pytest.mark.parametrize("lengths, layers", [([5, 1, 3, 8, 2, 13, 2], [0, 1, 2]), ([4, 4, 1, 9, 3], [2, 5]),
+                                             ([7, 2], [0, 1, 2, 3, 4]), ([3, 1, 2, 6, 5, 4, 1, 8], [0, 1, 2, 3])])
+def test_memory_adapter_allocates_short_phrases_to_low_layers_by_hand(lengths, layers):
+    from plugins.memory_adapter import allocate
+
+    for how in ("short_to_long", "long_to_short"):
+        got = allocate(lengths, layers, how)
+        assert got == _allocation_by_hand(lengths, layers, how), how
+        order = sorted(got)
+        longest = [max(lengths[i] for i in got[l]) for l in order]
+        shortest = [min(lengths[i] for i in got[l]) for l in order]
+        if how == "short_to_long":  # every item of a lower layer is no longer than any item of a higher one
+            assert all(a <= b for a, b in zip(longest, shortest[1:]))
+        else:
+            assert all(a >= b for a, b in zip(shortest, longest[1:]))
+
+
+def test_memory_adapter_phrase_memory_puts_short_phrases_on_the_lowest_layer(tiny, tiny_memory, monkeypatch):
+    """The plug-in's memory build: the phrase pairs' items go to the layers in the paper's short-to-long order (the
+    default), and each layer's memory rows (``phrase_ids``) are that layer's phrases."""
+    import plugins.memory_adapter as ma
+    from memories.phrases import PhrasePair
+    from plugins.api import new_plugin
+
+    words = ["Haus", "ist klein", "die Katze schlaeft", "Guten Morgen", "hallo", "das Haus ist klein und alt",
+             "Welt", "die kleine Katze"]
+    pairs = [PhrasePair(f"src {i}", w, 0, len(w.split()), "back") for i, w in enumerate(words)]
+    monkeypatch.setattr(ma, "phrase_pairs_for_memory", lambda *a, **kw: list(pairs))
+    for how in ("short_to_long", "long_to_short"):
+        p = new_plugin("memory_adapter", tiny, tiny_memory, {"allocation": how, "max_translate": 0})
+        p.build_memory(tiny_memory)
+        want = _allocation_by_hand([q.length for q in pairs], list(range(tiny.num_layers)), how)
+        got = {int(l): sorted(words.index(p.phrases[g]["tgt"]) for g in blk.phrase_ids.tolist())
+               for l, blk in p.blocks.items()}
+        assert got == {l: sorted(idx) for l, idx in want.items()}, how
+        assert all(p.phrases[g]["layer"] == int(l) for l, blk in p.blocks.items() for g in blk.phrase_ids.tolist())
+    assert p.config.allocation == "long_to_short" and ma.MemoryAdapterConfig().allocation == "short_to_long"
+
+
+def test_memory_adapter_own_sentence_is_masked_out_of_each_training_rows_attention_by_hand(tiny, tiny_memory,
+                                                                                           monkeypatch):
+    """While training (both passes of ``train_batch_loss`` and the early-stopping NLL), each layer's adapters compute
+    R = softmax over the items *other than* those whose target is the row's own whole target sentence — the weight of
+    those is exactly 0 and the rest renormalise —, written here per row in float64 from the layer's input, the
+    samples' sentences and the items' texts (not from the plug-in's mask), for both sides in series."""
+    from memories.phrases import normalize
+    from plugins.api import new_plugin
+    from plugins.memory_adapter import LayerBlock
+    from plugins.seqtrain import collate, memory_sequences
+
+    _fast_back_translation(monkeypatch)
+    p = new_plugin("memory_adapter", tiny, tiny_memory, {"whole_sentences": True, "max_translate": 8,
+                                                        "memory_dropout": 0.3})
+    p.build_memory(tiny_memory)
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():  # a gate that lets R through, so the mask changes the output
+        for blk in p.blocks.values():
+            for ad in blk.adapters.values():
+                ad.W_2.copy_(0.3 * torch.randn(ad.W_2.shape, generator=g))
+                ad.b_2.fill_(-1.0)
+    rows = tiny_memory.split_samples("train")
+    data = memory_sequences(tiny, tiny_memory, "train")
+    ids, mask, labels = collate(tiny, data, range(len(data)))
+    layer_of = {id(blk): int(l) for l, blk in p.blocks.items()}
+
+    def own_by_hand(blk, n_rows):
+        items = [normalize(p.phrases[j]["tgt"]) for j in blk.phrase_ids.tolist()]
+        return torch.tensor([[t == normalize(rows[b % len(rows)]["tgt"]) for t in items] for b in range(n_rows)])
+
+    def layer_by_hand(blk, a, keep, own):
+        x = a.double() / blk.scale.double()
+        T = p.config.temperature
+        for side in blk.sides:
+            ad, K = blk.adapters[side], getattr(blk, f"mem_{side}").double()
+            Wq, Wk, Wv, W1, W2, b2 = (w.detach().double() for w in (ad.W_q, ad.W_k, ad.W_v, ad.W_1, ad.W_2, ad.b_2))
+            out = x.clone()
+            for b in range(x.shape[0]):
+                others = ~own[b]
+                if not others.any() or (keep is not None and not bool(keep[b])):
+                    continue  # no item left, or this layer's memory dropped for the row: the identity
+                logits = (x[b] @ Wq @ Wk.T @ K[others].T) / (T * math.sqrt(ad.d))
+                att = torch.softmax(logits, -1)
+                r = att @ K[others] @ Wv
+                lam = torch.sigmoid(torch.relu(torch.cat([x[b], r], -1) @ W1) @ W2 + b2)
+                out[b] = lam * x[b] + (1 - lam) * r
+            x = out
+        return x * blk.scale.double()
+
+    seen = []
+    orig = LayerBlock.apply
+
+    def spy(self, a, prep, keep=None, exclude=None):
+        out, info = orig(self, a, prep, keep, exclude)
+        seen.append((self, a.detach(), None if keep is None else keep.detach(), out.detach(), info))
+        return out, info
+
+    monkeypatch.setattr(LayerBlock, "apply", spy)
+    p._own = p._own_sentence_tables(tiny_memory)  # what train_adapters' prepare sets
+    p._drop_rng = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            p.train_batch_loss(ids, mask, labels)  # doubled batch: rows b and b + B are sample b
+            p.hooked_seq_loss(ids, mask, labels)
+    finally:
+        p._own = None
+    assert len(seen) == 2 * len(p.adapted_layers)
+    masked = 0
+    for blk, a, keep, out, info in seen:
+        own = own_by_hand(blk, a.shape[0])
+        masked += int(own.sum())
+        want = layer_by_hand(blk, a, keep, own)
+        assert torch.allclose(out.double(), want, atol=1e-4), layer_of[id(blk)]
+        hidden = own & ~own.all(-1, keepdim=True)  # a row with no other item skips the layer instead
+        for side, (att, _g) in info.items():
+            assert float((att.double() * hidden[:, None, :].to(att.device)).abs().max()) == 0.0
+    assert masked > 0  # the memory does hold training answers (whole sentences), so the mask is exercised
+    assert p._exclusion(labels) is None  # outside training (decoding) nothing is masked
+
+
+def test_memory_adapter_phrase_length_cap_by_hand(tiny, tiny_memory, monkeypatch):
+    """The chunker's phrases are at most ``max_len`` words and the cap is inclusive: for Xu et al.'s marker chunking
+    of this sentence the phrases are, written out by hand, (markers: Es, ein, über, den, von, zu; a marker-free run
+    longer than the cap cut into windows; runs of whole chunks up to the cap); and the plug-in's
+    ``max_phrase_len_other`` is the cap its memory is built with."""
+    from memories.phrases import chunk_phrases
+    from plugins.api import new_plugin
+
+    gold = "Es war noch nie leicht, ein rationales Gespräch über den Wert von Gold zu führen."
+    words = {"war", "noch", "nie", "leicht", "rationales", "Gespräch", "Wert", "Gold", "führen"}
+    assert set(chunk_phrases(gold, 3)) == words | {"Es war noch", "nie leicht", "ein rationales Gespräch",
+                                                   "über den Wert", "von Gold", "zu führen"}
+    assert set(chunk_phrases(gold, 4)) == words | {"Es war noch nie", "ein rationales Gespräch", "über den Wert",
+                                                   "von Gold", "von Gold zu führen", "zu führen"}
+    assert set(chunk_phrases(gold, 2)) == words | {"Es war", "noch nie", "ein rationales", "von Gold", "zu führen"}
+
+    _fast_back_translation(monkeypatch)
+    longest = {}
+    for cap in (2, 3):
+        p = new_plugin("memory_adapter", tiny, tiny_memory, {"max_phrase_len_other": cap, "max_translate": 64})
+        p.build_memory(tiny_memory)
+        lengths = [len(ph["tgt"].split()) for ph in p.phrases]
+        assert all(ph["length"] == n for ph, n in zip(p.phrases, lengths))
+        longest[cap] = max(lengths)
+    assert longest == {2: 2, 3: 3}
+
+
 # --- Memory-Tuning (Qi et al., TASLP 2024) ------------------------------------------------------------------------
 
 def _mt_with_random_weights(tiny, variant: str, seed: int = 21, **cfg):
@@ -839,6 +1091,111 @@ def test_memory_tuning_mt_f_reads_and_writes_every_blocks_ffn_output(tiny, monke
     assert not torch.allclose(got, base, atol=1e-3)
     assert torch.allclose(got, reference(False), atol=1e-4)
     assert not torch.allclose(got, reference(True), atol=1e-3)
+
+
+def test_memory_tuning_mt_f_training_path_one_step_matches_the_equation_and_the_decode_path(tiny, monkeypatch):
+    """MT-F trained through its training path (gradients on: ``train_batch_loss``, one SGD step) computes
+    H + s_l ⊙ softmax((H ⊘ s_l)·W_query·(M·W_key)ᵀ)·M·W_value·W_o (no 1/√s) at every layer: its forward and the
+    targets' NLL equal the equation's written here in float64, its gradients equal the equation's gradients, and after
+    the step the folded decode path (a comparison's rows, no gradients) gives the same states as the training path
+    and the equation with the updated weights."""
+    from plugins.seqtrain import SeqData, collate
+
+    p, g = _mt_with_random_weights(tiny, "MT-F", slots=6, slot_size=16)
+    texts = ("the house is small", "hello world, this is a test")
+    data = SeqData([tiny.encode_context(t)[:6] for t in texts], [tiny.encode_target(" das Haus ist klein")] * 2)
+    ids, mask, labels = collate(tiny, data, range(2))
+    mlp_out = {}
+    grabs = [layer.mlp.register_forward_hook(lambda mod, a, out, l=l: mlp_out.setdefault(l, out))
+             for l, layer in enumerate(tiny.layers)]
+    with torch.no_grad():
+        tiny.forward_fc(ids, attention_mask=mask)
+    for h in grabs:
+        h.remove()
+    with torch.no_grad():  # s_l near the MLP output's per-feature RMS (as ``fit`` sets it), W_query small: scores of
+        for l, mem in enumerate(p.ffn_mem):  # order 1, so the attention mixes its slots and a 1/√s would show
+            mem.W_query.weight.mul_(0.1)
+            rms = mlp_out[l].float().pow(2).mean((0, 1)).sqrt()
+            p.ffn_scale[l] = rms * (torch.rand(rms.shape, generator=g) + 0.5).to(rms.device)
+    B = ids.shape[0]
+    names = ("M", "W_query", "W_key", "W_value", "W_o")
+
+    def weights(mem):  # (M, W_query, W_key, W_value, W_o) as float64 leaves; nn.Linear stores the transposes
+        return [(mem.M if n == "M" else getattr(mem, n).weight).detach().double().requires_grad_(True) for n in names]
+
+    def by_hand(ws):
+        """(pre-norm states, target NLL) with every MLP output H replaced by the equation's H + s ⊙ ΔH(H ⊘ s)."""
+        with monkeypatch.context() as mp:
+            for l, layer in enumerate(tiny.layers):
+                def forward(x, f=layer.mlp.forward, w=ws[l], s=p.ffn_scale[l].double()):
+                    h = f(x)
+                    M, Wq, Wk, Wv, Wo = w
+                    Hs = h.double() / s
+                    a = torch.softmax((Hs @ Wq.T) @ (M @ Wk.T).T, dim=-1)
+                    return (h.double() + s * (a @ (M @ Wv.T) @ Wo.T)).to(h.dtype)
+                mp.setattr(layer.mlp, "forward", forward)
+            fc, _ = tiny.forward_fc(ids, attention_mask=mask)
+        sel = labels != -100
+        return fc, F.cross_entropy(head_by_hand(tiny, fc[sel].float()), labels[sel])
+
+    hand_w = [weights(mem) for mem in p.ffn_mem]
+    fc_hand, nll_hand = by_hand(hand_w)
+    nll_hand.backward()
+
+    params = p._trainable()
+    for q in params:
+        q.requires_grad_(True)
+    with torch.enable_grad():
+        handles = p.attach(None, {})
+        try:
+            fc_train, _ = tiny.forward_fc(ids, attention_mask=mask)
+        finally:
+            for h in handles:
+                h.remove()
+        loss, n_tgt, _ = p.train_batch_loss(ids, mask, labels)
+    assert fc_train.requires_grad and loss.requires_grad
+    assert torch.allclose(fc_train.double(), fc_hand.double(), atol=1e-4)
+    assert float(loss.detach()) == pytest.approx(float(nll_hand.detach()), rel=1e-5)
+    assert n_tgt == int((labels != -100).sum())
+    loss.backward()
+    for mem, ws in zip(p.ffn_mem, hand_w):
+        for n, w in zip(names, ws):
+            got = (mem.M if n == "M" else getattr(mem, n).weight).grad
+            assert got is not None and float(got.abs().max()) > 0, n
+            assert torch.allclose(got.double(), w.grad, rtol=1e-3, atol=1e-6), n
+
+    # the attention really mixes its slots (else a 1/√s could not change it) and the scaled variant differs
+    with torch.no_grad():
+        for l, mem in enumerate(p.ffn_mem):
+            scores = mem.W_query(mlp_out[l] / p.ffn_scale[l]) @ mem.W_key(mem.M).T
+            assert float(torch.softmax(scores, -1).max(-1).values.mean()) < 0.9
+            assert float((torch.softmax(scores, -1) - torch.softmax(scores / 4, -1)).abs().max()) > 0.05
+
+    opt = torch.optim.SGD(params, lr=0.5)
+    opt.step()
+    with torch.no_grad():
+        for ws in hand_w:
+            for w in ws:
+                w -= 0.5 * w.grad
+    fc_hand2, _ = by_hand(hand_w)
+    assert not torch.allclose(fc_hand2, fc_hand, atol=1e-3)  # the step moved the output
+    with torch.enable_grad():
+        handles = p.attach(None, {})
+        try:
+            fc_train2, _ = tiny.forward_fc(ids, attention_mask=mask)
+        finally:
+            for h in handles:
+                h.remove()
+    handles = p.attach(torch.arange(B), {})  # decoding: a comparison's rows, the folded read
+    try:
+        with torch.no_grad():
+            fc_decode, _ = tiny.forward_fc(ids, attention_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.allclose(fc_train2.double(), fc_hand2.double(), atol=1e-4)
+    assert torch.allclose(fc_decode.double(), fc_hand2.double(), atol=1e-4)
+    assert torch.allclose(fc_decode, fc_train2.detach(), atol=1e-4)
 
 
 def _rope_by_hand(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
