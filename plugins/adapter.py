@@ -30,6 +30,9 @@ How it is adapted to our decoder-only backbones (Llama, Gemma 3):
       the memory's held-out samples, which the evaluation reports on; ``plugins.network`` + ``plugins.training``).
       The hooks are attached for each batch's forward pass only (autograd keeps what backward needs), so no hook
       stays on the shared backbone between batches. Logits are computed at target positions only.
+    * Not applied to the prompt's shared prefix (``prompt_prefix="frozen"``, the default; a deviation: the paper
+      adapts every position): the adapter acts on a sample's own positions, the instruction and few-shot examples
+      are the frozen model's, computed once per memory (``plugins.network``; "adapted" = the paper's).
     * ``max_minutes`` bounds the training time; ``BudgetGuard`` evaluates once more just before the budget runs
       out, so a budget-stopped run keeps its last steps (``run_training`` alone restores the last *evaluated* best).
     * Option ``softmax="candidates"`` (not the default): the training softmax runs over a candidate vocabulary
@@ -135,7 +138,7 @@ class Adapter(NetworkPlugin):
             if scale == 0.0:
                 return None
             h = first_tensor(output)
-            return replace_first(output, rows_apply(h, h, att.rows, fn))
+            return replace_first(output, rows_apply(h, h, att.rows, fn, att.starts()))
         return hook
 
     def _folded_out(self, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:

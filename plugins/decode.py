@@ -34,7 +34,8 @@ from backbone.model import Backbone, grow_kv_cache, relayout_kv_rows, small_work
 from backbone.prompts import Prompt, common_prefix_len, postprocess
 from ground.errors import UserError
 from plugins.base import MixInput, MixOutput, Plugin, mix_logprobs
-from plugins.network import row_span
+from plugins.network import row_span, set_own_from
+from plugins.seqtrain import shared_prompt_len
 from plugins.settings import comparison_settings, split_comparison
 
 TOP = 5
@@ -672,12 +673,24 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
     ids, mask = _left_padded(batch.contexts, G, backbone.tokenizer.pad_token_id or 0)
     ids, mask = ids.to(dev), mask.to(dev)
     attached: list[list] = []
+    frozen: list[list] = []  # the attachments of plug-ins that leave the prompt's shared prefix to the frozen backbone
+    own = None
     try:
         for grp in batch.net:
             attached.append(grp.plugin.attach(torch.tensor([s * G + grp.prefill for s in range(S)], device=dev),
                                               grp.settings, trace=trace))
+            if getattr(grp.plugin, "frozen_prefix", False):
+                frozen.append(attached[-1])
+        if frozen:  # per prefill row, the first position of the source's own tokens (after left padding)
+            width = ids.shape[1]
+            own = torch.tensor([width - len(c) + shared_prompt_len(backbone, batch.prompt, c)
+                                for c in batch.contexts for _ in range(G)], device=dev)
+            for handles in frozen:
+                set_own_from(handles, own)
         with torch.no_grad():
             P, past = _cached_prefix(backbone, batch, ids) if S == 1 and use_prefix_cache else (0, None)
+            for handles in frozen:  # positions counted from the first token of the forward pass below
+                set_own_from(handles, (own - P).clamp_min(0))
             fc, out = backbone.forward_fc(ids[:, P:], attention_mask=mask if S > 1 else None, past_key_values=past,
                                           use_cache=True)
     finally:

@@ -18,14 +18,17 @@ How it is adapted to our decoder-only backbones and to the shared-backbone proto
       LoRA trains can see a half-trained LoRA, and the tied embeddings / GGUF-loaded Gemma are never touched by
       peft. After training, A and B are copied out of the peft layer, the peft model is unloaded
       (``unload()``) and the copy dropped.
-    * Only the last layer changes, so the inputs of the last decoder layer (hidden states + the exact keyword
-      arguments the decoder passes it: rotary embeddings, attention mask, positions) are computed once with the
-      frozen backbone; each training step then runs only [last layer with LoRA → final norm → LM head at target
-      positions]. This is exact, not an approximation.
+    * Only the last layer changes, so the inputs of the last decoder layer (hidden states + the arguments the
+      decoder passes it: rotary embeddings, attention mask, positions) are computed once per fixed mini-batch by
+      the frozen backbone (``plugins.network.TrainingBatches``, the first time the batch is used, so the budget
+      bounds that work too); each training step then runs only [last layer with LoRA → final norm → LM head at
+      target positions]. This is exact, not an approximation (tests/test_training_shortcuts.py). LoRA on the last
+      layer's o_proj cannot change any position's keys or values, so ``prompt_prefix`` (the shared prompt prefix
+      given as the frozen backbone's past) changes nothing it computes, only what a step costs.
     * The training objective is the teacher-forced NLL of the reference target tokens of the memory's samples
       (fixed mini-batches of similar-length samples, their order shuffled every epoch), Adam, early stopping on
       a seeded tenth of the memory's training samples, set aside from training (``NetworkPlugin._data``; never the
-      memory's held-out samples, which the evaluation reports on); ``max_minutes`` covers the precomputation too.
+      memory's held-out samples, which the evaluation reports on); ``max_minutes`` covers the preparation too.
     * Decoding: a forward hook on the backbone's own o_proj adds (x·Aᵀ·Bᵀ)·(α/r)·σ to the output of the batch
       rows ``rows`` only; σ is the decode-time setting ``scale`` (default 1, not in the paper).
     * Learning rate: 1e-2 (Adam), a named deviation from the PEMA paper's 1e-3 (the preset ``"paper"``). With α = 1
@@ -59,8 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backbone.model import StopForward
-from ground.errors import Cancelled
+from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.hub import hub_base_model
 from plugins.network import (
@@ -73,9 +75,7 @@ from plugins.network import (
 )
 from plugins.registry import register
 from plugins.settings import Preset, setting
-from plugins.seqtrain import SeqData, collate
 from plugins.training import BudgetGuard, run_training
-from ground.errors import UserError
 
 OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
 
@@ -104,16 +104,6 @@ class LoRAConfig(NetworkConfig):
         self._check(self.rank >= 1, "LoRA rank r must be ≥ 1.")
         self._check(self.alpha > 0 and math.isfinite(self.alpha), "LoRA α must be a positive number.")
         self._check(0.0 <= self.dropout < 1.0, "LoRA dropout must be in [0, 1).")
-
-
-def _detach(v):
-    if isinstance(v, torch.Tensor):
-        return v.detach()
-    if isinstance(v, tuple):
-        return tuple(_detach(x) for x in v)
-    if isinstance(v, list):
-        return [_detach(x) for x in v]
-    return v
 
 
 def _clear_hooks(module: nn.Module) -> None:
@@ -223,48 +213,13 @@ class LoRA(NetworkPlugin):
             if scale == 0.0:
                 return None
             h = first_tensor(output)
-            return replace_first(output, rows_apply(h, args[0], att.rows, fn))
+            return replace_first(output, rows_apply(h, args[0], att.rows, fn, att.starts()))
 
         return [self._proj().register_forward_hook(hook)]
 
     # --- training -----------------------------------------------------------------------------------------
-    def _last_layer_inputs(self, data: SeqData, batches: list[list[int]], should_stop=lambda: False,
-                           progress=lambda f, m: None, what: str = "samples") -> list[dict]:
-        """Run the frozen backbone up to the last layer once per batch; keep that layer's inputs. ``progress(f, m)``
-        is told after every batch (f from 0 to 1)."""
-        bb = self.backbone
-        layer = bb.layers[-1]
-
-        def pre(mod, args, kwargs):
-            raise StopForward((args, kwargs))
-
-        out = []
-        done = 0
-        for idx in batches:
-            if should_stop():
-                raise Cancelled()
-            progress(done / max(1, len(data)), f"computing the last layer's inputs: {done}/{len(data)} {what}")
-            done += len(idx)
-            ids, mask, labels = collate(bb, data, idx)
-            h = layer.register_forward_pre_hook(pre, with_kwargs=True)
-            try:
-                stop = bb.forward_until_stopped(ids, attention_mask=mask)
-            finally:
-                h.remove()
-            if stop is None:
-                raise RuntimeError("LoRA: the last decoder layer was never called")
-            args, kwargs = _detach(stop.captured[0]), _detach(stop.captured[1])
-            if not args:
-                args = (kwargs.pop("hidden_states"),)
-            out.append({"args": args, "kwargs": kwargs, "labels": labels, "tokens": int(mask.sum()),
-                        "targets": int((labels != -100).sum())})
-        return out
-
-    @staticmethod
-    def _batches(data: SeqData, size: int) -> list[list[int]]:
-        """Fixed mini-batches of similar lengths (less padding); their order is shuffled every epoch."""
-        order = sorted(range(len(data)), key=lambda i: (len(data.contexts[i]) + len(data.targets[i]), i))
-        return [order[b:b + size] for b in range(0, len(order), size)]
+    def lowest_layer(self) -> int:
+        return self.backbone.num_layers - 1
 
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         from peft import LoraConfig, get_peft_model
@@ -276,20 +231,9 @@ class LoRA(NetworkPlugin):
         progress(0.0, "preparing the memory's samples")
         train, held = self._data(memory)
         cand_info = self.prepare_candidates(memory, lambda f, m: progress(0.005 * f, m))
-        t_pre = time.time()
-        tb = self._batches(train, cfg.batch_size)
-        hb = self._batches(held, cfg.batch_size)
-        n_all = max(1, len(train) + len(held))
-        # the precomputation is one frozen forward pass per batch: its progress is reported batch by batch
-        tin = self._last_layer_inputs(train, tb, should_stop,
-                                      lambda f, m: progress(0.005 + 0.045 * f * len(train) / n_all, m),
-                                      "training samples")
-        hin = self._last_layer_inputs(held, hb, should_stop,
-                                      lambda f, m: progress(0.005 + 0.045 * (len(train) + f * len(held)) / n_all,
-                                                            m), "early-stopping samples")
-        pre_secs = time.time() - t_pre
-        # the budget covers the precomputation too (but always leaves a little time to train)
-        budget = max(cfg.max_minutes - pre_secs / 60.0, 0.25) if cfg.max_minutes else 0.0
+        # fixed length-bucketed batches whose last layer's inputs the frozen backbone computes once, the first time
+        # each is used: inside the loop, so the wall-clock budget bounds that work too
+        tb, hb = self.training_batches(train), self.training_batches(held)
 
         # peft on a private copy of the last decoder layer: the shared backbone is never modified.
         holder = nn.Module()
@@ -308,41 +252,43 @@ class LoRA(NetworkPlugin):
             B.weight.copy_(self.lora_B.to(B.weight))
         trainable = nn.ModuleList([A, B, lora_layer.lora_dropout["default"]])
         params = [A.weight, B.weight]
-        counts = {"tokens": 0, "targets": 0}
+        counts = {"tokens": 0, "targets": 0, "samples": 0}
+        last = {bb.num_layers - 1: holder.layer}
 
-        def loss_of(batch) -> torch.Tensor:
-            h = first_tensor(holder.layer(*batch["args"], **batch["kwargs"]))
-            labels = batch["labels"]
-            sel = labels != -100
-            return self.target_nll(h[sel], labels[sel])
+        def loss_of(batch) -> tuple[torch.Tensor, int]:
+            h = batch.fc(1, replace=last)
+            sel = batch.labels != -100
+            return self.target_nll(h[sel], batch.labels[sel]), int(sel.sum())
 
         history = self.new_history()
-        guard = BudgetGuard(trainable, lambda: heldout_loss(), budget, history, self.method)
+        guard = BudgetGuard(trainable, lambda: heldout_loss(), cfg.max_minutes, history, self.method)
 
         def train_loss(idx):
             guard.before_step()
-            batch = tin[int(idx[0])]
-            counts["tokens"] += batch["tokens"]
-            counts["targets"] += batch["targets"]
-            return loss_of(batch), {}
+            batch = tb[int(idx[0])]
+            loss, n = loss_of(batch)
+            counts["tokens"] += batch.tokens
+            counts["targets"] += n
+            counts["samples"] += batch.size
+            return loss, {}
 
         def heldout_loss():
             tot, n = 0.0, 0
             with torch.no_grad():
-                for batch in hin:
-                    tot += float(loss_of(batch)) * batch["targets"]
-                    n += batch["targets"]
+                for i in range(len(hb)):
+                    loss, k = loss_of(hb[i])
+                    tot += float(loss) * k
+                    n += k
             return tot / max(n, 1)
 
-        s = self.loop_settings(len(tin))
+        s = self.loop_settings(len(tb))
         s.batch_size = 1  # one index = one fixed mini-batch of samples
-        s.max_minutes = budget
         t0 = time.time()
         resume = (self.resume_state or {}).get("") if self.resume_state else None
         self.optimizer_state = {}
         try:
-            summary = run_training(trainable, params, len(tin), train_loss, guard.heldout_loss, s, self.method,
-                                   progress, should_stop, history, (0.05, 1.0), resume=resume,
+            summary = run_training(trainable, params, len(tb), train_loss, guard.heldout_loss, s, self.method,
+                                   progress, should_stop, history, (0.0, 1.0), resume=resume,
                                    state_out=self.optimizer_state)
             summary = guard.restore(summary)
             with torch.no_grad():
@@ -351,15 +297,18 @@ class LoRA(NetworkPlugin):
         finally:
             self._cand = None
             pm.unload()
-            del pm, holder, trainable, tin, hin
+            del pm, holder, trainable
         wall = time.time() - t0
         for p in self.parameters():
             p.requires_grad_(False)
         metrics = {**summary, "train_samples": len(train), "early_stop_samples": len(held),
-                   "precompute_seconds": round(pre_secs, 2),
+                   "entries_per_second": round(counts["samples"] / max(wall, 1e-9), 2),
+                   "samples_per_second": round(counts["samples"] / max(wall, 1e-9), 2),
+                   "precompute_seconds": round(tb.prepare_seconds + hb.prepare_seconds, 2),
                    "tokens_per_second": round(counts["tokens"] / max(wall, 1e-9), 1),
                    "target_tokens_per_second": round(counts["targets"] / max(wall, 1e-9), 1),
-                   "train_tokens_seen": counts["tokens"]}
+                   "train_tokens_seen": counts["tokens"], "seconds_per_step": round(guard.mean_step(), 2),
+                   **tb.info(), "prepare_seconds": round(tb.prepare_seconds + hb.prepare_seconds, 2)}
         self.train_info = {"rank": self.rank, "alpha": cfg.alpha, "scaling": self.scaling,
                            "target": f"layers.{bb.num_layers - 1}.{self.proj_name}", "trained_with": "peft",
                            **cand_info, **metrics}

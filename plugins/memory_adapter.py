@@ -517,7 +517,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         def hook(module, args, output):
             info.clear()
             h = first_tensor(output)
-            out = replace_first(output, rows_apply(h, h, att.rows, fn))
+            out = replace_first(output, rows_apply(h, h, att.rows, fn, att.starts()))
             if att.rows is not None and att.recording and "sides" in info:  # decoding with a trace: record it
                 if l == layers[0]:
                     recording.clear()
@@ -621,7 +621,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         """A seeded random subset of ``max_heldout`` held-out samples for early stopping."""
         pick = sorted(np.random.default_rng(self.config.seed).permutation(len(held))[:self.config.max_heldout]
                       .tolist())
-        return SeqData([held.contexts[i] for i in pick], [held.targets[i] for i in pick])
+        return held.pick(pick)
 
     ADAM_BETAS: ClassVar[tuple[float, float]] = (0.9, 0.98)  # the paper's fairseq setup
 
@@ -666,32 +666,33 @@ class MemoryAdapterPlugin(NetworkPlugin):
             out[l] = m.to(labels.device)
         return out if any_masked else None
 
-    def hooked_seq_loss(self, ids, mask, labels, **state):
+    def hooked_seq_loss(self, ids, mask=None, labels=None, **state):
         """The shared loop's early-stopping NLL, with the own-sentence mask while training (the samples it is measured
         on are training samples set aside, whose sentences are memory items with ``whole_sentences``)."""
-        state.setdefault("exclude", self._exclusion(labels))
-        return super().hooked_seq_loss(ids, mask, labels, **state)
+        batch = self.as_batch(ids, mask, labels)
+        state.setdefault("exclude", self._exclusion(batch.labels))
+        return super().hooked_seq_loss(batch, **state)
 
-    def train_batch_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int, dict]:
+    def lowest_layer(self) -> int:
+        return min(self.adapted_layers) if self.adapted_layers else self.backbone.num_layers - 1
+
+    def train_batch_loss(self, ids, mask=None, labels=None) -> tuple[torch.Tensor, int, dict]:
         """The paper's objective on one batch: NLL with the full memory + α·NLL with memory dropout + β·½(KL(p‖q) +
         KL(q‖p)) between the two output distributions. Both passes run as one doubled batch; memory dropout drops
         each adapted layer's whole memory with probability ``memory_dropout``, independently per sequence."""
         cfg, bb = self.config, self.backbone
+        batch = self.as_batch(ids, mask, labels)
+        labels = batch.labels
         use_drop = cfg.alpha > 0 or cfg.beta > 0
         keep = None
         if use_drop:
-            B, L = ids.shape[0], len(self.adapted_layers)
+            B, L = labels.shape[0], len(self.adapted_layers)
             if self._drop_rng is None:
                 self._drop_rng = torch.Generator().manual_seed(cfg.seed)
             drop = torch.rand(B, L, generator=self._drop_rng) < cfg.memory_dropout
             keep = torch.cat([torch.ones(B, L, dtype=torch.bool), ~drop]).to(bb.device)
-            ids, mask, labels = (torch.cat([t, t]) for t in (ids, mask, labels))
-        handles = self.attach(None, {}, keep=keep, exclude=self._exclusion(labels))
-        try:
-            fc, _ = bb.forward_fc(ids, attention_mask=mask)
-        finally:  # the graph is built: backward needs no hook
-            for h in handles:
-                h.remove()
+            labels = torch.cat([labels, labels])
+        fc = self.batch_fc(batch, 2 if use_drop else 1, keep=keep, exclude=self._exclusion(labels))
         sel = labels != -100
         lp = torch.log_softmax(self.target_logits(fc[sel]), dim=-1)
         y = self.target_index(labels[sel])

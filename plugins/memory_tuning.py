@@ -86,7 +86,9 @@ from plugins.network import (
     derived,
     NetworkConfig,
     NetworkPlugin,
+    PastPrefix,
     first_tensor,
+    keep_before,
     module_input,
     replace_first,
     rows_apply,
@@ -347,7 +349,7 @@ class MemoryTuning(NetworkPlugin):
             if scale == 0.0:
                 return None
             h = first_tensor(output)
-            return replace_first(output, rows_apply(h, h, att.rows, fn))
+            return replace_first(output, rows_apply(h, h, att.rows, fn, att.starts()))
         return hook
 
     def _ffn_folded(self, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -379,11 +381,17 @@ class MemoryTuning(NetworkPlugin):
             if scale == 0.0 or (att.rows is not None and att.rows.numel() == 0):
                 return None
             x = module_input(args, kwargs)
+            starts = att.starts()
+            if starts is not None and bool((starts.to(x.device) >= x.shape[1]).all()):
+                return None  # only shared prompt prefix positions: the plug-in leaves them to the frozen backbone
             past = kwargs.get("past_key_values")
-            if att.rows is None and past is None:  # training: every row sees the prefix, in the one pass
-                mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], x.shape[1], n_prefix,
+            if att.rows is None and att.own_from is None and (past is None or isinstance(past, PastPrefix)):
+                # training: every row sees the prefix, in the one pass (after a frozen prompt prefix's keys and
+                # values when they are the past)
+                k_len = x.shape[1] + (past.get_seq_length() if past is not None else 0)
+                mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], k_len, n_prefix,
                                      None, log_sigma, x.dtype, x.device)
-                return args, {**kwargs, "past_key_values": PrefixKV(None, self.prefix(l)), "attention_mask": mask}
+                return args, {**kwargs, "past_key_values": PrefixKV(past, self.prefix(l)), "attention_mask": mask}
             call["kv"] = PrefixKV(past)  # a plain pass that records the keys/values; ``post`` re-runs it …
             if (decode_prefix is not None and x.shape[1] == 1 and x.dtype == decode_prefix[0].dtype
                     and x.device.type == "cpu"):
@@ -420,10 +428,11 @@ class MemoryTuning(NetworkPlugin):
                                      allowed, log_sigma, x.dtype, x.device)
             pk, pv = self.prefix(l)
             h = first_tensor(output)
+            starts = att.starts()  # positions of a shared prompt prefix keep the attention without P_k, P_v
             if rows is None:
                 redo = first_tensor(mod.forward(*args, **{**kwargs, "attention_mask": mask, "past_key_values":
                                                           PrefixKV(None, (pk, pv), (keys, values))}))
-                new = redo.to(h.dtype)
+                new = keep_before(redo.to(h.dtype), h, starts)
             else:  # the re-run for this method's rows only: a sub-batch (every other row is kept as it is)
                 B = x.shape[0]
                 sub_mask = prefixed_mask(_batch_rows(kwargs.get("attention_mask"), rows, B), rows.numel(),
@@ -437,7 +446,7 @@ class MemoryTuning(NetworkPlugin):
                 with sub_batch(rows):  # other methods' hooks inside the attention (LoRA) act on none of these rows
                     redo = first_tensor(mod.forward(*sub_args, **sub_kwargs))
                 new = h.clone()
-                new[rows] = redo.to(h.dtype)
+                new[rows] = keep_before(redo.to(h.dtype), h.index_select(0, rows), starts)
             if trace:
                 got = self._prefix_trace(mod, args, kwargs, rows, keys, mask, pk)
                 if got is not None and not self.use_ffn:

@@ -9,6 +9,17 @@ and small helpers to read and rewrite a module's input/output (``module_input``,
 
 Hooks change only the hidden states of their own method's rows, so in-network rows share one comparison batch
 with the output-level methods (PEMA, kNN) and the base row.
+
+Shared prompt prefix (``prompt_prefix``, default ``"frozen"``; not in any of the papers, which adapt every
+position): a plug-in acts on a sample's own positions only — its source's tokens, the target — and leaves the
+prompt's instruction and few-shot examples, identical for every sample, to the frozen backbone. Training then
+computes that prefix's keys and values once per memory and gives them as the past of every sample
+(``FrozenPrefix``, ``PastPrefix``); decoding keeps the plug-in off the same positions (``Attachment.own_from``,
+set by ``plugins.decode.prefill``), so what a plug-in decodes with is what it was trained with. Training also runs
+the frozen layers below the lowest layer a plug-in touches once per fixed, length-bucketed mini-batch
+(``TrainingBatches``, ``PreparedBatch``). Both are exact (tests/test_training_shortcuts.py); ``"adapted"`` (and
+every plug-in saved before the setting existed) acts on every position, as the papers do. docs/training.md has the
+measurements.
 """
 from __future__ import annotations
 
@@ -24,12 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backbone.model import StopForward
 from ground.errors import UserError
 from plugins.base import FitResult, Plugin, PluginConfig
+from plugins.seqtrain import SeqData, collate, collate_own, length_buckets, memory_sequences, split_for_early_stopping
 from plugins.settings import Setting, setting
-from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
 from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 
+PROMPT_PREFIX = ("frozen", "adapted")
 
 @dataclass
 class NetworkConfig(PluginConfig):
@@ -53,8 +66,20 @@ class NetworkConfig(PluginConfig):
         16, "with \"candidates\": the LM's top tokens per sampled memory context", low=0, high=1024)
     candidate_contexts: int = setting(
         2048, "with \"candidates\": how many memory contexts to sample", low=0, high=1000000)
+    prompt_prefix: str = setting(
+        "frozen", "\"frozen\": the plug-in acts on a sample's own positions only, the prompt's shared prefix "
+        "(instruction, few-shot examples) is the frozen backbone's, computed once per memory (fast; not in the "
+        "papers) | \"adapted\": on every position (the papers)", choices=PROMPT_PREFIX)
+
+    @classmethod
+    def from_saved(cls, d: dict) -> "NetworkConfig":
+        """The config of a saved plug-in: one saved before ``prompt_prefix`` existed acted on every position."""
+        if isinstance(d, dict) and "prompt_prefix" not in d:
+            d = {**d, "prompt_prefix": "adapted"}
+        return cls.from_dict(d)
 
     def validate(self) -> None:
+        self._check(self.prompt_prefix in PROMPT_PREFIX, "prompt_prefix must be 'frozen' or 'adapted'.")
         self._check(self.softmax in ("full", "candidates"), "softmax must be 'full' or 'candidates'.")
         self._check(self.candidate_top_k >= 0 and self.candidate_contexts >= 0,
                     "candidate_top_k and candidate_contexts must be ≥ 0.")
@@ -111,27 +136,53 @@ def module_input(args: tuple, kwargs: dict, name: str = "hidden_states") -> torc
 
 
 def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
-               fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+               fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               starts: torch.Tensor | None = None) -> torch.Tensor:
     """Return ``h`` with batch rows ``rows`` replaced by ``fn(x[rows], h[rows])`` (all rows when ``rows`` is None).
 
     Shapes are (batch, tokens, features) for any number of tokens. Rows not selected are returned bit-identical.
-    Without gradients (decoding) the rows are written into ``h`` itself — a module's fresh output that the hook
-    replaces anyway — instead of into a copy of the whole batch.
+    ``starts`` (one per selected row; ``Attachment.starts``): the row's positions before it keep ``h`` (a shared
+    prompt prefix the plug-in does not act on). Without gradients (decoding) the rows are written into ``h``
+    itself — a module's fresh output that the hook replaces anyway — instead of into a copy of the whole batch.
     """
+    if starts is not None and h.dim() == 3:
+        starts = starts.to(h.device)
+        if bool((starts >= h.shape[1]).all()):
+            return h  # every position is the shared prefix: nothing to change
+        if not bool((starts > 0).any()):
+            starts = None
+    else:
+        starts = None
+
+    def gated(xs, hs):
+        out = fn(xs, hs).to(h.dtype)
+        if starts is None:
+            return out
+        before = torch.arange(h.shape[1], device=h.device)[None, :] < starts[:, None]
+        return torch.where(before[..., None], hs, out)
+
     if rows is None:
-        return fn(x, h).to(h.dtype)
+        return gated(x, h)
     if rows.numel() == 0:
         return h
     new = h if not torch.is_grad_enabled() and not h.requires_grad else h.clone()
     span = row_span(rows)
     if span is not None:  # consecutive rows (a comparison's usual layout): views and one copy, no index operators
         sub_h = h[span]
-        new[span] = fn(sub_h if x is h else x[span], sub_h).to(h.dtype)
+        new[span] = gated(sub_h if x is h else x[span], sub_h)
         return new
     rows = rows.to(h.device)
     sub_h = h.index_select(0, rows)
-    new[rows] = fn(sub_h if x is h else x.index_select(0, rows), sub_h).to(h.dtype)
+    new[rows] = gated(sub_h if x is h else x.index_select(0, rows), sub_h)
     return new
+
+
+def keep_before(new: torch.Tensor, old: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """``new`` (rows, tokens, features) with each row's positions before its ``starts`` taken from ``old``."""
+    if starts is None or new.dim() != 3:
+        return new
+    before = torch.arange(new.shape[1], device=new.device)[None, :] < starts.to(new.device)[:, None]
+    return torch.where(before[..., None], old.to(new.dtype), new)
 
 
 def row_span(rows: torch.Tensor) -> slice | None:
@@ -168,6 +219,20 @@ class Attachment:
         self.live = True
         self.recording = recording  # whether a decode wants the trace (False: the hooks skip recording it)
         self.trace = None  # what the latest forward pass recorded (default layout: {"per_row": [dict per row]})
+        # per batch row of the next forward pass, the first position the plug-in acts on (the positions before are
+        # a shared prompt prefix, kept as the frozen backbone computes them); None: every position
+        self.own_from: torch.Tensor | None = None
+
+    def starts(self) -> torch.Tensor | None:
+        """``own_from`` of the rows the hooks act on (``rows``; every row when None), or None."""
+        if self.own_from is None:
+            return None
+        if self.batch_rows is None:
+            return self.own_from
+        sub = _SUB_BATCH.get()
+        rows = self.rows
+        full = rows if sub is None else sub.to(rows.device)[rows]
+        return self.own_from.to(full.device)[full]
 
     @property
     def rows(self) -> torch.Tensor | None:
@@ -265,16 +330,29 @@ class NetworkPlugin(Plugin):
         return cls(config, backbone, memory_meta)
 
     # --- attaching ------------------------------------------------------------------------------------------
-    def attach(self, rows: torch.Tensor | None, settings: dict | None = None, trace: bool = True, **state) -> list:
+    def attach(self, rows: torch.Tensor | None, settings: dict | None = None, trace: bool = True,
+               own_from: torch.Tensor | None = None, **state) -> list:
         """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row, as in training);
         return handles (pass them to ``network_trace``). ``trace`` False: nobody will ask for ``network_trace``, so
-        the hooks need not record it (a decode without traces). ``state``: per-pass inputs of a training forward."""
+        the hooks need not record it (a decode without traces). ``own_from``: see ``set_own_from``. ``state``:
+        per-pass inputs of a training forward."""
         self.to_backbone()
         s = dict(self.decode_defaults)
         s.update(settings or {})
         att = Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s, state,
                          recording=trace)
+        att.own_from = own_from
         return [_Handle(self._register_hooks(att), att)]
+
+    @property
+    def frozen_prefix(self) -> bool:
+        """Whether the plug-in leaves the prompt's shared prefix to the frozen backbone (``prompt_prefix``)."""
+        return getattr(self.config, "prompt_prefix", "adapted") == "frozen"
+
+    def lowest_layer(self) -> int:
+        """The lowest decoder layer whose forward pass carries one of this plug-in's hooks: the frozen layers below
+        compute the same states at every training step, so training runs them once per batch (``PreparedBatch``)."""
+        return 0
 
     def _register_hooks(self, att: Attachment) -> list:
         raise NotImplementedError
@@ -321,7 +399,7 @@ class NetworkPlugin(Plugin):
     def _heldout_subset(self, held: SeqData) -> SeqData:
         """The ``max_heldout`` early-stopping samples evaluated (default: the first ones; the split already keeps at
         most ``max_heldout``, so this only matters for a subclass whose ``_data`` sets more aside)."""
-        return SeqData(held.contexts[:self.config.max_heldout], held.targets[:self.config.max_heldout])
+        return held.pick(range(min(len(held), self.config.max_heldout)))
 
     def calibrate_rms(self, modules: list[nn.Module], data: SeqData, n: int = 16) -> list[torch.Tensor]:
         """Per-feature RMS (a (d,) tensor) of each module's output over the real tokens of up to ``n`` training
@@ -368,25 +446,46 @@ class NetworkPlugin(Plugin):
         """Per-layer overall RMS of the per-feature scales, for ``train_info``."""
         return [round(float(s.pow(2).mean().sqrt()), 4) for s in scales]
 
-    def seq_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int]:
-        """Mean NLL of the target tokens (logits only at target positions: the LM head is the costly part)."""
-        fc, _ = self.backbone.forward_fc(ids, attention_mask=mask)
-        sel = labels.to(fc.device) != -100
-        return self.target_nll(fc[sel], labels.to(fc.device)[sel]), int(sel.sum())
+    def as_batch(self, ids, mask=None, labels=None):
+        """A training batch: ``ids`` itself when it is one (``FullBatch`` / ``PreparedBatch``), else whole
+        right-padded sequences (``collate``'s ids, mask, labels) run through the whole backbone."""
+        if mask is None and labels is None and hasattr(ids, "fc"):
+            return ids
+        return FullBatch(self.backbone, ids, mask, labels)
 
-    def hooked_seq_loss(self, ids, mask, labels, **state) -> tuple[torch.Tensor, int]:
-        """``seq_loss`` with this plug-in's hooks on every row for this one forward pass (``state``: see attach)."""
-        handles = self.attach(None, {}, **state)
+    def batch_fc(self, batch, repeat: int = 1, **state) -> torch.Tensor:
+        """Pre-norm states of ``batch``'s positions (its rows ``repeat`` times) with this plug-in's hooks on every row
+        for this one forward pass (``state``: see attach)."""
+        own = batch.own_from
+        if own is not None and repeat > 1:
+            own = own.repeat(repeat)
+        handles = self.attach(None, {}, own_from=own, **state)
         try:
-            return self.seq_loss(ids, mask, labels)
+            return batch.fc(repeat)
         finally:  # the graph is built: backward needs no hook, so none stays on the shared backbone
             for h in handles:
                 h.remove()
 
-    def train_batch_loss(self, ids, mask, labels) -> tuple[torch.Tensor, int, dict]:
-        """One training batch: (loss to minimise, target tokens, loss parts for the history). Default: the NLL of
-        the targets; a method with another objective (the memory adapter's) overrides it."""
-        loss, n_tgt = self.hooked_seq_loss(ids, mask, labels)
+    def seq_loss(self, ids, mask=None, labels=None) -> tuple[torch.Tensor, int]:
+        """Mean NLL of the target tokens with whatever hooks are attached (logits only at target positions: the LM
+        head is the costly part)."""
+        batch = self.as_batch(ids, mask, labels)
+        fc = batch.fc(1)
+        sel = batch.labels != -100
+        return self.target_nll(fc[sel], batch.labels[sel]), int(sel.sum())
+
+    def hooked_seq_loss(self, ids, mask=None, labels=None, **state) -> tuple[torch.Tensor, int]:
+        """``seq_loss`` with this plug-in's hooks on every row for this one forward pass (``state``: see attach)."""
+        batch = self.as_batch(ids, mask, labels)
+        fc = self.batch_fc(batch, **state)
+        sel = batch.labels != -100
+        return self.target_nll(fc[sel], batch.labels[sel]), int(sel.sum())
+
+    def train_batch_loss(self, ids, mask=None, labels=None) -> tuple[torch.Tensor, int, dict]:
+        """One training batch (a ``FullBatch``/``PreparedBatch``, or ``collate``'s ids, mask, labels): (loss to
+        minimise, target tokens, loss parts for the history). Default: the NLL of the targets; a method with
+        another objective (the memory adapter's) overrides it."""
+        loss, n_tgt = self.hooked_seq_loss(self.as_batch(ids, mask, labels))
         return loss, n_tgt, {}
 
     def target_nll(self, fc: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -431,9 +530,19 @@ class NetworkPlugin(Plugin):
                             lr_schedule=cfg.lr_schedule, max_minutes=cfg.max_minutes, seed=cfg.seed,
                             eval_every=max(1, math.ceil(steps_per_epoch / cfg.evals_per_epoch)))
 
+    def training_batches(self, data: SeqData, fallback_full: bool = False) -> "TrainingBatches":
+        """``data`` as fixed length-bucketed mini-batches of ``batch_size`` samples, each made ready for training
+        the first time it is used (``PreparedBatch``): with ``prompt_prefix="frozen"`` the shared prompt prefix's
+        keys and values come from the frozen backbone once and are the past of every sample; the frozen layers below
+        ``lowest_layer()`` run once per batch. ``fallback_full``: whole sequences through the whole backbone
+        (``FullBatch``, the reference path) instead."""
+        return TrainingBatches(self.backbone, data, self.config.batch_size, self.frozen_prefix, self.lowest_layer(),
+                               full=fallback_full)
+
     def fit_sequences(self, memory, progress, should_stop, prepare: Callable[[SeqData], dict] | None = None
                       ) -> FitResult:
-        """Train ``_trainable()`` on the memory's samples with this plug-in's hooks on every row."""
+        """Train ``_trainable()`` on the memory's samples with this plug-in's hooks on every row: fixed
+        length-bucketed mini-batches (their order shuffled every epoch), each prepared once (``training_batches``)."""
         cfg = self.config
         bb = self.backbone
         torch.manual_seed(cfg.seed)
@@ -453,43 +562,279 @@ class NetworkPlugin(Plugin):
             p.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
-        counts = {"tokens": 0, "targets": 0}
+        tb, hb = self.training_batches(train), self.training_batches(held)
+        counts = {"tokens": 0, "targets": 0, "samples": 0}
 
         history = self.new_history()
         guard = BudgetGuard(self, lambda: heldout_loss(), cfg.max_minutes, history, self.method)
 
         def train_loss(idx):
             guard.before_step()
-            ids, mask, labels = collate(bb, train, idx.tolist())
-            loss, n_tgt, parts = self.train_batch_loss(ids, mask, labels)
-            counts["tokens"] += int(mask.sum())
+            batch = tb[int(idx[0])]
+            loss, n_tgt, parts = self.train_batch_loss(batch)
+            counts["tokens"] += batch.tokens
             counts["targets"] += n_tgt
+            counts["samples"] += batch.size
             return loss, parts
 
         def heldout_loss():
             tot, n = 0.0, 0
             with torch.no_grad():
-                for b0 in range(0, len(held), cfg.batch_size):
-                    ids, mask, labels = collate(bb, held, range(b0, min(len(held), b0 + cfg.batch_size)))
-                    loss, k = self.hooked_seq_loss(ids, mask, labels)
+                for i in range(len(hb)):
+                    loss, k = self.hooked_seq_loss(hb[i])
                     tot += float(loss) * k
                     n += k
             return tot / max(n, 1)
 
-        steps_per_epoch = max(1, math.ceil(len(train) / cfg.batch_size))
+        s = self.loop_settings(len(tb))
+        s.batch_size = 1  # one index = one fixed mini-batch of samples
         t0 = time.time()
         self.optimizer_state = {}
-        summary = run_training(self, params, len(train), train_loss, guard.heldout_loss,
-                               self.loop_settings(steps_per_epoch), self.method, progress, should_stop, history,
-                               (0.05, 1.0), resume=resume, state_out=self.optimizer_state)
+        summary = run_training(self, params, len(tb), train_loss, guard.heldout_loss, s, self.method, progress,
+                               should_stop, history, (0.05, 1.0), resume=resume, state_out=self.optimizer_state)
         summary = guard.restore(summary)
         wall = time.time() - t0
         for p in self.parameters():
             p.requires_grad_(False)
         self._cand = None
         metrics = {**summary, "train_samples": len(train), "early_stop_samples": len(held),
+                   "entries_per_second": round(counts["samples"] / max(wall, 1e-9), 2),
+                   "samples_per_second": round(counts["samples"] / max(wall, 1e-9), 2),
                    "tokens_per_second": round(counts["tokens"] / max(wall, 1e-9), 1),
                    "target_tokens_per_second": round(counts["targets"] / max(wall, 1e-9), 1),
-                   "train_tokens_seen": counts["tokens"], "seconds_per_step": round(guard.mean_step(), 2)}
+                   "train_tokens_seen": counts["tokens"], "seconds_per_step": round(guard.mean_step(), 2),
+                   **tb.info(), "prepare_seconds": round(tb.prepare_seconds + hb.prepare_seconds, 2)}
         self.train_info = {**info, **metrics}
         return FitResult(metrics=metrics, history=history)
+
+
+# --- training batches: the shared prompt prefix once, the frozen layers below the plug-in once ------------------------
+def _detach(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, tuple):
+        return tuple(_detach(x) for x in v)
+    if isinstance(v, list):
+        return [_detach(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _detach(x) for k, x in v.items()}
+    return v
+
+
+def _repeat_rows(v, batch: int, repeat: int):
+    """A layer argument with the batch's rows ``repeat`` times (one shared by all rows is kept as it is)."""
+    if isinstance(v, torch.Tensor):
+        return v.repeat(repeat, *([1] * (v.dim() - 1))) if v.dim() and v.shape[0] == batch and batch > 0 else v
+    if isinstance(v, tuple):
+        return tuple(_repeat_rows(x, batch, repeat) for x in v)
+    if isinstance(v, dict):
+        return {k: _repeat_rows(x, batch, repeat) for k, x in v.items()}
+    return v
+
+
+def layer_types(backbone) -> list:
+    """Each decoder layer's attention type (Gemma 3: sliding / full); layers of one type get the same arguments."""
+    types = getattr(backbone.model.config, "layer_types", None)
+    return list(types) if types and len(types) == backbone.num_layers else ["all"] * backbone.num_layers
+
+
+class PastPrefix:
+    """Stands in for ``past_key_values`` in a training forward over samples' own positions: every layer's keys and
+    values of the frozen shared prefix (one row, expanded over the batch) before the new ones. It stores nothing,
+    so one prefix serves every batch."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.kv = kv
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        pk, pv = self.kv[layer_idx]
+        n = key_states.shape[0]
+        return (torch.cat([pk.to(key_states.dtype).expand(n, -1, -1, -1), key_states], dim=2),
+                torch.cat([pv.to(value_states.dtype).expand(n, -1, -1, -1), value_states], dim=2))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv[0][0].shape[2]
+
+
+class FrozenPrefix:
+    """The frozen backbone's keys and values of a shared prompt prefix (every layer), computed once."""
+
+    def __init__(self, backbone, tokens: list[int]):
+        self.tokens = list(tokens)
+        ids = torch.tensor([self.tokens], dtype=torch.long)
+        with torch.no_grad():
+            _, out = backbone.forward_fc(ids, use_cache=True, inference=False)
+        self.kv = [(layer.keys.detach(), layer.values.detach()) for layer in out.past_key_values.layers]
+        # a cache layer that keeps fewer positions (a sliding window shorter than the prefix) cannot be stood in for
+        self.complete = all(k.shape[2] == len(self.tokens) for k, _ in self.kv)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def cache(self, backbone, rows: int):
+        """A transformers cache holding the prefix for ``rows`` rows (for a forward through the whole decoder)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=backbone.model.config)
+        for l, (k, v) in enumerate(self.kv):
+            cache.update(k.expand(rows, -1, -1, -1).contiguous(), v.expand(rows, -1, -1, -1).contiguous(), l)
+        return cache
+
+
+class FullBatch:
+    """A mini-batch as whole right-padded sequences (``collate``) run through the whole backbone: the reference path.
+    ``own_from`` (B,): each row's first position the plug-in acts on (its shared prompt prefix length), or None."""
+
+    def __init__(self, backbone, ids, mask, labels, own_from: torch.Tensor | None = None):
+        self.backbone, self.ids, self.mask, self.labels, self.own_from = backbone, ids, mask, labels, own_from
+        self.size = ids.shape[0]
+        self.tokens = int(mask.sum())
+
+    def fc(self, repeat: int = 1, replace: dict | None = None) -> torch.Tensor:
+        ids, mask = (self.ids, self.mask) if repeat == 1 else (self.ids.repeat(repeat, 1), self.mask.repeat(repeat, 1))
+        return self.backbone.forward_fc(ids, attention_mask=mask)[0]
+
+
+class PreparedBatch:
+    """A fixed mini-batch made ready once by the frozen backbone: the input of layer ``l0`` (the lowest the plug-in
+    touches) at the samples' positions — without the shared prompt prefix when that is the past (``prefix``) —, each
+    layer type's arguments, and the labels. ``fc`` runs layers ``l0``… only, with the prefix's keys and values as
+    the past: exactly what the whole backbone computes at those positions (tests)."""
+
+    own_from = None  # every position of a prepared batch is the samples' own
+
+    def __init__(self, backbone, hidden, kwargs: dict, labels, tokens: int, prefix: FrozenPrefix | None, l0: int):
+        self.backbone, self.hidden, self.kwargs, self.labels = backbone, hidden, kwargs, labels
+        self.tokens, self.prefix, self.l0 = tokens, prefix, l0
+        self.size = hidden.shape[0]
+        self.types = layer_types(backbone)
+
+    def fc(self, repeat: int = 1, replace: dict | None = None) -> torch.Tensor:
+        """Pre-norm states (B·repeat, T, d) through layers ``l0``… with whatever hooks are attached; ``replace``:
+        {layer index: module run instead of the backbone's layer} (LoRA's private copy of the last layer)."""
+        h = self.hidden if repeat == 1 else self.hidden.repeat(repeat, 1, 1)
+        past = PastPrefix(self.prefix.kv) if self.prefix is not None else None
+        layers = self.backbone.layers
+        for l in range(self.l0, len(layers)):
+            kw = self.kwargs[self.types[l]]
+            if repeat > 1:
+                kw = _repeat_rows(kw, self.size, repeat)
+            layer = replace.get(l, layers[l]) if replace else layers[l]
+            h = first_tensor(layer(h, **kw, past_key_values=past))
+        return h
+
+
+def prepare_batch(backbone, data: SeqData, idx: list[int], prefix: FrozenPrefix | None, l0: int
+                  ) -> PreparedBatch | None:
+    """Run the frozen backbone once over the samples ``idx`` (their own positions, the prefix as the past) up to
+    where the input of layer ``l0`` and every layer type's arguments above it are known. None when the layers'
+    arguments do not fit a prefix stand-in (an attention mask over another number of keys)."""
+    bb = backbone
+    P = len(prefix) if prefix is not None else 0
+    ids, mask, labels = collate_own(bb, data, idx, P) if prefix is not None else collate(bb, data, idx)
+    types = layer_types(bb)
+    need = {types[l] for l in range(l0, bb.num_layers)}
+    got: dict = {}
+    hidden: dict = {}
+
+    def hook_for(l):
+        def pre(mod, args, kwargs):
+            if l == l0:
+                hidden["h"] = (args[0] if args else kwargs["hidden_states"]).detach()
+            if types[l] not in got:
+                got[types[l]] = _detach({k: v for k, v in kwargs.items()
+                                         if k not in ("hidden_states", "past_key_values")})
+            if "h" in hidden and need <= set(got):
+                raise StopForward()
+        return pre
+
+    handles = [bb.layers[l].register_forward_pre_hook(hook_for(l), with_kwargs=True)
+               for l in range(l0, bb.num_layers)]
+    try:
+        with torch.no_grad():
+            past = prefix.cache(bb, len(idx)) if prefix is not None else None
+            try:
+                bb.forward_fc(ids, attention_mask=mask, past_key_values=past, use_cache=past is not None,
+                              inference=False)
+            except StopForward:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    if "h" not in hidden or not need <= set(got):
+        return None
+    keys = P + ids.shape[1]
+    for kw in got.values():
+        m = kw.get("attention_mask")
+        if isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[-1] != keys:
+            return None
+    return PreparedBatch(bb, hidden["h"], got, labels, int(mask.sum()) - P * len(idx), prefix, l0)
+
+
+class TrainingBatches:
+    """A data set as fixed length-bucketed mini-batches, each prepared the first time it is used and kept
+    (``prepare_batch``; a wall-clock budget then bounds the preparation too). With ``frozen`` the shared prompt
+    prefix of each bucket is computed once by the frozen backbone (``FrozenPrefix``, one per distinct prefix)."""
+
+    def __init__(self, backbone, data: SeqData, batch_size: int, frozen: bool, l0: int, full: bool = False):
+        self.backbone, self.data, self.frozen, self.l0, self.full = backbone, data, frozen, l0, full
+        self.buckets = length_buckets(data, batch_size, frozen)
+        self._prepared: dict[int, object] = {}
+        self._prefixes: dict[tuple, FrozenPrefix] = {}
+        self.prepare_seconds = 0.0
+        self.fallbacks = 0
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __getitem__(self, i: int):
+        got = self._prepared.get(i)
+        if got is None:
+            t0 = time.time()
+            got = self._prepared[i] = self._prepare(self.buckets[i])
+            self.prepare_seconds += time.time() - t0
+        return got
+
+    def _prefix(self, idx: list[int]) -> FrozenPrefix | None:
+        if not self.frozen:
+            return None
+        P = self.data.shared_len(idx[0])
+        if P <= 0:
+            return None
+        tokens = tuple(self.data.contexts[idx[0]][:P])
+        if tokens not in self._prefixes:
+            self._prefixes[tokens] = FrozenPrefix(self.backbone, list(tokens))
+        pre = self._prefixes[tokens]
+        return pre if pre.complete else None
+
+    def _full(self, idx: list[int]) -> FullBatch:
+        ids, mask, labels = collate(self.backbone, self.data, idx)
+        own = (torch.tensor([self.data.shared_len(i) for i in idx], device=ids.device) if self.frozen else None)
+        return FullBatch(self.backbone, ids, mask, labels, own)
+
+    def _prepare(self, idx: list[int]):
+        if self.full:
+            return self._full(idx)
+        prefix = self._prefix(idx)
+        if self.frozen and prefix is None and self.data.shared_len(idx[0]) > 0:
+            self.fallbacks += 1
+            return self._full(idx)
+        got = prepare_batch(self.backbone, self.data, idx, prefix, self.l0)
+        if got is None:
+            self.fallbacks += 1
+            return self._full(idx)
+        return got
+
+    def info(self) -> dict:
+        return {"prompt_prefix": "frozen" if self.frozen else "adapted", "lowest_layer": self.l0,
+                "batches_per_epoch": len(self.buckets), "prepare_seconds": round(self.prepare_seconds, 2),
+                **({"shared_prefix_tokens": sorted({len(p) for p in self._prefixes.values()})} if self.frozen else {}),
+                **({"unprepared_batches": self.fallbacks} if self.fallbacks else {})}
+
+
+def set_own_from(handles: list, own_from: torch.Tensor | None) -> None:
+    """Tell the attachments ``handles`` (what ``attach`` returned) each batch row's first position they act on in
+    the next forward pass (None: every position)."""
+    for h in handles:
+        if isinstance(h, _Handle):
+            h.att.own_from = own_from

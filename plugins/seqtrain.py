@@ -4,6 +4,7 @@ memory's entries — through the frozen backbone with their hooks attached, mini
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from backbone.model import Backbone
+from backbone.prompts import Prompt, common_prefix_len
 from memories.build import target_ids
 from memories.store import Memory
 from plugins.training import early_stopping_split
@@ -18,19 +20,52 @@ from plugins.training import early_stopping_split
 
 @dataclass
 class SeqData:
+    """Samples as token sequences. ``shared[i]``: how many leading tokens of ``contexts[i]`` are the prompt's shared
+    prefix (instruction and few-shot examples, rendered the same for any source: ``shared_prompt_len``); None
+    where unknown (then 0 for every sample)."""
+
     contexts: list[list[int]]
     targets: list[list[int]]
+    shared: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.contexts)
 
+    def shared_len(self, i: int) -> int:
+        return 0 if self.shared is None else self.shared[i]
+
+    def pick(self, idx) -> "SeqData":
+        idx = list(idx)
+        return SeqData([self.contexts[i] for i in idx], [self.targets[i] for i in idx],
+                       None if self.shared is None else [self.shared[i] for i in idx])
+
+
+_RENDERS: dict = {}  # (tokenizer, prompt) → the token ids of the prompt rendered for two unrelated sources
+
+
+def shared_prompt_len(backbone: Backbone, prompt: Prompt, ctx: list[int]) -> int:
+    """How many leading tokens of ``ctx`` (a source rendered by ``prompt``) the prompt renders the same for any
+    source: the instruction and few-shot examples. Tokens at the slot's edge may merge with the source's first
+    characters, so it is the prefix that ``ctx`` shares with the prompt rendered for two unrelated sources; at least
+    one token of ``ctx`` is left over. Training and decoding both use it to tell the shared prefix from a sample's
+    own positions."""
+    key = (id(backbone.tokenizer), backbone.chat, json.dumps(prompt.to_dict(), sort_keys=True))
+    others = _RENDERS.get(key)
+    if others is None:
+        if len(_RENDERS) > 64:
+            _RENDERS.clear()
+        others = _RENDERS[key] = [backbone.encode_context(prompt.render(s)) for s in ("0", "Xy")]
+    return max(0, min(common_prefix_len([ctx, *others]), len(ctx) - 1))
+
 
 def memory_sequences(backbone: Backbone, memory: Memory, split: str = "train") -> SeqData:
-    """The (context, target) token sequences of a memory's samples of one split (train / heldout)."""
+    """The (context, target) token sequences of a memory's samples of one split (train / heldout), with each
+    context's shared prompt prefix length."""
     prompt = memory.prompt
     rows = memory.split_samples(split)
-    return SeqData([backbone.encode_context(prompt.render(s["src"])) for s in rows],
-                   [target_ids(backbone, prompt, s["tgt"]) for s in rows])
+    contexts = [backbone.encode_context(prompt.render(s["src"])) for s in rows]
+    return SeqData(contexts, [target_ids(backbone, prompt, s["tgt"]) for s in rows],
+                   [shared_prompt_len(backbone, prompt, c) for c in contexts])
 
 
 def collate(backbone: Backbone, data: SeqData, idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,6 +87,47 @@ def collate(backbone: Backbone, data: SeqData, idx) -> tuple[torch.Tensor, torch
         labels[b, start:start + len(data.targets[i])] = torch.tensor(data.targets[i])
     dev = backbone.device
     return ids.to(dev), mask.to(dev), labels.to(dev)
+
+
+def collate_own(backbone: Backbone, data: SeqData, idx, start: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``collate`` of the samples ``idx`` without their first ``start`` tokens (a shared prompt prefix whose keys and
+    values are given as the past): right-padded ``input_ids`` (B, T) of the rest, the ``attention_mask`` (B,
+    start + T) over past and rest, and ``labels`` (B, T)."""
+    seqs = [(data.contexts[i] + data.targets[i][:-1])[start:] for i in idx]
+    width = max(len(s) for s in seqs)
+    pad = backbone.tokenizer.pad_token_id or 0
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), start + width), dtype=torch.long)
+    mask[:, :start] = 1
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for b, i in enumerate(idx):
+        s = seqs[b]
+        ids[b, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[b, start:start + len(s)] = 1
+        first = len(data.contexts[i]) - 1 - start
+        labels[b, first:first + len(data.targets[i])] = torch.tensor(data.targets[i])
+    dev = backbone.device
+    return ids.to(dev), mask.to(dev), labels.to(dev)
+
+
+def length_buckets(data: SeqData, size: int, frozen_prefix: bool) -> list[list[int]]:
+    """Fixed mini-batches of ``size`` samples of similar lengths (less padding than random batches), samples with
+    the same shared prefix together when that prefix is given as the past (``frozen_prefix``); a training loop
+    shuffles their order every epoch. Lengths count the tokens a step computes: without the prefix when it is the
+    past."""
+    def key(i):
+        p = data.shared_len(i) if frozen_prefix else 0
+        return (p, len(data.contexts[i]) + len(data.targets[i]) - p, i)
+    order = sorted(range(len(data)), key=key)
+    out: list[list[int]] = []
+    for i in order:
+        p = data.shared_len(i) if frozen_prefix else 0
+        if out and len(out[-1]) < size and (not frozen_prefix or data.shared_len(out[-1][0]) == p):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def target_logits(backbone: Backbone, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -86,5 +162,4 @@ def split_for_early_stopping(train: SeqData, seed: int = 123, max_samples: int =
     if len(train) < 2:
         return train, train
     keep, stop = early_stopping_split(np.arange(len(train)), frac=frac, seed=seed, max_samples=max_samples)
-    pick = lambda ix: SeqData([train.contexts[i] for i in ix], [train.targets[i] for i in ix])  # noqa: E731
-    return pick(keep), pick(stop)
+    return train.pick(keep), train.pick(stop)
