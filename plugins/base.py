@@ -400,7 +400,7 @@ def load_plugin(path: str | Path, backbone) -> Plugin:
         raise UserError(f"The plug-in at {path} was written by a newer PEMA Studio.")
     backbone.check_fingerprint(meta["fingerprint"], "This plug-in")
     cls = get_method(meta["method"])
-    config = cls.Config.from_dict(meta["config"])
+    config = getattr(cls.Config, "from_saved", cls.Config.from_dict)(meta["config"])  # a saved one's defaults
     check_plugin_paths(path, meta)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
