@@ -1265,6 +1265,52 @@ def _embedded_gguf(short: str, cache: Path) -> Path:
     return files[0]
 
 
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)  # 65,504
+# A model whose activations run in float16 (a GPU's --dtype float16) is refused when its residual stream reaches half
+# of float16's range on the probe: other inputs reach further (Gemma 3 270M's |h| ≈ 1.0e5, f(c) 66,095 in float32).
+FLOAT16_SAFE = FLOAT16_MAX / 2
+RANGE_PROBE = ("English: The government wants to cut taxes on small businesses next year.\n"
+               "German: Die Regierung will im nächsten Jahr die Steuern für kleine Unternehmen senken.",
+               "Informal: gonna be late, sry!!\nFormal: I am going to be late; I apologise.")
+
+
+def residual_peak(model: nn.Module, tokenizer, texts=RANGE_PROBE) -> float:
+    """The largest |value| of the residual stream — the embedding's output and every decoder layer's output, the last
+    one being f(c) — over ``texts``, in the model's own dtype; inf where a value is not finite (it overflowed)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    device = next(model.parameters()).device
+    peak = [0.0]
+
+    def record(module, args, output):
+        h = (output[0] if isinstance(output, (tuple, list)) else output).detach()
+        peak[0] = max(peak[0], float(h.abs().max()) if bool(torch.isfinite(h).all()) else float("inf"))
+
+    sites = [m for m in (getattr(dec, "embed_tokens", None), *dec.layers) if m is not None]
+    handles = [m.register_forward_hook(record) for m in sites]
+    try:
+        with torch.no_grad():
+            for text in texts:
+                dec(input_ids=tokenizer(text, return_tensors="pt").input_ids.to(device))
+    finally:
+        for h in handles:
+            h.remove()
+    return peak[0]
+
+
+def check_float16_range(model: nn.Module, tokenizer, name: str) -> None:
+    """Refuse a model whose activations run in float16 (every weight float16: a GPU's ``--dtype float16``; a CPU's
+    float16 is weight-only, its activations float32) when its residual stream leaves float16's safe range
+    (``FLOAT16_SAFE``): its decodes would turn to inf/NaN without a word and its memory builds fail."""
+    if not any(p.dtype == torch.float16 for p in model.parameters()):
+        return
+    peak = residual_peak(model, tokenizer)
+    if peak > FLOAT16_SAFE:
+        seen = "overflows float16 (inf/NaN)" if peak == float("inf") else f"reaches |h| = {peak:,.0f}"
+        raise UserError(f"{name} cannot run in float16: its residual stream {seen} on a probe sentence, beyond half "
+                        f"of float16's largest value ({FLOAT16_MAX:,.0f}), so its decodes would turn to inf/NaN. "
+                        f"Load it with --dtype bfloat16 (float32's range in 16 bits) or --dtype float32.")
+
+
 # The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``), each chosen from the quality
 # guard (the base model and the best plug-in's whole flow on WMT dev 1000–1199) and the decode benchmarks
 # (BENCHMARKS §3): bfloat16 where the CPU has it natively; else float16 weight-only where FBGEMM's kernel runs (x86
@@ -1335,6 +1381,7 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
         chat = bool(getattr(tok, "chat_template", None)) and "instruct" in name.lower()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    check_float16_range(model, tok, name)
     precision = resolve_precision(dtype, dev)
     if precision == "int8":  # converted at load; the cache on disk stays float32
         progress(0.95, f"Quantizing {name}'s linear layers and LM head to int8")
