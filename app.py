@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -114,8 +115,21 @@ def start(argv: list[str] | None = None, block: bool = True):
     return studio, served, url
 
 
+def _stop_on_sigterm() -> None:
+    """A container or service manager stops the studio with SIGTERM: end like Ctrl-C, so that uploads, downloads
+    and the data directory's lock are cleaned up on the way out."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread (embedded use): the caller handles its own signals
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     studio = None
+    _stop_on_sigterm()
     try:
         studio, _, _ = start(argv, block=True)
     except KeyboardInterrupt:

@@ -164,6 +164,7 @@ class JobQueue:
         self._claim = threading.Lock()
         self._cancel: set[str] = set()
         self._cancel_by_user: set[str] = set()
+        self._cancel_polled: dict[str, float] = {}  # job id → when its catalog row was last asked about a cancel
         self._threads: list[threading.Thread] = []
         self._lanes: list[tuple[tuple[str, ...], int]] = []  # (kinds, workers): threads of their own (add_lane)
         self._stopping = False
@@ -322,17 +323,36 @@ class JobQueue:
             if job is None:
                 raise UserError(f"No job {job_id!r}.")
             if job["state"] == "queued":
-                self._update(job_id, state="cancelled", cancel=1, message="Cancelled before it started",
-                             finished=time.time())
-                self._finished(self.get(job_id))
-            elif job["state"] == "running":
+                # only if still queued: another process (the directory's owner) may be claiming it right now
+                with self.catalog.transaction() as conn:
+                    claimed = conn.execute("update jobs set state = 'cancelled', cancel = 1, message = ?, "
+                                           "finished = ? where id = ? and state = 'queued'",
+                                           ["Cancelled before it started", time.time(), job_id]).rowcount
+                if claimed:
+                    self._finished(self.get(job_id))
+                    return self.get(job_id)
+                job = self.get(job_id, owner)
+            if job["state"] == "running":
                 self._cancel.add(job_id)
                 self._cancel_by_user.add(job_id)
                 self._update(job_id, cancel=1, message="Cancelling…")
         return self.get(job_id)
 
     def cancel_requested(self, job_id: str) -> bool:
-        return job_id in self._cancel or self._stopping
+        """Whether a job should stop: cancelled here, the queue stopping, or a cancel that another process (a CLI
+        or a read-only studio on this directory) wrote into the job's row — read at most every half second."""
+        if job_id in self._cancel or self._stopping:
+            return True
+        now = time.monotonic()
+        if now - self._cancel_polled.get(job_id, 0.0) < 0.5:
+            return False
+        self._cancel_polled[job_id] = now
+        row = self.catalog.db.execute("select cancel from jobs where id = ?", [job_id]).fetchone()
+        if row and row[0]:
+            self._cancel.add(job_id)
+            self._cancel_by_user.add(job_id)
+            return True
+        return False
 
     def wait(self, job_id: str, timeout: float = 60.0, poll: float = 0.1) -> dict:
         """Block until the job reaches a final state (tests, CLI)."""
@@ -362,8 +382,10 @@ class JobQueue:
             if not rows:
                 return None
             row = rows[0]
-            self._update(row["id"], state="running", started=time.time(), message="Starting")
-            return row_to_job({**row, "state": "running"})
+            with self.catalog.transaction() as conn:  # still queued? (another process may have cancelled it)
+                taken = conn.execute("update jobs set state = 'running', started = ?, message = 'Starting' "
+                                     "where id = ? and state = 'queued'", [time.time(), row["id"]]).rowcount
+            return row_to_job({**row, "state": "running"}) if taken else None
 
     def _work(self, kinds: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> None:
         while not self._stopping:
@@ -406,6 +428,7 @@ class JobQueue:
         finally:
             self._cancel.discard(jid)
             self._cancel_by_user.discard(jid)
+            self._cancel_polled.pop(jid, None)
         fields["finished"] = time.time()
         ctx._dirty = True
         ctx.flush(force=True)

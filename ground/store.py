@@ -21,13 +21,17 @@ Nothing half-written, nothing left behind:
   folder is removed. ``write_json_atomic`` does the same for one file.
 * ``Catalog.publish`` makes the folder and its catalog row one step: the rename happens inside an ``IMMEDIATE``
   SQLite transaction that inserts the row, so a crash leaves either both or — at worst, a crash between the rename
-  and the commit — a folder without a row, which ``Catalog.repair`` removes at the next start.
+  and the commit — a folder without a row, which ``Catalog.repair`` moves to ``quarantine/`` at the next start.
+* Folder paths are stored relative to the data directory (``memories/<id>``), so a copied, restored or moved data
+  directory is a directory of its own; rows of older catalogs are migrated when the catalog opens. A data directory
+  never deletes or rewrites a folder outside itself.
 * ``Catalog.repair`` (run by the data directory's owner process at start-up, inside one write transaction so no
   writer can be between its rename and its commit meanwhile): a row whose folder is gone is re-pointed at
   ``<data_dir>/<table>/<id>`` when that exists, else removed (when its folder was inside the data directory; a
-  folder elsewhere is not ours to judge: the row stays, logged); a folder without a row is removed unless the
-  process that wrote it (``writer`` in its JSON) is still alive. ``clean_temporary`` removes temporary files and
-  folders whose writer is gone. Every repair is logged (logger ``pema.store``) and returned.
+  folder elsewhere is not ours to judge: the row stays, logged); a folder that no row names (by path or by id) is
+  moved to ``<data_dir>/quarantine/<table>/`` unless the process that wrote it (``writer`` in its JSON) is still
+  alive — never deleted. ``clean_temporary`` removes temporary files and folders whose writer is gone. Every repair
+  is logged (logger ``pema.store``) and returned.
 * Deleting renames the folder away (to a temporary name) in the same transaction that deletes the row, then removes
   it: never a row with half a folder.
 """
@@ -219,6 +223,7 @@ class Catalog:
         self.path = self.root / "studio.db"
         self._local = threading.local()
         self._ensure_tables()
+        self._migrate_paths()
 
     @property
     def db(self) -> sqlite_utils.Database:
@@ -258,6 +263,52 @@ class Catalog:
             if "owner" not in table.columns_dict:
                 table.add_column("owner", str, not_null_default=LOCAL_OWNER)
             db.execute(f"create index if not exists idx_{name}_owner on {name}(owner)")
+
+    # folder paths: stored relative to the data directory, so that a copied directory is a directory of its own ----
+    def stored_path(self, path: str | os.PathLike) -> str:
+        """How a folder's path is stored: relative to the data directory when inside it (``memories/<id>``), else
+        absolute (a folder a CLI was given)."""
+        p = Path(path)
+        p = p if p.is_absolute() else self.root / p
+        try:
+            return p.resolve().relative_to(self.root.resolve()).as_posix()
+        except ValueError:
+            return str(p)
+
+    def full_path(self, stored: str | None) -> Path | None:
+        """The folder a stored path names (relative ones are inside this data directory)."""
+        if not stored:
+            return None
+        p = Path(stored)
+        return p if p.is_absolute() else self.root / p
+
+    def _row(self, row: dict) -> dict:
+        if "path" in row and row["path"]:
+            row = {**row, "path": str(self.full_path(row["path"]))}
+        return row
+
+    def _migrate_paths(self) -> None:
+        """Rows of catalogs that stored absolute paths: a folder inside this data directory becomes relative; a
+        folder in another place that this directory holds too under the row's id (a copied or restored data
+        directory) is re-pointed at this directory's own. Paths elsewhere stay as they are."""
+        if not any(self.db.execute(f"select 1 from [{t}] where path like '/%' limit 1").fetchone()
+                   for t in ("memories", "plugins")):
+            return
+        with self.transaction() as conn:
+            for table in ("memories", "plugins"):
+                for rid, path in conn.execute(f"select id, path from [{table}]").fetchall():
+                    if not path or not Path(path).is_absolute():
+                        continue
+                    p, own = Path(path), self.root / table / str(rid)
+                    if p.resolve().is_relative_to(self.root.resolve()):
+                        new = self.stored_path(p)
+                    elif own.is_dir() and not own.is_symlink():
+                        new = f"{table}/{rid}"
+                        log.warning("catalog: %s %s pointed at %s, outside this data directory; it now points at "
+                                    "this directory's own %s", table, rid, path, own)
+                    else:
+                        continue
+                    conn.execute(f"update [{table}] set path = ? where id = ?", [new, rid])
 
     def owned_by(self, owner: str) -> "OwnedCatalog":
         """A view of this catalog whose ``add_memory`` / ``add_plugin`` register rows for ``owner``."""
@@ -303,7 +354,7 @@ class Catalog:
         if table not in ("memories", "plugins"):
             raise ValueError(table)
         with self.transaction() as conn:
-            self._insert_sql(conn, table, {**row, "path": str(final)})
+            self._insert_sql(conn, table, {**row, "path": self.stored_path(final)})
             replace_dir(tmp, final)
 
     def publisher(self, table: str, row_for: Callable[[Path, Path], dict]) -> Publish:
@@ -311,16 +362,18 @@ class Catalog:
         return lambda tmp, final: self.publish(table, row_for(tmp, final), tmp, final)
 
     def _delete(self, table: str, row_id: str, marker: str) -> None:
-        """Delete a row and its folder: the folder is renamed away in the row's transaction, then removed. A path
-        that does not hold what the row says (no ``marker`` file) is left alone."""
+        """Delete a row and its folder: the folder is renamed away in the row's transaction, then removed. Only a
+        folder inside this data directory that holds what the row says (its ``marker`` file) is removed; for any
+        other the row alone goes."""
         rows = list(self.db[table].rows_where("id = ?", [row_id]))
         if not rows:
             return
-        path = Path(rows[0]["path"] or "")
+        path = self.full_path(rows[0]["path"])
         trash = None
         with self.transaction() as conn:
             conn.execute(f"delete from [{table}] where id = ?", [row_id])
-            if rows[0]["path"] and (path / marker).is_file() and not path.is_symlink():
+            if path is not None and (path / marker).is_file() and not path.is_symlink() \
+                    and path.resolve().is_relative_to(self.root.resolve()):
                 trash = path.parent / temp_name(path.name)
                 os.replace(path, trash)
         if trash is not None:
@@ -328,24 +381,28 @@ class Catalog:
 
     def repair(self) -> list[str]:
         """Make rows and folders agree (start-up, by the data directory's owner; see the module docstring).
-        Returns what was repaired (also logged as warnings)."""
+        Returns what was repaired (also logged as warnings). Nothing is deleted but rows: a folder no row names is
+        moved to ``<data_dir>/quarantine/`` (its owner may still want it), and a folder whose id a row names is
+        never touched."""
         notes: list[str] = []
-        trash: list[Path] = []
+        root = self.root.resolve()
         with self.transaction() as conn:
             for table, marker in (("memories", "meta.json"), ("plugins", "plugin_config.json")):
                 folder = self.root / table
                 known: set[Path] = set()
+                ids: set[str] = set()
                 for rid, path in conn.execute(f"select id, path from [{table}]").fetchall():
-                    p = Path(path) if path else None
+                    ids.add(str(rid))
+                    p = self.full_path(path)
                     if p is not None and (p / marker).is_file():
                         known.add(p.resolve())
                         continue
                     alt = folder / str(rid)
                     if (alt / marker).is_file():
-                        conn.execute(f"update [{table}] set path = ? where id = ?", [str(alt), rid])
+                        conn.execute(f"update [{table}] set path = ? where id = ?", [f"{table}/{rid}", rid])
                         known.add(alt.resolve())
                         notes.append(f"{table} {rid}: its folder {path} is gone; the row now points at {alt}")
-                    elif p is None or not p.resolve().is_relative_to(self.root.resolve()):
+                    elif p is None or not p.resolve().is_relative_to(root):
                         # outside the data directory (a CLI's own folder, a disk not mounted now): not ours to judge
                         notes.append(f"{table} {rid}: its folder {path} is missing; the row is kept (the folder is "
                                      f"outside the data directory)")
@@ -356,19 +413,20 @@ class Catalog:
                 if not folder.is_dir():
                     continue
                 for d in sorted(folder.iterdir()):
-                    if d.name.startswith(".") or not d.is_dir() or d.is_symlink() or d.resolve() in known:
+                    if d.name.startswith(".") or not d.is_dir() or d.is_symlink() or d.resolve() in known \
+                            or d.name in ids:
                         continue
                     if writer_gone(_read_writer(d / marker), me_is_gone=True) is False:
                         notes.append(f"{table}/{d.name}: no catalog row yet, but the process writing it is alive; "
                                      f"kept")
                         continue
-                    t = folder / temp_name(d.name)
-                    os.replace(d, t)
-                    trash.append(t)
-                    notes.append(f"{table}/{d.name}: removed a folder without a catalog row (its writer stopped "
-                                 f"before registering it)")
-        for t in trash:
-            shutil.rmtree(t, ignore_errors=True)
+                    target = self.root / "quarantine" / table / d.name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    if target.exists():
+                        target = target.with_name(f"{d.name}-{secrets.token_hex(3)}")
+                    os.replace(d, target)
+                    notes.append(f"{table}/{d.name}: a folder without a catalog row (its writer stopped before "
+                                 f"registering it) was moved to {target.relative_to(self.root)}")
         for n in notes:
             log.warning("catalog repair: %s", n)
         return notes
@@ -383,33 +441,33 @@ class Catalog:
 
     # memories / plug-ins -------------------------------------------------------------------------
     def add_memory(self, row: dict) -> None:
-        self.db["memories"].insert(row, replace=True)
+        self.db["memories"].insert({**row, "path": self.stored_path(row["path"])}, replace=True)
 
     def memories(self, owner: str | None = None) -> list[dict]:
-        """Every memory, newest first; with ``owner``, only that owner's."""
+        """Every memory, newest first; with ``owner``, only that owner's. Rows carry absolute paths."""
         where, params = self._where(owner)
-        return list(self.db["memories"].rows_where(where, params, order_by="created desc"))
+        return [self._row(r) for r in self.db["memories"].rows_where(where, params, order_by="created desc")]
 
     def memory(self, memory_id: str, owner: str | None = None) -> dict | None:
         """One memory's row; with ``owner``, ``None`` unless it belongs to that owner."""
         where, params = self._where(owner, "id = ?", [memory_id])
         rows = list(self.db["memories"].rows_where(where, params))
-        return rows[0] if rows else None
+        return self._row(rows[0]) if rows else None
 
     def delete_memory(self, memory_id: str) -> None:
         self._delete("memories", memory_id, "meta.json")
 
     def add_plugin(self, row: dict) -> None:
-        self.db["plugins"].insert(row, replace=True)
+        self.db["plugins"].insert({**row, "path": self.stored_path(row["path"])}, replace=True)
 
     def plugins(self, owner: str | None = None) -> list[dict]:
         where, params = self._where(owner)
-        return list(self.db["plugins"].rows_where(where, params, order_by="created desc"))
+        return [self._row(r) for r in self.db["plugins"].rows_where(where, params, order_by="created desc")]
 
     def plugin(self, plugin_id: str, owner: str | None = None) -> dict | None:
         where, params = self._where(owner, "id = ?", [plugin_id])
         rows = list(self.db["plugins"].rows_where(where, params))
-        return rows[0] if rows else None
+        return self._row(rows[0]) if rows else None
 
     def delete_plugin(self, plugin_id: str) -> None:
         self._delete("plugins", plugin_id, "plugin_config.json")

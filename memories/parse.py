@@ -158,8 +158,13 @@ def _json_line(ln: str):
         raise ValueError(f"not valid JSON ({str(e).split(':')[0]})") from None
 
 
-def parse_samples(data: bytes | str, filename: str | None = None, fmt: str = "auto"
-                  ) -> tuple[list[Sample], list[Problem]]:
+MAX_PROBLEMS = 10_000  # parsing stops there: a file this wrong needs fixing first, not a longer list
+
+
+def parse_samples(data: bytes | str, filename: str | None = None, fmt: str = "auto",
+                  max_samples: int | None = None) -> tuple[list[Sample], list[Problem]]:
+    """Samples and per-line problems. ``max_samples``: refuse (UserError) as soon as one more sample is found, so
+    that an oversized file costs no more than the bound."""
     text = _decode(data)
     if not text.strip():
         return [], [Problem(0, "The file is empty.")]
@@ -170,7 +175,12 @@ def parse_samples(data: bytes | str, filename: str | None = None, fmt: str = "au
     while lines and not lines[-1].strip():  # trailing blank lines are harmless
         lines.pop()
     samples: list[Sample] = []
-    problems: list[Problem] = []
+    problems: _Problems = _Problems()
+
+    def add(sample: Sample) -> None:
+        if max_samples and len(samples) >= max_samples:
+            raise UserError(over_bound(max_samples))
+        samples.append(sample)
 
     def too_long(no: int, ln: str) -> bool:
         if len(ln) > MAX_LINE_CHARS:
@@ -209,7 +219,7 @@ def parse_samples(data: bytes | str, filename: str | None = None, fmt: str = "au
                     continue
                 smp = Sample(None, obj[key], no)
             if (ok := _check(smp, problems)) is not None:
-                samples.append(ok)
+                add(ok)
     elif fmt in ("csv", "tsv"):
         long_lines = [no for no, ln in enumerate(lines, 1) if too_long(no, ln)]
         if long_lines:
@@ -218,9 +228,13 @@ def parse_samples(data: bytes | str, filename: str | None = None, fmt: str = "au
         rows: list[tuple[int, list[str]]] = []  # (the line the row starts on, its cells)
         last = 0
         try:
+            filled = 0
             for row in reader:
                 rows.append((last + 1, row))
                 last = reader.line_num
+                filled += bool(row and any(c.strip() for c in row))
+                if max_samples and filled > max_samples + 1:  # (+ a header row)
+                    raise UserError(over_bound(max_samples))
         except csv.Error as e:
             problems.append(Problem(last + 1, f"CSV error ({e}); is a quote (\") unbalanced?"))
         start = 0
@@ -245,7 +259,7 @@ def parse_samples(data: bytes | str, filename: str | None = None, fmt: str = "au
                 continue
             smp = Sample(row[0], row[1], i) if width == 2 else Sample(None, row[0], i)
             if (ok := _check(smp, problems)) is not None:
-                samples.append(ok)
+                add(ok)
     else:
         for no, ln in enumerate(lines, 1):
             if not ln.strip():
@@ -254,15 +268,30 @@ def parse_samples(data: bytes | str, filename: str | None = None, fmt: str = "au
             if too_long(no, ln):
                 continue
             if (ok := _check(Sample(None, ln, no), problems)) is not None:
-                samples.append(ok)
+                add(ok)
     if not samples and not problems:
         problems.append(Problem(0, "No samples found."))
-    return samples, problems
+    return samples, list(problems)
+
+
+def over_bound(max_samples: int) -> str:
+    return (f"The file has more than {max_samples:,} samples; the limit is {max_samples:,} (the studio's operator "
+            f"sets it with --limit samples=… or $PEMA_LIMIT_SAMPLES).")
+
+
+class _Problems(list):
+    """The problems found so far; the next one past :data:`MAX_PROBLEMS` ends parsing with a UserError."""
+
+    def append(self, problem) -> None:
+        if len(self) >= MAX_PROBLEMS:
+            raise UserError(f"More than {MAX_PROBLEMS:,} lines have problems (the first: {self[0]}); is this the "
+                            f"right file, in one of the formats the studio reads?")
+        super().append(problem)
 
 
 def parse_samples_strict(data: bytes | str, filename: str | None = None, fmt: str = "auto",
-                         skip_invalid: bool = False) -> list[Sample]:
-    samples, problems = parse_samples(data, filename, fmt)
+                         skip_invalid: bool = False, max_samples: int | None = None) -> list[Sample]:
+    samples, problems = parse_samples(data, filename, fmt, max_samples=max_samples)
     if problems and (not skip_invalid or not samples):
         shown = "; ".join(str(p) for p in problems[:5])
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

@@ -242,10 +242,13 @@ class RemoteBackbone(Backbone):
         if self.vocab_size != info["vocab_size"] or lm_head.weight.shape[1] != self.hidden_size:
             raise UserError(f"The model owner's W_hd has shape {tuple(lm_head.weight.shape)}, not the announced "
                             f"{info['vocab_size']} × {info['hidden_size']}.")
-        self.fingerprint = self._fingerprint()  # from the tokenizer received: must be the owner's
-        if self.fingerprint != info["fingerprint"]:
+        # the tokenizer received must be the owner's; the precision part of the fingerprint is the owner's to say
+        # (f(c) comes from its weights, in its precision), so memories and plug-ins made here carry it
+        received, owners = self._fingerprint().split("|dtype=")[0], str(info["fingerprint"])
+        if received != owners.split("|dtype=")[0]:
             raise UserError(f"The tokenizer the model owner sent does not match its backbone's fingerprint "
-                            f"({self.fingerprint} vs {info['fingerprint']}).")
+                            f"({received} vs {owners}).")
+        self.fingerprint = owners
         self.max_batch = int(info["limits"]["max_batch"])
         self.max_tokens = int(info["limits"]["max_tokens"])
 

@@ -207,6 +207,11 @@ class OwnerService:
             for r, (pos, s) in enumerate(zip(positions, seqs)):
                 if not isinstance(pos, list):
                     raise ApiError(422, f"positions[{r}] must be a list of positions")
+                if len(pos) > len(s):  # each position once at most: the answer is never larger than the input
+                    raise ApiError(422, f"positions[{r}] holds {len(pos)} positions; sequences[{r}] has only "
+                                        f"{len(s)}")
+                if len(set(p for p in pos if isinstance(p, int))) != len(pos):
+                    raise ApiError(422, f"positions[{r}] repeats a position (or holds one that is not a number)")
                 for i, p in enumerate(pos):
                     if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(s):
                         raise ApiError(422, f"positions[{r}][{i}] = {str(p)[:40]} is not a position of "
@@ -386,7 +391,7 @@ class Guard:
         wait = self._allow(who)
         if wait:
             return await self._refuse(send, 429, f"too many requests (limit {self.limits.rate:g}/s per client, "
-                                                 f"bursts of {self.limits.burst}); retry after {wait:.2f} s",
+                                                 f"bursts of {self.limits.burst}); retry after {max(1, math.ceil(wait))} s",
                                       {"Retry-After": str(max(1, math.ceil(wait)))})
         headers = dict(scope.get("headers") or [])
         if scope.get("path") != "/healthz":

@@ -372,6 +372,25 @@ def check_plugin_paths(path: Path, meta: dict) -> None:
                                  f"its memories")
 
 
+def own_memory(path: Path, memory: dict) -> dict:
+    """A plug-in inside a data directory reads its memory from that directory: a saved memory path that points into
+    another data directory (this one was copied or restored from it) is re-pointed at this directory's
+    ``memories/<id>`` — which may be missing, then the plug-in says its memory is gone — never left to read the other
+    directory's files. A memory outside any data directory (a folder given to the CLI) stays where it is."""
+    mpath = memory.get("path")
+    root = _data_root(Path(path).resolve())
+    if root is None or not isinstance(mpath, str) or not mpath:
+        return memory
+    target = Path(mpath)
+    if target.resolve().is_relative_to(root.resolve()):
+        return memory
+    foreign = target.parent.name == "memories" and (target.parent.parent / "studio.db").is_file()
+    own = root / "memories" / target.name
+    if foreign or (own / "meta.json").is_file():
+        return {**memory, "path": str(own)}
+    return memory
+
+
 def load_plugin(path: str | Path, backbone) -> Plugin:
     """Load any saved plug-in: JSON config + safetensors only; refuses a foreign backbone, and a damaged or
     tampered plug-in with one UserError (see the module docstring) — nothing is written while loading."""
@@ -402,6 +421,8 @@ def load_plugin(path: str | Path, backbone) -> Plugin:
     cls = get_method(meta["method"])
     config = getattr(cls.Config, "from_saved", cls.Config.from_dict)(meta["config"])  # a saved one's defaults
     check_plugin_paths(path, meta)
+    if meta.get("memory"):
+        meta["memory"] = own_memory(path, meta["memory"])
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise _damaged(path, f"{WEIGHTS_FILE} is missing")

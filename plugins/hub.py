@@ -477,6 +477,35 @@ def fetch_package(source: str, revision: str | None = None) -> Path:
         raise _hub_error(f"Could not download {source} from the Hugging Face Hub", e) from None
 
 
+def _plain(name) -> bool:
+    """A plain file name: no folder, no ``..``, nothing hidden, no NUL (what an export writes)."""
+    return isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\\" not in name \
+        and "\x00" not in name and not name.startswith(".")
+
+
+def _read_manifest(folder: Path) -> dict:
+    """The package's manifest, or one UserError for anything that is not a manifest (damaged, too deeply nested,
+    numbers too long to read, the wrong format or a newer version)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UserError(f"{MANIFEST} in {folder} is damaged ({type(e).__name__}).") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{MANIFEST} in {folder} is damaged (not an object).")
+    if manifest.get("format") != EXPORT_FORMAT:
+        raise UserError(f"{folder} is not a PEMA Studio plug-in package ({MANIFEST} has format "
+                        f"{str(manifest.get('format'))[:40]!r}).")
+    version = manifest.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise UserError(f"{MANIFEST} in {folder} is damaged (its version is not a number).")
+    if version > EXPORT_VERSION:
+        raise UserError(f"{folder} was exported by a newer PEMA Studio (package version {version}).")
+    for key in ("memory", "datastore"):
+        if manifest.get(key) and not isinstance(manifest[key], dict):
+            raise UserError(f"{MANIFEST} in {folder} is damaged ({key!r} is not an object).")
+    return manifest
+
+
 def check_package(folder: Path) -> dict:
     """Validate a package folder before loading anything: safetensors-only weights and the manifest's hashes.
     Returns the manifest (empty for a bare plug-in folder without one)."""
@@ -489,18 +518,15 @@ def check_package(folder: Path) -> dict:
                         f"imported from safetensors only.")
     manifest = {}
     if (folder / MANIFEST).exists():
-        try:
-            manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise UserError(f"{MANIFEST} in {folder} is damaged ({e}).") from None
-        if manifest.get("format") != EXPORT_FORMAT:
-            raise UserError(f"{folder} is not a PEMA Studio plug-in package ({MANIFEST} has format "
-                            f"{manifest.get('format')!r}).")
-        if int(manifest.get("version", 0)) > EXPORT_VERSION:
-            raise UserError(f"{folder} was exported by a newer PEMA Studio (package version {manifest['version']}).")
-        for name, digest in (manifest.get("files") or {}).items():
+        manifest = _read_manifest(folder)
+        files = manifest.get("files") or {}
+        if not isinstance(files, dict) or any(not _plain(n) or not isinstance(d, str) for n, d in files.items()):
+            # refused before any file is looked at, with one message: the manifest cannot probe the file system
+            raise UserError(f"{MANIFEST} in {folder} is damaged: its file list must name plain files of the package "
+                            f"with their SHA-256.")
+        for name, digest in files.items():
             f = folder / name
-            if not f.exists():
+            if not f.is_file() or f.is_symlink():
                 raise UserError(f"The package at {folder} is incomplete: {name} is missing.")
             if file_sha256(f) != digest:
                 raise UserError(f"The package at {folder} is damaged: {name} does not match its SHA-256 in "

@@ -26,7 +26,8 @@ from plugins.settings import ALL_ROWS, resolve_row_settings, row_settings, split
 from studio.backbone_service import REMOTE_LM
 from studio.payload import json_safe, shared_trace, word_diff
 
-RECENT_COMPARISONS = 64
+RECENT_PER_OWNER = 16  # comparisons an owner can still share (the newest)
+RECENT_COMPARISONS = 1024  # of all owners together
 LIVE_PER_OWNER, LIVE_TOTAL = 2, 8  # kept for slider moves (each holds its KV cache: ~7 MB per row on Gemma 3 270M)
 
 
@@ -180,6 +181,16 @@ class CompareService:
         with self._recent_lock:
             return self.__dict__.setdefault("_stream_generations", OrderedDict()).get(key, 0)
 
+    def _keep_recent(self, owner: str, payload: dict) -> None:
+        """Keep a finished comparison for its owner to share: the owner's newest ``RECENT_PER_OWNER`` (another
+        owner's comparisons never push one out), at most ``RECENT_COMPARISONS`` in all (oldest out first)."""
+        with self._recent_lock:
+            self._recent[payload["id"]] = (owner, payload)
+            for k in [k for k, (o, _) in self._recent.items() if o == owner][:-RECENT_PER_OWNER]:
+                del self._recent[k]
+            while len(self._recent) > RECENT_COMPARISONS:
+                self._recent.popitem(last=False)
+
     def _keep_live(self, owner: str, comparison_id: str, live) -> None:
         """Keep ``live`` (what the next slider move of this comparison reuses; it holds a KV cache) for its owner:
         the owner's newest ``LIVE_PER_OWNER``, at most ``LIVE_TOTAL`` in all, least recently used out first."""
@@ -257,10 +268,7 @@ class CompareService:
                          "reused_steps": run.reused_steps if moved else 0}
         payload = self._payload(comp, methods, task, reference, bb, prompt, t0, t_load, int(max_new_tokens),
                                 reuse=reuse)
-        with self._recent_lock:
-            self._recent[payload["id"]] = (owner, payload)
-            while len(self._recent) > RECENT_COMPARISONS:
-                self._recent.popitem(last=False)
+        self._keep_recent(owner, payload)
         if new_live is not None:
             self._keep_live(owner, payload["id"], new_live)
         yield payload

@@ -1,5 +1,5 @@
 """The Studio's evaluations: methods or a λ_max sweep on held-out pairs, as background jobs; results as CSV and
-JSON files for download (per owner, under the data directory's ``downloads/``, one set per evaluation)."""
+JSON files for download (per owner, in the studio's private downloads folder, one set per evaluation)."""
 from __future__ import annotations
 
 import csv
@@ -7,6 +7,9 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +19,8 @@ from ground.jobs import JobContext
 from memories.parse import parse_samples_strict
 from studio.compare_service import with_comparison
 from studio.payload import json_safe
+
+_DOWNLOADS_LOCK = threading.Lock()
 
 
 class EvaluateService:
@@ -46,7 +51,7 @@ class EvaluateService:
         args: dict = {"task": task, "limit": limit, "settings": settings or {}, "max_new_tokens": max_new_tokens}
         if test_data:
             self._check_upload(test_data)
-            samples = parse_samples_strict(test_data, test_filename)
+            samples = parse_samples_strict(test_data, test_filename, max_samples=self.limits.samples or None)
             pairs = [(s.src, s.tgt) for s in samples if s.src is not None]
             if not pairs:
                 raise UserError("The test file needs source and reference pairs (two columns, or src/tgt JSON).")
@@ -141,7 +146,21 @@ class EvaluateService:
     DOWNLOAD_MAX_AGE = 24 * 3600  # older evaluation files are removed whenever new ones are written
 
     def downloads_root(self) -> Path:
-        return self.root / "downloads"
+        """This studio's folder of files handed to the page (evaluation files, plug-in packages): a private
+        temporary folder outside the data directory, which the web server may neither read nor serve; removed when
+        the studio closes (every file in it is written again on request)."""
+        folder = getattr(self, "_downloads", None)
+        if folder is None:
+            with _DOWNLOADS_LOCK:
+                folder = getattr(self, "_downloads", None)
+                if folder is None:
+                    folder = self._downloads = Path(tempfile.mkdtemp(prefix="pema-downloads-")).resolve()
+        return folder
+
+    def _remove_downloads(self) -> None:
+        folder = getattr(self, "_downloads", None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _downloads_dir(self, owner: str) -> Path:
         """The owner's download folder (named by a hash: an owner id may be an e-mail-like name)."""

@@ -123,6 +123,22 @@ class Identity:
         return f"hf:{subject}" if kind == "hf" else "anon:" + hashlib.sha256(subject.encode()).hexdigest()[:32]
 
     # --- requests -----------------------------------------------------------------------------------------------
+    def credentials(self, headers: Mapping[str, str] | None = None,
+                    cookies: Mapping[str, str] | None = None) -> frozenset[str]:
+        """The owners a request can prove to be by what it carries itself — a valid key header and a valid
+        browser cookie (a signed-in HF user's browser carries its cookie too) — for binding an upload to the
+        requests that may use it (``studio.uploads``). Single-user mode: the local user. Invalid keys count as
+        nothing."""
+        if not self.multi_user:
+            return frozenset({LOCAL})
+        h = {str(k).lower(): v for k, v in (headers or {}).items()}
+        key = (h.get(KEY_HEADER) or "").strip()
+        auth = (h.get("authorization") or "").strip()
+        if not key and auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        found = {self.owner_of_key(key), self.owner_of_key((cookies or {}).get(COOKIE))}
+        return frozenset(o for o in found if o)
+
     def resolve(self, headers: Mapping[str, str] | None = None, cookies: Mapping[str, str] | None = None,
                 hf_user: str | None = None) -> Caller:
         """The caller of a request (header names in any case). A key header that this studio did not make is an

@@ -26,7 +26,8 @@ from ground.errors import UserError
 from ground.text import check_text, describe_char
 
 ENV_PREFIX = "PEMA_LIMIT_"
-QUOTAS = ("memories_per_owner", "plugins_per_owner", "shares_per_owner", "jobs_per_owner")
+QUOTAS = ("memories_per_owner", "plugins_per_owner", "shares_per_owner", "jobs_per_owner", "uploads_per_owner",
+          "queued_per_owner")
 RATES = {"compares_per_minute": "comparisons", "evaluations_per_minute": "evaluations"}  # bound: what it counts
 RATE_WINDOW_S = 60.0
 
@@ -51,6 +52,10 @@ class Limits:
     name_chars: int = 120              # characters of a memory's, plug-in's or share label's name
     compares_per_minute: int = 30      # comparisons per owner in any 60 s (a slider's re-decodes included)
     evaluations_per_minute: int = 10   # evaluations queued per owner in any 60 s
+    uploads_per_owner: int = 8         # uploads per owner that no event has used yet (they expire after an hour)
+    upload_bytes_total: int = 1_000_000_000  # bytes of all such uploads together
+    queue_size: int = 256              # page events and API calls waiting in the queue overall
+    queued_per_owner: int = 8          # of those, per owner (one caller cannot fill the queue for all)
 
     def __post_init__(self):
         # not a field: the per-owner windows of the rate limits (a fresh, empty set for every Limits object)
@@ -77,6 +82,11 @@ class Limits:
                 raise UserError(f"Unknown limit {name!r}; the limits are: {', '.join(cls.names())}.")
             values[name] = _int(name, raw, f"--limit {name}")
         return replace(cls(), **values)
+
+    def request_bytes(self) -> int:
+        """Bytes of one event's or API call's request body (pasted samples travel in it, JSON-escaped): twice the
+        upload bound and 1 MB for the rest; 0 (no limit) when uploads are unbounded."""
+        return 2 * self.upload_bytes + 1_000_000 if self.upload_bytes else 0
 
     def describe(self) -> list[dict]:
         """Every bound with its value and the environment variable that sets it (README, ``--limits``)."""

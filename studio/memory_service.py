@@ -63,12 +63,14 @@ class MemoryService:
         return [Sample(r.get("src"), r["tgt"], i + 1) for i, r in enumerate(rows)]
 
     def preview(self, data: bytes | str | None = None, filename: str | None = None, corpus: str | None = None,
-                limit: int | None = None) -> dict:
-        """Parse uploaded/pasted samples (or a demo corpus) without building anything.
+                limit: int | None = None, *, owner: str | None = None) -> dict:
+        """Parse uploaded/pasted samples (or a demo corpus) without building anything, for ``owner`` (refused
+        without an identity in multi-user mode; at most ``limits.samples`` samples).
 
         Returns ``{"count", "monolingual", "problems": [...], "problem_count", "rows": [[line, src, tgt]],
         "format", "ok"}``; per-line problems name their line.
         """
+        self._owner(owner)
         if filename is not None and not isinstance(filename, str):
             raise UserError("The file name must be text.")
         if corpus:
@@ -79,7 +81,7 @@ class MemoryService:
                                                                    "paste samples."],
                         "problem_count": 1, "rows": [], "format": "", "ok": False}
             self._check_upload(data)
-            samples, problems = parse_samples(data, filename)
+            samples, problems = parse_samples(data, filename, max_samples=self.limits.samples or None)
             text = data if isinstance(data, str) else data[:4096].decode("utf-8", "replace")
             fmt = detect_format(filename, text)
         return {"count": len(samples), "monolingual": sum(s.src is None for s in samples),
@@ -135,8 +137,8 @@ class MemoryService:
             if data is None or not (data.strip() if isinstance(data, (str, bytes)) else data):
                 raise UserError("Upload a file, paste some samples, or pick a demo corpus first.")
             self._check_upload(data)
-            samples = parse_samples_strict(data, filename, skip_invalid=skip_invalid)
-            self.limits.check("samples", len(samples), "The number of samples")
+            samples = parse_samples_strict(data, filename, skip_invalid=skip_invalid,
+                                           max_samples=self.limits.samples or None)
             up = self.root / "uploads"
             up.mkdir(parents=True, exist_ok=True)
             suffix = Path(filename or "pasted.txt").suffix.lower()

@@ -47,6 +47,7 @@ from studio.memory_service import MemoryService
 from studio.plugin_service import PluginService
 from studio.ray_executor import make_executor
 from studio.several_service import SeveralService
+from studio.uploads import UploadLedger
 
 __all__ = ["BackboneGate", "Studio"]
 log = logging.getLogger("pema.studio")
@@ -75,6 +76,7 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Seve
         self.multi_user = bool(multi_user)
         self.identity = Identity(self.root, self.multi_user, secret)
         self.limits = limits or Limits.configure(self.multi_user)
+        self.uploads = UploadLedger(self.limits)  # who uploaded which file through the web app
         self.backbone_name = backbone or DEFAULT_BACKBONE
         self.backbone_cache = Path(backbone_cache) if backbone_cache else None
         self.device = device
@@ -128,6 +130,8 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Seve
         self.jobs.stop()
         if getattr(self, "executor", None) is not None:
             self.executor.close()  # shuts Ray down only if this studio started it
+        self.uploads.close()
+        self._remove_downloads()
 
     def _clean_temporary_folders(self) -> None:
         """The owner's start-up repair: temporary folders/files of writers that are gone (never those of a CLI

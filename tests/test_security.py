@@ -307,7 +307,7 @@ def test_each_bound_gives_a_clear_error(bounded):
     refused("max_new_tokens", lambda: st.compare("hi", max_new_tokens=65, owner="u1"))
     refused("beams", lambda: st.compare("hi", max_new_tokens=8, num_beams=3, owner="u1"))
     refused("methods_per_comparison", lambda: st.compare("hi", methods=["base"] * 3, max_new_tokens=8, owner="u1"))
-    refused("upload_bytes", lambda: st.preview("a\tb\n" * 600, "big.tsv"))
+    refused("upload_bytes", lambda: st.preview("a\tb\n" * 600, "big.tsv", owner="u1"))
     refused("upload_bytes", lambda: st.submit_build("a\tb\n" * 600, "big.tsv", owner="u1"))
     refused("samples", lambda: st.submit_build("\n".join(f"s{i}\tt{i}" for i in range(7)), "p.tsv", owner="u1"))
     refused("name_chars", lambda: st.submit_build(small, "p.tsv", name="a much too long name", owner="u1"))

@@ -8,7 +8,7 @@ returns plain JSON; a user error comes back as the client's error with the same 
 Identity: every endpoint about an owner's things acts for the caller (``ui.common.caller``): in multi-user mode the
 key sent in the ``X-Pema-Key`` header (``Client(url, headers={"X-Pema-Key": key})``), else the signed-in HF user or
 the browser's cookie; another owner's memory, plug-in, job or comparison reads as nonexistent. ``/status``,
-``/methods`` and ``/shared`` (given a share's id) are public.
+``/methods`` and ``/shared`` (given a share's id) are public; everything else refuses a caller with no identity.
 
 Note: no ``from __future__ import annotations`` here — ``gr.api`` reads the real type hints.
 """
@@ -27,6 +27,12 @@ NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "mem
 TAB_NAMES = ["export_plugin", "import_plugin"]
 
 
+# Every endpoint runs in a bounded group: decoding one at a time with the page's comparisons, parsing samples one at
+# a time, quick reads (catalog, job state) a few at once.
+CONCURRENCY = {"compare": ("decode", 1), "share": ("decode", 1), "preview": ("parse", 1), "build": ("parse", 1),
+               "evaluate": ("parse", 1), "train": ("api-submit", 2), "continue_training": ("api-submit", 2)}
+
+
 def register(studio) -> None:
     """Register the endpoints inside the current ``gr.Blocks`` context."""
 
@@ -36,11 +42,13 @@ def register(studio) -> None:
         return studio.status()
 
     @_api
-    def preview(text: str, filename: str = "samples.jsonl", corpus: str = "", limit: int = 0) -> dict:
+    def preview(text: str, filename: str = "samples.jsonl", corpus: str = "", limit: int = 0,
+                request: gr.Request = None) -> dict:
         """Parse samples (file contents as text, or a demo corpus) and report samples and per-line problems."""
+        me = owner_of(studio, request)
         if corpus:
-            return studio.preview(corpus=corpus, limit=limit or 200)
-        return studio.preview(text, filename or None)
+            return studio.preview(corpus=corpus, limit=limit or 200, owner=me)
+        return studio.preview(text, filename or None, owner=me)
 
     @_api
     def build(text: str, filename: str = "samples.jsonl", name: str = "", task: str = "translation",
@@ -155,5 +163,5 @@ def register(studio) -> None:
            continue_training, compare, share, shared, evaluate)
     assert [f.__name__ for f in fns] == NAMES
     for fn in fns:
-        gr.api(fn, api_name=fn.__name__, concurrency_id="decode" if fn.__name__ in ("compare", "share") else None,
-               concurrency_limit=1 if fn.__name__ in ("compare", "share") else None)
+        group, limit = CONCURRENCY.get(fn.__name__, ("api-read", 4))
+        gr.api(fn, api_name=fn.__name__, concurrency_id=group, concurrency_limit=limit)

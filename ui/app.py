@@ -193,7 +193,7 @@ def build_app(studio) -> gr.Blocks:
         for fn in demo.fns.values():
             if fn.api_name not in api.NAMES + api.TAB_NAMES:
                 fn.api_visibility = "private"
-    demo.queue(default_concurrency_limit=1, max_size=64)
+    demo.queue(default_concurrency_limit=1, max_size=studio.limits.queue_size or None)
     return demo
 
 

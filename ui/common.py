@@ -11,7 +11,6 @@ import gradio as gr
 from ground.errors import UserError
 from studio.identity import LOCAL, Caller
 
-MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 
 
 def hf_user(request) -> str | None:
@@ -58,16 +57,28 @@ def user_errors(fn):
     return wrapper
 
 
-def read_upload(path: str | None, limit: int = MAX_UPLOAD_BYTES) -> tuple[bytes | None, str | None]:
-    """Bytes and original name of a ``gr.File(type="filepath")`` value (at most ``limit`` bytes; 0: no limit)."""
+def upload_owners(studio, request) -> frozenset[str]:
+    """The credentials a request carries itself (``Identity.credentials``): those an upload is bound to."""
+    headers = dict(getattr(request, "headers", {}) or {}) if request is not None else {}
+    cookies = dict(getattr(request, "cookies", {}) or {}) if request is not None else {}
+    return studio.identity.credentials(headers, cookies)
+
+
+def read_upload(studio, request, path: str | None) -> tuple[bytes | None, str | None]:
+    """Bytes and original name of a ``gr.File(type="filepath")`` value: only the caller's own upload
+    (``studio.uploads``; any other path gets the same error, whether or not it exists) of at most
+    ``limits.upload_bytes`` bytes."""
     if not path:
         return None, None
-    p = Path(path)
+    p = studio.uploads.check(path, upload_owners(studio, request))
+    limit = studio.limits.upload_bytes
     size = p.stat().st_size
     if limit and size > limit:
         raise UserError(f"The file is {size / 1e6:.1f} MB; the limit is {limit / 1e6:.1f} MB (the studio's operator "
                         f"sets it with --limit upload_bytes=… or $PEMA_LIMIT_UPLOAD_BYTES).")
-    return p.read_bytes(), p.name
+    with open(p, "rb") as f:
+        data = f.read(limit + 1) if limit else f.read()
+    return data, p.name
 
 
 def memory_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:

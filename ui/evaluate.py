@@ -201,10 +201,11 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
     @user_errors
     def do_run(request: gr.Request, mem, path, tk, n, mx, ms, *svals):
         me = owner_of(studio, request)
-        data, fname = read_upload(path, studio.limits.upload_bytes)
+        data, fname = read_upload(studio, request, path)
         jid = studio.submit_evaluate(methods=list(ms or []), memory_id=None if data else mem, test_data=data,
                                      test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
                                      settings=settings_of(*svals), owner=me)
+        studio.uploads.consume(path)  # the job holds the pairs it read
         return (jid, render.job_card(studio.job(jid, owner=me)), None, *cleared())
 
     def cleared():
@@ -216,7 +217,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
     @user_errors
     def do_sweep(request: gr.Request, mem, path, tk, n, mx, pid, lams, *svals):
         me = owner_of(studio, request)
-        data, fname = read_upload(path, studio.limits.upload_bytes)
+        data, fname = read_upload(studio, request, path)
         if not pid:
             raise UserError("Choose a PEMA plug-in for the sweep.")
         try:
@@ -226,6 +227,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         jid = studio.submit_evaluate(memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
                                      limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
                                      settings=settings_of(*svals), owner=me)
+        studio.uploads.consume(path)
         return (jid, render.job_card(studio.job(jid, owner=me)), None, *cleared())
 
     result_outputs = [scores, notes, decode_df, bar, line, download, outputs_df]

@@ -80,17 +80,18 @@ def build(studio) -> SimpleNamespace:
         return (gr.update(visible=src == SOURCES[0]), gr.update(visible=src == SOURCES[1]),
                 gr.update(visible=src == SOURCES[2]))
 
-    def do_preview(src, path, text, corpus_name, n):
+    def do_preview(src, path, text, corpus_name, n, request: gr.Request):
         try:
+            me = owner_of(studio, request)
             if src == SOURCES[0]:
-                data, fname = read_upload(path, studio.limits.upload_bytes)
-                pv = studio.preview(data, fname)
+                data, fname = read_upload(studio, request, path)
+                pv = studio.preview(data, fname, owner=me)
             elif src == SOURCES[1]:
-                pv = studio.preview(text or "", None)
+                pv = studio.preview(text or "", None, owner=me)
             else:
                 if not corpus_name:
                     return render.preview_summary({}), gr.update(value=[])
-                pv = studio.preview(corpus=corpus_name, limit=int(n or 200))
+                pv = studio.preview(corpus=corpus_name, limit=int(n or 200), owner=me)
         except UserError as e:
             pv = {"count": 0, "problems": [str(e)], "problem_count": 1, "rows": [], "ok": False}
         return render.preview_summary(pv), gr.update(value=pv["rows"])
@@ -107,10 +108,11 @@ def build(studio) -> SimpleNamespace:
     def do_build(src, path, text, corpus_name, n, nm, tk, md, sk, request: gr.Request):
         me = owner_of(studio, request)
         if src == SOURCES[0]:
-            data, fname = read_upload(path, studio.limits.upload_bytes)
+            data, fname = read_upload(studio, request, path)
             if data is None:
                 raise UserError("Upload a file first.")
             jid = studio.submit_build(data, fname, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
+            studio.uploads.consume(path)  # the build job keeps its own copy
         elif src == SOURCES[1]:
             jid = studio.submit_build(text or "", None, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
         else:

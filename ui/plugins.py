@@ -13,7 +13,8 @@ from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from plugins.settings import describe_changes, tuned_start_changes
 from ui import plots, render
-from ui.common import choices_update, keep_value, memory_choices, owner_of, training_control, user_errors
+from ui.common import (choices_update, keep_value, memory_choices, owner_of, read_upload, training_control,
+                       user_errors)
 
 
 def _method_info(m: dict | None, starts: dict | None = None) -> str:
@@ -424,6 +425,10 @@ def build_packages(studio) -> None:
         """Import a zipped plug-in package into your plug-ins; returns the new plug-in (id, name, method, ...)."""
         if not package:
             raise UserError("Choose a plug-in package (.zip) to import.")
-        return studio.import_plugin_zip(package, name or "", owner=owner_of(studio, request))
+        me = owner_of(studio, request)
+        data, _ = read_upload(studio, request, package)
+        imported = studio.import_plugin_zip(data, name or "", owner=me)
+        studio.uploads.consume(package)
+        return imported
 
     do_import.click(import_plugin, [upload, new_name], imported, api_name="import_plugin")

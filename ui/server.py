@@ -3,6 +3,7 @@ ASGI middleware that gives each browser its anonymous key (multi-user mode) and 
 uvicorn server (in a thread, so tests and ``app.py`` can stop it)."""
 from __future__ import annotations
 
+import json
 import socket
 import time
 from http.cookies import SimpleCookie
@@ -13,8 +14,12 @@ import gradio as gr
 import uvicorn
 from fastapi import FastAPI
 from gradio.http_server import Server
+from gradio.utils import get_upload_folder
 
-from studio.identity import COOKIE
+from ground.errors import UserError
+from studio.identity import COOKIE, NO_KEY
+from studio.limits import hint
+from studio.uploads import NOT_YOURS
 
 COOKIE_MAX_AGE = 400 * 24 * 3600  # browsers cap cookie lifetimes at 400 days
 # Gradio's cache (its copies of uploaded files and of files it served): every hour, files older than a day go
@@ -30,13 +35,16 @@ class OwnerCookieMiddleware:
       Secure; Partitioned`` over HTTPS (a Space embeds the app in an iframe of huggingface.co), else ``Lax``. The
       cookie is not added to the request itself: a caller that sends neither a cookie nor a key has no identity.
     * ``/?c=<id>`` (links shared before the share page moved) is redirected to ``share/?c=<id>``.
+    * Uploads and file inputs (:class:`FileInputGuard`): an upload is bound to its caller; an event may name only
+      its caller's own uploads as files; bodies and waiting events are bounded.
     """
 
-    def __init__(self, app, studio, share_path: str = "/share", downloads: Path | None = None):
+    def __init__(self, app, studio, share_path: str = "/share", downloads: Path | None = None, blocks=()):
         self.app = app
         self.studio = studio
         self.share_path = share_path
         self.downloads = Path(downloads).resolve() if downloads else None
+        self.guard = FileInputGuard(studio, share_path, blocks)
 
     def _into_downloads(self, path: str) -> bool:
         """A ``…/file=<path>`` request for a file under the owners' download folders: those are served only as
@@ -54,9 +62,7 @@ class OwnerCookieMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path") or "/"
         if self._into_downloads(path):
-            await send({"type": "http.response.start", "status": 404,
-                        "headers": [(b"content-length", b"0")]})
-            return await send({"type": "http.response.body", "body": b""})
+            return await refuse(send, 404, "")
         if path in ("", "/", self.share_path) and scope.get("method") == "GET":
             c = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("c")
             if c or path == self.share_path:
@@ -65,17 +71,25 @@ class OwnerCookieMiddleware:
                 await send({"type": "http.response.start", "status": 307,
                             "headers": [(b"location", loc.encode("latin-1")), (b"content-length", b"0")]})
                 return await send({"type": "http.response.body", "body": b""})
-        if not self.studio.multi_user or path.startswith(self.share_path):
-            return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         jar = SimpleCookie()
         try:
             jar.load(headers.get("cookie", ""))
         except Exception:  # noqa: BLE001 — a malformed Cookie header: treat as none
             jar = SimpleCookie()
-        have = jar[COOKIE].value if COOKIE in jar else None
-        if self.studio.identity.owner_of_key(have) is not None:
-            return await self.app(scope, receive, send)
+        cookies = {k: m.value for k, m in jar.items()}
+        if scope.get("method") == "POST" and "/gradio_api/" in path:
+            return await self.guard(scope, receive, self._with_cookie(scope, headers, cookies, send), path,
+                                    headers, cookies, self.app)
+        return await self.app(scope, receive, self._with_cookie(scope, headers, cookies, send))
+
+    def _with_cookie(self, scope, headers: dict, cookies: dict, send):
+        """``send``, adding a fresh browser key to the response where the request carries none (multi-user)."""
+        path = scope.get("path") or "/"
+        if not self.studio.multi_user or path.startswith(self.share_path):
+            return send
+        if self.studio.identity.owner_of_key(cookies.get(COOKIE)) is not None:
+            return send
         https = scope.get("scheme") == "https" or \
             headers.get("x-forwarded-proto", "").split(",")[0].strip() == "https"
         attrs = "; Secure; SameSite=None; Partitioned" if https else "; SameSite=Lax"
@@ -87,7 +101,153 @@ class OwnerCookieMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", value)]}
             await send(message)
 
-        return await self.app(scope, receive, send_with_cookie)
+        return send_with_cookie
+
+
+async def refuse(send, status: int, message: str) -> None:
+    """Answer a request at once (nothing of it reaches Gradio) with ``{"detail": message}``."""
+    body = json.dumps({"detail": message}).encode() if message else b""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+FILE_DATA_KEYS = {"path", "url", "size", "orig_name", "mime_type", "is_stream", "meta"}
+
+
+def file_paths(value, depth: int = 0) -> list:
+    """Every ``path`` that Gradio would treat as a file in a request's JSON (a ``FileData``: a dict with a ``path``
+    and Gradio's file marker, or with only FileData's fields), however deeply nested."""
+    if depth > 64:
+        raise ValueError("nested too deeply")
+    if isinstance(value, dict):
+        meta = value.get("meta")
+        if "path" in value and ((isinstance(meta, dict) and meta.get("_type") == "gradio.FileData")
+                                or set(value) <= FILE_DATA_KEYS):
+            return [value["path"]]
+        return [p for v in value.values() for p in file_paths(v, depth + 1)]
+    if isinstance(value, list):
+        return [p for v in value for p in file_paths(v, depth + 1)]
+    return []
+
+
+class FileInputGuard:
+    """The server's checks on what a stranger sends to Gradio, applied before Gradio reads or copies anything.
+
+    * ``POST …/gradio_api/upload``: refused without an identity (multi-user mode) and on the share page; admitted
+      within the caller's bounds (``studio.uploads``: files per owner, bytes overall; the body's declared size);
+      the stored paths are recorded against the caller's credentials before the answer reaches the caller.
+    * Every other ``POST …/gradio_api/…`` (queue joins, REST calls): the body is bounded
+      (``Limits.request_bytes``) and every file it names must be one of the caller's own live uploads
+      (never on the share page); a caller may have at most ``queued_per_owner`` events waiting in the queue.
+    """
+
+    def __init__(self, studio, share_path: str, blocks=()):
+        self.studio, self.share_path, self.blocks = studio, share_path, list(blocks)
+
+    async def __call__(self, scope, receive, send, path: str, headers: dict, cookies: dict, app):
+        studio = self.studio
+        owners = studio.identity.credentials(headers, cookies)
+        on_share = path.startswith(self.share_path + "/") or path == self.share_path
+        declared = headers.get("content-length")
+        try:
+            declared = int(declared) if declared is not None else None
+        except ValueError:
+            return await refuse(send, 400, "Invalid Content-Length.")
+        if path.endswith("/gradio_api/upload"):
+            return await self._upload(scope, receive, send, owners, on_share, declared, app)
+        bound = studio.limits.request_bytes()
+        if bound and declared is not None and declared > bound:
+            return await refuse(send, 413, f"The request is {declared / 1e6:.1f} MB; the limit is "
+                                           f"{bound / 1e6:.1f} MB ({hint('upload_bytes')}).")
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if bound and len(body) > bound:
+                return await refuse(send, 413, f"The request is over {bound / 1e6:.1f} MB, the limit "
+                                               f"({hint('upload_bytes')}).")
+        try:
+            paths = file_paths(json.loads(body)) if body else []
+        except (ValueError, RecursionError):
+            paths = []  # not JSON: Gradio refuses it itself, and it names no file
+        for p in paths:
+            if on_share or not studio.uploads.owns(p, owners):
+                return await refuse(send, 403, NOT_YOURS)
+        if path.endswith("/queue/join") or "/gradio_api/call/" in path:
+            waiting = self._waiting(owners)
+            cap = studio.limits.queued_per_owner
+            if cap and waiting >= cap:
+                return await refuse(send, 429, f"You have {waiting} requests waiting in the queue (the limit per "
+                                               f"user is {cap}); wait for them to finish ({hint('queued_per_owner')}).")
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await app(scope, replay, send)
+
+    def _waiting(self, owners: frozenset) -> int:
+        """Events of these owners (of callers with no identity, when empty) waiting in the studio's queues."""
+        n = 0
+        for blocks in self.blocks:
+            queue = getattr(blocks, "_queue", None)
+            for event_queue in list(getattr(queue, "event_queue_per_concurrency_id", {}).values()):
+                for event in list(getattr(event_queue, "queue", [])):
+                    req = getattr(event, "request", None)
+                    theirs = self.studio.identity.credentials(dict(getattr(req, "headers", {}) or {}),
+                                                              dict(getattr(req, "cookies", {}) or {}))
+                    n += bool(theirs & owners) if owners else not theirs
+        return n
+
+    async def _upload(self, scope, receive, send, owners, on_share: bool, declared: int | None, app):
+        studio = self.studio
+        if on_share:
+            return await refuse(send, 404, "")
+        if studio.multi_user and not owners:
+            return await refuse(send, 403, NO_KEY)
+        bound = studio.limits.request_bytes()
+        if declared is None and studio.multi_user:
+            return await refuse(send, 411, "An upload must say its size (Content-Length).")
+        if bound and (declared or 0) > bound:
+            return await refuse(send, 413, f"The upload is {declared / 1e6:.1f} MB; the limit is "
+                                           f"{studio.limits.upload_bytes / 1e6:.1f} MB ({hint('upload_bytes')}).")
+        try:
+            ticket = studio.uploads.admit(owners, declared or 0)
+        except UserError as e:
+            return await refuse(send, 429, str(e))
+        start, chunks = None, []
+
+        async def record_then_send(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(chunks)
+            if start is not None and start.get("status") == 200:
+                try:
+                    stored = json.loads(body)
+                except ValueError:
+                    stored = []
+                studio.uploads.record(ticket, [p for p in stored if isinstance(p, str)]
+                                      if isinstance(stored, list) else [])
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
+
+        try:
+            await app(scope, receive, record_then_send)
+        finally:
+            studio.uploads.release(ticket)
 
 
 class Served:
@@ -127,18 +287,23 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
           downloads: Path | None = None) -> Served:
     """Mount both Gradio apps on one FastAPI app with the middleware and start the server in a thread.
 
-    ``downloads``: the folder of the owners' evaluation downloads (under the data directory). The studio may hand
-    files from it to its page (Gradio copies each into its cache, under a name made from the file's contents), but
-    nobody may fetch them there by path (the middleware answers 404)."""
+    ``downloads``: the folder of the owners' evaluation files and plug-in packages (outside the data directory).
+    The studio hands files from it to its page (Gradio copies each into its cache, under a name made from the
+    file's contents), but nobody may fetch them there by path (the middleware answers 404)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(OwnerCookieMiddleware, studio=studio, downloads=downloads)
+    app.add_middleware(OwnerCookieMiddleware, studio=studio, downloads=downloads,
+                       blocks=[studio_blocks, share_blocks])
     for blocks in (studio_blocks, share_blocks):  # read by mount_gradio_app: each app cleans its own cache
         blocks.delete_cache = blocks.delete_cache or DELETE_CACHE
     common = dict(server_name=host, server_port=port, ssr_mode=False, show_error=True, theme=theme, css=css,
-                  head=head, max_file_size=max_file_size)
+                  head=head, max_file_size=max_file_size, allowed_paths=None,
+                  blocked_paths=blocked_paths(studio.root))
     gr.mount_gradio_app(app, share_blocks, path="/share", footer_links=[], run_history=False, **common)
-    gr.mount_gradio_app(app, studio_blocks, path="/", footer_links=["api"], run_history=False,
-                        allowed_paths=[str(downloads)] if downloads else None, **common)
+    gr.mount_gradio_app(app, studio_blocks, path="/", footer_links=["api"], run_history=False, **common)
+    for blocks in (studio_blocks, share_blocks):
+        # Gradio checks a page event's file inputs (only its own uploads) and a handler's file outputs (never a
+        # blocked path) only in an app that says it has launched; mount_gradio_app never says so by itself.
+        blocks.has_launched = True
     _check_port(host, port)
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                    timeout_graceful_shutdown=1))  # open event streams are cut after 1 s
@@ -147,8 +312,24 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     return Served(server, [studio_blocks, share_blocks], f"http://{shown}:{port}/")
 
 
+def blocked_paths(data_dir: Path) -> list[str]:
+    """What Gradio must never read or serve: the data directory (catalog, memories, plug-ins, the owners' secret) —
+    all of it, or, where Gradio's own upload folder lies inside it, everything in it but that folder."""
+    root = Path(data_dir).resolve()
+    uploads = Path(get_upload_folder()).resolve()
+    if not uploads.is_relative_to(root):
+        return [str(root)]
+    out, at = [], root
+    for part in uploads.relative_to(root).parts:
+        out += [str(p) for p in (at.iterdir() if at.is_dir() else []) if p.name != part]
+        at = at / part
+    return out
+
+
 def _check_port(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as uvicorn binds: a port whose last server died (kill -9) and left connections in TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
