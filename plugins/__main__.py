@@ -21,7 +21,7 @@ import argparse
 import json
 
 from backbone.cli import load_backbone_from_args
-from backbone.model import resolve_name
+from backbone.model import CPU_FLOAT16_TAG, FINGERPRINT_TAGS, PRECISIONS, resolve_name
 from backbone.prompts import TASKS, Prompt
 from backbone.tasks import task_prompt
 from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
@@ -30,7 +30,7 @@ from ground.store import Catalog
 from ground.text import printable
 from offsite.cli import add_remote, remote_backbone_from_args
 from offsite.decode import check_offsite_method, compare_remote, open_offsite_plugin
-from plugins.api import method_table, open_memory, open_plugin, train_plugin
+from plugins.api import method_table, open_memory, open_plugin, plugin_folder, train_plugin
 from plugins.decode import Row, compare
 from plugins.estimate import estimate
 from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
@@ -128,12 +128,12 @@ def main(argv=None) -> int:
         return 0
     cat = Catalog(args.data_dir)
     if args.cmd == "list":
-        rows = cat.plugins()
+        rows = [{**r, "status": plugin_status(r)} for r in cat.plugins()]
         if args.json:
             dump_json(rows)
         else:
             print_table([{k: printable(v) for k, v in r.items()} for r in rows],
-                        ["id", "name", "method", "memory_id", "backbone", "params"])
+                        ["id", "name", "method", "memory_id", "backbone", "params", "status"])
         return 0
     if args.cmd == "delete":
         if cat.plugin(args.id) is None:
@@ -173,6 +173,8 @@ def _add_package_args(p) -> None:
 def _package(args, cat) -> int:
     """export / import / push (``plugins.hub``)."""
     ev = load_evaluation(args.eval) if getattr(args, "eval", None) else None
+    if args.cmd in ("export", "push"):
+        plugin_backbone_args(args, cat)
     bb = load_backbone_from_args(args)
     with progress_bar(args.cmd) as prog:
         if args.cmd == "export":
@@ -191,6 +193,27 @@ def _package(args, cat) -> int:
     else:
         print(f"pushed {args.id} -> {url}")
     return 0
+
+
+def plugin_backbone_args(args, cat) -> None:
+    """Fill in ``--backbone`` / ``--dtype`` (where not given) from the plug-in's own ``plugin_config.json``: the
+    backbone and precision it was trained on, which loading it will check."""
+    if args.backbone is not None and args.dtype is not None:
+        return
+    try:
+        meta = json.loads((plugin_folder(args.id, cat) / "plugin_config.json").read_text(encoding="utf-8"))
+    except (UserError, OSError, ValueError):
+        return  # export/push say what is wrong with the reference
+    if not isinstance(meta, dict):
+        return
+    if args.backbone is None and isinstance(meta.get("backbone"), str):
+        args.backbone = meta["backbone"]
+    fingerprint = meta.get("fingerprint")
+    if args.dtype is None and isinstance(fingerprint, str):
+        tag = fingerprint.split("|dtype=")[1] if "|dtype=" in fingerprint else "float32"
+        made = {**{v: k for k, v in FINGERPRINT_TAGS.items()}, CPU_FLOAT16_TAG: "float16"}.get(tag, tag)
+        if made in PRECISIONS:
+            args.dtype = made
 
 
 def _compare(args, cat) -> int:
@@ -217,6 +240,20 @@ def _compare(args, cat) -> int:
         print(f"{r.label.ljust(width)} | {r.text}")
     print(f"\n{len(res.rows)} methods in one batched decode: {res.seconds:.2f}s, {res.steps} steps")
     return 0
+
+
+def plugin_status(row: dict) -> str:
+    """How a plug-in's training ended, in the Plug-ins tab's words (``studio.plugin_service.training_status``):
+    "converged: early stopping at 4 epochs", "stopped by time budget at 0.12 of 3 epochs — under-trained"."""
+    from studio.plugin_service import training_status
+
+    metrics = row.get("metrics")
+    if isinstance(metrics, str):
+        try:
+            metrics = json.loads(metrics)
+        except ValueError:
+            metrics = None
+    return training_status(metrics if isinstance(metrics, dict) else None)["label"]
 
 
 def _range(d: dict) -> str:

@@ -188,3 +188,25 @@ def test_saved_before_prompt_prefix_loads_as_adapted(tiny, shots_memory, tmp_pat
     (out / "plugin_config.json").write_text(json.dumps(meta))
     assert not load_plugin(out, tiny).frozen_prefix
     assert AdapterConfig.from_dict({}).prompt_prefix == "frozen"
+
+
+def test_cli_list_status_and_export_backbone_from_the_plugin(tiny, shots_memory, tmp_path):
+    """``plugins list`` says how training ended, as the Plug-ins tab; ``plugins export`` loads the backbone (and
+    precision) the plug-in was trained on unless told otherwise."""
+    import argparse
+    import json
+
+    from plugins.__main__ import plugin_backbone_args, plugin_status
+
+    assert plugin_status({"metrics": json.dumps({"stopped_by": "time_budget", "epochs": 0.12, "max_epochs": 3})}) \
+        == "stopped by time budget at 0.12 of 3 epochs — under-trained"
+    assert plugin_status({"metrics": json.dumps({"stopped_by": "early_stopping", "epochs": 4.0})}) \
+        == "converged: early stopping at 4 epochs"
+    assert plugin_status({"metrics": None}) == "ready"
+    out = new_plugin("adapter", tiny, shots_memory, {"bottleneck": 4}).save(tmp_path / "a")
+    args = argparse.Namespace(id=str(out), backbone=None, dtype=None)
+    plugin_backbone_args(args, None)
+    assert (args.backbone, args.dtype) == (tiny.name, "float32")
+    args = argparse.Namespace(id=str(out), backbone="other", dtype="bfloat16")
+    plugin_backbone_args(args, None)
+    assert (args.backbone, args.dtype) == ("other", "bfloat16")
