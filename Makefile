@@ -21,3 +21,13 @@ test-fast:  ## unit tests only: no real backbone, browser, Ray or extra processe
 
 bench:  ## benchmarks → BENCHMARKS.md numbers
 	$(PY) -m eval.bench all
+
+.PHONY: image-tools image image-smoke
+image-tools:  ## podman, runc and debootstrap from Debian, where podman is missing (the image targets' tools)
+	command -v podman >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq podman runc debootstrap >/dev/null)
+
+image: image-tools  ## the Space's Docker image with the project's Dockerfile (docs/space.md; minutes, not in CI)
+	$(PY) scripts/image.py build
+
+image-smoke: image-tools  ## build the image, serve the studio from it, compare, restart, check, clean up (docs/space.md)
+	$(PY) scripts/image.py smoke
