@@ -7,12 +7,12 @@
     PEMA_REMOTE_TOKEN=... python app.py --remote http://owner:8765   # offsite: the model owner's f(c), PEMA/kNN here
 
 Bound to 127.0.0.1 (the default) the studio is single-user: everything belongs to the local user. Bound to another
-host, or with --multi-user, each caller sees only their own things (README, "Security model"); --single-user forces
+host, or with --multi-user, each caller sees only their own things (docs/security.md); --single-user forces
 the single-user mode on another host (a private network only). Flags fall back on environment variables: $HOST,
 $PORT, $PEMA_DATA_DIR, $PEMA_BACKBONE, $PEMA_BACKBONE_CACHE, $PEMA_WORKERS, $PEMA_DEVICE, $PEMA_MULTI_USER (1/0),
 $PEMA_REMOTE (+ $PEMA_REMOTE_TOKEN), $PEMA_LIMIT_<NAME>. The backbone loads in the background (the first load
-of an embedded model de-quantizes it, one to two minutes on 2 CPU cores, then it is cached under the data directory); the page shows
-its progress meanwhile.
+of an embedded model de-quantizes it, one to two minutes on 2 CPU cores, then it is cached under the data
+directory); the page shows its progress meanwhile.
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="background job worker threads (jobs share one backbone; 1 is right on CPU)")
     p.add_argument("--device", default=os.environ.get("PEMA_DEVICE", "auto"), help="auto, cpu, cuda, cuda:1, …")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8", "float16"],
-                   help="backbone weight precision (sets $PEMA_DTYPE, which the studio's loader reads; README "
-                        "'Precision')")
+                   help="backbone weight precision (sets $PEMA_DTYPE, which the studio's loader reads; "
+                        "docs/precision.md)")
     p.add_argument("--remote", default=os.environ.get("PEMA_REMOTE") or None, metavar="URL",
                    help="work against a model owner's offsite service (python -m offsite serve) instead of loading "
                         "a backbone here: memories, PEMA and kNN plug-ins stay here, the owner computes f(c); bearer "
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--executor", choices=("inprocess", "ray"), default=os.environ.get("PEMA_EXECUTOR") or None,
                    help="where builds and trainings run: the in-process queue (default) or Ray (memory builds "
                         "sharded over workers, trainings as Ray tasks; a local Ray, or the cluster at "
-                        "$PEMA_RAY_ADDRESS, which alone also selects ray; README 'Scale-out on Ray')")
+                        "$PEMA_RAY_ADDRESS, which alone also selects ray; docs/ray.md)")
     p.add_argument("--limits", action="store_true", help="print the limits in force and exit")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)

@@ -391,7 +391,8 @@ class Guard:
         wait = self._allow(who)
         if wait:
             return await self._refuse(send, 429, f"too many requests (limit {self.limits.rate:g}/s per client, "
-                                                 f"bursts of {self.limits.burst}); retry after {max(1, math.ceil(wait))} s",
+                                                 f"bursts of {self.limits.burst}); "
+                                                 f"retry after {max(1, math.ceil(wait))} s",
                                       {"Retry-After": str(max(1, math.ceil(wait)))})
         headers = dict(scope.get("headers") or [])
         if scope.get("path") != "/healthz":

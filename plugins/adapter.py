@@ -54,9 +54,9 @@ from torch import nn
 from plugins.base import FitResult
 from plugins.network import (
     Attachment,
-    derived,
     NetworkConfig,
     NetworkPlugin,
+    derived,
     first_tensor,
     replace_first,
     rows_apply,

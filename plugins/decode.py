@@ -1272,8 +1272,9 @@ def start_compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prom
                   max_new_tokens: int = 64, num_beams: int = 1, no_repeat_ngram: int | None = None,
                   live: LiveComparison | None = None, trace: bool = True):
     """A comparison of one source to run step by step (``step()`` until it returns False; ``partial()`` and
-    ``result()``: one Comparison in a list; ``forwards``: backbone passes run): the re-decode of what changed when ``live`` (the previous comparison, kept) is this one with
-    other row settings, else a full decode that keeps what the next move needs (greedy, one source)."""
+    ``result()``: one Comparison in a list; ``forwards``: backbone passes run): the re-decode of what changed when
+    ``live`` (the previous comparison, kept) is this one with other row settings, else a full decode that keeps what the
+    next move needs (greedy, one source)."""
     t0 = time.time()
     batch = plan_batch(backbone, [source], rows, prompt, num_beams, None,
                        {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram})

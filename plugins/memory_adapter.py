@@ -77,9 +77,9 @@ full memory and the own-sentence mask, ``hooked_seq_loss``) on the samples that 
 method evaluates a seeded subset of ``max_heldout``, through ``plugins.training.run_training``; with a time budget, a
 guard evaluates the early-stopping set once more before the step that would cross it, so the steps taken since the
 last evaluation are not thrown away (the loop keeps the best *evaluated* weights). ``softmax="candidates"`` (an
-option, not the default) restricts the training softmax (NLL and KL) to a candidate vocabulary — the memory's target tokens, the stop tokens and the LM's top-16
-tokens on sampled memory contexts — which removes most of the LM-head cost of a CPU training step (Gemma's vocabulary
-has 262k tokens); decoding always uses the full vocabulary.
+option, not the default) restricts the training softmax (NLL and KL) to a candidate vocabulary — the memory's target
+tokens, the stop tokens and the LM's top-16 tokens on sampled memory contexts — which removes most of the LM-head cost
+of a CPU training step (Gemma's vocabulary has 262k tokens); decoding always uses the full vocabulary.
 
 Decoding: ``level = "network"``. Settings: ``temperature`` (default: the trained T), ``trace_top_k`` and the
 "+ kNN" mix of the paper (``knn_lambda``, ``knn_k``, ``knn_temperature``; off at λ = 0): ``mix`` implements kNN-MT
@@ -110,18 +110,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ground.errors import UserError
 from backbone.model import PackedBF16Linear, packed_bf16_available
+from ground.errors import UserError
 from memories.build import target_ids
 from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_memory
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, MixOutput
 from plugins.knn import KNN, KNNConfig
-from plugins.network import (Attachment, NetworkConfig, NetworkPlugin, derived, first_tensor, replace_first,
-                              rows_apply)
+from plugins.network import Attachment, NetworkConfig, NetworkPlugin, derived, first_tensor, replace_first, rows_apply
 from plugins.registry import register
-from plugins.settings import Preset, Setting, setting
 from plugins.seqtrain import SeqData
+from plugins.settings import Preset, Setting, setting
 
 SIDES = ("tgt", "src")
 
@@ -505,7 +504,8 @@ class MemoryAdapterPlugin(NetworkPlugin):
         blk = self.blocks[str(l)]
         layers = self.adapted_layers if layers is None else layers
         info: dict = {}
-        decoding = att.batch_rows is not None  # ``prep`` is then ``_preps(cached=True)``'s: decode_prep's folded products
+        # ``prep`` is then ``_preps(cached=True)``'s: decode_prep's folded products
+        decoding = att.batch_rows is not None
 
         def fn(x, h):
             if decoding:

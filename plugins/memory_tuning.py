@@ -83,10 +83,10 @@ from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.network import (
     Attachment,
-    derived,
     NetworkConfig,
     NetworkPlugin,
     PastPrefix,
+    derived,
     first_tensor,
     keep_before,
     module_input,

@@ -89,7 +89,7 @@ class Limits:
         return 2 * self.upload_bytes + 1_000_000 if self.upload_bytes else 0
 
     def describe(self) -> list[dict]:
-        """Every bound with its value and the environment variable that sets it (README, ``--limits``)."""
+        """Every bound with its value and the environment variable that sets it (docs/security.md, ``--limits``)."""
         return [{"name": f.name, "value": getattr(self, f.name), "env": ENV_PREFIX + f.name.upper()}
                 for f in fields(self)]
 

@@ -26,7 +26,6 @@ from memories.store import Memory
 from studio.payload import human_bytes
 from studio.ray_executor import backbone_spec
 
-
 MAX_PREVIEW_ROWS = 100
 UPLOAD_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt")
 PROFILE_CACHE = 16      # memory profiles kept (a memory never changes after its build: cached by id)

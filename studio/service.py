@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from backbone.model import DEFAULT_BACKBONE
-from ground.jobs import JobQueue
 from ground.errors import UserError
+from ground.jobs import JobQueue
 from ground.store import Catalog, clean_temporary
 from studio.backbone_service import BackboneService, check_remote_url
 from studio.compare_service import CompareService

@@ -94,8 +94,9 @@ def files_under(folder: Path) -> set:
 @pytest.fixture(scope="module")
 def hosted(tmp_path_factory):
     """A multi-user studio over HTTP with its own Gradio upload folder; owner A has a memory and a plug-in."""
-    import app
     from gradio_client import Client
+
+    import app
 
     cache = tmp_path_factory.mktemp("gradio-cache")
     old = os.environ.get("GRADIO_TEMP_DIR")
@@ -363,9 +364,10 @@ def test_the_remote_backbone_takes_the_owners_precision(tiny):
 
 # --- 3. a copied data directory is a directory of its own ----------------------------------------------------------
 def test_a_copied_data_directory_never_touches_the_original(tmp_path):
+    from _server import tiny_studio
+
     from ground.store import Catalog
     from studio.service import Studio
-    from _server import tiny_studio
 
     orig, copy = tmp_path / "orig", tmp_path / "copy"
     st = tiny_studio(orig)
@@ -402,8 +404,9 @@ def test_a_copied_data_directory_never_touches_the_original(tmp_path):
 
 
 def test_an_orphan_folder_is_quarantined_and_a_named_one_never_touched(tmp_path):
-    from ground.store import Catalog
     from _server import tiny_studio
+
+    from ground.store import Catalog
 
     st = tiny_studio(tmp_path / "d")
     try:

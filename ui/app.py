@@ -51,7 +51,7 @@ def mode_banner(studio, host: str) -> str:
 
 
 SELECTIONS_KEY = "pema-studio-"  # localStorage keys of the selections this browser keeps (one per selection)
-REMOTE_HELP = ("Work against a **model owner's offsite service** (`python -m offsite serve`, README \"Offsite\"): "
+REMOTE_HELP = ("Work against a **model owner's offsite service** (`python -m offsite serve`, docs/offsite.md): "
                "the owner computes f(c) and runs the decoder; its final norm and LM head are fetched once; your "
                "memories and PEMA / kNN plug-ins stay here. In-network methods need the decoder's layers and are "
                "unavailable. The token is kept in this process's memory only. Leave the URL empty to go back to "

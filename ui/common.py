@@ -4,13 +4,11 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter
-from pathlib import Path
 
 import gradio as gr
 
 from ground.errors import UserError
 from studio.identity import LOCAL, Caller
-
 
 
 def hf_user(request) -> str | None:

@@ -10,12 +10,21 @@ from types import SimpleNamespace
 import gradio as gr
 
 from backbone.prompts import TASKS
+from eval.run import MIN_BOOTSTRAP_N
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
-from eval.run import MIN_BOOTSTRAP_N
 from ui import plots, render
-from ui.common import (BASE_CHOICE, choices_update, keep_value, memory_choices, method_choices, owner_of,
-                       plugin_choices, read_upload, user_errors)
+from ui.common import (
+    BASE_CHOICE,
+    choices_update,
+    keep_value,
+    memory_choices,
+    method_choices,
+    owner_of,
+    plugin_choices,
+    read_upload,
+    user_errors,
+)
 
 SCORE_KEYS = ("label", "method", "n", "sacrebleu", "chrf")
 # Shown in their own columns (or not at all); every other number of a row is a metric of the task.

@@ -13,8 +13,7 @@ from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from plugins.settings import describe_changes, tuned_start_changes
 from ui import plots, render
-from ui.common import (choices_update, keep_value, memory_choices, owner_of, read_upload, training_control,
-                       user_errors)
+from ui.common import choices_update, keep_value, memory_choices, owner_of, read_upload, training_control, user_errors
 
 
 def _method_info(m: dict | None, starts: dict | None = None) -> str:
