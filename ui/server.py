@@ -4,6 +4,7 @@ uvicorn server (in a thread, so tests and ``app.py`` can stop it)."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from http.cookies import SimpleCookie
@@ -78,7 +79,7 @@ class OwnerCookieMiddleware:
         except Exception:  # noqa: BLE001 — a malformed Cookie header: treat as none
             jar = SimpleCookie()
         cookies = {k: m.value for k, m in jar.items()}
-        if scope.get("method") == "POST" and "/gradio_api/" in path:
+        if scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
             return await self.guard(scope, receive, self._with_cookie(scope, headers, cookies, send), path,
                                     headers, cookies, self.app)
         return await self.app(scope, receive, self._with_cookie(scope, headers, cookies, send))
@@ -112,6 +113,8 @@ async def refuse(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+# Gradio routes that store or act on files or code for components and modes this studio does not use
+UNUSED_ROUTES = {"process_recording", "vibe-edit", "undo-vibe-edit", "vibe-code", "vibe-starter-queries"}
 FILE_DATA_KEYS = {"path", "url", "size", "orig_name", "mime_type", "is_stream", "meta"}
 
 
@@ -147,6 +150,9 @@ class FileInputGuard:
 
     async def __call__(self, scope, receive, send, path: str, headers: dict, cookies: dict, app):
         studio = self.studio
+        path = re.sub(r"/+", "/", path).rstrip("/") or "/"
+        if path.rsplit("/", 1)[-1] in UNUSED_ROUTES:
+            return await refuse(send, 404, "")
         owners = studio.identity.credentials(headers, cookies)
         on_share = path.startswith(self.share_path + "/") or path == self.share_path
         declared = headers.get("content-length")
@@ -160,24 +166,30 @@ class FileInputGuard:
         if bound and declared is not None and declared > bound:
             return await refuse(send, 413, f"The request is {declared / 1e6:.1f} MB; the limit is "
                                            f"{bound / 1e6:.1f} MB ({hint('upload_bytes')}).")
-        body, more = b"", True
+        buf, more = bytearray(), True
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            body += message.get("body", b"")
+            buf += message.get("body", b"")
             more = message.get("more_body", False)
-            if bound and len(body) > bound:
+            if bound and len(buf) > bound:
                 return await refuse(send, 413, f"The request is over {bound / 1e6:.1f} MB, the limit "
                                                f"({hint('upload_bytes')}).")
+        body = bytes(buf)
         try:
-            paths = file_paths(json.loads(body)) if body else []
+            value = json.loads(body) if body else None
         except (ValueError, RecursionError):
-            paths = []  # not JSON: Gradio refuses it itself, and it names no file
+            value = None  # not JSON (or not JSON Gradio could read): Gradio refuses it itself; it names no file
+        try:
+            paths = file_paths(value)
+        except ValueError:
+            return await refuse(send, 400, "The request is nested too deeply.")
         for p in paths:
             if on_share or not studio.uploads.owns(p, owners):
                 return await refuse(send, 403, NOT_YOURS)
-        if path.endswith("/queue/join") or "/gradio_api/call/" in path:
+        if path.endswith("/queue/join") or "/gradio_api/call/" in path or "/gradio_api/run/" in path \
+                or "/gradio_api/api/" in path:
             waiting = self._waiting(owners)
             cap = studio.limits.queued_per_owner
             if cap and waiting >= cap:
