@@ -184,8 +184,8 @@ class KNNConfig(PluginConfig):
     search: str = setting("auto", "\"auto\" | \"exact\" | \"faiss\"", choices=("auto", "exact", "faiss"))
     exact_max_entries: int = setting(500_000)
     ivf_lists: int = setting(0, "0: about 4·√N", low=0, high=1000000)
-    pq_m: int = setting(64, "PQ sub-quantizers (must divide d; lowered automatically if not)", low=0, high=1024)
-    nprobe: int = setting(32)
+    pq_m: int = setting(64, "PQ sub-quantizers (must divide d; lowered automatically if not)", low=1, high=1024)
+    nprobe: int = setting(32, "IVF lists searched per query", low=1, high=1000000)
     normalize_keys: bool = setting(True)
     exact_rerank: bool = setting(True, "FAISS only: recompute the k neighbours' exact L2 distances (kNN-LM); off: "
                                        "the index's PQ distances (BENCHMARKS §3c measures the difference)")
@@ -202,6 +202,9 @@ class KNNConfig(PluginConfig):
 
     def validate(self) -> None:
         self._check(self.search in ("auto", "exact", "faiss"), "search must be auto, exact or faiss.")
+        self._check(self.pq_m >= 1, "pq_m (PQ sub-quantizers) must be ≥ 1.")
+        self._check(self.nprobe >= 1, "nprobe (IVF lists searched) must be ≥ 1.")
+        self._check(self.ivf_lists >= 0, "ivf_lists must be ≥ 0 (0: about 4·√N).")
 
 
 @register

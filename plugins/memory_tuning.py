@@ -7,7 +7,10 @@ is read is added to the block's representations — at the feed-forward network 
 and states MT-M as prefix tuning with l prefix tokens.
 
 Sizes (the paper's Table II, as the issue gives it: l = s = 16, k = 50): s is the slot size d_m (the paper's W_key
-and W_value are s × s), l the prefix length of MT-M, k the number of MT-F's memory slots per layer.
+and W_value are s × s), l the prefix length of MT-M, k the number of MT-F's memory slots per layer. Deviations from
+Table II, named: MT-F run alone keeps s = 16 where the table gives 32 (set ``slot_size=32``); MT-F's s × s matrices
+are W_key and W_value (2s², plus W_query, W_o and M) where the table counts 3r²; MT-M trains P̃ directly, without the
+table's prefix MLP reparametrisation (m = 768).
 
 MT-F, per layer (§III; the memory attention is unscaled — no 1/√s —, footnote 2):
 
@@ -113,8 +116,10 @@ class MemoryTuningConfig(NetworkConfig):
     variant: str = setting("MT-MF", "MT-F (FFN memory) | MT-M (attention memory = prefix tuning) | MT-MF (both)",
                            choices=("MT-F", "MT-M", "MT-MF"))
     slots: int = setting(50, "k: MT-F's memory slots per layer", low=1, high=4096)
-    slot_size: int = setting(16, "s = d_m: the size of a memory slot (W_key, W_value are s × s)", low=1, high=4096)
-    prefix_length: int = setting(16, "l: MT-M's prefix tokens per layer", low=1, high=4096)
+    slot_size: int = setting(16, "s = d_m: the size of a memory slot (W_key, W_value are s × s); Table II: 16 in "
+                                 "MT-MF, 32 for MT-F alone", low=1, high=4096)
+    prefix_length: int = setting(16, "l: MT-M's prefix tokens per layer (trained directly: no prefix MLP, Table "
+                                     "II's m = 768)", low=1, high=4096)
 
     PRESETS = {
         "paper": Preset({"variant": "MT-MF", "slots": 50, "slot_size": 16, "prefix_length": 16},

@@ -32,7 +32,8 @@ Decoding:
     CS starts at λ_max and falls by SS after each generated token; λ_t = CS² while CS > 0, else 0.
     ``gu_variant="code"`` is the public code's schedule (``generation/utils.py``, greedy search): the first token
     mixes with λ_max *unsquared*; after each token CS falls by SS only while CS − SS > 0, and then stays at its
-    last value SS (λ never reaches 0); λ_t = CS²/y + (y−1)/y with y = 1/(1 − p/100), p = ``gu_min`` (the code's
+    last value SS (in exact arithmetic, as here; the code's float32 takes one more step to CS ≈ 0 for about half of
+    the (λ_max, SL) pairs); λ_t = CS²/y + (y−1)/y with y = 1/(1 − p/100), p = ``gu_min`` (the code's
     ``gradual_unrolling_min`` percentage, default 0: λ_t = CS²), from the second token on. Differences: the code
     keeps one CS for the whole batch and decrements only while ``(CS − SS > 0).all()`` — here every row has its
     own schedule; the code subtracts in float32, here the count of decrements is exact. The code's SL is
@@ -175,8 +176,9 @@ class PEMA(Plugin):
     resumable = True
     resume_state: dict | None = None
     decode_settings = (
-        Setting("lambda_max", 0.8, "λ_max: P_PEMA's weight in the mix (with GU, at the first output token); paper "
-                "default 0.8", low=0.0, high=1.0, live=True, step=0.05, label="PEMA λ_max",
+        Setting("lambda_max", 0.8, "λ_max: P_PEMA's weight in the mix, at every token without GU; with GU (paper) "
+                "the first output token gets λ_max² and λ_t falls to 0 (the 'code' variant starts at λ_max itself); "
+                "paper default 0.8", low=0.0, high=1.0, live=True, step=0.05, label="PEMA λ_max",
                 grid=(0.1, 0.2, 0.3, 0.5, 0.7, 0.9), fine_grid=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 0.9)),
         Setting("gu", True, "Gradual Unrolling: λ_t falls from λ_max to 0 over the input sentence's length",
                 live=True, label="Gradual Unrolling", grid=(True, False)),
