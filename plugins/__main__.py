@@ -245,7 +245,7 @@ def _compare(args, cat) -> int:
 def plugin_status(row: dict) -> str:
     """How a plug-in's training ended, in the Plug-ins tab's words (``studio.plugin_service.training_status``):
     "converged: early stopping at 4 epochs", "stopped by time budget at 0.12 of 3 epochs — under-trained"."""
-    from studio.plugin_service import training_status
+    from studio.plugin_service import training_status  # heavy: the studio package, only for `plugins list`
 
     metrics = row.get("metrics")
     if isinstance(metrics, str):
