@@ -1,12 +1,12 @@
-"""The data owner's decode: ``plugins.decode``'s batch plan, mixing and token selection, with the backbone's forward
-passes run by the model owner in a decode session.
+"""The data owner's decode: ``plugins.decode``'s batch plan, steps and token selection (``decode_loop``), with the
+backbone's forward passes run by the model owner in a decode session.
 
 Per step the owner returns f(c) of every live row (and P_LM, by ``lm``); this side projects each output-level
 plug-in's extra states (PEMA's h_pd) through its own copy of the final norm and W_hd, lets the plug-in mix its rows
-(``Plugin.mix``: ``plugin_logprobs`` + ``mix_lambdas``, kNN's search over the private memory included), picks the
-tokens (``plugins.decode.Beams``: greedy, or beam search) and sends them back. With ``lm="none"`` the owner sends
-f(c) only and this side computes P_LM too, with ``plugins.decode.decode_step`` itself (the local arithmetic). The
-plug-ins never leave this side. In-network plug-ins cannot be offsite (they act inside the owner's decoder).
+(``plugins.decode.mix_step``: ``plugin_logprobs`` + ``mix_lambdas``, kNN's search over the private memory included),
+picks the tokens (greedy, or beam search) and sends them back. With ``lm="none"`` the owner sends f(c) only and this
+side computes P_LM too, with ``plugins.decode.decode_step`` itself (the local arithmetic). The plug-ins never leave
+this side. In-network plug-ins cannot be offsite (they act inside the owner's decoder).
 """
 from __future__ import annotations
 
@@ -20,19 +20,8 @@ from ground.errors import UserError
 from offsite.client import NOT_OFFSITE, RemoteBackbone
 from offsite.protocol import LM_MODES
 from plugins.api import plugin_folder
-from plugins.base import MixInput, Plugin, load_plugin
-from plugins.decode import (  # the local decode's result and trace builders, reused as is
-    Beams,
-    PrefixKV,
-    Row,
-    StepOutput,
-    _comparisons,
-    _mix_trace,
-    ban_repeated_ngrams,
-    decode_step,
-    plan_batch,
-    trace_item,
-)
+from plugins.base import Plugin, load_plugin
+from plugins.decode import PrefixKV, Row, decode_loop, plan_batch
 from plugins.registry import get_method
 
 
@@ -55,30 +44,6 @@ def open_offsite_plugin(ref: str, backbone, catalog=None) -> Plugin:
     return load_plugin(path, backbone)
 
 
-def _mix(backbone, batch, fc_last: torch.Tensor, lm_lp: torch.Tensor, step: int, trace: bool) -> StepOutput:
-    """``plugins.decode.decode_step`` with P_LM given (the owner's): each output-level plug-in's extra states go
-    through this side's final norm + W_hd, then the plug-in mixes its rows."""
-    N = batch.N
-    with torch.no_grad():
-        final = lm_lp.clone()
-        info: list[dict] = [{} for _ in range(N)]
-        for grp in batch.out:
-            rr = grp.rows
-            e = grp.plugin.extra_states(fc_last[rr], grp.settings)
-            ex_logits = None
-            if e is not None:
-                normed = backbone.final_norm(e.to(backbone.dtype))
-                vocab = grp.plugin.head_vocab()
-                ex_logits = backbone.head_logits(normed) if vocab is None \
-                    else backbone.head_logits_subset(normed, vocab)
-            mo = grp.plugin.mix(MixInput(fc=fc_last[rr], lm_logprobs=lm_lp[rr], extra_logits=ex_logits, step=step,
-                                         src_len=grp.src_lens, settings=grp.settings))
-            final[rr] = mo.logprobs
-            if trace:
-                _mix_trace(backbone, info, rr.tolist(), mo)
-    return StepOutput(lm_lp, final.cpu(), info)
-
-
 def compare_remote(backbone: RemoteBackbone, source: str, rows: list[Row], prompt: Prompt | None = None,
                    max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
                    context_ids: list[int] | None = None, use_prefix_cache: bool = True,
@@ -97,24 +62,15 @@ def compare_remote(backbone: RemoteBackbone, source: str, rows: list[Row], promp
     if max_new_tokens > limit:
         raise UserError(f"The model owner allows {limit - 1} decode steps per session: ask for at most {limit} new "
                         f"tokens.")
-    guard = int(batch.comparison.get("no_repeat_ngram", 0))
     ctx = batch.contexts[0]
     P = PrefixKV.shared_len(backbone, batch.prompt, source, ctx) if use_prefix_cache else 0
     N, B = batch.N, batch.B
-    beams = Beams(batch.S * batch.R, B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
-    steps = 0
     with backbone.client.open_session(ctx, rows=N, prefix_len=P, lm=lm) as session:
-        fc_last = session.fc.to(backbone.device, backbone.dtype).repeat(N, 1)
-        lm_lp = session.lm.float().to(backbone.device).repeat(N, 1) if session.lm is not None else None
-        for step in range(max_new_tokens):
-            steps = step + 1
-            out = decode_step(backbone, batch, fc_last, step, [] if trace else None) if lm_lp is None \
-                else _mix(backbone, batch, fc_last, lm_lp, step, trace)
-            if guard:
-                ban_repeated_ngrams(out.final, beams.tokens, guard)
-            next_tok, src = beams.select(out.final, trace_item(backbone, out) if trace else None)
-            if beams.all_done:
-                break
+        fc_first = session.fc.to(backbone.device, backbone.dtype).repeat(N, 1)
+        lm_first = session.lm.float().to(backbone.device).repeat(N, 1) if session.lm is not None else None
+
+        def forward(last, next_tok, src, beams):
+            fc_last, lm_lp = last
             live = [b for b in range(N) if not beams.done[b // B]]  # finished rows: pad goes in, nothing back
             fc_new, lm_new = session.step(next_tok.tolist(), src.tolist() if B > 1 else None, live)
             idx = torch.tensor(live, dtype=torch.long)
@@ -126,7 +82,9 @@ def compare_remote(backbone: RemoteBackbone, source: str, rows: list[Row], promp
             if lm_lp is not None:
                 lm_lp = lm_lp.clone()
                 lm_lp[idx] = lm_new.float().to(lm_lp.device)
-    return _comparisons(backbone, batch, beams, steps, time.time() - t0)[0]
+            return fc_last, lm_lp
+
+        return decode_loop(backbone, batch, (fc_first, lm_first), forward, max_new_tokens, trace, t0=t0)[0]
 
 
 def decode_batch_remote(backbone: RemoteBackbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,

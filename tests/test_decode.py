@@ -9,7 +9,17 @@ import torch
 
 from backbone.prompts import Prompt
 from plugins.api import new_plugin
-from plugins.decode import Beams, Row, _top, compare, decode_step, forward_step, plan_batch, prefill
+from plugins.decode import (
+    Beams,
+    Row,
+    compare,
+    decode_loop,
+    decode_step,
+    forward_step,
+    plan_batch,
+    prefill,
+    top_tokens,
+)
 from plugins.knn import KNN, KNNConfig
 
 PROMPT = Prompt.for_task("translation")
@@ -88,8 +98,8 @@ def test_one_step_equals_the_step_of_a_full_decode(tiny, tiny_memory):
                 want = row.trace[step]
                 assert int(out.final[b].topk(1).indices) == row.tokens[step], (row.label, step)
                 assert round(float(out.final[b, row.tokens[step]]), 4) == want["logprob"]
-                assert _top(out.final[b], tiny) == want["top_final"]
-                assert _top(out.lm_logprobs[b].cpu(), tiny) == want["top_lm"]
+                assert top_tokens(out.final[b], tiny) == want["top_final"]
+                assert top_tokens(out.lm_logprobs[b].cpu(), tiny) == want["top_lm"]
                 assert out.info[b] == {k: want[k] for k in out.info[b]}
             assert "lambda" in out.info[1] and "memory_attention" in out.info[2] and not out.info[0]
             nxt = torch.tensor([r.tokens[step] if step < len(r.tokens) else 0 for r in full.rows])
@@ -98,6 +108,32 @@ def test_one_step_equals_the_step_of_a_full_decode(tiny, tiny_memory):
         for h in handles:
             h.remove()
     assert not any(m._forward_hooks for m in tiny.model.modules())
+
+
+@pytest.mark.parametrize("beams,guard", [(1, 0), (2, 2)])
+def test_decode_loop_around_the_local_forward_pass_decodes_as_compare(tiny, tiny_memory, beams, guard):
+    """``decode_loop`` takes the forward pass as a function (offsite's remote backbone); around the local one
+    (``prefill`` + ``forward_step``) it decodes what ``compare`` decodes."""
+    knn = KNN(KNNConfig(), tiny)
+    knn.fit(tiny_memory)
+    rows = [Row("base"), Row("knn", knn, {"k": 4, "lambda": 0.3})]
+    full = compare(tiny, SOURCE, rows, PROMPT, max_new_tokens=6, num_beams=beams, use_prefix_cache=False,
+                   no_repeat_ngram=guard)
+    batch = plan_batch(tiny, [SOURCE], rows, PROMPT, beams, comparison={"no_repeat_ngram": guard})
+    fc, cache, mask, _ = prefill(tiny, batch, use_prefix_cache=False)
+    state = {"cache": cache, "mask": mask}
+
+    def forward(last, next_tok, src, beams_):
+        assert last[1] is None  # P_LM is computed from f(c) by the loop itself
+        fc_next, state["cache"], state["mask"] = forward_step(tiny, state["cache"], state["mask"], next_tok,
+                                                              src if batch.B > 1 else None)
+        return fc_next, None
+
+    got = decode_loop(tiny, batch, (fc, None), forward, max_new_tokens=6)[0]
+    for a, b in zip(got.rows, full.rows):
+        assert a.tokens == b.tokens and a.text == b.text and a.settings == b.settings, a.label
+        assert a.score == pytest.approx(b.score, abs=2e-4), a.label
+        assert [e["token"] for e in a.trace] == [e["token"] for e in b.trace], a.label
 
 
 # --- traces by handle ------------------------------------------------------------------------------------------------

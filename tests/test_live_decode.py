@@ -220,7 +220,7 @@ def test_the_compact_layout_decodes_as_one_row_per_batch_row(tiny, plugins, monk
     monkeypatch.setattr(tiny, "forward_fc", lambda ids, **k: widths.append(ids.shape[0]) or inner(ids, **k))
     results = {}
     for on in (False, True):
-        monkeypatch.setattr(decode, "COMPACT_ROWS", {"on": on})
+        monkeypatch.setitem(decode.COMPACT_ROWS, "on", on)
         widths.clear()
         results[on] = decode_batch(tiny, srcs, rows, PROMPT, max_new_tokens=14, num_beams=beams, no_repeat_ngram=guard)
         if on:

@@ -487,7 +487,7 @@ def test_vocabulary_wide_row_operations_of_a_step_take_every_thread_with_the_sam
     once it is large (``VOCAB_WIDE_ELEMENTS``; lowered here for the tiny vocabulary), and the comparison is bit for
     bit the one-thread one."""
     from backbone import model as model_module
-    from plugins import decode as decode_module
+    from plugins.decode import beams as decode_module  # the token selection's top-k
 
     seen: list[int] = []
     real_top_k = decode_module.top_k

@@ -1,0 +1,308 @@
+"""The decode engines: ``BatchDecode``, the local one (the backbone's forward pass in this process, one step at a
+time: streaming, cancelling, the compact layout, a kept decode for slider moves), behind ``compare`` /
+``decode_batch`` / ``start_compare``; and ``decode_loop``, the same steps around a forward pass given as a function
+(a remote backbone's: ``offsite.decode``)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from backbone.model import Backbone, relayout_kv_rows, small_work_threads
+from backbone.prompts import Prompt
+from plugins.decode.batch import Batch, NetGroup, plan_batch
+from plugins.decode.beams import Beams, ban_repeated_ngrams
+from plugins.decode.forward import forward_step, prefill
+from plugins.decode.live import KEEP_TOP, LiveComparison, StepRecords, cache_view
+from plugins.decode.results import Comparison, Row, row_result
+from plugins.decode.step import StepOutput, decode_step, mix_step, trace_item
+
+COMPACT_ROWS = {"on": True}  # BatchDecode's compact layout; benchmarks and tests switch it off to compare
+
+
+def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seconds: float) -> list[Comparison]:
+    """One Comparison per source of a decode whose token selection is ``beams``: each row's best hypothesis."""
+    out = []
+    for s_i, source in enumerate(batch.sources):
+        results = []
+        for r_i, row in enumerate(batch.rows):
+            score, toks, tr = beams.best(s_i * batch.R + r_i)
+            results.append(row_result(backbone, row, toks, tr, {**batch.settings[r_i], **batch.comparison}, score))
+        out.append(Comparison(source=source, context_ids=batch.contexts[s_i], src_len=batch.src_lens[s_i],
+                              rows=results, seconds=seconds, steps=steps, num_beams=batch.B, backbone=backbone.name))
+    return out
+
+
+def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,
+            max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
+            context_ids: list[int] | None = None, use_prefix_cache: bool = True,
+            no_repeat_ngram: int | None = None) -> Comparison:
+    """Decode ``source`` with every row at once and return each row's text, tokens and per-token trace."""
+    return decode_batch(backbone, [source], rows, prompt, max_new_tokens, num_beams, trace,
+                        [context_ids] if context_ids else None, use_prefix_cache, no_repeat_ngram)[0]
+
+
+def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
+                 max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
+                 contexts: list[list[int]] | None = None, use_prefix_cache: bool = True,
+                 no_repeat_ngram: int | None = None, ref_lens: list[int] | None = None) -> list[Comparison]:
+    """Decode several sources × every row in one batch (left-padded prompts); one Comparison per source.
+
+    A single source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
+    earlier decode with the same prefill groups (``PREFIX_KV``), so only the source's own tokens are prefilled.
+
+    Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j (``Batch``). Left padding is masked
+    out; rotary position offsets cancel in attention scores, so a padded row computes what it would alone (up to
+    float rounding).
+
+    Repetition guard (``no_repeat_ngram``, a comparison setting: ``plugins.settings.COMPARISON_SETTINGS``; given
+    here or in any row's settings): no row may repeat an n-gram of its own output tokens — every row alike, the
+    base model's included. Off (0) by default.
+
+    ``ref_lens``: per source, the token length of its reference — evaluation only, for plug-ins whose schedule
+    the public code ties to the reference (PEMA's GU ``gu_variant="code"``, ``MixInput.ref_len``); a decode
+    without references leaves it None.
+
+    The loop itself is ``BatchDecode`` (one step at a time: streaming and cancelling between steps).
+    """
+    t0 = time.time()
+    batch = plan_batch(backbone, sources, rows, prompt, num_beams, contexts,
+                       {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram}, ref_lens)
+    return BatchDecode(backbone, batch, max_new_tokens, trace, use_prefix_cache, t0=t0).run()
+
+
+class BatchDecode:
+    """``decode_batch`` one step at a time. ``step()`` runs the next step (the prefill first) and says whether the
+    decode goes on; ``partial()`` is every row's output so far (streaming), ``result()`` the comparisons, ``run()``
+    all steps. To cancel, stop calling ``step()``: no hook stays attached between two steps (in-network plug-ins
+    attach for each forward pass only, a step putting back the hooks the previous one took off: the same functions,
+    rows, settings and products derived from the plug-in's weights, which a decode reads as they were at its first
+    step), so the backbone is free for others between steps.
+
+    Compact layout (``COMPACT_ROWS``): the forward pass, the KV cache and the LM head's P_LM hold one row per
+    *distinct live* batch row, not one per batch row. Rows of one prefill group (the base row, PEMA and kNN: no
+    in-network plug-in) compute the very same hidden states while their tokens agree, so they share a row until
+    their tokens part; a finished row leaves the forward pass (rows finish at different steps, and the decode runs
+    until the last one does). ``phys[b]`` is batch row ``b``'s row; the cache is re-laid out (one row selection)
+    only at a step where a row parts or finishes. A row computes what it computes in a batch of any other size —
+    bit for bit where the linears pad their products for steady bits (packed bfloat16, float16 weight-only), else to
+    the rounding of a product over another row count (float32's BLAS): the same tokens (tested on the tiny model; on
+    Gemma, BENCHMARKS §3: ``eval.bench rows``' whole comparisons).
+
+    ``keep=True`` (one source, greedy): also record, per row and step, what a slider move needs
+    (``StepRecords``), and keep each row's KV cache (``row_cache``) — ``live()`` is then the comparison's
+    ``LiveComparison``. ``resume()`` starts from a kept state (a slider move's re-decode of the rows that
+    change)."""
+
+    def __init__(self, backbone: Backbone, batch: Batch, max_new_tokens: int = 64, trace: bool = True,
+                 use_prefix_cache: bool = True, keep: bool = False, t0: float | None = None):
+        self.t0 = time.time() if t0 is None else t0
+        self.backbone, self.batch = backbone, batch
+        self.max_new_tokens, self.trace, self.use_prefix_cache = int(max_new_tokens), trace, use_prefix_cache
+        self.guard = int(batch.comparison.get("no_repeat_ngram", 0))
+        self.keep = keep and batch.S == 1 and batch.B == 1
+        self.compact = COMPACT_ROWS["on"]
+        self.beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
+        self.step_no = 0  # the next step's index
+        self.fc_last = self.cache = self.mask = None  # per row of the cache (compact: ``phys``), else per batch row
+        self.phys: torch.Tensor | None = None  # compact layout: batch row → its row of the cache and of fc_last
+        self.phys_list: list[int] = []  # the same as a list (no device round trip per use)
+        self.finished_caches: dict[int, tuple] = {}  # keep: batch row → (cache, row) as it was when it finished
+        self.prefill_handles: list[list] = [[] for _ in batch.net]
+        self.net_handles: list[list] = [[] for _ in batch.net]  # per in-network group: its latest forward's
+        # per in-network group: (the rows its step hooks act on, the position there of each of its batch rows)
+        self.net_rows: list[tuple] = [(None, None) for _ in batch.net]
+        self.forwards = 0  # backbone forward passes run (the prefill counts as one)
+        self.finished = False
+        self.seconds = 0.0
+        self.records: dict[int, StepRecords] = {}
+
+    def resume(self, step: int, fc_last: torch.Tensor, cache, tokens: list[list[int]], traces: list[list[dict]],
+               scores: list[float]) -> "BatchDecode":
+        """Start at ``step`` (one source, greedy): every row's f(c) at that step, its KV cache up to the step, its
+        tokens, trace entries and float32 score so far."""
+        self.step_no, self.fc_last, self.cache = step, fc_last, cache
+        dev = self.backbone.device
+        self.mask = torch.ones((len(tokens), len(self.batch.contexts[0]) + step), dtype=torch.long, device=dev)
+        if self.compact:
+            self._set_layout(list(range(len(tokens))))
+        self.beams.tokens = [list(t) for t in tokens]
+        self.beams.traces = [list(t) for t in traces]
+        self.beams.scores = torch.tensor(scores, dtype=torch.float32).reshape(len(tokens), 1)
+        return self
+
+    def row_fc(self, b: int) -> torch.Tensor:
+        """Batch row ``b``'s f(c) at the current step."""
+        return self.fc_last[b if self.phys is None else self.phys_list[b]]
+
+    def row_cache(self, b: int) -> tuple:
+        """(the KV cache holding batch row ``b``, its row in it): a finished row's as it was when it finished."""
+        if b in self.finished_caches:
+            return self.finished_caches[b]
+        return self.cache, b if self.phys is None else self.phys_list[b]
+
+    def step(self) -> bool:
+        if self.finished:
+            return False
+        bb, batch = self.backbone, self.batch
+        if self.cache is None:
+            self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(
+                bb, batch, self.use_prefix_cache, self.trace, expand=not self.compact)
+            if self.compact:
+                self._set_layout([batch.prefill_row(b) for b in range(batch.N)])
+            self.forwards += 1
+        step = self.step_no
+        attached = [(grp, self.net_handles[g], self.prefill_handles[g], self.net_rows[g][1])
+                    for g, grp in enumerate(batch.net)] if self.trace else None
+        out = decode_step(bb, batch, self.fc_last, step, attached, keep_plugin=self.keep, phys=self.phys)
+        with torch.no_grad(), small_work_threads():
+            if self.guard:
+                ban_repeated_ngrams(out.final, self.beams.tokens, self.guard)
+            if self.keep:
+                for r, plug in out.plugin.items():
+                    if not self.beams.done[r]:
+                        rec = self.records.setdefault(r, StepRecords())
+                        rec.add(self.row_fc(r), out.lm(r), plug, min(KEEP_TOP, plug.shape[-1]))
+            next_tok, src = self.beams.select(out.final, trace_item(bb, out) if self.trace else None)
+        self.step_no = step + 1
+        if self.beams.all_done or self.step_no >= self.max_new_tokens:
+            self.finished, self.seconds = True, time.time() - self.t0
+            return False
+        if self.phys is not None:
+            with torch.no_grad(), small_work_threads():  # row copies: parallel regions that would wake a thread
+                next_tok = self._relayout(next_tok, src)
+            src = None
+        handles: list = []
+        try:
+            for g, grp in enumerate(batch.net):  # hooks on for this forward pass only: the last step's put back
+                rows, where = self._group_rows(g, grp)
+                if rows is None:
+                    continue
+                kept, key = self.net_handles[g], rows.tolist()
+                if not (kept and self.net_rows[g][0] == key
+                        and all(hasattr(h, "resume") and h.resume() for h in kept)):
+                    for h in kept:
+                        h.remove()
+                    self.net_handles[g] = grp.plugin.attach(rows, grp.settings, trace=self.trace)
+                self.net_rows[g] = (key, where)
+                handles += self.net_handles[g]
+            self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
+                                                               src if batch.B > 1 else None, padded=batch.S > 1)
+        finally:
+            for h in handles:
+                if not (hasattr(h, "suspend") and h.suspend()):
+                    h.remove()
+        self.forwards += 1
+        return True
+
+    def _relayout(self, next_tok: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """The compact layout of the next forward pass: one row per distinct (row it continues, next token) among
+        the live batch rows; the cache (and mask) re-laid out when that is not the current one. A row keeps its
+        place while one of its continuations lives (the first in batch-row order) and the others are appended, so
+        that rows parting copy only the parted rows' caches (``relayout_kv_rows``). Returns the next token per row
+        of the new layout."""
+        B, dev = self.batch.B, self.backbone.device
+        old = self.phys_list
+        live = {b: (old[s], tok) for b, (s, tok) in enumerate(zip(src.tolist(), next_tok.tolist()))
+                if not self.beams.done[b // B]}
+        distinct = list(dict.fromkeys(live.values()))  # (old row, token), in batch-row order
+        stays = {}
+        for key in distinct:
+            stays.setdefault(key[0], key)
+        order = [stays[r] for r in sorted(stays)] + [key for key in distinct if stays[key[0]] != key]
+        at = {key: i for i, key in enumerate(order)}
+        phys = [at[live[b]] if b in live else 0 for b in range(len(old))]  # a finished row's entry is never read
+        if self.keep:  # a row that finished leaves the layout: keep its cache as it is (the tensors are not copied)
+            gone = [b for b in range(len(old)) if self.beams.done[b // B] and b not in self.finished_caches]
+            if gone:
+                snapshot = cache_view(self.cache)
+                self.finished_caches.update({b: (snapshot, old[b]) for b in gone})
+        gather = [r for r, _ in order]
+        if gather != list(range(self.mask.shape[0])):
+            relayout_kv_rows(self.cache, gather, row_capacity=len(live))
+            self.mask = self.mask[torch.tensor(gather, device=dev)]
+        self._set_layout(phys)
+        return torch.tensor([tok for _, tok in order], dtype=torch.long)
+
+    def _set_layout(self, phys: list[int]) -> None:
+        self.phys_list = phys
+        self.phys = torch.tensor(phys, device=self.backbone.device)
+
+    def _group_rows(self, g: int, grp: NetGroup) -> tuple:
+        """(the rows in-network group ``g``'s hooks act on in the next forward pass — None: none live —, for a
+        compact layout the position there of each of the group's batch rows)."""
+        if self.phys is None:
+            return grp.rows, None
+        B = self.batch.B
+        members = grp.rows.tolist()
+        live = [b for b in members if not self.beams.done[b // B]]
+        if not live:
+            return None, None
+        rows = sorted({self.phys_list[b] for b in live})
+        at = {p: j for j, p in enumerate(rows)}
+        return (torch.tensor(rows, device=self.backbone.device),
+                [at[self.phys_list[b]] if not self.beams.done[b // B] else None for b in members])
+
+    def run(self) -> list[Comparison]:
+        while self.step():
+            pass
+        return self.result()
+
+    def partial(self) -> list[Comparison]:
+        return comparisons(self.backbone, self.batch, self.beams, self.step_no, time.time() - self.t0)
+
+    def result(self) -> list[Comparison]:
+        return comparisons(self.backbone, self.batch, self.beams, self.step_no,
+                            self.seconds if self.finished else time.time() - self.t0)
+
+    def live(self) -> "LiveComparison | None":
+        """The finished kept decode as a ``LiveComparison`` (None without ``keep``)."""
+        return LiveComparison(self) if self.keep and self.finished else None
+
+
+Forward = Callable[[tuple, torch.Tensor, torch.Tensor, Beams], tuple]
+
+
+def decode_loop(backbone: Backbone, batch: Batch, first: tuple, forward: Forward, max_new_tokens: int = 64,
+                trace: bool = True, t0: float | None = None) -> list[Comparison]:
+    """Decode a planned ``batch`` (one row per batch row, no in-network plug-in) with the forward pass given:
+    ``first`` is (f(c) per batch row, log P_LM per batch row or None) after the prompt, and ``forward(last,
+    next_tok, src, beams)`` returns the same after one more token per batch row (``src``: the batch row each beam
+    continues; ``beams.done``: the rows that finished). Where log P_LM is None it is computed here from f(c)
+    (``decode_step``), else the plug-ins mix into it (``mix_step``); the repetition guard, the token selection and
+    the results are the local decode's."""
+    t0 = time.time() if t0 is None else t0
+    guard = int(batch.comparison.get("no_repeat_ngram", 0))
+    beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
+    last = first
+    steps = 0
+    for step in range(max_new_tokens):
+        steps = step + 1
+        fc_last, lm_lp = last
+        out: StepOutput = decode_step(backbone, batch, fc_last, step, [] if trace else None) if lm_lp is None \
+            else mix_step(backbone, batch, fc_last, lm_lp, step, trace)
+        if guard:
+            ban_repeated_ngrams(out.final, beams.tokens, guard)
+        next_tok, src = beams.select(out.final, trace_item(backbone, out) if trace else None)
+        if beams.all_done:
+            break
+        last = forward(last, next_tok, src, beams)
+    return comparisons(backbone, batch, beams, steps, time.time() - t0)
+
+
+def start_compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,
+                  max_new_tokens: int = 64, num_beams: int = 1, no_repeat_ngram: int | None = None,
+                  live: LiveComparison | None = None, trace: bool = True):
+    """A comparison of one source to run step by step (``step()`` until it returns False; ``partial()`` and
+    ``result()``: one Comparison in a list; ``forwards``: backbone passes run): the re-decode of what changed when
+    ``live`` (the previous comparison, kept) is this one with other row settings, else a full decode that keeps what the
+    next move needs (greedy, one source)."""
+    t0 = time.time()
+    batch = plan_batch(backbone, [source], rows, prompt, num_beams, None,
+                       {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram})
+    if live is not None:
+        mv = live.move(backbone, batch, max_new_tokens)
+        if mv is not None:
+            return mv
+    return BatchDecode(backbone, batch, max_new_tokens, trace, keep=True, t0=t0)
