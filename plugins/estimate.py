@@ -3,7 +3,8 @@
 ``backbone/training_throughput.json`` holds, per backbone and method, what a short run of each method measured on
 this kind of machine (``python -m plugins.estimate measure``): training units per second (memory *entries* for
 PEMA and kNN, *samples* — sequences — for the in-network methods), the fixed costs before the loop (candidate
-vocabulary, calibration, LoRA's precomputation per sample, the memory adapter's phrase memory) and, where a run to
+vocabulary, calibration, each batch's preparation per sample — the frozen prompt prefix and layers below the
+plug-in, done the first time a batch is used —, the memory adapter's phrase memory) and, where a run to
 convergence was measured, the epochs early stopping took. ``estimate`` turns that into one line for the training
 form and the CLI, e.g. "≈ 6 min to converge (≈ 12 epochs); your budget of 5 min stops at ≈ 0.8 epochs —
 under-trained".
@@ -138,7 +139,7 @@ def estimate(method: str, config: dict | None, backbone_name: str, samples: int,
         pre_s = (sizes["train_samples"] + sizes["stop_samples"]) / rec["precompute_samples_per_s"] \
             if rec.get("precompute_samples_per_s") else 0.0
         loop_budget = budget_s
-        if method == "lora" and budget_s:  # LoRA's budget covers its precomputation (plugins/lora.py)
+        if budget_s and pre_s:  # the budget covers each batch's preparation (inside the loop: plugins/network.py)
             loop_budget = max(budget_s - pre_s, 15.0)
         setup_s += pre_s
         steps_per_epoch = max(1, math.ceil(sizes["train_samples"] / cfg.batch_size))
@@ -203,13 +204,17 @@ def throughput_record(method: str, plugin, history: list[dict], wall_s: float, m
                 "setup_s": round(max(0.0, wall_s - rct["seconds"] - joint["seconds"]), 1),
                 "batch_size": cfg.batch_size, "candidates": info.get("candidates")}
     per_step = cfg.batch_size
-    if method == "lora" and info.get("epochs"):  # LoRA's steps are fixed mini-batches of similar-length samples
+    if info.get("epochs") and info.get("steps"):  # steps are fixed mini-batches of similar-length samples
         per_step = info["train_samples"] * info["epochs"] / max(1, info["steps"])
-    out = {"samples_per_s": _loop_rate(info, history, per_step, info["early_stop_samples"]),
+    # each batch is prepared (the frozen prefix and layers below the plug-in) the first time it is used, inside the
+    # loop: the rate is the loop's time without it, the preparation a rate of its own
+    pre = info.get("prepare_seconds", info.get("precompute_seconds"))
+    loop = {**info, "seconds": max(1e-3, info["seconds"] - (pre or 0.0))} if "prepare_seconds" in info else info
+    out = {"samples_per_s": _loop_rate(loop, history, per_step, info["early_stop_samples"]),
            "batch_size": cfg.batch_size}
-    pre = info.get("precompute_seconds")
     if pre:
-        out["precompute_samples_per_s"] = _sig((info["train_samples"] + info["early_stop_samples"]) / pre)
+        prepared = info["train_samples"] * min(1.0, info.get("epochs") or 1.0) + info["early_stop_samples"]
+        out["precompute_samples_per_s"] = _sig(prepared / pre)
     mem_s = info.get("seconds_memory")
     if mem_s is not None:  # the phrase memory: back-translations (``max_translate`` of them) + the rest
         phr = info.get("phrase_memory") or {}
@@ -217,7 +222,8 @@ def throughput_record(method: str, plugin, history: list[dict], wall_s: float, m
         out["memory_s"] = round(max(0.0, mem_s - bt_s), 1)
         if translated and bt_s:
             out["translations_per_s"] = _sig(translated / bt_s)
-    out["setup_s"] = round(max(0.0, wall_s - info["seconds"] - (pre or 0.0) - (mem_s or 0.0)), 1)
+    inside = 0.0 if "prepare_seconds" in info else (pre or 0.0)  # older runs prepared before the loop
+    out["setup_s"] = round(max(0.0, wall_s - info["seconds"] - inside - (mem_s or 0.0)), 1)
     return out
 
 

@@ -87,7 +87,7 @@ class LoRAConfig(NetworkConfig):
     dropout: float = setting(0.0, "LoRA dropout on the projection's input (peft ``lora_dropout``)", low=0.0, high=0.99)
     lr: float = setting(1e-2, "Adam; the PEMA paper's LoRA baseline uses 1e-3 (preset \"paper\"), 1e-2 measured "
                                 "better on WMT dev at equal steps (BENCHMARKS §5e)", low=0.0, low_open=True, high=1.0)
-    max_epochs: int = setting(10, "steps are cheap: only the last layer and the LM head run", low=0, high=1000)
+    max_epochs: int = setting(3, "steps are cheap: only the last layer and the LM head run", low=0, high=1000)
 
     PRESETS = {
         "paper": Preset({"rank": 512, "alpha": 1.0, "lr": 1e-3, "batch_size": 16, "softmax": "full"},

@@ -142,15 +142,19 @@ class MemoryAdapterConfig(NetworkConfig):
         10, "linear warmup steps of the \"cosine\" schedule (paper: 100 of up to 50k updates; a CPU run here has a "
         "few hundred at most)", low=0, high=100000)
     batch_size: int = setting(4, "sequences per step (each runs twice: full and dropped memory)", low=1, high=65536)
-    max_epochs: int = setting(5, low=0, high=1000)
-    patience: int = setting(2, "held-out evaluations without improvement before stopping", low=0, high=1000)
+    max_epochs: int = setting(2, low=0, high=1000)
+    patience: int = setting(
+        4, "held-out evaluations without improvement before stopping (with 4 evaluations an epoch: at least one "
+           "epoch)", low=0, high=1000)
     max_heldout: int = setting(
         16, "held-out sequences used for early stopping (a seeded random subset)", low=1, high=100000)
-    max_minutes: float = setting(4.0, "wall-clock budget of the training loop (0 = none)", low=0.0, high=1440.0)
+    max_minutes: float = setting(
+        60.0, "wall-clock cap of the training loop (0 = none); the epochs and early stopping end a default run "
+              "before it", low=0.0, high=1440.0)
     candidate_contexts: int = setting(1024, "\"candidates\": how many memory contexts to sample", low=0, high=1000000)
     # this method's own
     eval_every: int = setting(
-        5, "steps between held-out evaluations (0: evals_per_epoch per epoch)", low=0, high=100000)
+        0, "steps between held-out evaluations (0: evals_per_epoch per epoch)", low=0, high=100000)
     temperature: float = setting(0.5, "T of the memory attention (paper 0.5)", low=0.01, high=100.0)
     alpha: float = setting(5.0, "weight of the NLL with dropped memory (paper 5)", low=0.0, high=1e6)
     beta: float = setting(5.0, "weight of the symmetric KL (paper 5)", low=0.0, high=1e6)

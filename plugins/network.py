@@ -50,7 +50,7 @@ class NetworkConfig(PluginConfig):
 
     lr: float = setting(1e-3, "Adam, β (0.9, 0.999), eps 1e-8", low=0.0, low_open=True, high=1.0)
     batch_size: int = setting(8, "samples (sequences) per step", low=1, high=65536)
-    max_epochs: int = setting(3, low=0, high=1000)
+    max_epochs: int = setting(2, "training ends here or by early stopping, whichever comes first", low=0, high=1000)
     patience: int = setting(
         4, "held-out evaluations without improvement before stopping (4 = an epoch)", low=0, high=1000)
     evals_per_epoch: int = setting(
@@ -59,7 +59,9 @@ class NetworkConfig(PluginConfig):
         32, "early stopping uses a seeded tenth of the memory's training samples, at most this many (their eval is "
             "slow); the memory's held-out samples are never used in training", low=1, high=100000)
     lr_schedule: str = setting("constant", "\"constant\" | \"cosine\"", choices=("constant", "cosine"))
-    max_minutes: float = setting(5.0, "wall-clock training budget (0 = none)", low=0.0, high=1440.0)
+    max_minutes: float = setting(
+        60.0, "wall-clock cap (0 = none); the epochs and early stopping end a default run on two CPU cores before it "
+              "(a budget in minutes makes a result depend on the machine's load)", low=0.0, high=1440.0)
     softmax: str = setting("full", "\"full\" (exact NLL) | \"candidates\" (fast: softmax over a candidate vocabulary)",
                            choices=("full", "candidates"))
     candidate_top_k: int = setting(

@@ -107,7 +107,7 @@ def test_estimate_says_when_the_budget_stops_before_convergence():
 
     # 1,000 samples: max_heldout = 32 set aside for early stopping, 968 trained on; 8 per step → 121 steps, an
     # evaluation every ceil(121 / 4) = 31 steps
-    est = estimate("adapter", {"max_minutes": 5}, "bb", 1000, 30000, table=TABLE)
+    est = estimate("adapter", {"max_minutes": 5, "max_epochs": 3}, "bb", 1000, 30000, table=TABLE)
     epoch_s = 968 + 121 / 31 * 32 * EVAL_COST
     assert est["loops"][0]["epoch_s"] == pytest.approx(epoch_s, abs=0.01)
     assert est["loops"][0]["epochs"] == 3 and not est["loops"][0]["converge_measured"]  # max_epochs: an upper bound
