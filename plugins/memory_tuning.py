@@ -40,7 +40,7 @@ Mechanism: a forward pre-hook on ``layers[l].self_attn`` hands the attention a s
 attention mask with l more columns (``prefixed_mask``); the KV cache itself never holds the prefix. In training (all
 rows, no cache) that is the attention's one pass. In a comparison batch, where only this method's rows may see the
 prefix, every other row must stay bit-identical: at a decode step on the CPU decode attention (bfloat16 or float32,
-``backbone.model.RowKeys``) the attention itself computes the other rows as usual and then, for this method's rows,
+``plugins.row_keys.RowKeys``) the attention itself computes the other rows as usual and then, for this method's rows,
 the attention over [P_k; K] with [log σ; mask] from the same scores — as the mixture above, (1 − λ)·(the row's own
 attention, already computed) + λ·softmax(c·q·P_kᵀ + log σ)·P_v with λ the prefix's share of the joint softmax, so its
 values are not copied behind the prefix at every step (the trace's last layer keeps the joint softmax itself) — one
@@ -81,7 +81,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from backbone.model import CPU_DECODE_ATTENTION, RowKeys
+from backbone.model import CPU_DECODE_ATTENTION, ROW_ATTENTION
 from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.network import (
@@ -98,6 +98,7 @@ from plugins.network import (
     sub_batch,
 )
 from plugins.registry import register
+from plugins.row_keys import RowKeys
 from plugins.seqtrain import SeqData, collate
 from plugins.settings import Preset, setting
 
@@ -402,14 +403,14 @@ class MemoryTuning(NetworkPlugin):
                     and x.device.type == "cpu"):
                 # … unless the CPU decode attention reads the prefix for this method's rows itself
                 # (set in the module's __dict__: nn.Module's __setattr__ costs more than the rest of this hook)
-                call["row_keys"] = mod.__dict__["pema_row_keys"] = RowKeys(att.rows, *decode_prefix, log_sigma,
+                call["row_keys"] = mod.__dict__[ROW_ATTENTION] = RowKeys(att.rows, *decode_prefix, log_sigma,
                                                                            lambda: att.live, keep_probs=trace)
             return args, {**kwargs, "past_key_values": call["kv"]}
 
         def post(mod, args, kwargs, output):
             kv, row_keys = call.pop("kv", None), call.pop("row_keys", None)
             if row_keys is not None:
-                mod.__dict__["pema_row_keys"] = None
+                mod.__dict__[ROW_ATTENTION] = None
                 if row_keys.done:  # the attention read the prefix for these rows: nothing to re-run
                     if trace and row_keys.probs is not None:
                         got = self._trace_from_probs(row_keys.probs, n_prefix)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-import backbone.model as bm
+import backbone.loading as loading
 from backbone.model import FLOAT16_MAX, FLOAT16_SAFE, check_float16_range, load_backbone, residual_peak
 from backbone.tiny import tiny_backbone
 from ground.errors import UserError
@@ -73,7 +73,7 @@ def test_load_backbone_refuses_full_float16_and_keeps_the_cpus_weight_only_float
         with torch.no_grad():
             fc, _ = bb.forward_fc(ids)
             assert torch.isfinite(bb.logits_from_fc(fc[:, -1])).all(), dtype
-    real = bm._dtype
-    monkeypatch.setattr(bm, "_dtype", lambda dtype, dev: torch.float16 if dtype == "float16" else real(dtype, dev))
+    real = loading._dtype
+    monkeypatch.setattr(loading, "_dtype", lambda dtype, dev: torch.float16 if dtype == "float16" else real(dtype, dev))
     with pytest.raises(UserError, match="--dtype bfloat16"):
         load_backbone(str(tmp_path / "big"), device="cpu", dtype="float16")

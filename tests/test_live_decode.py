@@ -1,4 +1,4 @@
-"""Slider moves that re-decode only what changed, and streamed decodes (issue #18), on the tiny backbone.
+"""Slider moves that re-decode only what changed, and streamed decodes, on the tiny backbone.
 
 The reuse path (``plugins.decode.LiveComparison``) must give, token for token, what a full re-decode gives, for
 every live setting of every method that has live settings, over many random moves; a move that changes no token

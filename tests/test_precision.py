@@ -1,5 +1,5 @@
-"""Lower-precision weights (issue 18): bfloat16 and int8 paths run and stay close to float32, float32 is untouched,
-the precision is recorded with every memory and a memory or plug-in of another precision is refused."""
+"""Lower-precision weights: the bfloat16, int8 and float16 weight-only paths run and stay close to float32, float32 is
+untouched, the precision is recorded with every memory and a memory or plug-in of another precision is refused."""
 import pytest
 import torch
 from torch import nn
@@ -346,9 +346,9 @@ def test_precision_choice(monkeypatch):
     with pytest.raises(UserError, match="GPU"):
         resolve_precision("int8", "cuda")
     assert resolve_precision("fp16", "cpu") == resolve_precision("float16", "cuda") == "float16"
-    import backbone.model as model
+    import backbone.precision as precision
 
-    monkeypatch.setattr(model, "fp16_weight_available", lambda: False)  # no FBGEMM (e.g. an ARM CPU): said so
+    monkeypatch.setattr(precision, "fp16_weight_available", lambda: False)  # no FBGEMM (e.g. an ARM CPU): said so
     with pytest.raises(UserError, match="FBGEMM.*--dtype float32"):
         set_precision(tiny_backbone().model, "float16")
 
@@ -486,7 +486,7 @@ def test_vocabulary_wide_row_operations_of_a_step_take_every_thread_with_the_sam
     """Inside a step's one-thread small work, the token selection's top-k over rows × vocabulary takes every thread
     once it is large (``VOCAB_WIDE_ELEMENTS``; lowered here for the tiny vocabulary), and the comparison is bit for
     bit the one-thread one."""
-    from backbone import model as model_module
+    from backbone import threads as threads_module
     from plugins.decode import beams as decode_module  # the token selection's top-k
 
     seen: list[int] = []
@@ -505,7 +505,7 @@ def test_vocabulary_wide_row_operations_of_a_step_take_every_thread_with_the_sam
         a = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4, trace=False)
         assert seen and set(seen) == {1}
         seen.clear()
-        monkeypatch.setattr(model_module, "VOCAB_WIDE_ELEMENTS", 2 * tiny.vocab_size)
+        monkeypatch.setattr(threads_module, "VOCAB_WIDE_ELEMENTS", 2 * tiny.vocab_size)
         b = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4, trace=False)
         assert seen and set(seen) == {2}
         assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
@@ -678,7 +678,7 @@ def test_a_kernel_whose_rows_change_bits_with_the_row_count_is_reported_at_load(
     does not (another CPU's) is named in a warning at load instead of decoding rows differently unannounced."""
     import logging
 
-    from backbone import model as M
+    from backbone import kernels as M
 
     for d_in, d_out in ((640, 1024), (2048, 640), (640, 4096)):
         assert PackedBF16Linear(nn.Linear(d_in, d_out, bias=False, dtype=torch.bfloat16))._check_rows_invariant()
@@ -893,7 +893,7 @@ def test_float32_activations_decode_alike_with_the_growing_kv_cache(monkeypatch,
 def test_float16_padding_table_of_a_wide_layer_is_found_on_a_slice_of_its_rows(monkeypatch):
     """A layer wider than ``STEADY_ROWS_SLICE`` output rows (Gemma's LM head) finds its padding table on a slice of
     its rows: the same table as the whole weight's, and with it every row count keeps each row's bits."""
-    from backbone import model as bm
+    from backbone import kernels as bm
 
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=True)
