@@ -16,7 +16,7 @@ PAPER_TEMPLATES = {
 }
 
 # Few-shot friendly line formats: a base (non-instruct) model continues "English: ... / German: ..." lists far
-# better than the instruction alone (measured in issue 5's probe: 1.3 vs 5.8-7.3 sacreBLEU on Gemma 3 270M).
+# better than the instruction alone (on Gemma 3 270M, several sacreBLEU points better).
 LIST_TEMPLATES = {
     "translation": "English: {src}\nGerman:",
     "formality": "Informal: {src}\nFormal:",

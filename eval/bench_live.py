@@ -1,4 +1,4 @@
-"""Slider benchmark (issue #18): how long a live-control move takes when only what changed is re-decoded, against a
+"""Slider benchmark: how long a live-control move takes when only what changed is re-decoded, against a
 full decode of the same comparison. Results in BENCHMARKS.md §3b.
 
     python -m eval.bench_live                          # Gemma 3 270M: 20 WMT dev sentences × 10 random moves

@@ -1,4 +1,4 @@
-"""Timings of the studio's exploration views on a real memory (issue #17): the memory profile, neighbour maps of a
+"""Timings of the studio's exploration views on a real memory: the memory profile, neighbour maps of a
 kNN and a PEMA row, and several sentences decoded in one batch against one comparison per sentence.
 
     python -m studio.bench_explore --memory ~/.cache/pema-studio/memories/<id> --sentences 8

@@ -349,7 +349,7 @@ def test_hosted_browsers_each_see_only_their_own(browser, tmp_path):
         studio.close()
 
 
-# --- memory profile, neighbour maps, several sentences (issue #17) --------------------------------------------------
+# --- memory profile, neighbour maps, several sentences ------------------------------------------------------------
 def choose(page, dropdown: str, option: str) -> None:
     """Pick the option whose text contains ``option`` in the Gradio dropdown ``dropdown`` (a CSS selector)."""
     page.locator(f"{dropdown} input").click()

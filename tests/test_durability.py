@@ -1,4 +1,4 @@
-"""Durability (issue #16): cancel within seconds, one owner process per data directory, nothing left behind.
+"""Durability: cancel within seconds, one owner process per data directory, nothing left behind.
 
 * A monolingual build cancelled during its synthetic-source step stops within a few seconds and leaves no folder,
   row or upload; the backbone is handed to an interactive user within one batch meanwhile.

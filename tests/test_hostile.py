@@ -1,4 +1,4 @@
-"""Hostile input (issue #16): every abuse gets one clear UserError (or a per-line problem), never a traceback; the
+"""Hostile input: every abuse gets one clear UserError (or a per-line problem), never a traceback; the
 process stays up; the data directory is exactly as before.
 
 * uploads: deep JSON, huge integers, lone surrogates, U+2028 inside strings, NUL, encodings, BOMs, empty and huge

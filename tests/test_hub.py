@@ -1,4 +1,4 @@
-"""Hugging Face ecosystem (issue #19, items 1-3) on the tiny backbone, offline: plug-ins exported as self-contained
+"""Hugging Face ecosystem on the tiny backbone, offline: plug-ins exported as self-contained
 folders with a model card and imported into another data directory (same weights, same decoded tokens), LoRA in
 PEFT's own format loaded by ``PeftModel.from_pretrained`` (same logits and tokens as the studio's row), the checks
 on import (safetensors only, hashes, backbone), Hub errors as one line, and memories from ``datasets`` sources (a

@@ -1,4 +1,4 @@
-"""Offsite (issue #20): a real model-owner process (``python -m offsite serve --backbone tiny`` on 127.0.0.1) and a
+"""Offsite: a real model-owner process (``python -m offsite serve --backbone tiny`` on 127.0.0.1) and a
 data owner working through it get what the local code gets — the same memory, the same trained PEMA, the same
 greedy decode token for token (base, PEMA, kNN rows) — and the owner refuses bad requests with a clear 4xx and keeps
 serving when a client dies mid-session."""

@@ -1,4 +1,4 @@
-"""The Ray executor (``studio.ray_executor``, issue #19 item 5) on a local ``ray.init(num_cpus=2)`` and the tiny
+"""The Ray executor (``studio.ray_executor``) on a local ``ray.init(num_cpus=2)`` and the tiny
 backbone: a memory build sharded over Ray workers equals the single-process build (same entries in order, keys
 within float tolerance), trainings queued in the studio run as Ray tasks and land in the catalog, and cancel
 reaches a running task. Those tests skip where Ray is not installed or cannot start; one Ray instance serves the

@@ -1,4 +1,4 @@
-"""Safe to host in public (issue #16): owners, shares, bounds — on the tiny backbone.
+"""Safe to host in public: owners, shares, bounds — on the tiny backbone.
 
 * A multi-user studio served over HTTP with two API clients holding different keys (``X-Pema-Key``): owner B can
   neither list, read, delete, cancel, train on, compare with, evaluate nor share owner A's things, and each refusal

@@ -1,4 +1,4 @@
-"""A studio a researcher trusts at a glance (issue #17), on the tiny backbone, without a browser:
+"""A studio a researcher trusts at a glance, on the tiny backbone, without a browser:
 
 * honest training: elapsed time and ETA of jobs, progress in every phase (LoRA's precomputation included), the
   "stopped by time budget — under-trained" label, continue training from the saved optimizer state;
@@ -455,7 +455,7 @@ def test_output_cards_have_copy_and_view_buttons_and_explain_the_score():
     assert "title='A plug-in with a very long name that must not be cut'" in html
 
 
-# --- memory profile, neighbour maps, several sentences, examples (issue #17) ---------------------------------------
+# --- memory profile, neighbour maps, several sentences, examples --------------------------------------------------
 @pytest.fixture(scope="module")
 def knn_id(studio, memory_id):
     job = studio.jobs.wait(studio.submit_train(memory_id, "knn", {}, "kNN for maps"), 120)
