@@ -55,7 +55,7 @@ class Limits:
     uploads_per_owner: int = 8         # uploads per owner that no event has used yet (they expire after an hour)
     upload_bytes_total: int = 1_000_000_000  # bytes of all such uploads together
     queue_size: int = 256              # page events and API calls waiting in the queue overall
-    queued_per_owner: int = 8          # of those, per owner (one caller cannot fill the queue for all)
+    queued_per_owner: int = 16         # of those, per owner (one caller cannot fill the queue for all)
 
     def __post_init__(self):
         # not a field: the per-owner windows of the rate limits (a fresh, empty set for every Limits object)
