@@ -519,3 +519,41 @@ def test_the_zip_import_through_the_page_takes_only_an_upload(hosted):
     got = join(hosted.url, index, [file_data(str(hosted.export)), ""], headers={"X-Pema-Key": hosted.kb})
     assert got["status"] == 403
     assert zipfile.is_zipfile(hosted.export)  # it exists: the refusal is not "file not found"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_studio_at_once_and_leaves_no_upload(tmp_path):
+    """A container stops the studio with SIGTERM: it exits within seconds, its uploads gone and its data directory
+    free for the next start."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    port, cache = free_port(), tmp_path / "gradio-cache"
+    env = {**os.environ, "GRADIO_TEMP_DIR": str(cache), "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen([sys.executable, "app.py", "--backbone", "tiny", "--port", str(port), "--multi-user",
+                             "--data-dir", str(tmp_path / "d"), "--quiet"], cwd=root, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        for _ in range(300):
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        key = httpx.get(url).cookies["pema_owner"]
+        r = httpx.post(url + "gradio_api/upload", files={"files": ("x.tsv", b"a\tb\n")},
+                       headers={"X-Pema-Key": key}, timeout=30)
+        assert r.status_code == 200 and Path(r.json()[0]).is_file()
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0 and time.time() - t0 < 10
+        assert not Path(r.json()[0]).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
