@@ -129,7 +129,11 @@ def test_decode_loop_around_the_local_forward_pass_decodes_as_compare(tiny, tiny
                                                               src if batch.B > 1 else None)
         return fc_next, None
 
-    got = decode_loop(tiny, batch, (fc, None), forward, max_new_tokens=6)[0]
+    calls = []
+    counted = lambda *a: calls.append(1) or forward(*a)  # noqa: E731
+    got = decode_loop(tiny, batch, (fc, None), counted, max_new_tokens=6)[0]
+    # one forward pass between two selected tokens, none after the last (an offsite session's step budget)
+    assert len(calls) == got.steps - 1 <= 5
     for a, b in zip(got.rows, full.rows):
         assert a.tokens == b.tokens and a.text == b.text and a.settings == b.settings, a.label
         assert a.score == pytest.approx(b.score, abs=2e-4), a.label

@@ -285,7 +285,7 @@ def decode_loop(backbone: Backbone, batch: Batch, first: tuple, forward: Forward
         if guard:
             ban_repeated_ngrams(out.final, beams.tokens, guard)
         next_tok, src = beams.select(out.final, trace_item(backbone, out) if trace else None)
-        if beams.all_done:
+        if beams.all_done or steps == max_new_tokens:  # no forward pass for a token nobody will select
             break
         last = forward(last, next_tok, src, beams)
     return comparisons(backbone, batch, beams, steps, time.time() - t0)
