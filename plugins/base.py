@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,6 +35,7 @@ from ground.lock import writer_tag
 from ground.store import atomic_dir, write_json_atomic
 from plugins.registry import get_method
 from plugins.settings import Setting, coerce_all, config_settings
+from plugins.timing import sample_loops, sample_record
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
@@ -185,6 +187,18 @@ class Plugin(nn.Module):
     needs_memory_at_decode: ClassVar[bool] = False
     mixes_output: ClassVar[bool] = False  # an in-network plug-in whose ``mix`` also runs after the LM head
     interpolates: ClassVar[bool] = False  # ``mix`` is λ_t·P_plugin + (1−λ_t)·P_LM (see the class docstring)
+    # Where the studio needs one method's row of several (Compare's token views, the training form), this one first.
+    shown_first: ClassVar[bool] = False
+    # A few steps of training on the tiny model: the per-method test suites' run (tests/test_methods.py).
+    quick_settings: ClassVar[dict] = {}
+    # The short run ``python -m plugins.estimate measure`` times (a few steps of every phase).
+    measure_settings: ClassVar[dict] = {}
+    # The neighbour map (the studio's Compare tab): (the query's short label, what the query is, what its neighbours
+    # are), or None for a method without one; ``map_queries`` places the query among the memory's scaled keys.
+    map_kinds: ClassVar[tuple[str, str, str] | None] = None
+    map_traced_neighbours: ClassVar[bool] = False  # the decode's trace names the neighbours (else: exact search)
+    # The model card's line when the package has no datastore ("" says nothing).
+    without_datastore_note: ClassVar[str] = ""
 
     def __init__(self, config: PluginConfig, backbone, memory_meta: dict | None = None):
         super().__init__()
@@ -275,6 +289,27 @@ class Plugin(nn.Module):
     def prepare_decode(self) -> None:
         """Called once before decoding (e.g. to move weights or build a search index)."""
         self.to_backbone()
+
+    # --- the studio's views ------------------------------------------------------------------------
+    def map_queries(self, fc: np.ndarray, memory) -> np.ndarray:
+        """The neighbour map's query for each of a row's output tokens (``fc``: n × d float32, their f(c)), in the
+        space of the memory's keys divided by their RMS. Default: f(c) scaled like the keys (what kNN searches
+        with)."""
+        return fc / np.float32(memory.key_scale)
+
+    # --- time estimate (plugins.estimate) ---------------------------------------------------------
+    @classmethod
+    def training_time(cls, config: PluginConfig, rec: dict, samples: int, entries: int) -> dict:
+        """How long training takes, from the measured throughput record ``rec`` of this method on a memory of
+        ``samples`` training samples / ``entries`` entries: ``{"setup_s", "loops", "budget_text"}`` (loops:
+        ``plugins.timing.loop``), or ``{"setup_s", "loops": [], "text"}`` for a method with nothing to train.
+        Default: one loop over the samples (the in-network methods)."""
+        return sample_loops(cls.method, config, rec, samples, entries)
+
+    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
+        """The record ``training_time`` reads, from a finished short run (``info``: ``train_info`` with the fit's
+        metrics over it; ``wall_s``: the whole run's seconds). Default: one loop over the samples."""
+        return sample_record(self.config, info, history, wall_s)
 
     # --- persistence ------------------------------------------------------------------------------
     def extra_config(self) -> dict:

@@ -309,9 +309,8 @@ def model_card(plugin: Plugin, *, name: str, memory: Memory | None, memory_hash:
                 "whoever has this package has that data.** The held-out samples are not included. A FAISS index "
                 "(memories of more than `exact_max_entries` entries) is not shipped: the importing studio rebuilds "
                 "it, seeded, from the keys.", ""]
-    elif plugin.method == "memory_adapter":
-        L += ["The memory's datastore is not included, so the '+ kNN' decode setting (`knn_lambda` > 0) does not "
-              "work with this package; export with `--include-datastore` for it.", ""]
+    elif cls.without_datastore_note:
+        L += [cls.without_datastore_note, ""]
     L += ["## How to use", "", "In PEMA Studio (checks the backbone fingerprint and loads safetensors only):", "",
           "```bash", "python -m plugins import <this folder or Hub repo id>"
           + (f" --backbone {plugin.backbone_name}" if plugin.backbone_name in HUB_BASE_MODELS else ""),

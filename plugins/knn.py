@@ -59,6 +59,7 @@ from plugins.base import (
 )
 from plugins.registry import register
 from plugins.settings import Preset, Setting, setting
+from plugins.timing import minutes
 
 CERTIFIED_SEARCH = {"on": True}  # benchmarks switch it off to time the plain float32 search in the same process
 _BF16_U = 2.0 ** -8          # bfloat16's unit roundoff (8 significant bits)
@@ -233,6 +234,20 @@ class KNN(Plugin):
                 step=0.05, label="kNN λ", grid=(0.2, 0.4), fine_grid=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6)),
     )
     needs_memory_at_decode = True
+    map_kinds = ("query f(c)",
+                 "f(c) / key RMS: the query kNN searches with (the backbone's pre-norm state before this token)",
+                 "its k nearest memory entries, as the decode retrieved them")
+    map_traced_neighbours = True
+
+    @classmethod
+    def training_time(cls, config: KNNConfig, rec: dict, samples: int, entries: int) -> dict:
+        """Nothing to train: the index over the memory's entries."""
+        secs = rec.get("setup_s", 0.0) + entries / max(rec["entries_per_s"], 1e-9)
+        return {"setup_s": secs, "loops": [],
+                "text": f"Nothing to train: ≈ {minutes(secs)} to index {entries:,} entries."}
+
+    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
+        return {"entries_per_s": round(len(memory) / max(wall_s, 1e-3), 1), "setup_s": 0.0}
 
     def __init__(self, config: KNNConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)

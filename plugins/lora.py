@@ -127,6 +127,8 @@ class LoRA(NetworkPlugin):
     # A and B, so a loaded plug-in continues where it stopped. ``optimizer_state`` holds the state after ``fit``.
     resumable = True
     resume_state: dict | None = None
+    quick_settings = {**NetworkPlugin.quick_settings, "rank": 8}
+    measure_settings = {"max_epochs": 1, "max_minutes": 2.5, "patience": 1000}
 
     def __init__(self, config: LoRAConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)

@@ -387,6 +387,10 @@ class MemoryAdapterPlugin(NetworkPlugin):
              "LREC-COLING 2024")
     Config = MemoryAdapterConfig
     mixes_output: ClassVar[bool] = True  # "+ kNN": the decoder also calls mix() on this plug-in's rows
+    quick_settings = {**NetworkPlugin.quick_settings, "max_pairs": 40, "max_translate": 8}
+    measure_settings = {**NetworkPlugin.measure_settings, "max_translate": 16}
+    without_datastore_note = ("The memory's datastore is not included, so the '+ kNN' decode setting (`knn_lambda` > "
+                              "0) does not work with this package; export with `--include-datastore` for it.")
     decode_settings = (
         Setting("temperature", 0.5, "T of the attention over the phrase memory (default: the trained one)",
                 low=0.01, high=100.0, step=0.05, label="memory temperature"),

@@ -313,6 +313,8 @@ class NetworkPlugin(Plugin):
     # init) is not redone. ``optimizer_state`` holds the state after ``fit`` (the Studio saves it as safetensors).
     resumable = True
     resume_state: dict | None = None
+    quick_settings = {"max_epochs": 1, "max_minutes": 0.0, "candidate_contexts": 16, "batch_size": 4, "patience": 1}
+    measure_settings = {"max_epochs": 1, "max_minutes": 1.5, "patience": 1000, "max_heldout": 8}
     decode_settings = (
         Setting("scale", 1.0, "multiplies the plug-in's change of the hidden states (1 = as trained, 0 = off)",
                 low=0.0, high=10.0, step=0.1, label="scale"),

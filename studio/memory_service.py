@@ -23,6 +23,7 @@ from memories.corpora import available_corpora, load_corpus
 from memories.parse import Sample, detect_format, parse_samples, parse_samples_strict
 from memories.profile import highlighted_target, memory_profile, project, scaled_keys
 from memories.store import Memory
+from plugins.registry import available_methods
 from studio.payload import human_bytes
 from studio.ray_executor import backbone_spec
 
@@ -31,15 +32,8 @@ UPLOAD_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt")
 PROFILE_CACHE = 16      # memory profiles kept (a memory never changes after its build: cached by id)
 QUERY_CACHE = 16        # per (comparison, row): the output tokens' f(c), recomputed once
 MAP_NEIGHBOURS = 8      # neighbours on a map (kNN: at most what its decode traced)
-SEARCH_CHUNK = 32768    # keys compared at once in the exact search of PEMA's neighbours
+SEARCH_CHUNK = 32768    # keys compared at once in the exact search of a map's neighbours
 TOKEN_OCCURRENCES = 6   # a picked token's occurrences listed with their sentence
-QUERY_KINDS = {
-    "knn": ("f(c) / key RMS: the query kNN searches with (the backbone's pre-norm state before this token)",
-            "its k nearest memory entries, as the decode retrieved them"),
-    "pema": ("h_pd = B_pd·A·(f(c) / key RMS), rescaled to the keys' RMS (P_PEMA = softmax(W·norm(h_pd)) does not "
-             "depend on its scale): the state PEMA's LM head reads, placed among the memory's keys",
-             "the memory entries whose keys are nearest to h_pd (exact squared L2 over every entry)"),
-}
 
 
 class MemoryService:
@@ -338,20 +332,16 @@ class MemoryService:
             best_e, best_d = np.take_along_axis(e, keep, 1), np.take_along_axis(d, keep, 1)
         return best_e
 
-    def _pema_queries(self, p: dict, row: dict, plugin, memory: Memory, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """h_pd before each of a PEMA row's output tokens, each rescaled to the keys' RMS (1 once divided by the
-        key RMS), and each one's ``k`` nearest entries: one pass over the memory's keys for all the tokens, cached
-        per (comparison, row, k) — picking another token then costs nothing."""
+    def _map_queries(self, p: dict, row: dict, plugin, memory: Memory, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The map's query before each of a row's output tokens (``Plugin.map_queries``, among the scaled keys) and
+        each one's ``k`` nearest entries: one pass over the memory's keys for all the tokens, cached per
+        (comparison, row, k) — picking another token then costs nothing."""
         cache, lock = self._small_cache("_query_cache")
-        key = (p["id"], row["label"], "pema", k)
+        key = (p["id"], row["label"], row["method"], k)
         with lock:
             if key in cache:
                 return cache[key]
-        fc = self._output_states(p, row)
-        with torch.no_grad():
-            h = plugin.h_pd(plugin.scaled(torch.from_numpy(fc).to(self.backbone.device))).float().cpu().numpy()
-        rms = np.sqrt((h ** 2).mean(1, keepdims=True))
-        h = np.where(rms > 0, h / np.maximum(rms, 1e-30), h)
+        h = plugin.map_queries(self._output_states(p, row), memory)
         out = (h, self._nearest(memory, h, k))
         with lock:
             cache[key] = out
@@ -370,7 +360,8 @@ class MemoryService:
         row = next((r for r in p["rows"] if r["label"] == label), None)
         if row is None:
             raise UserError(f"No output {label!r} in this comparison.")
-        if row["method"] not in QUERY_KINDS or not row.get("plugin_id"):
+        kinds = getattr(available_methods().get(row["method"]), "map_kinds", None)
+        if kinds is None or not row.get("plugin_id"):
             raise UserError(f"The neighbour map is for kNN and PEMA rows; {label!r} is {row['method']}.")
         try:
             i = int(token_index)
@@ -397,13 +388,13 @@ class MemoryService:
             raise UserError("The memory has no training entries to map.")
         prof = self._profile(memory)
         traced = (row["trace"][i].get("neighbours") or []) if i < len(row["trace"]) else []
-        if row["method"] == "pema":
-            h, nearest = self._pema_queries(p, row, plugin, memory, k)
-            query, entries = h[i:i + 1], [int(e) for e in nearest[i]]
-        else:
-            query = self._output_states(p, row)[i:i + 1] / np.float32(memory.key_scale)
+        if plugin.map_traced_neighbours:  # the neighbours the decode retrieved (an exact search if it traced none)
+            query = plugin.map_queries(self._output_states(p, row)[i:i + 1], memory)
             entries = [int(n["entry"]) for n in traced if n.get("entry") is not None][:k] \
                 or [int(e) for e in self._nearest(memory, query, k)[0]]
+        else:
+            h, nearest = self._map_queries(p, row, plugin, memory, k)
+            query, entries = h[i:i + 1], [int(e) for e in nearest[i]]
         keys = scaled_keys(memory, np.asarray(entries, dtype=np.int64))
         dist = ((keys - query) ** 2).sum(1)
         xy, q_xy = project(prof, keys), project(prof, query)[0]
@@ -418,11 +409,11 @@ class MemoryService:
                         "same_as_output": tid == out_tok, "distance": round(float(d), 4),
                         "decode_distance": decode_dist.get(e), "xy": [round(x_, 4), round(y_, 4)],
                         "source": memory.samples[h["sample"]].get("src") or "", **h})
-        query_kind, neighbour_kind = QUERY_KINDS[row["method"]]
+        query_label, query_kind, neighbour_kind = kinds
         proj = prof["projection"]
         return {"comparison_id": p["id"], "label": label, "method": row["method"], "token_index": i,
                 "token_id": out_tok, "token": name(out_tok), "memory_id": memory.id, "memory_name": prof["name"],
-                "query_kind": query_kind, "neighbour_kind": neighbour_kind,
+                "query_label": query_label, "query_kind": query_kind, "neighbour_kind": neighbour_kind,
                 "query": [round(float(q_xy[0]), 4), round(float(q_xy[1]), 4)], "neighbours": nbs,
                 "matching": sum(n["same_as_output"] for n in nbs),
                 "projection": {"method": proj["method"], "explained": proj["explained"],

@@ -6,7 +6,6 @@ local Parquet file written here)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 
@@ -24,8 +23,6 @@ from plugins.decode import Row, compare
 from plugins.registry import available_methods
 
 METHODS = sorted(available_methods())
-QUICK = {"rank": 8, "max_epochs": 1, "max_epochs_rct": 1, "max_epochs_joint": 1, "max_minutes": 0.0,
-         "candidate_contexts": 16, "batch_size": 4, "max_pairs": 40, "max_translate": 8, "patience": 1}
 # LoRA with α = r (scaling 1) and a few epochs, so that it visibly changes the tiny model's logits
 LORA = {"rank": 8, "alpha": 8.0, "lr": 1e-2, "batch_size": 4, "max_epochs": 4, "evals_per_epoch": 1, "patience": 3,
         "max_minutes": 0}
@@ -34,8 +31,7 @@ SOURCE = "the house is small"
 
 
 def quick_config(method: str) -> dict:
-    names = {f.name for f in dataclasses.fields(available_methods()[method].Config)}
-    return {k: v for k, v in QUICK.items() if k in names}
+    return dict(available_methods()[method].quick_settings)
 
 
 @pytest.fixture(scope="module", autouse=True)

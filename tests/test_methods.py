@@ -2,7 +2,6 @@
 foreign backbone, a batched row equals its own single decode, and the same seed gives the same plug-in."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -16,15 +15,11 @@ from plugins.decode import Row, compare
 from plugins.registry import available_methods
 
 METHODS = sorted(available_methods())
-# Small enough for a tiny model on 2 cores; only the fields a method's Config has are used.
-QUICK = {"rank": 8, "max_epochs": 1, "max_epochs_rct": 1, "max_epochs_joint": 1, "max_minutes": 0.0,
-         "candidate_contexts": 16, "batch_size": 4, "max_pairs": 40, "max_translate": 8, "patience": 1}
 PROMPT = Prompt.for_task("translation")
 
 
 def quick_config(method: str) -> dict:
-    names = {f.name for f in dataclasses.fields(available_methods()[method].Config)}
-    return {k: v for k, v in QUICK.items() if k in names}
+    return dict(available_methods()[method].quick_settings)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import gradio as gr
 
 from backbone.prompts import TASKS
 from ground.errors import UserError
+from plugins.registry import shown_first
 from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS
 from ui import inspect as neighbour_panel
 from ui import plots, render, several
@@ -42,7 +43,7 @@ def row_of(payload: dict | None, label: str | None) -> dict | None:
         return None
     rows = payload["rows"]
     return (next((r for r in rows if r["label"] == label), None)
-            or next((r for r in rows if r["method"] == "pema"), None)
+            or next((r for r in rows if shown_first(r["method"])), None)
             or next((r for r in rows if r["method"] != "base"), rows[0] if rows else None))
 
 

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import gradio as gr
 
 from ground.errors import UserError
+from plugins.registry import available_methods, shown_first
 from ui import plots, render
 from ui.common import owner_of, user_errors
 
-MAPPED_METHODS = ("pema", "knn")  # the rows a map exists for, the first one picked by default
 MAP_HELP = ("The map is the memory profile's (Memories tab): a PCA of a seeded sample of the memory's keys, grey "
             "behind. The star is the query for the picked output token — kNN: the context's f(c) divided by the "
             "keys' RMS, as kNN searches; PEMA: h_pd = B_pd·A·f(c), the state its LM head reads, rescaled to the "
@@ -25,8 +25,10 @@ MAP_HELP = ("The map is the memory profile's (Memories tab): a PCA of a seeded s
 
 def mapped_rows(payload: dict | None) -> list[dict]:
     """The rows of a comparison that have a neighbour map (a kNN or PEMA plug-in), PEMA first."""
-    rows = [r for r in (payload or {}).get("rows") or [] if r.get("method") in MAPPED_METHODS and r.get("plugin_id")]
-    return sorted(rows, key=lambda r: MAPPED_METHODS.index(r["method"]))
+    methods = available_methods()
+    rows = [r for r in (payload or {}).get("rows") or []
+            if getattr(methods.get(r.get("method")), "map_kinds", None) and r.get("plugin_id")]
+    return sorted(rows, key=lambda r: (not shown_first(r["method"]), r["method"]))
 
 
 def output_token_choices(row: dict | None) -> list[tuple[str, int]]:

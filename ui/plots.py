@@ -382,7 +382,7 @@ def neighbour_map(m: dict | None, title: str = "") -> go.Figure:
             textfont=dict(size=11), marker=dict(size=11, color=color, line=dict(color="white", width=1)),
             customdata=[[n["rank"], _tok(n["token"]), n["distance"]] for n in group],
             hovertemplate="%{customdata[0]}. “%{customdata[1]}” distance %{customdata[2]:.3f}<extra></extra>"))
-    q = "h_pd" if m.get("method") == "pema" else "query f(c)"
+    q = m.get("query_label") or "query f(c)"
     fig.add_trace(go.Scatter(x=[qx], y=[qy], mode="markers", name=q, hovertemplate=q + "<extra></extra>",
                              marker=dict(size=18, symbol="star", color=HIGHLIGHT_COLOR,
                                          line=dict(color="#111827", width=1))))

@@ -11,6 +11,7 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
+from plugins.registry import shown_first
 from plugins.settings import describe_changes, tuned_start_changes
 from ui import plots, render
 from ui.common import choices_update, keep_value, memory_choices, owner_of, read_upload, training_control, user_errors
@@ -69,7 +70,7 @@ def estimate_html(est: dict | None) -> str:
 
 def build(studio) -> SimpleNamespace:
     methods = {m["method"]: m for m in studio.methods()}
-    first = "pema" if "pema" in methods else next(iter(methods), None)
+    first = next((k for k in methods if shown_first(k)), next(iter(methods), None))
 
     def method_info(k: str | None) -> str:  # start values read when shown (a remote backbone may change them)
         return _method_info(methods.get(k), {task: studio.start_settings(task).get(k, {}) for task in TASKS})
