@@ -82,7 +82,7 @@ class AdapterConfig(NetworkConfig):
 
     def validate(self) -> None:
         super().validate()
-        self._check(1 <= self.bottleneck <= 4096, "The adapter bottleneck m must be between 1 and 4096.")
+        self._check(self.bottleneck <= 4096, "The adapter bottleneck m must be between 1 and 4096.")
         self._check(self.ln_eps > 0, "ln_eps must be positive.")
 
 

@@ -94,7 +94,11 @@ class PluginConfig:
         return config_settings(cls)
 
     def validate(self) -> None:
-        """Raise UserError for a bad value (subclasses check their own fields)."""
+        """Raise UserError for a bad value: every field against its declaration (type, range, choices), so that a
+        config built in code is checked like one read from JSON. Subclasses add the checks a single declaration
+        cannot say (several fields, a stricter bound, a syntax) after ``super().validate()``."""
+        for s in config_settings(type(self)):
+            s.coerce(getattr(self, s.name), type(self).__name__)
 
     @staticmethod
     def _check(cond: bool, msg: str) -> None:

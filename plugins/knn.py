@@ -207,11 +207,6 @@ class KNNConfig(PluginConfig):
         "quick": Preset({"search": "exact"}, "exact search (no index to build)"),
     }
 
-    def validate(self) -> None:
-        self._check(self.search in ("auto", "exact", "faiss"), "search must be auto, exact or faiss.")
-        self._check(self.pq_m >= 1, "pq_m (PQ sub-quantizers) must be ≥ 1.")
-        self._check(self.nprobe >= 1, "nprobe (IVF lists searched) must be ≥ 1.")
-        self._check(self.ivf_lists >= 0, "ivf_lists must be ≥ 0 (0: about 4·√N).")
 
 
 @register

@@ -101,9 +101,7 @@ class LoRAConfig(NetworkConfig):
 
     def validate(self) -> None:
         super().validate()
-        self._check(self.rank >= 1, "LoRA rank r must be ≥ 1.")
-        self._check(self.alpha > 0 and math.isfinite(self.alpha), "LoRA α must be a positive number.")
-        self._check(0.0 <= self.dropout < 1.0, "LoRA dropout must be in [0, 1).")
+        self._check(self.alpha > 0, "LoRA α must be a positive number.")
 
 
 def _clear_hooks(module: nn.Module) -> None:

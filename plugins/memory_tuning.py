@@ -142,12 +142,6 @@ class MemoryTuningConfig(NetworkConfig):
                 f"Train it again.")
         return super().from_dict(d)
 
-    def validate(self) -> None:
-        super().validate()
-        self._check(self.variant in VARIANTS, f"variant must be one of {', '.join(VARIANTS)} (got {self.variant!r}).")
-        self._check(1 <= self.slots <= 4096, "The number of memory slots k must be between 1 and 4096.")
-        self._check(1 <= self.slot_size <= 4096, "The slot size s must be between 1 and 4096.")
-        self._check(1 <= self.prefix_length <= 4096, "The prefix length l must be between 1 and 4096.")
 
 
 class SlotMemory(nn.Module):

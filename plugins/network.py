@@ -81,18 +81,8 @@ class NetworkConfig(PluginConfig):
         return cls.from_dict(d)
 
     def validate(self) -> None:
-        self._check(self.prompt_prefix in PROMPT_PREFIX, "prompt_prefix must be 'frozen' or 'adapted'.")
-        self._check(self.softmax in ("full", "candidates"), "softmax must be 'full' or 'candidates'.")
-        self._check(self.candidate_top_k >= 0 and self.candidate_contexts >= 0,
-                    "candidate_top_k and candidate_contexts must be ≥ 0.")
-        self._check(self.lr > 0, "The learning rate must be positive.")
-        self._check(self.batch_size >= 1, "The batch size must be ≥ 1.")
-        self._check(self.max_epochs >= 0, "max_epochs must be ≥ 0 (0 = keep the untrained plug-in).")
+        super().validate()
         self._check(self.patience >= 1, "patience must be ≥ 1.")
-        self._check(self.evals_per_epoch >= 1, "evals_per_epoch must be ≥ 1.")
-        self._check(self.max_heldout >= 1, "max_heldout must be ≥ 1.")
-        self._check(self.max_minutes >= 0, "max_minutes must be ≥ 0 (0 = no budget).")
-        self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
 
 
 def derived(owner, key, sources, build: Callable[[], object]):

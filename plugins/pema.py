@@ -127,19 +127,6 @@ class PEMAConfig(PluginConfig):
                         "a short run for trying the studio: r 128, 2 + 4 epochs, at most 2 minutes a phase"),
     }
 
-    def validate(self) -> None:
-        self._check(self.rank >= 1, "PEMA rank r must be ≥ 1.")
-        self._check(0.0 <= self.kappa <= 1.0, "κ must be in [0, 1].")
-        self._check(self.lr > 0, "The learning rate must be positive.")
-        self._check(0.0 <= self.dropout < 1.0, "Dropout must be in [0, 1).")
-        self._check(self.batch_size >= 1, "The batch size must be ≥ 1.")
-        self._check(self.softmax in ("candidates", "full"), "softmax must be 'candidates' or 'full'.")
-        self._check(self.decode_vocab in ("candidates", "full"), "decode_vocab must be 'candidates' or 'full'.")
-        self._check(self.rct_init in ("random", "pca"), "rct_init must be 'random' or 'pca'.")
-        self._check(self.pd_init in ("random", "rct", "warm"), "pd_init must be 'random', 'rct' or 'warm'.")
-        self._check(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be 'constant' or 'cosine'.")
-        self._check(0.0 <= self.lora_alpha < float("inf"), "lora_alpha must be ≥ 0 (0: no α/r factor).")
-        self._check(self.b_init in ("zeros", "random"), "b_init must be 'zeros' or 'random'.")
 
 
 def gu_lambda(step: int, lambda_max: float, src_len: int, gu: bool = True, variant: str = "paper",
