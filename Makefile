@@ -20,7 +20,7 @@ test-fast:  ## unit tests only: no real backbone, browser, Ray or extra processe
 	PEMA_SKIP_REAL_BACKBONE=1 $(PY) -m pytest -m "not integration and not browser and not slow"
 
 bench:  ## benchmarks → BENCHMARKS.md numbers
-	$(PY) -m eval.bench all
+	$(PY) -m benchmarks all
 
 .PHONY: image-tools image image-smoke
 image-tools:  ## podman, runc and debootstrap from Debian, where podman is missing (the image targets' tools)

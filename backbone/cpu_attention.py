@@ -41,7 +41,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
 
     bfloat16: two small matrix products and a softmax, as transformers' eager attention computes them (scores in
     bfloat16, softmax in float32). torch's bfloat16 SDPA kernel for one query token is slow on an AVX-512 BF16 CPU
-    (a large share of a multi-row Gemma step in ``python -m eval.bench rows --dtype bfloat16``; BENCHMARKS §3).
+    (a large share of a multi-row Gemma step in ``python -m benchmarks rows --dtype bfloat16``; BENCHMARKS §3).
 
     float32 (also float16 weight-only's activations): SDPA itself for every row (its kernel is the faster one there,
     and its bits are float32's reference), on the query heads of each KV head packed as that head's queries, as
@@ -62,7 +62,7 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if query.dtype == torch.float32:
         # SDPA with a KV head's query heads as that head's queries (transformers' own ``pack_gqa``, which it takes
         # only with a mask; unmasked it asks SDPA for ``enable_gqa``, whose CPU kernel reads each KV head once per
-        # query head: slower, ``python -m eval.bench head`` times both)
+        # query head: slower, ``python -m benchmarks head`` times both)
         mask = attention_mask if attention_mask is None or attention_mask.shape[1] == 1 else \
             attention_mask.reshape(B, Hkv, H // Hkv, -1)
         out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)

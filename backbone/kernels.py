@@ -218,9 +218,9 @@ class Fp16WeightLinear(KernelLinear):
     through the frozen backbone) multiplies the very same weights.
 
     Why: on a CPU without native bfloat16 (AVX2 only) MKL's float32 products of 2-7 rows cost well over one row's;
-    FBGEMM's float16 kernel runs up to six rows in one pass over the weights (BENCHMARKS §3; ``python -m eval.bench
+    FBGEMM's float16 kernel runs up to six rows in one pass over the weights (BENCHMARKS §3; ``python -m benchmarks
     rows --dtype float16`` and ``anchor`` measure whole steps). The LM head too (a tied head rounds the input
-    embedding with it; ``python -m eval.bench head --dtype float16`` times it per row count: a block's float16→float32
+    embedding with it; ``python -m benchmarks head --dtype float16`` times it per row count: a block's float16→float32
     conversions of every weight cost about as much as reading it, so seven rows — two blocks — cost twice six).
 
     Row bits: FBGEMM splits a product into blocks of at most six rows, and a block of one or two rows rounds

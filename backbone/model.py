@@ -98,7 +98,7 @@ __all__ = [
 
 def _project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x · weightᵀ, choosing the BLAS call by the number of rows on a CPU: MKL's ``F.linear`` over a vocabulary-wide
-    head (Gemma's, SmolLM2's) is slow for 7–15 rows, where ``weight @ xᵀ`` is not (``python -m eval.bench head``
+    head (Gemma's, SmolLM2's) is slow for 7–15 rows, where ``weight @ xᵀ`` is not (``python -m benchmarks head``
     times both). The full float32 head on a CPU runs :class:`PackedF32Linear`; this serves the plain path: a subset
     of the head's rows, a switched-off kernel, gradients."""
     if x.dim() == 2 and 7 <= x.shape[0] <= 15 and x.device.type == "cpu":

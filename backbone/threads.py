@@ -18,7 +18,7 @@ def small_forward_threads(n_tokens: int) -> int | None:
     ``OMP_WAIT_POLICY=PASSIVE`` — the project's default, see ``ground`` — every parallel region first wakes a
     sleeping thread: the 126 decoder linears of a bfloat16 step spent more waking threads than the second core gave
     back. One thread for such a forward, the LM head (one large product, outside the decoder) on all of them
-    (``python -m eval.bench anchor``, BENCHMARKS §3). With spinning threads (policy not PASSIVE) the second core
+    (``python -m benchmarks anchor``, BENCHMARKS §3). With spinning threads (policy not PASSIVE) the second core
     wins, so the count is left alone; training (gradients on) is left alone too."""
     if (not SMALL_FORWARD_ONE_THREAD["on"] or n_tokens > SMALL_FORWARD_ONE_THREAD["max_tokens"]
             or torch.is_grad_enabled() or process_threads() <= 1

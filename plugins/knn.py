@@ -15,7 +15,7 @@ never pickled, its file name keyed by every setting that changes it), keys left 
 does, the k neighbours the approximate index returns get their exact squared L2 distances recomputed from the
 stored keys (k rows per query) and are re-sorted by them, so P_kNN's weights are exact (``exact_rerank``, on by
 default; off uses the index's PQ distances — measured on a 1M-entry datastore in BENCHMARKS §3c,
-``python -m eval.bench knn1m <memory-id>``). ``search_kind`` says which search is in use.
+``python -m benchmarks knn1m <memory-id>``). ``search_kind`` says which search is in use.
 
 The index file is written under a temporary name (``ground.lock.temp_name``: a crashed writer's leftovers are
 removed at the next start), fsynced and renamed into place, with ``<index>.json`` beside it holding its sha256; the
@@ -95,10 +95,11 @@ class CertifiedL2Search:
        the same entries and distances (up to float32 rounding) as a float32 scan of all keys, which no entry outside
        S can enter.
 
-    ``tests/test_knn.py`` checks it against a float64 scan; BENCHMARKS §3 times it (``eval.bench rows``). Before the
-    centring and the exact residual norms (twelfth session) the bound used |q|·|k| and elementwise rounding bounds:
-    on the benchmark's 100k datastore ~1,000 entries per query were re-checked in float32 (1.9 ms of a step).
-    ``float16`` since the eighteenth session (before, a CPU without native bfloat16 scanned float32 keys)."""
+    ``tests/test_knn.py`` checks it against a float64 scan; BENCHMARKS §3 times it (``python -m benchmarks rows``).
+    Before the centring and the exact residual norms (twelfth session) the bound used |q|·|k| and elementwise
+    rounding bounds: on the benchmark's 100k datastore ~1,000 entries per query were re-checked in float32 (1.9 ms
+    of a step). ``float16`` since the eighteenth session (before, a CPU without native bfloat16 scanned float32
+    keys)."""
 
     MIN_ENTRIES = 4096  # below this the float32 scan is already cheap and exactly as before
     _CHUNK = 65536      # keys centred and rounded per chunk (no second float32 copy of every key)

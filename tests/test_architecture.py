@@ -1,7 +1,7 @@
 """The floors of ARCHITECTURE.md, checked by walking every import of the project's own modules (AST, no import).
 
-1 ground · 2 backbone · 3 memories · 4 plugins · 5 eval, offsite · 6 studio · 7 ui, app.py and every CLI
-(``<package>/__main__.py``). A module may import its own floor and the floors below it, never one above; the
+1 ground · 2 backbone · 3 memories · 4 plugins · 5 eval, offsite · 6 studio · 7 ui, app.py, benchmarks and every
+CLI (``<package>/__main__.py``). A module may import its own floor and the floors below it, never one above; the
 module-level import graph has no cycle; a function-level import of a project module is allowed only with a comment
 on its line that says why (a heavy or optional dependency behind it).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"ground": 1, "backbone": 2, "memories": 3, "plugins": 4, "eval": 5, "offsite": 5, "studio": 6,
-          "ui": 7, "app": 7}
+          "ui": 7, "app": 7, "benchmarks": 7}
 ENTRY_FLOOR = 7
 REASON_WORDS = ("heavy", "optional")
 

@@ -100,7 +100,7 @@ def test_save_defaults_keeps_what_it_is_not_given(tmp_path, monkeypatch):
 
 
 def test_bench_pair_compares_two_precisions_runs_item_by_item(tmp_path):
-    from eval.bench import bench_pair
+    from benchmarks.core import bench_pair
 
     refs = [f"das ist satz nummer {i} hier" for i in range(30)]
     def run(precision, adapter, steps):
@@ -129,7 +129,7 @@ def test_bench_pair_compares_two_precisions_runs_item_by_item(tmp_path):
 def test_paired_ratios_take_each_turns_ratio_to_its_own_base():
     """The rows benchmark's ratios pair each config with the base step of the same turn: a turn where the machine
     was slow for both leaves the ratio alone, where a ratio of medians would mix turns."""
-    from eval.bench import paired_ratios
+    from benchmarks.core import paired_ratios
 
     turns = {"base": [40.0, 50.0, 60.0], "7 rows": [64.0, 80.0, 96.0]}  # 1.6× in every turn
     assert paired_ratios(turns, "base") == {"base": 1.0, "7 rows": 1.6}

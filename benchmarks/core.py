@@ -1,19 +1,19 @@
 """Performance benchmarks (issue targets; results in BENCHMARKS.md). Ratios are measured within one run.
 
-    python -m eval.bench build      # teacher-forced batched capture vs per-step generation (PEMA code's way)
-    python -m eval.bench train      # peak extra memory + entries/s: PEMA vs last-layer LoRA (peft) and others
-    python -m eval.bench decode     # per-token time: PEMA, exact kNN over 100k entries, 4-method batch vs base
-    python -m eval.bench softmax    # PEMA's exact full-vocabulary training vs the fast candidate softmax
-    python -m eval.bench head       # LM-head projection of 1-32 rows: F.linear vs W @ xᵀ (decode-step BLAS choice)
-    python -m eval.bench rows       # per step, one run: 1 row vs 4 rows vs all 7 methods, kNN over 100k; profile
-    python -m eval.bench precision 200   # quality guard: base sacreBLEU/chrF per precision on WMT dev 1000-1199
-    python -m eval.bench precision 200 float32,bfloat16   # some precisions only
-    python -m eval.bench knn1m      # kNN over 1M entries: exact vs FAISS IVF-PQ (re-ranked / PQ distances)
-    python -m eval.bench anchor     # llama.cpp on the same Q4_K_M GGUF vs base/PEMA in float32, bfloat16, int8
-    python -m eval.bench rows --dtype bfloat16   # any benchmark in another backbone precision
-    python -m eval.bench all        # one run: the train children save their plug-ins, decode times them
-    python -m eval.bench train pema,lora   # a subset of methods
-    python -m eval.bench train pema,lora --backbone smollm2-135m-instruct   # another backbone (head share 21%)
+    python -m benchmarks build      # teacher-forced batched capture vs per-step generation (PEMA code's way)
+    python -m benchmarks train      # peak extra memory + entries/s: PEMA vs last-layer LoRA (peft) and others
+    python -m benchmarks decode     # per-token time: PEMA, exact kNN over 100k entries, 4-method batch vs base
+    python -m benchmarks softmax    # PEMA's exact full-vocabulary training vs the fast candidate softmax
+    python -m benchmarks head       # LM-head projection of 1-32 rows: F.linear vs W @ xᵀ (decode-step BLAS choice)
+    python -m benchmarks rows       # per step, one run: 1 row vs 4 rows vs all 7 methods, kNN over 100k; profile
+    python -m benchmarks precision 200   # quality guard: base sacreBLEU/chrF per precision on WMT dev 1000-1199
+    python -m benchmarks precision 200 float32,bfloat16   # some precisions only
+    python -m benchmarks knn1m      # kNN over 1M entries: exact vs FAISS IVF-PQ (re-ranked / PQ distances)
+    python -m benchmarks anchor     # llama.cpp on the same Q4_K_M GGUF vs base/PEMA in float32, bfloat16, int8
+    python -m benchmarks rows --dtype bfloat16   # any benchmark in another backbone precision
+    python -m benchmarks all        # one run: the train children save their plug-ins, decode times them
+    python -m benchmarks train pema,lora   # a subset of methods
+    python -m benchmarks train pema,lora --backbone smollm2-135m-instruct   # another backbone (head share 21%)
 
 Each training run happens in a fresh subprocess so its peak resident memory (ru_maxrss) can be measured above
 the loaded backbone's. Uses ../shared/data/wmt22-en-de/train.jsonl.
@@ -159,7 +159,7 @@ DECODE_ONLY_RUNS["memory_adapter"] = {"max_minutes": 0.3, "max_translate": 24}
 def bench_train(mem, plugin_dir: Path, methods=None) -> list[dict]:
     out = []
     for m in methods or TRAIN_RUNS:
-        cmd = [sys.executable, "-m", "eval.bench", "_child", m, json.dumps(TRAIN_RUNS[m]), str(mem.path),
+        cmd = [sys.executable, "-m", "benchmarks", "_child", m, json.dumps(TRAIN_RUNS[m]), str(mem.path),
                str(plugin_dir)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -623,7 +623,7 @@ def _gguf_path() -> Path:
 
 
 def _llama_child(gguf: str, tokens: int, threads: int) -> None:
-    """``python -m eval.bench _llama``: llama.cpp in a process of its own. Reads one prompt (JSON token ids) per
+    """``python -m benchmarks _llama``: llama.cpp in a process of its own. Reads one prompt (JSON token ids) per
     stdin line, writes the greedy decode's seconds per step after the first."""
     from llama_cpp import Llama
 
@@ -640,7 +640,7 @@ def _llama_child(gguf: str, tokens: int, threads: int) -> None:
 
 
 def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
-    """``python -m eval.bench _rows``: the project's backbone in one precision in a process of its own (as a studio
+    """``python -m benchmarks _rows``: the project's backbone in one precision in a process of its own (as a studio
     runs one), with a briefly trained PEMA when asked. Reads one request per stdin line — ``{"row": "base" |
     "base-plain" | "base-threads" | "base-unfused" | "pema" | "context", "source": …}`` — and writes the decode's
     seconds per step after the first (``context``: the prompt's token ids, for llama.cpp; ``base-threads``: the base
@@ -672,10 +672,10 @@ def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
 
 
 class _Child:
-    """A benchmark child process (``python -m eval.bench <args>``) answering one stdin line per request."""
+    """A benchmark child process (``python -m benchmarks <args>``) answering one stdin line per request."""
 
     def __init__(self, *args: str, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "eval.bench", *args], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks", *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
     def ask(self, request):
@@ -804,7 +804,7 @@ def bench_precision(precisions=("float32", "bfloat16", "int8"), start: int = 100
     for p in precisions:
         f = PRECISION_OUT / f"{name}-{p}-{start}-{n}.json"
         if not f.exists():
-            cmd = [sys.executable, "-m", "eval.bench", "_precision", p, str(start), str(n), str(batch_sources)]
+            cmd = [sys.executable, "-m", "benchmarks", "_precision", p, str(start), str(n), str(batch_sources)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 out["per_precision"][p] = {"error": r.stderr.strip().splitlines()[-3:]}
@@ -871,7 +871,7 @@ def main(argv=None) -> int:
     what = argv[0] if argv else "all"
     if what == "pair":
         if len(argv) != 3:
-            raise SystemExit("usage: python -m eval.bench pair <reference eval.quality json> <other json>")
+            raise SystemExit("usage: python -m benchmarks pair <reference eval.quality json> <other json>")
         res = {"pair": bench_pair(argv[1], argv[2])}
         Path("out").mkdir(exist_ok=True)
         Path("out/bench-pair.json").write_text(json.dumps(res, indent=1))

@@ -1,8 +1,8 @@
 """Offsite benchmark: what the protocol costs on loopback, against the same work done locally.
 
-    python -m offsite.bench --backbone tiny                      # the tests' tiny random model
-    python -m offsite.bench --backbone gemma-3-270m --pairs 40   # the embedded Gemma (cached weights)
-    python -m offsite.bench --backbone gemma-3-270m --owner-in-process   # BENCHMARKS §10b: one Gemma in memory
+    python -m benchmarks offsite --backbone tiny                      # the tests' tiny random model
+    python -m benchmarks offsite --backbone gemma-3-270m --pairs 40   # the embedded Gemma (cached weights)
+    python -m benchmarks offsite --backbone gemma-3-270m --owner-in-process   # BENCHMARKS §10b: one Gemma in memory
 
 Starts a model owner (``python -m offsite serve``) on 127.0.0.1 in its own process and loads the same backbone here
 (``--owner-in-process``: the owner's HTTP service runs in a thread of this process on the backbone loaded here —
@@ -207,7 +207,7 @@ def run(name: str, pairs: int, new_tokens: int, repeats: int, owner_in_process: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m offsite.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks offsite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backbone", default="tiny")
     ap.add_argument("--pairs", type=int, default=40, help="samples in the memory")

@@ -1,9 +1,9 @@
 """Slider benchmark: how long a live-control move takes when only what changed is re-decoded, against a
 full decode of the same comparison. Results in BENCHMARKS.md §3b.
 
-    python -m eval.bench_live                          # Gemma 3 270M: 20 WMT dev sentences × 10 random moves
-    python -m eval.bench_live --backbone tiny          # the tiny in-process backbone (seconds)
-    python -m eval.bench_live --sentences 5 --moves 4 --check 99   # fewer; check every move against a full decode
+    python -m benchmarks live                          # Gemma 3 270M: 20 WMT dev sentences × 10 random moves
+    python -m benchmarks live --backbone tiny          # the tiny in-process backbone (seconds)
+    python -m benchmarks live --sentences 5 --moves 4 --check 99   # fewer; check every move against a full decode
 
 Setup: a memory of 200 WMT train pairs, a PEMA plug-in trained briefly (30 s budget) and a kNN plug-in (exact
 search); every comparison decodes base + PEMA + kNN together, greedy, up to ``--tokens`` new tokens (the studio's

@@ -1,7 +1,7 @@
 """Timings of the studio's exploration views on a real memory: the memory profile, neighbour maps of a
 kNN and a PEMA row, and several sentences decoded in one batch against one comparison per sentence.
 
-    python -m studio.bench_explore --memory ~/.cache/pema-studio/memories/<id> --sentences 8
+    python -m benchmarks explore --memory ~/.cache/pema-studio/memories/<id> --sentences 8
 
 The memory folder is only read: it is copied into a temporary data directory, where a kNN plug-in and a short PEMA
 (a one-epoch-per-phase budget: the timings do not depend on how well it is trained) are trained on it. The

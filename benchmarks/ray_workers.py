@@ -1,7 +1,7 @@
 """Per-worker build throughput on Ray, for the build-time estimate in docs/ray.md (entries/s of one build worker).
 
-    python -m studio.ray_bench --backbone tiny --samples 400 --workers 1 2
-    python -m studio.ray_bench --backbone gemma-3-270m --samples 200 --workers 0   # in-process only
+    python -m benchmarks ray --backbone tiny --samples 400 --workers 1 2
+    python -m benchmarks ray --backbone gemma-3-270m --samples 200 --workers 0   # in-process only
 
 Builds the same memory from the gettext EN→DE corpus once in-process and once sharded over each number of Ray
 build workers (a local ``ray.init``; one CPU each), and prints entries, wall seconds and entries/s: of the whole

@@ -1,0 +1,34 @@
+"""``python -m benchmarks <name> [args]``: one entry point for every benchmark (``make bench`` runs ``all``).
+
+    python -m benchmarks all | build | train | decode | softmax | head | rows | precision | knn1m | anchor | pair
+                                            # the decode, training and precision benchmarks (benchmarks/core.py)
+    python -m benchmarks live [...]         # live decode: slider moves against full decodes (benchmarks/live.py)
+    python -m benchmarks explore [...]      # the studio's explore loop on a memory (benchmarks/explore.py)
+    python -m benchmarks ray [...]          # memory builds on Ray workers vs in process (benchmarks/ray_workers.py)
+    python -m benchmarks offsite [...]      # offsite decoding against a model owner's service (benchmarks/offsite.py)
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
+               "offsite": "benchmarks.offsite"}
+
+
+def main(argv: list[str] | None = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv and argv[0] in OWN_MODULES:
+        module = importlib.import_module(OWN_MODULES[argv[0]])  # heavy: only the benchmark asked for is imported
+        result = module.main(argv[1:])
+        return result if isinstance(result, int) else 0
+    from benchmarks import core  # heavy: the backbone and every method
+
+    return core.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
