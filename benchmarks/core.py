@@ -55,9 +55,7 @@ from memories.parse import Sample
 from memories.store import Memory
 from plugins.api import open_memory, train_plugin
 from plugins.base import load_plugin
-from plugins.decode import COMPACT_ROWS, Row, compare, start_compare
-from plugins.knn import CERTIFIED_SEARCH, PACKED_SCAN
-from plugins.memory_tuning import ROW_KEYS_IN_ATTENTION
+from plugins.decode import Row, compare, start_compare
 from plugins.pema import mix_logprobs
 
 # Idle OpenMP threads spin-wait by default and starve the other core on a busy 2-core machine.
@@ -463,13 +461,13 @@ def _bench_backbone():
     return load_backbone(name)
 
 
-def _decode_seconds(bb, rows, prompt, source, tokens) -> float:
+def _decode_seconds(bb, rows, prompt, source, tokens, compact: bool = True) -> float:
     """Seconds per decode step after the first, (T(tokens) − T(1)) / (tokens − 1): the prefill (the source's own
     tokens after the cached prompt prefix) and the first step cancel out. Run inside ``_FixedSteps``."""
     t0 = time.perf_counter()
-    compare(bb, source, rows, prompt, max_new_tokens=1, trace=False)
+    compare(bb, source, rows, prompt, max_new_tokens=1, trace=False, compact=compact)
     t1 = time.perf_counter()
-    compare(bb, source, rows, prompt, max_new_tokens=tokens, trace=False)
+    compare(bb, source, rows, prompt, max_new_tokens=tokens, trace=False, compact=compact)
     t2 = time.perf_counter()
     return max((t2 - t1) - (t1 - t0), 1e-6) / (tokens - 1)
 
@@ -545,17 +543,18 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
                **{f"base + {m}": [R("base"), R(m, plugins[m])] for m in SEVEN},  # what each method adds
                "base + memory_tuning, MT-M re-run": [R("base"), R("memory_tuning", plugins["memory_tuning"])],
                "7 rows, every batch row": [R("base")] + [R(n, plugins[n]) for n in SEVEN]}
+    mt = plugins["memory_tuning"]
     src = iter(sources * reps * len(configs))
 
     def run(name):
         plain = name.endswith("plain float32 scan")  # the float32 matmul over every key (no certified, no packed scan)
-        CERTIFIED_SEARCH["on"] = PACKED_SCAN["on"] = not plain
-        ROW_KEYS_IN_ATTENTION["on"] = not name.endswith("MT-M re-run")  # the attention re-run for MT-M's rows
-        COMPACT_ROWS["on"] = not name.endswith("every batch row")  # one cache row per batch row, as before
+        knn100k.certified_search = knn100k.packed_scan = not plain
+        mt.row_keys_in_attention = not name.endswith("MT-M re-run")  # the attention re-run for MT-M's rows
+        compact = not name.endswith("every batch row")  # one cache row per batch row, as before
         try:
-            return _decode_seconds(bb, configs[name], prompt, next(src), tokens)
+            return _decode_seconds(bb, configs[name], prompt, next(src), tokens, compact=compact)
         finally:
-            CERTIFIED_SEARCH["on"] = PACKED_SCAN["on"] = ROW_KEYS_IN_ATTENTION["on"] = COMPACT_ROWS["on"] = True
+            knn100k.certified_search = knn100k.packed_scan = mt.row_keys_in_attention = True
 
     with _FixedSteps(bb):
         for c in configs.values():  # warm-up: prefix KV cache, candidate rows, kernels
@@ -588,19 +587,17 @@ def bench_whole_comparisons(bb, rows, prompt, sources, max_new_tokens: int = 48)
         for src in sources:
             toks = {}
             for on in (True, False):
-                COMPACT_ROWS["on"] = on
                 seen = widths[on]
                 # a step's pass feeds one token per row (the prefill's, the source's tokens)
                 bb.forward_fc = lambda ids, **k: (ids.shape[1] == 1 and seen.append(ids.shape[0])) or inner(ids, **k)
                 t0 = time.perf_counter()
-                dec = start_compare(bb, src, rows, prompt, max_new_tokens=max_new_tokens)
+                dec = start_compare(bb, src, rows, prompt, max_new_tokens=max_new_tokens, compact=on)
                 while dec.step():
                     pass
                 times[on].append(time.perf_counter() - t0)
                 toks[on] = [r.tokens for r in dec.result()[0].rows]
             same += toks[True] == toks[False]
     finally:
-        COMPACT_ROWS["on"] = True
         del bb.forward_fc
     med = {on: float(np.median(v)) for on, v in times.items()}
     return {"sources": len(sources), "rows": len(rows), "max_new_tokens": max_new_tokens,

@@ -7,7 +7,7 @@ k, T and λ are decode-time settings: nothing is rebuilt when they change.
 Search: exact (keys held in RAM as float32; on a CPU from 4,096 entries a 16-bit pre-filter scan whose result is
 certified equal to the float32 scan's, :class:`CertifiedL2Search`: bfloat16 where oneDNN's bfloat16 linear runs,
 else float16 keys through FBGEMM's float16 GEMM on x86 with AVX2; else a
-chunked float32 scan — on a CPU from 4,096 entries by oneDNN's float32 linear on the keys packed once, ``PACKED_SCAN``:
+chunked float32 scan — on a CPU from 4,096 entries by oneDNN's float32 linear on the keys packed once, ``packed_scan``:
 on an AVX2 EPYC kNN over 100k entries 1.13× a base step against the plain matmul's 1.25×, BENCHMARKS §3) up to
 ``exact_max_entries``; beyond that FAISS
 IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the memory with ``faiss.write_index``,
@@ -61,13 +61,8 @@ from plugins.registry import register
 from plugins.settings import Preset, Setting, setting
 from plugins.timing import minutes
 
-CERTIFIED_SEARCH = {"on": True}  # benchmarks switch it off to time the plain float32 search in the same process
 _BF16_U = 2.0 ** -8          # bfloat16's unit roundoff (8 significant bits)
 _FP32_U = 2.0 ** -24          # float32's unit roundoff
-# The float32 scan on a CPU through oneDNN's linear on the keys packed once (for four rows: a query gets the same bits
-# alone and beside others); benchmarks and tests switch it off to compare with the plain matmul. Costs the keys'
-# bytes once more in RAM (as the certified search's bfloat16 copy costs half of them).
-PACKED_SCAN = {"on": True}
 _SCAN_CHUNK = 262144  # keys per product: the (queries × chunk) distance matrix stays small
 
 
@@ -230,6 +225,12 @@ class KNN(Plugin):
                 step=0.05, label="kNN λ", grid=(0.2, 0.4), fine_grid=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6)),
     )
     needs_memory_at_decode = True
+    # The exact search's fast paths, each an option of the plug-in (a benchmark or a test turns it off on one
+    # plug-in to compare with the plain float32 matmul): the certified 16-bit pre-filter scan, and the float32 scan
+    # through oneDNN's linear on the keys packed once (for four rows: a query gets the same bits alone and beside
+    # others; costs the keys' bytes once more in RAM, as the certified search's 16-bit copy costs half of them).
+    certified_search: bool = True
+    packed_scan: bool = True
     map_kinds = ("query f(c)",
                  "f(c) / key RMS: the query kNN searches with (the backbone's pre-norm state before this token)",
                  "its k nearest memory entries, as the decode retrieved them")
@@ -253,7 +254,7 @@ class KNN(Plugin):
         self.index_record: dict | None = None  # {"file", "sha256"} of the FAISS index in use
         self.search_kind = ""
         self.exact_l2: CertifiedL2Search | None = None
-        self.packed_keys: list | None = None  # the float32 scan's packed keys (``PACKED_SCAN``), per chunk
+        self.packed_keys: list | None = None  # the float32 scan's packed keys (``packed_scan``), per chunk
 
     @classmethod
     def build_for_load(cls, config, backbone, memory_meta, extra, tensors):
@@ -414,10 +415,10 @@ class KNN(Plugin):
                 dist = np.where(idx >= 0, dist, np.inf).astype(np.float32)
             return torch.from_numpy(dist).to(queries.device), torch.from_numpy(idx).long().to(queries.device)
         q = queries.float().to(self.keys.device)
-        if self.exact_l2 is not None and CERTIFIED_SEARCH["on"]:
+        if self.exact_l2 is not None and self.certified_search:
             return self.exact_l2.search(q, k)
         best_d, best_i = None, None
-        packed = self.packed_keys if PACKED_SCAN["on"] and q.device.type == "cpu" else None
+        packed = self.packed_keys if self.packed_scan and q.device.type == "cpu" else None
         for c, b0 in enumerate(range(0, len(self.keys), _SCAN_CHUNK)):
             kc = self.keys[b0:b0 + _SCAN_CHUNK]
             with all_threads():

@@ -107,9 +107,6 @@ TRACE_TOP = 5
 # those that take an additive float mask of any key length (the CPU decode attention adds it as eager does)
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", CPU_DECODE_ATTENTION)
 LEGACY_SETTINGS = ("query_dim", "key_dim", "slot_dim", "value_dim")
-# A decode step on the CPU decode attention hands the prefix to the attention for this method's rows only
-# (``RowKeys``) instead of re-running the attention; tests and benchmarks switch it off to compare the two.
-ROW_KEYS_IN_ATTENTION = {"on": True}
 
 
 @dataclass
@@ -261,6 +258,10 @@ class MemoryTuning(NetworkPlugin):
     paper = ("Qi et al., Memory-Tuning: A Unified Parameter-Efficient Tuning Method for Pre-trained Language Models, "
              "IEEE/ACM TASLP 2024")
     Config = MemoryTuningConfig
+    # A decode step on the CPU decode attention hands the prefix to the attention for this method's rows only
+    # (``RowKeys``) instead of re-running the attention; an option of the plug-in, so that a test or a benchmark
+    # can turn it off on one plug-in to compare the two.
+    row_keys_in_attention: bool = True
 
     def __init__(self, config: MemoryTuningConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)
@@ -310,7 +311,7 @@ class MemoryTuning(NetworkPlugin):
         ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.batch_rows is not None
                       else None)  # decoding: the slot reads with their scales folded in, every layer at once
         # decoding on the CPU decode attention: every layer's prefix in the backbone's dtype, looked up once
-        row_keys = (self._all_prefixes(self.backbone.dtype) if self.use_attn and ROW_KEYS_IN_ATTENTION["on"]
+        row_keys = (self._all_prefixes(self.backbone.dtype) if self.use_attn and self.row_keys_in_attention
                     and att.batch_rows is not None
                     and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION
                     else None)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backbone.model import fp16_weight_available, packed_bf16_available, packed_f32_available
-from plugins.knn import CERTIFIED_SEARCH, KNN, PACKED_SCAN, CertifiedL2Search, KNNConfig
+from plugins.knn import KNN, CertifiedL2Search, KNNConfig
 
 needs_onednn = pytest.mark.skipif(not packed_bf16_available(), reason="oneDNN bfloat16 linear not available")
 # the 16-bit scan kernels this CPU runs (bfloat16: oneDNN, native; float16: FBGEMM, x86 with AVX2)
@@ -117,7 +117,7 @@ def test_knn_float32_scan_on_packed_keys_finds_the_exact_neighbours(tiny, monkey
     for r in range(5):
         d1, i1 = plugin.search(q[r:r + 1], 16)
         assert torch.equal(d1, d[r:r + 1]) and torch.equal(i1, i[r:r + 1])
-    monkeypatch.setitem(PACKED_SCAN, "on", False)
+    plugin.packed_scan = False
     plain_d, plain_i = plugin.search(q, 16)
     assert torch.allclose(d, plain_d, rtol=1e-4, atol=1e-3)
     small = KNN(KNNConfig(search="exact"), tiny)
@@ -138,7 +138,7 @@ def test_knn_uses_the_certified_search_from_4096_entries(tiny, monkeypatch):
     for r in range(3):
         assert set(i[r].tolist()) == set(ref_i[r].tolist())
     # the plain float32 scan (|q|² − 2q·k + |k|², cancellation and all) gives the same distances to its precision
-    monkeypatch.setitem(CERTIFIED_SEARCH, "on", False)
+    plugin.certified_search = False
     d32, _ = plugin.search(q, 16)
     assert torch.allclose(d, d32, rtol=1e-3, atol=0.05)
 

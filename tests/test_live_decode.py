@@ -209,10 +209,8 @@ def test_a_stopped_decode_leaves_no_hook_attached(tiny, plugins):
 # --- the compact layout: rows that agree share the forward pass, finished rows leave it ---------------------------
 @pytest.mark.parametrize("sources,beams,guard", [(1, 1, 0), (1, 1, 2), (2, 1, 0), (1, 2, 0), (2, 3, 2)])
 def test_the_compact_layout_decodes_as_one_row_per_batch_row(tiny, plugins, monkeypatch, sources, beams, guard):
-    """``BatchDecode``'s compact layout (``COMPACT_ROWS``: one cache row per distinct live batch row) gives every row
+    """``BatchDecode``'s compact layout (``compact``: one cache row per distinct live batch row) gives every row
     the tokens, scores and trace that one cache row per batch row gives — and does run fewer rows."""
-    from plugins import decode
-
     srcs = [SOURCE, "a dog barks at the moon"][:sources]
     rows = _rows(plugins, {"knn": {"lambda": 0.6}}) + [Row("mt again", plugins["mt"])]  # two rows of one mt group
     widths = []
@@ -220,9 +218,9 @@ def test_the_compact_layout_decodes_as_one_row_per_batch_row(tiny, plugins, monk
     monkeypatch.setattr(tiny, "forward_fc", lambda ids, **k: widths.append(ids.shape[0]) or inner(ids, **k))
     results = {}
     for on in (False, True):
-        monkeypatch.setitem(decode.COMPACT_ROWS, "on", on)
         widths.clear()
-        results[on] = decode_batch(tiny, srcs, rows, PROMPT, max_new_tokens=14, num_beams=beams, no_repeat_ngram=guard)
+        results[on] = decode_batch(tiny, srcs, rows, PROMPT, max_new_tokens=14, num_beams=beams, no_repeat_ngram=guard,
+                                   compact=on)
         if on:
             N = sources * len(rows) * beams
             # the prefill runs one row per source and prefill group; the steps run at most N rows, and fewer once

@@ -161,14 +161,7 @@ def test_float16_on_a_cpu_is_weight_only_and_a_row_keeps_its_bits_alone_and_in_a
 
 def decode_batch_rows(bb: Backbone, source: str, n: int):
     """``n`` base rows of one comparison, each in a row of its own (the compact layout would share them: off)."""
-    from plugins import decode
-
-    saved = decode.COMPACT_ROWS["on"]
-    decode.COMPACT_ROWS["on"] = False
-    try:
-        return compare(bb, source, [Row(f"base {i}") for i in range(n)], PROMPT, max_new_tokens=6)
-    finally:
-        decode.COMPACT_ROWS["on"] = saved
+    return compare(bb, source, [Row(f"base {i}") for i in range(n)], PROMPT, max_new_tokens=6, compact=False)
 
 
 def test_int8_linear_is_weight_only_without_gradients_and_f_linear_with_them():
@@ -550,7 +543,7 @@ def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run
 
     plain, fused = step(False), step(True)
     assert calls
-    monkeypatch.setitem(memory_tuning.ROW_KEYS_IN_ATTENTION, "on", False)
+    mt.row_keys_in_attention = False
     n = len(calls)
     rerun = step(True)
     assert len(calls) == n  # switched off: the re-run
@@ -558,11 +551,11 @@ def test_memory_tuning_prefix_read_inside_the_decode_attention_equals_the_re_run
     assert (fused[1:] - plain[1:]).abs().max() > 0.1  # the prefix does act
     tol = {"atol": 0.05, "rtol": 0.02} if precision == "bfloat16" else {"atol": 1e-4, "rtol": 1e-4}
     assert torch.allclose(fused[1:].float(), rerun[1:].float(), **tol)
-    monkeypatch.setitem(memory_tuning.ROW_KEYS_IN_ATTENTION, "on", True)
+    mt.row_keys_in_attention = True
     rows = [Row("base"), Row("mt", mt)]
     traces = []
     for on in (True, False):
-        monkeypatch.setitem(memory_tuning.ROW_KEYS_IN_ATTENTION, "on", on)
+        mt.row_keys_in_attention = on
         c = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=4)
         traces.append([t["memory_attention"]["attention_lambda"] for t in c.row("mt").trace])
     assert all(abs(x - y) < 0.02 for x, y in zip(*traces)) and len(traces[0]) == 4

@@ -27,7 +27,6 @@ The pieces, each usable (and tested) alone, in the order a decode runs them:
 from plugins.decode.batch import Batch, NetGroup, OutGroup, plan_batch
 from plugins.decode.beams import Beams, ban_repeated_ngrams, repeated_ngram_ends
 from plugins.decode.engine import (
-    COMPACT_ROWS,
     BatchDecode,
     compare,
     comparisons,
@@ -43,7 +42,7 @@ from plugins.decode.step import StepOutput, decode_step, mix_step, trace_item
 from plugins.decode.topk import TOP, top_k, top_tokens
 
 __all__ = ["Batch", "NetGroup", "OutGroup", "plan_batch", "Beams", "ban_repeated_ngrams", "repeated_ngram_ends",
-           "COMPACT_ROWS", "BatchDecode", "compare", "comparisons", "decode_batch", "decode_loop", "start_compare",
+           "BatchDecode", "compare", "comparisons", "decode_batch", "decode_loop", "start_compare",
            "forward_step", "prefill", "KEEP_TOP", "TRACE_OWN", "LiveComparison", "LiveMove", "StepRecords",
            "PREFIX_KV", "PrefixKV", "Comparison", "Row", "RowResult", "row_result", "StepOutput", "decode_step",
            "mix_step", "trace_item", "TOP", "top_k", "top_tokens"]

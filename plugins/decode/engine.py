@@ -18,8 +18,6 @@ from plugins.decode.live import KEEP_TOP, LiveComparison, StepRecords, cache_vie
 from plugins.decode.results import Comparison, Row, row_result
 from plugins.decode.step import StepOutput, decode_step, mix_step, trace_item
 
-COMPACT_ROWS = {"on": True}  # BatchDecode's compact layout; benchmarks and tests switch it off to compare
-
 
 def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seconds: float) -> list[Comparison]:
     """One Comparison per source of a decode whose token selection is ``beams``: each row's best hypothesis."""
@@ -37,16 +35,17 @@ def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seco
 def compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,
             max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
             context_ids: list[int] | None = None, use_prefix_cache: bool = True,
-            no_repeat_ngram: int | None = None) -> Comparison:
+            no_repeat_ngram: int | None = None, compact: bool = True) -> Comparison:
     """Decode ``source`` with every row at once and return each row's text, tokens and per-token trace."""
     return decode_batch(backbone, [source], rows, prompt, max_new_tokens, num_beams, trace,
-                        [context_ids] if context_ids else None, use_prefix_cache, no_repeat_ngram)[0]
+                        [context_ids] if context_ids else None, use_prefix_cache, no_repeat_ngram, compact=compact)[0]
 
 
 def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: Prompt | None = None,
                  max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
                  contexts: list[list[int]] | None = None, use_prefix_cache: bool = True,
-                 no_repeat_ngram: int | None = None, ref_lens: list[int] | None = None) -> list[Comparison]:
+                 no_repeat_ngram: int | None = None, ref_lens: list[int] | None = None,
+                 compact: bool = True) -> list[Comparison]:
     """Decode several sources × every row in one batch (left-padded prompts); one Comparison per source.
 
     A single source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
@@ -64,12 +63,13 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     the public code ties to the reference (PEMA's GU ``gu_variant="code"``, ``MixInput.ref_len``); a decode
     without references leaves it None.
 
-    The loop itself is ``BatchDecode`` (one step at a time: streaming and cancelling between steps).
+    The loop itself is ``BatchDecode`` (one step at a time: streaming and cancelling between steps); ``compact``
+    is its layout (off: one cache row per batch row, for tests and benchmarks to compare with).
     """
     t0 = time.time()
     batch = plan_batch(backbone, sources, rows, prompt, num_beams, contexts,
                        {} if no_repeat_ngram is None else {"no_repeat_ngram": no_repeat_ngram}, ref_lens)
-    return BatchDecode(backbone, batch, max_new_tokens, trace, use_prefix_cache, t0=t0).run()
+    return BatchDecode(backbone, batch, max_new_tokens, trace, use_prefix_cache, t0=t0, compact=compact).run()
 
 
 class BatchDecode:
@@ -80,7 +80,7 @@ class BatchDecode:
     rows, settings and products derived from the plug-in's weights, which a decode reads as they were at its first
     step), so the backbone is free for others between steps.
 
-    Compact layout (``COMPACT_ROWS``): the forward pass, the KV cache and the LM head's P_LM hold one row per
+    Compact layout (``compact``, on by default): the forward pass, the KV cache and the LM head's P_LM hold one row per
     *distinct live* batch row, not one per batch row. Rows of one prefill group (the base row, PEMA and kNN: no
     in-network plug-in) compute the very same hidden states while their tokens agree, so they share a row until
     their tokens part; a finished row leaves the forward pass (rows finish at different steps, and the decode runs
@@ -96,13 +96,13 @@ class BatchDecode:
     change)."""
 
     def __init__(self, backbone: Backbone, batch: Batch, max_new_tokens: int = 64, trace: bool = True,
-                 use_prefix_cache: bool = True, keep: bool = False, t0: float | None = None):
+                 use_prefix_cache: bool = True, keep: bool = False, t0: float | None = None, compact: bool = True):
         self.t0 = time.time() if t0 is None else t0
         self.backbone, self.batch = backbone, batch
         self.max_new_tokens, self.trace, self.use_prefix_cache = int(max_new_tokens), trace, use_prefix_cache
         self.guard = int(batch.comparison.get("no_repeat_ngram", 0))
         self.keep = keep and batch.S == 1 and batch.B == 1
-        self.compact = COMPACT_ROWS["on"]
+        self.compact = compact
         self.beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
         self.step_no = 0  # the next step's index
         self.fc_last = self.cache = self.mask = None  # per row of the cache (compact: ``phys``), else per batch row
@@ -293,7 +293,7 @@ def decode_loop(backbone: Backbone, batch: Batch, first: tuple, forward: Forward
 
 def start_compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,
                   max_new_tokens: int = 64, num_beams: int = 1, no_repeat_ngram: int | None = None,
-                  live: LiveComparison | None = None, trace: bool = True):
+                  live: LiveComparison | None = None, trace: bool = True, compact: bool = True):
     """A comparison of one source to run step by step (``step()`` until it returns False; ``partial()`` and
     ``result()``: one Comparison in a list; ``forwards``: backbone passes run): the re-decode of what changed when
     ``live`` (the previous comparison, kept) is this one with other row settings, else a full decode that keeps what the
@@ -305,4 +305,4 @@ def start_compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prom
         mv = live.move(backbone, batch, max_new_tokens)
         if mv is not None:
             return mv
-    return BatchDecode(backbone, batch, max_new_tokens, trace, keep=True, t0=t0)
+    return BatchDecode(backbone, batch, max_new_tokens, trace, keep=True, t0=t0, compact=compact)

@@ -92,7 +92,7 @@ class LiveComparison:
         self.source, self.context, self.src_len = b.sources[0], list(b.contexts[0]), b.src_lens[0]
         self.prompt = b.prompt
         self.rows, self.settings, self.comparison = list(b.rows), list(b.settings), dict(b.comparison)
-        self.max_new_tokens, self.trace = dec.max_new_tokens, dec.trace
+        self.max_new_tokens, self.trace, self.compact = dec.max_new_tokens, dec.trace, dec.compact
         self._plugins = [(weakref.ref(r.plugin), PrefixKV.plugin_version(r.plugin)) if r.plugin is not None
                          else None for r in b.rows]
         best = [dec.beams.best(r) for r in range(b.R)]
@@ -147,7 +147,8 @@ class LiveComparison:
                 return None
             sub = plan_batch(backbone, [self.source], [batch.rows[i] for i in members], self.prompt, 1,
                              [self.context], self.comparison)
-            dec = self._engine(backbone, sub, self.max_new_tokens, self.trace, keep=True, t0=t0).resume(
+            dec = self._engine(backbone, sub, self.max_new_tokens, self.trace, keep=True, t0=t0,
+                               compact=self.compact).resume(
                 t, torch.stack([self.records[i].fc[t] for i in members]), sub_cache,
                 [self.tokens[i][:t] for i in members], [kept[i][1] for i in members], [kept[i][2] for i in members])
             tails.append((dec, members))
