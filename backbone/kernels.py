@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backbone.options import fast_paths
+
 _log = logging.getLogger("pema.backbone")
 
 
@@ -43,10 +45,6 @@ def cpu_description() -> dict:
             "family_model": f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}",
             "isa": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16_cpu(),
             "cores": os.cpu_count()}
-
-
-PACKED_BF16 = {"on": True}  # benchmarks switch it off to time the plain F.linear path in the same process
-PACKED_F32_HEAD = {"on": True}  # likewise for float32's packed LM head (``PackedF32Linear``)
 
 
 class KernelLinear(nn.Linear):
@@ -182,7 +180,7 @@ class PackedBF16Linear(KernelLinear):
 
     FEW_ROWS = 4
     PACKED_FOR_ROWS = 1  # the row count oneDNN's packed layout is chosen for
-    SWITCH = PACKED_BF16  # benchmarks switch the kernel off through it
+    OPTION = "packed_bf16"  # the fast-path option that turns it off (``backbone.options``)
 
     def _prepare(self) -> list:
         return [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACKED_FOR_ROWS)]
@@ -191,7 +189,7 @@ class PackedBF16Linear(KernelLinear):
         return torch.ops.mkldnn._linear_pointwise(x, self._prepared[0], self.bias, "none", [], "")
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
-        return self.kernel_ok and x.dtype == self.INPUT_DTYPE and x.is_cpu and self.SWITCH["on"]
+        return self.kernel_ok and x.dtype == self.INPUT_DTYPE and x.is_cpu and getattr(fast_paths(), self.OPTION)
 
 
 class PackedF32Linear(PackedBF16Linear):
@@ -206,7 +204,7 @@ class PackedF32Linear(PackedBF16Linear):
     INPUT_DTYPE = torch.float32
     FEW_ROWS = 1
     PACKED_FOR_ROWS = 4
-    SWITCH = PACKED_F32_HEAD
+    OPTION = "packed_f32_head"
 
 
 class Fp16WeightLinear(KernelLinear):

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from backbone.cpu_attention import CPU_DECODE_ATTENTION
+from backbone.options import fast_paths
 
 KV_BLOCK = 32  # a growing KV cache's buffers hold a multiple of this many positions
-GROWING_KV = {"on": True}  # benchmarks and tests switch it off to compare with transformers' concatenating cache
 
 
 class GrowingKVLayer:
@@ -49,7 +49,7 @@ class GrowingKVLayer:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[-2]
         window = getattr(self, "sliding_window", None)
-        if (not GROWING_KV["on"] or not self.is_initialized or self.keys is None or self.keys.dim() != 4
+        if (not fast_paths().growing_kv or not self.is_initialized or self.keys is None or self.keys.dim() != 4
                 or (window is not None and self.cumulative_length + n >= window)):
             return super().update(key_states, value_states, *args, **kwargs)
         rows, L = self.keys.shape[0], self.keys.shape[-2]
@@ -117,7 +117,7 @@ def relayout_kv_rows(cache, gather: list[int], row_capacity: int) -> None:
     such a cache runs in it too."""
     idx = None
     for layer in cache.layers:
-        if isinstance(layer, GrowingKVLayer) and GROWING_KV["on"]:
+        if isinstance(layer, GrowingKVLayer) and fast_paths().growing_kv:
             keys = getattr(layer, "keys", None)
             with torch.inference_mode(isinstance(keys, torch.Tensor) and keys.is_inference()):
                 layer.relayout(gather, row_capacity)

@@ -28,8 +28,6 @@ from backbone.cpu_attention import (
     use_cpu_decode_attention,
 )
 from backbone.kernels import (
-    PACKED_BF16,
-    PACKED_F32_HEAD,
     Fp16WeightLinear,
     Int8Linear,
     KernelLinear,
@@ -41,7 +39,7 @@ from backbone.kernels import (
     packed_bf16_available,
     packed_f32_available,
 )
-from backbone.kv_cache import GROWING_KV, KV_BLOCK, GrowingKVLayer, grow_kv_cache, relayout_kv_rows
+from backbone.kv_cache import KV_BLOCK, GrowingKVLayer, grow_kv_cache, relayout_kv_rows
 from backbone.loading import (
     ALIASES,
     DEFAULT_BACKBONE,
@@ -57,7 +55,8 @@ from backbone.loading import (
     residual_peak,
     resolve_name,
 )
-from backbone.norms import FUSED_NORMS, FusedRMSNorm
+from backbone.norms import FusedRMSNorm
+from backbone.options import FastPaths, fast_paths, using_fast_paths
 from backbone.precision import (
     CPU_FLOAT16_TAG,
     DEFAULT_CPU_PRECISION,
@@ -68,8 +67,6 @@ from backbone.precision import (
     set_precision,
 )
 from backbone.threads import (
-    SMALL_FORWARD_ONE_THREAD,
-    SMALL_WORK_ONE_THREAD,
     all_threads,
     one_thread_section,
     process_threads,
@@ -81,16 +78,16 @@ from ground.errors import Cancelled, UserError
 
 __all__ = [
     "CPU_DECODE_ATTENTION", "ROW_ATTENTION", "RowAttention", "cpu_decode_attention", "use_cpu_decode_attention",
-    "PACKED_BF16", "PACKED_F32_HEAD", "Fp16WeightLinear", "Int8Linear", "KernelLinear",
+    "Fp16WeightLinear", "Int8Linear", "KernelLinear",
     "PackedBF16Linear", "PackedF32Linear", "cpu_description", "fp16_weight_available", "native_bf16_cpu",
     "packed_bf16_available", "packed_f32_available",
-    "GROWING_KV", "KV_BLOCK", "GrowingKVLayer", "grow_kv_cache", "relayout_kv_rows",
+    "KV_BLOCK", "GrowingKVLayer", "grow_kv_cache", "relayout_kv_rows",
     "ALIASES", "DEFAULT_BACKBONE", "EMBEDDED", "FLOAT16_MAX", "FLOAT16_SAFE", "RANGE_PROBE", "Progress", "no_progress",
     "check_float16_range", "load_model", "pick_device", "residual_peak", "resolve_name",
-    "FUSED_NORMS", "FusedRMSNorm",
+    "FusedRMSNorm", "FastPaths", "fast_paths", "using_fast_paths",
     "CPU_FLOAT16_TAG", "DEFAULT_CPU_PRECISION", "FINGERPRINT_TAGS", "PRECISIONS", "model_precision",
     "resolve_precision", "set_precision",
-    "SMALL_FORWARD_ONE_THREAD", "SMALL_WORK_ONE_THREAD", "all_threads", "one_thread_section",
+    "all_threads", "one_thread_section",
     "process_threads", "small_forward_threads", "small_work_threads", "vocab_wide_threads",
     "Backbone", "StopForward", "load_backbone", "generate_greedy",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FUSED_NORMS = {"on": True}  # benchmarks switch it off to time the other way
+from backbone.options import fast_paths
 
 
 class FusedRMSNorm(nn.Module):
@@ -46,7 +46,7 @@ class FusedRMSNorm(nn.Module):
         return self.weight * torch.nn.functional.rms_norm(x.float(), d, None, self.eps).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or not FUSED_NORMS["on"]:
+        if torch.is_grad_enabled() or not fast_paths().fused_norms:
             original = self._original[0]
             if original.weight is not self.weight:  # a conversion that made new Parameters (model.to(...))
                 original.weight = self.weight

@@ -9,7 +9,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-SMALL_FORWARD_ONE_THREAD = {"on": True, "max_tokens": 32}  # benchmarks switch it off to time the other way
+from backbone.options import fast_paths
 
 
 def small_forward_threads(n_tokens: int) -> int | None:
@@ -20,7 +20,8 @@ def small_forward_threads(n_tokens: int) -> int | None:
     back. One thread for such a forward, the LM head (one large product, outside the decoder) on all of them
     (``python -m benchmarks anchor``, BENCHMARKS §3). With spinning threads (policy not PASSIVE) the second core
     wins, so the count is left alone; training (gradients on) is left alone too."""
-    if (not SMALL_FORWARD_ONE_THREAD["on"] or n_tokens > SMALL_FORWARD_ONE_THREAD["max_tokens"]
+    paths = fast_paths()
+    if (not paths.small_forward_one_thread or n_tokens > paths.small_forward_max_tokens
             or torch.is_grad_enabled() or process_threads() <= 1
             or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"):
         return None
@@ -61,17 +62,14 @@ def one_thread_section(enabled: bool = True):
                 torch.set_num_threads(_ONE_THREAD["full"])
 
 
-SMALL_WORK_ONE_THREAD = {"on": True}  # benchmarks switch it off to time the other way
-
-
 @contextmanager
 def small_work_threads():
     """A decode step's work around the decoder and the LM head — the plug-ins' extra states and mixes, log-softmax,
     token selection: hundreds of small operators, each under ``OMP_WAIT_POLICY=PASSIVE`` a parallel region that
     first wakes a sleeping thread — on one thread, as ``small_forward_threads`` does for the decoder; the large
     products inside (the LM head, a kNN scan) take the process's threads back with :func:`all_threads`. Where
-    ``small_forward_threads`` leaves the count alone (spinning threads, a benchmark's switch) this does too."""
-    few = None if torch.is_grad_enabled() or not SMALL_WORK_ONE_THREAD["on"] else small_forward_threads(1)
+    ``small_forward_threads`` leaves the count alone (spinning threads, its fast path turned off) this does too."""
+    few = None if torch.is_grad_enabled() or not fast_paths().small_work_one_thread else small_forward_threads(1)
     with one_thread_section(few is not None):
         yield
 

@@ -35,15 +35,13 @@ import numpy as np
 
 from backbone import load_backbone
 from backbone.model import (
-    FUSED_NORMS,
-    PACKED_BF16,
-    SMALL_FORWARD_ONE_THREAD,
     Backbone,
     KernelLinear,
     cpu_description,
     one_thread_section,
     resolve_precision,
     set_precision,
+    using_fast_paths,
 )
 from backbone.tasks import task_prompt
 from eval.datasets import wmt_pairs
@@ -641,7 +639,8 @@ def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
     runs one), with a briefly trained PEMA when asked. Reads one request per stdin line — ``{"row": "base" |
     "base-plain" | "base-threads" | "base-unfused" | "pema" | "context", "source": …}`` — and writes the decode's
     seconds per step after the first (``context``: the prompt's token ids, for llama.cpp; ``base-threads``: the base
-    row with the decoder on every thread, ``SMALL_FORWARD_ONE_THREAD`` off; ``base-unfused``: ``FUSED_NORMS`` off)."""
+    row with the decoder on every thread, the fast path ``small_forward_one_thread`` off; ``base-unfused``:
+    ``fused_norms`` off)."""
     bb = load_backbone(os.environ.get("PEMA_BENCH_BACKBONE") or "gemma-3-270m", dtype=precision)
     prompt = task_prompt("translation", bb)
     rows = {"base": [Row("base")], "base-plain": [Row("base")]}
@@ -657,15 +656,13 @@ def _rows_child(precision: str, tokens: int, with_pema: bool) -> None:
             if req["row"] == "context":
                 print(json.dumps(bb.encode_context(prompt.render(req["source"]))), flush=True)
                 continue
-            PACKED_BF16["on"] = req["row"] != "base-plain"  # the same backbone without the oneDNN-packed linears
-            SMALL_FORWARD_ONE_THREAD["on"] = req["row"] != "base-threads"  # … or with every thread on each layer
-            FUSED_NORMS["on"] = req["row"] != "base-unfused"  # … or with the model's own RMSNorm forward
-            try:
-                with _FixedSteps(bb):
-                    row = "base" if req["row"] in ("base-threads", "base-unfused") else req["row"]
-                    print(_decode_seconds(bb, rows[row], prompt, req["source"], tokens), flush=True)
-            finally:
-                PACKED_BF16["on"] = SMALL_FORWARD_ONE_THREAD["on"] = FUSED_NORMS["on"] = True
+            paths = using_fast_paths(
+                packed_bf16=req["row"] != "base-plain",  # the same backbone without the oneDNN-packed linears
+                small_forward_one_thread=req["row"] != "base-threads",  # … or with every thread on each layer
+                fused_norms=req["row"] != "base-unfused")  # … or with the model's own RMSNorm forward
+            with paths, _FixedSteps(bb):
+                row = "base" if req["row"] in ("base-threads", "base-unfused") else req["row"]
+                print(_decode_seconds(bb, rows[row], prompt, req["source"], tokens), flush=True)
 
 
 class _Child:

@@ -8,7 +8,6 @@ from backbone.model import (
     CPU_FLOAT16_TAG,
     DEFAULT_CPU_PRECISION,
     FINGERPRINT_TAGS,
-    PACKED_BF16,
     Backbone,
     Fp16WeightLinear,
     Int8Linear,
@@ -18,6 +17,7 @@ from backbone.model import (
     packed_bf16_available,
     resolve_precision,
     set_precision,
+    using_fast_paths,
 )
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
@@ -61,7 +61,7 @@ def test_float32_is_the_unchanged_reference(tiny):
     memories and plug-ins are built from — is bit-identical. On a CPU only the LM head runs packed (PackedF32Linear,
     the same weight Parameter): float32 arithmetic in another summation order, so logits agree to float32 rounding,
     a row gets the same bits alone and in a batch, and a greedy comparison decodes the same tokens."""
-    from backbone.model import PACKED_F32_HEAD, PackedF32Linear, packed_f32_available
+    from backbone.model import PackedF32Linear, packed_f32_available
 
     assert tiny.precision == "float32" and "dtype=" not in tiny.fingerprint
     ids = torch.tensor([tiny.encode_context("English: the house is small\nGerman:")])
@@ -77,11 +77,8 @@ def test_float32_is_the_unchanged_reference(tiny):
     with torch.no_grad():
         batch = again.head_logits(normed)
         assert all(torch.equal(again.head_logits(normed[i:i + 1]), batch[i:i + 1]) for i in range(9))
-        PACKED_F32_HEAD["on"] = False
-        try:
+        with using_fast_paths(packed_f32_head=False):
             plain = again.head_logits(normed[:3])
-        finally:
-            PACKED_F32_HEAD["on"] = True
     assert torch.equal(plain, nn.functional.linear(normed[:3], tiny.lm_head.weight))  # switched off: as before
     assert torch.allclose(batch[:3], plain, rtol=1e-5, atol=1e-5)
     a = compare(tiny, "the house is small", [Row("base")], PROMPT, max_new_tokens=6)
@@ -226,11 +223,8 @@ def test_bfloat16_linears_run_oneDNN_packed_weights_with_the_plain_paths_arithme
     c = copy.deepcopy(bb.model)  # LoRA trains on a deep copy of the last layer: the copy packs its own weight
     assert all(isinstance(m, PackedBF16Linear) for m in c.modules() if isinstance(m, nn.Linear))
     a = compare(bb, "the house is small", [Row("base")], PROMPT, max_new_tokens=8)
-    PACKED_BF16["on"] = False
-    try:
+    with using_fast_paths(packed_bf16=False):
         b = compare(bb, "the house is small", [Row("base")], PROMPT, max_new_tokens=8)
-    finally:
-        PACKED_BF16["on"] = True
     assert a.rows[0].tokens == b.rows[0].tokens
 
 
@@ -359,7 +353,6 @@ def test_small_forwards_run_on_one_thread_only_where_threads_sleep(tiny, monkeyp
     """Under OMP_WAIT_POLICY=PASSIVE a decode step's decoder runs on one thread (each parallel region would wake a
     sleeping thread) and the caller's thread count is back afterwards; a long forward, a forward with gradients
     and spinning threads keep the count. The outputs are the same either way."""
-    from backbone import model as model_module
 
     seen = []
     hook = tiny.decoder.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))
@@ -373,10 +366,9 @@ def test_small_forwards_run_on_one_thread_only_where_threads_sleep(tiny, monkeyp
             assert seen[-1] == 1 and torch.get_num_threads() == 2
             tiny.forward_fc(torch.zeros(1, 33, dtype=torch.long))  # longer than max_tokens
             assert seen[-1] == 2
-            monkeypatch.setitem(model_module.SMALL_FORWARD_ONE_THREAD, "on", False)
-            both, _ = tiny.forward_fc(ids[:, :4])
+            with using_fast_paths(small_forward_one_thread=False):
+                both, _ = tiny.forward_fc(ids[:, :4])
             assert seen[-1] == 2 and torch.equal(one, both)
-            monkeypatch.setitem(model_module.SMALL_FORWARD_ONE_THREAD, "on", True)
             monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
             tiny.forward_fc(ids[:, :4])
             assert seen[-1] == 2
@@ -465,9 +457,9 @@ def test_decode_step_runs_small_work_on_one_thread_and_the_lm_head_on_all(tiny, 
         a = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4)
         assert seen["head"] and set(seen["head"]) == {2} and set(seen["mix"]) == {1} and set(seen["scan"]) == {1}
         assert torch.get_num_threads() == 2
-        monkeypatch.setitem(model_module.SMALL_WORK_ONE_THREAD, "on", False)
         seen["mix"].clear()
-        b = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4)
+        with using_fast_paths(small_work_one_thread=False):
+            b = compare(tiny, "the house is small", rows, PROMPT, max_new_tokens=4)
         assert set(seen["mix"]) == {2}
         assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
         assert [r.score for r in a.rows] == [r.score for r in b.rows]
@@ -708,7 +700,7 @@ def test_fused_norms_replace_only_norms_they_reproduce_bit_for_bit(tiny, dtype):
     """Both known RMSNorm formulations (Llama's w · x̂, Gemma's x̂ · (1 + w)) are swapped for torch's fused
     F.rms_norm, and a model's outputs are bit-identical with the fused norms on and off; a norm computing anything
     else is left alone; with gradients the original module runs (and gradients flow)."""
-    from backbone.model import FUSED_NORMS, FusedRMSNorm
+    from backbone.model import FusedRMSNorm
 
     llama = [m for m in tiny.model.modules() if isinstance(m, FusedRMSNorm)]
     assert len(llama) == 2 * tiny.num_layers + 1 and {m.style for m in llama} == {"times"}
@@ -720,11 +712,8 @@ def test_fused_norms_replace_only_norms_they_reproduce_bit_for_bit(tiny, dtype):
     for model in (gemma, tiny_backbone().model.to(dtype)):  # a fresh one: the fixture stays float32
         with torch.no_grad():
             fused = model(input_ids=ids).logits
-            FUSED_NORMS["on"] = False
-            try:
+            with using_fast_paths(fused_norms=False):
                 plain = model(input_ids=ids).logits
-            finally:
-                FUSED_NORMS["on"] = True
         assert torch.equal(fused, plain)
 
     class ScaleOnlyRMSNorm(nn.Module):  # named like a norm, but no normalisation: no fused formulation matches
@@ -752,14 +741,13 @@ def test_growing_kv_cache_appends_in_place_and_decodes_as_the_concatenating_one(
     own, leaving the original's positions as they were."""
     import copy
 
-    from backbone.model import GROWING_KV, KV_BLOCK, grow_kv_cache
+    from backbone.model import KV_BLOCK, grow_kv_cache
 
     bb = tiny_on_decode_attention()
     rows = [Row("base"), Row("again")]
     on = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=6, trace=False)
-    monkeypatch.setitem(GROWING_KV, "on", False)
-    off = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=6, trace=False)
-    monkeypatch.setitem(GROWING_KV, "on", True)
+    with using_fast_paths(growing_kv=False):
+        off = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=6, trace=False)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
     assert [r.score for r in on.rows] == [r.score for r in off.rows]
 
@@ -868,7 +856,7 @@ def test_float32_activations_decode_alike_with_the_growing_kv_cache(monkeypatch,
     """float32 activations (float32, float16 weight-only on a CPU): SDPA reads the growing cache's views — the
     same tokens and scores as on transformers' concatenated cache, across a buffer's growth (memory-tuning's rows on
     it: the test above)."""
-    from backbone.model import GROWING_KV, KV_BLOCK
+    from backbone.model import KV_BLOCK
 
     if precision == "float16" and not fp16_weight_available():
         pytest.skip("no FBGEMM float16 kernel")
@@ -876,8 +864,8 @@ def test_float32_activations_decode_alike_with_the_growing_kv_cache(monkeypatch,
     bb.stop_ids = set()  # every row decodes all its steps
     rows = [Row("base"), Row("again")]
     on = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=KV_BLOCK + 4, trace=False)
-    monkeypatch.setitem(GROWING_KV, "on", False)
-    off = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=KV_BLOCK + 4, trace=False)
+    with using_fast_paths(growing_kv=False):
+        off = compare(bb, "the house is small", rows, PROMPT, max_new_tokens=KV_BLOCK + 4, trace=False)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows] and len(on.rows[0].tokens) == KV_BLOCK + 4
     assert [r.score for r in on.rows] == [r.score for r in off.rows]
 
