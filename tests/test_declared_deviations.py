@@ -70,4 +70,6 @@ def test_knn_gemma_translation_start_is_the_setting_that_did_not_lower_the_base(
 
     assert tuned_decode_settings("knn", "translation", "gemma-3-270m") == {"k": 8, "temperature": 100.0,
                                                                            "lambda": 0.05}
-    assert "no λ beat the base" in next(s for s in KNN.decode_settings if s.name == "lambda").help
+    assert tuned_decode_settings("knn", "formality", "gemma-3-270m")["lambda"] == 0.05  # λ 0.2 lost 3.4 / 3.1
+    lam = next(s for s in KNN.decode_settings if s.name == "lambda")
+    assert "no λ beat the base" in lam.help and 0.05 in lam.grid and 0.05 in lam.fine_grid  # tuning can choose it
