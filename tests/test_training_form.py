@@ -1,4 +1,4 @@
-"""The training form a researcher trusts (issue #17), on the tiny backbone:
+"""The training form a researcher trusts, on the tiny backbone:
 
 * presets declared beside each method's Config ("default", "paper", "quick"), validated by the Config's own
   declarations, selectable on the CLI (``--preset``) and in the form;
