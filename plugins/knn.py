@@ -93,10 +93,9 @@ class CertifiedL2Search:
        S can enter.
 
     ``tests/test_knn.py`` checks it against a float64 scan; BENCHMARKS §3 times it (``python -m benchmarks rows``).
-    Before the centring and the exact residual norms (twelfth session) the bound used |q|·|k| and elementwise
-    rounding bounds: on the benchmark's 100k datastore ~1,000 entries per query were re-checked in float32 (1.9 ms
-    of a step). ``float16`` since the eighteenth session (before, a CPU without native bfloat16 scanned float32
-    keys)."""
+    Centring the keys and using exact residual norms keeps S small (a bound from |q|·|k| and elementwise rounding
+    re-checked ~1,000 entries per query on the benchmark's 100k datastore). The low-precision keys are float16, which
+    every CPU converts natively."""
 
     MIN_ENTRIES = 4096  # below this the float32 scan is already cheap and exactly as before
     _CHUNK = 65536      # keys centred and rounded per chunk (no second float32 copy of every key)

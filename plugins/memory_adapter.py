@@ -290,8 +290,8 @@ class MemoryAdapter(nn.Module):
         V·W_v·W_1[d:]] gives s·R and R·W_1[d:] in one product, so the gate's g·A + (1−g)·R comes out times s. In a
         bfloat16 backbone W_1[:d]/s is packed for oneDNN's bfloat16 linear (bfloat16 inputs and weights, float32
         accumulation: the backbone's own linears' arithmetic): the adapter's one large product (d×d, 1.6 MB in
-        float32, read twice per layer and step), which in float32 on one thread was ~60 % of a memory-adapter row's
-        hook time (BENCHMARKS §3, twelfth session). Returns (logit matrix, value matrix, anchor product, W_2, b_2)."""
+        float32, read twice per layer and step), the largest part of a memory-adapter row's hook time in float32
+        (BENCHMARKS §3). Returns (logit matrix, value matrix, anchor product, W_2, b_2)."""
         qk, v, vw = self.prepare(mem, temperature)
         w1a = self.W_1[:self.d] / scale
         if dtype == torch.bfloat16 and w1a.device.type == "cpu" and packed_bf16_available():
