@@ -57,7 +57,7 @@ def gemma():
 # Tests that start Ray or other processes (a model-owner server, studio processes killed mid-job, the load test's
 # studio) take most of the suite's time on 2 cores: marked `slow`, so `make test-fast` can leave them out.
 SLOW_MODULES = {"test_ray.py", "test_loadtest.py"}
-SLOW_FIXTURES = {"owner", "crashed"}  # test_offsite's owner process; test_durability's forked studios
+SLOW_FIXTURES = {"owner", "crashed"}  # test_offsite's owner process; test_data_directory's forked studios
 
 
 def pytest_collection_modifyitems(config, items):

@@ -188,6 +188,47 @@ def test_phase_two_reinitialises_a_freezes_b_rct_and_trains_a_and_b_pd(tiny, tin
     assert not torch.equal(end2["A"], start2["A"]) and torch.count_nonzero(end2["B_pd"]) > 0
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_pema_h_pd_on_the_rms_divided_or_the_raw_f_c(tiny, raw):
+    """h_pd = (α/r)·B_pd·A·x with x = f(c)/key_rms (``normalize_input`` true, the default) or x = f(c) (false: the
+    public code's raw scale); P_PEMA = softmax(W_hd·norm(h_pd)) on either."""
+    p = pema_with_random_weights(tiny, seed=11, rank=16, lora_alpha=1.0, decode_vocab="full",
+                                 normalize_input=not raw)
+    p.key_scale.fill_(40.0)
+    fc = torch.randn(4, tiny.hidden_size, generator=torch.Generator().manual_seed(12)).to(tiny.device) * 40
+    x = fc if raw else fc / 40.0
+    A, B_pd = p.A.detach(), p.B_pd.detach()
+    h = x @ A.T @ B_pd.T * (1.0 / 16)
+    with torch.no_grad():
+        assert torch.allclose(p.extra_states(fc, []), h, rtol=1e-5, atol=1e-4)
+        other = (fc / 40.0 if raw else fc) @ A.T @ B_pd.T / 16
+        assert not torch.allclose(p.extra_states(fc, []), other, rtol=1e-2)
+        assert torch.allclose(p.pema_logprobs(fc), torch.log_softmax(head_by_hand(tiny, h), -1), atol=1e-4)
+
+
+def test_pema_rms_division_with_a_small_s_lets_the_norms_epsilon_shrink_the_logits(tiny):
+    """RMSNorm's ε: norm(h) = w·h/√(mean(h²) + ε) is scale invariant only while mean(h²) ≫ ε. With h_pd tiny
+    (s = α/r small on the RMS-divided input) P_PEMA flattens; on the raw f(c) it does not."""
+    eps = tiny.final_norm.variance_epsilon
+    p = pema_with_random_weights(tiny, seed=13, rank=16, lora_alpha=1.0, decode_vocab="full")
+    g = torch.Generator().manual_seed(14)
+    with torch.no_grad():
+        p.B_pd.mul_(1e-4)
+    fc = torch.randn(3, tiny.hidden_size, generator=g).to(tiny.device) * 1000
+    for raw, flattened in ((False, True), (True, False)):
+        p.config.normalize_input = not raw
+        p.key_scale.fill_(1000.0)
+        with torch.no_grad():
+            h = p.extra_states(fc, [])
+            lp = p.pema_logprobs(fc)
+        ms = float((h.float() ** 2).mean())
+        want = torch.log_softmax(head_by_hand(tiny, h.float()), -1)
+        assert torch.allclose(lp, want, atol=1e-3)
+        scale_free = torch.log_softmax(head_by_hand(tiny, h.float() / math.sqrt(ms)), -1)  # ε negligible
+        assert (ms < eps) == flattened
+        assert torch.allclose(lp, scale_free, atol=1e-2) != flattened
+
+
 # --- the mix and Gradual Unrolling ----------------------------------------------------------------------------------
 
 def test_pema_mix_is_lambda_p_pema_plus_one_minus_lambda_p_lm_with_gu(tiny):
@@ -537,6 +578,49 @@ def test_pema_candidates_and_early_stopping_never_see_the_heldout_samples(tiny, 
     assert stop_samples and stop_samples <= train_samples
     assert not set(np.asarray(mem.entry_sample)[tr].tolist()) & stop_samples  # never trained on either
     assert res.metrics["early_stop_entries"] == len(es) and res.metrics["train_entries"] == len(tr)
+
+
+def _scripted_loop(losses: list[float], **settings):
+    """run_training on one scalar weight, one entry a step, with the early-stopping losses scripted: returns the
+    summary, the steps at which it evaluated and the weight's value at each evaluation."""
+    from plugins.training import LoopSettings, run_training
+
+    w = nn.Parameter(torch.zeros(()))
+    mod = nn.Module()
+    mod.w = w
+    losses = list(losses)
+    seen: list[tuple[int, float]] = []
+    steps = [0]
+
+    def train_loss(idx):
+        steps[0] += 1
+        return (w - 100.0) ** 2, {}
+
+    def heldout():
+        seen.append((steps[0], float(w)))
+        return losses.pop(0)
+
+    s = LoopSettings(batch_size=1, lr=0.1, **settings)
+    out = run_training(mod, [w], 4, train_loss, heldout, s, "t", lambda f, m: None, lambda: False, [])
+    return out, [st for st, _ in seen], [v for _, v in seen], float(w)
+
+
+def test_public_codes_step_wise_early_stopping_by_hand():
+    """train_rct_pd.py: evaluate every 100 steps; "give up if the loss is increasing for 2 consecutive validation
+    steps": stop at the first evaluation whose loss is above both evaluations before it (the loop's evaluation
+    before the first step does not count). Scripted losses: 10 (before training), then 5, 4, 4.5, 4.2, 4.6 — the
+    rule stops at the 5th evaluation (4.6 > 4.5 and 4.2), the "best" rule with patience 2 at the 4th; both keep
+    the weights of the best evaluation (4, the 2nd)."""
+    losses = [10, 5, 4, 4.5, 4.2, 4.6, 4.7, 4.8]
+    out, at, weights, final = _scripted_loop(losses, eval_every=3, stop_rule="rising", patience=2, max_epochs=100)
+    assert at == [0, 3, 6, 9, 12, 15] and out["steps"] == 15 and out["stopped_by"] == "early_stopping"
+    assert out["best_heldout_loss"] == 4 and final == weights[2]
+    best, at_b, _, _ = _scripted_loop(losses, eval_every=3, stop_rule="best", patience=2, max_epochs=100)
+    assert at_b == [0, 3, 6, 9, 12] and best["steps"] == 12
+    # counting the evaluation before training as one of the two would stop at 4 (4 > … no) — and at 10, 5, 11:
+    early, at_e, _, _ = _scripted_loop([10, 5, 11, 3, 2], eval_every=2, stop_rule="rising", patience=2,
+                                       max_epochs=100)
+    assert at_e == [0, 2, 4, 6, 8] and early["stopped_by"] == "max_epochs" or early["steps"] == 8
 
 
 def test_knn_faiss_index_is_cached_per_setting_and_reranked_exactly(tiny, tmp_path):

@@ -8,7 +8,7 @@
 * the repetition guard (``no_repeat_ngram``): off by default, the same for every row, it stops a looping row;
 * warnings for memories too small to hold anything out or to train on.
 
-    python -m pytest -q tests/test_studio_ux.py
+    python -m pytest -q tests/test_studio_service.py
 """
 import csv
 import io
