@@ -45,9 +45,17 @@ Decoding:
     (``MixInput.ref_len``); off by default, since a user's decode never has one. With GU off λ_t = λ_max.
 
 Adaptations, all recorded in the plug-in's ``train_info``:
-    * f(c) is divided by the memory's key RMS (``key_scale``) before the adapter. Gemma 3's pre-norm states have
-      an RMS near 1,300; raw, the reconstruction MSE (~1e5) swamps L_pd at κ = 0.2. The final RMSNorm is scale
-      invariant, so P_PEMA is the paper's formula on the rescaled input.
+    * f(c) is divided by the memory's key RMS (``key_scale``) before the adapter (``normalize_input``, default).
+      Gemma 3's pre-norm states have an RMS near 1,300; raw, the reconstruction MSE (~1e5) dominates κ·L_rct +
+      (1−κ)·L_pd at κ = 0.2. The final RMSNorm is scale invariant only while mean(h_pd²) ≫ its ε (1e-6 on Gemma):
+      with s = 1/512 on the divided input h_pd starts far below that, and ε shrinks P_PEMA's logits. The public
+      code trains on the raw f(c); ``normalize_input=false`` does too (the ``paper`` preset), for training and
+      decoding alike (``key_scale`` is then 1).
+    * Early stopping: by default once an epoch, stopping after ``patience`` evaluations without a new best; the
+      public code evaluates every 100 steps and stops when the loss rises above the two evaluations before
+      (``eval_every=100``, ``stop_rule="rising"``, ``patience=2``, up to 200 epochs: the ``paper`` preset, here
+      with a step budget, ``max_steps``, instead of minutes). The code saves a checkpoint at every evaluation;
+      here the best evaluation's weights are kept.
     * ``softmax="candidates"`` (fast training): L_pd's softmax runs over a candidate vocabulary — every
       token that occurs as a memory value plus the LM's top tokens on a sample of memory contexts — instead of
       all V tokens; at decode P_PEMA is then restricted to the same candidates, so training and decoding agree.
@@ -62,6 +70,7 @@ Adaptations, all recorded in the plug-in's ``train_info``:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +84,10 @@ from plugins.settings import Preset, Setting, setting
 from plugins.timing import budget_seconds, loop, loop_rate, minutes, split_sizes
 from plugins.training import LoopSettings, candidate_vocabulary, early_stopping_split, run_training
 
+# The paper preset's step budget per phase (the public code has none: it runs up to 200 epochs unless the early
+# stopping ends it). At 2,048 entries a step a joint step takes about a second on 2 CPU cores at Gemma's sizes.
+PAPER_MAX_STEPS = 3000
+
 
 @dataclass
 class PEMAConfig(PluginConfig):
@@ -86,16 +99,28 @@ class PEMAConfig(PluginConfig):
     # joint-phase value; with the candidate softmax ~1 s/step on Gemma on 2 CPU cores (docstring, docs/methods.md).
     batch_size: int = setting(256, "entries per step (public code: 2,048; see lora_alpha for why 256 is the "
                                    "default)", low=1, high=65536)
-    max_epochs_rct: int = setting(10, low=0, high=1000)
-    max_epochs_joint: int = setting(20, low=0, high=1000)
-    patience: int = setting(2, low=0, high=1000)
+    max_epochs_rct: int = setting(10, "epoch limit of the reconstruction phase (public code: 200)", low=0, high=1000)
+    max_epochs_joint: int = setting(20, "epoch limit of the joint phase (public code: 200)", low=0, high=1000)
+    patience: int = setting(2, "early stopping: evaluations without improvement (\"best\") or of rising loss "
+                               "(\"rising\") before a phase stops (public code: 2)", low=0, high=1000)
+    eval_every: int = setting(0, "optimizer steps between early-stopping evaluations; 0 = once an epoch (default); "
+                                 "public code: 100", low=0, high=10**7)
+    stop_rule: str = setting("best", "\"best\": stop after `patience` evaluations without a new best (default) | "
+                                     "\"rising\" (public code): stop when the loss is above each of the `patience` "
+                                     "evaluations before it", choices=("best", "rising"))
+    max_steps: int = setting(0, "optimizer steps per phase at most (0 = none): a budget that ends a run at the same "
+                                "point however busy the machine is", low=0, high=10**8)
     lr_schedule: str = setting("constant", "\"constant\" (paper) | \"cosine\"", choices=("constant", "cosine"))
     softmax: str = setting("candidates", "\"candidates\" (fast) | \"full\" (exact)", choices=("candidates", "full"))
     candidate_top_k: int = setting(16, "LM top tokens per sampled context added to the candidates", low=0, high=1024)
     candidate_contexts: int = setting(
         2048, "how many memory contexts to sample for the LM's top tokens", low=0, high=1000000)
     max_minutes: float = setting(10.0, "wall-clock budget per phase (0 = none)", low=0.0, high=1440.0)
-    normalize_input: bool = setting(True, "divide f(c) by the memory's key RMS")
+    # f(c)'s scale: Gemma's pre-norm states have an RMS near 1,300. Divided by it (default), κ = 0.2 weighs an MSE
+    # of ~1 against L_pd; raw (the public code, and the "paper" preset), h_pd stays far above the final RMSNorm's ε
+    # even with s = 1/512, where the divided input leaves it so small that ε shrinks P_PEMA's logits.
+    normalize_input: bool = setting(True, "f(c) scale: true = divide it by the memory's key RMS (default); false = "
+                                          "the raw f(c), as the public code trains on (preset paper)")
     # joint-phase start: "random" (paper: A re-initialised, B_pd fresh) | "rct" (A re-initialised, B_pd = B_rct)
     # | "warm" (A kept, B_pd = B_rct: P_PEMA starts at the reconstruction's P, close to P_LM)
     pd_init: str = setting("random", "joint-phase start: \"random\" (paper) | \"rct\" | \"warm\"",
@@ -118,10 +143,13 @@ class PEMAConfig(PluginConfig):
     # Named presets (the form's and ``python -m plugins train --preset``); "default" is what ships (above).
     PRESETS = {
         "paper": Preset({"rank": 512, "kappa": 0.2, "lr": 1e-3, "dropout": 0.2, "lora_alpha": 1.0, "b_init": "zeros",
-                         "batch_size": 2048, "rct_init": "random", "pd_init": "random"},
-                        "the public code's values (train_rct_pd.py: LoraLinear with lora_alpha 1, r 512, B = 0; "
-                        "2,048 entries per joint step); on this machine's schedule it changed no output "
-                        "(BENCHMARKS §5e)"),
+                         "batch_size": 2048, "rct_init": "random", "pd_init": "random", "normalize_input": False,
+                         "eval_every": 100, "stop_rule": "rising", "patience": 2, "max_epochs_rct": 200,
+                         "max_epochs_joint": 200, "max_steps": PAPER_MAX_STEPS, "max_minutes": 0.0},
+                        "the public code's regime (train_rct_pd.py): LoraLinear with lora_alpha 1, r 512, B = 0, "
+                        "on the raw f(c); 2,048 entries a step; early stopping every 100 steps when the loss rises "
+                        "above the two evaluations before, up to 200 epochs; here also at most "
+                        f"{PAPER_MAX_STEPS:,} steps a phase (a step budget, not minutes)"),
         "quick": Preset({"rank": 128, "max_epochs_rct": 2, "max_epochs_joint": 4, "candidate_contexts": 512,
                          "max_minutes": 2.0},
                         "a short run for trying the studio: r 128, 2 + 4 epochs, at most 2 minutes a phase"),
@@ -299,7 +327,8 @@ class PEMA(Plugin):
 
         history = self.new_history()
         loop = dict(lr=cfg.lr, batch_size=cfg.batch_size, patience=cfg.patience, lr_schedule=cfg.lr_schedule,
-                    max_minutes=cfg.max_minutes, seed=cfg.seed)
+                    max_minutes=cfg.max_minutes, seed=cfg.seed, eval_every=cfg.eval_every, stop_rule=cfg.stop_rule,
+                    max_steps=cfg.max_steps)
 
         if resume is not None:
             return self._continue_joint(memory, resume, train_rows, batch, target, cand, hx, hy, history, loop,
@@ -347,7 +376,18 @@ class PEMA(Plugin):
                           LoopSettings(max_epochs=cfg.max_epochs_joint, **loop), "joint", progress,
                           should_stop, history, (0.3, 1.0), state_out=state)
         self.optimizer_state = {"joint": state}
-        return self._finish(s1, s2, hx, train_rows, history)
+        return self._finish(s1, s2, hx, train_rows, history, self._stop_ce(hx, hy, target, cand))
+
+    def _stop_ce(self, hx, hy, target, cand) -> float:
+        """L_pd alone (the cross-entropy of P_PEMA) on the early-stopping entries, with the kept weights: the joint
+        phase's early-stopping loss also holds κ·L_rct, whose scale depends on ``normalize_input``."""
+        self.eval()
+        with torch.no_grad():
+            tot = 0.0
+            for b0 in range(0, len(hx), 1024):
+                x, y = hx[b0:b0 + 1024], hy[b0:b0 + 1024]
+                tot += float(F.cross_entropy(self._pd_logits(self.h_pd(x), cand), target(y))) * len(x)
+        return tot / max(1, len(hx))
 
     def _joint_fns(self, batch, target, cand, hx, hy):
         def joint_loss(idx):
@@ -379,20 +419,23 @@ class PEMA(Plugin):
                           LoopSettings(max_epochs=cfg.max_epochs_joint, **loop), "joint", progress,
                           should_stop, history, (0.05, 1.0), resume=resume, state_out=state)
         self.optimizer_state = {"joint": state}
-        return self._finish(s1, s2, hx, train_rows, history)
+        return self._finish(s1, s2, hx, train_rows, history, self._stop_ce(hx, hy, target, cand))
 
-    def _finish(self, s1, s2, hx, train_rows, history) -> FitResult:
+    def _finish(self, s1, s2, hx, train_rows, history, stop_ce: float) -> FitResult:
         cfg = self.config
         bb = self.backbone
         for p in self.parameters():
             p.requires_grad_(False)
-        metrics = {"reconstruction": s1, "joint": s2, "early_stop_entries": int(len(hx)),
+        metrics = {"reconstruction": s1, "joint": s2, "early_stop_ce": round(stop_ce, 5),
+                   "early_stop_entries": int(len(hx)),
                    "train_entries": int(len(train_rows)), "candidates": int(len(self.candidates)) or bb.vocab_size}
         self.train_info = {"softmax": cfg.softmax, "normalize_input": cfg.normalize_input, "pd_init": cfg.pd_init,
                            "rct_init": cfg.rct_init,
                            "decode_vocab": cfg.decode_vocab, "scaling": self.scaling, "b_init": cfg.b_init,
                            "early_stopping": "a seeded tenth of the training samples (never the held-out ones)",
-                           "key_scale": float(self.key_scale), "lr_schedule": cfg.lr_schedule, **metrics}
+                           "key_scale": float(self.key_scale), "lr_schedule": cfg.lr_schedule,
+                           "eval_every": cfg.eval_every, "stop_rule": cfg.stop_rule, "max_steps": cfg.max_steps,
+                           **metrics}
         return FitResult(metrics=metrics, history=history)
 
     # --- decoding ---------------------------------------------------------------------------------
@@ -412,8 +455,14 @@ class PEMA(Plugin):
         budget_s = budget_seconds(config)
         sizes = split_sizes(samples, entries, 500)
         conv = rec.get("converge_epochs") or {}
-        loops = [loop(phase, sizes["train_entries"], sizes["stop_entries"], 1, rec[key], max_ep, conv.get(phase),
-                      budget_s)
+        steps_per_epoch = max(1, math.ceil(sizes["train_entries"] / config.batch_size))
+        evals = steps_per_epoch / config.eval_every if config.eval_every else 1
+
+        def epochs(max_ep):  # the epoch limit, or fewer under a step budget
+            return min(max_ep, round(config.max_steps / steps_per_epoch, 2)) if config.max_steps else max_ep
+
+        loops = [loop(phase, sizes["train_entries"], sizes["stop_entries"], evals, rec[key], epochs(max_ep),
+                      conv.get(phase), budget_s)
                  for phase, key, max_ep in (("reconstruction", "rct_entries_per_s", config.max_epochs_rct),
                                             ("joint", "joint_entries_per_s", config.max_epochs_joint))]
         return {"setup_s": rec.get("setup_s", 0.0), "loops": loops,

@@ -1,7 +1,13 @@
 """One small training loop for every plug-in: mini-batches over memory entries, Adam, an optional cosine
 learning-rate schedule, early stopping on a seeded split of the memory's *training* samples (never on its held-out
-samples, which the evaluation reports on), a wall-clock budget, progress and cancellation. The best weights (by
-early-stopping loss, called ``heldout_loss`` in the loop and its history) are restored at the end.
+samples, which the evaluation reports on), a step budget and a wall-clock budget, progress and cancellation. The
+best weights (by early-stopping loss, called ``heldout_loss`` in the loop and its history) are restored at the end.
+
+Early stopping evaluates every ``eval_every`` steps (0: once an epoch) and stops by one of two rules:
+``stop_rule="best"`` after ``patience`` evaluations in a row without a new best; ``stop_rule="rising"`` (PEMA's
+public code, ``train_rct_pd.py``: every 100 steps, "give up if the loss is increasing for 2 consecutive validation
+steps") when an evaluation's loss is above each of the ``patience`` evaluations before it, counting only the
+evaluations made during training (the code has no evaluation before its first step).
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ class LoopSettings:
     seed: int = 123
     eval_every: int = 0            # steps between held-out evaluations; 0: once an epoch
     warmup_steps: int = 0
+    max_steps: int = 0             # optimizer steps of this run at most (0: none); evaluated once more at the last
+    stop_rule: str = "best"        # "best" | "rising" (see the module docstring)
 
 
 def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], n_train: int,
@@ -41,8 +49,9 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
     """Train ``params`` by minimising ``train_loss(batch_indices)``; early-stop on ``heldout_loss()``.
 
     Returns a summary: best held-out loss, epochs (and ``max_epochs``), steps, seconds, tokens/s, and
-    ``stopped_by``: "early_stopping" (converged by the early-stopping rule), "max_epochs" (ran every epoch) or
-    "time_budget" (``max_minutes`` ran out first: the plug-in may be under-trained).
+    ``stopped_by``: "early_stopping" (converged by the early-stopping rule), "max_epochs" (ran every epoch),
+    "max_steps" (the step budget ``max_steps`` ran out) or "time_budget" (``max_minutes`` ran out first: the
+    plug-in may be under-trained).
 
     Continuing a run: ``state_out`` (a dict) receives the optimizer's state and the loop's counters at the end
     (:func:`optimizer_state`); passed back as ``resume`` (with the same parameters, in the same order), training
@@ -54,6 +63,8 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
     rng = np.random.default_rng(s.seed)
     steps_per_epoch = max(1, math.ceil(n_train / s.batch_size))
     total_steps = steps_per_epoch * s.max_epochs
+    if s.max_steps:
+        total_steps = min(total_steps, s.max_steps)
     eval_every = s.eval_every or steps_per_epoch
     step0 = 0  # steps done before this run (continued training)
     if resume:
@@ -78,6 +89,7 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
     best_state = copy.deepcopy(module.state_dict())
     history.append({"phase": phase, "step": 0, "epoch": 0.0, "heldout_loss": best, "time": 0.0})
     bad = 0
+    during: list[float] = []  # the evaluations made during training ("rising" compares with the last ones)
     step = 0
     reason = "max_epochs"
     seen = 0
@@ -107,23 +119,29 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
             progress(lo + (hi - lo) * frac, f"{phase}: epoch {epoch + 1}/{s.max_epochs} step {step} "
                                              f"loss {float(loss.detach()):.4f} (best held-out {best:.4f})")
             out_of_time = bool(s.max_minutes) and time.time() - t0 > 60 * s.max_minutes
-            # evaluate on schedule, and once more when the budget ends, so the last steps are not thrown away
-            if step % eval_every == 0 or out_of_time:
+            out_of_steps = bool(s.max_steps) and step >= s.max_steps
+            # evaluate on schedule, and once more when a budget ends, so the last steps are not thrown away
+            if step % eval_every == 0 or out_of_time or out_of_steps:
                 module.eval()
                 progress(lo + (hi - lo) * frac, f"{phase}: evaluating the early-stopping loss (step {step})")
                 h = heldout_loss()
                 module.train()
                 history.append({"phase": phase, "step": step, "epoch": step / steps_per_epoch,
                                 "heldout_loss": h, "time": time.time() - t0})
+                rising = s.stop_rule == "rising" and len(during) >= s.patience \
+                    and all(h > p for p in during[len(during) - s.patience:])
+                during.append(h)
                 if h < best - 1e-6:
                     best, bad = h, 0
                     best_state = copy.deepcopy(module.state_dict())
                 else:
                     bad += 1
-                    if bad >= s.patience:
-                        reason, done = "early_stopping", True
+                if rising or (s.stop_rule != "rising" and bad >= s.patience):
+                    reason, done = "early_stopping", True
             if out_of_time and not done:
                 reason, done = "time_budget", True
+            if out_of_steps and not done:
+                reason, done = "max_steps", True
             if done:
                 break
         if done:

@@ -609,18 +609,18 @@ def test_public_codes_step_wise_early_stopping_by_hand():
     """train_rct_pd.py: evaluate every 100 steps; "give up if the loss is increasing for 2 consecutive validation
     steps": stop at the first evaluation whose loss is above both evaluations before it (the loop's evaluation
     before the first step does not count). Scripted losses: 10 (before training), then 5, 4, 4.5, 4.2, 4.6 — the
-    rule stops at the 5th evaluation (4.6 > 4.5 and 4.2), the "best" rule with patience 2 at the 4th; both keep
-    the weights of the best evaluation (4, the 2nd)."""
+    rule stops at the 5th evaluation (4.6 > 4.5 and 4.2), the "best" rule with patience 2 at the 4th; the rising
+    rule keeps the weights of the best evaluation (4, the 2nd)."""
     losses = [10, 5, 4, 4.5, 4.2, 4.6, 4.7, 4.8]
     out, at, weights, final = _scripted_loop(losses, eval_every=3, stop_rule="rising", patience=2, max_epochs=100)
     assert at == [0, 3, 6, 9, 12, 15] and out["steps"] == 15 and out["stopped_by"] == "early_stopping"
     assert out["best_heldout_loss"] == 4 and final == weights[2]
     best, at_b, _, _ = _scripted_loop(losses, eval_every=3, stop_rule="best", patience=2, max_epochs=100)
     assert at_b == [0, 3, 6, 9, 12] and best["steps"] == 12
-    # counting the evaluation before training as one of the two would stop at 4 (4 > … no) — and at 10, 5, 11:
-    early, at_e, _, _ = _scripted_loop([10, 5, 11, 3, 2], eval_every=2, stop_rule="rising", patience=2,
-                                       max_epochs=100)
-    assert at_e == [0, 2, 4, 6, 8] and early["stopped_by"] == "max_epochs" or early["steps"] == 8
+    # the evaluation before training is not one of the two: 1 (before), 5, 6 does not stop at 6
+    late, at_l, _, _ = _scripted_loop([1, 5, 6, 5.5, 5.2, 5.0], eval_every=2, stop_rule="rising", patience=2,
+                                      max_epochs=100, max_steps=10)
+    assert at_l == [0, 2, 4, 6, 8, 10] and late["stopped_by"] == "max_steps" and late["steps"] == 10
 
 
 def test_knn_faiss_index_is_cached_per_setting_and_reranked_exactly(tiny, tmp_path):

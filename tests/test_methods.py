@@ -93,3 +93,53 @@ def test_training_reports_its_history_points_as_they_are_made(tiny, tiny_memory,
                                 on_metric=points.append)
     assert points == row["history"] and {p["phase"] for p in points} == {"reconstruction", "joint"}
     assert any("loss" in p for p in points) and any("heldout_loss" in p for p in points)
+
+
+def test_pema_step_budget_stops_each_phase_at_exactly_max_steps_evaluating_every_n(tiny, tiny_memory, tmp_path):
+    """``max_steps`` ends each phase after exactly that many optimizer steps (whatever the epoch limit and the
+    machine's speed), with an early-stopping evaluation every ``eval_every`` steps and one at the last step."""
+    cfg = {**quick_config("pema"), "batch_size": 2, "max_epochs_rct": 50, "max_epochs_joint": 50,
+           "max_steps": 7, "eval_every": 3, "patience": 1000, "stop_rule": "rising"}
+    plugin, row = train_plugin(tiny, tiny_memory, "pema", cfg, out_dir=tmp_path / "p")
+    info = plugin.train_info
+    for phase in ("reconstruction", "joint"):
+        assert info[phase]["steps"] == 7 and info[phase]["stopped_by"] == "max_steps"
+        evals = [h["step"] for h in row["history"] if h["phase"] == phase and "heldout_loss" in h]
+        assert evals == [0, 3, 6, 7]
+    assert info["max_steps"] == 7 and info["eval_every"] == 3 and info["stop_rule"] == "rising"
+    assert info["early_stop_ce"] > 0
+
+
+def test_pema_saved_before_the_step_settings_loads_and_decodes_as_before(tiny, trained, tmp_path):
+    """A plugin_config.json without ``eval_every`` / ``stop_rule`` / ``max_steps`` / ``normalize_input`` (saved by
+    an earlier version) loads with the defaults: epoch-wise early stopping, no step budget, f(c) divided by the
+    key RMS — the same weights and the same decode."""
+    import shutil
+
+    plugin, path = trained("pema")
+    copy = tmp_path / "old"
+    shutil.copytree(path, copy)
+    meta = json.loads((copy / "plugin_config.json").read_text())
+    for key in ("eval_every", "stop_rule", "max_steps", "normalize_input"):
+        meta["config"].pop(key)
+    (copy / "plugin_config.json").write_text(json.dumps(meta))
+    old = load_plugin(copy, tiny)
+    assert (old.config.eval_every, old.config.stop_rule, old.config.max_steps, old.config.normalize_input) == \
+        (0, "best", 0, True)
+    assert old.config == plugin.config and same_state(state(old), state(plugin))
+    assert float(old.key_scale) == float(plugin.key_scale) != 1.0
+    a = compare(tiny, "the house is small", [Row("p", plugin)], PROMPT, max_new_tokens=6)
+    b = compare(tiny, "the house is small", [Row("p", old)], PROMPT, max_new_tokens=6)
+    assert a.rows[0].tokens == b.rows[0].tokens
+
+
+def test_pema_raw_scale_trains_and_decodes_on_the_raw_f_c(tiny, tiny_memory, tmp_path):
+    """``normalize_input=false``: trained on the raw f(c) (key_scale 1) and, after a save and load, decoded on it."""
+    cfg = {**quick_config("pema"), "normalize_input": False}
+    plugin, _ = train_plugin(tiny, tiny_memory, "pema", cfg, out_dir=tmp_path / "p")
+    loaded = load_plugin(tmp_path / "p", tiny)
+    assert float(plugin.key_scale) == 1.0 == float(loaded.key_scale) and not loaded.config.normalize_input
+    fc = torch.from_numpy(tiny_memory.keys[:3].astype("float32")).to(tiny.device)
+    with torch.no_grad():
+        want = fc @ loaded.A.T @ loaded.B_pd.T * loaded.scaling
+        assert torch.allclose(loaded.extra_states(fc, []), want, rtol=1e-5, atol=1e-5)
