@@ -13,8 +13,8 @@ install-dev: install  ## + test tools and Debian's chromium for the browser test
 run:  ## start the studio on the embedded default backbone
 	$(PY) app.py
 
-test:  ## the whole suite (unit tests on tiny models + a few integration tests on the embedded backbone)
-	$(PY) -m pytest
+test:  ## the whole suite (unit tests on tiny models + a few integration tests on the embedded backbone); fails if it writes a tracked file
+	PEMA_CHECK_CLEAN_TREE=1 $(PY) -m pytest
 
 test-fast:  ## unit tests only: no real backbone, browser, Ray or extra processes
 	PEMA_SKIP_REAL_BACKBONE=1 $(PY) -m pytest -m "not integration and not browser and not slow"

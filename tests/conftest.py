@@ -70,3 +70,39 @@ def pytest_collection_modifyitems(config, items):
         if (item.path.name in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
                 or "spawn(" in source or "subprocess.Popen" in source):
             item.add_marker(pytest.mark.slow)
+
+
+def _tracked_changes() -> dict[str, bytes] | None:
+    """Tracked files that differ from the index, with their current bytes (None outside a git checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    changed = {}
+    for line in out.splitlines():
+        name = line[3:].split(" -> ")[-1]
+        path = root / name
+        changed[name] = path.read_bytes() if path.is_file() else b""
+    return changed
+
+
+def pytest_sessionstart(session):
+    # The suite must never write into the checkout (a test once left a fake backbone in tuned_defaults.json);
+    # checked when asked (make test), since a developer may be editing files while the tests run.
+    if os.environ.get("PEMA_CHECK_CLEAN_TREE") == "1":
+        session.config._tracked_before = _tracked_changes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_tracked_before", None)
+    if before is None:
+        return
+    after = _tracked_changes() or {}
+    written = sorted(name for name, data in after.items() if before.get(name) != data)
+    if written:
+        sys.stderr.write("\nThe test suite changed tracked files: " + ", ".join(written) + "\n")
+        session.exitstatus = 1
