@@ -301,12 +301,68 @@ def describe_changes(changes: dict[str, dict]) -> str:
     return "; ".join(f"{task}: " + ", ".join(f"{k}={v}" for k, v in vals.items()) for task, vals in changes.items())
 
 
-def row_settings(plugin, task: str | None, backbone_name: str | None, overrides: dict | None = None) -> dict:
-    """A row's complete decode settings — declared defaults ← tuned for (task, backbone) ← ``overrides`` — checked
-    against the method's declarations. The one place where defaults are merged (Compare, Evaluate, CLIs, eval)."""
+def row_settings(plugin, task: str | None, backbone_name: str | None, overrides: dict | None = None,
+                 calibrated: bool = True) -> dict:
+    """A row's complete decode settings — declared defaults ← tuned for (task, backbone) ← calibrated on the
+    plug-in's own memory (its ``calibration.json``; skipped with ``calibrated=False``: the global defaults) ←
+    ``overrides`` — checked against the method's declarations. The one place where defaults are merged (Compare,
+    Evaluate, CLIs, eval)."""
     tuned = tuned_decode_settings(plugin.method, task, backbone_name)
+    cal = plugin_calibration(plugin) if calibrated else None
     comparison, own = split_comparison(overrides)
-    return {**plugin.settings({**tuned, **own}), **comparison_settings(comparison)}
+    return {**plugin.settings({**tuned, **(cal or {}).get("settings", {}), **own}), **comparison_settings(comparison)}
+
+
+# --- per-memory calibration (written by ``eval.calibrate``) -------------------------------------------------------
+CALIBRATION_FILE = "calibration.json"  # in the plug-in's folder, beside its weights
+
+
+def load_calibration(plugin_folder) -> dict | None:
+    """The calibration stored in a plug-in's folder, or None: none there, unreadable or malformed JSON, or made for
+    other weights (the weight file's checksum it records differs from the one ``plugin_config.json`` records now —
+    a plug-in trained again in place is not calibrated)."""
+    from pathlib import Path
+
+    if plugin_folder is None:
+        return None
+    folder = Path(plugin_folder)
+    try:
+        cal = json.loads((folder / CALIBRATION_FILE).read_text(encoding="utf-8"))
+        cfg = json.loads((folder / "plugin_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not (isinstance(cal, dict) and isinstance(cal.get("settings"), dict) and isinstance(cal.get("n"), int)
+            and isinstance(cal.get("table"), list) and isinstance(cfg, dict)):
+        return None
+    if cal.get("weights_sha256") != _weights_sha(cfg):
+        return None
+    return cal
+
+
+def _weights_sha(plugin_config: dict) -> str | None:
+    files = plugin_config.get("files") if isinstance(plugin_config, dict) else None
+    rec = files.get("plugin_model.safetensors") if isinstance(files, dict) else None
+    return rec.get("sha256") if isinstance(rec, dict) else None
+
+
+def plugin_calibration(plugin) -> dict | None:
+    """A loaded plug-in's calibration (``load_calibration`` of its folder) when it is for this plug-in's backbone
+    and its settings pass the method's declarations; else None."""
+    cal = load_calibration(getattr(plugin, "plugin_path", None))
+    if cal is None or cal.get("backbone") not in (None, plugin.backbone_name):
+        return None
+    try:
+        plugin.settings(cal["settings"])
+    except UserError:
+        return None
+    return cal
+
+
+def calibration_label(cal: dict | None) -> str:
+    """The line a calibrated start is shown with: "tuned on 15 held-out samples of wmt300"; "" without one."""
+    if not cal:
+        return ""
+    return f"tuned on {cal['n']} held-out samples of {cal.get('memory') or 'its memory'}"
 
 
 def decode_grid(cls, fine: bool = False) -> list[dict]:
