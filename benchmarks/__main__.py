@@ -18,13 +18,13 @@ OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray"
 
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
     if argv and argv[0] in OWN_MODULES:
         module = importlib.import_module(OWN_MODULES[argv[0]])  # heavy: only the benchmark asked for is imported
         result = module.main(argv[1:])
         return result if isinstance(result, int) else 0
+    if "-h" in argv or "--help" in argv:  # core's benchmarks take positional arguments only: say so, run nothing
+        print(__doc__)
+        return 0
     from benchmarks import core  # heavy: the backbone and every method
 
     return core.main(argv)
