@@ -68,8 +68,9 @@ def dev_memory(backbone, prompt, pairs: list[tuple[str, str]], cache_root: Path,
     path = Path(cache_root) / f"dev-{task}-{h}"
     if (path / "meta.json").exists():
         return Memory.load(path, backbone)
+    # examples="given": the scored pairs must never be the prompt's examples
     return build_memory(backbone, [Sample(s, t, i + 1) for i, (s, t) in enumerate(pairs)], path, prompt=prompt,
-                        task=task, heldout_frac=0.0, key_dtype="float32", batch_size=16,
+                        examples="given", task=task, heldout_frac=0.0, key_dtype="float32", batch_size=16,
                         max_target_tokens=1024,  # score long reference sentences too (training memories stop at 256)
                         progress=progress or (lambda f, m: None))
 

@@ -53,6 +53,9 @@ def main(argv=None) -> int:
                    help="few-shot examples in the prompt (default: the task's tuned value, else 3)")
     b.add_argument("--paper-template", action="store_true", default=None,
                    help="use the PEMA paper's Table 9 instruction (default: the task's tuned prompt format)")
+    b.add_argument("--builtin-examples", action="store_true",
+                   help="keep the task's built-in few-shot examples (default: the memory's own training samples, "
+                        "when it has enough)")
     b.add_argument("--mode", default="teacher", choices=["teacher", "offsite"])
     b.add_argument("--limit", type=int, default=None, help="use the first N samples")
     b.add_argument("--skip-invalid", action="store_true", help="skip bad lines instead of stopping")
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     if args.cmd == "inspect":
         m = open_memory(args.id, catalog=cat)
         dump_json({**m.summary(), "name": printable(m.summary()["name"]), "prompt": m.meta["prompt"],
+                   "prompt_examples": m.prompt_examples,
                    "stats": m.meta["stats"], "path": str(m.path)})
         for s in m.samples[: args.samples]:
             print(f"[{s['split']}] {s['src']!r} -> {s['tgt']!r}{' (synthetic source)' if s['synthetic_src'] else ''}")
@@ -137,6 +141,7 @@ def _build(args, cat) -> int:
     out = cat.root / "memories" / new_id()
     with progress_bar("memory") as prog:
         mem = build_memory(bb, samples, out, prompt=prompt, task=args.task, mode=args.mode,
+                           examples="given" if args.builtin_examples else "own",
                            name=args.name or label, key_dtype=args.key_dtype, heldout_frac=args.heldout,
                            batch_size=args.batch_size, progress=prog, catalog=cat)  # folder + row: one step
     if source is not None:

@@ -237,13 +237,49 @@ def _capture_offsite(backbone: Backbone, ctx: list[list[int]], tgt: list[list[in
     return sumsq
 
 
+# A memory's prompt takes its few-shot examples from the memory's own training samples when it has at least this many
+# training samples and twice as many usable distinct ones as the prompt has examples; else the prompt's own.
+OWN_EXAMPLES_MIN_SAMPLES = 10
+OWN_EXAMPLE_MAX_WORDS = 60  # a longer source or target is a paragraph: too long to repeat in every context
+
+
+def choose_prompt_examples(srcs: list[str], tgts: list[str], synthetic: list[bool], train: list[int],
+                           shots: int) -> list[int]:
+    """The training samples whose pairs become the prompt's ``shots`` few-shot examples, or [] when there are too
+    few (``OWN_EXAMPLES_MIN_SAMPLES``). Deterministic: among training samples (never held-out ones) with a source of
+    their own (not a synthetic one), one line each side and at most ``OWN_EXAMPLE_MAX_WORDS`` words, one per distinct
+    source, those whose source length in words is nearest the median of theirs — typical of the data, neither a
+    fragment nor a paragraph — the earlier sample first on a tie."""
+    if shots <= 0 or len(train) < OWN_EXAMPLES_MIN_SAMPLES:
+        return []
+    usable, seen = [], set()
+    for i in train:
+        s, t = srcs[i].strip(), tgts[i].strip()
+        if synthetic[i] or not s or not t or "\n" in s or "\n" in t or s in seen \
+                or max(len(s.split()), len(t.split())) > OWN_EXAMPLE_MAX_WORDS:
+            continue
+        seen.add(s)
+        usable.append(i)
+    if len(usable) < 2 * shots:
+        return []
+    lengths = sorted(len(srcs[i].split()) for i in usable)
+    median = lengths[len(lengths) // 2]
+    return sorted(usable, key=lambda i: (abs(len(srcs[i].split()) - median), i))[:shots]
+
+
 def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path, *, prompt: Prompt | None = None,
+                 examples: str = "own",
                  task: str = "translation", mode: str = "teacher", name: str = "", key_dtype: str = "float16",
                  heldout_frac: float = 0.1, seed: int = 123, batch_size: int = 8,
                  max_target_tokens: int = MAX_TARGET_TOKENS,
                  progress: Progress = _noop, should_stop: ShouldStop = lambda: False, catalog=None,
                  capture: Capture | None = None) -> Memory:
     """Build a memory folder atomically at ``out_dir`` and return it loaded.
+
+    ``examples``: "own" (the default) replaces the few-shot examples of ``prompt`` by as many of the memory's own
+    training samples (``choose_prompt_examples``), keeping its template; with too few samples, or with "given", the
+    prompt's examples stay. ``meta.json`` records the prompt and where its examples came from
+    (``prompt_examples``), so plug-ins train and decode with the prompt the memory was built with.
 
     ``capture`` (teacher mode): a sharded capture in place of the in-process one (``Capture``); tokenizing,
     synthetic sources, the split, the files and the catalog row stay here, so the result is the same memory
@@ -261,6 +297,8 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
         raise UserError("key_dtype must be float16 or float32.")
     if not samples:
         raise UserError("No samples to build a memory from.")
+    if examples not in ("own", "given"):
+        raise UserError(f"Unknown prompt examples {examples!r}; use 'own' or 'given'.")
     prompt = prompt or Prompt.for_task(task, chat=backbone.chat)
     srcs = [s.src for s in samples]
     tgts = [s.tgt for s in samples]
@@ -276,6 +314,17 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
     base = 0.5 if any(synthetic) else 0.0
 
     held = set(heldout_split(len(samples), heldout_frac, seed).tolist())
+    own = choose_prompt_examples(srcs, tgts, synthetic, [i for i in range(len(samples)) if i not in held],
+                                 len(prompt.examples)) if examples == "own" else []
+    if own:
+        prompt = Prompt(template=prompt.template, examples=[(srcs[i].strip(), tgts[i].strip()) for i in own],
+                        separator=prompt.separator, chat=prompt.chat)
+        prompt_examples = {"source": "own", "samples": own, "lines": [samples[i].line for i in own]}
+    else:
+        prompt_examples = {"source": "given" if examples == "given" or not prompt.examples else "builtin"}
+        if examples == "own" and prompt.examples:
+            prompt_examples["reason"] = (f"fewer than {OWN_EXAMPLES_MIN_SAMPLES} training samples or than "
+                                         f"{2 * len(prompt.examples)} usable distinct ones")
     ctx = _encode_all(lambda s: backbone.encode_context(prompt.render(s)), srcs, should_stop)
     tgt = []
     for i, t in enumerate(tgts):
@@ -341,7 +390,8 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
                 "backbone": backbone.name, "fingerprint": backbone.fingerprint, "task": task, "mode": mode,
                 # the backbone's weight precision the keys f(c) were computed in (also in the fingerprint)
                 "precision": getattr(backbone, "precision", "float32"),
-                "prompt": prompt.to_dict(), "key_dtype": stored_dtype, "requested_key_dtype": key_dtype,
+                "prompt": prompt.to_dict(), "prompt_examples": prompt_examples, "key_dtype": stored_dtype,
+                "requested_key_dtype": key_dtype,
                 "hidden_size": d, "seed": seed,
                 "heldout_frac": heldout_frac, "created": time.time(), "stats": stats, "writer": writer_tag()}
         if should_stop():

@@ -3,7 +3,8 @@ from, the samples themselves, and meta.json. Arrays are memory-mapped on load, s
 
 Folder layout::
 
-    meta.json              backbone fingerprint, prompt, task, build mode, statistics
+    meta.json              backbone fingerprint, prompt (and where its examples came from), task, build mode,
+                           statistics
     samples.jsonl          {"src","tgt","synthetic_src","split"} one a line (split: train / heldout)
     keys.npy values.npy entry_sample.npy                    training entries (the kNN datastore)
     heldout_keys.npy heldout_values.npy heldout_entry_sample.npy   entries of the held-out samples
@@ -129,6 +130,15 @@ class Memory:
     @property
     def prompt(self) -> Prompt:
         return Prompt.from_dict(self.meta["prompt"])
+
+    @property
+    def prompt_examples(self) -> dict:
+        """Where the prompt's few-shot examples came from: ``{"source": "own", "samples": [index], "lines":
+        [line]}`` (the memory's own training samples), ``{"source": "builtin"}`` (the task's built-in ones; also
+        every memory built before this was recorded, whose prompt is kept as it is) or ``{"source": "given"}``."""
+        rec = self.meta.get("prompt_examples")
+        return dict(rec) if isinstance(rec, dict) and rec.get("source") in ("own", "builtin", "given") \
+            else {"source": "builtin"}
 
     @property
     def task(self) -> str:

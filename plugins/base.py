@@ -186,7 +186,7 @@ class Plugin(nn.Module):
     title: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     Config: ClassVar[type[PluginConfig]] = PluginConfig
-    level: ClassVar[str] = "output"  # "output" | "network" | "none"
+    level: ClassVar[str] = "output"  # "output" | "network" | "prompt" (``row_prompt``) | "none"
     decode_settings: ClassVar[tuple[Setting, ...]] = ()  # declared once; UIs, CLIs and tuners are generated
     needs_memory_at_decode: ClassVar[bool] = False
     mixes_output: ClassVar[bool] = False  # an in-network plug-in whose ``mix`` also runs after the LM head
@@ -247,6 +247,13 @@ class Plugin(nn.Module):
 
     def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
         return None
+
+    def row_prompt(self, source: str, prompt, settings: dict):
+        """Plug-ins of level "prompt" (the frozen model, prompted otherwise): the ``backbone.prompts.Prompt`` its
+        row decodes ``source`` with, given the comparison's ``prompt`` (whose template it keeps). Such a row gets a
+        prefill row of its own in the one batched decode (``plugins.decode.batch``); its distribution is the
+        model's. Default: the comparison's prompt."""
+        return prompt
 
     def head_vocab(self) -> torch.Tensor | None:
         """Token ids the extra states' logits are needed for (others are −inf), or None for all of them. A

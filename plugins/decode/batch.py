@@ -1,6 +1,6 @@
 """A comparison's request laid out as one batch: sources × rows × beams, the rows' complete settings, the groups
-of rows that share an in-network plug-in (one prefill and one attachment of hooks each) or an output-level one (one
-mix each)."""
+of rows that share an in-network plug-in (one prefill and one attachment of hooks each), a prompt of their own (a
+plug-in of level "prompt": one prefill each, its own context per source) or an output-level one (one mix each)."""
 from __future__ import annotations
 
 import json
@@ -35,6 +35,20 @@ class NetGroup:
 
 
 @dataclass
+class PromptGroup:
+    """Rows whose plug-in prompts each source its own way (level "prompt", ``Plugin.row_prompt``) with the same
+    settings: one prefill row per source, from its own context; no hooks, no mix (the model's distribution)."""
+
+    plugin: Plugin
+    key: str
+    settings: dict
+    members: list[int]
+    contexts: list[list[int]]  # per source: the row's context token ids
+    prompts: list[Prompt]      # per source: the prompt they render
+    prefill: int = 0
+
+
+@dataclass
 class OutGroup:
     """Rows whose plug-in mixes the output distribution (output-level, or in-network with ``mixes_output``)."""
 
@@ -55,8 +69,9 @@ class OutGroup:
 @dataclass
 class Batch:
     """One batched decode: S sources × R rows × B beams at batch row ``(s·R + r)·B + j``, the rows' settings and
-    groups. Prefill group 0 holds the rows without an in-network plug-in (when there are any: ``shared``), then one
-    group per in-network group; prefill row ``s·G + g``."""
+    groups. Prefill group 0 holds the rows that decode the comparison's prompt without an in-network plug-in (when
+    there are any: ``shared``), then one group per in-network group, then one per prompt group; prefill row
+    ``s·G + g``, whose context is ``prefill_contexts[s·G + g]``."""
 
     sources: list[str]
     rows: list[Row]
@@ -71,6 +86,7 @@ class Batch:
     group_of_row: list[int]   # prefill group per row
     comparison: dict = field(default_factory=dict)  # settings of every row alike that are on (repetition guard)
     ref_lens: list[int] | None = None  # per source: the reference's token length (evaluation only; else None)
+    prompts: list[PromptGroup] = field(default_factory=list)
 
     @property
     def S(self) -> int:
@@ -90,7 +106,19 @@ class Batch:
 
     @property
     def G(self) -> int:
-        return self.shared + len(self.net)
+        return self.shared + len(self.net) + len(self.prompts)
+
+    @property
+    def prefill_contexts(self) -> list[list[int]]:
+        """The context of every prefill row ``s·G + g``: a prompt group's own, else the source's."""
+        own = {grp.prefill: grp for grp in self.prompts}
+        return [own[g].contexts[s] if g in own else self.contexts[s] for s in range(self.S) for g in range(self.G)]
+
+    @property
+    def padded(self) -> bool:
+        """Whether the prefill rows are left-padded (several sources, or contexts of unequal length), so that
+        every forward pass needs the attention mask."""
+        return self.S > 1 or len({len(c) for c in self.prefill_contexts}) > 1
 
     def batch_rows(self, members: list[int]) -> list[int]:
         """The batch rows of rows ``members``: every source, every beam."""
@@ -149,10 +177,18 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
         if r.plugin is not None:
             r.plugin.prepare_decode()
     net: dict[tuple, NetGroup] = {}
+    own: dict[tuple, PromptGroup] = {}
     out: dict[int, tuple[Plugin, list[int]]] = {}
     for i, r in enumerate(rows):
         if r.plugin is None:
             continue
+        if r.plugin.level == "prompt":
+            k = _key(settings[i])
+            if (id(r.plugin), k) not in own:
+                ps = [r.plugin.row_prompt(s, prompt, settings[i]) for s in sources]
+                own[(id(r.plugin), k)] = PromptGroup(r.plugin, k, settings[i], [], [
+                    backbone.encode_context(p.render(s)) for p, s in zip(ps, sources)], ps)
+            own[(id(r.plugin), k)].members.append(i)
         if r.plugin.level == "network":
             k = _key(settings[i])
             if (id(r.plugin), k) not in net:
@@ -160,14 +196,19 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
             net[(id(r.plugin), k)].members.append(i)
         if r.plugin.level == "output" or r.plugin.mixes_output:
             out.setdefault(id(r.plugin), (r.plugin, []))[1].append(i)
-    shared = int(any(r.plugin is None or r.plugin.level != "network" for r in rows))
+    shared = int(any(r.plugin is None or r.plugin.level not in ("network", "prompt") for r in rows))
     batch = Batch(list(sources), list(rows), prompt, ctxs, src_lens, settings, num_beams, list(net.values()), [],
-                  shared, [0] * len(rows), comp, None if ref_lens is None else [int(n) for n in ref_lens])
+                  shared, [0] * len(rows), comp, None if ref_lens is None else [int(n) for n in ref_lens],
+                  list(own.values()))
     dev = backbone.device
     for g, grp in enumerate(batch.net, start=shared):
         grp.prefill = g
         grp.rows = torch.tensor(batch.batch_rows(grp.members), device=dev)
         for i in grp.members:
+            batch.group_of_row[i] = g
+    for g, pgrp in enumerate(batch.prompts, start=shared + len(batch.net)):
+        pgrp.prefill = g
+        for i in pgrp.members:
             batch.group_of_row[i] = g
     for plugin, members in out.values():
         rr = batch.batch_rows(members)

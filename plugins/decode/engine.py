@@ -101,7 +101,8 @@ class BatchDecode:
         self.backbone, self.batch = backbone, batch
         self.max_new_tokens, self.trace, self.use_prefix_cache = int(max_new_tokens), trace, use_prefix_cache
         self.guard = int(batch.comparison.get("no_repeat_ngram", 0))
-        self.keep = keep and batch.S == 1 and batch.B == 1
+        # a kept decode's re-decodes assume unpadded rows: a row prompted otherwise (a longer context) pads
+        self.keep = keep and batch.S == 1 and batch.B == 1 and not batch.padded
         self.compact = compact
         self.beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
         self.step_no = 0  # the next step's index
@@ -188,7 +189,7 @@ class BatchDecode:
                 self.net_rows[g] = (key, where)
                 handles += self.net_handles[g]
             self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
-                                                               src if batch.B > 1 else None, padded=batch.S > 1)
+                                                               src if batch.B > 1 else None, padded=batch.padded)
         finally:
             for h in handles:
                 if not (hasattr(h, "suspend") and h.suspend()):

@@ -24,7 +24,8 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
     first step's).
     """
     S, G, dev = batch.S, batch.G, backbone.device
-    ids, mask = _left_padded(batch.contexts, G, backbone.tokenizer.pad_token_id or 0)
+    contexts = batch.prefill_contexts
+    ids, mask = _left_padded(contexts, backbone.tokenizer.pad_token_id or 0)
     ids, mask = ids.to(dev), mask.to(dev)
     attached: list[list] = []
     frozen: list[list] = []  # the attachments of plug-ins that leave the prompt's shared prefix to the frozen backbone
@@ -38,15 +39,17 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
         if frozen:  # per prefill row, the first position of the source's own tokens (after left padding)
             width = ids.shape[1]
             own = torch.tensor([width - len(c) + shared_prompt_len(backbone, batch.prompt, c)
-                                for c in batch.contexts for _ in range(G)], device=dev)
+                                for c in contexts], device=dev)
             for handles in frozen:
                 set_own_from(handles, own)
         with torch.no_grad():
-            P, past = _cached_prefix(backbone, batch, ids) if S == 1 and use_prefix_cache else (0, None)
+            # the prefix cache holds the comparison prompt's prefix: rows prompted otherwise share none of it
+            cacheable = S == 1 and use_prefix_cache and not batch.prompts
+            P, past = _cached_prefix(backbone, batch, ids) if cacheable else (0, None)
             for handles in frozen:  # positions counted from the first token of the forward pass below
                 set_own_from(handles, (own - P).clamp_min(0))
-            fc, out = backbone.forward_fc(ids[:, P:], attention_mask=mask if S > 1 else None, past_key_values=past,
-                                          use_cache=True)
+            fc, out = backbone.forward_fc(ids[:, P:], attention_mask=mask if batch.padded else None,
+                                          past_key_values=past, use_cache=True)
     finally:
         for handles in attached:
             for h in handles:
@@ -61,15 +64,14 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
     return fc[src_rows, -1], cache, mask[src_rows], attached
 
 
-def _left_padded(contexts: list[list[int]], G: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``G`` left-padded copies of every context (row ``s·G + g``) and their attention mask."""
+def _left_padded(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill rows' contexts left-padded to one width, and their attention mask."""
     width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts) * G, width), pad, dtype=torch.long)
-    mask = torch.zeros((len(contexts) * G, width), dtype=torch.long)
-    for s, c in enumerate(contexts):
-        for g in range(G):
-            ids[s * G + g, width - len(c):] = torch.tensor(c)
-            mask[s * G + g, width - len(c):] = 1
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for r, c in enumerate(contexts):
+        ids[r, width - len(c):] = torch.tensor(c)
+        mask[r, width - len(c):] = 1
     return ids, mask
 
 
