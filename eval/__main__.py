@@ -10,6 +10,9 @@ Examples::
     python -m eval run --memory <memory-id> --plugin <id>
     # λ_max sweep with and without Gradual Unrolling for a PEMA plug-in
     python -m eval sweep --plugin <pema-id> --n 50
+    # train (or reuse), calibrate and rank every registered method on a memory's held-out report samples
+    python -m eval rank <memory-id> --json leaderboard.json
+    python -m eval rank <memory-id> --methods pema,knn,adapter --test pairs.jsonl
     # offsite: base, PEMA and kNN rows through a model owner's service (python -m offsite serve)
     PEMA_REMOTE_TOKEN=... python -m eval run --memory <memory-id> --plugin <pema-id> --remote http://owner:8765
 """
@@ -17,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from functools import partial
 from pathlib import Path
 
 from backbone.cli import load_backbone_from_args
 from backbone.tasks import task_prompt
 from eval import datasets
+from eval.rank import format_leaderboard, rank
 from eval.run import evaluate, format_table, lambda_sweep
 from eval.style import train_shakespeare_classifier
 from ground.cli import add_common, progress_bar, run_main
@@ -34,6 +39,7 @@ from offsite.decode import decode_batch_remote, open_offsite_plugin
 from plugins.__main__ import plugin_rows
 from plugins.api import open_memory, open_plugin
 from plugins.decode import Row
+from plugins.settings import parse_sets
 
 
 def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
@@ -56,6 +62,39 @@ def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
     if args.task == "style":  # plain modern English inputs (the WMT English side); no references
         return [(en, None) for en, _ in datasets.wmt_pairs(args.split, start, args.n)]
     return datasets.task_pairs(args.task, args.split, start, args.n)
+
+
+def rank_main(args, cat) -> int:
+    """``python -m eval rank``: the leaderboard as a table, the verdict and the phases' wall times."""
+    bb = load_backbone_from_args(args)
+    mem = open_memory(args.memory, bb, catalog=cat)
+    test_pairs = None
+    if args.test:
+        path = Path(args.test)
+        if not path.exists():
+            raise UserError(f"No such file: {path}")
+        samples = parse_samples_strict(path.read_bytes(), path.name)
+        test_pairs = [(s.src, s.tgt) for s in samples if s.src]
+        if not test_pairs:
+            raise UserError(f"{path.name} has no source/reference pairs.")
+    configs: dict = {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        method, _, name = key.partition(".")
+        if not name or not _:
+            raise UserError(f"--set {item!r}: write METHOD.NAME=VALUE, e.g. pema.max_minutes=2.")
+        configs.setdefault(method.strip(), {}).update(parse_sets([f"{name.strip()}={value}"]))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    with progress_bar("rank") as prog:
+        board = rank(bb, mem, catalog=cat, methods=methods, configs=configs, test_pairs=test_pairs,
+                     test_name=Path(args.test).name if args.test else None, n_tune=args.tune,
+                     max_new_tokens=args.max_new_tokens, batch_sources=args.batch, progress=prog,
+                     log=lambda line: print(line, file=sys.stderr))
+    print(format_leaderboard(board))
+    if args.json:
+        Path(args.json).write_text(json.dumps(board, indent=1, ensure_ascii=False), encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def style_extra(task: str, bb_name: str) -> dict:
@@ -88,9 +127,25 @@ def main(argv=None) -> int:
         p.add_argument("--json", help="also write the results (metrics + outputs) to this JSON file")
         add_remote(p, decode=True)  # offsite: base, PEMA and kNN rows through a model owner's service
         add_common(p)
+    r = sub.add_parser("rank", help="train, calibrate and rank every method on a memory (leaderboard + verdict)")
+    r.add_argument("memory", help="memory id (python -m memories list) or folder")
+    r.add_argument("--methods", help="comma-separated methods (default: every registered method)")
+    r.add_argument("--test", help="report on this test file of pairs (JSONL/CSV/TSV) instead of the held-out "
+                                  "report part")
+    r.add_argument("--tune", type=int, default=None, help="held-out samples that tune the interpolating methods "
+                                                          "(default: eval.calibrate's)")
+    r.add_argument("--set", action="append", metavar="METHOD.NAME=VALUE",
+                   help="a training setting of one method instead of its default, e.g. pema.max_minutes=2 "
+                        "(repeatable)")
+    r.add_argument("--batch", type=int, default=4, help="sentences per batched decode")
+    r.add_argument("--max-new-tokens", type=int, default=96)
+    r.add_argument("--json", help="also write the leaderboard to this JSON file")
+    add_common(r)
     args = ap.parse_args(argv)
 
     cat = Catalog(args.data_dir)
+    if args.cmd == "rank":
+        return rank_main(args, cat)
     pairs = load_pairs(args, cat)
     bb = remote_backbone_from_args(args) if args.remote else load_backbone_from_args(args)
     plugins = [(open_offsite_plugin if args.remote else open_plugin)(p, bb, cat) for p in args.plugin]

@@ -45,6 +45,7 @@ from studio.identity import LOCAL, NO_KEY, Identity
 from studio.limits import Limits
 from studio.memory_service import MemoryService
 from studio.plugin_service import PluginService
+from studio.rank_service import RankService
 from studio.ray_executor import make_executor
 from studio.several_service import SeveralService
 from studio.uploads import UploadLedger
@@ -53,7 +54,8 @@ __all__ = ["BackboneGate", "Studio"]
 log = logging.getLogger("pema.studio")
 
 
-class Studio(BackboneService, MemoryService, PluginService, CompareService, SeveralService, EvaluateService):
+class Studio(BackboneService, MemoryService, PluginService, CompareService, SeveralService, EvaluateService,
+             RankService):
     """The app's service object. ``backbone`` is a name ("gemma-3-270m", a hub id, a local path, or "tiny")."""
 
     def __init__(self, data_dir: str | Path | None = None, backbone: str | None = None, device: str | None = None,
@@ -91,7 +93,8 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Seve
         self._recent: OrderedDict[str, dict] = OrderedDict()
         self._recent_lock = threading.Lock()
         self.jobs = JobQueue(self.catalog, {"build_memory": self._job_build, "train_plugin": self._job_train,
-                                            "evaluate": self._job_evaluate}, workers=workers)
+                                            "evaluate": self._job_evaluate, "rank": self._job_rank},
+                             workers=workers)
         self.jobs.max_per_owner, self.jobs.max_total = self.limits.jobs_per_owner, self.limits.jobs_total
         self.jobs.on_finish = self._job_finished
         # --executor ray / $PEMA_RAY_ADDRESS (studio.ray_executor): sharded builds, trainings as Ray tasks on a lane
@@ -106,8 +109,10 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Seve
                         "(no builds, trainings or evaluations) and repairs nothing.", self.root,
                         self.jobs.lock.describe_holder())
         else:
+            ranking = self._running_rankings()
             self.jobs.recover()  # before the clean-up: an interrupted job's upload goes with it
             self._clean_temporary_folders()
+            self._resume_rankings(ranking)  # they go on where they stopped (finished plug-ins are reused)
             if start_jobs:
                 self.jobs.start()
         if load:

@@ -2,7 +2,7 @@
 returns plain JSON; a user error comes back as the client's error with the same message as in the page.
 
     /status /preview /build /job /jobs /cancel /memories /memory /delete_memory /methods /train /plugins
-    /continue_training /compare /share /shared /evaluate
+    /continue_training /compare /share /shared /evaluate /rank /leaderboard /share_leaderboard
     /export_plugin /import_plugin   (files: the Plug-ins tab's Export / Import events, ``TAB_NAMES``)
 
 Identity: every endpoint about an owner's things acts for the caller (``ui.common.caller``): in multi-user mode the
@@ -16,13 +16,15 @@ from typing import Optional
 
 import gradio as gr
 
+from studio.rank_service import TOUR_CORPUS
 from ui.common import owner_of, user_errors
 
 _api = user_errors  # API endpoints report a UserError as the same Gradio error the UI shows
 
 
 NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
-         "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate"]
+         "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate", "rank", "leaderboard",
+         "share_leaderboard"]
 # Named events of a tab that are API endpoints too (files in and out: ui/plugins.py's Export / Import block)
 TAB_NAMES = ["export_plugin", "import_plugin"]
 
@@ -30,7 +32,8 @@ TAB_NAMES = ["export_plugin", "import_plugin"]
 # Every endpoint runs in a bounded group: decoding one at a time with the page's comparisons, parsing samples one at
 # a time, quick reads (catalog, job state) a few at once.
 CONCURRENCY = {"compare": ("decode", 1), "share": ("decode", 1), "preview": ("parse", 1), "build": ("parse", 1),
-               "evaluate": ("parse", 1), "train": ("api-submit", 2), "continue_training": ("api-submit", 2)}
+               "evaluate": ("parse", 1), "rank": ("parse", 1), "train": ("api-submit", 2),
+               "continue_training": ("api-submit", 2)}
 
 
 def register(studio) -> None:
@@ -159,8 +162,39 @@ def register(studio) -> None:
                                      owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None)
         return {"job_id": jid}
 
+    @_api
+    def rank(memory_id: str = "", methods: Optional[list] = None, test_text: str = "", test_filename: str = "test.tsv",
+             tour: bool = False, request: gr.Request = None) -> dict:
+        """Queue "rank every method" (or ``methods``) on one of your memories: train each with its defaults (a
+        plug-in already trained with the same settings on it is reused), tune the interpolating ones on part of the
+        held-out samples, score all and the base model on the rest (or on ``test_text``, pairs). ``tour``: on a
+        new memory of the demo corpus instead. Returns {"job_id", "estimate"}; the job's result holds the
+        leaderboard (also /leaderboard)."""
+        me = owner_of(studio, request)
+        if tour:
+            est = studio.rank_estimate(corpus=TOUR_CORPUS, methods=methods, owner=me)
+            jid = studio.submit_rank(corpus=TOUR_CORPUS, methods=methods, owner=me)
+        else:
+            est = studio.rank_estimate(memory_id, methods=methods, owner=me)
+            jid = studio.submit_rank(memory_id, methods=methods, test_data=test_text or None,
+                                     test_filename=test_filename, owner=me)
+        return {"job_id": jid, "estimate": est["text"]}
+
+    @_api
+    def leaderboard(job_id: str = "", memory_id: str = "", request: gr.Request = None) -> dict:
+        """One of your finished rankings (``job_id``), or the latest (for ``memory_id``): per method chrF,
+        sacreBLEU, their 95% intervals, Δ vs the base model with p, training seconds, trainable parameters, decode
+        cost per token relative to the base model, tuned settings; the verdict; the phases' wall times."""
+        return studio.leaderboard(job_id or None, memory_id=memory_id or None, owner=owner_of(studio, request))
+
+    @_api
+    def share_leaderboard(job_id: str, request: gr.Request = None) -> dict:
+        """Store one of your leaderboards for read-only viewing (no ids, names or samples); returns {"id", "link"}."""
+        sid = studio.share_leaderboard(job_id, owner=owner_of(studio, request))
+        return {"id": sid, "link": f"/share/?c={sid}"}
+
     fns = (status, preview, build, job, jobs, cancel, memories, memory, delete_memory, methods, train, plugins,
-           continue_training, compare, share, shared, evaluate)
+           continue_training, compare, share, shared, evaluate, rank, leaderboard, share_leaderboard)
     assert [f.__name__ for f in fns] == NAMES
     for fn in fns:
         group, limit = CONCURRENCY.get(fn.__name__, ("api-read", 4))

@@ -9,7 +9,7 @@ import os
 import gradio as gr
 
 from ground.errors import UserError
-from ui import api, compare, evaluate, memories, plugins, render, shared
+from ui import api, compare, evaluate, memories, plugins, rank, render, shared
 from ui.common import CSS, THEME, caller
 from ui.server import Served, serve
 
@@ -115,6 +115,8 @@ def build_app(studio) -> gr.Blocks:
                     cmp = compare.build(studio)
                 with gr.Tab("Evaluate", id="evaluate") as t_eval:
                     ev = evaluate.build(studio, cmp.settings_inputs, cmp.settings_of)
+                with gr.Tab("Rank", id="rank") as t_rank:
+                    rk = rank.build(studio)
 
         api.register(studio)
 
@@ -151,12 +153,12 @@ def build_app(studio) -> gr.Blocks:
 
         # --- tabs refresh their choices when opened (things made in other tabs appear) -----------------------
         t_mem.select(mem.refresh, None, mem.refresh_outputs, show_progress="hidden", api_visibility="private")
-        for tab_ev, tab in ((t_plug, plug), (t_cmp, cmp), (t_eval, ev)):
+        for tab_ev, tab in ((t_plug, plug), (t_cmp, cmp), (t_eval, ev), (t_rank, rk)):
             fn, ins = refresher(tab)
             tab_ev.select(fn, ins, tab.refresh_outputs, show_progress="hidden", api_visibility="private")
 
         # --- page load: the caller's identity and their own things ---------------------------------------------
-        rest = [*mem.load_outputs, *plug.load_outputs, *cmp.load_outputs, *ev.load_outputs]
+        rest = [*mem.load_outputs, *plug.load_outputs, *cmp.load_outputs, *ev.load_outputs, *rk.load_outputs]
 
         def on_load(request: gr.Request):
             st = status_html(studio.status())
@@ -169,7 +171,7 @@ def build_app(studio) -> gr.Blocks:
                             "from others': allow cookies for this site and reload.**", "", *[gr.skip()] * len(rest))
             who_text = f"You are **{render.esc(me.describe())}**."
             return (st, who_text, me.key, *mem.on_load(me.owner), *plug.on_load(me.owner), *cmp.on_load(me.owner),
-                    *ev.on_load(me.owner))
+                    *ev.on_load(me.owner), *rk.on_load(me.owner))
 
         # Then this browser's kept selections are put back (each tab keeps only what is the caller's).
         names = list(kept)

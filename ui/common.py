@@ -152,7 +152,10 @@ BASE_CHOICE = [("Base model (no plug-in)", "base")]
 
 
 def method_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
-    return BASE_CHOICE + plugin_choices(studio, owner=owner)
+    """The base model and the owner's plug-ins; the best method of each memory's latest ranking marked ★."""
+    best = studio.best_methods(owner=owner)
+    return BASE_CHOICE + [(f"{label} ★ {best[pid]}" if pid in best else label, pid)
+                          for label, pid in plugin_choices(studio, owner=owner)]
 
 
 def keep_value(choices: list[tuple[str, str]], value, default_first: bool = True):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from ground.errors import UserError
-from ui import plots, render
+from ui import plots, rank, render
 from ui.compare import TOKEN_COLORS, TOKEN_HELP, row_of, token_views
 
 SETTINGS_HEADERS = ["method", "kind", "decode settings", "tokens"]
@@ -88,15 +88,23 @@ def build(studio) -> SimpleNamespace:
 
 
 def build_app(studio) -> gr.Blocks:
-    """The share page: the view above, filled on load from the link's ``c`` parameter; no API endpoints."""
+    """The share page: the view above, filled on load from the link's ``c`` parameter; no API endpoints. A shared
+    leaderboard (``studio.rank_service``) has the same kind of link and shows the leaderboard instead."""
     with gr.Blocks(title="PEMA Studio · shared comparison", analytics_enabled=False) as demo:
         sh = build(studio)
+        lb = rank.build_shared()
 
         def on_load(request: gr.Request):
             sid = (dict(request.query_params).get("c") or "").strip() if request else ""
-            return sh.open(sid)
+            try:
+                board = studio.shared_leaderboard(sid)
+            except UserError:
+                return (*sh.open(sid), *lb.hide())
+            header = render.esc(f"Shared leaderboard · {board.get('task')} · {board.get('backbone')}")
+            return (None, f"<div id='shared-leaderboard-header'><h3>{header}</h3></div>", gr.update(visible=False),
+                    *[gr.skip()] * (len(sh.outputs) - 3), *lb.show(board))
 
-        demo.load(on_load, None, sh.outputs, show_progress="hidden")
+        demo.load(on_load, None, [*sh.outputs, *lb.outputs], show_progress="hidden")
         for fn in demo.fns.values():
             fn.api_visibility = "private"
     demo.queue(default_concurrency_limit=4, max_size=64)

@@ -1,0 +1,251 @@
+"""The Studio's rankings: "rank every method" on one of the owner's memories as one background job (``eval.rank``:
+train or reuse, calibrate, evaluate, verdict), its leaderboard, the best method per memory (Compare's picker marks
+it), read-only leaderboard shares, and the first-run tour (build the demo corpus's memory, then rank on it).
+
+A restart mid-ranking: the job queue marks the running job ``interrupted``; the studio then queues it again as a new
+job (``resume_of`` names the old one), which reuses every plug-in the first run finished (same method, same settings,
+same memory) and every calibration it stored, so it goes on where the first one stopped. One automatic resume per
+ranking chain and restart at most twice: a ranking that keeps taking the studio down is not restarted forever.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from eval.rank import find_trained, wanted_methods
+from eval.rank import rank as run_rank
+from ground.errors import UserError
+from ground.jobs import JobContext
+from memories.parse import parse_samples_strict
+from plugins.api import make_config, open_memory
+from plugins.estimate import estimate
+from plugins.registry import get_method
+from plugins.timing import minutes
+from studio.payload import json_safe
+
+MAX_RESUMES = 2  # automatic resumes of one ranking after restarts
+TOUR_CORPUS = "gettext-de"  # the demo corpus the first-run tour ranks on
+TOUR_LIMIT = 1000  # its samples: 100 held out (40 tune, 60 report)
+# Decode seconds per sentence and row (greedy, ≈ 30 tokens) for the tour's estimate before any decode was timed.
+DECODE_S_PER_SENTENCE = {"gemma-3-270m": 1.5}
+SHARE_KIND = "leaderboard"
+REMOTE = ("Ranking trains every method, the in-network ones too, which need the decoder's layers: it runs on the "
+          "local backbone, not a model owner's service.")
+# What a leaderboard share keeps of each row: scores, costs and settings, never an id, a name or a sample.
+SHARED_ROW_KEYS = ("rank", "method", "title", "level", "chrf", "sacrebleu", "chrf_ci95", "sacrebleu_ci95",
+                   "chrf_delta", "p_chrf", "sacrebleu_delta", "p_sacrebleu", "training_seconds",
+                   "trainable_parameters", "decode_cost", "settings", "tuned", "best", "n")
+
+
+class RankService:
+    """Rank jobs, leaderboards and their shares."""
+
+    def submit_rank(self, memory_id: str | None = None, *, methods: list[str] | None = None,
+                    test_data: bytes | str | None = None, test_filename: str | None = None,
+                    corpus: str | None = None, corpus_limit: int | None = None,
+                    owner: str | None = None) -> str:
+        """Queue "rank every method" (or ``methods``) on one of the owner's memories — or, with ``corpus`` (the
+        first-run tour), on a memory built from that demo corpus first (its build job runs before the ranking).
+        ``test_data``: report on this uploaded test file of pairs instead of the held-out report part."""
+        owner = self._owner(owner)
+        self.limits.check_rate("evaluations_per_minute", owner)
+        names = self._rank_methods(methods)
+        args: dict = {"methods": names}
+        if test_data:
+            self._check_upload(test_data)
+            samples = parse_samples_strict(test_data, test_filename, max_samples=self.limits.samples or None)
+            pairs = [(s.src, s.tgt) for s in samples if s.src is not None]
+            if not pairs:
+                raise UserError("The test file needs source and reference pairs (two columns, or src/tgt JSON).")
+            self.limits.check("eval_pairs", len(pairs), "The number of test pairs")
+            args.update(pairs=pairs, data=test_filename or "uploaded test file")
+        if corpus:
+            to_train = len(names)
+            self._rank_quota(owner, to_train)
+            build = self.submit_build(corpus=corpus, limit=corpus_limit or TOUR_LIMIT, name=f"{corpus} (tour)",
+                                      owner=owner)
+            args.update(build_job=build)
+        else:
+            if not memory_id:
+                raise UserError("Choose a memory to rank the methods on.")
+            row = self._memory_row(memory_id, owner)
+            fp = self._bb.fingerprint if self._bb is not None else row["fingerprint"]
+            to_train = sum(find_trained(self.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp) is None
+                           for m in names)
+            self._rank_quota(owner, to_train)
+            args.update(memory_id=memory_id)
+        return self.jobs.submit("rank", args, owner=owner)
+
+    def _rank_methods(self, methods) -> list[str]:
+        if methods is not None and not isinstance(methods, (list, tuple)):
+            raise UserError('Methods must be a list like ["pema", "knn"] (empty: every method).')
+        if self._offsite():
+            raise UserError(REMOTE)
+        return wanted_methods([m for m in methods or [] if m and m != "base"] or None)
+
+    def _rank_quota(self, owner: str, to_train: int) -> None:
+        # one check for all the plug-ins it trains (check_quota refuses one more when ``have`` reaches the bound)
+        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner) + to_train - 1,
+                                "plug-ins (with the ones this ranking trains)")
+
+    def rank_estimate(self, memory_id: str | None = None, *, corpus: str | None = None,
+                      corpus_limit: int | None = None, methods: list[str] | None = None,
+                      owner: str | None = None) -> dict:
+        """How long ranking will take, said before it starts: the training estimates (``plugins.estimate``; a
+        plug-in that would be reused costs nothing) plus calibration and decoding from a per-sentence decode time.
+        ``{"seconds", "text", "per_method"}``."""
+        owner = self._owner(owner)
+        names = self._rank_methods(methods)
+        bb_name = self._bb.name if self._bb is not None else self.backbone_name
+        if corpus:
+            n = int(corpus_limit or TOUR_LIMIT)
+            held = max(1, round(n * 0.1))
+            samples, entries, reuse = n - held, (n - held) * 12, {}
+        else:
+            row = self._memory_row(memory_id, owner)
+            samples, entries = int(row["samples"] or 0), int(row["entries"] or 0)
+            held = max(1, round(samples * 0.1))
+            samples -= held
+            fp = self._bb.fingerprint if self._bb is not None else row["fingerprint"]
+            reuse = {m: find_trained(self.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp)
+                     for m in names}
+        per, unmeasured = {}, []
+        for m in names:
+            if reuse.get(m):
+                per[m] = 0.0
+                continue
+            est = estimate(m, {}, bb_name, samples, entries)
+            if not est.get("measured"):
+                unmeasured.append(get_method(m).title)
+            per[m] = float(est.get("converge_s") or 0.0)
+        spr = DECODE_S_PER_SENTENCE.get(bb_name, 0.05)
+        tune = min(40, held // 2)
+        interp = sum(1 for m in names if get_method(m).interpolates)
+        decode_s = spr * (interp * 2 * tune + (held - tune) * (1 + 0.5 * len(names)) + 5 * (len(names) + 1))
+        total = sum(per.values()) + decode_s
+        reused = sum(1 for m in names if reuse.get(m))
+        text = (f"≈ {minutes(total)}: training ≈ {minutes(sum(per.values()))}"
+                + (f" ({reused} plug-in(s) reused)" if reused else "")
+                + f", calibrating and decoding ≈ {minutes(decode_s)}")
+        if unmeasured:
+            text += f"; no training estimate for {', '.join(unmeasured)}"
+        return {"seconds": round(total, 1), "per_method": per, "text": text + "."}
+
+    def _job_rank(self, job: JobContext) -> dict:
+        a = job.args
+        owner = job.owner
+        bb = self._job_backbone(job)
+        if a.get("build_job"):
+            built = self.jobs.get(a["build_job"], owner)
+            if built is None or built["state"] != "done":
+                raise UserError("The demo corpus's memory was not built (its build job "
+                                f"{'is ' + built['state'] if built else 'is gone'}); nothing to rank.")
+            a = {**a, "memory_id": built["result"]["memory_id"]}
+            job.args = a
+            self.jobs._update(job.id, args=json.dumps(a, default=str))  # a resume finds the memory
+        if self._offsite(bb):
+            raise UserError(REMOTE)
+        row = self._memory_row(a["memory_id"], owner)
+        mem = open_memory(row["path"], bb)
+        if a.get("resume_of"):
+            job.log(f"Resuming the ranking interrupted by a restart ({a['resume_of']}): finished plug-ins and "
+                    f"calibrations are reused.")
+        test = [tuple(p) for p in a["pairs"]] if a.get("pairs") else None
+        with self.gate.use(holder="ranking every method"):
+            job.checkpoint = self.gate.checkpoint
+            board = run_rank(bb, mem, catalog=self.catalog, owner=owner, methods=a["methods"], test_pairs=test,
+                             test_name=a.get("data"), progress=job.progress, should_stop=job.should_stop,
+                             log=job.log)
+        with self._plugin_lock:  # calibrations changed: loaded copies start from the new settings
+            for m in board["methods"]:
+                self._plugins.pop(m.get("plugin_id"), None)
+        return {"leaderboard": json_safe(board), "memory_id": a["memory_id"], "message": board["verdict"]}
+
+    # --- leaderboards -------------------------------------------------------------------------------------------
+    def leaderboard(self, job_id: str | None = None, *, memory_id: str | None = None,
+                    owner: str | None = None) -> dict:
+        """One of the owner's finished rankings (``job_id``), or the latest for ``memory_id`` (or for any memory):
+        the leaderboard with ``job_id``."""
+        owner = self._owner(owner)
+        if job_id:
+            job = self.jobs.get(str(job_id), owner)
+            if job is None or job["kind"] != "rank":
+                raise UserError(f"No ranking {job_id!r}.")
+            if job["state"] != "done":
+                raise UserError(f"This ranking has no leaderboard: it is {job['state']}.")
+        else:
+            job = next((j for j in self.jobs.list(kinds=("rank",), states=("done",), limit=200, owner=owner)
+                        if not memory_id or (j.get("result") or {}).get("memory_id") == memory_id), None)
+            if job is None:
+                raise UserError("No finished ranking yet: rank the methods on a memory first.")
+        return {**job["result"]["leaderboard"], "job_id": job["id"]}
+
+    def best_methods(self, *, owner: str | None = None) -> dict[str, str]:
+        """``{plug-in id: "best on <memory>: +x chrF"}`` from the owner's latest ranking of each memory (what
+        Compare's method picker marks)."""
+        owner = self._owner(owner)
+        out, seen = {}, set()
+        for j in self.jobs.list(kinds=("rank",), states=("done",), limit=200, owner=owner):
+            res = j.get("result") or {}
+            if res.get("memory_id") in seen:
+                continue
+            seen.add(res.get("memory_id"))
+            board = res.get("leaderboard") or {}
+            best = next((r for r in board.get("methods", []) if r.get("best")), None)
+            if best and best.get("plugin_id"):
+                out[best["plugin_id"]] = f"best on {board['memory']['name']}: {best['chrf_delta']:+.1f} chrF"
+        return out
+
+    # --- shares -------------------------------------------------------------------------------------------------
+    def share_leaderboard(self, job_id: str, *, owner: str | None = None) -> str:
+        """Store one of the owner's leaderboards for read-only viewing at ``/share/?c=<id>``; return the id. Stored:
+        the rows' scores, costs and settings, the verdict, the numbers of samples, the phases' times, the backbone
+        and task. Never stored: ids (plug-ins, memory, job), the memory's or test file's name, samples."""
+        owner = self._owner(owner)
+        board = self.leaderboard(job_id, owner=owner)
+        self.limits.check_quota("shares_per_owner", self.catalog.count("comparisons", owner), "shared comparisons")
+        d = board.get("data") or {}
+        payload = {"kind": SHARE_KIND, "version": 2, "task": board["task"], "backbone": board["backbone"],
+                   "data": {"tune": d.get("tune"), "report": d.get("report"), "report_source": d.get("report_source"),
+                            "warning": d.get("warning")},
+                   "memory": {"train_samples": board["memory"].get("train_samples"),
+                              "entries": board["memory"].get("entries")},
+                   "methods": [{k: r.get(k) for k in SHARED_ROW_KEYS} for r in board["methods"]],
+                   "verdict": board["verdict"], "best": board.get("best"), "pareto": board.get("pareto"),
+                   "phases": board.get("phases"), "bootstrap": board.get("bootstrap"), "alpha": board.get("alpha"),
+                   "signatures": board.get("signatures"), "created": board.get("created"), "shared": time.time()}
+        text = json.dumps(json_safe(payload), ensure_ascii=False)
+        self.limits.check("share_bytes", len(text.encode("utf-8")), "The shared leaderboard's size in bytes")
+        return self.catalog.save_comparison(text, backbone=board["backbone"], owner=owner)
+
+    def shared_leaderboard(self, share_id: str) -> dict:
+        """A shared leaderboard's stored payload: public to anyone with the id."""
+        if not share_id or not isinstance(share_id, str) or len(share_id) > 100:
+            raise UserError("This link is not valid.")
+        p = self.catalog.comparison(share_id)
+        if p is None or p.get("kind") != SHARE_KIND:
+            raise UserError("This shared leaderboard does not exist (the link may be incomplete).")
+        return p
+
+    # --- restarts -----------------------------------------------------------------------------------------------
+    def _running_rankings(self) -> list[dict]:
+        """Rankings a previous process left running (before ``recover`` marks them interrupted)."""
+        return self.jobs.list(kinds=("rank",), states=("running",), limit=1000)
+
+    def _resume_rankings(self, jobs: list[dict]) -> list[str]:
+        """Queue each interrupted ranking again (it reuses what the first run finished); its row says so."""
+        out = []
+        for j in jobs:
+            a = dict(j.get("args") or {})
+            n = int(a.get("resumes") or 0)
+            if n >= MAX_RESUMES:
+                continue
+            a.update(resume_of=j["id"], resumes=n + 1)
+            a.pop("build_job", None) if a.get("memory_id") else None
+            try:
+                jid = self.jobs.submit("rank", a, owner=j.get("owner") or "local")
+            except UserError:
+                continue
+            self.jobs._update(j["id"], message=f"Interrupted by a restart; resumed as {jid}.")
+            out.append(jid)
+        return out
