@@ -11,6 +11,7 @@ Examples::
     python -m plugins compare "The house is small." --plugin <pema-id> --plugin <knn-id> \\
         --set lambda_max=0.9 --set k=8
     python -m plugins compare "..." --plugin <id> --json         # outputs + per-token traces as JSON
+    python -m plugins compare "..." --plugin <id> --global-defaults   # not the settings calibrated on its memory
     python -m plugins export <id> out/my-plugin --eval results.json   # folder + model card (+ PEFT files for LoRA)
     python -m plugins import out/my-plugin                      # or a Hub repo id: owner/name
     python -m plugins push <id> owner/my-plugin                 # needs network and an HF token
@@ -37,8 +38,11 @@ from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plug
 from plugins.registry import get_method
 from plugins.settings import (
     address_sets,
+    calibration_label,
     describe_changes,
+    load_calibration,
     parse_sets,
+    plugin_calibration,
     preset_values,
     presets_table,
     resolve_row_settings,
@@ -83,6 +87,9 @@ def main(argv=None) -> int:
                         "see 'python -m plugins methods' (repeatable)")
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--beams", type=int, default=1)
+    c.add_argument("--global-defaults", action="store_true",
+                   help="start every plug-in at the global defaults, not at the settings calibrated on its memory's "
+                        "held-out samples (python -m eval calibrate)")
     c.add_argument("--json", action="store_true")
     add_common(c)
     add_remote(c, decode=True)
@@ -128,12 +135,13 @@ def main(argv=None) -> int:
         return 0
     cat = Catalog(args.data_dir)
     if args.cmd == "list":
-        rows = [{**r, "status": plugin_status(r)} for r in cat.plugins()]
+        rows = [{**r, "status": plugin_status(r), "calibrated": calibration_label(load_calibration(r["path"])) or "-"}
+                for r in cat.plugins()]
         if args.json:
             dump_json(rows)
         else:
             print_table([{k: printable(v) for k, v in r.items()} for r in rows],
-                        ["id", "name", "method", "memory_id", "backbone", "params", "status"])
+                        ["id", "name", "method", "memory_id", "backbone", "params", "status", "calibrated"])
         return 0
     if args.cmd == "delete":
         if cat.plugin(args.id) is None:
@@ -225,7 +233,7 @@ def _compare(args, cat) -> int:
     if plugins and args.shots is None and plugins[0].memory_meta.get("prompt"):
         prompt = Prompt.from_dict(plugins[0].memory_meta["prompt"])  # decode with the prompt the memory used
     rows = [] if args.no_base else [Row("base")]
-    rows += plugin_rows(plugins, task, bb.name, args.set)
+    rows += plugin_rows(plugins, task, bb.name, args.set, calibrated=not args.global_defaults)
     if args.remote:  # the owner runs the decoder in a session; the plug-ins mix here (offsite.decode)
         res = compare_remote(bb, args.sentence, rows, prompt, max_new_tokens=args.max_new_tokens,
                              num_beams=args.beams, lm=args.remote_lm)
@@ -238,6 +246,8 @@ def _compare(args, cat) -> int:
     width = max(len(r.label) for r in res.rows)
     for r in res.rows:
         print(f"{r.label.ljust(width)} | {r.text}")
+    for line in tuned_lines(rows, not args.global_defaults):
+        print(line)
     print(f"\n{len(res.rows)} methods in one batched decode: {res.seconds:.2f}s, {res.steps} steps")
     return 0
 
@@ -262,14 +272,28 @@ def _range(d: dict) -> str:
     return f"{d['low']}..{d['high']}" if d["low"] is not None else d["type"]
 
 
-def plugin_rows(plugins: list, task: str, backbone_name: str, set_args: list[str] | None) -> list[Row]:
-    """One row per plug-in with its complete decode settings (declared ← tuned for the task ← ``--set``)."""
+def tuned_lines(rows: list[Row], calibrated: bool) -> list[str]:
+    """One line per row that starts at settings calibrated on its memory: "pema: tuned on 15 held-out samples of
+    wmt300 (lambda_max=0.3, gu=False)"."""
+    out = []
+    for r in rows if calibrated else ():
+        cal = plugin_calibration(r.plugin) if r.plugin is not None else None
+        if cal:
+            vals = ", ".join(f"{k}={v}" for k, v in cal["settings"].items() if r.settings.get(k) == v)
+            out.append(f"{r.label}: {calibration_label(cal)} ({vals}; --global-defaults for the global ones)")
+    return out
+
+
+def plugin_rows(plugins: list, task: str, backbone_name: str, set_args: list[str] | None,
+                calibrated: bool = True) -> list[Row]:
+    """One row per plug-in with its complete decode settings (declared ← tuned for the task ← calibrated on its
+    memory, unless not ``calibrated`` ← ``--set``)."""
     labels = [p.method if sum(q.method == p.method for q in plugins) == 1 else f"{p.method}:{p.plugin_path.name}"
               for p in plugins]
     per_row = address_sets(parse_sets(set_args), [(p.plugin_path.name, type(p)) for p in plugins]
                            + [(lb, type(p)) for lb, p in zip(labels, plugins)])
     return [Row(lb, p, row_settings(p, task, backbone_name, resolve_row_settings((p.method, p.plugin_path.name, lb),
-                                                                               per_row)))
+                                                                               per_row), calibrated))
             for lb, p in zip(labels, plugins)]
 
 

@@ -22,7 +22,14 @@ from ground.errors import UserError
 from offsite.decode import compare_remote
 from plugins.decode import BatchDecode, Row, start_compare
 from plugins.registry import get_method
-from plugins.settings import ALL_ROWS, resolve_row_settings, row_settings, split_comparison
+from plugins.settings import (
+    ALL_ROWS,
+    calibration_label,
+    plugin_calibration,
+    resolve_row_settings,
+    row_settings,
+    split_comparison,
+)
 from studio.backbone_service import REMOTE_LM
 from studio.payload import json_safe, shared_trace, word_diff
 
@@ -46,10 +53,12 @@ class CompareService:
     """Comparisons (kept in memory per process) and shared comparisons (stored under unguessable ids)."""
 
     # --- comparing ----------------------------------------------------------------------------------------------
-    def _rows(self, methods: list[str], task: str, settings: dict | None, owner: str | None = None):
+    def _rows(self, methods: list[str], task: str, settings: dict | None, owner: str | None = None,
+              calibrated: bool = True):
         """``Row``s for the chosen methods ("base" or plug-in ids), each with its complete decode settings:
-        declared defaults ← tuned for (task, backbone) ← ``settings`` addressed to the row by method name, plug-in
-        id or label (``{key: {name: value}}``; a name the row's method does not declare is an error)."""
+        declared defaults ← tuned for (task, backbone) ← calibrated on the plug-in's memory (unless not
+        ``calibrated``: the global defaults) ← ``settings`` addressed to the row by method name, plug-in id or
+        label (``{key: {name: value}}``; a name the row's method does not declare is an error)."""
         if settings is not None and not isinstance(settings, dict):
             raise UserError('Decode settings must be an object like {"pema": {"lambda_max": 0.5}}.')
         rows, labels = [], set()
@@ -72,8 +81,21 @@ class CompareService:
                 label = f"{label} [{m[-6:]}]"
             labels.add(label)
             own = resolve_row_settings((plugin.method, m, label), settings)
-            rows.append(Row(label, plugin, row_settings(plugin, task, self.backbone.name, own)))
+            rows.append(Row(label, plugin, row_settings(plugin, task, self.backbone.name, own, calibrated)))
         return rows
+
+    @staticmethod
+    def _tuned(rows, calibrated: bool) -> dict[str, dict]:
+        """``{row label: {"label": "tuned on N held-out samples of <memory>", "settings", "at_tuned"}}`` for the
+        rows whose plug-in is calibrated (``at_tuned``: the row decodes at the tuned values); none with
+        ``calibrated`` off (the global defaults)."""
+        out = {}
+        for r in rows if calibrated else ():
+            cal = plugin_calibration(r.plugin) if r.plugin is not None else None
+            if cal:
+                out[r.label] = {"label": calibration_label(cal), "settings": cal["settings"],
+                                "at_tuned": all(r.settings.get(k) == v for k, v in cal["settings"].items())}
+        return out
 
     def _prompt(self, task: str, rows) -> Any:
         """The memory's prompt of the chosen plug-ins when it is for this task, else the task's tuned prompt."""
@@ -98,8 +120,8 @@ class CompareService:
 
     def compare(self, source: str, task: str = "translation", methods: list[str] | None = None,
                 settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
-                reference: str | None = None, *, owner: str | None = None, no_repeat_ngram: int | None = None
-                ) -> dict:
+                reference: str | None = None, *, owner: str | None = None, no_repeat_ngram: int | None = None,
+                global_defaults: bool = False) -> dict:
         """Decode ``source`` with every chosen method (the owner's plug-ins) in one batch; return a JSON-able
         comparison payload, kept for its owner under ``payload["id"]``.
 
@@ -111,17 +133,23 @@ class CompareService:
         A slider move — the same sentence, methods and decode length as one of the owner's last comparisons, other
         row settings — re-decodes only what changed (``plugins.decode.LiveComparison``; ``timings.reuse`` in the
         payload says what was reused and how many backbone forward passes ran).
+
+        A plug-in calibrated on its memory (``eval.calibrate``) starts at its tuned settings (its row's ``tuned``
+        says so: "tuned on N held-out samples of <memory>"); ``global_defaults`` starts every row at the global
+        defaults instead.
         """
         payload = None
         for payload in self._compare_steps(source, task, methods, settings, max_new_tokens, num_beams, reference,
-                                           owner=owner, no_repeat_ngram=no_repeat_ngram, partials=False):
+                                           owner=owner, no_repeat_ngram=no_repeat_ngram, partials=False,
+                                           global_defaults=global_defaults):
             pass
         return payload
 
     def compare_stream(self, source: str, task: str = "translation", methods: list[str] | None = None,
                        settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
                        reference: str | None = None, *, owner: str | None = None,
-                       no_repeat_ngram: int | None = None, stream: str | None = None):
+                       no_repeat_ngram: int | None = None, stream: str | None = None,
+                       global_defaults: bool = False):
         """``compare`` streamed: yields a partial payload (``"partial": True``: every row's tokens so far) after
         each decoding step — the first after the first step — then the final payload, the same as ``compare``'s.
 
@@ -142,7 +170,8 @@ class CompareService:
         def work() -> None:
             try:
                 for p in self._compare_steps(source, task, methods, settings, max_new_tokens, num_beams, reference,
-                                             owner=owner, no_repeat_ngram=no_repeat_ngram, should_stop=stopped):
+                                             owner=owner, no_repeat_ngram=no_repeat_ngram, should_stop=stopped,
+                                             global_defaults=global_defaults):
                     items.put(("payload", p))
             except BaseException as e:  # noqa: BLE001 — handed over to the caller's thread as it is
                 items.put(("error", e))
@@ -216,7 +245,7 @@ class CompareService:
 
     def _compare_steps(self, source: str, task: str, methods, settings, max_new_tokens, num_beams, reference,
                        *, owner: str | None, no_repeat_ngram: int | None, should_stop=lambda: False,
-                       partials: bool = True):
+                       partials: bool = True, global_defaults: bool = False):
         """The comparison as a generator of payloads (with ``partials``, one after each decoding step; the last is
         the final one), holding the backbone for the whole decode; ``should_stop()`` is asked between steps."""
         owner = self._owner(owner)
@@ -234,7 +263,8 @@ class CompareService:
         methods = list(methods or ["base"])
         self.limits.check("methods_per_comparison", len(methods), "The number of methods")
         with self._interactive("a comparison") as bb:
-            rows = self._rows(methods, task, settings, owner)
+            rows = self._rows(methods, task, settings, owner, calibrated=not global_defaults)
+            tuned = self._tuned(rows, not global_defaults)
             t_load = time.time() - t0
             prompt = self._prompt(task, rows)
             src = source.strip()
@@ -267,7 +297,7 @@ class CompareService:
                 reuse = {"kind": "slider move" if moved else "full decode", "forward_passes": run.forwards,
                          "reused_steps": run.reused_steps if moved else 0}
         payload = self._payload(comp, methods, task, reference, bb, prompt, t0, t_load, int(max_new_tokens),
-                                reuse=reuse)
+                                reuse=reuse, tuned=tuned)
         self._keep_recent(owner, payload)
         if new_live is not None:
             self._keep_live(owner, payload["id"], new_live)
@@ -275,8 +305,8 @@ class CompareService:
 
     @staticmethod
     def _payload(comp, methods: list[str], task: str, reference, bb, prompt, t0: float, t_load: float,
-                 max_new_tokens: int, partial: bool = False, cancelled: bool = False, reuse: dict | None = None
-                 ) -> dict:
+                 max_new_tokens: int, partial: bool = False, cancelled: bool = False, reuse: dict | None = None,
+                 tuned: dict | None = None) -> dict:
         total = time.time() - t0
         base = next((r for r in comp.rows if r.method == "base"), comp.rows[0])
         out_rows = []
@@ -285,7 +315,8 @@ class CompareService:
                              "text": r.text, "raw_text": r.raw_text, "tokens": r.tokens,
                              "token_texts": r.token_texts, "trace": json_safe(r.trace),
                              "settings": json_safe(r.settings), "score": r.score, "n_tokens": len(r.tokens),
-                             "diff": word_diff(base.text, r.text) if r is not base else [[r.text, "same"]]})
+                             "diff": word_diff(base.text, r.text) if r is not base else [[r.text, "same"]],
+                             "tuned": (tuned or {}).get(r.label)})  # the owner's view only: shares leave it out
         n_tok = sum(len(r.tokens) for r in comp.rows)
         payload = {"id": secrets.token_urlsafe(12), "source": comp.source, "task": task,
                    "reference": reference or None, "backbone": bb.name, "prompt": prompt.to_dict(),

@@ -32,10 +32,15 @@ class EvaluateService:
                         task: str = "translation", limit: int = 50, settings: dict | None = None,
                         sweep_plugin: str | None = None,
                         lambdas: list[float] | None = None, max_new_tokens: int = 48,
-                        owner: str | None = None, no_repeat_ngram: int | None = None) -> str:
+                        owner: str | None = None, no_repeat_ngram: int | None = None,
+                        global_defaults: bool = False) -> str:
         """Queue an evaluation of ``methods`` (or, with ``sweep_plugin``, a λ_max sweep with and without GU) on one
         of the owner's memories' held-out split or an uploaded test file of source/reference pairs; the plug-ins
-        must be the owner's. At most ``limits.eval_pairs`` pairs (``limit`` 0: all of them)."""
+        must be the owner's. At most ``limits.eval_pairs`` pairs (``limit`` 0: all of them).
+
+        A plug-in calibrated on its memory is evaluated at its tuned settings (``global_defaults``: at the global
+        defaults); on that memory's held-out split, the samples it was tuned on are left out (never scored on the
+        samples a setting was chosen on), and the result says how many."""
         owner = self._owner(owner)
         self.limits.check_rate("evaluations_per_minute", owner)
         try:
@@ -48,7 +53,8 @@ class EvaluateService:
         settings = with_comparison(settings, no_repeat_ngram)
         if settings is not None and not isinstance(settings, dict):
             raise UserError('Decode settings must be an object like {"pema": {"lambda_max": 0.5}}.')
-        args: dict = {"task": task, "limit": limit, "settings": settings or {}, "max_new_tokens": max_new_tokens}
+        args: dict = {"task": task, "limit": limit, "settings": settings or {}, "max_new_tokens": max_new_tokens,
+                      "global_defaults": bool(global_defaults)}
         if test_data:
             self._check_upload(test_data)
             samples = parse_samples_strict(test_data, test_filename, max_samples=self.limits.samples or None)
@@ -95,18 +101,25 @@ class EvaluateService:
         a = job.args
         owner = job.owner
         bb = self._job_backbone(job)
+        calibrated = not a.get("global_defaults")
+        left_out = 0
         if a.get("pairs"):
             pairs = [tuple(p) for p in a["pairs"]]
         else:
-            pairs = [(s["src"], s["tgt"]) for s in self.heldout_samples(a["memory_id"], limit=100000, owner=owner)]
+            pairs, left_out = self._untuned_heldout(a, owner, calibrated)
         if a.get("limit"):
             pairs = pairs[: a["limit"]]
+        if not pairs:
+            raise UserError("Every held-out sample of this memory was used to calibrate a chosen plug-in; evaluate "
+                            "at the global defaults or on an uploaded test file.")
         with self.gate.use(holder="an evaluation"):
             job.checkpoint = self.gate.checkpoint
             job.log(f"Evaluating on {len(pairs)} pairs ({a.get('data', '')})")
+            if left_out:
+                job.log(f"Left out the {left_out} held-out samples a chosen plug-in was calibrated on")
             if a["mode"] == "sweep":
                 plugin = self._plugin(a["plugin_id"], owner)
-                rows = self._rows([a["plugin_id"]], a["task"], a.get("settings"), owner)
+                rows = self._rows([a["plugin_id"]], a["task"], a.get("settings"), owner, calibrated)
                 prompt = self._prompt(a["task"], rows)
                 sweep = eval_run.lambda_sweep(bb, pairs, plugin, prompt, a["lambdas"], task=a["task"],
                                               settings=rows[0].settings,
@@ -115,14 +128,34 @@ class EvaluateService:
                 result = {"mode": "sweep", "sweep": json_safe(sweep), "plugin": rows[0].label}
                 msg = f"λ sweep done: {len(sweep)} points on {len(pairs)} pairs"
             else:
-                rows = self._rows(a["methods"], a["task"], a.get("settings"), owner)
+                rows = self._rows(a["methods"], a["task"], a.get("settings"), owner, calibrated)
                 prompt = self._prompt(a["task"], rows)
                 res = eval_run.evaluate(bb, pairs, rows, prompt, a["task"], max_new_tokens=a["max_new_tokens"],
                                         progress=job.progress, should_stop=job.should_stop, **self._eval_decode(bb))
-                result = {"mode": "methods", **json_safe(res)}
+                result = {"mode": "methods", **json_safe(res),
+                          "tuned": {lb: t["label"] for lb, t in self._tuned(rows, calibrated).items()}}
                 msg = f"Evaluated {len(rows)} method(s) on {len(pairs)} pairs"
-        result.update(data=a.get("data"), pairs=len(pairs), message=msg)
+        result.update(data=a.get("data"), pairs=len(pairs), message=msg, calibrated=calibrated,
+                      left_out_tuning_samples=left_out)
         return result
+
+    def _untuned_heldout(self, a: dict, owner: str, calibrated: bool) -> tuple[list[tuple], int]:
+        """The memory's held-out pairs without those a chosen plug-in (at its tuned settings) was calibrated on,
+        and how many were left out."""
+        from plugins.settings import load_calibration
+
+        tuned: set[int] = set()
+        ids = [a["plugin_id"]] if a.get("mode") == "sweep" else [m for m in a.get("methods") or []
+                                                                  if m not in ("base", "", None)]
+        for pid in ids if calibrated else ():
+            row = self.catalog.plugin(pid, owner)
+            cal = load_calibration(row["path"]) if row else None
+            if cal and cal.get("memory_id") == a["memory_id"]:
+                tuned |= {int(i) for i in cal.get("sample_ids") or [] if isinstance(i, int)}
+        mem = self._memory(a["memory_id"], owner)
+        held = [(i, s) for i, s in enumerate(mem.samples) if s["split"] == "heldout"]
+        pairs = [(s["src"], s["tgt"]) for i, s in held if i not in tuned]
+        return pairs, len(held) - len(pairs)
 
     @staticmethod
     def results_csv(result: dict) -> str:

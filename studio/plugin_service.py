@@ -11,7 +11,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from backbone.model import resolve_name
-from ground.errors import UserError
+from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
 from ground.store import new_id
 from offsite.client import NOT_OFFSITE
@@ -19,7 +19,7 @@ from plugins.api import make_config, method_table, open_memory, open_plugin, tra
 from plugins.estimate import estimate
 from plugins.hub import check_package, export_plugin, import_plugin
 from plugins.registry import available_methods, get_method
-from plugins.settings import coerce_all, presets_table, tuned_decode_settings
+from plugins.settings import coerce_all, load_calibration, presets_table, tuned_decode_settings
 from plugins.training import optimizer_from_tensors, optimizer_tensors
 from studio.packages import unpack_zip, zip_folder
 
@@ -79,6 +79,23 @@ def job_timing(job: dict, now: float | None = None) -> dict:
     if state == "running" and p >= 0.01 and elapsed >= 2.0:
         eta = elapsed * (1.0 - p) / p
     return {"elapsed_s": round(elapsed, 1), "eta_s": None if eta is None else round(eta, 1)}
+
+
+def calibration_share(method: str, config: dict, backbone_name: str, memory) -> float:
+    """The part of a training job's progress bar that training takes when calibration follows it (1.0: no
+    calibration — the method does not interpolate, or its memory has too few held-out samples): from the training
+    estimate and calibration's time budget."""
+    from eval.calibrate import DEFAULT_SECONDS, MIN_TUNE, split_heldout
+
+    cls = get_method(method)
+    if not (cls.interpolates and cls.level == "output") or split_heldout(memory)[2]["tune"] < MIN_TUNE:
+        return 1.0
+    try:
+        est = estimate(method, config, backbone_name, len(memory.split_samples("train")), len(memory))
+    except UserError:
+        est = {}
+    train_s = float(est.get("converge_s") or 30.0)
+    return max(0.05, min(0.95, train_s / (train_s + DEFAULT_SECONDS)))
 
 
 class PluginService:
@@ -219,10 +236,16 @@ class PluginService:
         bb = self._job_backbone(job)
         row = self._memory_row(a["memory_id"], job.owner)  # still there, still the owner's
         if getattr(self, "executor", None) is not None and self.executor.runs_training(a):
-            return self.executor.train(self, job)  # a Ray task (studio.ray_executor); no gate: not this backbone
+            res = self.executor.train(self, job)  # a Ray task (studio.ray_executor); no gate: not this backbone
+            return self._calibrate_ray_trained(job, bb, row, res)
         self._check_offsite(a["method"], bb)  # queued before the studio switched to a remote backbone
         mem = open_memory(row["path"], bb)
         cls = get_method(a["method"])
+        # an interpolating plug-in is calibrated after training, in this job: training gets the first part of the bar
+        share = calibration_share(a["method"], a["config"], bb.name, mem)
+        job_progress = job.progress
+        if share < 1.0:
+            job.progress = lambda f, m="": job_progress(float(f) * share, m)  # type: ignore[method-assign]
         with self.gate.use(holder=f"training {cls.title}"):
             job.checkpoint = self.gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
             job.log(f"Training {cls.title} on {mem.meta.get('name', mem.id)!r} ({len(mem):,} entries)")
@@ -240,9 +263,101 @@ class PluginService:
         metrics = json.loads(row["metrics"])
         status = training_status(metrics)
         how = status["label"] if status["under_trained"] else "ready"
+        job.progress = job_progress  # type: ignore[method-assign]
+        cal = self._calibrate_trained(job, bb, mem, plugin, share) if share < 1.0 else None
         return {"plugin_id": row["id"], "name": row["name"], "method": row["method"], "params": row["params"],
-                "metrics": metrics, "training": status,
-                "message": f"Plug-in {row['name']!r} {how} ({row['params']:,} trainable parameters)"}
+                "metrics": metrics, "training": status, **({"calibration": cal} if cal else {}),
+                "message": f"Plug-in {row['name']!r} {how} ({row['params']:,} trainable parameters)"
+                           + (f"; {cal['message']}" if cal else "")}
+
+    # --- per-memory calibration (eval.calibrate) ------------------------------------------------------------------
+    def _calibrate_trained(self, job: JobContext, bb, mem, plugin, start: float) -> dict:
+        """Calibrate a just-trained interpolating plug-in on its memory's held-out tuning samples, as the rest of
+        the training job (progress from ``start`` to 1). Too few samples, or a cancel, leave the plug-in trained at
+        the global defaults and say so; the job still succeeds (the plug-in is saved)."""
+        from eval.calibrate import calibrate, describe_choice  # studio > eval; loaded only when calibrating
+
+        job.log(f"Calibrating {plugin.title} on held-out samples of {mem.meta.get('name', mem.id)!r}")
+        try:
+            with self.gate.use(holder=f"calibrating {plugin.title}"):
+                job.checkpoint = self.gate.checkpoint
+                cal = calibrate(bb, plugin, mem, progress=lambda f, m: job.progress(start + (1 - start) * f, m),
+                                should_stop=job.should_stop)
+        except UserError as e:
+            job.log(str(e))
+            return {"skipped": True, "message": str(e)}
+        except Cancelled:
+            msg = "calibration cancelled: the plug-in starts at the global defaults"
+            job.log(msg)
+            return {"skipped": True, "message": msg}
+        if cal is None:
+            return {}
+        msg = f"{cal['label']}: {describe_choice(cal)}"
+        job.log(msg)
+        return {"skipped": False, "settings": cal["settings"], "n": cal["n"], "label": cal["label"],
+                "is_base": cal["is_base"], "chrf": cal["chrf"], "bleu": cal["bleu"], "base": cal["base"],
+                "seconds": cal["seconds"], "message": msg}
+
+    def _calibrate_ray_trained(self, job: JobContext, bb, mem_row: dict, res: dict) -> dict:
+        """A plug-in trained by the Ray executor, calibrated here (the decode needs this process's backbone)."""
+        if not isinstance(res, dict) or not res.get("plugin_id"):
+            return res
+        cls = get_method(res.get("method") or job.args["method"])
+        if not (cls.interpolates and cls.level == "output"):
+            return res
+        mem = open_memory(mem_row["path"], bb)
+        plugin = open_plugin(self._plugin_row(res["plugin_id"], job.owner)["path"], bb)
+        cal = self._calibrate_trained(job, bb, mem, plugin, 0.95)
+        return {**res, **({"calibration": cal, "message": f"{res.get('message', '')}; {cal['message']}"}
+                          if cal else {})}
+
+    def submit_calibrate(self, plugin_id: str, *, owner: str | None = None, max_samples: int | None = None,
+                         max_seconds: float | None = None) -> str:
+        """Queue the calibration of one of the owner's interpolating plug-ins on its memory's held-out tuning
+        samples (``eval.calibrate``); a plug-in of another kind, or a memory that is gone, is refused now."""
+        owner = self._owner(owner)
+        row = self._plugin_row(plugin_id, owner)
+        cls = get_method(row["method"])
+        if not (cls.interpolates and cls.level == "output"):
+            raise UserError(f"{cls.title} does not mix distributions; there is nothing to calibrate.")
+        self._memory_row(row["memory_id"], owner)
+        args: dict = {"plugin_id": row["id"]}
+        for key, v, kind in (("max_samples", max_samples, int), ("max_seconds", max_seconds, float)):
+            if v not in (None, "", 0):
+                try:
+                    args[key] = kind(v)
+                except (TypeError, ValueError):
+                    raise UserError(f"{key} must be a number.") from None
+                if args[key] <= 0:
+                    raise UserError(f"{key} must be positive.")
+        return self.jobs.submit("calibrate_plugin", args, owner=owner)
+
+    def _job_calibrate(self, job: JobContext) -> dict:
+        from eval.calibrate import calibrate, describe_choice
+
+        a = job.args
+        bb = self._job_backbone(job)
+        prow = self._plugin_row(a["plugin_id"], job.owner)
+        mrow = self._memory_row(prow["memory_id"], job.owner)
+        mem = open_memory(mrow["path"], bb)
+        plugin = open_plugin(prow["path"], bb)
+        with self.gate.use(holder=f"calibrating {plugin.title}"):
+            job.checkpoint = self.gate.checkpoint
+            cal = calibrate(bb, plugin, mem, max_samples=a.get("max_samples"), max_seconds=a.get("max_seconds"),
+                            progress=job.progress, should_stop=job.should_stop)
+        msg = f"{prow['name']!r} {cal['label']}: {describe_choice(cal)}"
+        job.log(msg)
+        return {"plugin_id": prow["id"], "settings": cal["settings"], "n": cal["n"], "label": cal["label"],
+                "is_base": cal["is_base"], "table": cal["table"], "message": msg}
+
+    @staticmethod
+    def _calibration_summary(path: str | Path, backbone: str | None) -> dict | None:
+        """What the plug-in lists show of a plug-in's calibration (None: none): settings, label, scores, samples."""
+        cal = load_calibration(path)
+        if cal is None or cal.get("backbone") not in (None, backbone):
+            return None
+        return {k: cal.get(k) for k in ("settings", "label", "n", "is_base", "chrf", "bleu", "base", "weight",
+                                        "seconds", "created", "global_default")}
 
     def plugins(self, owner: str | None = None) -> list[dict]:
         """The owner's plug-ins."""
@@ -258,7 +373,8 @@ class PluginService:
                         "params": r["params"], "metrics": metrics, "created": r["created"],
                         "usable": fp is None or r["fingerprint"] == fp, "training": training_status(metrics),
                         "can_continue": bool(getattr(cls, "resumable", False)
-                                             and (Path(r["path"]) / OPTIMIZER_FILE).exists())})
+                                             and (Path(r["path"]) / OPTIMIZER_FILE).exists()),
+                        "calibration": self._calibration_summary(r["path"], r["backbone"])})
         return out
 
     def _plugin_row(self, plugin_id: str, owner: str | None) -> dict:
@@ -277,9 +393,12 @@ class PluginService:
         hist_path = Path(row["path"]) / "history.json"
         history = json.loads(hist_path.read_text(encoding="utf-8")) if hist_path.exists() else []
         metrics = json.loads(row.get("metrics") or "{}")
+        cal = load_calibration(row["path"])
+        if cal is not None:
+            cal = {k: v for k, v in cal.items() if k not in ("weights_sha256", "memory_id")}
         return {"id": row["id"], "name": row["name"], "method": row["method"], "memory_id": row["memory_id"],
                 "params": row["params"], "config": cfg, "training": training_status(metrics), "metrics": metrics,
-                "history": history}
+                "history": history, "calibration": cal}
 
     def delete_plugin(self, plugin_id: str, *, owner: str | None = None) -> str:
         owner = self._owner(owner)

@@ -93,7 +93,8 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Seve
         self._recent: OrderedDict[str, dict] = OrderedDict()
         self._recent_lock = threading.Lock()
         self.jobs = JobQueue(self.catalog, {"build_memory": self._job_build, "train_plugin": self._job_train,
-                                            "evaluate": self._job_evaluate, "rank": self._job_rank},
+                                            "evaluate": self._job_evaluate, "calibrate_plugin": self._job_calibrate,
+                                            "rank": self._job_rank},
                              workers=workers)
         self.jobs.max_per_owner, self.jobs.max_total = self.limits.jobs_per_owner, self.limits.jobs_total
         self.jobs.on_finish = self._job_finished

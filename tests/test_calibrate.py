@@ -1,0 +1,220 @@
+"""Per-memory calibration (eval/calibrate.py) on the tiny backbone: the declared grid tuned on a memory's held-out
+tuning samples never ends below the base model (λ = 0) there; what it stores is where Compare, Evaluate and the CLIs
+start a plug-in, and the global-defaults switch goes back; too few samples and a cancel are said plainly.
+
+    python -m pytest -q tests/test_calibrate.py
+"""
+import json
+
+import pytest
+
+from ground.errors import Cancelled, UserError
+
+PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
+         ("good morning", "Guten Morgen"), ("hello world", "hallo Welt"), ("the dog runs", "der Hund rennt"),
+         ("a red car", "ein rotes Auto"), ("we eat bread", "wir essen Brot"), ("it is cold", "es ist kalt")] * 10
+CAP = 12  # new tokens per output: the tiny model rarely stops by itself, and the test needs only a few
+
+
+@pytest.fixture(scope="module")
+def setup(tiny, tmp_path_factory):
+    """A memory with 32 held-out samples (16 to tune on) and a PEMA and a kNN plug-in trained on it."""
+    from backbone.prompts import Prompt
+    from memories.build import build_memory
+    from memories.parse import Sample
+    from plugins.api import train_plugin
+    from plugins.registry import available_methods
+
+    root = tmp_path_factory.mktemp("cal")
+    mem = build_memory(tiny, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], root / "m",
+                       prompt=Prompt.for_task("translation"), heldout_frac=0.4, name="cal-mem")
+    out = {"mem": mem}
+    for m in ("pema", "knn"):
+        out[m], _ = train_plugin(tiny, mem, m, dict(available_methods()[m].quick_settings), out_dir=root / m)
+    return out
+
+
+def _outputs(bb, plugin, settings, sources, prompt):
+    """Each source decoded alone, greedy, by the base model (``plugin`` None) or one plug-in row — the full decode
+    Compare runs — with calibration's length cap."""
+    from plugins.decode import Row, compare
+
+    row = Row("x") if plugin is None else Row("x", plugin, settings)
+    return [compare(bb, s, [row], prompt, max_new_tokens=min(CAP, 2 * len(bb.encode_target(s)) + 16),
+                    trace=False).rows[0].text for s in sources]
+
+
+def _tune(mem):
+    from eval.calibrate import split_heldout
+
+    tune, report, info = split_heldout(mem)
+    assert info["tune"] == len(tune) == 16 and info["report"] == len(report) == 16
+    assert {s["index"] for s in tune}.isdisjoint({s["index"] for s in report})
+    assert all(mem.samples[s["index"]]["split"] == "heldout" for s in tune + report)
+    return tune
+
+
+def test_every_setting_hurts_so_lambda_zero_is_chosen(tiny, setup):
+    """References that are the base model's own outputs: any setting that changes an output scores below the base;
+    calibration must keep λ = 0 (and the table must hold such hurting settings, or the test proves nothing)."""
+    from eval.calibrate import calibrate
+
+    pema, mem = setup["pema"], setup["mem"]
+    tune = _tune(mem)
+    refs = _outputs(tiny, None, None, [s["src"] for s in tune], mem.prompt)
+    samples = [{**s, "tgt": r} for s, r in zip(tune, refs)]
+    cal = calibrate(tiny, pema, mem, samples=samples, store=False, max_new_tokens=CAP)
+    assert cal["is_base"] and cal["settings"]["lambda_max"] == 0.0 and cal["weight"] == "lambda_max"
+    assert cal["base"]["chrf"] == pytest.approx(100.0)
+    others = cal["table"][1:]
+    assert len(others) >= 12 and any(r["chrf"] < cal["base"]["chrf"] for r in others)
+    assert all(r["chrf"] <= cal["base"]["chrf"] for r in others)
+
+
+def test_a_setting_that_helps_is_chosen_and_scores_as_a_full_decode(tiny, setup):
+    """References that are one setting's own full-decode outputs: that setting scores 100 through calibration's
+    kept-decode moves (so a move decodes what a full decode does) and is chosen over the base."""
+    from eval.calibrate import calibrate
+
+    pema, mem = setup["pema"], setup["mem"]
+    tune = _tune(mem)
+    target = pema.settings({"lambda_max": 0.9, "gu": False})
+    refs = _outputs(tiny, pema, target, [s["src"] for s in tune], mem.prompt)
+    base = _outputs(tiny, None, None, [s["src"] for s in tune], mem.prompt)
+    assert refs != base, "the tiny PEMA must change some output at λ_max 0.9 for this test to mean anything"
+    cal = calibrate(tiny, pema, mem, samples=[{**s, "tgt": r} for s, r in zip(tune, refs)], store=False,
+                    max_new_tokens=CAP)
+    row = next(r for r in cal["table"] if r["settings"] == target)
+    assert row["chrf"] == pytest.approx(100.0)  # (sacreBLEU of the tiny model's short outputs is often 0)
+    assert not cal["is_base"] and cal["chrf"] == pytest.approx(100.0)
+    assert cal["chrf"] >= cal["base"]["chrf"] and cal["bleu"] >= cal["base"]["bleu"]
+
+
+def test_choose_never_trades_one_metric_for_the_other():
+    from eval.calibrate import choose
+
+    base = {"settings": {"lam": 0.0}, "chrf": 50.0, "bleu": 20.0, "base": True}
+    worse_bleu = {"settings": {"lam": 0.2}, "chrf": 55.0, "bleu": 19.9}
+    tie = {"settings": {"lam": 0.1}, "chrf": 50.0, "bleu": 20.0}
+    assert choose(base, [worse_bleu, tie], "lam") is base  # more chrF but less sacreBLEU: not taken; a tie: base
+    better = {"settings": {"lam": 0.4}, "chrf": 51.0, "bleu": 20.0}
+    same_better = {"settings": {"lam": 0.3}, "chrf": 51.0, "bleu": 20.0}
+    assert choose(base, [worse_bleu, better, same_better], "lam") is same_better  # equal scores: smaller weight
+
+
+def test_stored_settings_are_where_rows_start_and_global_defaults_go_back(tiny, setup):
+    from eval.calibrate import calibrate, load_calibration
+    from plugins.settings import row_settings
+
+    knn, mem = setup["knn"], setup["mem"]
+    glob = row_settings(knn, "translation", tiny.name, calibrated=False)
+    cal = calibrate(tiny, knn, mem, max_seconds=600, max_new_tokens=CAP)
+    stored = load_calibration(knn.plugin_path)
+    assert stored["settings"] == cal["settings"] and stored["n"] == 16 and stored["memory"] == "cal-mem"
+    assert stored["sample_ids"] == [s["index"] for s in _tune(mem)]
+    assert cal["label"] == "tuned on 16 held-out samples of cal-mem"
+    assert row_settings(knn, "translation", tiny.name) == cal["settings"]
+    assert row_settings(knn, "translation", tiny.name, calibrated=False) == glob
+    assert row_settings(knn, "translation", tiny.name, {"k": 3})["k"] == 3  # an override still wins
+    # made for other weights (the plug-in trained again in place): not used
+    path = knn.plugin_path / "calibration.json"
+    saved = path.read_text(encoding="utf-8")
+    path.write_text(json.dumps({**stored, "weights_sha256": "0" * 64}), encoding="utf-8")
+    try:
+        assert load_calibration(knn.plugin_path) is None
+        assert row_settings(knn, "translation", tiny.name) == glob
+    finally:
+        path.write_text(saved, encoding="utf-8")
+
+
+def test_cli_compare_and_run_start_tuned_and_global_defaults_go_back(tiny, setup, monkeypatch, capsys):
+    """``python -m plugins compare`` / ``python -m eval run`` decode a calibrated plug-in at its stored settings
+    and say so; ``--global-defaults`` uses the global ones. A forced calibration (λ 0.9, GU off) makes the two
+    starts differ."""
+    import eval.__main__ as eval_cli
+    import plugins.__main__ as cli
+    from eval.calibrate import load_calibration
+    from ground.store import write_json_atomic
+    from plugins.decode import compare as real_compare
+    from plugins.settings import row_settings
+
+    pema, mem = setup["pema"], setup["mem"]
+    cfg = json.loads((pema.plugin_path / "plugin_config.json").read_text(encoding="utf-8"))
+    forced = pema.settings({"lambda_max": 0.9, "gu": False})
+    write_json_atomic(pema.plugin_path / "calibration.json", {
+        "settings": forced, "table": [], "n": 16, "memory": "cal-mem", "memory_id": mem.id, "sample_ids": [],
+        "backbone": tiny.name, "weights_sha256": cfg["files"]["plugin_model.safetensors"]["sha256"]})
+    assert load_calibration(pema.plugin_path) is not None
+    seen = []
+
+    def spy(bb, sentence, rows, *a, **k):
+        seen.append({r.label: r.settings for r in rows})
+        return real_compare(bb, sentence, rows, *a, **k)
+
+    monkeypatch.setattr(cli, "load_backbone_from_args", lambda args: tiny)
+    monkeypatch.setattr(cli, "compare", spy)
+    assert cli.main(["compare", "the house is small", "--plugin", str(pema.plugin_path)]) == 0
+    assert seen[-1]["pema"] == forced
+    assert "tuned on 16 held-out samples of cal-mem" in capsys.readouterr().out
+    assert cli.main(["compare", "the house is small", "--plugin", str(pema.plugin_path), "--global-defaults"]) == 0
+    assert seen[-1]["pema"] == row_settings(pema, "translation", tiny.name, calibrated=False) != forced
+    assert "tuned on" not in capsys.readouterr().out
+
+    used = []
+    real_eval = eval_cli.evaluate
+
+    def eval_spy(bb, pairs, rows, *a, **k):
+        used.append({r.label: r.settings for r in rows})
+        return real_eval(bb, pairs, rows, *a, **k)
+
+    monkeypatch.setattr(eval_cli, "load_backbone_from_args", lambda args: tiny)
+    monkeypatch.setattr(eval_cli, "evaluate", eval_spy)
+    for extra, want in (([], forced), (["--global-defaults"], row_settings(pema, "translation", tiny.name,
+                                                                            calibrated=False))):
+        assert eval_cli.main(["run", "--memory", str(mem.path), "--plugin", str(pema.plugin_path), "--n", "3",
+                              *extra]) == 0
+        assert used[-1]["pema"] == want
+    (pema.plugin_path / "calibration.json").unlink()
+
+
+def test_too_few_heldout_samples_is_said_and_nothing_is_stored(tiny, tiny_memory, tmp_path):
+    from eval.calibrate import calibrate, split_heldout
+    from plugins.api import train_plugin
+    from plugins.registry import available_methods
+
+    knn, _ = train_plugin(tiny, tiny_memory, "knn", dict(available_methods()["knn"].quick_settings),
+                          out_dir=tmp_path / "knn")
+    assert split_heldout(tiny_memory)[2]["warning"]
+    with pytest.raises(UserError, match="too few held-out samples"):
+        calibrate(tiny, knn, tiny_memory)
+    assert not (knn.plugin_path / "calibration.json").exists()
+
+
+def test_cancel_stops_and_stores_nothing(tiny, setup, tmp_path):
+    import shutil
+
+    from eval.calibrate import calibrate
+    from plugins.api import open_plugin
+
+    folder = tmp_path / "knn-copy"
+    shutil.copytree(setup["knn"].plugin_path, folder)
+    (folder / "calibration.json").unlink(missing_ok=True)
+    knn = open_plugin(str(folder), tiny)
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return len(calls) > 5
+
+    with pytest.raises(Cancelled):
+        calibrate(tiny, knn, setup["mem"], should_stop=stop)
+    assert not (folder / "calibration.json").exists()
+
+
+def test_a_plugin_that_does_not_mix_has_nothing_to_calibrate(tiny, setup):
+    from eval.calibrate import calibrate
+
+    class NotMixing:
+        interpolates, level = False, "network"
+
+    assert calibrate(tiny, NotMixing(), setup["mem"]) is None
