@@ -10,6 +10,9 @@ Examples::
     python -m eval run --memory <memory-id> --plugin <id>
     # λ_max sweep with and without Gradual Unrolling for a PEMA plug-in
     python -m eval sweep --plugin <pema-id> --n 50
+    # tune an interpolating plug-in (PEMA, kNN) on its memory's held-out samples; Compare/Evaluate/CLI start there
+    python -m eval calibrate <plugin-id>
+    python -m eval run --memory <memory-id> --plugin <id> --global-defaults   # not at the calibrated settings
     # train (or reuse), calibrate and rank every registered method on a memory's held-out report samples
     python -m eval rank <memory-id> --json leaderboard.json
     python -m eval rank <memory-id> --methods pema,knn,adapter --test pairs.jsonl
@@ -36,7 +39,7 @@ from ground.store import Catalog
 from memories.parse import parse_samples_strict
 from offsite.cli import add_remote, remote_backbone_from_args
 from offsite.decode import decode_batch_remote, open_offsite_plugin
-from plugins.__main__ import plugin_rows
+from plugins.__main__ import plugin_rows, tuned_lines
 from plugins.api import open_memory, open_plugin
 from plugins.decode import Row
 from plugins.settings import parse_sets
@@ -62,6 +65,39 @@ def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
     if args.task == "style":  # plain modern English inputs (the WMT English side); no references
         return [(en, None) for en, _ in datasets.wmt_pairs(args.split, start, args.n)]
     return datasets.task_pairs(args.task, args.split, start, args.n)
+
+
+def calibrate_main(args, cat) -> int:
+    """``python -m eval calibrate``: tune one plug-in on its memory's held-out tuning samples and store it."""
+    from eval.calibrate import calibrate, describe_choice
+    from plugins.api import plugin_folder
+
+    bb = load_backbone_from_args(args)
+    plugin = open_plugin(args.plugin, bb, cat)
+    mref = plugin.memory_meta.get("path") or plugin.memory_meta.get("id")
+    if args.memory:
+        mref = args.memory
+    if not mref:
+        raise UserError("This plug-in does not name its memory; give it with --memory.")
+    mem = open_memory(mref, bb, catalog=cat)
+    with progress_bar("calibrate") as prog:
+        cal = calibrate(bb, plugin, mem, max_samples=args.n, max_seconds=args.max_seconds, progress=prog,
+                        max_new_tokens=args.max_new_tokens)
+    if cal is None:
+        raise UserError(f"{plugin.title} does not mix distributions; there is nothing to calibrate.")
+    rows = [{"settings": json.dumps({k: v for k, v in r["settings"].items()}), "chrF": r["chrf"],
+             "sacreBLEU": r["bleu"], "changed": r.get("changed", 0)} for r in cal["table"]]
+    width = max(len(r["settings"]) for r in rows)
+    print(f"{'settings'.ljust(width)} | chrF   | BLEU   | outputs changed vs base")
+    for r in rows:
+        print(f"{r['settings'].ljust(width)} | {r['chrF']:6.2f} | {r['sacreBLEU']:6.2f} | {r['changed']}")
+    print(f"\n{cal['label']} ({cal['seconds']:.0f} s, {cal['forwards_per_sample']} forward passes per sample"
+          f"{', stopped by the time budget' if cal['stopped_by_time'] else ''}): {describe_choice(cal)}")
+    print(f"stored in {plugin_folder(args.plugin, cat) / 'calibration.json'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(cal, indent=1, ensure_ascii=False), encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def rank_main(args, cat) -> int:
@@ -97,6 +133,27 @@ def rank_main(args, cat) -> int:
     return 0
 
 
+def untuned_pairs(args, cat, plugins, pairs) -> list:
+    """``--memory``'s held-out pairs without those a plug-in was calibrated on (a calibrated setting is never
+    scored on its own tuning samples); says how many were left out."""
+    from plugins.settings import plugin_calibration
+
+    mem = open_memory(args.memory, catalog=cat)
+    tuned: set = set()
+    for p in plugins:
+        cal = plugin_calibration(p)
+        if cal and cal.get("memory_id") == mem.id:
+            tuned |= set(cal.get("sample_ids") or [])
+    if not tuned:
+        return pairs
+    held = [(s["src"], s["tgt"]) for i, s in enumerate(mem.samples) if s["split"] == "heldout" and i not in tuned]
+    print(f"left out the {len(tuned)} held-out samples the plug-ins were calibrated on; {len(held)} remain",
+          file=sys.stderr)
+    if not held:
+        raise UserError("Every held-out sample was used to calibrate; use --global-defaults or --test-file.")
+    return held[: args.n or None]
+
+
 def style_extra(task: str, bb_name: str) -> dict:
     if task != "style":
         return {}
@@ -124,9 +181,23 @@ def main(argv=None) -> int:
         p.add_argument("--shots", type=int, default=None)
         p.add_argument("--batch", type=int, default=4, help="sentences per batched decode")
         p.add_argument("--max-new-tokens", type=int, default=96)
+        p.add_argument("--global-defaults", action="store_true",
+                       help="decode every plug-in at the global defaults, not at the settings calibrated on its "
+                            "memory (python -m eval calibrate)")
         p.add_argument("--json", help="also write the results (metrics + outputs) to this JSON file")
         add_remote(p, decode=True)  # offsite: base, PEMA and kNN rows through a model owner's service
         add_common(p)
+    c = sub.add_parser("calibrate", help="tune an interpolating plug-in's decode settings on its memory's held-out "
+                                         "samples (stored with it; Compare, Evaluate and the CLI start there)")
+    c.add_argument("plugin", help="plug-in id or folder")
+    c.add_argument("--memory", help="the plug-in's memory (id or folder), when it cannot be found from the plug-in")
+    c.add_argument("--n", type=int, default=None, help="tuning samples at most (default: eval.calibrate's "
+                                                       "DEFAULT_TUNE, and at most half of the held-out samples)")
+    c.add_argument("--max-seconds", type=float, default=None,
+                   help="time budget (default: eval.calibrate's DEFAULT_SECONDS); checked between samples")
+    c.add_argument("--max-new-tokens", type=int, default=96)
+    c.add_argument("--json", help="also write the calibration (with its table) to this JSON file")
+    add_common(c)
     r = sub.add_parser("rank", help="train, calibrate and rank every method on a memory (leaderboard + verdict)")
     r.add_argument("memory", help="memory id (python -m memories list) or folder")
     r.add_argument("--methods", help="comma-separated methods (default: every registered method)")
@@ -146,6 +217,8 @@ def main(argv=None) -> int:
     cat = Catalog(args.data_dir)
     if args.cmd == "rank":
         return rank_main(args, cat)
+    if args.cmd == "calibrate":
+        return calibrate_main(args, cat)
     pairs = load_pairs(args, cat)
     bb = remote_backbone_from_args(args) if args.remote else load_backbone_from_args(args)
     plugins = [(open_offsite_plugin if args.remote else open_plugin)(p, bb, cat) for p in args.plugin]
@@ -153,7 +226,12 @@ def main(argv=None) -> int:
     prompt = task_prompt(args.task, bb, shots=args.shots)
     extra = style_extra(args.task, bb.name)
     if args.cmd == "run":
-        rows = [Row("base")] + plugin_rows(plugins, args.task, bb.name, args.set)
+        rows = [Row("base")] + plugin_rows(plugins, args.task, bb.name, args.set,
+                                           calibrated=not args.global_defaults)
+        if args.memory and not args.test_file and not args.global_defaults:
+            pairs = untuned_pairs(args, cat, plugins, pairs)
+        for line in tuned_lines(rows, not args.global_defaults):
+            print(line, file=sys.stderr)
         with progress_bar("eval") as prog:
             res = evaluate(bb, pairs, rows, prompt, args.task, batch_sources=args.batch,
                            max_new_tokens=args.max_new_tokens, progress=prog, extra=extra, **decode)
@@ -165,7 +243,8 @@ def main(argv=None) -> int:
         if not pema:
             raise UserError("sweep needs a PEMA plug-in (--plugin <pema-id>).")
         with progress_bar("sweep") as prog:
-            settings = plugin_rows(pema[:1], args.task, bb.name, args.set)[0].settings
+            settings = plugin_rows(pema[:1], args.task, bb.name, args.set,
+                                   calibrated=not args.global_defaults)[0].settings
             res = {"sweep": lambda_sweep(bb, pairs, pema[0], prompt, task=args.task, progress=prog, extra=extra,
                                          settings=settings, batch_sources=args.batch,
                                          max_new_tokens=args.max_new_tokens, **decode)}
