@@ -93,6 +93,36 @@ def test_pema_alpha_over_r_scales_both_outputs(tiny, rank, alpha):
         assert not torch.allclose(p.h_pd(x), x @ A.T @ B_pd.T, rtol=1e-3)  # the factor is really there
 
 
+@pytest.mark.parametrize("alpha", [1.0, 256.0])
+def test_pema_pca_start_is_the_autoencoders_optimum_at_any_scaling(tiny, tiny_memory, alpha):
+    """rct_init="pca" at s = α/r ≠ 1: A = the keys' top-r right singular vectors V_r, so s·B_rct·A = V_rᵀ·V_r — the
+    reconstruction error after the start is the discarded singular values' (≈ 0 at full rank) whatever s is, and
+    pd_init="warm" then starts P_PEMA at the LM. (At s = 1 a B_rct scaled the wrong way changes nothing; here it
+    multiplies the reconstruction by s² instead of 1.)"""
+    d = tiny.hidden_size
+    keys = torch.from_numpy(np.asarray(tiny_memory.keys, dtype=np.float32)).to(tiny.device)
+    for rank in (d, d // 4):
+        cfg = PEMAConfig(rank=rank, lora_alpha=alpha, max_epochs_rct=0, max_epochs_joint=0, dropout=0.0,
+                         rct_init="pca", pd_init="warm", decode_vocab="full")
+        p = PEMA(cfg, tiny, {"key_rms": tiny_memory.key_scale})
+        assert p.scaling == pytest.approx(alpha / rank) and abs(p.scaling - 1) > 0.5
+        p.fit(tiny_memory)
+        x = p.scaled(keys)
+        with torch.no_grad():
+            A = p.A.detach()
+            assert torch.allclose(A @ A.T, torch.eye(rank, device=A.device), atol=1e-4)  # orthonormal rows
+            rec = p.h_rct(x)
+            assert torch.allclose(rec, x @ A.T @ A, rtol=1e-4, atol=1e-4 * float(x.abs().max()))
+            err = float(((rec - x) ** 2).mean() / (x ** 2).mean())
+            if rank == d:
+                assert err < 1e-9  # measured ~1e-13
+                lm = torch.log_softmax(tiny.logits_from_fc(keys[:8]).float(), -1)
+                assert torch.allclose(p.pema_logprobs(keys[:8]), lm, atol=1e-3)
+            else:  # Eckart–Young: the energy outside the top r directions of these keys, no more
+                sv = torch.linalg.svdvals(x)
+                assert err <= 1.05 * float((sv[rank:] ** 2).sum() / (sv ** 2).sum()) + 1e-6
+
+
 def test_p_pema_is_softmax_of_the_frozen_head_on_the_normed_h_pd(tiny):
     """P_PEMA(w|c) = softmax(W_hd · norm(h_pd)), h_pd = (α/r)·B_pd·A·(f(c)/key_rms)."""
     p = PEMA(PEMAConfig(rank=16, decode_vocab="full"), tiny, {"key_rms": 2.5})
@@ -542,6 +572,49 @@ def test_lora_delta_is_alpha_over_r_b_a_x(tiny):
     want = base + (2.0 / 8) * (x @ lo.lora_A.T @ lo.lora_B.T)
     assert torch.allclose(got, want, atol=1e-4)
     assert not torch.allclose(got, base + x @ lo.lora_A.T @ lo.lora_B.T, atol=1e-2)
+
+
+def test_lora_trains_with_dropout_and_early_stops_without_it(tiny, tiny_memory, monkeypatch):
+    """peft's ``lora_dropout`` acts on the projection's input while training (LoRA, Hu et al.: dropout is a
+    regulariser of training), never in the early-stopping evaluation: each reported evaluation is the deterministic
+    loss of the weights it evaluated, recomputed here with the trained A, B through the decode hook."""
+    from plugins.lora import LoRA, LoRAConfig
+    from plugins.network import TrainingBatches
+    from plugins.training import run_training as real_run
+
+    modes = {"train": [], "eval": []}
+
+    def spy(module, params, n, train_loss, heldout_loss, *a, **k):
+        drop = [m for m in module.modules() if isinstance(m, nn.Dropout)]
+        assert drop and all(m.p == 0.5 for m in drop)  # peft's lora_dropout, trained with the A and B it feeds
+
+        def tl(idx):
+            modes["train"].append([m.training for m in drop])
+            return train_loss(idx)
+
+        def hl():
+            modes["eval"].append([m.training for m in drop])
+            return heldout_loss()
+        return real_run(module, params, n, tl, hl, *a, **k)
+
+    import plugins.lora as lora_mod
+    monkeypatch.setattr(lora_mod, "run_training", spy)
+    cfg = LoRAConfig(rank=8, alpha=16.0, dropout=0.5, lr=1e-2, batch_size=4, max_epochs=2, evals_per_epoch=1,
+                     patience=5, max_minutes=0.0, max_heldout=4)
+    lo = LoRA(cfg, tiny, {})
+    res = lo.fit(tiny_memory)
+    assert modes["train"] and modes["eval"]
+    assert all(all(m) for m in modes["train"]) and not any(any(m) for m in modes["eval"])
+    # the kept weights' reported loss is their deterministic loss (no dropout): recompute it with the decode hook
+    _, held = lo._data(tiny_memory)
+    hb = TrainingBatches(tiny, held, cfg.batch_size, lo.frozen_prefix, lo.lowest_layer())
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(hb)):
+            loss, k = lo.hooked_seq_loss(hb[i])
+            tot, n = tot + float(loss) * k, n + k
+    assert tot / n == pytest.approx(res.metrics["best_heldout_loss"], rel=1e-5)
+    assert torch.count_nonzero(lo.lora_B) > 0
 
 
 # --- faithfulness checks that are not equations ---------------------------------------------------------------------
