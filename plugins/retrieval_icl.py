@@ -150,6 +150,7 @@ class RetrievalICL(Plugin):
         self.index = BM25Index([words(p["src"]) for p in pool], self.config.bm25_k1, self.config.bm25_b)
 
     def save_extra_files(self, folder: Path) -> list[str]:
+        self.prepare_decode()  # a loaded plug-in saved again (an export) reads its pool first
         data = {"format": INDEX_FORMAT, "tokens": "lower-cased \\w+ words", "pool": self.pool}
         (Path(folder) / INDEX_FILE).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
         return [INDEX_FILE]
