@@ -81,24 +81,27 @@ class MemoryAdapter(nn.Module):
         self.W_2 = nn.Parameter(torch.zeros(d, 1))
         self.b_2 = nn.Parameter(torch.full((1,), float(gate_bias)))
 
-    def prepare(self, mem: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-forward products of the memory: (W_q·W_kᵀ·Kᵀ/(T√d), V·W_v, V·W_v·W_1[d:])."""
+    def prepare(self, mem: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
+        """Per-forward products of the memory: (W_q·W_kᵀ·Kᵀ/(T√d), V·W_v, V·W_v·W_1[d:], W_1[:d])."""
         k = mem @ self.W_k
         qk = (self.W_q @ k.T) / (temperature * math.sqrt(self.d))
         v = mem @ self.W_v
-        return qk, v, v @ self.W_1[self.d:]
+        # one split of W_1 for both halves: its backward is one concatenation, where two slices would each
+        # zero-fill a gradient of W_1's whole size
+        w1a, w1b = self.W_1.split(self.d)
+        return qk, v, v @ w1b, w1a
 
     def forward(self, x: torch.Tensor, prep, exclude: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` (B, T, d) is both the anchor A and the query Q; ``exclude`` (B, n) True removes item j from row b's
         attention (a training sample's own sentence; a row must keep at least one item)."""
-        qk, v, vw = prep
+        qk, v, vw, w1a = prep
         logits = x @ qk
         if exclude is not None:
             logits = logits.masked_fill(exclude[:, None, :], float("-inf"))
         att = torch.softmax(logits, dim=-1)
         r = att @ v
-        h = F.relu(x @ self.W_1[:self.d] + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
+        h = F.relu(x @ w1a + att @ vw)  # [A; R]·W_1 with R·W_1b = att·(V·W_v·W_1b)
         g = torch.sigmoid(h @ self.W_2 + self.b_2)
         return g * x + (1 - g) * r, att, g
 
@@ -110,8 +113,8 @@ class MemoryAdapter(nn.Module):
         accumulation: the backbone's own linears' arithmetic): the adapter's one large product (d×d, 1.6 MB in
         float32, read twice per layer and step), the largest part of a memory-adapter row's hook time in float32
         (BENCHMARKS §3). Returns (logit matrix, value matrix, anchor product, W_2, b_2)."""
-        qk, v, vw = self.prepare(mem, temperature)
-        w1a = self.W_1[:self.d] / scale
+        qk, v, vw, w1a = self.prepare(mem, temperature)
+        w1a = w1a / scale
         if dtype == torch.bfloat16 and w1a.device.type == "cpu" and packed_bf16_available():
             lin = nn.Linear(self.d, self.d, bias=False)
             lin.weight = nn.Parameter(w1a.T.to(torch.bfloat16).contiguous(), requires_grad=False)

@@ -207,6 +207,7 @@ def test_training_sample_never_attends_to_its_own_sentence_entry(tiny, tiny_memo
         return out, info
 
     monkeypatch.setattr(LayerBlock, "apply", spy)
+    p.config.memory_dropout = 1.0  # every sequence draws a drop, so the second pass has every row, in order
     p._own = p._own_sentence_tables(tiny_memory)  # what train_adapters' prepare sets
     try:
         with torch.no_grad():
@@ -235,6 +236,56 @@ def test_training_sample_never_attends_to_its_own_sentence_entry(tiny, tiny_memo
     assert own_checked > 0 and other_positive > 0
     # outside training (decoding) nothing is masked
     assert p._exclusion(labels) is None
+
+
+@pytest.mark.parametrize("layers,full", [("all", True), ("all", False), ("top:1", False)])
+def test_second_pass_only_for_dropped_sequences_is_the_doubled_batch(tiny, tiny_memory, layers, full):
+    """The objective runs the dropped-memory pass only for the sequences that drew a drop; loss, parts and
+    gradients equal the paper's doubled batch (every sequence twice), on whole sequences and on prepared batches
+    (with ``layers="top:1"`` the frozen layer below runs once per batch)."""
+    import torch.nn.functional as F
+
+    from plugins.api import new_plugin
+    from plugins.seqtrain import memory_sequences
+
+    p = new_plugin("memory_adapter", tiny, tiny_memory, {**FAST, "layers": layers, "memory_dropout": 0.3})
+    p.build_memory(tiny_memory)
+    with torch.no_grad():  # a trained-looking adapter: the gates let the memory in
+        for prm in p.parameters():
+            prm.add_(torch.randn_like(prm) * 0.05)
+    data = memory_sequences(tiny, tiny_memory, "train")
+    tb = p.training_batches(data, fallback_full=full)
+    batch = max((tb[i] for i in range(len(tb))), key=lambda b: b.size)
+    assert batch.size >= 3 and type(batch).__name__ == ("FullBatch" if full else "PreparedBatch")
+    params = p._trainable()
+    for prm in params:
+        prm.requires_grad_(True)
+    cfg = p.config
+    for seed in range(4):
+        p._drop_rng = torch.Generator().manual_seed(seed)
+        loss, K, parts = p.train_batch_loss(batch)
+        got = torch.autograd.grad(loss, params)
+        # the reference: every sequence twice, the drop drawn the same way
+        B, L = batch.size, len(p.adapted_layers)
+        drop = torch.rand(B, L, generator=torch.Generator().manual_seed(seed)) < cfg.memory_dropout
+        keep = torch.cat([torch.ones(B, L, dtype=torch.bool), ~drop])
+        labels = torch.cat([batch.labels, batch.labels])
+        fc = p.batch_fc(batch, 2, keep=keep)
+        sel = labels != -100
+        lp = torch.log_softmax(p.target_logits(fc[sel]), -1)
+        y = labels[sel]
+        k = len(y) // 2
+        nll, nll_drop = F.nll_loss(lp[:k], y[:k]), F.nll_loss(lp[k:], y[k:])
+        kl = 0.5 * ((lp[:k].exp() - lp[k:].exp()) * (lp[:k] - lp[k:])).sum(-1).mean()
+        want_loss = nll + cfg.alpha * nll_drop + cfg.beta * kl
+        want = torch.autograd.grad(want_loss, params)
+        assert K == k
+        assert 0 < int(drop.any(1).sum()) or seed  # some seed draws a drop
+        for name, a, b in (("loss", loss, want_loss), ("nll", parts["nll"], nll),
+                           ("nll_dropped", parts["nll_dropped"], nll_drop), ("kl", parts["kl"], kl)):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (name, seed, float(a), float(b))
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-3, atol=1e-6)
 
 
 def test_memory_items_and_untrained_adapter_is_nearly_identity(tiny, tiny_memory, untrained):
