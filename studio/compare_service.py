@@ -316,7 +316,8 @@ class CompareService:
                              "token_texts": r.token_texts, "trace": json_safe(r.trace),
                              "settings": json_safe(r.settings), "score": r.score, "n_tokens": len(r.tokens),
                              "diff": word_diff(base.text, r.text) if r is not base else [[r.text, "same"]],
-                             "tuned": (tuned or {}).get(r.label)})  # the owner's view only: shares leave it out
+                             "tuned": (tuned or {}).get(r.label),  # the owner's view only: shares leave it out
+                             "prompt": r.prompt})  # a row prompted its own way (its examples): the owner's view only
         n_tok = sum(len(r.tokens) for r in comp.rows)
         payload = {"id": secrets.token_urlsafe(12), "source": comp.source, "task": task,
                    "reference": reference or None, "backbone": bb.name, "prompt": prompt.to_dict(),
@@ -382,8 +383,10 @@ class CompareService:
             raise UserError("Attention maps need the decoder's layers, which the model owner keeps: not available "
                             "with a remote backbone.")
         with self._interactive("attention") as bb:
-            return input_attention(bb, Prompt.from_dict(comparison["prompt"]), comparison["source"], row["tokens"],
-                                   layer=int(layer), context_ids=comparison.get("context_ids"))
+            own = row.get("prompt")  # a row prompted its own way attends over its own context
+            return input_attention(bb, Prompt.from_dict(own or comparison["prompt"]), comparison["source"],
+                                   row["tokens"], layer=int(layer),
+                                   context_ids=None if own else comparison.get("context_ids"))
 
     # --- sharing ------------------------------------------------------------------------------------------------
     def share_labels(self, p: dict, labels: dict | None = None) -> dict[str, str]:

@@ -106,6 +106,15 @@ def test_the_studio_builds_with_own_examples_and_compare_uses_them(tmp_path):
         assert job["state"] == "done", job
         p = st.compare("the red car", methods=["base", job["result"]["plugin_id"]], max_new_tokens=3)
         assert [tuple(e) for e in p["prompt"]["examples"]] == mem.prompt.examples
-        assert [r["method"] for r in p["rows"]] == ["base", "retrieval_icl"]
+        base, nearest = p["rows"]
+        assert [base["method"], nearest["method"]] == ["base", "retrieval_icl"]
+        # the owner sees the row's own prompt (the retrieved examples); its attention map reads that context
+        train = {(s["src"], s["tgt"]) for s in mem.split_samples("train")}
+        assert base["prompt"] is None and nearest["prompt"]["examples"][-1] == ["the red car", "das rote Auto"]
+        assert all(tuple(e) in train for e in nearest["prompt"]["examples"])
+        att = st.attention(p, nearest["label"])
+        assert len(att["matrix"]) == len(nearest["tokens"])
+        shared = st.shared(st.share(p["id"]))  # a share never holds a prompt (the memory's samples)
+        assert "the red car is fast" not in json.dumps(shared) and "das rote Auto" not in json.dumps(shared)
     finally:
         st.close()

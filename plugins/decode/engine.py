@@ -22,11 +22,13 @@ from plugins.decode.step import StepOutput, decode_step, mix_step, trace_item
 def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seconds: float) -> list[Comparison]:
     """One Comparison per source of a decode whose token selection is ``beams``: each row's best hypothesis."""
     out = []
+    own = {i: grp for grp in batch.prompts for i in grp.members}
     for s_i, source in enumerate(batch.sources):
         results = []
         for r_i, row in enumerate(batch.rows):
             score, toks, tr = beams.best(s_i * batch.R + r_i)
-            results.append(row_result(backbone, row, toks, tr, {**batch.settings[r_i], **batch.comparison}, score))
+            results.append(row_result(backbone, row, toks, tr, {**batch.settings[r_i], **batch.comparison}, score,
+                                      own[r_i].prompts[s_i].to_dict() if r_i in own else None))
         out.append(Comparison(source=source, context_ids=batch.contexts[s_i], src_len=batch.src_lens[s_i],
                               rows=results, seconds=seconds, steps=steps, num_beams=batch.B, backbone=backbone.name))
     return out

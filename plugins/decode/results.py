@@ -32,6 +32,7 @@ class RowResult:
     trace: list[dict]  # per output token: λ_t, top-5 of P_LM / plug-in / final, extras (kNN neighbours, ...)
     settings: dict
     score: float
+    prompt: dict | None = None  # the row's own prompt, where it is not the comparison's (a plug-in of level "prompt")
 
 
 @dataclass
@@ -53,9 +54,10 @@ class Comparison:
 
 
 def row_result(backbone: Backbone, row: Row, toks: list[int], trace: list[dict], settings: dict,
-               score: float) -> RowResult:
-    """A row's result from its chosen tokens, their trace, its complete settings and its score."""
+               score: float, prompt: dict | None = None) -> RowResult:
+    """A row's result from its chosen tokens, their trace, its complete settings and its score (and its own
+    prompt, for a row prompted otherwise than the comparison)."""
     raw = backbone.decode(toks).rstrip("\n")  # a stop token may carry text before its line break
     return RowResult(label=row.label, method=row.method, text=postprocess(raw), raw_text=raw, tokens=list(toks),
                      token_texts=[backbone.token_str(t) for t in toks], trace=list(trace), settings=settings,
-                     score=round(float(score), 4))
+                     score=round(float(score), 4), prompt=prompt)
