@@ -264,7 +264,8 @@ class PluginService:
         status = training_status(metrics)
         how = status["label"] if status["under_trained"] else "ready"
         job.progress = job_progress  # type: ignore[method-assign]
-        cal = self._calibrate_trained(job, bb, mem, plugin, share) if share < 1.0 else None
+        cal = self._calibrate_trained(job, bb, mem, plugin, share) if cls.interpolates and cls.level == "output" \
+            else None  # (too few held-out samples: skipped at once, and the result says so)
         return {"plugin_id": row["id"], "name": row["name"], "method": row["method"], "params": row["params"],
                 "metrics": metrics, "training": status, **({"calibration": cal} if cal else {}),
                 "message": f"Plug-in {row['name']!r} {how} ({row['params']:,} trainable parameters)"

@@ -218,3 +218,92 @@ def test_a_plugin_that_does_not_mix_has_nothing_to_calibrate(tiny, setup):
         interpolates, level = False, "network"
 
     assert calibrate(tiny, NotMixing(), setup["mem"]) is None
+
+
+# --- the studio: the training job calibrates; Compare, Evaluate and the picker start there -----------------------
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    from _server import tiny_studio
+
+    st = tiny_studio(tmp_path_factory.mktemp("cal-studio"))
+    yield st
+    st.close()
+
+
+@pytest.fixture(scope="module")
+def calibrated_knn(studio):
+    """A kNN plug-in trained by the studio's job on a memory of 160 pairs (16 held out: 8 to tune on)."""
+    from _server import build_tiny_memory
+
+    from plugins.registry import available_methods
+
+    mid = build_tiny_memory(studio, PAIRS * 2, "cal-studio-mem")
+    job = studio.jobs.wait(studio.submit_train(mid, "knn", dict(available_methods()["knn"].quick_settings),
+                                               "knn-cal"), 300)
+    assert job["state"] == "done", job
+    return mid, job
+
+
+def test_training_job_calibrates_and_lists_show_it(studio, calibrated_knn):
+    mid, job = calibrated_knn
+    res = job["result"]
+    assert res["calibration"]["n"] == 8 and res["calibration"]["label"] == \
+        "tuned on 8 held-out samples of cal-studio-mem"
+    assert "tuned on 8 held-out samples" in res["message"]
+    assert any("Calibrating" in line for line in job["log"]) if isinstance(job.get("log"), list) else True
+    row = next(p for p in studio.plugins() if p["id"] == res["plugin_id"])
+    assert row["calibration"]["settings"] == res["calibration"]["settings"]
+    detail = studio.plugin_detail(res["plugin_id"])
+    assert len(detail["calibration"]["table"]) >= 13 and "weights_sha256" not in detail["calibration"]
+
+
+def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(studio, calibrated_knn):
+    from ui.compare import decode_settings_of, tuned_choices
+
+    mid, job = calibrated_knn
+    pid, cal = job["result"]["plugin_id"], job["result"]["calibration"]
+    p = studio.compare("the house is small", methods=["base", pid], max_new_tokens=8)
+    row = next(r for r in p["rows"] if r["plugin_id"] == pid)
+    assert row["settings"] == {**row["settings"], **cal["settings"]}
+    assert row["tuned"]["label"] == "tuned on 8 held-out samples of cal-studio-mem" and row["tuned"]["at_tuned"]
+    g = studio.compare("the house is small", methods=["base", pid], max_new_tokens=8, global_defaults=True)
+    grow = next(r for r in g["rows"] if r["plugin_id"] == pid)
+    assert grow["tuned"] is None and grow["settings"] == studio.start_settings("translation")["knn"]
+    # a share never carries the memory's name or the calibration
+    shared = json.dumps(studio.shared(studio.share(p["id"])))
+    assert "cal-studio-mem" not in shared and "tuned on" not in shared
+    # the picker says where the plug-in starts
+    label = dict((v, k) for k, v in tuned_choices(studio, None))[pid]
+    assert "tuned:" in label and "(8 held-out)" in label
+    # the Compare tab's untouched controls (at the start the page set) are not sent; moved ones are
+    keys = [("knn", "k"), ("knn", "lambda")]
+    starts = {"knn|k": cal["settings"]["k"], "knn|lambda": cal["settings"]["lambda"]}
+    assert decode_settings_of(keys, [cal["settings"]["k"], 0.7], "{}", starts) == {"knn": {"lambda": 0.7}}
+    assert decode_settings_of(keys, [cal["settings"]["k"], 0.7], "{}", starts, True) == \
+        {"knn": {"k": cal["settings"]["k"], "lambda": 0.7}}
+    # Evaluate on the memory: the 8 tuning samples are left out at the tuned settings, not at the global ones
+    ev = studio.jobs.wait(studio.submit_evaluate(methods=["base", pid], memory_id=mid, limit=0, max_new_tokens=8), 300)
+    assert ev["state"] == "done", ev
+    r = ev["result"]
+    assert r["left_out_tuning_samples"] == 8 and r["pairs"] == 8 and r["tuned"]
+    assert next(m for m in r["methods"] if m["method"] == "knn")["settings"]["lambda"] == cal["settings"]["lambda"]
+    ev = studio.jobs.wait(studio.submit_evaluate(methods=["base", pid], memory_id=mid, limit=0, max_new_tokens=8,
+                                                 global_defaults=True), 300)
+    assert ev["result"]["left_out_tuning_samples"] == 0 and ev["result"]["pairs"] == 16
+
+
+def test_calibrate_job_on_demand_and_too_few_samples(studio, calibrated_knn):
+    from _server import build_tiny_memory
+
+    from plugins.registry import available_methods
+
+    mid, job = calibrated_knn
+    j = studio.jobs.wait(studio.submit_calibrate(job["result"]["plugin_id"], max_samples=8), 300)
+    assert j["state"] == "done", j
+    assert j["result"]["n"] == 8 and j["result"]["table"][0]["settings"]["lambda"] == 0.0
+    small = build_tiny_memory(studio, PAIRS[:12], "cal-small")
+    t = studio.jobs.wait(studio.submit_train(small, "knn", dict(available_methods()["knn"].quick_settings), "s"), 300)
+    assert t["state"] == "done", t
+    assert t["result"]["calibration"]["skipped"] and "too few held-out samples" in t["result"]["message"]
+    c = studio.jobs.wait(studio.submit_calibrate(t["result"]["plugin_id"]), 300)
+    assert c["state"] == "failed" and "too few held-out samples" in json.dumps(c)

@@ -33,7 +33,7 @@ TAB_NAMES = ["export_plugin", "import_plugin"]
 # a time, quick reads (catalog, job state) a few at once.
 CONCURRENCY = {"compare": ("decode", 1), "share": ("decode", 1), "preview": ("parse", 1), "build": ("parse", 1),
                "evaluate": ("parse", 1), "rank": ("parse", 1), "train": ("api-submit", 2),
-               "continue_training": ("api-submit", 2)}
+               "continue_training": ("api-submit", 2), "calibrate": ("api-submit", 2)}
 
 
 def register(studio) -> None:
@@ -123,12 +123,15 @@ def register(studio) -> None:
     @_api
     def compare(source: str, task: str = "translation", methods: Optional[list] = None,
                 settings: Optional[dict] = None, max_new_tokens: int = 48, num_beams: int = 1,
-                no_repeat_ngram: int = 0, request: gr.Request = None) -> dict:
+                no_repeat_ngram: int = 0, global_defaults: bool = False, request: gr.Request = None) -> dict:
         """Decode a sentence with "base" and/or your plug-in ids in one batch; the payload has an "id" to share.
         ``settings``: {method | plug-in id: {name: value}} (see /methods for each method's declared settings).
-        ``no_repeat_ngram``: the repetition guard for every row, the base model's included (0 = off)."""
+        ``no_repeat_ngram``: the repetition guard for every row, the base model's included (0 = off).
+        A plug-in calibrated on its memory (/calibrate; after training PEMA or kNN) starts at its tuned settings
+        (its row's "tuned" says so); ``global_defaults``: at the global defaults instead."""
         return studio.compare(source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams,
-                              owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None)
+                              owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
+                              global_defaults=bool(global_defaults))
 
     @_api
     def share(comparison_id: str, layer: int = -1, labels: Optional[dict] = None, request: gr.Request = None) -> dict:
@@ -150,8 +153,10 @@ def register(studio) -> None:
     def evaluate(methods: Optional[list] = None, memory_id: str = "", test_text: str = "",
                  test_filename: str = "test.tsv", task: str = "translation", limit: int = 50,
                  sweep_plugin: str = "", lambdas: Optional[list] = None, settings: Optional[dict] = None,
-                 no_repeat_ngram: int = 0, request: gr.Request = None) -> dict:
+                 no_repeat_ngram: int = 0, global_defaults: bool = False, request: gr.Request = None) -> dict:
         """Queue an evaluation (or a λ_max sweep with sweep_plugin) of your plug-ins; returns {"job_id"}.
+        Calibrated plug-ins at their tuned settings (on their memory's held-out split without the samples they
+        were tuned on), unless ``global_defaults``.
         ``settings`` and ``no_repeat_ngram`` as for /compare (default: the same tuned settings Compare starts
         from). The job's result holds per row n, backbone, decode settings, scores with 95% bootstrap intervals
         and paired-bootstrap p-values against the base model, sacreBLEU's signatures and the per-sentence outputs
@@ -159,8 +164,17 @@ def register(studio) -> None:
         jid = studio.submit_evaluate(methods=methods, memory_id=memory_id or None, test_data=test_text or None,
                                      test_filename=test_filename, task=task, limit=limit,
                                      sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings,
-                                     owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None)
+                                     owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
+                                     global_defaults=bool(global_defaults))
         return {"job_id": jid}
+
+    @_api
+    def calibrate(plugin_id: str, max_samples: int = 0, max_seconds: float = 0.0, request: gr.Request = None) -> dict:
+        """Queue the calibration of one of your interpolating plug-ins (PEMA, kNN): its declared decode grid and
+        λ = 0 decoded on its memory's held-out tuning samples, the best by chrF then sacreBLEU that never loses to
+        the base is stored with it (0: the defaults — at most 40 samples, about 100 s). Returns {"job_id"}."""
+        return {"job_id": studio.submit_calibrate(plugin_id, owner=owner_of(studio, request),
+                                                  max_samples=max_samples or None, max_seconds=max_seconds or None)}
 
     @_api
     def rank(memory_id: str = "", methods: Optional[list] = None, test_text: str = "", test_filename: str = "test.tsv",

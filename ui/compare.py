@@ -11,7 +11,7 @@ import gradio as gr
 
 from backbone.prompts import TASKS
 from ground.errors import UserError
-from plugins.registry import shown_first
+from plugins.registry import get_method, shown_first
 from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS
 from ui import inspect as neighbour_panel
 from ui import plots, render, several
@@ -124,6 +124,12 @@ def build(studio) -> SimpleNamespace:
                 if d["live"]:
                     live_keys.append((m, d["name"]))
                     live_ctls.append(setting_control(m, d, start[m][d["name"]], visible=False, min_width=180))
+    glob = gr.Checkbox(False, label="Global defaults", elem_id="compare-global-defaults",
+                       info="Start every plug-in at the settings tuned once on WMT dev, not at those tuned on its "
+                            "own memory's held-out samples (the picker says which plug-ins have them)")
+    # what each live control was last set to by this page (a plug-in's tuned start, or the task's): a control at
+    # that value is untouched and not sent, so every row starts at its own plug-in's settings; a moved one is sent
+    starts = gr.State({f"{m}|{n}": start[m][n] for m, n in live_keys})
     knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods that have them; a move "
                         "re-mixes the moved row's kept steps and decodes again only from the first token it "
                         "changes (no forward pass when no token changes). Other settings are under “More decode "
@@ -180,9 +186,32 @@ def build(studio) -> SimpleNamespace:
         by_id = {p["id"]: p["method"] for p in studio.plugins(owner=me)}
         return [by_id[i] for i in ids or [] if i in by_id]
 
+    def start_values(me, ids, tk, global_defaults: bool) -> dict:
+        """Each live control's start: the tuned value of the first chosen plug-in of its method that has a
+        calibration (unless ``global_defaults``), else the task's start value."""
+        base = studio.start_settings(tk if tk in TASKS else "translation")
+        cal: dict[str, dict] = {}
+        if not global_defaults:
+            by_id = {p["id"]: p for p in studio.plugins(owner=me)}
+            for i in ids or []:
+                c = (by_id.get(i) or {}).get("calibration")
+                if c and by_id[i]["method"] not in cal:
+                    cal[by_id[i]["method"]] = c["settings"]
+        return {f"{m}|{n}": cal.get(m, {}).get(n, base[m][n]) for m, n in live_keys}
+
+    def moved_to_start(values, old: dict, new: dict) -> list:
+        """Updates of the live controls to ``new`` starts: an untouched control (at its ``old`` start) follows; a
+        control the user moved keeps its value."""
+        out = []
+        for (m, n), v in zip(live_keys, values):
+            key = f"{m}|{n}"
+            out.append(gr.update(value=new[key]) if key not in old or old[key] == v else gr.skip())
+        return out
+
     @user_errors
-    def on_methods(ids, text, auto, request: gr.Request):
-        ms = chosen_methods(ids, owner_of(studio, request))
+    def on_methods(ids, text, auto, tk, gl, old, *values, request: gr.Request):
+        me = owner_of(studio, request)
+        ms = chosen_methods(ids, me)
         other = {}
         for m in dict.fromkeys(ms):
             rest = {d["name"]: d["default"] for d in table.get(m, {}).get("decode_settings", [])
@@ -191,12 +220,15 @@ def build(studio) -> SimpleNamespace:
                 other[m] = rest
         gen = render.settings_json(other) if other else "{}"
         new_text = gen if (text or "{}").strip() in ("", "{}", (auto or "{}").strip()) else gr.skip()
-        shown = [gr.update(visible=m in ms) for m, _n in live_keys]
+        new = start_values(me, ids, tk, gl)
+        moved = moved_to_start(values, old or {}, new)
+        shown = [gr.update(visible=m in ms, **({"value": u["value"]} if isinstance(u, dict) and "value" in u else {}))
+                 for (m, _n), u in zip(live_keys, moved)]
         any_live = any(m in ms for m, _n in live_keys)
-        return (*shown, gr.update(visible=not any_live), new_text, gen)
+        return (*shown, gr.update(visible=not any_live), new_text, gen, new)
 
-    methods.change(on_methods, [methods, extra, extra_auto], [*live_ctls, knob_hint, extra, extra_auto],
-                   show_progress="hidden")
+    methods.change(on_methods, [methods, extra, extra_auto, task, glob, starts, *live_ctls],
+                   [*live_ctls, knob_hint, extra, extra_auto, starts], show_progress="hidden")
 
     # --- helpers ------------------------------------------------------------------------------------------------
     def attention(p, label, lay):
@@ -232,11 +264,12 @@ def build(studio) -> SimpleNamespace:
         return ch, lp, bp, nr, npl, ma, att, gr.update(visible=has_nb), gr.update(visible=has_mem)
 
     # --- compare ------------------------------------------------------------------------------------------------
-    inputs = [source, task, methods, max_new, beams, extra, reference, row_pick, layer, *comp_ctls, *live_ctls]
+    inputs = [source, task, methods, max_new, beams, extra, reference, row_pick, layer, glob, starts, *comp_ctls,
+              *live_ctls]
     outputs = [payload, cards, row_pick, tok, share_link, layer, token_section, chips, lam_plot, bars_plot, nb_df,
                nb_plot, mem_att, att_plot, nb_row, mem_col]
 
-    def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, *values):
+    def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, gl, st, *values):
         """Compare, streamed: the cards fill token by token as the batch decodes (a generator: one update per
         step); the final update fills the token views too. A newer decode of this tab or Stop ends it."""
         skip_rest = tuple(gr.skip() for _ in outputs[2:])
@@ -244,10 +277,10 @@ def build(studio) -> SimpleNamespace:
             me = owner_of(studio, request)
             refs = (ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip()
                     else None)
-            settings = decode_settings_of(comp_keys + live_keys, values, ex)
+            settings = decode_settings_of(comp_keys + live_keys, values, ex, st, gl)
             p = None
             for p in studio.compare_stream(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs,
-                                           owner=me, stream=view_key(request)):
+                                           owner=me, stream=view_key(request), global_defaults=bool(gl)):
                 if p.get("partial"):
                     yield (gr.skip(), streaming_cards(p), *skip_rest)
             if p is None or p.get("partial"):  # stopped (Stop, or a newer move): the partial cards stay
@@ -280,7 +313,15 @@ def build(studio) -> SimpleNamespace:
         t = studio.start_settings(tk)
         return tuple(gr.update(value=t[m][n]) for m, n in live_keys)
 
-    task.input(on_task, task, live_ctls, api_visibility="private", show_progress="hidden")
+    @user_errors
+    def on_starts(tk, ids, gl, old, *values, request: gr.Request):
+        """The task or the global-defaults switch changed: untouched live controls go to their new starts."""
+        new = start_values(owner_of(studio, request), ids, tk, gl)
+        return (*moved_to_start(values, old or {}, new), new)
+
+    for ctl in (task, glob):
+        ctl.input(on_starts, [task, methods, glob, starts, *live_ctls], [*live_ctls, starts],
+                  api_visibility="private", show_progress="hidden")
     run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode", show_progress_on=cards)
     source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
                   show_progress_on=cards)
@@ -354,7 +395,7 @@ def build(studio) -> SimpleNamespace:
     share_btn.click(do_share, [payload, layer], share_link, api_visibility="private")
 
     def lists(me, current=None, mem_value=None):
-        choices = method_choices(studio, me)
+        choices = tuned_choices(studio, me)
         mchoices = memory_choices(studio, me)
         return (choices_update(choices, current, ["base"]),
                 choices_update(mchoices, mem_value, default_first=False))
@@ -374,23 +415,27 @@ def build(studio) -> SimpleNamespace:
         live controls at that task's start values."""
         tk = saved.get("compare_task") if saved.get("compare_task") in TASKS else None
         ctl = on_task(tk) if tk else tuple(gr.skip() for _ in live_ctls)
-        choices, mchoices = method_choices(studio, me), memory_choices(studio, me)
+        choices, mchoices = tuned_choices(studio, me), memory_choices(studio, me)
         ms = keep_value(choices, list(saved.get("compare_methods") or []))
         mid = saved.get("compare_memory")
         return (gr.update(value=ms) if ms else gr.skip(),
                 gr.update(value=mid) if mid in [c[1] for c in mchoices] else gr.skip(),
                 gr.update(value=tk) if tk else gr.skip(), *ctl)
 
-    several.wire(studio, several_box, task, methods, max_new, beams, [*comp_ctls, *live_ctls, extra],
-                 lambda *v: decode_settings_of(comp_keys + live_keys, v[:-1], v[-1]))
+    settings_inputs = [*comp_ctls, *live_ctls, extra, glob, starts]
+
+    def settings_of(*vals):
+        return decode_settings_of(comp_keys + live_keys, vals[:-3], vals[-3], vals[-1], vals[-2])
+
+    several.wire(studio, several_box, task, methods, max_new, beams, settings_inputs, settings_of)
     return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory"],
                            refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
                            on_load=on_load, load_outputs=[methods, hmem, layer],
                            persist=[("compare_task", task), ("compare_methods", methods), ("compare_memory", hmem)],
                            restore=restore, restore_outputs=[methods, hmem, task, *live_ctls],
-                           # what Evaluate decodes with by default: this tab's controls
-                           settings_inputs=[*comp_ctls, *live_ctls, extra],
-                           settings_of=lambda *vals: decode_settings_of(comp_keys + live_keys, vals[:-1], vals[-1]))
+                           # what Evaluate decodes with by default: this tab's controls (untouched ones: each
+                           # plug-in's own start, tuned on its memory unless Global defaults is ticked)
+                           settings_inputs=settings_inputs, settings_of=settings_of)
 
 
 def view_key(request: gr.Request | None) -> str | None:
@@ -408,9 +453,37 @@ def streaming_cards(p: dict) -> str:
     return note + render.output_cards(p)
 
 
-def decode_settings_of(live_keys: list[tuple[str, str]], live_values, extra_text: str | None) -> dict:
+def tuned_choices(studio, owner: str | None) -> list[tuple[str, str]]:
+    """The method picker's choices: each plug-in calibrated on its memory says where it starts — "· tuned:
+    lambda_max=0.3, gu=False (15 held-out)", or "· tuned: λ = 0, the base was best" when no setting beat the base."""
+    cal = {p["id"]: (p["method"], p["calibration"]) for p in studio.plugins(owner=owner) if p.get("calibration")}
+    out = []
+    for label, pid in method_choices(studio, owner):
+        if pid in cal:
+            m, c = cal[pid]
+            label += f" · {tuned_text(m, c)}"
+        out.append((label, pid))
+    return out
+
+
+def tuned_text(method: str, cal: dict) -> str:
+    """A calibration in a few words: the tuned values of the method's declared grid settings and N."""
+    if cal.get("is_base"):
+        return f"tuned: λ = 0, the base was best ({cal['n']} held-out)"
+    try:
+        names = [s.name for s in get_method(method).decode_settings if s.grid]
+    except Exception:  # noqa: BLE001 — a method no longer registered: every stored setting
+        names = list(cal["settings"])
+    vals = ", ".join(f"{k}={cal['settings'][k]}" for k in names if k in cal["settings"])
+    return f"tuned: {vals} ({cal['n']} held-out)"
+
+
+def decode_settings_of(live_keys: list[tuple[str, str]], live_values, extra_text: str | None,
+                       starts: dict | None = None, global_defaults: bool = False) -> dict:
     """Per-method decode settings from the live controls' values and the "more settings" JSON
-    (``{method | plug-in id: {name: value}}``); each live value goes to its own method only."""
+    (``{method | plug-in id: {name: value}}``); each live value goes to its own method only. A live control still
+    at the start this page set it to (``starts``: {"method|name": value}) is not sent, so each row starts at its
+    own plug-in's settings (tuned on its memory, else the global ones) — unless ``global_defaults``."""
     try:
         extra = json.loads(extra_text or "{}")
     except json.JSONDecodeError as e:
@@ -419,6 +492,8 @@ def decode_settings_of(live_keys: list[tuple[str, str]], live_values, extra_text
         raise UserError('Per-method settings must be a JSON object like {"pema": {"gu_variant": "code"}}.')
     out: dict = {}
     for (m, n), v in zip(live_keys, live_values):
+        if not global_defaults and starts and starts.get(f"{m}|{n}") == v:
+            continue
         out.setdefault(m, {})[n] = v
     for key, block in extra.items():
         out.setdefault(key, {}).update(block)
