@@ -71,7 +71,7 @@ from typing import Callable, Iterable
 import torch
 
 from backbone.model import StopForward, generate_greedy
-from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES, Prompt, postprocess
+from backbone.prompts import CHAT_REVERSE_TEMPLATES, REVERSE_TEMPLATES, Prompt, common_prefix_len, postprocess
 from ground.errors import Cancelled, UserError
 
 Progress = Callable[[float, str], None]
@@ -540,15 +540,22 @@ def slot_span(ctx: list[int], empty: list[int]) -> tuple[int, int]:
 
 def capture_phrase_states(backbone, prompt, items: list[tuple[int, str, str]], layers: list[int],
                           batch_size: int = 16, progress: Progress = _noop,
-                          should_stop: Callable[[], bool] = lambda: False) -> PhraseStates:
+                          should_stop: Callable[[], bool] = lambda: False, shared_prefix: bool = True
+                          ) -> PhraseStates:
     """The frozen backbone's states over phrase pairs: for item i = (layer, source phrase, target phrase) it runs
     teacher-forced on ``prompt.render(source) + target_prefix + target`` and averages ``phrase_site(layer)``'s output
     over the source slot's tokens (``slot_span``) and over the target phrase's tokens.
 
     Items are batched by layer and length (right-padded); each pass stops after the highest layer its batch needs
     (``StopForward``). The RMS of every layer in ``layers`` is measured over all positions but the first (BOS
-    attention-sink outliers) of every batch that reaches it."""
+    attention-sink outliers) of every batch that reaches it. ``shared_prefix``: the prompt's leading tokens that every
+    item shares (instruction and few-shot examples: most of a phrase's sequence) run once, their keys and values are
+    the past of every batch and their states count in the RMS once per item, as in a pass over the whole sequence
+    (the same numbers, several times less work: ``tests/test_memory_adapter.py``)."""
+    import copy
+
     d = backbone.hidden_size
+    dev = backbone.device
     empty = backbone.encode_context(prompt.render(""))
     seqs = []
     for layer, src, tgt in items:
@@ -558,6 +565,33 @@ def capture_phrase_states(backbone, prompt, items: list[tuple[int, str, str]], l
     sums = {s: torch.zeros(len(seqs), d, dtype=torch.float64) for s in ("src", "tgt")}
     sumsq = {l: 0.0 for l in layers}
     count = {l: 0 for l in layers}
+    # the shared prefix ends before any item's source slot and leaves every item at least one token of its own
+    P = 0
+    if shared_prefix and seqs:
+        P = max(0, min(common_prefix_len([q[1] for q in seqs]), min(q[2][0] for q in seqs),
+                       min(len(q[1]) for q in seqs) - 1))
+    prefix_cache, prefix_sq = None, {}
+    if P > 1:  # its states at every layer (for the RMS, without the BOS position) and its keys and values
+        top_all = max([*layers, *(q[0] for q in seqs)])
+        got: dict[int, torch.Tensor] = {}
+
+        def keep(layer):
+            def hook(module, args, output):
+                got[layer] = (output[0] if isinstance(output, tuple) else output).detach().float()
+            return hook
+
+        handles = [phrase_site(backbone, l).register_forward_hook(keep(l)) for l in sorted(set(layers))
+                   if l <= top_all]
+        try:
+            with torch.no_grad():
+                _, out = backbone.forward_fc(torch.tensor([seqs[0][1][:P]], device=dev), use_cache=True)
+        finally:
+            for h in handles:
+                h.remove()
+        prefix_cache = out.past_key_values
+        prefix_sq = {l: float((a[0, 1:].double() ** 2).sum()) for l, a in got.items()}
+    else:
+        P = 0
     order = sorted(range(len(seqs)), key=lambda i: (seqs[i][0], len(seqs[i][1])))
     pad = backbone.tokenizer.pad_token_id or 0
     done = 0
@@ -566,13 +600,14 @@ def capture_phrase_states(backbone, prompt, items: list[tuple[int, str, str]], l
             raise Cancelled()
         idx = order[b0:b0 + batch_size]
         top = max(seqs[i][0] for i in idx)
-        width = max(len(seqs[i][1]) for i in idx)
+        width = max(len(seqs[i][1]) for i in idx) - P
         ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros((len(idx), P + width), dtype=torch.long)
+        mask[:, :P] = 1
         for r, i in enumerate(idx):
-            seq = seqs[i][1]
+            seq = seqs[i][1][P:]
             ids[r, :len(seq)] = torch.tensor(seq)
-            mask[r, :len(seq)] = 1
+            mask[r, P:P + len(seq)] = 1
         outs: dict[int, torch.Tensor] = {}
 
         def make(layer):
@@ -585,22 +620,33 @@ def capture_phrase_states(backbone, prompt, items: list[tuple[int, str, str]], l
         wanted = sorted({l for l in layers if l <= top} | {top})
         handles = [phrase_site(backbone, l).register_forward_hook(make(l)) for l in wanted]
         try:
-            backbone.forward_until_stopped(ids.to(backbone.device), attention_mask=mask.to(backbone.device))
+            if prefix_cache is None:
+                backbone.forward_until_stopped(ids.to(dev), attention_mask=mask.to(dev))
+            else:
+                past = copy.deepcopy(prefix_cache)
+                past.batch_repeat_interleave(len(idx))
+                try:
+                    with torch.no_grad():
+                        backbone.forward_fc(ids.to(dev), attention_mask=mask.to(dev), past_key_values=past,
+                                            use_cache=True)
+                except StopForward:
+                    pass
         finally:
             for h in handles:
                 h.remove()
-        valid = mask.clone()
-        valid[:, 0] = 0  # BOS / first position: attention-sink outliers
-        valid = valid.to(backbone.device).bool()
+        valid = mask[:, P:].clone()
+        if not P:
+            valid[:, 0] = 0  # BOS / first position: attention-sink outliers
+        valid = valid.to(dev).bool()
         for l, a in outs.items():
             if l in sumsq:
-                sumsq[l] += float((a[valid].double() ** 2).sum())
-                count[l] += int(valid.sum())
+                sumsq[l] += float((a[valid].double() ** 2).sum()) + len(idx) * prefix_sq.get(l, 0.0)
+                count[l] += int(valid.sum()) + len(idx) * max(0, P - 1)
         for r, i in enumerate(idx):
             layer, _, (sa, sb), (ta, tb) = seqs[i]
             a = outs[layer][r]
-            sums["src"][i] = a[sa:sb].double().mean(0).cpu()
-            sums["tgt"][i] = a[ta:tb].double().mean(0).cpu()
+            sums["src"][i] = a[sa - P:sb - P].double().mean(0).cpu()
+            sums["tgt"][i] = a[ta - P:tb - P].double().mean(0).cpu()
         done += len(idx)
         progress(done / len(order), f"memory items {done}/{len(order)}")
     rms = {l: math.sqrt(sumsq[l] / max(1, count[l] * d)) or 1.0 for l in layers}

@@ -427,7 +427,11 @@ def test_capture_phrase_states_stops_early_and_equals_a_full_pass(tiny):
         st = capture_phrase_states(tiny, prompt, items, [0, 1], batch_size=1)
     finally:
         probe.remove()
-    assert len(top_calls) == 2  # the layer-0 item's pass stopped before layer 1
+    assert len(top_calls) == 3  # the shared prefix once, the layer-1 items: the layer-0 item's pass stopped before
+    # the shared prompt prefix run once gives what every item's whole sequence gives
+    whole = capture_phrase_states(tiny, prompt, items, [0, 1], batch_size=1, shared_prefix=False)
+    assert torch.allclose(st.src, whole.src, atol=1e-5) and torch.allclose(st.tgt, whole.tgt, atol=1e-5)
+    assert all(abs(st.rms[l] - whole.rms[l]) < 1e-5 * whole.rms[l] for l in (0, 1))
     assert st.src.shape == st.tgt.shape == (3, tiny.hidden_size) and set(st.rms) == {0, 1}
     assert all(r > 0 for r in st.rms.values())
     layer, src, tgt = items[2]
