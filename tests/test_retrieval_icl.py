@@ -92,11 +92,20 @@ def top_ids(row) -> list[list[int]]:
 
 def test_the_row_decodes_in_one_batch_as_alone_and_as_the_base_model_with_its_prompt(tiny, memory, plugin):
     p, path = plugin
+    from plugins.registry import get_method
+
     knn, _ = train_plugin(tiny, memory, "knn", {}, out_dir=path.parent / "knn")
+    adapter, _ = train_plugin(tiny, memory, "adapter", dict(get_method("adapter").quick_settings),
+                              out_dir=path.parent / "adapter")
     src = "the red car sleeps"
     alone = compare(tiny, src, [Row("ricl", p)], PROMPT, max_new_tokens=8).rows[0]
-    batched = compare(tiny, src, [Row("base"), Row("knn", knn), Row("ricl", p)], PROMPT, max_new_tokens=8)
+    batched = compare(tiny, src, [Row("base"), Row("knn", knn), Row("ricl", p), Row("adapter", adapter)], PROMPT,
+                      max_new_tokens=8)
     assert batched.rows[2].tokens == alone.tokens and top_ids(batched.rows[2]) == top_ids(alone)
+    # an in-network row in the same (now left-padded) batch also decodes as alone
+    single = compare(tiny, src, [Row("adapter", adapter)], PROMPT, max_new_tokens=8).rows[0]
+    assert batched.rows[3].tokens == single.tokens and top_ids(batched.rows[3]) == top_ids(single)
+    assert batched.rows[2].prompt["examples"] and batched.rows[0].prompt is None
     own = p.row_prompt(src, PROMPT, p.settings())
     as_base = compare(tiny, src, [Row("base")], own, max_new_tokens=8).rows[0]
     assert alone.tokens == as_base.tokens and top_ids(alone) == top_ids(as_base)
