@@ -5,8 +5,13 @@ Two build modes:
 * ``teacher`` (default, fast): c_i = prompt(source) + y_<i, all positions of a batch of samples captured in one
   teacher-forced forward pass.
 * ``offsite``: c_i = prompt(source) + ŷ_<i, the model's own greedy predictions, one step at a time — how the PEMA
-  public code builds its memory with ``generate`` (value = the reference token y_i at step i). Slow; offered so
-  results can be compared faithfully.
+  paper describes its memory ("Including ŵ1 in the input prompt extends it to the next context") and its public
+  code builds it with ``generate`` (value = the reference token y_i at step i). Slow; offered so results can be
+  compared faithfully.
+
+The default departs from the PEMA paper (docs/methods.md says so): a teacher-forced build is one batched forward pass
+per batch of samples where the paper's is one decode step per target token and sample, and its keys are the states
+the reference prefix gives — what PEMA is trained to map to the next reference token.
 
 Monolingual samples (no source) first get a synthetic source from the backbone itself (German → English for
 translation, styled → plain for rewriting), as the memory-augmented adapter paper builds pairs from target-side
