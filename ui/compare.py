@@ -209,7 +209,7 @@ def build(studio) -> SimpleNamespace:
         return out
 
     @user_errors
-    def on_methods(ids, text, auto, tk, gl, old, *values, request: gr.Request):
+    def on_methods(request: gr.Request, ids, text, auto, tk, gl, old, *values):
         me = owner_of(studio, request)
         ms = chosen_methods(ids, me)
         other = {}
@@ -314,7 +314,7 @@ def build(studio) -> SimpleNamespace:
         return tuple(gr.update(value=t[m][n]) for m, n in live_keys)
 
     @user_errors
-    def on_starts(tk, ids, gl, old, *values, request: gr.Request):
+    def on_starts(request: gr.Request, tk, ids, gl, old, *values):
         """The task or the global-defaults switch changed: untouched live controls go to their new starts."""
         new = start_values(owner_of(studio, request), ids, tk, gl)
         return (*moved_to_start(values, old or {}, new), new)
