@@ -18,13 +18,13 @@ plain BM25 top-k. The paper also concatenates a tuned task-level example; here t
 fill. Tokens: lower-cased Unicode word characters (``\\w+``); BM25 with k1 1.2, b 0.75 and Lucene's idf
 log(1 + (N − df + 0.5)/(df + 0.5)), each distinct query word counted once.
 
-Nothing is learned: ``fit`` takes the training samples that have a source as the pool (a repeated pair once),
-tokenizes the sources and builds BM25's postings — in well under a second for thousands of samples. The pool is
-saved beside the config as ``retrieval_index.json`` (JSON, listed with its sha256 in ``plugin_config.json``, never
-pickle); a loaded plug-in rebuilds the postings from it on first use (as fast). At decode time each row gets its own
-prompt through ``Plugin.row_prompt`` (level "prompt"), so it decodes in the same batch as every other method
-(``plugins.decode.batch``: a prefill row of its own; such a batch is left-padded, without the prompt-prefix cache
-and without a kept decode for slider moves).
+Nothing is learned: ``fit`` takes the training samples that have a source (synthetic ones too) and one line on
+each side as the pool (a repeated pair once), tokenizes the sources and builds BM25's postings — in well under a
+second for thousands of samples. The pool is saved beside the config as ``retrieval_index.json`` (JSON, listed with
+its sha256 in ``plugin_config.json``, never pickle); a loaded plug-in rebuilds the postings from it on first use (as
+fast). At decode time each row gets its own prompt through ``Plugin.row_prompt`` (level "prompt"), so it decodes in
+the same batch as every other method (``plugins.decode.batch``: a prefill row of its own; such a batch is
+left-padded, without the prompt-prefix cache and without a kept decode for slider moves).
 """
 from __future__ import annotations
 
@@ -134,8 +134,10 @@ class RetrievalICL(Plugin):
     def fit(self, memory, progress=lambda *a: None, should_stop=lambda: False) -> FitResult:
         pool, seen = [], set()
         for i, s in enumerate(memory.samples):  # a repeated pair would only repeat an example
-            if s["split"] == "train" and isinstance(s.get("src"), str) and s["src"].strip() \
-                    and (s["src"], s["tgt"]) not in seen:
+            src = s.get("src")
+            # a line break inside an example would end it early in the prompt's line format
+            if s["split"] == "train" and isinstance(src, str) and src.strip() and "\n" not in src + s["tgt"] \
+                    and (src, s["tgt"]) not in seen:
                 seen.add((s["src"], s["tgt"]))
                 pool.append({"src": s["src"], "tgt": s["tgt"], "sample": i})
         if not pool:
