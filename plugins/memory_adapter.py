@@ -392,7 +392,9 @@ class MemoryAdapterPlugin(NetworkPlugin):
             if att.rows is not None and att.recording and "sides" in info:  # decoding with a trace: record it
                 if l == layers[0]:
                     recording.clear()
-                recording[l] = {s: (a[:, -1].detach().float().cpu(), g[:, -1, 0].detach().float().cpu())
+                # kept on the device: the trace is read after the step (``_trace_rows``), so no hooked layer waits
+                # for a device-to-host copy
+                recording[l] = {s: (a[:, -1].detach().float(), g[:, -1, 0].detach().float())
                                 for s, (a, g) in info["sides"].items()}
                 if l == layers[-1]:
                     att.trace = dict(recording)
@@ -427,18 +429,21 @@ class MemoryAdapterPlugin(NetworkPlugin):
         k = int(att.settings.get("trace_top_k", 5))
         out: dict[int, dict] = {}
         n_rows = next(iter(next(iter(latest.values())).values()))[0].shape[0]
+        # every layer's top items of every row, then one copy to the host
+        tops = {(l, side): (att.topk(min(k, att.shape[1]), dim=-1), g) for l, per_side in latest.items()
+                for side, (att, g) in per_side.items()}
+        tops = {key: ((w.cpu().tolist(), self.blocks[str(key[0])].phrase_ids.to(i.device)[i].cpu().tolist()),
+                      g.cpu().tolist()) for key, ((w, i), g) in tops.items()}
         for j in range(n_rows):
             entry = {"layers": {}, "source_layers": {}, "memory_share": {}}
             for l, per_side in latest.items():
-                ids = self.blocks[str(l)].phrase_ids
                 share = []
                 for side, key in (("tgt", "layers"), ("src", "source_layers")):
                     if side not in per_side:
                         share.append(None)
                         continue
-                    att, g = per_side[side]
-                    w, i = att[j].topk(min(k, att.shape[1]))
-                    entry[key][l] = [[int(ids[int(a)]), round(float(b), 4)] for a, b in zip(i.tolist(), w.tolist())]
+                    (w, ids), g = tops[(l, side)]
+                    entry[key][l] = [[int(a), round(float(b), 4)] for a, b in zip(ids[j], w[j])]
                     share.append(round(1.0 - float(g[j]), 4))
                 entry["memory_share"][l] = share
             out[j] = entry

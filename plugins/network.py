@@ -183,9 +183,19 @@ def keep_before(new: torch.Tensor, old: torch.Tensor, starts: torch.Tensor | Non
 
 def row_span(rows: torch.Tensor) -> slice | None:
     """``rows`` (a 1-D index tensor) as a slice when they are consecutive and ascending, else None: a step then reads
-    and writes those batch rows as views instead of through index operators."""
+    and writes those batch rows as views instead of through index operators. Kept on the tensor: an attachment's
+    rows are one tensor for every layer's hook and step, and reading them is a device-to-host copy (on a GPU, a
+    wait for every queued kernel) that would otherwise come once per hooked layer."""
+    kept = rows.__dict__.get("_pema_span")
+    if kept is not None and kept[0] == rows._version:
+        return kept[1]
     r = rows.tolist()
-    return slice(r[0], r[-1] + 1) if r and r == list(range(r[0], r[0] + len(r))) else None
+    span = slice(r[0], r[-1] + 1) if r and r == list(range(r[0], r[0] + len(r))) else None
+    try:
+        rows._pema_span = (rows._version, span)
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
+        pass
+    return span
 
 
 _SUB_BATCH: ContextVar = ContextVar("pema_sub_batch", default=None)

@@ -30,8 +30,9 @@ class Beams:
 
     def select(self, logprobs: torch.Tensor, item=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Extend every live row by one token: of the row's 2B best continuations (beam score + ``logprobs``,
-        (n_rows·B, V) on the CPU) the B best that do not end in a stop token stay live; those that do finish a
-        hypothesis. ``item(b, token, logprob)`` makes a candidate's trace entry (None: no trace).
+        (n_rows·B, V) on any device: only the 2B best per row come to the host) the B best that do not end in a stop
+        token stay live; those that do finish a hypothesis. ``item(b, token, logprob)`` makes a candidate's trace
+        entry (None: no trace).
 
         Returns (the next token per batch row — ``pad`` for finished rows —, the batch row each beam continues)."""
         B, N = self.B, self.n_rows * self.B
@@ -44,10 +45,12 @@ class Beams:
             if B == 1:  # greedy: one score per row ranks nothing, so it is added to the two best only (not to
                 # every token of the vocabulary first: a vocabulary-wide pass of each row fewer)
                 top_vs, top_is = top_k(logprobs.view(self.n_rows, V), 2)
-                top_vs = top_vs + self.scores
+                top_vs = top_vs.cpu() + self.scores
             else:
-                top_vs, top_is = top_k((self.scores.unsqueeze(2) + logprobs.view(self.n_rows, B, V))
-                                       .view(self.n_rows, -1), 2 * B)
+                top_vs, top_is = top_k((self.scores.to(logprobs.device).unsqueeze(2)
+                                        + logprobs.view(self.n_rows, B, V)).view(self.n_rows, -1), 2 * B)
+                top_vs = top_vs.cpu()
+            top_is = top_is.cpu()
         for r in range(self.n_rows):
             if self.done[r]:
                 continue

@@ -240,7 +240,7 @@ class LiveComparison:
         fresh = StepRecords()
         fresh.add(rec.fc[t], out.lm_logprobs[0], out.plugin[0], min(KEEP_TOP, final.shape[-1]))
         rec.set_step(t, fresh)
-        return int(k[0]), v[0], top_tokens(final, self.backbone) if self.trace else None, out.info[0]
+        return int(k[0]), v[0].cpu(), top_tokens(final, self.backbone) if self.trace else None, out.info[0]
 
     def _new_distribution(self, plugin: Plugin, rec: StepRecords, settings: dict) -> list[dict] | None:
         """The plug-in's distribution under ``settings`` for every kept step, from the kept f(c) alone (a plug-in

@@ -17,7 +17,9 @@ class StepOutput:
     """One step's distributions of every batch row, and what its trace shows."""
 
     lm_logprobs: torch.Tensor  # (N, V) log P_LM, on the backbone's device; with ``phys``: (P, V), one per f(c) row
-    final: torch.Tensor        # (N, V) the final log-probabilities after every plug-in's mix, on the CPU
+    final: torch.Tensor        # (N, V) the final log-probabilities after every plug-in's mix, on the backbone's
+    # device: the token selection reads only each row's best few from it (on a GPU, a few numbers per row cross to
+    # the host instead of the whole vocabulary)
     info: list[dict]           # per batch row: trace items (λ_t, the plug-in's top tokens, extras, memory attention)
     plugin: dict = field(default_factory=dict)  # with ``keep_plugin``: batch row → log P_plug-in (V,) of its mix
     phys: torch.Tensor | None = None  # batch row → row of ``lm_logprobs`` (a compact step: ``decode_step``)
@@ -77,7 +79,7 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
                 kept.update({b: mo.plugin_logprobs[j] for j, b in enumerate(rr.tolist())})
         if attached is not None:
             _network_trace(batch, attached, info)
-    return StepOutput(lm_lp, final.cpu(), info, kept, phys)
+    return StepOutput(lm_lp, final, info, kept, phys)
 
 
 def mix_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, lm_logprobs: torch.Tensor, step: int,
@@ -136,6 +138,6 @@ def trace_item(backbone: Backbone, out: StepOutput):
     """``item(b, token, logprob)``: the trace entry of a token chosen for batch row ``b`` at this step."""
     def item(b: int, tok: int, logprob: float) -> dict:
         return {"token": tok, "text": backbone.token_str(tok), "logprob": round(logprob, 4),
-                "top_lm": top_tokens(out.lm(b).cpu(), backbone), "top_final": top_tokens(out.final[b], backbone),
+                "top_lm": top_tokens(out.lm(b), backbone), "top_final": top_tokens(out.final[b], backbone),
                 **out.info[b]}
     return item
