@@ -188,6 +188,7 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
     if max_samples is not None:
         samples = samples[:max(MIN_TUNE, int(max_samples))]
     budget = DEFAULT_SECONDS if max_seconds is None else float(max_seconds)
+    task = task or memory.task  # the global start is the one tuned for the memory's task
     candidates, start, weight = _candidates(plugin, task)
     prompt = memory.prompt
     n_all = len(samples)
@@ -230,7 +231,7 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
                                  **next(({"chrf": r["chrf"], "bleu": r["bleu"]} for r in table if r["global_default"]),
                                         {})},
               "table": [base] + table, "n": n, "memory": mem_name, "memory_id": memory.id, "sample_ids": used,
-              "task": task or memory.task, "backbone": plugin.backbone_name, "method": plugin.method,
+              "task": task, "backbone": plugin.backbone_name, "method": plugin.method,
               "seconds": round(time.time() - t0, 1), "stopped_by_time": stopped_by_time,
               "time_budget_seconds": budget, "forwards": forwards,
               "forwards_per_sample": round(forwards / max(1, n), 1), "max_new_tokens": int(max_new_tokens),
