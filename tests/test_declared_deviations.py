@@ -125,7 +125,7 @@ def test_every_departure_is_declared_where_a_reader_looks():
     root = Path(__file__).resolve().parents[1]
     methods = (root / "docs" / "methods.md").read_text()
     for phrase in ("The default build is **teacher-forced**", "4,096 IVF centroids", "k = 1,024",
-                   "the paper trains with 1e-4", "8K tokens a step for 20K iterations"):
+                   "the paper trains with 1e-4", "8K tokens a step", "`batch_tokens=8192`"):
         assert phrase in methods, phrase
     assert "The default departs from the PEMA paper" in (root / "memories" / "build.py").read_text()
     import plugins.knn

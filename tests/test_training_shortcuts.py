@@ -186,7 +186,14 @@ def test_memory_adapter_doubled_batch_is_its_two_passes(tiny, shots_memory, laye
     data = memory_sequences(tiny, shots_memory, "train")
     L = len(p.adapted_layers)
     dropped_some = kept_some = False
-    for batches in (_batches(tiny, p, data), _batches(tiny, p, data, full=True)):
+    # and one whole-sequence batch of samples whose shared prefixes differ in length (each row its own start)
+    from plugins.seqtrain import collate
+
+    mixed = sorted({data.shared[i]: i for i in range(len(data))}.values()) + [1, 2]
+    assert len({data.shared[i] for i in mixed}) > 1
+    own = torch.tensor([data.shared[i] for i in mixed]) if p.frozen_prefix else None
+    for batches in (_batches(tiny, p, data), _batches(tiny, p, data, full=True),
+                    [FullBatch(tiny, *collate(tiny, data, mixed), own)]):
         for i in range(len(batches)):
             b = batches[i]
             drop = torch.rand(b.size, L, generator=torch.Generator().manual_seed(100 + i)) < cfg.memory_dropout
