@@ -161,8 +161,8 @@ def decode_grid_on(backbone, plugin, source: str, candidates: list[dict], prompt
 
 
 def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: list[dict] | None = None,
-              max_samples: int | None = None, max_seconds: float | None = None, progress: Progress = _noop,
-              should_stop: Callable[[], bool] = lambda: False, store: bool = True,
+              max_samples: int | None = None, max_seconds: float | None = None, progress: Progress | None = None,
+              should_stop: Callable[[], bool] | None = None, store: bool = True,
               max_new_tokens: int = MAX_NEW_TOKENS) -> dict | None:
     """Tune ``plugin``'s declared decode grid on held-out samples of ``memory`` (default: the tuning part of
     ``split_heldout``, at most ``max_samples`` = DEFAULT_TUNE) and store the result in its folder (``store``).
@@ -174,6 +174,8 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
     were used."""
     if not getattr(plugin, "interpolates", False) or getattr(plugin, "level", "") != "output":
         return None
+    progress = progress or _noop
+    should_stop = should_stop or (lambda: False)
     t0 = time.time()
     mem_name = memory.meta.get("name") or memory.id
     if samples is None:
