@@ -6,6 +6,8 @@
     python -m benchmarks explore [...]      # the studio's explore loop on a memory (benchmarks/explore.py)
     python -m benchmarks ray [...]          # memory builds on Ray workers vs in process (benchmarks/ray_workers.py)
     python -m benchmarks offsite [...]      # offsite decoding against a model owner's service (benchmarks/offsite.py)
+    python -m benchmarks gpu [...]          # Gemma 3 270M's shapes with random weights: decode, build, training
+                                            # speed on a GPU (or CPU-sized with --small; benchmarks/gpu.py)
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import importlib
 import sys
 
 OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
-               "offsite": "benchmarks.offsite"}
+               "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu"}
 
 
 def main(argv: list[str] | None = None):

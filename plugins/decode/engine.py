@@ -116,6 +116,7 @@ class BatchDecode:
         self.net_handles: list[list] = [[] for _ in batch.net]  # per in-network group: its latest forward's
         # per in-network group: (the rows its step hooks act on, the position there of each of its batch rows)
         self.net_rows: list[tuple] = [(None, None) for _ in batch.net]
+        self.member_rows: dict[int, list[int]] = {}  # per in-network group: its batch rows, read once
         self.forwards = 0  # backbone forward passes run (the prefill counts as one)
         self.finished = False
         self.seconds = 0.0
@@ -179,10 +180,10 @@ class BatchDecode:
         handles: list = []
         try:
             for g, grp in enumerate(batch.net):  # hooks on for this forward pass only: the last step's put back
-                rows, where = self._group_rows(g, grp)
+                rows, where, key = self._group_rows(g, grp)
                 if rows is None:
                     continue
-                kept, key = self.net_handles[g], rows.tolist()
+                kept = self.net_handles[g]
                 if not (kept and self.net_rows[g][0] == key
                         and all(hasattr(h, "resume") and h.resume() for h in kept)):
                     for h in kept:
@@ -234,18 +235,21 @@ class BatchDecode:
 
     def _group_rows(self, g: int, grp: NetGroup) -> tuple:
         """(the rows in-network group ``g``'s hooks act on in the next forward pass — None: none live —, for a
-        compact layout the position there of each of the group's batch rows)."""
+        compact layout the position there of each of the group's batch rows, the rows as a list). The group's rows
+        are read from the host's copy: no device-to-host copy per step."""
+        members = self.member_rows.get(g)
+        if members is None:
+            members = self.member_rows[g] = grp.rows.tolist()
         if self.phys is None:
-            return grp.rows, None
+            return grp.rows, None, members
         B = self.batch.B
-        members = grp.rows.tolist()
         live = [b for b in members if not self.beams.done[b // B]]
         if not live:
-            return None, None
+            return None, None, None
         rows = sorted({self.phys_list[b] for b in live})
         at = {p: j for j, p in enumerate(rows)}
         return (torch.tensor(rows, device=self.backbone.device),
-                [at[self.phys_list[b]] if not self.beams.done[b // B] else None for b in members])
+                [at[self.phys_list[b]] if not self.beams.done[b // B] else None for b in members], rows)
 
     def run(self) -> list[Comparison]:
         while self.step():

@@ -1,0 +1,300 @@
+"""``python -m benchmarks gpu``: the real model's speed without its weights — a model of Gemma 3 270M's exact shapes
+(its ``config.json``) with random weights, built in the process, so that a GPU machine that cannot carry the embedded
+weights still measures the studio's speed at the real scale. Speed does not depend on the weights' values; **quality
+does: no quality number comes from this model.** One call measures, in a few minutes on a GPU:
+
+* ``ready_s`` / ``first_compare_s``: building the model, and the first comparison after it (cold kernels, no
+  prefix cache) — what a user waits for after a start;
+* ``decode_step_ms``: the warm decode step of 1, 4 and 7 rows (the base row; base + PEMA + adapter + kNN; base + six
+  methods), fixed-length decodes, ``(T(n) − T(1)) / (n − 1)``, and ``scalar_reads_per_step``: the host reads of a
+  device value (``aten::_local_scalar_dense``: ``.item()``, ``int()``, ``float()``, ``bool()`` of a tensor) per step
+  of the 7-row decode, each a wait for the GPU's queue (counted by ``torch.profiler``; on a GPU also
+  ``cuda_syncs_per_step``, the ``cudaStreamSynchronize`` / ``cudaMemcpy*`` calls);
+* ``slider``: a PEMA slider move's re-decode against a full decode of the same comparison;
+* ``memory_build``: teacher-forced memory build rate (entries/s) on ``--pairs`` WMT train pairs;
+* ``training``: every method's shipped defaults on that memory, run to the epoch limit (early stopping off:
+  patience 1000; no time cap): seconds, epochs, stopped_by.
+
+On a CPU the same code runs with smaller sizes (``--small``: 24 pairs, 8 tokens, one epoch each, two decoder
+layers) so that the test suite runs it (tests/test_benchmarks_gpu.py); ``--backbone tiny`` uses the tests' tiny
+model instead of the Gemma shapes.
+
+    python -m benchmarks gpu                       # on a GPU: the full run (config from the data directory)
+    python -m benchmarks gpu --config-dir DIR      # DIR holds config.json + tokenizer files (gzipped: *.gz)
+    python -m benchmarks gpu --small --out r.json  # CPU-sized
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T_IMPORT = time.time()
+
+import torch  # noqa: E402
+
+from backbone.model import Backbone, cpu_description, resolve_precision, set_precision  # noqa: E402
+from backbone.tasks import task_prompt  # noqa: E402
+from eval.datasets import wmt_pairs  # noqa: E402
+from memories.build import build_memory  # noqa: E402
+from memories.parse import Sample  # noqa: E402
+from plugins.api import train_plugin  # noqa: E402
+from plugins.decode import Row, compare, start_compare  # noqa: E402
+from plugins.registry import available_methods  # noqa: E402
+
+SIX = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")
+QUICK = {"max_minutes": 0.2, "max_epochs": 1}  # plug-ins for the decode timing: their values do not matter
+
+
+def default_config_dir() -> Path:
+    from ground.store import data_dir
+
+    return Path(data_dir()) / "backbones" / "gemma-3-270m"
+
+
+def _unpacked(folder: Path) -> Path:
+    """``folder`` with any ``*.gz`` file un-gzipped into a temporary copy (a GPU call carries them gzipped)."""
+    if not any(folder.glob("*.gz")):
+        return folder
+    out = Path(tempfile.mkdtemp(prefix="pema-gpu-config-"))
+    for f in folder.iterdir():
+        if f.name.endswith(".gz"):
+            with gzip.open(f, "rb") as src, open(out / f.name[:-3], "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        elif f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def random_backbone(config_dir: str | Path, seed: int = 0, device: str | None = None, dtype: str | None = None,
+                    layers: int | None = None) -> Backbone:
+    """A backbone of the shapes in ``config_dir/config.json`` (and its tokenizer) with random weights (the
+    architecture's own initialisation, seeded), in the precision the studio would load it in on ``device``.
+    ``layers``: keep only the first N decoder layers (a CPU-sized run)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = _unpacked(Path(config_dir))
+    cfg = AutoConfig.from_pretrained(folder)
+    if layers:
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types)[:layers]
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = resolve_precision(dtype, dev)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if precision == "bfloat16" else torch.float32)
+    if dev.startswith("cuda") and precision == "float16":
+        model = model.half()
+    model = model.to(dev)
+    if not dev.startswith("cuda") and precision != "float32" or precision == "bfloat16":
+        set_precision(model, precision)
+    tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    name = f"{getattr(cfg, 'model_type', 'model')}-random-seed{seed}" + (f"-{layers}layers" if layers else "")
+    return Backbone(model=model, tokenizer=tok, name=name)
+
+
+class _FixedSteps:
+    """Decodes run exactly ``max_new_tokens`` steps (no stop token ends one early)."""
+
+    def __init__(self, bb):
+        self.bb = bb
+
+    def __enter__(self):
+        self.saved, self.bb.stop_ids = self.bb.stop_ids, set()
+
+    def __exit__(self, *a):
+        self.bb.stop_ids = self.saved
+
+
+def _sync(bb) -> None:
+    if bb.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decode_ms(bb, rows, prompt, source, tokens: int, reps: int) -> float:
+    """Median milliseconds per decode step after the first: (T(tokens) − T(1)) / (tokens − 1)."""
+    times = []
+    for _ in range(reps):
+        _sync(bb)
+        t0 = time.perf_counter()
+        compare(bb, source, rows, prompt, max_new_tokens=1, trace=False)
+        _sync(bb)
+        t1 = time.perf_counter()
+        compare(bb, source, rows, prompt, max_new_tokens=tokens, trace=False)
+        _sync(bb)
+        t2 = time.perf_counter()
+        times.append(max((t2 - t1) - (t1 - t0), 1e-6) / (tokens - 1))
+    times.sort()
+    return round(1000 * times[len(times) // 2], 2)
+
+
+def host_reads(bb, rows, prompt, source, tokens: int) -> dict:
+    """Per decode step: host reads of device values (``aten::_local_scalar_dense``) and, on a GPU, the CUDA
+    synchronisations and copies, from ``torch.profiler`` over a fixed-length decode with traces off (the first
+    step's prefill excluded: a 1-token decode's counts are subtracted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bb.device.type == "cuda" else [])
+
+    def counts(n):
+        with profile(activities=acts) as prof:
+            compare(bb, source, rows, prompt, max_new_tokens=n, trace=False)
+        out = {"scalar_reads": 0, "cuda_syncs": 0}
+        for e in prof.key_averages():
+            if e.key == "aten::_local_scalar_dense":
+                out["scalar_reads"] += e.count
+            elif e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync"):
+                out["cuda_syncs"] += e.count
+        return out
+
+    one, many = counts(1), counts(tokens)
+    res = {f"{k}_per_step": round((many[k] - one[k]) / (tokens - 1), 2) for k in one}
+    if bb.device.type != "cuda":
+        res.pop("cuda_syncs_per_step")
+    return res
+
+
+def _pairs(n: int, small: bool) -> list[tuple[str, str]]:
+    pairs = wmt_pairs("train", 0, n * 3 if small else n)
+    if small:  # short pairs: a CPU-sized run (and the tiny tokenizer's byte-level tokens) stays small
+        pairs = [(s, t) for s, t in pairs if max(len(s), len(t)) < 90][:n]
+    return pairs
+
+
+def run(bb: Backbone, pairs: int = 1000, tokens: int = 32, reps: int = 5, small: bool = False,
+        methods: list[str] | None = None, work: Path | None = None, ready_s: float = 0.0) -> dict:
+    methods = [m for m in (methods or SIX) if m in available_methods()]
+    prompt = task_prompt("translation", bb)
+    dev_src = [en for en, _ in wmt_pairs("dev", 0, 3)]
+    out: dict = {"backbone": bb.name, "device": str(bb.device), "precision": bb.precision,
+                 "hidden": bb.hidden_size, "layers": bb.num_layers, "vocab": bb.vocab_size,
+                 "machine": torch.cuda.get_device_name(0) if bb.device.type == "cuda" else cpu_description(),
+                 "torch": torch.__version__, "cuda": torch.version.cuda, "ready_s": round(ready_s, 2),
+                 "note": "random weights: speed only, no quality number comes from this model"}
+    if bb.device.type == "cuda":
+        import subprocess
+
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        out["driver"] = q.stdout.strip()
+    work = work or Path(tempfile.mkdtemp(prefix="pema-gpu-"))
+    t = time.perf_counter()
+    compare(bb, dev_src[0], [Row("base")], prompt, max_new_tokens=tokens, trace=True)
+    _sync(bb)
+    out["first_compare_s"] = round(time.perf_counter() - t, 3)
+    out["process_to_first_comparison_s"] = round(time.time() - T_IMPORT, 2)
+
+    # the memory build, then every method to its epoch limit
+    train = _pairs(pairs, small)
+    t = time.perf_counter()
+    mem = build_memory(bb, [Sample(s, tg, i) for i, (s, tg) in enumerate(train)], work / "mem", prompt=prompt,
+                       heldout_frac=0.1)
+    _sync(bb)
+    dt = time.perf_counter() - t
+    out["memory_build"] = {"pairs": len(train), "entries": len(mem), "seconds": round(dt, 2),
+                           "entries_per_s": round(len(mem) / max(dt, 1e-9), 1)}
+    out["training"] = {}
+    for m in methods:
+        over = {} if m == "knn" else ({"max_minutes": 0.0, "patience": 1000}
+                                     if m != "pema" else {"max_minutes": 0.0})
+        if small and m != "knn":
+            over.update({"max_epochs_rct": 1, "max_epochs_joint": 1} if m == "pema" else {"max_epochs": 1})
+            if m == "memory_adapter":
+                over["max_translate"] = 8
+        t = time.perf_counter()
+        p, row = train_plugin(bb, mem, m, over, out_dir=work / m)
+        _sync(bb)
+        met = json.loads(row["metrics"])
+        phase = met.get("joint") if isinstance(met.get("joint"), dict) else met  # PEMA: its second phase ends it
+        out["training"][m] = {"seconds": round(time.perf_counter() - t, 2), "stopped_by": phase.get("stopped_by"),
+                              "epochs": phase.get("epochs"), "settings": over}
+        print(f"trained {m}: {out['training'][m]}", file=sys.stderr)
+
+    # the decode step: plug-ins trained briefly (a step's cost does not depend on how long one trained)
+    plugins = {}
+    for m in methods:
+        over = {"search": "exact"} if m == "knn" else dict(QUICK, **({"max_translate": 8} if m == "memory_adapter"
+                                                                     else {}))
+        if m == "pema":
+            over = {"max_minutes": 0.2, "max_epochs_rct": 1, "max_epochs_joint": 1}
+        plugins[m], _ = train_plugin(bb, mem, m, over, out_dir=work / f"quick-{m}")
+    configs = {"1 row": [Row("base")],
+               "4 rows": [Row("base")] + [Row(n, plugins[n]) for n in ("pema", "adapter", "knn") if n in plugins],
+               "7 rows": [Row("base")] + [Row(n, plugins[n]) for n in methods]}
+    with _FixedSteps(bb):
+        for c in configs.values():  # warm: kernels, the prefix cache, derived products
+            compare(bb, dev_src[0], c, prompt, max_new_tokens=2, trace=False)
+        out["decode_step_ms"] = {k: _decode_ms(bb, c, prompt, dev_src[1], tokens, reps) for k, c in configs.items()}
+        base = out["decode_step_ms"]["1 row"]
+        out["over_one_row"] = {k: round(v / base, 3) for k, v in out["decode_step_ms"].items()}
+        out["host_reads_7_rows"] = host_reads(bb, configs["7 rows"], prompt, dev_src[1], min(tokens, 8))
+    # a slider move (PEMA's λ_max) against a full decode of the same comparison
+    if "pema" in plugins:
+        rows = lambda lam: [Row("base"), Row("PEMA", plugins["pema"], {"lambda_max": lam})]  # noqa: E731
+        t = time.perf_counter()
+        compare(bb, dev_src[2], rows(0.5), prompt, max_new_tokens=tokens)
+        _sync(bb)
+        full = time.perf_counter() - t
+        first = start_compare(bb, dev_src[2], rows(0.5), prompt, max_new_tokens=tokens)
+        while first.step():
+            pass
+        t = time.perf_counter()
+        move = start_compare(bb, dev_src[2], rows(0.3), prompt, max_new_tokens=tokens, live=first.live())
+        while move.step():
+            pass
+        _sync(bb)
+        dt = time.perf_counter() - t
+        out["slider"] = {"full_decode_s": round(full, 3), "move_s": round(dt, 4),
+                         "move_over_full": round(dt / max(full, 1e-9), 4)}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-dir", help="folder with config.json and the tokenizer (default: the embedded Gemma 3 "
+                                         "270M's in the data directory); *.gz files are un-gzipped")
+    ap.add_argument("--backbone", default="random", choices=["random", "tiny"],
+                    help="random: the config's shapes, random weights; tiny: the tests' tiny model")
+    ap.add_argument("--device", help="cuda / cpu (default: cuda when present)")
+    ap.add_argument("--dtype", help="precision (default: the studio's for the device)")
+    ap.add_argument("--pairs", type=int, default=1000, help="WMT train pairs in the memory")
+    ap.add_argument("--tokens", type=int, default=32, help="decode length for the step timings")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--methods", help="comma-separated (default: every method)")
+    ap.add_argument("--small", action="store_true", help="CPU-sized: 24 pairs, 8 tokens, 2 reps, one epoch each, "
+                                                          "two decoder layers")
+    ap.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    ap.add_argument("--out", help="also write the JSON result here")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.small:
+        args.pairs, args.tokens, args.reps = min(args.pairs, 24), min(args.tokens, 8), min(args.reps, 2)
+        args.layers = args.layers or 2
+    t = time.time()
+    if args.backbone == "tiny":
+        from backbone.tiny import tiny_backbone  # noqa: PLC0415  (tokenizer training: only when asked for)
+
+        bb = tiny_backbone(device=args.device)
+    else:
+        bb = random_backbone(args.config_dir or default_config_dir(), device=args.device, dtype=args.dtype,
+                             layers=args.layers)
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    res = run(bb, args.pairs, args.tokens, args.reps, args.small, methods, ready_s=time.time() - t)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
