@@ -190,6 +190,10 @@ class MemoryAdapterConfig(NetworkConfig):
     max_minutes: float = setting(
         60.0, "wall-clock cap of the training loop (0 = none); the epochs and early stopping end a default run "
               "before it", low=0.0, high=1440.0)
+    softmax: str = setting(
+        "candidates", "\"candidates\" (default: the training softmax over a candidate vocabulary — the memory's "
+        "target tokens, the stop tokens and the LM's top tokens on sampled memory contexts —; the 262k-token LM head "
+        "was most of a step) | \"full\" (exact NLL over every token; the paper)", choices=("full", "candidates"))
     candidate_contexts: int = setting(1024, "\"candidates\": how many memory contexts to sample", low=0, high=1000000)
     # this method's own
     eval_every: int = setting(
@@ -224,11 +228,11 @@ class MemoryAdapterConfig(NetworkConfig):
                          "memory_dropout": 0.1, "layers": "all", "allocation": "short_to_long",
                          "memory_side": "both", "max_phrase_len_en": 8, "max_phrase_len_other": 10,
                          "whole_sentences": False, "batch_tokens": 8192, "max_steps": 20000, "max_epochs": 1000,
-                         "eval_every": 100, "max_minutes": 0.0},
+                         "eval_every": 100, "max_minutes": 0.0, "softmax": "full"},
                         "the paper's values: peak lr 2e-4 after 100 warmup updates, T 0.5, α = β = 5, memory "
                         "dropout 0.1, every layer (74 M parameters on Gemma 3 270M), short-to-long phrases of ≤ 8 / "
-                        "10 words, batches of 8K tokens, up to 20K updates (evaluated every 100; no time cap) — "
-                        "hours to days on a CPU"),
+                        "10 words, the full softmax, batches of 8K tokens, up to 20K updates (evaluated every 100; no "
+                        "time cap) — hours to days on a CPU"),
         "quick": Preset({"max_pairs": 500, "max_translate": 32, "layers": "top:4", "max_epochs": 1,
                          "max_heldout": 8, "softmax": "candidates", "max_minutes": 3.0},
                         "a short run for trying the studio: 32 back-translated phrases, the top 4 layers, "
