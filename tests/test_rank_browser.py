@@ -1,0 +1,97 @@
+"""The Rank tab in headless Chromium (Debian's, driven by Playwright) on the tiny backbone: a finished ranking shows
+its leaderboard (every ranked method and the base model), both Pareto plots and the verdict; the tour offers the
+demo corpus with a time estimate when the machine has it; the share link opens a read-only leaderboard that shows
+no id, name or key. Screenshots go to ``screenshots/`` (gitignored)."""
+import os
+
+import pytest
+from _server import build_tiny_memory, tiny_studio
+from test_browser import ARGS, SHOTS, VIEWPORT, ensure_chromium, free_port, open_app
+from test_rank import unique_pairs
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+pytestmark = pytest.mark.browser
+METHODS = ["knn", "pema", "adapter"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    exe = ensure_chromium()
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    from ui.app import launch_app
+
+    studio = tiny_studio(tmp_path_factory.mktemp("rank-browser-data"))
+    mid = build_tiny_memory(studio, unique_pairs(110), "my pairs")
+    job = studio.jobs.wait(studio.submit_rank(mid, methods=METHODS), 300)
+    assert job["state"] == "done", job
+    demo, url = launch_app(studio, port=free_port(), block=False, quiet=True)
+    SHOTS.mkdir(exist_ok=True)
+    yield {"url": url.rstrip("/"), "studio": studio, "memory_id": mid, "job": job}
+    demo.close()
+    studio.close()
+
+
+@pytest.fixture()
+def page(browser):
+    ctx = browser.new_context(viewport=VIEWPORT)
+    pg = ctx.new_page()
+    pg.set_default_timeout(60_000)
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    yield pg
+    ctx.close()
+    assert not errors, f"JavaScript errors on the page: {errors[:3]}"
+
+
+def test_leaderboard_plot_verdict_and_share(page, app):
+    board = app["job"]["result"]["leaderboard"]
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Rank").click()
+    page.wait_for_selector("#rank-verdict-text")
+    verdict = page.locator("#rank-verdict-text").inner_text()
+    assert verdict == board["verdict"]
+    page.wait_for_selector("#rank-table [aria-rowcount='5']")  # a header and 4 rows: 3 methods and the base
+    text = page.locator("#rank-table").inner_text()
+    assert all(r["title"] in text for r in board["methods"]), text
+    for plot in ("#rank-pareto-time", "#rank-pareto-params"):
+        page.wait_for_selector(f"{plot} .js-plotly-plot .scatterlayer .point")
+    assert "training time" in page.locator("#rank-pareto-time").inner_text()
+    assert "trainable parameters" in page.locator("#rank-pareto-params").inner_text()
+    assert "Wall time per phase" in page.locator("#rank-phases").inner_text()
+    if app["studio"].corpora().get("gettext-de"):  # the tour: the demo corpus, one click, a time estimate
+        page.wait_for_selector("#rank-tour-time")
+        assert "Time estimate" in page.locator("#rank-tour-time").inner_text()
+    page.screenshot(path=str(SHOTS / "rank.png"), full_page=True)
+
+    # Compare's picker marks the leaderboard's best method (when one beat the base model)
+    if board.get("best"):
+        page.get_by_role("tab", name="Compare").click()
+        page.wait_for_function("document.querySelector('#compare-methods').innerText.includes('★ best on')")
+
+    page.get_by_role("tab", name="Rank").click()
+    page.locator("#rank-share").click()
+    page.wait_for_selector("#rank-share-url")
+    href = page.locator("#rank-share-url").get_attribute("href")
+    assert href.startswith("/share/?c=")
+    page.goto(app["url"] + href, wait_until="domcontentloaded")
+    page.wait_for_selector("#shared-rank-verdict #rank-verdict-text")
+    assert page.locator("#rank-verdict-text").inner_text() == board["verdict"]
+    page.wait_for_selector("#shared-rank-table [aria-rowcount='5']")
+    page.wait_for_selector("#shared-rank-pareto-time .js-plotly-plot .scatterlayer .point")
+    html = page.content()
+    private = [app["memory_id"], app["job"]["id"], "my pairs",
+               *(r["plugin_id"] for r in board["methods"] if r.get("plugin_id"))]
+    for s in private:
+        assert s not in html, s
+    tab = page.get_by_role("tab", name="Memories")
+    assert tab.count() == 0 or not tab.is_visible()
+    page.screenshot(path=str(SHOTS / "rank-shared.png"), full_page=True)
