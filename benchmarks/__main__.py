@@ -8,6 +8,7 @@
     python -m benchmarks offsite [...]      # offsite decoding against a model owner's service (benchmarks/offsite.py)
     python -m benchmarks gpu [...]          # Gemma 3 270M's shapes with random weights: decode, build, training
                                             # speed on a GPU (or CPU-sized with --small; benchmarks/gpu.py)
+    python -m benchmarks heldout MEMORY --plugin P   # teacher-forced NLL of a memory's held-out samples
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import importlib
 import sys
 
 OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
-               "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu"}
+               "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu", "heldout": "benchmarks.heldout"}
 
 
 def main(argv: list[str] | None = None):

@@ -163,7 +163,7 @@ def host_reads(bb, rows, prompt, source, tokens: int) -> dict:
 
 
 def _pairs(n: int, small: bool) -> list[tuple[str, str]]:
-    pairs = wmt_pairs("train", 0, n * 3 if small else n)
+    pairs = wmt_pairs("train", 0, n * 8 if small else n)
     if small:  # short pairs: a CPU-sized run (and the tiny tokenizer's byte-level tokens) stays small
         pairs = [(s, t) for s, t in pairs if max(len(s), len(t)) < 90][:n]
     return pairs
