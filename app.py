@@ -10,9 +10,9 @@ Bound to 127.0.0.1 (the default) the studio is single-user: everything belongs t
 host, or with --multi-user, each caller sees only their own things (docs/security.md); --single-user forces
 the single-user mode on another host (a private network only). Flags fall back on environment variables: $HOST,
 $PORT, $PEMA_DATA_DIR, $PEMA_BACKBONE, $PEMA_BACKBONE_CACHE, $PEMA_WORKERS, $PEMA_DEVICE, $PEMA_MULTI_USER (1/0),
-$PEMA_REMOTE (+ $PEMA_REMOTE_TOKEN), $PEMA_LIMIT_<NAME>. The backbone loads in the background (the first load
-of an embedded model de-quantizes it, one to two minutes on 2 CPU cores, then it is cached under the data
-directory); the page shows its progress meanwhile.
+$PEMA_REMOTE (+ $PEMA_REMOTE_TOKEN), $PEMA_LIMIT_<NAME>, $PEMA_ALLOW_ORIGINS (--allow-origin). The backbone loads
+in the background (the first load of an embedded model de-quantizes it, one to two minutes on 2 CPU cores, then it
+is cached under the data directory); the page shows its progress meanwhile.
 """
 from __future__ import annotations
 
@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where builds and trainings run: the in-process queue (default) or Ray (memory builds "
                         "sharded over workers, trainings as Ray tasks; a local Ray, or the cluster at "
                         "$PEMA_RAY_ADDRESS, which alone also selects ray; docs/ray.md)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="another site whose pages may call this studio, e.g. https://example.org (repeatable; sets "
+                        "$PEMA_ALLOW_ORIGINS): without credentials, with the caller's X-Pema-Key; by default only "
+                        "the studio's own page may (docs/security.md)")
     p.add_argument("--limits", action="store_true", help="print the limits in force and exit")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -82,6 +86,8 @@ def start(argv: list[str] | None = None, block: bool = True):
     args = parse_args(argv)
     if args.dtype:
         os.environ["PEMA_DTYPE"] = args.dtype
+    if args.allow_origin:
+        os.environ["PEMA_ALLOW_ORIGINS"] = ",".join(o.strip() for o in args.allow_origin)
     multi = multi_user_default(args.host) if args.multi_user is None else args.multi_user
     try:
         limits = Limits.configure(multi, overrides=args.limit)

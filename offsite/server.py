@@ -354,12 +354,13 @@ class OwnerService:
 
 # --- HTTP ----------------------------------------------------------------------------------------------------------
 class Guard:
-    """ASGI middleware in front of every route: a request-rate token bucket per client address, the body-size
-    limit (Content-Length, and the bytes actually received), and the bearer token (all but ``/healthz``)."""
+    """ASGI middleware in front of every route: the bearer token (all but ``/healthz``), a request-rate token bucket
+    per client address — one for requests with the right token, another for all others —, the body-size limit
+    (Content-Length, and the bytes actually received)."""
 
     def __init__(self, app, token: str, limits: Limits):
         self.app, self.token, self.limits = app, token.encode(), limits
-        self.buckets: dict[str, list[float]] = {}  # address -> [tokens, last refill]
+        self.buckets: dict[tuple, list[float]] = {}  # (token or stranger, address) -> [tokens, last refill]
         self.lock = threading.Lock()
 
     async def _refuse(self, send, status: int, reason: str, headers: dict | None = None) -> None:
@@ -369,7 +370,7 @@ class Guard:
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body})
 
-    def _allow(self, who: str) -> float:
+    def _allow(self, who) -> float:
         """0 when the request may go on, else the seconds until it could."""
         lim = self.limits
         now = time.monotonic()
@@ -388,21 +389,23 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         who = (scope.get("client") or ("?", 0))[0]
-        wait = self._allow(who)
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"")
+        token_ok = auth.startswith(b"Bearer ") and hmac.compare_digest(auth[7:].strip(), self.token)
+        # The token is checked first: the token holder and strangers at the same address (a NAT, a proxy) count in
+        # separate buckets, so strangers cannot spend the holder's requests; wrong tokens count as strangers'.
+        wait = self._allow(("token" if token_ok else "stranger", who))
         if wait:
             return await self._refuse(send, 429, f"too many requests (limit {self.limits.rate:g}/s per client, "
                                                  f"bursts of {self.limits.burst}); "
                                                  f"retry after {max(1, math.ceil(wait))} s",
                                       {"Retry-After": str(max(1, math.ceil(wait)))})
-        headers = dict(scope.get("headers") or [])
-        if scope.get("path") != "/healthz":
-            auth = headers.get(b"authorization", b"")
+        if scope.get("path") != "/healthz" and not token_ok:
             if not auth.startswith(b"Bearer "):
                 return await self._refuse(send, 401, "missing bearer token (Authorization: Bearer <token>; "
                                                      "clients read $PEMA_REMOTE_TOKEN)",
                                           {"WWW-Authenticate": "Bearer"})
-            if not hmac.compare_digest(auth[7:].strip(), self.token):
-                return await self._refuse(send, 401, "wrong bearer token", {"WWW-Authenticate": "Bearer"})
+            return await self._refuse(send, 401, "wrong bearer token", {"WWW-Authenticate": "Bearer"})
         limit = self.limits.max_body_bytes
         try:
             declared = int(headers.get(b"content-length", b"0") or 0)

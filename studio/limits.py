@@ -88,6 +88,13 @@ class Limits:
         upload bound and 1 MB for the rest; 0 (no limit) when uploads are unbounded."""
         return 2 * self.upload_bytes + 1_000_000 if self.upload_bytes else 0
 
+    def owner_queue_cap(self) -> int:
+        """Events one owner may have queued or running at once: ``queued_per_owner``, and never more than half of
+        ``queue_size``, so that one owner cannot fill the queue for everyone (0: no limit)."""
+        if not self.queued_per_owner:
+            return 0
+        return min(self.queued_per_owner, max(1, self.queue_size // 2)) if self.queue_size else self.queued_per_owner
+
     def describe(self) -> list[dict]:
         """Every bound with its value and the environment variable that sets it (docs/security.md, ``--limits``)."""
         return [{"name": f.name, "value": getattr(self, f.name), "env": ENV_PREFIX + f.name.upper()}

@@ -10,7 +10,9 @@ member — and reads at most the bytes it allows, whatever the zip's headers cla
   folder is zipped): no absolute path, no ``..``, no backslash or NUL, no deeper folder (zip slip fails);
 * no symbolic link, device or other special file (Unix mode bits in the zip's external attributes), no encrypted
   member;
-* no pickle-capable file (``plugins.hub.REFUSED_SUFFIXES``).
+* no pickle-capable file (``plugins.hub.REFUSED_SUFFIXES``, any of a name's suffixes, whatever their case), no
+  name that ends in a space or a dot or holds a control character (``"x.pkl "`` is no safetensors file either);
+* no JSON or JSON Lines member nested deeper than ``MAX_JSON_DEPTH`` (a parser would overflow its stack).
 
 Everything else — the manifest's SHA-256 of every file, the backbone fingerprint, safetensors-only weights, the
 plug-in's own checks on load — is ``plugins.hub.import_plugin``'s, exactly as for ``python -m plugins import``.
@@ -18,10 +20,14 @@ plug-in's own checks on load — is ``plugins.hub.import_plugin``'s, exactly as 
 from __future__ import annotations
 
 import os
+import re
 import stat
+import tempfile
 import zipfile
 import zlib
 from pathlib import Path
+
+import numpy as np
 
 from ground.errors import UserError
 from plugins.hub import REFUSED_SUFFIXES
@@ -30,6 +36,8 @@ MAX_MEMBERS = 64
 MAX_RATIO = 200  # safetensors barely compress, JSON ~5-10×; a bomb is 1000× and more
 UNPACKED_FACTOR = 4
 BLOCK = 1 << 20
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def zip_folder(folder: Path, out: Path, top: str) -> Path:
@@ -52,7 +60,34 @@ def _member_name(info: zipfile.ZipInfo) -> tuple[str | None, str]:
     if bad or not parts or any(p in (".", "..") for p in parts) or len(parts) > 2:
         raise UserError(f"The zip holds {raw[:80]!r}: a plug-in package holds plain files only (flat, or in one "
                         f"folder).")
-    return (parts[0] if len(parts) == 2 else None), parts[-1]
+    name = parts[-1]
+    if name != name.strip() or name.endswith(".") or any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise UserError(f"The zip holds {raw[:80]!r}: not a plain file name (it ends in a space or a dot, or holds a "
+                        f"control character).")
+    return (parts[0] if len(parts) == 2 else None), name
+
+
+def refused_suffix(name: str) -> bool:
+    """Whether any suffix of ``name`` (``x.pkl``, ``x.PKL``, ``x.pkl.txt``) is a pickle-capable format's."""
+    return any(s.strip().lower() in REFUSED_SUFFIXES for s in Path(name.strip()).suffixes)
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON (or JSON Lines) text, counted without parsing it (strings
+    first blanked out), so no recursion however deep it is."""
+    a = np.frombuffer(_JSON_STRING.sub(b'""', data), dtype=np.uint8)
+    if not a.size:
+        return 0
+    steps = ((a == ord("[")) | (a == ord("{"))).astype(np.int32) - ((a == ord("]")) | (a == ord("}")))
+    return int(np.cumsum(steps).max())
+
+
+def without_temp_paths(message: str) -> str:
+    """An error message without the server's temporary paths (an import unpacks into one): "The package at
+    /tmp/pema-import-…/package is damaged" → "The package is damaged"."""
+    tmp = re.escape(tempfile.gettempdir().rstrip("/"))
+    message = re.sub(rf"\s+at\s+{tmp}/pema-import-[^\s/]+/package\b", "", message)
+    return re.sub(rf"{tmp}/[^\s'\",;)]+", "(a temporary file)", message)
 
 
 def unpack_zip(data: Path, dest: Path, max_bytes: int) -> Path:
@@ -85,7 +120,7 @@ def unpack_zip(data: Path, dest: Path, max_bytes: int) -> Path:
                                 f"special file); plug-in packages hold plain files only.")
             if info.flag_bits & 0x1:
                 raise UserError("The zip is encrypted; export the plug-in again without a password.")
-            if Path(name).suffix.lower() in REFUSED_SUFFIXES:
+            if refused_suffix(name):
                 raise UserError(f"The zip holds {name!r}, which is not safetensors: plug-ins are imported from "
                                 f"safetensors only.")
             tops.add(top)
@@ -119,4 +154,6 @@ def unpack_zip(data: Path, dest: Path, max_bytes: int) -> Path:
                         out.write(block)
             except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as e:
                 raise UserError(f"{name} in the zip is damaged ({type(e).__name__}: {str(e)[:120]}).") from None
+            if name.lower().endswith((".json", ".jsonl")) and json_depth((dest / name).read_bytes()) > MAX_JSON_DEPTH:
+                raise UserError(f"{name} in the zip nests deeper than {MAX_JSON_DEPTH} levels; refused.")
     return dest

@@ -267,7 +267,8 @@ def test_a_preview_or_build_past_the_sample_bound_stops_early(tmp_path):
 
 
 def test_one_owner_cannot_fill_the_queue(tmp_path):
-    """The guard counts the events a caller has waiting in the queue and refuses one more past the bound."""
+    """The guard counts the events a caller has queued or running (and those it let through a moment ago) and
+    refuses one more past the bound."""
     from studio.limits import Limits
     from studio.service import Studio
     from ui.server import FileInputGuard
@@ -276,9 +277,9 @@ def test_one_owner_cannot_fill_the_queue(tmp_path):
                 limits=Limits.configure(True, overrides={"queued_per_owner": 2}))
     try:
         ka, kb = st.identity.new_browser_key(), st.identity.new_browser_key()
-        waiting = [SimpleNamespace(request=SimpleNamespace(headers={"x-pema-key": ka}, cookies={}))] * 2
-        blocks = SimpleNamespace(_queue=SimpleNamespace(event_queue_per_concurrency_id={
-            "decode": SimpleNamespace(queue=waiting)}))
+        waiting = {str(i): SimpleNamespace(request=SimpleNamespace(headers={"x-pema-key": ka}, cookies={}))
+                   for i in range(2)}
+        blocks = SimpleNamespace(_queue=SimpleNamespace(event_ids_to_events=waiting))
         guard = FileInputGuard(st, "/share", [blocks])
         reached = []
 

@@ -13,6 +13,7 @@ from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from plugins.registry import shown_first
 from plugins.settings import describe_changes, tuned_start_changes
+from studio.packages import without_temp_paths
 from ui import plots, render
 from ui.common import choices_update, keep_value, memory_choices, owner_of, read_upload, training_control, user_errors
 
@@ -427,8 +428,11 @@ def build_packages(studio) -> None:
             raise UserError("Choose a plug-in package (.zip) to import.")
         me = owner_of(studio, request)
         data, _ = read_upload(studio, request, package)
-        imported = studio.import_plugin_zip(data, name or "", owner=me)
-        studio.uploads.consume(package)
-        return imported
+        try:
+            return studio.import_plugin_zip(data, name or "", owner=me)
+        except UserError as e:  # the package was unpacked in a temporary folder: its path says nothing to the user
+            raise UserError(without_temp_paths(str(e))) from None
+        finally:
+            studio.uploads.consume(package)  # read, imported or refused: a retry uploads it again
 
     do_import.click(import_plugin, [upload, new_name], imported, api_name="import_plugin")

@@ -1,15 +1,22 @@
 """Serving: one FastAPI app with the studio (``/``) and the share page (``/share/``) mounted as two Gradio apps, an
-ASGI middleware that gives each browser its anonymous key (multi-user mode) and sends old share links on, and the
-uvicorn server (in a thread, so tests and ``app.py`` can stop it)."""
+ASGI middleware in front of both (each browser's anonymous key, the same-origin policy, the file routes, the checks
+on what a stranger sends: :class:`OwnerCookieMiddleware`), and the uvicorn server (in a thread, so tests and
+``app.py`` can stop it)."""
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import mimetypes
+import os
 import re
 import socket
+import tempfile
+import threading
 import time
 from http.cookies import SimpleCookie
 from pathlib import Path
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import gradio as gr
 import uvicorn
@@ -20,12 +27,19 @@ from gradio.utils import get_upload_folder
 from ground.errors import UserError
 from studio.identity import COOKIE, NO_KEY
 from studio.limits import hint
-from studio.uploads import NOT_YOURS
+from studio.uploads import NOT_YOURS, ServedFiles, TooManyParts, mark_downloads, own_folder, sweep_downloads
 
 COOKIE_MAX_AGE = 400 * 24 * 3600  # browsers cap cookie lifetimes at 400 days
 # Gradio's cache (its copies of uploaded files and of files it served): every hour, files older than a day go
 # (``delete_cache=(frequency, age)``; also emptied when the server stops). A Blocks that sets its own keeps it.
 DELETE_CACHE = (3600, 24 * 3600)
+ALLOW_ORIGINS_ENV = "PEMA_ALLOW_ORIGINS"  # comma-separated origins that may call the studio from their pages
+CROSS_SITE = ("This studio does not take requests from another site's pages (its operator can allow an origin with "
+              "--allow-origin).")
+# Gradio routes the studio does not use: some write a session's state where others can fetch it (deep links),
+# fetch URLs for a caller (proxy), or show the server's internals; all answer 404.
+UNUSED = re.compile(r"^/(gradio_api/)?(deep_link|proxy=.*|monitoring|run-history|runs|stream|process_recording|"
+                    r"vibe-edit|undo-vibe-edit|vibe-code|vibe-starter-queries|dev|custom_component)(/.*)?$", re.I)
 
 
 class OwnerCookieMiddleware:
@@ -35,36 +49,52 @@ class OwnerCookieMiddleware:
       fresh anonymous key (``Identity.new_browser_key``), HttpOnly so page scripts cannot read it; ``SameSite=None;
       Secure; Partitioned`` over HTTPS (a Space embeds the app in an iframe of huggingface.co), else ``Lax``. The
       cookie is not added to the request itself: a caller that sends neither a cookie nor a key has no identity.
+    * Same origin: a request from another site's page (an ``Origin`` that is not this server's, or a cross-site
+      fetch) never carries the cookie's identity, gets no cookie and no CORS header, and may only read (GET/HEAD);
+      origins in ``allow_origins`` may also send, with their key header and without credentials.
+    * Files (:meth:`_serve_file`): every ``…file=…`` / ``…/gradio_api/file/…`` request, whatever its prefix,
+      encoding or method, is answered here — the file only to its owner (an upload of theirs, or a file one of
+      their own events returned), else 404; Gradio's file route is never reached. Unused Gradio routes: 404.
     * ``/?c=<id>`` (links shared before the share page moved) is redirected to ``share/?c=<id>``.
-    * Uploads and file inputs (:class:`FileInputGuard`): an upload is bound to its caller; an event may name only
-      its caller's own uploads as files; bodies and waiting events are bounded.
+    * Uploads and event requests (:class:`FileInputGuard`): bounded, bound to their caller, admitted atomically.
     """
 
-    def __init__(self, app, studio, share_path: str = "/share", downloads: Path | None = None, blocks=()):
+    def __init__(self, app, studio, share_path: str = "/share", downloads: Path | None = None, blocks=(),
+                 served: ServedFiles | None = None, allow_origins=()):
         self.app = app
         self.studio = studio
         self.share_path = share_path
         self.downloads = Path(downloads).resolve() if downloads else None
+        self.served = served if served is not None else ServedFiles()
+        self.allow_origins = {o.strip().rstrip("/").lower() for o in allow_origins if o.strip()}
         self.guard = FileInputGuard(studio, share_path, blocks)
-
-    def _into_downloads(self, path: str) -> bool:
-        """A ``…/file=<path>`` request for a file under the owners' download folders: those are served only as
-        the copies Gradio makes for their owner's own page events, never by their path."""
-        if self.downloads is None or "file=" not in path:
-            return False
-        target = path.split("file=", 1)[1]
-        try:
-            return Path(target).resolve().is_relative_to(self.downloads)
-        except (OSError, ValueError):
-            return True
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path") or "/"
-        if self._into_downloads(path):
+        method = scope.get("method") or "GET"
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        origin = headers.get("origin")
+        cross = cross_site(origin, headers)
+        allowed = cross and origin is not None and origin.rstrip("/").lower() in self.allow_origins
+        raw_send, send = send, self._cors(send, origin if allowed else None)
+        if cross:
+            if method == "OPTIONS":
+                return await self._preflight(raw_send, origin if allowed else None)
+            if not allowed and method not in ("GET", "HEAD"):
+                return await refuse(send, 403, CROSS_SITE)
+            # another site's page never acts with the visitor's browser identity: only with a key it sends itself
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"cookie"]}
+            headers.pop("cookie", None)
+        route = normalise(path)
+        if UNUSED.match(strip_mount(route, self.share_path)) or (
+                route.rstrip("/").endswith("/config") and b"deep_link" in scope.get("query_string", b"")):
             return await refuse(send, 404, "")
-        if path in ("", "/", self.share_path) and scope.get("method") == "GET":
+        cookies = parse_cookies(headers.get("cookie", ""))
+        if is_file_route(path):
+            return await self._serve_file(scope, receive, send, path, headers, cookies)
+        if path in ("", "/", self.share_path) and method == "GET":
             c = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("c")
             if c or path == self.share_path:
                 # relative (from "/" and from "/share" alike), so that it works under a proxy's path prefix too
@@ -72,17 +102,63 @@ class OwnerCookieMiddleware:
                 await send({"type": "http.response.start", "status": 307,
                             "headers": [(b"location", loc.encode("latin-1")), (b"content-length", b"0")]})
                 return await send({"type": "http.response.body", "body": b""})
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        jar = SimpleCookie()
-        try:
-            jar.load(headers.get("cookie", ""))
-        except Exception:  # noqa: BLE001 — a malformed Cookie header: treat as none
-            jar = SimpleCookie()
-        cookies = {k: m.value for k, m in jar.items()}
-        if scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
-            return await self.guard(scope, receive, self._with_cookie(scope, headers, cookies, send), path,
-                                    headers, cookies, self.app)
-        return await self.app(scope, receive, self._with_cookie(scope, headers, cookies, send))
+        if not cross:
+            send = self._with_cookie(scope, headers, cookies, send)
+        if method not in ("GET", "HEAD", "OPTIONS"):
+            return await self.guard(scope, receive, send, path, headers, cookies, self.app)
+        return await self.app(scope, receive, send)
+
+    # --- files ----------------------------------------------------------------------------------------------------
+    async def _serve_file(self, scope, receive, send, path: str, headers: dict, cookies: dict):
+        """A file route: the file, to its owner only (404 for anyone else, for a file that does not exist, for a URL
+        and for anything outside Gradio's cache). Ranges and HEAD as Starlette serves them."""
+        from starlette.responses import FileResponse
+
+        target = file_target(path)
+        owners = self.studio.identity.credentials(headers, cookies)
+        real = os.path.realpath(target) if target and "://" not in target and "\x00" not in target else ""
+        ok = bool(real) and scope.get("method") in ("GET", "HEAD") and in_cache(real) \
+            and (self.downloads is None or not Path(real).is_relative_to(self.downloads)) \
+            and (self.studio.uploads.owns(real, owners) or self.served.owns(real, owners)) and os.path.isfile(real)
+        if not ok:
+            return await refuse(send, 404, "")
+        from gradio.route_utils import XSS_SAFE_MIMETYPES
+
+        mime = mimetypes.guess_type(real)[0]
+        safe = mime in XSS_SAFE_MIMETYPES
+        response = FileResponse(real, media_type=mime if safe else "application/octet-stream",
+                                filename=Path(real).name, content_disposition_type="inline" if safe else "attachment",
+                                headers={"Cache-Control": "private, no-store", "X-Content-Type-Options": "nosniff"})
+        await response(scope, receive, send)
+
+    # --- cross-origin ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _cors(send, origin: str | None):
+        """``send`` without Gradio's CORS headers (it reflects any origin with credentials); for an allowed origin,
+        that origin alone, without credentials."""
+        async def send_cors(message):
+            if message["type"] == "http.response.start":
+                hdrs = [(k, v) for k, v in message.get("headers", []) if not k.lower().startswith(b"access-control-")
+                        and k.lower() != b"vary"]
+                hdrs.append((b"vary", b"Origin"))
+                if origin is not None:
+                    hdrs.append((b"access-control-allow-origin", origin.encode("latin-1")))
+                message = {**message, "headers": hdrs}
+            await send(message)
+
+        return send_cors
+
+    @staticmethod
+    async def _preflight(send, origin: str | None):
+        """A cross-origin preflight: 403 without CORS headers, unless ``origin`` is allowed."""
+        if origin is None:
+            return await refuse(send, 403, "")
+        await send({"type": "http.response.start", "status": 204, "headers": [
+            (b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
+            (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            (b"access-control-allow-headers", b"content-type, x-pema-key, authorization"),
+            (b"access-control-max-age", b"600"), (b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
 
     def _with_cookie(self, scope, headers: dict, cookies: dict, send):
         """``send``, adding a fresh browser key to the response where the request carries none (multi-user)."""
@@ -105,6 +181,67 @@ class OwnerCookieMiddleware:
         return send_with_cookie
 
 
+def parse_cookies(header: str) -> dict:
+    jar = SimpleCookie()
+    try:
+        jar.load(header)
+    except Exception:  # noqa: BLE001 — a malformed Cookie header: treat as none
+        return {}
+    return {k: m.value for k, m in jar.items()}
+
+
+def _netloc(scheme: str, netloc: str) -> str:
+    netloc = netloc.strip().lower()
+    default = {"http": ":80", "https": ":443"}.get(scheme)
+    return netloc[: -len(default)] if default and netloc.endswith(default) else netloc
+
+
+def cross_site(origin: str | None, headers: dict) -> bool:
+    """Whether a request comes from another site's page: an ``Origin`` (``null`` included) whose host is not the
+    one the request was sent to (``Host``, or a proxy's ``X-Forwarded-Host``), or a browser's own word for a
+    cross-site fetch that is not a navigation (a link to the studio is a navigation, and stays welcome)."""
+    if origin is not None:
+        parts = urlsplit(origin.strip())
+        if not parts.scheme or not parts.netloc:
+            return True
+        mine = _netloc(parts.scheme, parts.netloc)
+        hosts = [headers.get("host", "")] + headers.get("x-forwarded-host", "").split(",")[:1]
+        return mine not in {_netloc(parts.scheme, h) for h in hosts if h.strip()}
+    return headers.get("sec-fetch-site") == "cross-site" and headers.get("sec-fetch-mode") != "navigate"
+
+
+def normalise(path: str) -> str:
+    """A request path as routes are compared here: percent-decoded (twice: what a second decoder would see),
+    repeated slashes collapsed."""
+    return re.sub(r"/+", "/", unquote(unquote(path))) or "/"
+
+
+def strip_mount(route: str, share_path: str) -> str:
+    return route[len(share_path):] or "/" if route.startswith(share_path + "/") else route
+
+
+def is_file_route(path: str) -> bool:
+    """Gradio's file routes under any mount, prefix, case or encoding (``…/file=<path>``, ``…/gradio_api/file/<path>``,
+    the pre-``gradio_api`` ``/file=<path>``)."""
+    low = normalise(path).lower()
+    return "file=" in low or re.search(r"(^|/)(gradio_api/)?file(/|$)", low) is not None
+
+
+def file_target(path: str) -> str:
+    """The path a file request names (what follows ``file=`` or ``/file/``), decoded."""
+    low = path.lower()
+    i = low.find("file=")
+    if i >= 0:
+        return unquote(path[i + 5:])
+    m = re.search(r"(^|/)file/", low)
+    return unquote(path[m.end():]) if m else ""
+
+
+def in_cache(real: str) -> bool:
+    """Under Gradio's upload and cache folder (where uploads and the copies of returned files live)."""
+    return Path(real).is_relative_to(os.path.realpath(get_upload_folder()))
+
+
 async def refuse(send, status: int, message: str) -> None:
     """Answer a request at once (nothing of it reaches Gradio) with ``{"detail": message}``."""
     body = json.dumps({"detail": message}).encode() if message else b""
@@ -113,13 +250,15 @@ async def refuse(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-# Gradio routes that store or act on files or code for components and modes this studio does not use
-UNUSED_ROUTES = {"process_recording", "vibe-edit", "undo-vibe-edit", "vibe-code", "vibe-starter-queries"}
 FILE_DATA_KEYS = {"path", "url", "size", "orig_name", "mime_type", "is_stream", "meta"}
+FILE_META = ('A file is sent as Gradio\'s FileData, with "meta": {"_type": "gradio.FileData"} (gradio_client\'s '
+             'handle_file() writes it).')
+NO_SUCH_EVENT = "No such event or API endpoint in this app (see its API page for the names)."
+EVENT_ROUTE = re.compile(r"/gradio_api/(queue/join|(call/v2|call|run|api)/(?P<api>[^/]+))/?$")
 
 
-def file_paths(value, depth: int = 0) -> list:
-    """Every ``path`` that Gradio would treat as a file in a request's JSON (a ``FileData``: a dict with a ``path``
+def file_values(value, depth: int = 0) -> list[dict]:
+    """Every value that Gradio would treat as a file in a request's JSON (a ``FileData``: a dict with a ``path``
     and Gradio's file marker, or with only FileData's fields), however deeply nested."""
     if depth > 64:
         raise ValueError("nested too deeply")
@@ -127,32 +266,46 @@ def file_paths(value, depth: int = 0) -> list:
         meta = value.get("meta")
         if "path" in value and ((isinstance(meta, dict) and meta.get("_type") == "gradio.FileData")
                                 or set(value) <= FILE_DATA_KEYS):
-            return [value["path"]]
-        return [p for v in value.values() for p in file_paths(v, depth + 1)]
+            return [value]
+        return [f for v in value.values() for f in file_values(v, depth + 1)]
     if isinstance(value, list):
-        return [p for v in value for p in file_paths(v, depth + 1)]
+        return [f for v in value for f in file_values(v, depth + 1)]
     return []
 
 
+def file_paths(value) -> list:
+    return [f["path"] for f in file_values(value)]
+
+
+def multipart_boundary(content_type: str) -> bytes | None:
+    m = re.match(r'\s*multipart/form-data\s*;.*?\bboundary="?([^";]+)"?', content_type or "", re.I)
+    return m.group(1).strip().encode("latin-1") if m and 0 < len(m.group(1).strip()) <= 200 else None
+
+
 class FileInputGuard:
-    """The server's checks on what a stranger sends to Gradio, applied before Gradio reads or copies anything.
+    """The server's checks on what a stranger sends to Gradio, applied before Gradio reads or stores anything.
 
     * ``POST …/gradio_api/upload``: refused without an identity (multi-user mode) and on the share page; admitted
-      within the caller's bounds (``studio.uploads``: files per owner, bytes overall; the body's declared size);
-      the stored paths are recorded against the caller's credentials before the answer reaches the caller.
-    * Every other ``POST …/gradio_api/…`` (queue joins, REST calls): the body is bounded
-      (``Limits.request_bytes``) and every file it names must be one of the caller's own live uploads
-      (never on the share page); a caller may have at most ``queued_per_owner`` events waiting in the queue.
+      within the caller's bounds (``studio.uploads``: files per owner — each file part reserved as the body
+      arrives, the body held back until all of it is counted —, bytes overall; the body's declared size); each
+      stored file is moved into a folder of its own and recorded against the caller's credentials before the
+      answer (with the new paths) reaches the caller.
+    * Every other ``POST …/gradio_api/…`` (queue joins, API calls): the body is bounded (``Limits.request_bytes``),
+      every file it names must be one of the caller's own live uploads (never on the share page) sent as a
+      FileData, an event or endpoint must exist, and a caller may have at most ``Limits.owner_queue_cap()`` events
+      queued or running: counted and reserved in one step, so concurrent requests cannot pass it.
     """
 
     def __init__(self, studio, share_path: str, blocks=()):
         self.studio, self.share_path, self.blocks = studio, share_path, list(blocks)
+        self._lock = threading.Lock()
+        self._admitted: dict[int, frozenset] = {}  # event requests let through whose event may not be queued yet
+        self._tickets = itertools.count(1)
+        self._upload_lock: asyncio.Lock | None = None
 
     async def __call__(self, scope, receive, send, path: str, headers: dict, cookies: dict, app):
         studio = self.studio
-        path = re.sub(r"/+", "/", path).rstrip("/") or "/"
-        if path.rsplit("/", 1)[-1] in UNUSED_ROUTES:
-            return await refuse(send, 404, "")
+        path = normalise(path).rstrip("/") or "/"
         owners = studio.identity.credentials(headers, cookies)
         on_share = path.startswith(self.share_path + "/") or path == self.share_path
         declared = headers.get("content-length")
@@ -161,7 +314,7 @@ class FileInputGuard:
         except ValueError:
             return await refuse(send, 400, "Invalid Content-Length.")
         if path.endswith("/gradio_api/upload"):
-            return await self._upload(scope, receive, send, owners, on_share, declared, app)
+            return await self._upload(scope, receive, send, owners, on_share, declared, headers, app)
         bound = studio.limits.request_bytes()
         if bound and declared is not None and declared > bound:
             return await refuse(send, 413, f"The request is {declared / 1e6:.1f} MB; the limit is "
@@ -182,19 +335,14 @@ class FileInputGuard:
         except (ValueError, RecursionError):
             value = None  # not JSON (or not JSON Gradio could read): Gradio refuses it itself; it names no file
         try:
-            paths = file_paths(value)
+            files = file_values(value)
         except ValueError:
             return await refuse(send, 400, "The request is nested too deeply.")
-        for p in paths:
-            if on_share or not studio.uploads.owns(p, owners):
+        for f in files:
+            if on_share or not studio.uploads.owns(f["path"], owners):
                 return await refuse(send, 403, NOT_YOURS)
-        if path.endswith("/queue/join") or "/gradio_api/call/" in path or "/gradio_api/run/" in path \
-                or "/gradio_api/api/" in path:
-            waiting = self._waiting(owners)
-            cap = studio.limits.queued_per_owner
-            if cap and waiting >= cap:
-                return await refuse(send, 429, f"You have {waiting} requests waiting in the queue (the limit per "
-                                               f"user is {cap}); wait for them to finish ({hint('queued_per_owner')}).")
+            if not isinstance(f.get("meta"), dict):
+                return await refuse(send, 400, FILE_META)
         sent = False
 
         async def replay():
@@ -204,22 +352,58 @@ class FileInputGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        return await app(scope, replay, send)
+        event = EVENT_ROUTE.search(path)
+        if event is None:
+            return await app(scope, replay, send)
+        if not self._known(event.group("api"), value, on_share):
+            return await refuse(send, 404, NO_SUCH_EVENT)
+        ticket, waiting = self._admit(owners)
+        if ticket is None:
+            cap = studio.limits.owner_queue_cap()
+            return await refuse(send, 429, f"You have {waiting} requests queued or running (the limit per user is "
+                                           f"{cap}); wait for them to finish ({hint('queued_per_owner')}).")
+        try:
+            return await app(scope, replay, send)
+        finally:
+            with self._lock:  # the event is in Gradio's queue now (or was refused): counted there from here on
+                self._admitted.pop(ticket, None)
+
+    def _known(self, api_name: str | None, value, on_share: bool) -> bool:
+        """Whether the event (``fn_index``) or endpoint (``api_name``) a request names exists in its app."""
+        blocks = self.blocks[1 if on_share else 0] if len(self.blocks) > (1 if on_share else 0) else None
+        fns = getattr(blocks, "fns", None)
+        if not isinstance(fns, dict):
+            return True
+        index = value.get("fn_index") if isinstance(value, dict) else None
+        if isinstance(index, int) and not isinstance(index, bool) and index not in fns:
+            return False
+        return api_name is None or any(getattr(f, "api_name", None) == api_name for f in fns.values())
+
+    def _admit(self, owners: frozenset) -> tuple[int | None, int]:
+        """Count the caller's events (queued, running, let through a moment ago) and, within the bound, reserve
+        one more — in one step under the lock: ``(ticket, count)``, ticket ``None`` when refused."""
+        cap = self.studio.limits.owner_queue_cap()
+        with self._lock:
+            n = self._waiting(owners) + sum(bool(o & owners) if owners else not o for o in self._admitted.values())
+            if cap and n >= cap:
+                return None, n
+            ticket = next(self._tickets)
+            self._admitted[ticket] = owners
+            return ticket, n
 
     def _waiting(self, owners: frozenset) -> int:
-        """Events of these owners (of callers with no identity, when empty) waiting in the studio's queues."""
+        """Events of these owners (of callers with no identity, when empty) queued or running in the apps."""
         n = 0
         for blocks in self.blocks:
             queue = getattr(blocks, "_queue", None)
-            for event_queue in list(getattr(queue, "event_queue_per_concurrency_id", {}).values()):
-                for event in list(getattr(event_queue, "queue", [])):
-                    req = getattr(event, "request", None)
-                    theirs = self.studio.identity.credentials(dict(getattr(req, "headers", {}) or {}),
-                                                              dict(getattr(req, "cookies", {}) or {}))
-                    n += bool(theirs & owners) if owners else not theirs
+            for event in list(getattr(queue, "event_ids_to_events", {}).values()):
+                req = getattr(event, "request", None)
+                theirs = self.studio.identity.credentials(dict(getattr(req, "headers", {}) or {}),
+                                                          dict(getattr(req, "cookies", {}) or {}))
+                n += bool(theirs & owners) if owners else not theirs
         return n
 
-    async def _upload(self, scope, receive, send, owners, on_share: bool, declared: int | None, app):
+    async def _upload(self, scope, receive, send, owners, on_share: bool, declared: int | None, headers: dict, app):
         studio = self.studio
         if on_share:
             return await refuse(send, 404, "")
@@ -231,42 +415,89 @@ class FileInputGuard:
         if bound and (declared or 0) > bound:
             return await refuse(send, 413, f"The upload is {declared / 1e6:.1f} MB; the limit is "
                                            f"{studio.limits.upload_bytes / 1e6:.1f} MB ({hint('upload_bytes')}).")
+        boundary = multipart_boundary(headers.get("content-type", ""))
+        if boundary is None:
+            return await refuse(send, 400, "An upload is a multipart/form-data request.")
         try:
             ticket = studio.uploads.admit(owners, declared or 0)
         except UserError as e:
             return await refuse(send, 429, str(e))
-        start, chunks = None, []
+        spool = tempfile.SpooledTemporaryFile(max_size=1 << 20)
+        try:
+            # The whole body is read and its file parts counted (and reserved) before Gradio sees any of it: a
+            # request over the bound stores nothing. Every "--boundary" counts (a part cannot contain it).
+            delim, tail, end, seen, got, more = b"--" + boundary, b"", b"", 0, 0, True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                more = message.get("more_body", False)
+                got += len(chunk)
+                if bound and got > bound:
+                    return await refuse(send, 413, f"The upload is over {bound / 1e6:.1f} MB, the limit "
+                                                   f"({hint('upload_bytes')}).")
+                window = tail + chunk
+                seen += window.count(delim)
+                tail = window[-(len(delim) - 1):]
+                end = (end + chunk)[-(len(delim) + 8):]
+                spool.write(chunk)
+                closed = not more and end.rstrip().endswith(delim + b"--")
+                try:  # while the body arrives, the last delimiter seen may open a part not yet complete
+                    studio.uploads.grow(ticket, max(0, seen - 1) if more or closed else seen)
+                except UserError as e:
+                    return await refuse(send, 413 if isinstance(e, TooManyParts) else 429, str(e))
+            if self._upload_lock is None:
+                self._upload_lock = asyncio.Lock()
+            async with self._upload_lock:  # Gradio names a stored file by its contents: one upload at a time
+                return await self._store(scope, receive, send, spool, owners, ticket, app)
+        finally:
+            spool.close()
+            studio.uploads.release(ticket)
 
-        async def record_then_send(message):
+    async def _store(self, scope, receive, send, spool, owners, ticket, app):
+        """Hand the counted body to Gradio, move what it stored into folders of their own, record them, answer."""
+        spool.seek(0)
+        start, chunks, done = None, [], False
+
+        async def replay():
+            nonlocal done
+            if done:
+                return await receive()
+            block = spool.read(1 << 20)
+            done = not block
+            return {"type": "http.request", "body": block, "more_body": bool(block)}
+
+        async def keep(message):
             nonlocal start
             if message["type"] == "http.response.start":
                 start = message
-                return
-            chunks.append(message.get("body", b""))
-            if message.get("more_body", False):
-                return
-            body = b"".join(chunks)
-            if start is not None and start.get("status") == 200:
-                try:
-                    stored = json.loads(body)
-                except ValueError:
-                    stored = []
-                studio.uploads.record(ticket, [p for p in stored if isinstance(p, str)]
-                                      if isinstance(stored, list) else [])
-            await send(start)
-            await send({"type": "http.response.body", "body": body})
+            else:
+                chunks.append(message.get("body", b""))
 
-        try:
-            await app(scope, receive, record_then_send)
-        finally:
-            studio.uploads.release(ticket)
+        await app(scope, replay, keep)
+        body = b"".join(chunks)
+        if start is None:
+            return await refuse(send, 500, "The upload was not stored.")
+        if start.get("status") == 200:
+            try:
+                stored = json.loads(body)
+            except ValueError:
+                stored = []
+            stored = [own_folder(p, owners) for p in stored if isinstance(p, str)] if isinstance(stored, list) else []
+            self.studio.uploads.record(ticket, stored)
+            body = json.dumps(stored).encode()
+        hdrs = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": [*hdrs, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class Served:
-    """The running server: ``url``, ``close()``; ``blocks`` are the studio's and the share page's Gradio apps."""
+    """The running server: ``url``, ``close()``; ``blocks`` are the studio's and the share page's Gradio apps;
+    ``files`` the record of which owner may fetch which returned file."""
 
-    def __init__(self, server: Server, blocks: list[gr.Blocks], url: str):
-        self.server, self.blocks, self.url = server, blocks, url
+    def __init__(self, server: Server, blocks: list[gr.Blocks], url: str, files: ServedFiles | None = None):
+        self.server, self.blocks, self.url, self.files = server, blocks, url, files
 
     def close(self) -> None:
         for b in self.blocks:
@@ -296,15 +527,25 @@ class Served:
 
 def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, port: int, *, theme=None,
           css: str = "", head: str = "", max_file_size: int | None = None,
-          downloads: Path | None = None) -> Served:
+          downloads: Path | None = None, allow_origins=None) -> Served:
     """Mount both Gradio apps on one FastAPI app with the middleware and start the server in a thread.
 
     ``downloads``: the folder of the owners' evaluation files and plug-in packages (outside the data directory).
     The studio hands files from it to its page (Gradio copies each into its cache, under a name made from the
-    file's contents), but nobody may fetch them there by path (the middleware answers 404)."""
+    file's contents): the copy is served only to the owner whose event returned it, and nothing is served from
+    the folder itself. ``allow_origins``: other sites whose pages may call the studio (default
+    ``$PEMA_ALLOW_ORIGINS``, comma-separated; none)."""
+    if allow_origins is None:
+        allow_origins = [o for o in os.environ.get(ALLOW_ORIGINS_ENV, "").split(",") if o.strip()]
+    if downloads is not None:
+        mark_downloads(Path(downloads))
+        sweep_downloads(Path(downloads), Path(downloads).parent)
+    files = ServedFiles()
+    for blocks in (studio_blocks, share_blocks):
+        grant_returned_files(blocks, files, studio.identity)
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(OwnerCookieMiddleware, studio=studio, downloads=downloads,
-                       blocks=[studio_blocks, share_blocks])
+                       blocks=[studio_blocks, share_blocks], served=files, allow_origins=allow_origins)
     for blocks in (studio_blocks, share_blocks):  # read by mount_gradio_app: each app cleans its own cache
         blocks.delete_cache = blocks.delete_cache or DELETE_CACHE
     common = dict(server_name=host, server_port=port, ssr_mode=False, show_error=True, theme=theme, css=css,
@@ -321,7 +562,37 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
                                    timeout_graceful_shutdown=1))  # open event streams are cut after 1 s
     server.run_in_thread()
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return Served(server, [studio_blocks, share_blocks], f"http://{shown}:{port}/")
+    return Served(server, [studio_blocks, share_blocks], f"http://{shown}:{port}/", files)
+
+
+def grant_returned_files(blocks: gr.Blocks, files: ServedFiles, identity) -> None:
+    """Record every file an event of ``blocks`` returns (its copy in Gradio's cache) against the credentials of the
+    request that ran the event, so the file route serves it to that owner alone."""
+    process_api = blocks.process_api
+
+    async def process_api_granting(*args, **kwargs):
+        out = await process_api(*args, **kwargs)
+        request = kwargs.get("request", args[3] if len(args) > 3 else None)
+        request = request[0] if isinstance(request, list) and request else request
+        paths = [f["path"] for f in returned_files(out.get("data") if isinstance(out, dict) else None)]
+        if paths and request is not None:
+            files.grant(paths, identity.credentials(dict(getattr(request, "headers", {}) or {}),
+                                                    dict(getattr(request, "cookies", {}) or {})))
+        return out
+
+    blocks.process_api = process_api_granting
+
+
+def returned_files(value, depth: int = 0) -> list[dict]:
+    """The file values (dicts with a string ``path`` and a ``url`` or Gradio's file marker) in an event's output."""
+    if depth > 32:
+        return []
+    if isinstance(value, dict):
+        here = [value] if isinstance(value.get("path"), str) and ("url" in value or "meta" in value) else []
+        return here + [f for v in value.values() for f in returned_files(v, depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [f for v in value for f in returned_files(v, depth + 1)]
+    return []
 
 
 def blocked_paths(data_dir: Path) -> list[str]:
