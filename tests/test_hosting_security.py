@@ -217,7 +217,8 @@ def variants(path: str) -> list[str]:
     return ["gradio_api/file=" + path, "gradio_api/file/" + path, "share/gradio_api/file=" + path,
             "/gradio_api/file=" + path, "gradio_api//file=" + path, "gradio_api/file=" + dotted,
             "gradio_api/file=" + quote(path, safe=""), "gradio_api/file%3D" + quote(path, safe=""),
-            "gradio_api/file=" + path.replace("/", "//"), "file=" + path, "share/gradio_api/file/" + path]
+            "gradio_api/file=" + path.replace("/", "//"), "file=" + path, "share/gradio_api/file/" + path,
+            "gradio_api/file=" + quote(quote(path, safe=""), safe=""), "gradio_api/FILE=" + path]
 
 
 def fetch(url: str, route: str, method: str = "GET", **kw):

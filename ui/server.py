@@ -22,7 +22,9 @@ import gradio as gr
 import uvicorn
 from fastapi import FastAPI
 from gradio.http_server import Server
+from gradio.route_utils import XSS_SAFE_MIMETYPES
 from gradio.utils import get_upload_folder
+from starlette.responses import FileResponse
 
 from ground.errors import UserError
 from studio.identity import COOKIE, NO_KEY
@@ -112,24 +114,27 @@ class OwnerCookieMiddleware:
     async def _serve_file(self, scope, receive, send, path: str, headers: dict, cookies: dict):
         """A file route: the file, to its owner only (404 for anyone else, for a file that does not exist, for a URL
         and for anything outside Gradio's cache). Ranges and HEAD as Starlette serves them."""
-        from starlette.responses import FileResponse
-
-        target = file_target(path)
         owners = self.studio.identity.credentials(headers, cookies)
-        real = os.path.realpath(target) if target and "://" not in target and "\x00" not in target else ""
-        ok = bool(real) and scope.get("method") in ("GET", "HEAD") and in_cache(real) \
-            and (self.downloads is None or not Path(real).is_relative_to(self.downloads)) \
-            and (self.studio.uploads.owns(real, owners) or self.served.owns(real, owners)) and os.path.isfile(real)
-        if not ok:
+        real = next((r for r in map(self._servable, file_targets(path)) if r and (
+            self.studio.uploads.owns(r, owners) or self.served.owns(r, owners))), "")
+        if not real or scope.get("method") not in ("GET", "HEAD"):
             return await refuse(send, 404, "")
-        from gradio.route_utils import XSS_SAFE_MIMETYPES
-
         mime = mimetypes.guess_type(real)[0]
         safe = mime in XSS_SAFE_MIMETYPES
         response = FileResponse(real, media_type=mime if safe else "application/octet-stream",
                                 filename=Path(real).name, content_disposition_type="inline" if safe else "attachment",
                                 headers={"Cache-Control": "private, no-store", "X-Content-Type-Options": "nosniff"})
         await response(scope, receive, send)
+
+    def _servable(self, target: str) -> str:
+        """The real path of a file route's target if it may be served at all (a file in Gradio's cache, not in the
+        downloads folder, not a URL), else ''."""
+        if not target or "://" in target or "\x00" in target:
+            return ""
+        real = os.path.realpath(target)
+        if not in_cache(real) or (self.downloads is not None and Path(real).is_relative_to(self.downloads)):
+            return ""
+        return real if os.path.isfile(real) else ""
 
     # --- cross-origin ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -227,14 +232,14 @@ def is_file_route(path: str) -> bool:
     return "file=" in low or re.search(r"(^|/)(gradio_api/)?file(/|$)", low) is not None
 
 
-def file_target(path: str) -> str:
-    """The path a file request names (what follows ``file=`` or ``/file/``), decoded."""
+def file_targets(path: str) -> list[str]:
+    """The path a file request names (what follows ``file=`` or ``/file/``) as the server decoded it, and decoded
+    once more (a client that encoded twice); each is checked on its own."""
     low = path.lower()
     i = low.find("file=")
-    if i >= 0:
-        return unquote(path[i + 5:])
     m = re.search(r"(^|/)file/", low)
-    return unquote(path[m.end():]) if m else ""
+    raw = path[i + 5:] if i >= 0 else path[m.end():] if m else ""
+    return [raw, unquote(raw)] if raw and unquote(raw) != raw else [raw] if raw else []
 
 
 def in_cache(real: str) -> bool:
@@ -484,7 +489,14 @@ class FileInputGuard:
                 stored = json.loads(body)
             except ValueError:
                 stored = []
-            stored = [own_folder(p, owners) for p in stored if isinstance(p, str)] if isinstance(stored, list) else []
+            stored = [p for p in stored if isinstance(p, str)] if isinstance(stored, list) else []
+            moved = [own_folder(p, owners) for p in stored]
+            for blocks in self.blocks[:1]:  # Gradio's cache cleaning knows each upload by the path it gave it
+                files = getattr(blocks, "upload_file_set", None)
+                if isinstance(files, set):
+                    files.difference_update(stored)
+                    files.update(moved)
+            stored = moved
             self.studio.uploads.record(ticket, stored)
             body = json.dumps(stored).encode()
         hdrs = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
