@@ -56,9 +56,12 @@ Adaptations (besides the decoder-only placement), recorded here and in ``train_i
       b_2 = ``gate_bias`` (4 ⇒ g = 0.982, 1.8 % memory) — the authors start W_q, W_k, W_v from Xavier;
     * memory items: mean states over each phrase's tokens from one teacher-forced pass of the frozen LM (the
       authors store per-token encoder / decoder states of force-decoded phrase pairs);
-    * layers: all layers by default (paper); ``layers="top:N"``, ``"bottom:N"``, ``"every:K"`` or ``"3,7,11"``
-      restrict adapters (and memory) to some layers — d×d matrices cost 2·(5d²+d+1) ≈ 4.1 M parameters per layer
-      at d = 640;
+    * layers: the top 4 by default (the paper: every layer, the ``paper`` preset); ``layers="all"``, ``"top:N"``,
+      ``"bottom:N"``, ``"every:K"`` or ``"3,7,11"`` — d×d matrices cost 2·(5d²+d+1) ≈ 4.1 M parameters per layer at
+      d = 640 (73.8 M for Gemma's 18 layers), and with the top layers only, the frozen layers below run once per
+      batch: the default trains in minutes on two CPU cores (BENCHMARKS.md);
+    * training softmax: over a candidate vocabulary by default (``softmax="candidates"``, below); the paper's full
+      softmax in the ``paper`` preset;
     * training on the memory's samples (not on a parallel corpus), with the frozen backbone's teacher-forced
       sequences (``plugins/seqtrain.py``) and the CPU budget ``max_minutes``.
 
@@ -66,20 +69,23 @@ Training (paper): L = NLL(full memory) + α·NLL(memory after dropout) + β·½(
 distributions with the full and the dropped memory, token means; memory dropout drops each adapted layer's whole
 memory (both sides: that layer's adapters become the identity) with probability 0.1, independently per sequence and
 layer (the authors' code draws once per layer and batch and zeroes the attention, leaving (1−g)·A); T = 0.5,
-α = β = 5 (their script: α·(NLL_q + KL) with α = 5, i.e. α = β). The two passes run as one doubled batch
-(``train_batch_loss``). Optimiser (paper's fairseq setup): Adam β (0.9, 0.98), peak lr 2e-4; the paper's
-inverse-sqrt schedule with warmup is not offered by the shared loop (``plugins/training.py``), so the default is its
-closest one, ``lr_schedule="cosine"`` — linear warmup over ``warmup_steps`` (10; the authors warm up over 100 of up to
-50k updates, a CPU run here has a few hundred steps at most), then cosine decay. Not reproduced: the authors' label
-smoothing (0.1) and their 100 updates of plain NLL before the dropout/KL terms start. The rest is the in-network
-plug-ins' shared training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early stopping (NLL with the
-full memory and the own-sentence mask, ``hooked_seq_loss``) on the samples that loop sets aside, of which this
+α = β = 5 (their script: α·(NLL_q + KL) with α = 5, i.e. α = β). Both passes run in one forward pass
+(``train_batch_loss``); a sequence that drew no drop has q = p, so only the sequences that drew one run a second
+time (exact). Batches: ``batch_size`` sequences, or ``batch_tokens`` tokens a step (the paper's 8K, ``paper``
+preset, with its 20K updates as ``max_steps``). Optimiser (paper's fairseq setup): Adam β (0.9, 0.98), peak lr
+2e-4; the paper's inverse-sqrt schedule with warmup is not offered by the shared loop (``plugins/training.py``), so
+the default is its closest one, ``lr_schedule="cosine"`` — linear warmup over ``warmup_steps`` (10; the authors warm
+up over 100 of up to 50k updates, a CPU run here has a few hundred steps at most), then cosine decay. Not reproduced:
+the authors' label smoothing (0.1) and their 100 updates of plain NLL before the dropout/KL terms start. The rest is
+the in-network plug-ins' shared training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early
+stopping (NLL with the full memory and the own-sentence mask, ``hooked_seq_loss``) on the samples that loop sets aside, of which this
 method evaluates a seeded subset of ``max_heldout``, through ``plugins.training.run_training``; with a time budget, a
 guard evaluates the early-stopping set once more before the step that would cross it, so the steps taken since the
-last evaluation are not thrown away (the loop keeps the best *evaluated* weights). ``softmax="candidates"`` (an
-option, not the default) restricts the training softmax (NLL and KL) to a candidate vocabulary — the memory's target
-tokens, the stop tokens and the LM's top-16 tokens on sampled memory contexts — which removes most of the LM-head cost
-of a CPU training step (Gemma's vocabulary has 262k tokens); decoding always uses the full vocabulary.
+last evaluation are not thrown away (the loop keeps the best *evaluated* weights). ``softmax="candidates"`` (the
+default; the ``paper`` preset has the full softmax) restricts the training softmax (NLL and KL) to a candidate
+vocabulary — the memory's target tokens, the stop tokens and the LM's top-16 tokens on sampled memory contexts —,
+which removes most of the LM-head cost of a CPU training step (Gemma's vocabulary has 262k tokens); decoding always
+uses the full vocabulary.
 
 Decoding: ``level = "network"``. Settings: ``temperature`` (default: the trained T), ``trace_top_k`` and the
 "+ kNN" mix of the paper (``knn_lambda``, ``knn_k``, ``knn_temperature``; off at λ = 0): ``mix`` implements kNN-MT
