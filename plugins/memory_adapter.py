@@ -78,8 +78,8 @@ the default is its closest one, ``lr_schedule="cosine"`` — linear warmup over 
 up over 100 of up to 50k updates, a CPU run here has a few hundred steps at most), then cosine decay. Not reproduced:
 the authors' label smoothing (0.1) and their 100 updates of plain NLL before the dropout/KL terms start. The rest is
 the in-network plug-ins' shared training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early
-stopping (NLL with the full memory and the own-sentence mask, ``hooked_seq_loss``) on the samples that loop sets aside, of which this
-method evaluates a seeded subset of ``max_heldout``, through ``plugins.training.run_training``; with a time budget, a
+stopping (NLL with the full memory and the own-sentence mask, ``hooked_seq_loss``) on the samples that loop sets
+aside, of which this method evaluates a seeded subset of ``max_heldout``, through ``plugins.training.run_training``; with a time budget, a
 guard evaluates the early-stopping set once more before the step that would cross it, so the steps taken since the
 last evaluation are not thrown away (the loop keeps the best *evaluated* weights). ``softmax="candidates"`` (the
 default; the ``paper`` preset has the full softmax) restricts the training softmax (NLL and KL) to a candidate
