@@ -1091,9 +1091,15 @@ def test_memory_adapter_own_sentence_is_masked_out_of_each_training_rows_attenti
     ids, mask, labels = collate(tiny, data, range(len(data)))
     layer_of = {id(blk): int(l) for l, blk in p.blocks.items()}
 
+    # the training pass's rows: every sample, then again each sample that drew a drop (the same draw as the plug-in's)
+    B = len(data)
+    drop = torch.rand(B, len(p.adapted_layers), generator=torch.Generator().manual_seed(0)) < p.config.memory_dropout
+    sample_of = list(range(B)) + drop.any(1).nonzero().flatten().tolist()
+    assert len(sample_of) > B
+
     def own_by_hand(blk, n_rows):
         items = [normalize(p.phrases[j]["tgt"]) for j in blk.phrase_ids.tolist()]
-        return torch.tensor([[t == normalize(rows[b % len(rows)]["tgt"]) for t in items] for b in range(n_rows)])
+        return torch.tensor([[t == normalize(rows[sample_of[b]]["tgt"]) for t in items] for b in range(n_rows)])
 
     def layer_by_hand(blk, a, keep, own):
         x = a.double() / blk.scale.double()
@@ -1127,7 +1133,7 @@ def test_memory_adapter_own_sentence_is_masked_out_of_each_training_rows_attenti
     p._drop_rng = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
-            p.train_batch_loss(ids, mask, labels)  # doubled batch: rows b and b + B are sample b
+            p.train_batch_loss(ids, mask, labels)  # rows 0..B-1 the samples, then those that drew a drop
             p.hooked_seq_loss(ids, mask, labels)
     finally:
         p._own = None
