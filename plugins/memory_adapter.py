@@ -59,7 +59,7 @@ Adaptations (besides the decoder-only placement), recorded here and in ``train_i
     * layers: the top 4 by default (the paper: every layer, the ``paper`` preset); ``layers="all"``, ``"top:N"``,
       ``"bottom:N"``, ``"every:K"`` or ``"3,7,11"`` — d×d matrices cost 2·(5d²+d+1) ≈ 4.1 M parameters per layer at
       d = 640 (73.8 M for Gemma's 18 layers), and with the top layers only, the frozen layers below run once per
-      batch: the default trains in minutes on two CPU cores (BENCHMARKS.md);
+      batch: a default step costs 2.1 CPU s where the top 4 with the full softmax cost 7.5 on Gemma (BENCHMARKS.md);
     * training softmax: over a candidate vocabulary by default (``softmax="candidates"``, below); the paper's full
       softmax in the ``paper`` preset;
     * training on the memory's samples (not on a parallel corpus), with the frozen backbone's teacher-forced
@@ -68,24 +68,23 @@ Adaptations (besides the decoder-only placement), recorded here and in ``train_i
 Training (paper): L = NLL(full memory) + α·NLL(memory after dropout) + β·½(KL(p‖q) + KL(q‖p)), p and q the output
 distributions with the full and the dropped memory, token means; memory dropout drops each adapted layer's whole
 memory (both sides: that layer's adapters become the identity) with probability 0.1, independently per sequence and
-layer (the authors' code draws once per layer and batch and zeroes the attention, leaving (1−g)·A); T = 0.5,
-α = β = 5 (their script: α·(NLL_q + KL) with α = 5, i.e. α = β). Both passes run in one forward pass
-(``train_batch_loss``); a sequence that drew no drop has q = p, so only the sequences that drew one run a second
-time (exact). Batches: ``batch_size`` sequences, or ``batch_tokens`` tokens a step (the paper's 8K, ``paper``
-preset, with its 20K updates as ``max_steps``). Optimiser (paper's fairseq setup): Adam β (0.9, 0.98), peak lr
-2e-4; the paper's inverse-sqrt schedule with warmup is not offered by the shared loop (``plugins/training.py``), so
-the default is its closest one, ``lr_schedule="cosine"`` — linear warmup over ``warmup_steps`` (10; the authors warm
-up over 100 of up to 50k updates, a CPU run here has a few hundred steps at most), then cosine decay. Not reproduced:
-the authors' label smoothing (0.1) and their 100 updates of plain NLL before the dropout/KL terms start. The rest is
-the in-network plug-ins' shared training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early
-stopping (NLL with the full memory and the own-sentence mask, ``hooked_seq_loss``) on the samples that loop sets
-aside, of which this method evaluates a seeded subset of ``max_heldout``, through ``plugins.training.run_training``; with a time budget, a
-guard evaluates the early-stopping set once more before the step that would cross it, so the steps taken since the
-last evaluation are not thrown away (the loop keeps the best *evaluated* weights). ``softmax="candidates"`` (the
-default; the ``paper`` preset has the full softmax) restricts the training softmax (NLL and KL) to a candidate
-vocabulary — the memory's target tokens, the stop tokens and the LM's top-16 tokens on sampled memory contexts —,
-which removes most of the LM-head cost of a CPU training step (Gemma's vocabulary has 262k tokens); decoding always
-uses the full vocabulary.
+layer (the authors' code draws once per layer and batch and zeroes the attention, leaving (1−g)·A); T = 0.5, α = β = 5
+(their script: α·(NLL_q + KL) with α = 5, i.e. α = β). Both passes run in one forward pass (``train_batch_loss``); a
+sequence that drew no drop has q = p, so only the sequences that drew one run a second time (exact). Batches:
+``batch_size`` sequences, or ``batch_tokens`` tokens a step (the paper's 8K, ``paper`` preset, with its 20K updates as
+``max_steps``). Optimiser (paper's fairseq setup): Adam β (0.9, 0.98), peak lr 2e-4; the paper's inverse-sqrt schedule
+with warmup is not offered by the shared loop (``plugins/training.py``), so the default is its closest one,
+``lr_schedule="cosine"`` — linear warmup over ``warmup_steps`` (10; the authors warm up over 100 of up to 50k updates,
+a CPU run here has a few hundred steps at most), then cosine decay. Not reproduced: the authors' label smoothing (0.1)
+and their 100 updates of plain NLL before the dropout/KL terms start. The rest is the in-network plug-ins' shared
+training (``NetworkPlugin.fit_sequences`` in ``plugins/network.py``): early stopping (NLL with the full memory and the
+own-sentence mask, ``hooked_seq_loss``) on the samples that loop sets aside, of which this method evaluates a seeded
+subset of ``max_heldout``, through ``plugins.training.run_training``; with a time budget, a guard evaluates the
+early-stopping set once more before the step that would cross it, so the steps taken since the last evaluation are not
+thrown away (the loop keeps the best *evaluated* weights). ``softmax="candidates"`` (the default; the ``paper`` preset
+has the full softmax) restricts the training softmax (NLL and KL) to a candidate vocabulary — the memory's target
+tokens, the stop tokens and the LM's top-16 tokens on sampled memory contexts —, which removes most of the LM-head
+cost of a CPU training step (Gemma's vocabulary has 262k tokens); decoding always uses the full vocabulary.
 
 Decoding: ``level = "network"``. Settings: ``temperature`` (default: the trained T), ``trace_top_k`` and the
 "+ kNN" mix of the paper (``knn_lambda``, ``knn_k``, ``knn_temperature``; off at λ = 0): ``mix`` implements kNN-MT
@@ -210,8 +209,9 @@ class MemoryAdapterConfig(NetworkConfig):
     memory_dropout: float = setting(0.1, "probability of dropping one layer's memory (paper 0.1)", low=0.0, high=1.0)
     layers: str = setting(
         "top:4", "adapted layers: \"all\" (the paper) | \"top:N\" | \"bottom:N\" | \"every:K\" | \"0,4,8\"; the "
-        "default, the top 4, trains in minutes on two CPU cores (the frozen layers below run once per batch, 16 M "
-        "parameters instead of 74 M) and is not worse on held-out data than every layer (BENCHMARKS.md)")
+        "default, the top 4: the frozen layers below run once per batch and 16 M parameters train instead of 74 M "
+        "(every layer), to train in minutes on two CPU cores; its held-out quality against every layer is not "
+        "measured yet (BENCHMARKS.md)")
     allocation: str = setting("short_to_long", "\"short_to_long\" (paper's best) | \"long_to_short\" | \"random\"",
                               choices=("short_to_long", "long_to_short", "random"))
     memory_side: str = setting("both", "\"both\" | \"target\" | \"source\"", choices=("both", "target", "source"))
