@@ -350,6 +350,30 @@ def test_batched_compare_matches_single_rows(tiny, tiny_memory, trained):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
 
 
+def test_token_batches_and_step_budget(tiny, tiny_memory):
+    """``batch_tokens`` sizes a step by the sequences' own tokens (the paper's 8K-token batches, its ``paper``
+    preset) and ``max_steps`` ends the run there."""
+    from plugins.api import new_plugin
+    from plugins.seqtrain import memory_sequences
+
+    data = memory_sequences(tiny, tiny_memory, "train")
+    own = [len(c) + len(t) - data.shared_len(i) for i, (c, t) in enumerate(zip(data.contexts, data.targets))]
+    mean = sum(own) / len(own)
+    p = new_plugin("memory_adapter", tiny, tiny_memory, {**FAST, "batch_tokens": int(3 * mean)})
+    assert p.samples_per_step(data) == 3
+    assert new_plugin("memory_adapter", tiny, tiny_memory, FAST).samples_per_step(data) == FAST["batch_size"]
+    p = new_plugin("memory_adapter", tiny, tiny_memory,
+                   {**FAST, "batch_tokens": int(2 * mean), "max_steps": 3, "max_epochs": 50, "patience": 1000})
+    result = p.fit(tiny_memory)
+    assert p.train_info["steps"] == 3 and p.train_info["stopped_by"] == "max_steps"
+    assert {"nll", "kl"} <= set(next(h for h in result.history if "loss" in h))
+    from plugins.registry import get_method
+
+    paper = get_method("memory_adapter").Config.PRESETS["paper"].values
+    assert (paper["batch_tokens"], paper["max_steps"], paper["layers"], paper["softmax"]) == (8192, 20000, "all",
+                                                                                             "full")
+
+
 def test_bad_config_and_settings(tiny, tiny_memory, trained):
     from plugins.api import make_config, new_plugin
 
