@@ -2,7 +2,7 @@
 returns plain JSON; a user error comes back as the client's error with the same message as in the page.
 
     /status /preview /build /job /jobs /cancel /memories /memory /delete_memory /methods /train /plugins
-    /continue_training /compare /share /shared /evaluate /rank /leaderboard /share_leaderboard
+    /continue_training /compare /share /shared /evaluate /calibrate /rank /leaderboard /share_leaderboard
     /export_plugin /import_plugin   (files: the Plug-ins tab's Export / Import events, ``TAB_NAMES``)
 
 Identity: every endpoint about an owner's things acts for the caller (``ui.common.caller``): in multi-user mode the
@@ -23,8 +23,8 @@ _api = user_errors  # API endpoints report a UserError as the same Gradio error 
 
 
 NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
-         "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate", "rank", "leaderboard",
-         "share_leaderboard"]
+         "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate", "calibrate", "rank",
+         "leaderboard", "share_leaderboard"]
 # Named events of a tab that are API endpoints too (files in and out: ui/plugins.py's Export / Import block)
 TAB_NAMES = ["export_plugin", "import_plugin"]
 
@@ -208,7 +208,7 @@ def register(studio) -> None:
         return {"id": sid, "link": f"/share/?c={sid}"}
 
     fns = (status, preview, build, job, jobs, cancel, memories, memory, delete_memory, methods, train, plugins,
-           continue_training, compare, share, shared, evaluate, rank, leaderboard, share_leaderboard)
+           continue_training, compare, share, shared, evaluate, calibrate, rank, leaderboard, share_leaderboard)
     assert [f.__name__ for f in fns] == NAMES
     for fn in fns:
         group, limit = CONCURRENCY.get(fn.__name__, ("api-read", 4))
