@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from backbone.model import Backbone, cpu_description, resolve_precision, set_precision  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
 from eval.datasets import wmt_pairs  # noqa: E402
+from ground.store import data_dir  # noqa: E402
 from memories.build import build_memory  # noqa: E402
 from memories.parse import Sample  # noqa: E402
 from plugins.api import train_plugin  # noqa: E402
@@ -53,8 +54,6 @@ QUICK = {"max_minutes": 0.2, "max_epochs": 1}  # plug-ins for the decode timing:
 
 
 def default_config_dir() -> Path:
-    from ground.store import data_dir
-
     return Path(data_dir()) / "backbones" / "gemma-3-270m"
 
 

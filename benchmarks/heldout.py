@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from backbone.cli import load_backbone_from_args
 from ground.cli import add_common
 from plugins.api import open_memory
 from plugins.base import MixInput, load_plugin
@@ -68,8 +69,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results here")
     add_common(ap)
     args = ap.parse_args(argv)
-    from backbone.cli import load_backbone_from_args
-
     bb = load_backbone_from_args(args)
     mem = open_memory(args.memory, bb)
     t = time.time()
