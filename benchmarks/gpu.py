@@ -280,7 +280,7 @@ def main(argv=None) -> int:
         args.layers = args.layers or 2
     t = time.time()
     if args.backbone == "tiny":
-        from backbone.tiny import tiny_backbone  # noqa: PLC0415  (tokenizer training: only when asked for)
+        from backbone.tiny import tiny_backbone  # heavy: tokenizer training, only for --backbone tiny
 
         bb = tiny_backbone(device=args.device)
     else:
