@@ -289,6 +289,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
     rep(1.0)
     plan.finish(probe)
     phases["decode_speed"] = round(time.time() - t0, 2)
+    log(f"phase decode speed: {phases['decode_speed']} s wall")
     interp = [m for m in names if get_method(m).interpolates]
     cal_items = {m: plan.add("calibration", get_method(m).title,
                              min(calibrate_seconds or 1e9, 2.0 * info["tune"] * s_per_sentence)) for m in interp}
@@ -327,6 +328,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
         rep(1.0)
         plan.finish(item)
     phases["training"] = round(time.time() - t0, 2)
+    log(f"phase training: {phases['training']} s wall")
 
     # 3. calibration of the interpolating methods on the tuning part only
     t0 = time.time()
@@ -349,6 +351,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
         rep(1.0)
         plan.finish(item)
     phases["calibration"] = round(time.time() - t0, 2)
+    log(f"phase calibration: {phases['calibration']} s wall")
 
     # 4. evaluation of every row on the report sentences (none of them tuned anything)
     t0 = time.time()
@@ -360,6 +363,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
                    progress=rep, should_stop=should_stop, bootstrap=bootstrap)
     plan.finish(eval_item)
     phases["evaluation"] = round(time.time() - t0, 2)
+    log(f"phase evaluation: {phases['evaluation']} s wall")
 
     # 5. decode cost per token, each method alone, relative to the base model's
     t0 = time.time()
@@ -373,6 +377,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
         rep(1.0)
         plan.finish(item)
     phases["decode_cost"] = round(time.time() - t0, 2)
+    log(f"phase decode cost: {phases['decode_cost']} s wall")
     phases["total"] = round(time.time() - t_start, 2)
 
     board = _leaderboard_rows(res, rows_out, tuned)
