@@ -30,6 +30,7 @@ from pathlib import Path
 from backbone.cli import load_backbone_from_args
 from backbone.tasks import task_prompt
 from eval import datasets
+from eval.calibrate import calibrate, describe_choice
 from eval.rank import format_leaderboard, rank
 from eval.run import evaluate, format_table, lambda_sweep
 from eval.style import train_shakespeare_classifier
@@ -40,9 +41,9 @@ from memories.parse import parse_samples_strict
 from offsite.cli import add_remote, remote_backbone_from_args
 from offsite.decode import decode_batch_remote, open_offsite_plugin
 from plugins.__main__ import plugin_rows, tuned_lines
-from plugins.api import open_memory, open_plugin
+from plugins.api import open_memory, open_plugin, plugin_folder
 from plugins.decode import Row
-from plugins.settings import parse_sets
+from plugins.settings import parse_sets, plugin_calibration
 
 
 def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
@@ -69,9 +70,6 @@ def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
 
 def calibrate_main(args, cat) -> int:
     """``python -m eval calibrate``: tune one plug-in on its memory's held-out tuning samples and store it."""
-    from eval.calibrate import calibrate, describe_choice
-    from plugins.api import plugin_folder
-
     bb = load_backbone_from_args(args)
     plugin = open_plugin(args.plugin, bb, cat)
     mref = plugin.memory_meta.get("path") or plugin.memory_meta.get("id")
@@ -136,8 +134,6 @@ def rank_main(args, cat) -> int:
 def untuned_pairs(args, cat, plugins, pairs) -> list:
     """``--memory``'s held-out pairs without those a plug-in was calibrated on (a calibrated setting is never
     scored on its own tuning samples); says how many were left out."""
-    from plugins.settings import plugin_calibration
-
     mem = open_memory(args.memory, catalog=cat)
     tuned: set = set()
     for p in plugins:

@@ -17,6 +17,7 @@ from eval import run as eval_run
 from ground.errors import UserError
 from ground.jobs import JobContext
 from memories.parse import parse_samples_strict
+from plugins.settings import load_calibration
 from studio.compare_service import with_comparison
 from studio.payload import json_safe
 
@@ -142,8 +143,6 @@ class EvaluateService:
     def _untuned_heldout(self, a: dict, owner: str, calibrated: bool) -> tuple[list[tuple], int]:
         """The memory's held-out pairs without those a chosen plug-in (at its tuned settings) was calibrated on,
         and how many were left out."""
-        from plugins.settings import load_calibration
-
         tuned: set[int] = set()
         ids = [a["plugin_id"]] if a.get("mode") == "sweep" else [m for m in a.get("methods") or []
                                                                   if m not in ("base", "", None)]

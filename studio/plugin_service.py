@@ -11,6 +11,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from backbone.model import resolve_name
+from eval.calibrate import DEFAULT_SECONDS, MIN_TUNE, calibrate, describe_choice, split_heldout
 from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
 from ground.store import new_id
@@ -85,8 +86,6 @@ def calibration_share(method: str, config: dict, backbone_name: str, memory) -> 
     """The part of a training job's progress bar that training takes when calibration follows it (1.0: no
     calibration — the method does not interpolate, or its memory has too few held-out samples): from the training
     estimate and calibration's time budget."""
-    from eval.calibrate import DEFAULT_SECONDS, MIN_TUNE, split_heldout
-
     cls = get_method(method)
     if not (cls.interpolates and cls.level == "output") or split_heldout(memory)[2]["tune"] < MIN_TUNE:
         return 1.0
@@ -276,8 +275,6 @@ class PluginService:
         """Calibrate a just-trained interpolating plug-in on its memory's held-out tuning samples, as the rest of
         the training job (progress from ``start`` to 1). Too few samples, or a cancel, leave the plug-in trained at
         the global defaults and say so; the job still succeeds (the plug-in is saved)."""
-        from eval.calibrate import calibrate, describe_choice  # studio > eval; loaded only when calibrating
-
         job.log(f"Calibrating {plugin.title} on held-out samples of {mem.meta.get('name', mem.id)!r}")
         try:
             with self.gate.use(holder=f"calibrating {plugin.title}"):
@@ -334,8 +331,6 @@ class PluginService:
         return self.jobs.submit("calibrate_plugin", args, owner=owner)
 
     def _job_calibrate(self, job: JobContext) -> dict:
-        from eval.calibrate import calibrate, describe_choice
-
         a = job.args
         bb = self._job_backbone(job)
         prow = self._plugin_row(a["plugin_id"], job.owner)
