@@ -39,7 +39,7 @@ from backbone.prompts import Prompt
 from ground.errors import UserError
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
-from plugins.settings import Setting, setting
+from plugins.settings import Preset, Setting, setting
 
 INDEX_FILE = "retrieval_index.json"
 INDEX_FORMAT = 1
@@ -105,6 +105,14 @@ def rerank_by_coverage(query: list[str], docs: list[list[str]], candidates: list
 class RetrievalICLConfig(PluginConfig):
     bm25_k1: float = setting(1.2, "BM25's term-frequency saturation k1", low=0.0, high=10.0)
     bm25_b: float = setting(0.75, "BM25's document-length normalization b", low=0.0, high=1.0)
+
+    # Nothing is trained: every preset is the shipped retrieval; the paper's choices that differ (k up to 16) are
+    # decode settings, set per row in Compare / Evaluate.
+    PRESETS = {
+        "paper": Preset({}, "standard BM25 (k1 1.2, b 0.75) over the sources, then n-gram coverage re-ranking; "
+                            "the paper's k (up to 16) is the decode setting k"),
+        "quick": Preset({}, "the shipped retrieval (building the index takes well under a second)"),
+    }
 
 
 @register

@@ -379,6 +379,14 @@ def test_an_unknown_event_or_endpoint_is_a_clean_404_on_both_apps(site):
                             ("gradio_api/run/no_such_api", {"data": []})):
             r = httpx.post(site.url + prefix + route, json=body, headers={"X-Pema-Key": site.ka}, timeout=30)
             assert r.status_code == 404 and "No such event" in r.json()["detail"], (prefix, route, r.text)
+    # the page's own events without a queue go to run/predict with their fn_index: that name is Gradio's, not an API's
+    known = min(site.blocks.fns)
+    r = httpx.post(site.url + "gradio_api/run/predict", json={"data": [], "fn_index": known, "session_hash": "x"},
+                   headers={"X-Pema-Key": site.ka}, timeout=30)
+    assert r.status_code != 404 or "No such event" not in r.text, r.text
+    r = httpx.post(site.url + "gradio_api/run/predict", json={"data": [], "fn_index": 99999, "session_hash": "x"},
+                   headers={"X-Pema-Key": site.ka}, timeout=30)
+    assert r.status_code == 404 and "No such event" in r.text, r.text
 
 
 def test_a_file_value_without_its_marker_is_a_clean_400(site):

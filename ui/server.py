@@ -380,8 +380,8 @@ class FileInputGuard:
         if not isinstance(fns, dict):
             return True
         index = value.get("fn_index") if isinstance(value, dict) else None
-        if isinstance(index, int) and not isinstance(index, bool) and index not in fns:
-            return False
+        if isinstance(index, int) and not isinstance(index, bool):
+            return index in fns  # as Gradio routes it: a given fn_index wins over the path's name (run/predict)
         return api_name is None or any(getattr(f, "api_name", None) == api_name for f in fns.values())
 
     def _admit(self, owners: frozenset) -> tuple[int | None, int]:
