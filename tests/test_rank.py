@@ -237,3 +237,33 @@ def test_rank_submission_is_checked(tmp_path):
             st.leaderboard()
     finally:
         st.close()
+
+
+def test_a_stranger_can_neither_rank_nor_read_nor_share_nor_calibrate_anothers_things(tmp_path):
+    from _server import TINY_PAIRS
+
+    from studio.service import Studio
+
+    st = Studio(tmp_path, backbone="tiny", multi_user=True)
+    assert st.wait_ready(120), st.status()
+    try:
+        tsv = "\n".join(f"{s}\t{t}" for s, t in TINY_PAIRS)
+        built = st.jobs.wait(st.submit_build(tsv, "pairs.tsv", name="a's", owner="a"), 120)
+        assert built["state"] == "done", built
+        mid = built["result"]["memory_id"]
+        trained = st.jobs.wait(st.submit_train(mid, "knn", {}, "a's knn", owner="a"), 120)
+        assert trained["state"] == "done", trained
+        pid = trained["result"]["plugin_id"]
+        with pytest.raises(UserError, match="No memory"):
+            st.submit_rank(mid, owner="b")
+        with pytest.raises(UserError):
+            st.rank_estimate(mid, owner="b")
+        for call in (st.leaderboard, st.share_leaderboard):
+            with pytest.raises(UserError, match="No ranking"):
+                call(trained["id"], owner="b")
+        with pytest.raises(UserError):
+            st.submit_calibrate(pid, owner="b")
+        assert st.best_methods(owner="b") == {}
+        assert st.jobs.list(owner="b") == []
+    finally:
+        st.close()
