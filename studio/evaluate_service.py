@@ -28,6 +28,15 @@ class EvaluateService:
     """Evaluations (background jobs) and their CSV."""
 
     # --- evaluating ---------------------------------------------------------------------------------------------
+    def _test_pairs(self, test_data, test_filename: str | None) -> list[tuple[str, str]]:
+        """The (source, reference) pairs of an uploaded test file, checked and bounded (Evaluate and Rank)."""
+        self._check_upload(test_data)
+        samples = parse_samples_strict(test_data, test_filename, max_samples=self.limits.samples or None)
+        pairs = [(s.src, s.tgt) for s in samples if s.src is not None]
+        if not pairs:
+            raise UserError("The test file needs source and reference pairs (two columns, or src/tgt JSON).")
+        return pairs
+
     def submit_evaluate(self, *, methods: list[str] | None = None, memory_id: str | None = None,
                         test_data: bytes | str | None = None, test_filename: str | None = None,
                         task: str = "translation", limit: int = 50, settings: dict | None = None,
@@ -57,11 +66,7 @@ class EvaluateService:
         args: dict = {"task": task, "limit": limit, "settings": settings or {}, "max_new_tokens": max_new_tokens,
                       "global_defaults": bool(global_defaults)}
         if test_data:
-            self._check_upload(test_data)
-            samples = parse_samples_strict(test_data, test_filename, max_samples=self.limits.samples or None)
-            pairs = [(s.src, s.tgt) for s in samples if s.src is not None]
-            if not pairs:
-                raise UserError("The test file needs source and reference pairs (two columns, or src/tgt JSON).")
+            pairs = self._test_pairs(test_data, test_filename)
             n = min(limit, len(pairs)) if limit else len(pairs)
             args["pairs"] = pairs[:n]
             args["data"] = Path(test_filename).name if test_filename else "uploaded test file"

@@ -16,7 +16,6 @@ from eval.rank import find_trained, wanted_methods
 from eval.rank import rank as run_rank
 from ground.errors import UserError
 from ground.jobs import JobContext
-from memories.parse import parse_samples_strict
 from plugins.api import make_config, open_memory
 from plugins.estimate import estimate
 from plugins.registry import get_method
@@ -52,11 +51,7 @@ class RankService:
         names = self._rank_methods(methods)
         args: dict = {"methods": names}
         if test_data:
-            self._check_upload(test_data)
-            samples = parse_samples_strict(test_data, test_filename, max_samples=self.limits.samples or None)
-            pairs = [(s.src, s.tgt) for s in samples if s.src is not None]
-            if not pairs:
-                raise UserError("The test file needs source and reference pairs (two columns, or src/tgt JSON).")
+            pairs = self._test_pairs(test_data, test_filename)
             self.limits.check("eval_pairs", len(pairs), "The number of test pairs")
             args.update(pairs=pairs, data=test_filename or "uploaded test file")
         if corpus:

@@ -79,6 +79,13 @@ def read_upload(studio, request, path: str | None) -> tuple[bytes | None, str | 
     return data, p.name
 
 
+def job_poll_key(job: dict) -> tuple:
+    """What a polled job card shows; the same key means nothing to redraw. A running job's card also moves on with
+    its elapsed time (every 5 s) between progress reports."""
+    return (job["id"], job["state"], round(job["progress"], 3), job["message"],
+            int((job.get("elapsed_s") or 0) // 5) if job["state"] == "running" else 0)
+
+
 def memory_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
     return [(f"{m['name']} · {m['task']} · {m['samples']} samples" + ("" if m["usable"] else " (other backbone)"),
              m["id"]) for m in studio.memories(owner=owner)]

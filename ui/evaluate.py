@@ -17,6 +17,7 @@ from ui import plots, render
 from ui.common import (
     BASE_CHOICE,
     choices_update,
+    job_poll_key,
     keep_value,
     memory_choices,
     method_choices,
@@ -280,9 +281,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
             job = studio.job(jid, owner=me)
         except UserError:
             return (*[gr.skip()] * n_out, last)
-        # a running job's card also moves on with its elapsed time (every 5 s) between progress reports
-        key = (jid, job["state"], round(job["progress"], 3), job["message"],
-               int((job.get("elapsed_s") or 0) // 5) if job["state"] == "running" else 0)
+        key = job_poll_key(job)
         if key == last:
             return (*[gr.skip()] * n_out, last)
         if job["state"] in FINAL_STATES:

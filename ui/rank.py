@@ -17,7 +17,7 @@ from plugins.registry import available_methods
 from plugins.timing import minutes
 from studio.rank_service import TOUR_CORPUS, TOUR_LIMIT
 from ui import plots, render
-from ui.common import choices_update, keep_value, memory_choices, owner_of, read_upload, user_errors
+from ui.common import choices_update, job_poll_key, keep_value, memory_choices, owner_of, read_upload, user_errors
 
 HEADERS = ["#", "method", "chrF [95% CI]", "sacreBLEU [95% CI]", "Δ chrF (p)", "Δ sacreBLEU (p)", "training",
            "trainable parameters", "decode cost / token", "settings (tuned on this memory)"]
@@ -239,8 +239,7 @@ def build(studio) -> SimpleNamespace:
             job = studio.job(jid, owner=owner_of(studio, request))
         except UserError:
             return (*[gr.skip()] * n_out, last)
-        key = (jid, job["state"], round(job["progress"], 3), job["message"],
-               int((job.get("elapsed_s") or 0) // 5) if job["state"] == "running" else 0)
+        key = job_poll_key(job)
         if key == last:
             return (*[gr.skip()] * n_out, last)
         if job["state"] in FINAL_STATES:
