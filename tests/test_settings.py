@@ -112,12 +112,12 @@ def test_a_new_setting_in_one_declaration_reaches_ui_cli_and_grids(tiny, tiny_me
 def test_every_tuned_default_is_a_declared_setting():
     import json
 
-    from backbone.tasks import TUNED_PATH
     from plugins.registry import get_method
+    from plugins.settings import TUNED_PATH
 
     for task, t in json.loads(TUNED_PATH.read_text()).items():
-        for bb, entry in t.get("backbones", {}).items():
-            for method, values in entry.get("decode", {}).items():
+        for bb, entry in t.items():
+            for method, values in entry.items():
                 cls = get_method(method)
                 names = {s.name for s in cls.decode_settings}
                 assert set(values) <= names, (task, bb, method, set(values) - names)
