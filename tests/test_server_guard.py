@@ -251,11 +251,11 @@ def test_recent_comparisons_are_kept_per_owner(tmp_path):
 
     st = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
     try:
-        st._keep_recent("victim", {"id": "victim-1"})
+        st.store.keep_recent("victim", {"id": "victim-1"})
         for i in range(3 * compare_service.RECENT_PER_OWNER):
-            st._keep_recent(f"stranger-{i % 3}", {"id": f"s-{i}"})
-        assert "victim-1" in st._recent
-        assert sum(o == "stranger-0" for o, _ in st._recent.values()) == compare_service.RECENT_PER_OWNER
+            st.store.keep_recent(f"stranger-{i % 3}", {"id": f"s-{i}"})
+        assert "victim-1" in st.store.recent_owners()
+        assert sum(o == "stranger-0" for o in st.store.recent_owners().values()) == compare_service.RECENT_PER_OWNER
     finally:
         st.close()
 
@@ -329,7 +329,8 @@ def test_a_copied_data_directory_never_touches_the_original(tmp_path):
         assert [m["id"] for m in st2.memories()] == [mid] and (copy / "memories" / mid).is_dir()
         assert Path(st2.catalog.memory(mid)["path"]).resolve() == (copy / "memories" / mid).resolve()
         assert not any("removed a folder" in r for r in st2.repairs), st2.repairs
-        plugin = st2._plugin(pid)  # a kNN plug-in: it reads its memory's keys, from the copy's own folder
+        # a kNN plug-in: it reads its memory's keys, from the copy's own folder
+        plugin = st2.plugin_svc.load_plugin(pid)
         assert Path(plugin.memory_meta["path"]).resolve() == (copy / "memories" / mid).resolve()
         st2.delete_plugin(pid)
         st2.delete_memory(mid)

@@ -302,7 +302,7 @@ class LiveMove:
     LiveComparison holds the new state; a move that is stopped half-way leaves it as it was."""
 
     def __init__(self, live: LiveComparison, batch: Batch, kept: dict, tails: list, t0: float):
-        self.live, self.batch, self.kept, self.tails, self.t0 = live, batch, kept, tails, t0
+        self._live, self.batch, self.kept, self.tails, self.t0 = live, batch, kept, tails, t0
         self.finished = False
         self.seconds = 0.0
         self.reused_steps = sum(len(toks) if kept[i][0] is None else kept[i][0]
@@ -333,7 +333,7 @@ class LiveMove:
 
     def _rows(self) -> list[tuple[list[int], list[dict], float]]:
         """(tokens, trace, score) of every row now."""
-        live = self.live
+        live = self._live
         out = [(live.tokens[i], live.traces[i], live.scores[i]) for i in range(len(live.rows))]
         for i, (t, traces, score, _) in self.kept.items():
             if t is None:
@@ -345,7 +345,7 @@ class LiveMove:
         return out
 
     def _finish(self) -> None:
-        live = self.live
+        live = self._live
         rows = self._rows()
         for i, (t, _traces, _score, rec) in self.kept.items():
             live.records[i] = rec
@@ -359,6 +359,11 @@ class LiveMove:
         live.rows, live.settings = list(self.batch.rows), list(self.batch.settings)
         self.finished, self.seconds = True, time.time() - self.t0
 
+    def live(self) -> LiveComparison | None:
+        """The kept decode with this move's new state once the move finished (None before), as
+        ``BatchDecode.live()``: what the next move starts from."""
+        return self._live if self.finished else None
+
     def partial(self) -> list[Comparison]:
         return [self._comparison(time.time() - self.t0)]
 
@@ -366,7 +371,7 @@ class LiveMove:
         return [self._comparison(self.seconds if self.finished else time.time() - self.t0)]
 
     def _comparison(self, seconds: float) -> Comparison:
-        live, bb = self.live, self.live.backbone
+        live, bb = self._live, self._live.backbone
         rows = self._rows()
         results = [row_result(bb, row, toks, tr, {**self.batch.settings[i], **self.batch.comparison}, score)
                    for i, (row, (toks, tr, score)) in enumerate(zip(self.batch.rows, rows))]
