@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from backbone.model import all_threads, fp16_weight_available, packed_bf16_available, packed_f32_available
+from backbone.torch_internals import fp16_linear, fp16_pack_linear, mkldnn_linear, mkldnn_pack_linear
 from ground.errors import UserError
 from ground.lock import temp_name
 from ground.store import write_json_atomic
@@ -136,9 +137,9 @@ class CertifiedL2Search:
         # the per-key part of the bound, γ·|k̃'| + |k' − k̃'| (times |q̃'| per query), folded once
         self.key_bound = self.gamma * torch.cat(rnorm) + torch.cat(resid)
         if self.kernel == "bfloat16":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(rounded), 1)
+            self.packed = mkldnn_pack_linear(torch.cat(rounded), 1)
         else:  # float16 values in float32: FBGEMM's packing rounds nothing further
-            self.packed = torch.ops.quantized.linear_prepack_fp16(torch.cat(rounded).float(), None)
+            self.packed = fp16_pack_linear(torch.cat(rounded).float(), None)
         self.checked = 0  # entries whose float32 distance the last search computed (benchmarks, tests)
 
     @staticmethod
@@ -157,10 +158,10 @@ class CertifiedL2Search:
         if self.kernel == "bfloat16":
             qb = qc.to(torch.bfloat16)
             with all_threads():  # the scan of every key: the one large product of the search
-                s = torch.ops.mkldnn._linear_pointwise(qb, self.packed, None, "none", [], "").float()
+                s = mkldnn_linear(qb, self.packed, None).float()
             return s, (qc - qb.float()).norm(dim=1, keepdim=True), qb.float().norm(dim=1, keepdim=True)
         with all_threads():
-            s = torch.ops.quantized.linear_dynamic_fp16(qc.contiguous(), self.packed)
+            s = fp16_linear(qc.contiguous(), self.packed)
         return s, None, qc.norm(dim=1, keepdim=True)  # the float32 query is not rounded: no residual
 
     def search(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,7 +308,7 @@ class KNN(Plugin):
             except OverflowError:  # keys beyond float16's range: the float32 scan below
                 self.exact_l2 = None
             self.packed_keys = (
-                [torch.ops.mkldnn._reorder_linear_weight(keys[b0:b0 + _SCAN_CHUNK].contiguous(), 4)
+                [mkldnn_pack_linear(keys[b0:b0 + _SCAN_CHUNK].contiguous(), 4)
                  for b0 in range(0, n, _SCAN_CHUNK)]
                 if self.exact_l2 is None and keys.device.type == "cpu" and n >= CertifiedL2Search.MIN_ENTRIES
                 and packed_f32_available() else None)
@@ -440,7 +441,7 @@ class KNN(Plugin):
             kc = self.keys[b0:b0 + _SCAN_CHUNK]
             with all_threads():
                 qk = (q @ kc.T if packed is None else
-                      torch.ops.mkldnn._linear_pointwise(q.contiguous(), packed[c], None, "none", [], ""))
+                      mkldnn_linear(q.contiguous(), packed[c], None))
             d = (q * q).sum(1, keepdim=True) - 2 * qk + self.key_sqnorm[b0:b0 + _SCAN_CHUNK]
             dv, di = d.topk(min(k, len(kc)), dim=1, largest=False)
             di = di + b0

@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backbone.torch_internals import clear_module_hooks
 from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.hub import hub_base_model
@@ -102,16 +103,6 @@ class LoRAConfig(NetworkConfig):
     def validate(self) -> None:
         super().validate()
         self._check(self.alpha > 0, "LoRA α must be a positive number.")
-
-
-def _clear_hooks(module: nn.Module) -> None:
-    for m in module.modules():
-        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-                     "_state_dict_hooks", "_load_state_dict_pre_hooks"):
-            d = getattr(m, name, None)
-            if d is not None and hasattr(d, "clear"):
-                d.clear()
 
 
 @register
@@ -238,7 +229,7 @@ class LoRA(NetworkPlugin):
         # peft on a private copy of the last decoder layer: the shared backbone is never modified.
         holder = nn.Module()
         holder.layer = copy.deepcopy(bb.layers[-1])
-        _clear_hooks(holder.layer)
+        clear_module_hooks(holder.layer)
         for p in holder.layer.parameters():
             p.requires_grad_(False)
         torch.manual_seed(cfg.seed)

@@ -113,6 +113,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from backbone.torch_internals import set_unregistered, unregistered
 from ground.errors import UserError
 from memories.build import target_ids
 from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_memory
@@ -423,9 +424,10 @@ class MemoryAdapterPlugin(NetworkPlugin):
     def _block_tensors(self) -> tuple:
         """Every parameter and buffer of the blocks (what the decode products derive from), listed once per blocks
         object: walking the modules at every decode step cost more than the products' cache check."""
-        listed = self.__dict__.get("_listed")
+        listed = unregistered(self, "_listed")
         if listed is None or listed[0] is not self.blocks:
-            listed = self.__dict__["_listed"] = (self.blocks, (*self.blocks.parameters(), *self.blocks.buffers()))
+            listed = (self.blocks, (*self.blocks.parameters(), *self.blocks.buffers()))
+            set_unregistered(self, "_listed", listed)
         return listed[1]
 
     def _prepare_all(self, temperature: float) -> dict:
