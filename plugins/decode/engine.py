@@ -16,7 +16,7 @@ from plugins.decode.beams import Beams, ban_repeated_ngrams
 from plugins.decode.forward import forward_step, prefill
 from plugins.decode.live import KEEP_TOP, LiveComparison, StepRecords, cache_view
 from plugins.decode.results import Comparison, Row, row_result
-from plugins.decode.step import StepOutput, decode_step, mix_step, trace_item
+from plugins.decode.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
 
 
 def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seconds: float) -> list[Comparison]:
@@ -157,7 +157,7 @@ class BatchDecode:
                 self._set_layout([batch.prefill_row(b) for b in range(batch.N)])
             self.forwards += 1
         step = self.step_no
-        attached = [(grp, self.net_handles[g], self.prefill_handles[g], self.net_rows[g][1])
+        attached = [GroupAttachments(grp, self.net_handles[g], self.prefill_handles[g], self.net_rows[g][1])
                     for g, grp in enumerate(batch.net)] if self.trace else None
         out = decode_step(bb, batch, self.fc_last, step, attached, keep_plugin=self.keep, phys=self.phys)
         with torch.no_grad(), small_work_threads():
