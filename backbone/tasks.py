@@ -15,8 +15,8 @@ from ground.store import write_json_atomic
 # Few-shot examples written for this project (not taken from any evaluation set).
 FEW_SHOT = {
     "translation": [
-        # News-length examples first (the default uses 3): with the short ones only, Gemma 3 270M base scored 4.21
-        # sacreBLEU / 21.3 chrF on WMT dev 0-23, with these 8.02 / 28.1 (see BENCHMARKS.md §5).
+        # News-length examples first (the default uses 3): with the short ones only, Gemma 3 270M base scored far
+        # lower on WMT dev (docs/benchmarks-history.md, the translation prompt's examples).
         ("The minister said on Tuesday that the government would present a new plan to reduce energy prices next "
          "month.",
          "Der Minister sagte am Dienstag, die Regierung werde im nächsten Monat einen neuen Plan zur Senkung der "

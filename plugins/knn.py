@@ -35,13 +35,12 @@ entries (``ivf_min_points``: FAISS's k-means needs that many points a centroid, 
 query with k = 1,024 re-ranks 1,024 stored keys and scatters 1,024 weights per row, and the exact search's certified
 scan re-checks at least k entries a query in float32 — the same scan of every key, a larger top-k and re-check.
 
-Quality: on Gemma 3 270M translation (a 1,000-pair WMT memory) no setting beat the base model on the 200 dev items
-it was tuned on (paired bootstrap); λ 0.2 (the earlier tuned start) and the declared defaults lowered chrF
-significantly there and λ 0.2 again on 200 later dev items. The tuned start there is k 8, T 100, λ 0.05
-(``backbone/tuned_defaults.json``): level with the base on the tuning items, +0.23 sacreBLEU / +0.54 chrF (p 0.016 /
-0.038) on the later ones — a small, unconfirmed gain, not a reason to raise λ (BENCHMARKS). Formality alike: the
-earlier start λ 0.2 lost 3.4 sacreBLEU / 3.1 chrF on 200 dev items, λ 0.05 is level. λ 0.05 is in the tuning grid,
-so a tuning run can choose it where every larger λ hurts.
+Quality (BENCHMARKS.md, "kNN's tuned starts on Gemma"): on Gemma 3 270M translation (a 1,000-pair WMT memory) no
+setting beat the base model on the dev items it was tuned on (paired bootstrap); λ 0.2 (the earlier tuned start)
+and the declared defaults lowered chrF significantly there. The tuned start there is k 8, T 100, λ 0.05
+(``plugins/tuned_defaults.json``): level with the base on the tuning items, a small, unconfirmed gain on later ones —
+not a reason to raise λ. Formality alike: λ 0.2 lost to the base, λ 0.05 is level. λ 0.05 is in the tuning grid, so a
+tuning run can choose it where every larger λ hurts.
 """
 from __future__ import annotations
 
@@ -236,9 +235,10 @@ class KNN(Plugin):
                 low=0.5, high=100.0, live=True, step=0.5, label="kNN temperature", grid=(10.0, 100.0),
                 fine_grid=(1.0, 10.0, 100.0)),
         Setting("lambda", 0.3, "λ: p_kNN's weight in the mix λ·p_kNN + (1−λ)·p_LM. On Gemma 3 270M no λ beat the "
-                "base on 200 translation or formality dev items (BENCHMARKS): kNN starts there at λ 0.05, level with "
-                "the base; λ 0.2 and the declared 0.3 lowered chrF significantly", low=0.0, high=1.0, live=True,
-                step=0.05, label="kNN λ", grid=(0.05, 0.2, 0.4), fine_grid=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)),
+                "base on translation or formality dev items (BENCHMARKS.md, \"kNN's tuned starts on Gemma\"): kNN "
+                "starts there at λ 0.05, level with the base; λ 0.2 and the declared 0.3 lowered chrF",
+                low=0.0, high=1.0, live=True, step=0.05, label="kNN λ", grid=(0.05, 0.2, 0.4),
+                fine_grid=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)),
     )
     needs_memory_at_decode = True
     # The exact search's fast paths, each an option of the plug-in (a benchmark or a test turns it off on one
