@@ -54,16 +54,18 @@ class BackboneService:
     cache, which it empties when the backbone changes (a loaded plug-in holds the old head)."""
 
     def __init__(self, ctx: StudioContext, plugin_cache: LRU, name: str, *, device: str | None = None,
-                 cache: str | Path | None = None, busy_timeout: float = 120.0, remote: str | None = None,
-                 remote_token: str | None = None):
-        """``name``: "gemma-3-270m", a hub id, a local path, or "tiny". ``cache``: another data directory whose
-        ``backbones/`` may already hold the de-quantized weights. ``remote``: a model owner's service instead of a
-        local backbone (bearer ``remote_token``, else ``$PEMA_REMOTE_TOKEN``)."""
+                 dtype: str | None = None, cache: str | Path | None = None, busy_timeout: float = 120.0,
+                 remote: str | None = None, remote_token: str | None = None):
+        """``name``: "gemma-3-270m", a hub id, a local path, or "tiny". ``dtype``: its precision (None: the machine's
+        default, ``backbone.precision.resolve_precision``; a remote backbone's is its owner's). ``cache``: another
+        data directory whose ``backbones/`` may already hold the de-quantized weights. ``remote``: a model owner's
+        service instead of a local backbone (bearer ``remote_token``, else ``$PEMA_REMOTE_TOKEN``)."""
         self.ctx = ctx
         self.plugin_cache = plugin_cache
         self.backbone_name = name
         self.backbone_cache = Path(cache) if cache else None
         self.device = device
+        self.dtype = dtype
         self.busy_timeout = busy_timeout
         self.gate = BackboneGate()
         # a model owner's service (offsite), else None: the backbone is loaded here; its token is kept in memory only
@@ -160,7 +162,8 @@ class BackboneService:
                 name = resolve_name(self.backbone_name)
                 if self.backbone_cache and (self.backbone_cache / "backbones" / name / "config.json").exists():
                     cache_root = self.backbone_cache
-                bb = load_backbone(self.backbone_name, device=self.device, data_dir=cache_root, progress=progress)
+                bb = load_backbone(self.backbone_name, device=self.device, dtype=self.dtype, data_dir=cache_root,
+                                   progress=progress)
             self._bb = bb
             self._load.update(state="ready", progress=1.0, finished=time.time(),
                               message=f"{bb.name} ready on {bb.device} "

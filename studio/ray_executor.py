@@ -90,8 +90,8 @@ def backbone_spec(backbone_svc) -> dict:
     bcache = backbone_svc.backbone_cache
     if bcache is not None and (Path(bcache) / "backbones").is_dir():
         cache = bcache
-    return {"name": str(backbone_svc.backbone_name), "device": backbone_svc.device, "data_dir": str(cache),
-            "fingerprint": bb.fingerprint}
+    return {"name": str(backbone_svc.backbone_name), "device": backbone_svc.device, "dtype": backbone_svc.dtype,
+            "data_dir": str(cache), "fingerprint": bb.fingerprint}
 
 
 _WORKER_BACKBONES: dict[tuple, object] = {}
@@ -100,13 +100,14 @@ _WORKER_BACKBONES: dict[tuple, object] = {}
 def worker_backbone(spec: dict, device: str | None = None):
     """The backbone of ``spec`` in this worker process (loaded once, then reused), checked against the head's
     fingerprint."""
-    key = (spec["name"], device or spec.get("device"), spec.get("data_dir"))
+    key = (spec["name"], device or spec.get("device"), spec.get("dtype"), spec.get("data_dir"))
     bb = _WORKER_BACKBONES.get(key)
     if bb is None:
         if spec["name"].lower() in TINY_NAMES:
             bb = tiny_backbone()
         else:
-            bb = load_backbone(spec["name"], device=device or spec.get("device"), data_dir=spec.get("data_dir"))
+            bb = load_backbone(spec["name"], device=device or spec.get("device"), dtype=spec.get("dtype"),
+                               data_dir=spec.get("data_dir"))
         _WORKER_BACKBONES[key] = bb
     if spec.get("fingerprint") is not None:
         check_worker_fingerprint(bb, spec["fingerprint"])

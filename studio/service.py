@@ -87,7 +87,7 @@ class Studio:
                  workers: int = 1, load: bool = True, start_jobs: bool = True, busy_timeout: float = 120.0,
                  backbone_cache: str | Path | None = None, multi_user: bool = False, limits: Limits | None = None,
                  secret: str | None = None, remote: str | None = None, remote_token: str | None = None,
-                 executor=None):
+                 executor=None, dtype: str | None = None):
         """``backbone``: a name ("gemma-3-270m", a hub id, a local path, or "tiny"). ``backbone_cache``: another
         data directory whose ``backbones/`` may already hold the de-quantized weights (e.g. baked into a Docker
         image); used when it has the requested backbone, else ``data_dir``. ``multi_user``: callers are told apart
@@ -96,7 +96,8 @@ class Studio:
         ``$PEMA_SECRET``, else a secret file in the data directory). ``remote``: a model owner's offsite service
         instead of a local backbone (``studio.backbone_service``; bearer ``remote_token``, else
         ``$PEMA_REMOTE_TOKEN``). ``executor``: None / "inprocess" (the default, unless ``$PEMA_RAY_ADDRESS`` is
-        set), "ray", or a started ``studio.ray_executor.RayExecutor``."""
+        set), "ray", or a started ``studio.ray_executor.RayExecutor``. ``dtype``: the backbone's precision
+        (``backbone.precision.resolve_precision``; None: the machine's default)."""
         if remote:
             check_remote_url(remote)  # refused before the data directory is taken
         self.catalog = Catalog(data_dir)
@@ -119,8 +120,8 @@ class Studio:
         self.downloads = Downloads()
         self.store = ComparisonStore()
         self.backbone_svc = BackboneService(ctx, self.plugin_cache, backbone or DEFAULT_BACKBONE, device=device,
-                                            cache=backbone_cache, busy_timeout=busy_timeout, remote=remote,
-                                            remote_token=remote_token)
+                                            dtype=dtype, cache=backbone_cache, busy_timeout=busy_timeout,
+                                            remote=remote, remote_token=remote_token)
         self.memory_svc = MemoryService(ctx, self.backbone_svc, self.plugin_cache, self.executor)
         self.plugin_svc = PluginService(ctx, self.backbone_svc, self.memory_svc, self.plugin_cache, self.downloads,
                                         self.executor)
