@@ -41,15 +41,20 @@ The pieces, each usable (and tested) alone, in the order a decode runs them:
 - ``forward``: ``prefill`` (prompts, prefix cache, rows and beams) and ``forward_step`` (the next forward pass);
 - ``step``: ``decode_step`` (LM head, mixing, trace of one step; ``mix_step`` with P_LM given);
 - ``beams``: ``Beams.select`` (greedy / beam token selection) and the repetition guard;
-- ``engine``: ``BatchDecode`` (the local loop, one step at a time) behind ``compare`` / ``decode_batch`` /
-  ``start_compare``, and ``decode_loop`` (the same steps around a forward pass given as a function: offsite);
-- ``live``: ``LiveComparison`` / ``LiveMove``, a slider move's re-decode of only what changed;
+- ``stepping``: ``DecodeRun``, what every decode run one step at a time offers (``step``, ``partial``, ``result``,
+  ``run``, ``live``);
+- ``engine``: the one decode loop, ``BatchDecode.step``: ``BatchDecode`` runs it around the local forward pass
+  (behind ``compare`` / ``decode_batch`` / ``start_compare``: a full decode and a streamed one alike),
+  ``ForwardDecode`` around a forward pass given as a function (``decode_loop``: offsite);
+- ``live``: ``LiveComparison`` / ``LiveMove``, a slider move's re-decode of only what changed (each of its
+  re-decodes a ``BatchDecode`` resumed at the first step that changes);
 - ``topk``: exact top-k over vocabulary-wide rows.
 """
 from plugins.decode.batch import Batch, NetGroup, OutGroup, plan_batch
 from plugins.decode.beams import Beams, ban_repeated_ngrams, repeated_ngram_ends
 from plugins.decode.engine import (
     BatchDecode,
+    ForwardDecode,
     compare,
     comparisons,
     decode_batch,
@@ -61,10 +66,12 @@ from plugins.decode.live import KEEP_TOP, TRACE_OWN, LiveComparison, LiveMove, S
 from plugins.decode.prefix_cache import PREFIX_KV, PrefixKV
 from plugins.decode.results import Comparison, Row, RowResult, row_result
 from plugins.decode.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
+from plugins.decode.stepping import DecodeRun
 from plugins.decode.topk import TOP, top_k, top_tokens
 
 __all__ = ["Batch", "NetGroup", "OutGroup", "plan_batch", "Beams", "ban_repeated_ngrams", "repeated_ngram_ends",
-           "BatchDecode", "compare", "comparisons", "decode_batch", "decode_loop", "start_compare",
+           "BatchDecode", "ForwardDecode", "DecodeRun", "compare", "comparisons", "decode_batch", "decode_loop",
+           "start_compare",
            "forward_step", "prefill", "KEEP_TOP", "TRACE_OWN", "LiveComparison", "LiveMove", "StepRecords",
            "PREFIX_KV", "PrefixKV", "Comparison", "Row", "RowResult", "row_result", "GroupAttachments", "StepOutput",
            "decode_step",

@@ -17,6 +17,7 @@ from plugins.decode.beams import repeated_ngram_ends
 from plugins.decode.prefix_cache import PrefixKV
 from plugins.decode.results import Comparison, Row, row_result
 from plugins.decode.step import decode_step
+from plugins.decode.stepping import DecodeRun
 from plugins.decode.topk import TOP, top_k, top_tokens
 
 KEEP_TOP = 64  # per step and row of a kept decode: the top tokens of P_LM and of P_plug-in (LiveComparison)
@@ -296,10 +297,11 @@ def _rows_cache(cache, rows: list[int], remove: int):
     return out  # a growing cache's copy grows too (its layers are copies of the same kind)
 
 
-class LiveMove:
-    """A slider move on a ``LiveComparison``, run like a ``BatchDecode``: ``step()`` one step of every re-decode
-    (several rows from the same step share one batch), ``partial()``, ``result()``. When it finishes the
-    LiveComparison holds the new state; a move that is stopped half-way leaves it as it was."""
+class LiveMove(DecodeRun):
+    """A slider move on a ``LiveComparison``, run like a ``BatchDecode`` (``DecodeRun``): ``step()`` one step of every
+    re-decode — each a ``BatchDecode`` resumed at its first changed step, several rows from the same step sharing
+    one batch —, ``partial()``, ``result()``. When it finishes the LiveComparison holds the new state; a move that
+    is stopped half-way leaves it as it was."""
 
     def __init__(self, live: LiveComparison, batch: Batch, kept: dict, tails: list, t0: float):
         self._live, self.batch, self.kept, self.tails, self.t0 = live, batch, kept, tails, t0
@@ -325,11 +327,6 @@ class LiveMove:
         if not more:
             self._finish()
         return more
-
-    def run(self) -> list[Comparison]:
-        while self.step():
-            pass
-        return self.result()
 
     def _rows(self) -> list[tuple[list[int], list[dict], float]]:
         """(tokens, trace, score) of every row now."""
