@@ -133,7 +133,7 @@ def _memory(ctx, cache, bb):
     return memory_svc, job["result"]["memory_id"]
 
 
-def _plugins(ctx, cache, bb, memory_svc, tmp_path):
+def _plugins(ctx, cache, bb, memory_svc):
     from studio.downloads import Downloads
     from studio.plugin_service import PluginService
 
@@ -157,10 +157,10 @@ def test_the_memory_service_alone(parts):
     assert memory_svc.memory_profile(mid)["name"] == "pairs"
 
 
-def test_the_plugin_service_alone(parts, tmp_path):
+def test_the_plugin_service_alone(parts):
     ctx, cache, bb = parts
     memory_svc, mid = _memory(*parts)
-    plugin_svc = _plugins(ctx, cache, bb, memory_svc, tmp_path)
+    plugin_svc = _plugins(ctx, cache, bb, memory_svc)
     ctx.jobs.handlers.update(plugin_svc.job_handlers)
     job = ctx.jobs.wait(plugin_svc.submit_train(mid, "knn", {}), 120)
     assert job["state"] == "done", job
@@ -187,17 +187,17 @@ def test_the_job_service_alone(tmp_path):
         svc.job(jid, owner="someone else")
 
 
-def _comparisons(ctx, cache, bb, tmp_path):
+def _comparisons(ctx, cache, bb):
     from studio.compare_service import CompareService, ComparisonStore
     from studio.memory_service import MemoryService
 
     memory_svc = MemoryService(ctx, bb, cache)
-    plugin_svc = _plugins(ctx, cache, bb, memory_svc, tmp_path)
+    plugin_svc = _plugins(ctx, cache, bb, memory_svc)
     return memory_svc, plugin_svc, CompareService(ctx, bb, memory_svc, plugin_svc, ComparisonStore())
 
 
-def test_the_compare_service_alone(parts, tmp_path):
-    *_, compare_svc = _comparisons(*parts, tmp_path)
+def test_the_compare_service_alone(parts):
+    *_, compare_svc = _comparisons(*parts)
     p = compare_svc.compare("the house is small", methods=["base"], max_new_tokens=3)
     assert p["rows"][0]["label"] == "Base model" and compare_svc.recent(p["id"]) is p
     assert compare_svc.store.recent(p["id"], "someone else") is None
@@ -205,24 +205,24 @@ def test_the_compare_service_alone(parts, tmp_path):
     assert several["corpus"][0]["n"] == 1
 
 
-def test_the_neighbour_map_service_alone(parts, tmp_path):
+def test_the_neighbour_map_service_alone(parts):
     from studio.neighbour_map import NeighbourMapService
 
     ctx, cache, bb = parts
-    memory_svc, plugin_svc, compare_svc = _comparisons(*parts, tmp_path)
+    memory_svc, plugin_svc, compare_svc = _comparisons(*parts)
     maps = NeighbourMapService(ctx, bb, memory_svc, plugin_svc, compare_svc)
     p = compare_svc.compare("hello world", methods=["base"], max_new_tokens=2)
     with pytest.raises(Exception, match="for kNN and PEMA rows"):
         maps.neighbour_map(p["id"], "Base model", 0)
 
 
-def test_the_evaluate_service_alone(parts, tmp_path):
+def test_the_evaluate_service_alone(parts):
     from studio.downloads import Downloads
     from studio.evaluate_service import EvaluateService
     from studio.job_service import JobService
 
     ctx, cache, bb = parts
-    memory_svc, plugin_svc, compare_svc = _comparisons(*parts, tmp_path)
+    memory_svc, plugin_svc, compare_svc = _comparisons(*parts)
     downloads = Downloads()
     svc = EvaluateService(ctx, bb, memory_svc, plugin_svc, compare_svc, JobService(ctx), downloads)
     ctx.jobs.handlers.update(svc.job_handlers)
