@@ -4,7 +4,7 @@ views; Share."""
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -105,26 +105,12 @@ class TokenViewOutputs(NamedTuple):
     memory_column: Any
 
 
-class CompareOutputs(NamedTuple):
-    """What a comparison updates: one field a component (``build`` declares which), so that ``do_compare`` says
-    what each value is for instead of relying on its position."""
+class CompareOutputs(namedtuple("CompareOutputs", ("payload", "cards", "method", "token", "share_link", "layer",
+                                                   "token_section", *TokenViewOutputs._fields))):
+    """What a comparison updates: one field a component (``build`` declares which), the token views last, so that
+    ``do_compare`` says what each value is for instead of relying on its position."""
 
-    payload: Any
-    cards: Any
-    method: Any
-    token: Any
-    share_link: Any
-    layer: Any
-    token_section: Any
-    chips: Any
-    lambda_plot: Any
-    bars_plot: Any
-    neighbours: Any
-    neighbour_plot: Any
-    memory_attention: Any
-    attention: Any
-    neighbour_row: Any
-    memory_column: Any
+    __slots__ = ()
 
     @classmethod
     def skip(cls, **given) -> CompareOutputs:
