@@ -209,6 +209,8 @@ class Plugin(nn.Module):
     optimizer_state: dict | None = None
     # Set before ``fit`` to continue training from a saved optimizer state (``training.optimizer_from_tensors``).
     resume_state: dict | None = None
+    # The folder it was saved to or loaded from (``load_plugin``, ``plugins.api.train_plugin``); None: never saved.
+    plugin_path: Path | None = None
     # Where the studio needs one method's row of several (Compare's token views, the training form), this one first.
     shown_first: ClassVar[bool] = False
     # A few steps of training on the tiny model: the per-method test suites' run (tests/test_methods.py).

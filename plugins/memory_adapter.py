@@ -371,7 +371,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         rows while training, where ``att.state["keep"]`` (batch, layers) False drops a layer's memory)."""
         if not len(self.blocks):
             return []
-        preps = self._preps(float(att.settings["temperature"]), cached=att.batch_rows is not None)
+        preps = self._preps(float(att.settings["temperature"]), cached=att.forward_rows is not None)
         keep = att.state.get("keep")
         exclude = att.state.get("exclude") or {}  # layer → (B, n) items hidden from each row (training)
         recording: dict = {}  # layer → the newest position's memory attention, for the trace
@@ -387,7 +387,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         layers = self.adapted_layers if layers is None else layers
         info: dict = {}
         # ``prep`` is then ``_preps(cached=True)``'s: decode_prep's folded products
-        decoding = att.batch_rows is not None
+        decoding = att.forward_rows is not None
 
         def fn(x, h):
             if decoding:

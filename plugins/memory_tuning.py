@@ -316,11 +316,11 @@ class MemoryTuning(NetworkPlugin):
                                 f"{self.backbone.name} uses {impl!r}.")
         handles = []
         L = self.backbone.num_layers
-        ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.batch_rows is not None
+        ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.forward_rows is not None
                       else None)  # decoding: the slot reads with their scales folded in, every layer at once
         # decoding on the CPU decode attention: every layer's prefix in the backbone's dtype, looked up once
         row_keys = (self._all_prefixes(self.backbone.dtype) if self.use_attn and self.row_keys_in_attention
-                    and att.batch_rows is not None
+                    and att.forward_rows is not None
                     and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION
                     else None)
         for l, layer in enumerate(self.backbone.layers):

@@ -207,10 +207,10 @@ _SUB_BATCH: ContextVar = ContextVar("pema_sub_batch", default=None)
 
 @contextmanager
 def sub_batch(rows: torch.Tensor):
-    """While inside, forward passes run on the batch rows ``rows`` (full-batch indices) only — a module re-run for
-    one plug-in's rows (memory-tuning's prefixed attention) —, so every attachment's ``rows`` reads as positions
-    within them: another method's hooks on the re-run's submodules (LoRA on ``o_proj``) act on none of them, a hook
-    for all rows (None) on all."""
+    """While inside, forward passes run on the *sub-batch rows* ``rows`` (indices of the whole pass's rows) only — a
+    module re-run for one plug-in's rows (memory-tuning's prefixed attention) —, so every attachment's ``rows`` reads
+    as positions within them: another method's hooks on the re-run's submodules (LoRA on ``o_proj``) act on none of
+    them, a hook for all rows (None) on all. (The decode's kinds of rows: ``plugins.decode``'s glossary.)"""
     token = _SUB_BATCH.set(rows)
     try:
         yield
@@ -220,16 +220,18 @@ def sub_batch(rows: torch.Tensor):
 
 class Attachment:
     """One ``attach`` call: its rows and settings, per-pass inputs of a training forward (``state``, e.g. the memory
-    adapter's memory-dropout mask), and what its hooks recorded for ``network_trace``."""
+    adapter's memory-dropout mask), and what its hooks recorded for ``network_trace``. Its *attachment rows*
+    (``forward_rows``) index the rows of the forward passes it sees: a decode's prefill rows in the prefill, cache
+    rows in a step (batch rows where the layout is not compact), every row in training (None)."""
 
     def __init__(self, rows, settings: dict, state: dict | None = None, recording: bool = True):
-        self.batch_rows = rows  # full-batch row indices (None: every row)
+        self.forward_rows = rows  # the forward pass's rows the hooks act on, indices of the whole pass (None: all)
         self.settings = settings
         self.state = dict(state or {})
         self.live = True
         self.recording = recording  # whether a decode wants the trace (False: the hooks skip recording it)
         self.trace = None  # what the latest forward pass recorded (default layout: {"per_row": [dict per row]})
-        # per batch row of the next forward pass, the first position the plug-in acts on (the positions before are
+        # per row of the next forward pass, the first position the plug-in acts on (the positions before are
         # a shared prompt prefix, kept as the frozen backbone computes them); None: every position
         self.own_from: torch.Tensor | None = None
 
@@ -237,7 +239,7 @@ class Attachment:
         """``own_from`` of the rows the hooks act on (``rows``; every row when None), or None."""
         if self.own_from is None:
             return None
-        if self.batch_rows is None:
+        if self.forward_rows is None:
             return self.own_from
         sub = _SUB_BATCH.get()
         rows = self.rows
@@ -246,11 +248,11 @@ class Attachment:
 
     @property
     def rows(self) -> torch.Tensor | None:
-        """The batch rows the hooks act on (None: every row); inside ``sub_batch``, as positions within it."""
+        """The attachment rows (None: every row); inside ``sub_batch``, as positions within the sub-batch rows."""
         sub = _SUB_BATCH.get()
-        if sub is None or self.batch_rows is None:
-            return self.batch_rows
-        return torch.isin(sub, self.batch_rows.to(sub.device)).nonzero().flatten()
+        if sub is None or self.forward_rows is None:
+            return self.forward_rows
+        return torch.isin(sub, self.forward_rows.to(sub.device)).nonzero().flatten()
 
 
 class _Handle:

@@ -111,8 +111,8 @@ class BatchDecode(DecodeRun):
         self.compact = compact
         self.beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
         self.step_no = 0  # the next step's index
-        self.fc_last = self.cache = self.mask = None  # per row of the cache (compact: ``phys``), else per batch row
-        self.phys: torch.Tensor | None = None  # compact layout: batch row → its row of the cache and of fc_last
+        self.fc_last = self.cache = self.mask = None  # per cache row (a batch row's: ``phys``)
+        self.phys: torch.Tensor | None = None  # compact layout: batch row → its cache row (else a batch row is one)
         self.phys_list: list[int] = []  # the same as a list (no device round trip per use)
         self.finished_caches: dict[int, tuple] = {}  # keep: batch row → (cache, row) as it was when it finished
         self.prefill_handles: list[list] = [[] for _ in batch.net]

@@ -56,7 +56,7 @@ def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: i
     N = batch.N
     P = fc_last.shape[0]
 
-    def rows_of(t: torch.Tensor, rr: torch.Tensor, at=None) -> torch.Tensor:  # batch rows ``rr`` of a per-f(c) tensor
+    def rows_of(t: torch.Tensor, rr: torch.Tensor, at=None) -> torch.Tensor:  # batch rows ``rr`` of a per-cache-row one
         return (t[rr if at is None else at]) if phys is None else t[phys[rr]]
 
     with torch.no_grad(), small_work_threads():  # small operators on one thread, the LM head on all
