@@ -192,6 +192,8 @@ class Plugin(nn.Module):
       the studio as ``optimizer.safetensors``) and honours ``resume_state`` (set before ``fit`` from that file).
     - ``leaves_shared_prefix``: an in-network plug-in that leaves the prompt's shared prefix to the frozen backbone;
       the decode tells its attachments where each row's own tokens start (``set_own_from``).
+    - ``suspend`` / ``resume``: whether an in-network plug-in's attachment can be taken off between two forward
+      passes and put back as it was (default: no; the decode then attaches anew at every step).
     """
 
     method: ClassVar[str] = ""
@@ -316,6 +318,19 @@ class Plugin(nn.Module):
         """What the attachment ``handles`` (returned by ``attach``) recorded in its latest forward pass, e.g. the
         attention over memory items, as {position within its rows: dict}; None when it has none (yet)."""
         return None
+
+    def suspend(self, handles: list) -> bool:
+        """Take the attachment ``handles`` (what ``attach`` returned) off the backbone between two forward passes,
+        keeping them for ``resume``: a decode's next step puts the very same hooks back instead of attaching anew.
+        False: they could not be kept and are removed for good. Default: removed."""
+        for h in handles:
+            h.remove()
+        return False
+
+    def resume(self, handles: list) -> bool:
+        """Put ``suspend``-ed ``handles`` back on the backbone; False: they cannot be (the caller removes them and
+        attaches anew). Default: False."""
+        return False
 
     @property
     def leaves_shared_prefix(self) -> bool:
@@ -446,9 +461,10 @@ def contract_problems(cls: type) -> list[str]:
         out.append(f"{name} declares mixes_output = True but neither interpolates nor defines mix")
     if cls.level == "network" and not _defines(cls, "attach"):
         out.append(f"{name} is an in-network plug-in without attach (no hooks: it changes nothing)")
-    if cls.level != "network" and (_defines(cls, "attach") or _defines(cls, "set_own_from")):
-        out.append(f"{name} defines attach or set_own_from at level {cls.level!r}: the decode attaches only "
-                   f"in-network plug-ins")
+    hooks = [m for m in ("attach", "set_own_from", "suspend", "resume") if _defines(cls, m)]
+    if cls.level != "network" and hooks:
+        out.append(f"{name} defines {', '.join(hooks)} at level {cls.level!r}: the decode attaches only in-network "
+                   f"plug-ins")
     if cls.level == "prompt" and not _defines(cls, "row_prompt"):
         out.append(f"{name} is a prompt-level plug-in without row_prompt (it prompts like the base row)")
     if not isinstance(cls.resumable, bool) or not isinstance(cls.interpolates, bool):

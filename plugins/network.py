@@ -368,6 +368,17 @@ class NetworkPlugin(Plugin):
     def set_own_from(self, handles: list, own_from: torch.Tensor | None) -> None:
         set_own_from(handles, own_from)
 
+    def suspend(self, handles: list) -> bool:
+        kept = True
+        for h in handles:
+            if not (isinstance(h, _Handle) and h.suspend()):
+                h.remove()
+                kept = False
+        return kept
+
+    def resume(self, handles: list) -> bool:
+        return all(isinstance(h, _Handle) and h.resume() for h in handles)
+
     def lowest_layer(self) -> int:
         """The lowest decoder layer whose forward pass carries one of this plug-in's hooks: the frozen layers below
         compute the same states at every training step, so training runs them once per batch (``PreparedBatch``)."""

@@ -201,26 +201,24 @@ class BatchDecode(DecodeRun):
             with torch.no_grad(), small_work_threads():  # row copies: parallel regions that would wake a thread
                 next_tok = self._relayout(next_tok, src)
             src = None
-        handles: list = []
+        on: list[tuple] = []  # (plug-in, handles) attached for this pass
         try:
             for g, grp in enumerate(batch.net):  # hooks on for this forward pass only: the last step's put back
                 rows, where, key = self._group_rows(g, grp)
                 if rows is None:
                     continue
                 kept = self.net_handles[g]
-                if not (kept and self.net_rows[g][0] == key
-                        and all(hasattr(h, "resume") and h.resume() for h in kept)):
+                if not (kept and self.net_rows[g][0] == key and grp.plugin.resume(kept)):
                     for h in kept:
                         h.remove()
                     self.net_handles[g] = grp.plugin.attach(rows, grp.settings, trace=self.trace)
                 self.net_rows[g] = (key, where)
-                handles += self.net_handles[g]
+                on.append((grp.plugin, self.net_handles[g]))
             self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
                                                                src if batch.B > 1 else None, padded=batch.padded)
         finally:
-            for h in handles:
-                if not (hasattr(h, "suspend") and h.suspend()):
-                    h.remove()
+            for plugin, handles in on:
+                plugin.suspend(handles)
 
     def _relayout(self, next_tok: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """The compact layout of the next forward pass: one row per distinct (row it continues, next token) among
