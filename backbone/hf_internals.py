@@ -8,7 +8,10 @@ function relies on.
 - SDPA's attention function (``integrations.sdpa_attention``), which our CPU decode attention falls back to;
 - the dynamic cache's layer classes (``cache_utils.DynamicLayer`` / ``DynamicSlidingWindowLayer``: their
   ``keys``, ``values``, ``is_initialized``, ``cumulative_length``, ``sliding_window``, ``update``,
-  ``reorder_cache``), which ``backbone.kv_cache`` subclasses, and rebuilding a layer as such a subclass in place.
+  ``reorder_cache``), which ``backbone.kv_cache`` subclasses, and rebuilding a layer as such a subclass in place;
+- a cache stand-in (``plugins.training_batches.PastPrefix``, ``plugins.memory_tuning.PrefixKV``), given to one
+  attention module as its ``past_key_values`` by a pre-hook: the module calls ``update(key_states, value_states,
+  layer_idx, ...)`` and attends over the keys and values it returns (nothing else of the cache is asked there).
 """
 from __future__ import annotations
 

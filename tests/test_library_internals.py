@@ -175,3 +175,27 @@ def test_a_cache_layer_is_rebuilt_as_a_subclass_holding_its_state():
     new = hf_internals.rebuilt_as(layer, sub)
     assert type(new) is sub and new.keys is layer.keys and new.is_initialized
     assert new.update(k, k)[0].shape[-2] == 4
+
+
+def test_an_attention_module_attends_over_what_its_cache_stand_in_returns(tiny):
+    """``PastPrefix`` / ``PrefixKV`` stand in for one attention module's cache: it calls ``update(k, v, layer_idx,
+    ...)`` and reads what that returns."""
+    attn = tiny.layers[0].self_attn
+    calls, outs = [], []
+
+    class StandIn:
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            calls.append((key_states.shape, layer_idx))
+            return key_states, torch.zeros_like(value_states)  # every value zero: the attention's output is zero
+
+    pre = attn.register_forward_pre_hook(lambda mod, args, kwargs: (args, {**kwargs, "past_key_values": StandIn()}),
+                                         with_kwargs=True)
+    post = attn.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    try:
+        with torch.no_grad():
+            tiny.model(torch.tensor([[1, 5, 7]], device=tiny.device), use_cache=False)
+    finally:
+        pre.remove()
+        post.remove()
+    assert calls and calls[0][1] == 0 and calls[0][0][-2] == 3
+    assert outs and not outs[0].abs().any()
