@@ -229,6 +229,16 @@ def warm_up(backbone) -> dict:
     ``WARM_SHAPES``, so that the first comparison after a start runs warm. Nothing on a CPU. Returns what it did."""
     if backbone.device.type != "cuda" or graph_mode(backbone.device) != "graph":
         return {}
+    try:
+        return _warm_up(backbone)
+    except Exception as exc:  # noqa: BLE001 — a warm-up that fails leaves the first comparison cold, nothing else
+        import logging
+
+        logging.getLogger(__name__).warning("GPU warm-up skipped: %s", exc)
+        return {"error": str(exc)}
+
+
+def _warm_up(backbone) -> dict:
     import time
 
     t = time.perf_counter()
