@@ -10,7 +10,8 @@ Bound to 127.0.0.1 (the default) the studio is single-user: everything belongs t
 host, or with --multi-user, each caller sees only their own things (docs/security.md); --single-user forces
 the single-user mode on another host (a private network only). Flags fall back on environment variables: $HOST,
 $PORT, $PEMA_DATA_DIR, $PEMA_BACKBONE, $PEMA_BACKBONE_CACHE, $PEMA_WORKERS, $PEMA_DEVICE, $PEMA_MULTI_USER (1/0),
-$PEMA_REMOTE (+ $PEMA_REMOTE_TOKEN), $PEMA_LIMIT_<NAME>, $PEMA_ALLOW_ORIGINS (--allow-origin). The backbone loads
+$PEMA_DTYPE (--dtype), $PEMA_REMOTE (+ $PEMA_REMOTE_TOKEN), $PEMA_LIMIT_<NAME>, $PEMA_ALLOW_ORIGINS
+(--allow-origin). The backbone loads
 in the background (the first load of an embedded model de-quantizes it, one to two minutes on 2 CPU cores, then it
 is cached under the data directory); the page shows its progress meanwhile.
 """
@@ -49,9 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=int(os.environ.get("PEMA_WORKERS", 1)),
                    help="background job worker threads (jobs share one backbone; 1 is right on CPU)")
     p.add_argument("--device", default=os.environ.get("PEMA_DEVICE", "auto"), help="auto, cpu, cuda, cuda:1, …")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8", "float16"],
-                   help="backbone weight precision (sets $PEMA_DTYPE, which the studio's loader reads; "
-                        "docs/precision.md)")
+    p.add_argument("--dtype", default=os.environ.get("PEMA_DTYPE") or None,
+                   choices=["float32", "bfloat16", "int8", "float16"],
+                   help="backbone weight precision (default $PEMA_DTYPE, else the machine's, docs/precision.md)")
     p.add_argument("--remote", default=os.environ.get("PEMA_REMOTE") or None, metavar="URL",
                    help="work against a model owner's offsite service (python -m offsite serve) instead of loading "
                         "a backbone here: memories, PEMA and kNN plug-ins stay here, the owner computes f(c); bearer "
@@ -84,8 +85,6 @@ def start(argv: list[str] | None = None, block: bool = True):
     """Create the Studio and serve the app. With ``block=False`` returns ``(studio, served, url)`` (tests;
     ``served.close()`` stops the server)."""
     args = parse_args(argv)
-    if args.dtype:
-        os.environ["PEMA_DTYPE"] = args.dtype
     if args.allow_origin:
         os.environ["PEMA_ALLOW_ORIGINS"] = ",".join(o.strip() for o in args.allow_origin)
     multi = multi_user_default(args.host) if args.multi_user is None else args.multi_user
@@ -107,7 +106,7 @@ def start(argv: list[str] | None = None, block: bool = True):
     try:
         studio = Studio(args.data_dir, backbone=args.backbone, device=args.device, workers=args.workers,
                         backbone_cache=args.backbone_cache, multi_user=multi, limits=limits, remote=args.remote,
-                        executor=args.executor)
+                        executor=args.executor, dtype=args.dtype)
     except UserError as e:  # e.g. --executor ray without Ray installed: one line, no traceback
         raise SystemExit(f"error: {e}") from None
     print(mode_banner(studio, args.host), flush=True)

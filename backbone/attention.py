@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from backbone.hf_internals import attn_implementation, set_attn_implementation
 from backbone.model import Backbone
 from backbone.prompts import Prompt
 from ground.errors import UserError
@@ -23,23 +24,15 @@ from ground.errors import UserError
 @contextmanager
 def eager_attention(model):
     """Temporarily use eager attention (the only implementation that returns attention weights)."""
-    cfg = model.config
-    before = getattr(cfg, "_attn_implementation", None)
+    before = attn_implementation(model)
     if before in (None, "eager"):
         yield
         return
-    switch = getattr(model, "set_attn_implementation", None)
     try:
-        if switch is not None:
-            switch("eager")
-        else:  # pragma: no cover — older transformers
-            cfg._attn_implementation = "eager"
+        set_attn_implementation(model, "eager")
         yield
     finally:
-        if switch is not None:
-            switch(before)
-        else:  # pragma: no cover
-            cfg._attn_implementation = before
+        set_attn_implementation(model, before)
 
 
 def _char_spans(backbone: Backbone, text: str, ids: list[int]) -> list[tuple[int, int]] | None:

@@ -7,6 +7,9 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from backbone.hf_internals import attn_implementation, register_attention, sdpa_attention, set_attn_implementation
+from backbone.torch_internals import unregistered
+
 CPU_DECODE_ATTENTION = "pema_cpu_decode"
 ROW_ATTENTION = "pema_row_keys"  # the attention module's attribute a plug-in sets for one call (``RowAttention``)
 
@@ -48,17 +51,15 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     transformers packs them when a mask is given; plus only what rides on this function: a plug-in's attention for
     some rows (:class:`RowAttention`), which would otherwise re-run the whole attention module for those rows at
     every layer and step."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if (query.shape[2] != 1 or query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32)
             or dropout or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                **kwargs)
     B, H, _, D = query.shape
     Hkv = key.shape[1]
     q = query.reshape(B, Hkv, H // Hkv, D)  # head h reads KV head h // (H / Hkv): as repeat_kv lays them out
     scale = scaling if scaling is not None else D ** -0.5
-    extra: RowAttention | None = module.__dict__.get(ROW_ATTENTION)  # set by a plug-in's hook for this call
+    extra: RowAttention | None = unregistered(module, ROW_ATTENTION)  # set by a plug-in's hook for this call
     if query.dtype == torch.float32:
         # SDPA with a KV head's query heads as that head's queries (transformers' own ``pack_gqa``, which it takes
         # only with a mask; unmasked it asks SDPA for ``enable_gqa``, whose CPU kernel reads each KV head once per
@@ -115,15 +116,10 @@ def use_cpu_decode_attention(model: nn.Module) -> bool:
     """Register :func:`cpu_decode_attention` and switch a model that runs SDPA to it; False when this transformers
     or model cannot (the model then keeps its attention)."""
     try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-        AttentionInterface.register(CPU_DECODE_ATTENTION, cpu_decode_attention)
-        # the masks SDPA gets (padding, sliding window): without this a new name gets none at all
-        AttentionMaskInterface.register(CPU_DECODE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-        if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        register_attention(CPU_DECODE_ATTENTION, cpu_decode_attention)
+        if attn_implementation(model) != "sdpa":
             return False
-        model.set_attn_implementation(CPU_DECODE_ATTENTION)
+        set_attn_implementation(model, CPU_DECODE_ATTENTION)
         return True
     except Exception:  # noqa: BLE001 - an older transformers: keep SDPA
         return False

@@ -14,6 +14,14 @@ import torch
 from torch import nn
 
 from backbone.options import fast_paths
+from backbone.torch_internals import (
+    copy_forward_hooks,
+    fp16_linear,
+    fp16_pack_linear,
+    int8_weight_mm,
+    mkldnn_linear,
+    mkldnn_pack_linear,
+)
 
 _log = logging.getLogger("pema.backbone")
 
@@ -161,8 +169,7 @@ class KernelLinear(nn.Linear):
                           dtype=self.weight.dtype, device=self.weight.device)
         plain.weight = copy.deepcopy(self.weight, memo)
         plain.bias = copy.deepcopy(self.bias, memo)
-        for h in ("_forward_hooks", "_forward_pre_hooks"):
-            getattr(plain, h).update(getattr(self, h))
+        copy_forward_hooks(self, plain)
         return type(self)(plain, prepared=self._copied_prepared())
 
 
@@ -183,10 +190,10 @@ class PackedBF16Linear(KernelLinear):
     OPTION = "packed_bf16"  # the fast-path option that turns it off (``backbone.options``)
 
     def _prepare(self) -> list:
-        return [torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACKED_FOR_ROWS)]
+        return [mkldnn_pack_linear(self.weight.detach(), self.PACKED_FOR_ROWS)]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._prepared[0], self.bias, "none", [], "")
+        return mkldnn_linear(x, self._prepared[0], self.bias)
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
         return self.kernel_ok and x.dtype == self.INPUT_DTYPE and x.is_cpu and getattr(fast_paths(), self.OPTION)
@@ -238,14 +245,14 @@ class Fp16WeightLinear(KernelLinear):
 
     def _prepare(self) -> list:
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
-        return [torch.ops.quantized.linear_prepack_fp16(self.weight.detach().float().contiguous(), bias)]
+        return [fp16_pack_linear(self.weight.detach().float().contiguous(), bias)]
 
     def _copied_prepared(self) -> list | None:
         return None  # FBGEMM's packed weights are an opaque object: a copy packs its own
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features).contiguous(), self._prepared[0])
+        y = fp16_linear(x.reshape(-1, self.in_features).contiguous(), self._prepared[0])
         return y.view(*lead, self.out_features)
 
     def _check_rows_invariant(self, rows: int = 16) -> bool:
@@ -278,9 +285,9 @@ def _steady_rows(layer: "Fp16WeightLinear") -> list[int]:
             # slice of the output rows gives the table (Gemma's 262,144-row head: the same 64 entries, at a fraction
             # of the head's load time), checked on the whole weight for a few row counts
             w, b = layer.weight.detach()[:STEADY_ROWS_SLICE], layer.bias
-            part = torch.ops.quantized.linear_prepack_fp16(
+            part = fp16_pack_linear(
                 w.float().contiguous(), None if b is None else b.detach()[:STEADY_ROWS_SLICE].float().contiguous())
-            table = table_of(lambda rows: torch.ops.quantized.linear_dynamic_fp16(rows.contiguous(), part))
+            table = table_of(lambda rows: fp16_linear(rows.contiguous(), part))
             whole = layer._product(x[:16])
             if not all(torch.equal(layer._product(x[:table[m]])[:m], whole[:m]) for m in (1, 2, 7)):
                 table = table_of(layer._product)  # not so on this CPU: the whole weight's own (slow, but right)
@@ -316,7 +323,7 @@ class Int8Linear(KernelLinear):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), *self._prepared)
+        y = int8_weight_mm(x.reshape(-1, self.in_features).contiguous(), *self._prepared)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
@@ -327,8 +334,7 @@ def packed_bf16_available() -> bool:
     """oneDNN's bfloat16 linear is built into this torch and runs on this CPU."""
     try:
         w = torch.zeros(4, 8, dtype=torch.bfloat16)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=torch.bfloat16),
-                                           torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
+        mkldnn_linear(torch.zeros(1, 8, dtype=torch.bfloat16), mkldnn_pack_linear(w, 1), None)
         return bool(torch.backends.mkldnn.is_available())
     except Exception:  # noqa: BLE001 - any failure means: use the plain path
         return False
@@ -338,8 +344,8 @@ def packed_bf16_available() -> bool:
 def fp16_weight_available() -> bool:
     """FBGEMM's float16-weight linear (x86 with AVX2) is built into this torch and runs on this CPU."""
     try:
-        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(4, 8), None)
-        return bool(torch.equal(torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed),
+        packed = fp16_pack_linear(torch.ones(4, 8), None)
+        return bool(torch.equal(fp16_linear(torch.ones(1, 8), packed),
                                 torch.full((1, 4), 8.0)))
     except Exception:  # noqa: BLE001 - any failure means: not available
         return False
@@ -350,8 +356,7 @@ def packed_f32_available() -> bool:
     """oneDNN's float32 linear on packed weights is built into this torch."""
     try:
         w = torch.zeros(4, 8)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8), torch.ops.mkldnn._reorder_linear_weight(w, 4), None,
-                                           "none", [], "")
+        mkldnn_linear(torch.zeros(1, 8), mkldnn_pack_linear(w, 4), None)
         return bool(torch.backends.mkldnn.is_available())
     except Exception:  # noqa: BLE001 - any failure means: use the plain path
         return False

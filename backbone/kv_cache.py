@@ -6,13 +6,15 @@ import torch
 from torch import nn
 
 from backbone.cpu_attention import CPU_DECODE_ATTENTION
+from backbone.hf_internals import attn_implementation, dynamic_layer_kinds, rebuilt_as
 from backbone.options import fast_paths
 
 KV_BLOCK = 32  # a growing KV cache's buffers hold a multiple of this many positions
 
 
 class GrowingKVLayer:
-    """A transformers cache layer (``DynamicLayer``, ``DynamicSlidingWindowLayer`` below its window) that appends a
+    """A transformers cache layer (``DynamicLayer``, ``DynamicSlidingWindowLayer`` below its window: the attributes
+    it relies on are listed and checked in ``backbone.hf_internals``) that appends a
     decode step's keys and values into buffers of ``KV_BLOCK``-rounded capacity instead of concatenating: the
     dynamic cache copies every row's keys and values at every layer and step. ``keys``/``values`` stay exactly the
     cached rows and positions (views of a *store*, carried as ``pema_store``; ``pema_buffer`` is the rows' part of
@@ -132,21 +134,16 @@ def grow_kv_cache(cache, model: nn.Module) -> None:
     cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` (bfloat16: its products read the
     buffers; float32 — also float16 weight-only's activations —: SDPA reads the views, the same bits as on
     concatenated tensors, and saves the concatenation). Layers of other kinds are left as they are."""
-    if (getattr(model.config, "_attn_implementation", None) != CPU_DECODE_ATTENTION
+    if (attn_implementation(model) != CPU_DECODE_ATTENTION
             or getattr(model, "dtype", None) not in (torch.bfloat16, torch.float32)):
         return
-    try:
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-    except ImportError:  # pragma: no cover — an older transformers: keep its cache
-        return
+    kinds = dynamic_layer_kinds()  # none on an older transformers: keep its cache
     layers = getattr(cache, "layers", None)
     for i, layer in enumerate(layers or ()):
         kind = type(layer)
-        if kind in (DynamicLayer, DynamicSlidingWindowLayer):
-            grown = object.__new__(_GROWING.setdefault(kind, type(f"Growing{kind.__name__}", (GrowingKVLayer, kind),
-                                                                  {})))
-            grown.__dict__.update(layer.__dict__)  # the same state (a class swap is refused: managed dicts)
-            layers[i] = grown
+        if kind in kinds:
+            layers[i] = rebuilt_as(layer, _GROWING.setdefault(kind, type(f"Growing{kind.__name__}",
+                                                                         (GrowingKVLayer, kind), {})))
 
 
 _GROWING: dict = {}

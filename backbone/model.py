@@ -74,6 +74,7 @@ from backbone.threads import (
     small_work_threads,
     vocab_wide_threads,
 )
+from backbone.torch_internals import version
 from ground.errors import Cancelled, UserError
 
 __all__ = [
@@ -191,8 +192,8 @@ class Backbone:
         """Like ``head_logits`` but computed only for the token ids ``vocab`` (−inf elsewhere): a fraction of the
         LM head's cost when the vocabulary is large (Gemma: 262,144 rows)."""
         cached = getattr(self, "_subset_rows", None)  # (vocab tensor held alive, its version, gathered rows)
-        if cached is None or cached[0] is not vocab or cached[1] != vocab._version:
-            cached = (vocab, vocab._version, self.lm_head.weight[vocab.to(self.lm_head.weight.device)])
+        if cached is None or cached[0] is not vocab or cached[1] != version(vocab):
+            cached = (vocab, version(vocab), self.lm_head.weight[vocab.to(self.lm_head.weight.device)])
             self._subset_rows = cached  # gathered once per vocabulary, not at every step
         part = self.softcap_logits(_project(normed.to(self.dtype), cached[2]).float())
         out = torch.full((normed.shape[0], self.vocab_size), float("-inf"), device=part.device)

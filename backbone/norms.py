@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from backbone.options import fast_paths
+from backbone.torch_internals import version
 
 
 class FusedRMSNorm(nn.Module):
@@ -34,7 +35,7 @@ class FusedRMSNorm(nn.Module):
 
     def _scale(self) -> torch.Tensor:
         w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        key = (w.data_ptr(), version(w), w.dtype, w.device)
         if self._scale_cache is None or self._scale_cache[0] != key:
             self._scale_cache = (key, 1.0 + w.detach().float())
         return self._scale_cache[1]

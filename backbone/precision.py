@@ -39,7 +39,9 @@ DEFAULT_CPU_PRECISION = ("bfloat16" if native_bf16_cpu() else "float16" if fp16_
 
 def resolve_precision(dtype: str | torch.dtype | None, device: str) -> str:
     """The precision to load in: ``dtype`` (``float32``, ``bfloat16``, ``int8``, ``float16``; a torch dtype; None or
-    ``auto``: ``$PEMA_DTYPE``, else bfloat16 on a GPU that has it, else ``DEFAULT_CPU_PRECISION``)."""
+    ``auto``: ``$PEMA_DTYPE``, else bfloat16 on a GPU that has it, else ``DEFAULT_CPU_PRECISION``). The studio and
+    the CLIs pass theirs (their ``--dtype`` reads ``$PEMA_DTYPE`` at the command line); the variable is read here
+    only for a caller that passes none (the benchmarks' child processes inherit it)."""
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).replace("torch.", "")
     if dtype in (None, "", "auto"):

@@ -1,6 +1,7 @@
 """The three tasks: their prompts (with built-in few-shot examples, so the product needs no data files), their
-metrics, and the decode-time defaults tuned on dev data (``backbone/tuned_defaults.json``, written by
-``python -m eval tune``; the app and the CLI start from them).
+metrics, and the prompt tuned on dev data per backbone (``backbone/tuned_prompts.json``: how many examples, which
+template; written by ``python -m eval.quality --tune-prompt --save-defaults``). The methods' tuned decode settings
+live with the methods (``plugins/tuned_defaults.json``).
 """
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from pathlib import Path
 
 from backbone.prompts import Prompt
 from ground.errors import UserError
+from ground.store import write_json_atomic
 
 # Few-shot examples written for this project (not taken from any evaluation set).
 FEW_SHOT = {
     "translation": [
-        # News-length examples first (the default uses 3): with the short ones only, Gemma 3 270M base scored 4.21
-        # sacreBLEU / 21.3 chrF on WMT dev 0-23, with these 8.02 / 28.1 (see BENCHMARKS.md §5).
+        # News-length examples first (the default uses 3): with the short ones only, Gemma 3 270M base scored far
+        # lower on WMT dev (docs/benchmarks-history.md, the translation prompt's examples).
         ("The minister said on Tuesday that the government would present a new plan to reduce energy prices next "
          "month.",
          "Der Minister sagte am Dienstag, die Regierung werde im nächsten Monat einen neuen Plan zur Senkung der "
@@ -91,19 +93,22 @@ def example_sentences(task: str) -> list[tuple[str, str]]:
 METRICS = {"translation": ["sacrebleu", "chrf"], "formality": ["sacrebleu", "chrf", "informal_patterns"],
            "style": ["style_score", "content_similarity", "perplexity"]}
 
-TUNED_PATH = Path(__file__).with_name("tuned_defaults.json")
-FALLBACK = {"shots": 3, "decode": {}}  # decode defaults are the methods' declared ones (plugins.settings)
+TUNED_PROMPTS_PATH = Path(__file__).with_name("tuned_prompts.json")  # {task: {backbone: {shots, paper_prompt}}}
+PROMPT_FALLBACK = {"shots": 3, "paper_prompt": False}
 
 
-def tuned_defaults(task: str, backbone_name: str | None = None) -> dict:
-    """The tuned settings of a task (per backbone when tuned for it), else sensible fallbacks."""
-    data = json.loads(TUNED_PATH.read_text(encoding="utf-8")) if TUNED_PATH.exists() else {}
-    t = data.get(task, {})
-    if backbone_name and backbone_name in t.get("backbones", {}):
-        t = {**t, **t["backbones"][backbone_name]}
-    out = {**FALLBACK, **{k: v for k, v in t.items() if k != "backbones"}}
-    out["decode"] = dict(t.get("decode", {}))
-    return out
+def tuned_prompt(task: str, backbone_name: str | None = None) -> dict:
+    """The prompt tuned for a task on this backbone (``shots``, ``paper_prompt``), else 3 shots in the line
+    format."""
+    data = json.loads(TUNED_PROMPTS_PATH.read_text(encoding="utf-8")) if TUNED_PROMPTS_PATH.exists() else {}
+    return {**PROMPT_FALLBACK, **data.get(task, {}).get(backbone_name or "", {})}
+
+
+def save_tuned_prompt(task: str, backbone_name: str, prompt: dict) -> None:
+    """Make ``prompt`` (``shots``, ``paper_prompt``) the task's prompt on this backbone (keeps the other entries)."""
+    data = json.loads(TUNED_PROMPTS_PATH.read_text(encoding="utf-8")) if TUNED_PROMPTS_PATH.exists() else {}
+    data.setdefault(task, {}).setdefault(backbone_name, {}).update(prompt)
+    write_json_atomic(TUNED_PROMPTS_PATH, data)
 
 
 def task_prompt(task: str, backbone, shots: int | None = None, paper: bool | None = None) -> Prompt:
@@ -112,7 +117,7 @@ def task_prompt(task: str, backbone, shots: int | None = None, paper: bool | Non
     defaults for this backbone (``python -m eval.quality --tune-prompt --save-defaults``), else 3 shots, line format."""
     if task not in FEW_SHOT:
         raise UserError(f"Unknown task {task!r}; choose translation, formality or style.")
-    tuned = tuned_defaults(task, getattr(backbone, "name", None))
-    shots = int(tuned.get("shots", 3)) if shots is None else shots
-    paper = bool(tuned.get("paper_prompt", False)) if paper is None else paper
+    tuned = tuned_prompt(task, getattr(backbone, "name", None))
+    shots = int(tuned["shots"]) if shots is None else shots
+    paper = bool(tuned["paper_prompt"]) if paper is None else paper
     return Prompt.for_task(task, examples=FEW_SHOT[task][:shots], paper=paper, chat=getattr(backbone, "chat", False))

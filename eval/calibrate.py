@@ -164,7 +164,7 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
     memory has too few held-out samples; ``Cancelled`` when ``should_stop()`` turns true. ``max_seconds`` (default
     DEFAULT_SECONDS) stops taking new samples once MIN_TUNE are done and the time is spent; ``n`` says how many
     were used."""
-    if not getattr(plugin, "interpolates", False) or getattr(plugin, "level", "") != "output":
+    if not plugin.interpolates or plugin.level != "output":  # declared on ``Plugin``
         return None
     progress = progress or _noop
     should_stop = should_stop or (lambda: False)

@@ -16,7 +16,7 @@ examples) by the bare model's score on the tuning items, then builds the memory 
 the choice becomes the task's prompt on that backbone (app, CLI and later runs).
 
 Results go to ``out/quality-<task>-<train>.json`` and a markdown table on stdout. Tuned decode settings can be
-written into ``backbone/tuned_defaults.json`` with ``--save-defaults`` (the app and CLI then start from them).
+written into ``plugins/tuned_defaults.json`` with ``--save-defaults`` (the app and CLI then start from them).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import json
 import time
 from pathlib import Path
 
-from backbone import load_backbone, tasks
-from backbone.tasks import task_prompt
+from backbone import load_backbone
+from backbone.tasks import save_tuned_prompt, task_prompt
 from eval.datasets import task_pairs
 from eval.likelihood import tune_settings
 from eval.metrics import paired_bootstrap
@@ -38,7 +38,7 @@ from memories.build import MAX_TARGET_TOKENS, build_memory, register_memory, tar
 from memories.parse import Sample
 from plugins.api import open_memory, open_plugin, train_plugin
 from plugins.decode import Row
-from plugins.settings import decode_grid
+from plugins.settings import decode_grid, save_tuned_decode_settings
 
 
 def pairs_that_fit(backbone, prompt, pairs: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], int]:
@@ -317,15 +317,13 @@ def main(argv=None) -> int:
 
 
 def save_defaults(task: str, backbone_name: str, decode: dict | None = None, prompt: dict | None = None) -> None:
-    """Write tuned decode settings and/or the tuned prompt (``shots``, ``paper_prompt``) of a task on a backbone
-    into ``backbone/tuned_defaults.json``, which the app, the CLI and ``backbone.tasks.task_prompt`` read."""
-    data = json.loads(tasks.TUNED_PATH.read_text(encoding="utf-8")) if tasks.TUNED_PATH.exists() else {}
-    entry = data.setdefault(task, {}).setdefault("backbones", {}).setdefault(backbone_name, {})
+    """Write tuned decode settings (into ``plugins/tuned_defaults.json``, where rows start) and/or the tuned prompt
+    (``shots``, ``paper_prompt``: into ``backbone/tuned_prompts.json``, which ``backbone.tasks.task_prompt`` reads)
+    of a task on a backbone."""
     if decode is not None:
-        entry["decode"] = decode
+        save_tuned_decode_settings(task, backbone_name, decode)
     if prompt is not None:
-        entry.update(prompt)
-    write_json_atomic(tasks.TUNED_PATH, data)
+        save_tuned_prompt(task, backbone_name, prompt)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from typing import Callable, Iterator
 
@@ -16,7 +17,8 @@ def add_common(p: argparse.ArgumentParser, backbone: bool = True) -> None:
         p.add_argument("--backbone", default=None,
                        help="embedded short name (gemma-3-270m [default], smollm2-135m-instruct), hub id or path")
         p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present)")
-        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "int8", "float16", "auto"],
+        p.add_argument("--dtype", default=os.environ.get("PEMA_DTYPE") or None,
+                       choices=["float32", "bfloat16", "int8", "float16", "auto"],
                        help="backbone weight precision: float32 (exact reference), bfloat16, int8 (CPU; int8 "
                             "weight-only linear layers + LM head), float16 (CPU: float16 weight-only decoder linears; "
                             "GPU: the whole model); default $PEMA_DTYPE, else docs/precision.md")

@@ -118,7 +118,7 @@ class Adapter(NetworkPlugin):
         self.register_buffer("out_scale", torch.ones(L, d))  # s_l: per-feature RMS of block l's output
 
     def _register_hooks(self, att: Attachment) -> list:
-        folded = self._folded_out(self._scale_of(att)) if att.batch_rows is not None else None  # decoding
+        folded = self._folded_out(self._scale_of(att)) if att.forward_rows is not None else None  # decoding
         return [layer.register_forward_hook(self._hook(l, att, None if folded is None else folded[l]))
                 for l, layer in enumerate(self.backbone.layers)]
 

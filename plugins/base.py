@@ -180,6 +180,18 @@ class Plugin(nn.Module):
     ``interpolates`` and implement ``plugin_logprobs`` and ``mix_lambdas``; the base ``mix`` combines them. The
     split lets a scorer evaluate many λ settings on the same states while computing P_plugin once per
     ``distribution_key`` (eval.likelihood).
+
+    The declared contracts (class attributes read by the decode, the tuners and the studio; never looked up with a
+    default elsewhere) are checked for every registered method by ``contract_problems`` (tests/test_methods.py):
+
+    - ``interpolates``: how the plug-in mixes. True: ``mix`` is λ_t·P_plugin + (1−λ_t)·P_LM from
+      ``plugin_logprobs`` and ``mix_lambdas`` (the slider moves, the likelihood tuner and calibration rely on it).
+      False: the plug-in's own ``mix`` (if any) says how. A class that defines ``plugin_logprobs`` or
+      ``mix_lambdas`` without declaring it would have the base ``mix`` return P_LM unchanged: refused.
+    - ``resumable``: training can continue from a saved plug-in: ``fit`` then fills ``optimizer_state`` (saved by
+      the studio as ``optimizer.safetensors``) and honours ``resume_state`` (set before ``fit`` from that file).
+    - ``leaves_shared_prefix``: an in-network plug-in that leaves the prompt's shared prefix to the frozen backbone;
+      the decode tells its attachments where each row's own tokens start (``set_own_from``).
     """
 
     method: ClassVar[str] = ""
@@ -191,6 +203,14 @@ class Plugin(nn.Module):
     needs_memory_at_decode: ClassVar[bool] = False
     mixes_output: ClassVar[bool] = False  # an in-network plug-in whose ``mix`` also runs after the LM head
     interpolates: ClassVar[bool] = False  # ``mix`` is λ_t·P_plugin + (1−λ_t)·P_LM (see the class docstring)
+    # Training continues from a saved plug-in (the studio's "continue training"; see the class docstring).
+    resumable: ClassVar[bool] = False
+    # A resumable plug-in's optimizer state after ``fit`` (``plugins.training.optimizer_state``), else None.
+    optimizer_state: dict | None = None
+    # Set before ``fit`` to continue training from a saved optimizer state (``training.optimizer_from_tensors``).
+    resume_state: dict | None = None
+    # The folder it was saved to or loaded from (``load_plugin``, ``plugins.api.train_plugin``); None: never saved.
+    plugin_path: Path | None = None
     # Where the studio needs one method's row of several (Compare's token views, the training form), this one first.
     shown_first: ClassVar[bool] = False
     # A few steps of training on the tiny model: the per-method test suites' run (tests/test_methods.py).
@@ -297,6 +317,17 @@ class Plugin(nn.Module):
         attention over memory items, as {position within its rows: dict}; None when it has none (yet)."""
         return None
 
+    @property
+    def leaves_shared_prefix(self) -> bool:
+        """Whether the attachment leaves the prompt's shared prefix (instruction, few-shot examples) as the frozen
+        backbone computes it, acting only from each row's own tokens on: the decode's prefill then tells it where
+        those start (``set_own_from``). Default: False (it acts on every position)."""
+        return False
+
+    def set_own_from(self, handles: list, own_from: torch.Tensor | None) -> None:
+        """Tell the attachment ``handles`` (what ``attach`` returned) each of its batch rows' first position it acts
+        on in the next forward pass (None: every position); read by plug-ins that ``leaves_shared_prefix``."""
+
     def prepare_decode(self) -> None:
         """Called once before decoding (e.g. to move weights or build a search index)."""
         self.to_backbone()
@@ -375,6 +406,54 @@ class Plugin(nn.Module):
         # the first tensor only (called at every decode step's attach: building a state_dict cost ~0.3 ms)
         t = next(itertools.chain(self.parameters(), self.buffers()), None)
         return self if t is None or t.device == dev else self.to(device=dev)
+
+
+LEVELS = ("output", "network", "prompt", "none")
+
+
+def _defines(cls: type, name: str) -> bool:
+    """Whether ``cls`` (or a base below ``Plugin``) overrides ``Plugin.<name>``."""
+    return getattr(cls, name, None) is not getattr(Plugin, name)
+
+
+def contract_problems(cls: type) -> list[str]:
+    """What a method class declares wrongly or not at all (the contracts of ``Plugin``'s docstring); empty when it
+    keeps them. A class that mixes without saying how (``plugin_logprobs`` / ``mix_lambdas`` without
+    ``interpolates``) would decode as the base model and pass every other test."""
+    name = cls.__name__
+    out = []
+    if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+        return [f"{name} is not a Plugin subclass"]
+    if not cls.method:
+        out.append(f"{name} declares no ``method`` name")
+    if cls.level not in LEVELS:
+        out.append(f"{name}.level is {cls.level!r}, not one of {', '.join(LEVELS)}")
+    parts = [m for m in ("plugin_logprobs", "mix_lambdas") if _defines(cls, m)]
+    if cls.interpolates:
+        missing = [m for m in ("plugin_logprobs", "mix_lambdas") if m not in parts]
+        if missing:
+            out.append(f"{name} declares interpolates = True but does not define {' and '.join(missing)}")
+        if cls.level != "output" and not cls.mixes_output:
+            out.append(f"{name} declares interpolates = True at level {cls.level!r}: only output-level plug-ins "
+                       f"(or in-network ones with mixes_output) are mixed")
+    elif parts and not _defines(cls, "mix"):
+        out.append(f"{name} defines {' and '.join(parts)} but neither declares interpolates = True nor defines "
+                   f"its own mix: the base mix would return P_LM unchanged (the base model's tokens)")
+    if cls.level == "output" and not (cls.interpolates or _defines(cls, "mix")):
+        out.append(f"{name} is an output-level plug-in that does not mix: declare interpolates = True (with "
+                   f"plugin_logprobs and mix_lambdas) or define mix")
+    if cls.mixes_output and not (cls.interpolates or _defines(cls, "mix")):
+        out.append(f"{name} declares mixes_output = True but neither interpolates nor defines mix")
+    if cls.level == "network" and not _defines(cls, "attach"):
+        out.append(f"{name} is an in-network plug-in without attach (no hooks: it changes nothing)")
+    if cls.level != "network" and (_defines(cls, "attach") or _defines(cls, "set_own_from")):
+        out.append(f"{name} defines attach or set_own_from at level {cls.level!r}: the decode attaches only "
+                   f"in-network plug-ins")
+    if cls.level == "prompt" and not _defines(cls, "row_prompt"):
+        out.append(f"{name} is a prompt-level plug-in without row_prompt (it prompts like the base row)")
+    if not isinstance(cls.resumable, bool) or not isinstance(cls.interpolates, bool):
+        out.append(f"{name}.resumable and {name}.interpolates must be True or False")
+    return out
 
 
 def _damaged(path: Path, what: str) -> UserError:

@@ -284,7 +284,7 @@ def model_card(plugin: Plugin, *, name: str, memory: Memory | None, memory_hash:
               ""]
     L += _evaluation_section(plugin, evaluation, signatures)
     L += ["## Decode settings", "", "Declared by the method (`decode_settings`); *studio start* is the value the "
-          "studio starts from on this task and backbone (tuned on dev data where `backbone/tuned_defaults.json` has "
+          "studio starts from on this task and backbone (tuned on dev data where `plugins/tuned_defaults.json` has "
           "one).", ""]
     tuned = tuned_decode_settings(plugin.method, task, plugin.backbone_name)
     try:

@@ -35,13 +35,12 @@ entries (``ivf_min_points``: FAISS's k-means needs that many points a centroid, 
 query with k = 1,024 re-ranks 1,024 stored keys and scatters 1,024 weights per row, and the exact search's certified
 scan re-checks at least k entries a query in float32 — the same scan of every key, a larger top-k and re-check.
 
-Quality: on Gemma 3 270M translation (a 1,000-pair WMT memory) no setting beat the base model on the 200 dev items
-it was tuned on (paired bootstrap); λ 0.2 (the earlier tuned start) and the declared defaults lowered chrF
-significantly there and λ 0.2 again on 200 later dev items. The tuned start there is k 8, T 100, λ 0.05
-(``backbone/tuned_defaults.json``): level with the base on the tuning items, +0.23 sacreBLEU / +0.54 chrF (p 0.016 /
-0.038) on the later ones — a small, unconfirmed gain, not a reason to raise λ (BENCHMARKS). Formality alike: the
-earlier start λ 0.2 lost 3.4 sacreBLEU / 3.1 chrF on 200 dev items, λ 0.05 is level. λ 0.05 is in the tuning grid,
-so a tuning run can choose it where every larger λ hurts.
+Quality (BENCHMARKS.md, "kNN's tuned starts on Gemma"): on Gemma 3 270M translation (a 1,000-pair WMT memory) no
+setting beat the base model on the dev items it was tuned on (paired bootstrap); λ 0.2 (the earlier tuned start)
+and the declared defaults lowered chrF significantly there. The tuned start there is k 8, T 100, λ 0.05
+(``plugins/tuned_defaults.json``): level with the base on the tuning items, a small, unconfirmed gain on later ones —
+not a reason to raise λ. Formality alike: λ 0.2 lost to the base, λ 0.05 is level. λ 0.05 is in the tuning grid, so a
+tuning run can choose it where every larger λ hurts.
 """
 from __future__ import annotations
 
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from backbone.model import all_threads, fp16_weight_available, packed_bf16_available, packed_f32_available
+from backbone.torch_internals import fp16_linear, fp16_pack_linear, mkldnn_linear, mkldnn_pack_linear
 from ground.errors import UserError
 from ground.lock import temp_name
 from ground.store import write_json_atomic
@@ -136,9 +136,9 @@ class CertifiedL2Search:
         # the per-key part of the bound, γ·|k̃'| + |k' − k̃'| (times |q̃'| per query), folded once
         self.key_bound = self.gamma * torch.cat(rnorm) + torch.cat(resid)
         if self.kernel == "bfloat16":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(rounded), 1)
+            self.packed = mkldnn_pack_linear(torch.cat(rounded), 1)
         else:  # float16 values in float32: FBGEMM's packing rounds nothing further
-            self.packed = torch.ops.quantized.linear_prepack_fp16(torch.cat(rounded).float(), None)
+            self.packed = fp16_pack_linear(torch.cat(rounded).float(), None)
         self.checked = 0  # entries whose float32 distance the last search computed (benchmarks, tests)
 
     @staticmethod
@@ -157,10 +157,10 @@ class CertifiedL2Search:
         if self.kernel == "bfloat16":
             qb = qc.to(torch.bfloat16)
             with all_threads():  # the scan of every key: the one large product of the search
-                s = torch.ops.mkldnn._linear_pointwise(qb, self.packed, None, "none", [], "").float()
+                s = mkldnn_linear(qb, self.packed, None).float()
             return s, (qc - qb.float()).norm(dim=1, keepdim=True), qb.float().norm(dim=1, keepdim=True)
         with all_threads():
-            s = torch.ops.quantized.linear_dynamic_fp16(qc.contiguous(), self.packed)
+            s = fp16_linear(qc.contiguous(), self.packed)
         return s, None, qc.norm(dim=1, keepdim=True)  # the float32 query is not rounded: no residual
 
     def search(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,9 +235,10 @@ class KNN(Plugin):
                 low=0.5, high=100.0, live=True, step=0.5, label="kNN temperature", grid=(10.0, 100.0),
                 fine_grid=(1.0, 10.0, 100.0)),
         Setting("lambda", 0.3, "λ: p_kNN's weight in the mix λ·p_kNN + (1−λ)·p_LM. On Gemma 3 270M no λ beat the "
-                "base on 200 translation or formality dev items (BENCHMARKS): kNN starts there at λ 0.05, level with "
-                "the base; λ 0.2 and the declared 0.3 lowered chrF significantly", low=0.0, high=1.0, live=True,
-                step=0.05, label="kNN λ", grid=(0.05, 0.2, 0.4), fine_grid=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)),
+                "base on translation or formality dev items (BENCHMARKS.md, \"kNN's tuned starts on Gemma\"): kNN "
+                "starts there at λ 0.05, level with the base; λ 0.2 and the declared 0.3 lowered chrF",
+                low=0.0, high=1.0, live=True, step=0.05, label="kNN λ", grid=(0.05, 0.2, 0.4),
+                fine_grid=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)),
     )
     needs_memory_at_decode = True
     # The exact search's fast paths, each an option of the plug-in (a benchmark or a test turns it off on one
@@ -307,7 +308,7 @@ class KNN(Plugin):
             except OverflowError:  # keys beyond float16's range: the float32 scan below
                 self.exact_l2 = None
             self.packed_keys = (
-                [torch.ops.mkldnn._reorder_linear_weight(keys[b0:b0 + _SCAN_CHUNK].contiguous(), 4)
+                [mkldnn_pack_linear(keys[b0:b0 + _SCAN_CHUNK].contiguous(), 4)
                  for b0 in range(0, n, _SCAN_CHUNK)]
                 if self.exact_l2 is None and keys.device.type == "cpu" and n >= CertifiedL2Search.MIN_ENTRIES
                 and packed_f32_available() else None)
@@ -440,7 +441,7 @@ class KNN(Plugin):
             kc = self.keys[b0:b0 + _SCAN_CHUNK]
             with all_threads():
                 qk = (q @ kc.T if packed is None else
-                      torch.ops.mkldnn._linear_pointwise(q.contiguous(), packed[c], None, "none", [], ""))
+                      mkldnn_linear(q.contiguous(), packed[c], None))
             d = (q * q).sum(1, keepdim=True) - 2 * qk + self.key_sqnorm[b0:b0 + _SCAN_CHUNK]
             dv, di = d.topk(min(k, len(kc)), dim=1, largest=False)
             di = di + b0

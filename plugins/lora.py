@@ -32,10 +32,9 @@ How it is adapted to our decoder-only backbones and to the shared-backbone proto
     * Decoding: a forward hook on the backbone's own o_proj adds (x·Aᵀ·Bᵀ)·(α/r)·σ to the output of the batch
       rows ``rows`` only; σ is the decode-time setting ``scale`` (default 1, not in the paper).
     * Learning rate: 1e-2 (Adam), a named deviation from the PEMA paper's 1e-3 (the preset ``"paper"``). With α = 1
-      and r = 512 the scaling α/r is 1/512, so the delta moves slowly; measured on Gemma 3 270M (1,000 WMT train
-      pairs, one epoch = 109 steps each, reported on WMT dev 1000–1099, BENCHMARKS §5e): lr 1e-2 reaches held-out
-      NLL 1.921 vs 1.945 and +0.82 sacreBLEU (p = 0.004) / +1.22 chrF (p = 0.029) over lr 1e-3, which at that
-      budget is 0.86 sacreBLEU *below* the base model (``python -m plugins train … --method lora --set lr=…``).
+      and r = 512 the scaling α/r is 1/512, so the delta moves slowly: at one epoch of 1,000 WMT pairs on Gemma 3
+      270M, lr 1e-2 scored significantly above lr 1e-3, which at that budget was still below the base model
+      (BENCHMARKS.md §5e; ``python -m plugins train … --method lora --set lr=…``).
     * The LM head dominates the cost of a step (Gemma's vocabulary is 262k), so ``softmax="candidates"``
       (see ``plugins.adapter``) makes LoRA steps several times faster on CPU (≈8× measured) at the price of a
       sampled softmax.
@@ -62,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backbone.torch_internals import clear_module_hooks
 from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.hub import hub_base_model
@@ -102,16 +102,6 @@ class LoRAConfig(NetworkConfig):
     def validate(self) -> None:
         super().validate()
         self._check(self.alpha > 0, "LoRA α must be a positive number.")
-
-
-def _clear_hooks(module: nn.Module) -> None:
-    for m in module.modules():
-        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
-                     "_state_dict_hooks", "_load_state_dict_pre_hooks"):
-            d = getattr(m, name, None)
-            if d is not None and hasattr(d, "clear"):
-                d.clear()
 
 
 @register
@@ -238,7 +228,7 @@ class LoRA(NetworkPlugin):
         # peft on a private copy of the last decoder layer: the shared backbone is never modified.
         holder = nn.Module()
         holder.layer = copy.deepcopy(bb.layers[-1])
-        _clear_hooks(holder.layer)
+        clear_module_hooks(holder.layer)
         for p in holder.layer.parameters():
             p.requires_grad_(False)
         torch.manual_seed(cfg.seed)

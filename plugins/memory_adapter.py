@@ -113,6 +113,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from backbone.torch_internals import set_unregistered, unregistered
 from ground.errors import UserError
 from memories.build import target_ids
 from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_memory
@@ -370,7 +371,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         rows while training, where ``att.state["keep"]`` (batch, layers) False drops a layer's memory)."""
         if not len(self.blocks):
             return []
-        preps = self._preps(float(att.settings["temperature"]), cached=att.batch_rows is not None)
+        preps = self._preps(float(att.settings["temperature"]), cached=att.forward_rows is not None)
         keep = att.state.get("keep")
         exclude = att.state.get("exclude") or {}  # layer → (B, n) items hidden from each row (training)
         recording: dict = {}  # layer → the newest position's memory attention, for the trace
@@ -386,7 +387,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         layers = self.adapted_layers if layers is None else layers
         info: dict = {}
         # ``prep`` is then ``_preps(cached=True)``'s: decode_prep's folded products
-        decoding = att.batch_rows is not None
+        decoding = att.forward_rows is not None
 
         def fn(x, h):
             if decoding:
@@ -423,9 +424,10 @@ class MemoryAdapterPlugin(NetworkPlugin):
     def _block_tensors(self) -> tuple:
         """Every parameter and buffer of the blocks (what the decode products derive from), listed once per blocks
         object: walking the modules at every decode step cost more than the products' cache check."""
-        listed = self.__dict__.get("_listed")
+        listed = unregistered(self, "_listed")
         if listed is None or listed[0] is not self.blocks:
-            listed = self.__dict__["_listed"] = (self.blocks, (*self.blocks.parameters(), *self.blocks.buffers()))
+            listed = (self.blocks, (*self.blocks.parameters(), *self.blocks.buffers()))
+            set_unregistered(self, "_listed", listed)
         return listed[1]
 
     def _prepare_all(self, temperature: float) -> dict:

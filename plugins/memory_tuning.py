@@ -83,7 +83,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from backbone.hf_internals import attn_implementation
 from backbone.model import CPU_DECODE_ATTENTION, ROW_ATTENTION
+from backbone.torch_internals import set_unregistered
 from ground.errors import UserError
 from plugins.base import FitResult
 from plugins.network import (
@@ -307,18 +309,18 @@ class MemoryTuning(NetworkPlugin):
     # --- hooks --------------------------------------------------------------------------------------------
     def _register_hooks(self, att: Attachment) -> list:
         if self.use_attn:
-            impl = getattr(self.backbone.model.config, "_attn_implementation", None) or "eager"
+            impl = attn_implementation(self.backbone.model) or "eager"
             if impl not in ATTENTION_IMPLEMENTATIONS:
                 raise UserError(f"Memory-tuning's MT-M hands its prefix to the attention as extra keys with an "
                                 f"additive mask, which needs {' or '.join(ATTENTION_IMPLEMENTATIONS)} attention; "
                                 f"{self.backbone.name} uses {impl!r}.")
         handles = []
         L = self.backbone.num_layers
-        ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.batch_rows is not None
+        ffn_folded = (self._ffn_folded(self._scale_of(att)) if self.use_ffn and att.forward_rows is not None
                       else None)  # decoding: the slot reads with their scales folded in, every layer at once
         # decoding on the CPU decode attention: every layer's prefix in the backbone's dtype, looked up once
         row_keys = (self._all_prefixes(self.backbone.dtype) if self.use_attn and self.row_keys_in_attention
-                    and att.batch_rows is not None
+                    and att.forward_rows is not None
                     and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION
                     else None)
         for l, layer in enumerate(self.backbone.layers):
@@ -403,15 +405,15 @@ class MemoryTuning(NetworkPlugin):
             if (decode_prefix is not None and x.shape[1] == 1 and x.dtype == decode_prefix[0].dtype
                     and x.device.type == "cpu"):
                 # … unless the CPU decode attention reads the prefix for this method's rows itself
-                # (set in the module's __dict__: nn.Module's __setattr__ costs more than the rest of this hook)
-                call["row_keys"] = mod.__dict__[ROW_ATTENTION] = RowKeys(att.rows, *decode_prefix, log_sigma,
-                                                                           lambda: att.live, keep_probs=trace)
+                # (an unregistered attribute: nn.Module's __setattr__ costs more than the rest of this hook)
+                call["row_keys"] = RowKeys(att.rows, *decode_prefix, log_sigma, lambda: att.live, keep_probs=trace)
+                set_unregistered(mod, ROW_ATTENTION, call["row_keys"])
             return args, {**kwargs, "past_key_values": call["kv"]}
 
         def post(mod, args, kwargs, output):
             kv, row_keys = call.pop("kv", None), call.pop("row_keys", None)
             if row_keys is not None:
-                mod.__dict__[ROW_ATTENTION] = None
+                set_unregistered(mod, ROW_ATTENTION, None)
                 if row_keys.done:  # the attention read the prefix for these rows: nothing to re-run
                     if trace and row_keys.probs is not None:
                         got = self._trace_from_probs(row_keys.probs, n_prefix)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backbone.torch_internals import hook_id, hook_tables, set_unregistered, unregistered, version
 from ground.errors import UserError
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
@@ -102,11 +103,14 @@ def derived(owner, key, sources, build: Callable[[], object]):
     its sources, so no freed tensor's address can pass for one of them."""
     sources = tuple(sources)
     try:
-        versions = tuple([t._version for t in sources])
+        versions = tuple([version(t) for t in sources])
     except RuntimeError:  # an inference tensor (made under ``inference_mode``) has no version counter, and cannot
-        versions = tuple([-1 if t.is_inference() else t._version for t in sources])  # change in place outside it
+        versions = tuple([-1 if t.is_inference() else version(t) for t in sources])  # change in place outside it
     stamp = (versions, tuple([t.data_ptr() for t in sources]), tuple([(t.dtype, t.device) for t in sources]))
-    cache = owner.__dict__.setdefault("_derived", {})
+    cache = unregistered(owner, "_derived")
+    if cache is None:
+        cache = {}
+        set_unregistered(owner, "_derived", cache)
     hit = cache.get(key)
     if hit is None or hit[1] != stamp or len(hit[0]) != len(sources) or any(map(operator.is_not, hit[0], sources)):
         with torch.no_grad():
@@ -187,12 +191,12 @@ def row_span(rows: torch.Tensor) -> slice | None:
     rows are one tensor for every layer's hook and step, and reading them is a device-to-host copy (on a GPU, a
     wait for every queued kernel) that would otherwise come once per hooked layer."""
     kept = rows.__dict__.get("_pema_span")
-    if kept is not None and kept[0] == rows._version:
+    if kept is not None and kept[0] == version(rows):
         return kept[1]
     r = rows.tolist()
     span = slice(r[0], r[-1] + 1) if r and r == list(range(r[0], r[0] + len(r))) else None
     try:
-        rows._pema_span = (rows._version, span)
+        rows._pema_span = (version(rows), span)
     except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
         pass
     return span
@@ -203,10 +207,10 @@ _SUB_BATCH: ContextVar = ContextVar("pema_sub_batch", default=None)
 
 @contextmanager
 def sub_batch(rows: torch.Tensor):
-    """While inside, forward passes run on the batch rows ``rows`` (full-batch indices) only — a module re-run for
-    one plug-in's rows (memory-tuning's prefixed attention) —, so every attachment's ``rows`` reads as positions
-    within them: another method's hooks on the re-run's submodules (LoRA on ``o_proj``) act on none of them, a hook
-    for all rows (None) on all."""
+    """While inside, forward passes run on the *sub-batch rows* ``rows`` (indices of the whole pass's rows) only — a
+    module re-run for one plug-in's rows (memory-tuning's prefixed attention) —, so every attachment's ``rows`` reads
+    as positions within them: another method's hooks on the re-run's submodules (LoRA on ``o_proj``) act on none of
+    them, a hook for all rows (None) on all. (The decode's kinds of rows: ``plugins.decode``'s glossary.)"""
     token = _SUB_BATCH.set(rows)
     try:
         yield
@@ -216,16 +220,18 @@ def sub_batch(rows: torch.Tensor):
 
 class Attachment:
     """One ``attach`` call: its rows and settings, per-pass inputs of a training forward (``state``, e.g. the memory
-    adapter's memory-dropout mask), and what its hooks recorded for ``network_trace``."""
+    adapter's memory-dropout mask), and what its hooks recorded for ``network_trace``. Its *attachment rows*
+    (``forward_rows``) index the rows of the forward passes it sees: a decode's prefill rows in the prefill, cache
+    rows in a step (batch rows where the layout is not compact), every row in training (None)."""
 
     def __init__(self, rows, settings: dict, state: dict | None = None, recording: bool = True):
-        self.batch_rows = rows  # full-batch row indices (None: every row)
+        self.forward_rows = rows  # the forward pass's rows the hooks act on, indices of the whole pass (None: all)
         self.settings = settings
         self.state = dict(state or {})
         self.live = True
         self.recording = recording  # whether a decode wants the trace (False: the hooks skip recording it)
         self.trace = None  # what the latest forward pass recorded (default layout: {"per_row": [dict per row]})
-        # per batch row of the next forward pass, the first position the plug-in acts on (the positions before are
+        # per row of the next forward pass, the first position the plug-in acts on (the positions before are
         # a shared prompt prefix, kept as the frozen backbone computes them); None: every position
         self.own_from: torch.Tensor | None = None
 
@@ -233,7 +239,7 @@ class Attachment:
         """``own_from`` of the rows the hooks act on (``rows``; every row when None), or None."""
         if self.own_from is None:
             return None
-        if self.batch_rows is None:
+        if self.forward_rows is None:
             return self.own_from
         sub = _SUB_BATCH.get()
         rows = self.rows
@@ -242,11 +248,11 @@ class Attachment:
 
     @property
     def rows(self) -> torch.Tensor | None:
-        """The batch rows the hooks act on (None: every row); inside ``sub_batch``, as positions within it."""
+        """The attachment rows (None: every row); inside ``sub_batch``, as positions within the sub-batch rows."""
         sub = _SUB_BATCH.get()
-        if sub is None or self.batch_rows is None:
-            return self.batch_rows
-        return torch.isin(sub, self.batch_rows.to(sub.device)).nonzero().flatten()
+        if sub is None or self.forward_rows is None:
+            return self.forward_rows
+        return torch.isin(sub, self.forward_rows.to(sub.device)).nonzero().flatten()
 
 
 class _Handle:
@@ -268,17 +274,15 @@ class _Handle:
         functions (same rows, settings and derived products) without building them anew — attaching a 7-row
         comparison's in-network plug-ins is a noticeable share of a step (BENCHMARKS §3).
         False (and the hooks removed for good) where a handle does not show its hook table (torch's
-        ``RemovableHandle`` does): attach anew then."""
+        ``RemovableHandle`` does: ``backbone.torch_internals.hook_tables``): attach anew then."""
         kept = []
         for h in self.handles:
-            tables = [getattr(h, "hooks_dict_ref", None), *getattr(h, "extra_dict_ref", ())]
-            if tables[0] is None:
+            tables = hook_tables(h)
+            if tables is None:
                 self.remove()
                 return False
-            for ref in tables:
-                table = ref()
-                if table is not None and h.id in table:
-                    kept.append((table, h.id, table[h.id]))
+            key = hook_id(h)
+            kept += [(table, key, table[key]) for table in tables if key in table]
         for h in self.handles:
             h.remove()
         self.kept = kept
@@ -290,8 +294,8 @@ class _Handle:
         them); False when there is nothing to resume."""
         if self.kept is None:
             return False
-        for table, hook_id, entry in self.kept:
-            table[hook_id] = entry
+        for table, key, entry in self.kept:
+            table[key] = entry
         self.kept = None
         self.att.live = True
         return True
@@ -356,6 +360,13 @@ class NetworkPlugin(Plugin):
     def frozen_prefix(self) -> bool:
         """Whether the plug-in leaves the prompt's shared prefix to the frozen backbone (``prompt_prefix``)."""
         return getattr(self.config, "prompt_prefix", "adapted") == "frozen"
+
+    @property
+    def leaves_shared_prefix(self) -> bool:
+        return self.frozen_prefix
+
+    def set_own_from(self, handles: list, own_from: torch.Tensor | None) -> None:
+        set_own_from(handles, own_from)
 
     def lowest_layer(self) -> int:
         """The lowest decoder layer whose forward pass carries one of this plug-in's hooks: the frozen layers below

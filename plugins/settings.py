@@ -15,10 +15,11 @@ import itertools
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
-from backbone.tasks import tuned_defaults
 from ground.errors import UserError
+from ground.store import write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -276,11 +277,28 @@ def resolve_row_settings(key_chain: Iterable[str], per_row: dict | None) -> dict
     return out
 
 
+# The decode settings tuned on dev data per task, backbone and method ({task: {backbone: {method: {name: value}}}}),
+# written by ``python -m eval.quality --save-defaults``; a row starts from them (``row_settings``).
+TUNED_PATH = Path(__file__).with_name("tuned_defaults.json")
+
+
+def _tuned_table() -> dict:
+    return json.loads(TUNED_PATH.read_text(encoding="utf-8")) if TUNED_PATH.exists() else {}
+
+
 def tuned_decode_settings(method: str, task: str | None, backbone_name: str | None) -> dict:
     """The decode settings tuned on dev data for ``method`` on ``task`` and this backbone (may be empty)."""
-    if not task:
+    if not task or not backbone_name:
         return {}
-    return dict(tuned_defaults(task, backbone_name).get("decode", {}).get(method, {}))
+    return dict(_tuned_table().get(task, {}).get(backbone_name, {}).get(method, {}))
+
+
+def save_tuned_decode_settings(task: str, backbone_name: str, decode: dict[str, dict]) -> None:
+    """Make ``decode`` ({method: {name: value}}) where rows of ``task`` on this backbone start (replaces that
+    backbone's entry of the task, keeps the others)."""
+    data = _tuned_table()
+    data.setdefault(task, {})[backbone_name] = {m: dict(v) for m, v in decode.items() if v}
+    write_json_atomic(TUNED_PATH, data)
 
 
 def tuned_start_changes(declared: dict, starts: dict[str, dict]) -> dict[str, dict]:

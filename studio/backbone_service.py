@@ -11,6 +11,7 @@ import threading
 import time
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from backbone.model import load_backbone, resolve_name
@@ -19,6 +20,9 @@ from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
 from offsite.client import TOKEN_ENV, RemoteBackbone, connect
 from offsite.decode import check_offsite_method, decode_batch_remote
+from studio.caches import LRU
+from studio.context import StudioContext
+from studio.gate import BackboneGate
 
 TINY_NAMES = ("tiny", "tiny-llama")
 # P_LM under a remote backbone: computed here from the owner's f(c) with the final norm and W_hd this side holds —
@@ -44,33 +48,66 @@ def remote_host(url: str) -> str:
 
 
 class BackboneService:
-    """Loading state, the loaded backbone and exclusive (interactive or job) use of it."""
+    """Loading state, the loaded backbone and exclusive (interactive or job) use of it through ``gate``.
 
-    remote_url: str | None = None       # a model owner's service (offsite), else None: the backbone is loaded here
-    _remote_token: str | None = None    # its bearer token (None: $PEMA_REMOTE_TOKEN); kept in memory only
+    Receives the studio's context (owners, the data directory for the de-quantized weights) and the loaded plug-in
+    cache, which it empties when the backbone changes (a loaded plug-in holds the old head)."""
+
+    def __init__(self, ctx: StudioContext, plugin_cache: LRU, name: str, *, device: str | None = None,
+                 dtype: str | None = None, cache: str | Path | None = None, busy_timeout: float = 120.0,
+                 remote: str | None = None, remote_token: str | None = None):
+        """``name``: "gemma-3-270m", a hub id, a local path, or "tiny". ``dtype``: its precision (None: the machine's
+        default, ``backbone.precision.resolve_precision``; a remote backbone's is its owner's). ``cache``: another
+        data directory whose ``backbones/`` may already hold the de-quantized weights. ``remote``: a model owner's
+        service instead of a local backbone (bearer ``remote_token``, else ``$PEMA_REMOTE_TOKEN``)."""
+        self.ctx = ctx
+        self.plugin_cache = plugin_cache
+        self.backbone_name = name
+        self.backbone_cache = Path(cache) if cache else None
+        self.device = device
+        self.dtype = dtype
+        self.busy_timeout = busy_timeout
+        self.gate = BackboneGate()
+        # a model owner's service (offsite), else None: the backbone is loaded here; its token is kept in memory only
+        self.remote_url: str | None = check_remote_url(remote) if remote else None
+        self._remote_token: str | None = (remote_token or None) if remote else None
+        self._bb = None
+        self._load = {"state": "idle", "progress": 0.0, "message": "Not loaded", "error": "", "started": None,
+                      "finished": None, "stage_started": None}
+        self._ready = threading.Event()
+
+    @property
+    def root(self) -> Path:
+        """The data directory (``studio.ray_executor.backbone_spec`` reads it)."""
+        return self.ctx.root
+
+    @property
+    def loaded(self):
+        """The loaded backbone, or None while it loads (or failed): never waits, never raises."""
+        return self._bb
 
     # --- a model owner's backbone (offsite) ---------------------------------------------------------------------
-    def _offsite(self, bb=None) -> bool:
+    def offsite(self, bb=None) -> bool:
         """Whether ``bb`` (default: the studio's backbone, loaded or to be loaded) is a model owner's."""
         return isinstance(bb, RemoteBackbone) if bb is not None else bool(self.remote_url)
 
-    def _check_offsite(self, method: str, bb=None) -> None:
+    def check_offsite(self, method: str, bb=None) -> None:
         """Under a remote backbone, a UserError with the reason unless ``method`` is output-level (PEMA, kNN)."""
-        if self._offsite(bb):
+        if self.offsite(bb):
             check_offsite_method(method)
 
-    def _eval_decode(self, bb) -> dict:
+    def eval_decode(self, bb) -> dict:
         """``eval.run.evaluate``'s ``decode`` for ``bb``: through the owner's decode sessions when it is remote."""
-        return {"decode": partial(decode_batch_remote, lm=REMOTE_LM)} if self._offsite(bb) else {}
+        return {"decode": partial(decode_batch_remote, lm=REMOTE_LM)} if self.offsite(bb) else {}
 
     def set_remote(self, url: str | None, token: str | None = None, *, owner: str | None = None) -> dict:
         """Single-user mode: work against the model owner's service at ``url`` (bearer ``token``, else
         ``$PEMA_REMOTE_TOKEN``), or with an empty ``url`` on the local backbone again; the new backbone loads in
         the background (``status``). Refused in multi-user mode (the operator's ``--remote`` is the whole studio's),
         while the backbone loads, and while a job holds it. Loaded plug-ins are dropped (they hold the old head)."""
-        if self.multi_user:
+        if self.ctx.multi_user:
             raise UserError(REMOTE_MULTI_USER)
-        self._owner(owner)
+        self.ctx.owner(owner)
         url = check_remote_url(url.strip()) if isinstance(url, str) and url.strip() else None
         token = token.strip() if isinstance(token, str) and token.strip() else None
         if url and not (token or os.environ.get(TOKEN_ENV)):
@@ -84,8 +121,7 @@ class BackboneService:
             old = self._bb
             self._ready.clear()
             self._bb = None
-            with self._plugin_lock:
-                self._plugins.clear()
+            self.plugin_cache.clear()
             self.remote_url, self._remote_token = url, token
             self._load.update(state="idle", progress=0.0, message="Not loaded", error="", started=None,
                               finished=None)
@@ -110,7 +146,7 @@ class BackboneService:
             if self.remote_url:
                 host = remote_host(self.remote_url)
                 progress(0.02, f"Connecting to the model owner at {host}")
-                bb = connect(self.remote_url, self._remote_token, data_dir=self.root, device=self.device,
+                bb = connect(self.remote_url, self._remote_token, data_dir=self.ctx.root, device=self.device,
                              progress=progress)
                 self._bb = bb
                 self._load.update(state="ready", progress=1.0, finished=time.time(),
@@ -122,11 +158,12 @@ class BackboneService:
                 progress(0.3, "Building the tiny test backbone")
                 bb = tiny_backbone()
             else:
-                cache_root = self.root
+                cache_root = self.ctx.root
                 name = resolve_name(self.backbone_name)
                 if self.backbone_cache and (self.backbone_cache / "backbones" / name / "config.json").exists():
                     cache_root = self.backbone_cache
-                bb = load_backbone(self.backbone_name, device=self.device, data_dir=cache_root, progress=progress)
+                bb = load_backbone(self.backbone_name, device=self.device, dtype=self.dtype, data_dir=cache_root,
+                                   progress=progress)
             self._bb = bb
             self._load.update(state="ready", progress=1.0, finished=time.time(),
                               message=f"{bb.name} ready on {bb.device} "
@@ -152,22 +189,22 @@ class BackboneService:
         s.update(backbone=bb.name if bb else self.backbone_name, ready=s["state"] == "ready",
                  device=str(bb.device) if bb else (self.device or "auto"),
                  layers=bb.num_layers if bb else 0, precision=getattr(bb, "precision", None) if bb else None,
-                 data_dir=str(self.root), multi_user=self.multi_user,
-                 read_only=bool(getattr(self, "read_only", False)))  # another process owns the data directory
+                 data_dir=str(self.ctx.root), multi_user=self.ctx.multi_user,
+                 read_only=self.ctx.read_only)  # another process owns the data directory
         s.pop("stage_started", None)
         s["remote"] = None
         if self.remote_url:  # which side holds what (never the token)
             host = remote_host(self.remote_url)
             if bb is None:  # not the local backbone's name: the owner's is known once connected
                 s["backbone"] = f"the model owner's backbone at {host}"
-            s["remote"] = {"host": host, "url": self.remote_url if not self.multi_user else None,
+            s["remote"] = {"host": host, "url": self.remote_url if not self.ctx.multi_user else None,
                            "holds": f"model weights: at {host} (model owner); memory, plug-ins: here",
                            "methods": "PEMA and kNN (output-level); in-network methods need the decoder's layers, "
                                       "which the model owner keeps"}
-        if self.multi_user:  # public: the server's paths are nobody's business but the operator's
+        if self.ctx.multi_user:  # public: the server's paths are nobody's business but the operator's
             s.pop("data_dir")
-            s["message"] = s["message"].replace(str(self.root), "<data dir>")
-            s["error"] = s["error"].replace(str(self.root), "<data dir>")
+            s["message"] = s["message"].replace(str(self.ctx.root), "<data dir>")
+            s["error"] = s["error"].replace(str(self.ctx.root), "<data dir>")
         return s
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -185,7 +222,7 @@ class BackboneService:
         raise UserError(f"The backbone is still loading ({st['progress'] * 100:.0f}%: {st['message']}). "
                         f"Try again in a moment.")
 
-    def _job_backbone(self, job: JobContext):
+    def for_job(self, job: JobContext):
         """The backbone for a job, waiting for it to finish loading."""
         if self._bb is None:
             job.progress(0.0, "Waiting for the backbone to load")
@@ -195,7 +232,9 @@ class BackboneService:
         return self.backbone
 
     @contextmanager
-    def _interactive(self, what: str):
+    def interactive(self, what: str):
+        """The backbone for an interactive call (``with … as bb``), waiting at most ``busy_timeout`` seconds for a
+        job's checkpoint, else a UserError that says why."""
         busy = (f"The backbone is busy ({self.gate.holder or 'a background job'}) and cannot pause: try again "
                 f"when it finishes, or cancel it in the Plug-ins tab.")
         with self.gate.use(timeout=self.busy_timeout, holder=what, busy=busy):

@@ -18,9 +18,10 @@ from typing import Any
 from backbone.attention import input_attention
 from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
+from eval.metrics import bleu_chrf
 from ground.errors import UserError
 from offsite.decode import compare_remote
-from plugins.decode import BatchDecode, Row, start_compare
+from plugins.decode import BatchDecode, Row, decode_batch, start_compare
 from plugins.registry import get_method
 from plugins.settings import (
     ALL_ROWS,
@@ -30,8 +31,13 @@ from plugins.settings import (
     row_settings,
     split_comparison,
 )
-from studio.backbone_service import REMOTE_LM
+from studio.backbone_service import REMOTE_LM, BackboneService
+from studio.context import StudioContext
+from studio.limits import Limits
+from studio.memory_service import MemoryService
 from studio.payload import json_safe, shared_trace, word_diff
+from studio.plugin_service import PluginService
+from studio.several_service import parse_lines, reference_scores
 
 RECENT_PER_OWNER = 16  # comparisons an owner can still share (the newest)
 RECENT_COMPARISONS = 1024  # of all owners together
@@ -49,11 +55,112 @@ def with_comparison(settings: dict | None, no_repeat_ngram: int | None) -> dict 
     return out
 
 
+def check_decode(limits: Limits, max_new_tokens, num_beams: int = 1) -> tuple[int, int]:
+    """(max new tokens, beams) as whole numbers within ``limits``, or a UserError (Compare and Evaluate)."""
+    try:
+        mx, nb = int(max_new_tokens), int(num_beams)
+    except (TypeError, ValueError):
+        raise UserError("Max new tokens and beams must be whole numbers.") from None
+    if mx < 1:
+        raise UserError("Max new tokens must be at least 1.")
+    if nb < 1:
+        raise UserError("Beams must be at least 1 (1 = greedy).")
+    limits.check("max_new_tokens", mx, "Max new tokens")
+    limits.check("beams", nb, "The number of beams")
+    return mx, nb
+
+
+class ComparisonStore:
+    """This process's comparisons, per owner, under one lock: the finished ones an owner can still share or
+    inspect (``recent``), the kept decodes a slider move reuses (``live``: each holds a KV cache) and the generation
+    of each streamed view (a newer stream in the same view stops the older one)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[str, tuple[str, dict]] = OrderedDict()
+        self._live: OrderedDict[str, tuple[str, Any]] = OrderedDict()
+        self._streams: OrderedDict[tuple, int] = OrderedDict()
+
+    def keep_recent(self, owner: str, payload: dict) -> None:
+        """Keep a finished comparison for its owner to share: the owner's newest ``RECENT_PER_OWNER`` (another
+        owner's comparisons never push one out), at most ``RECENT_COMPARISONS`` in all (oldest out first)."""
+        with self._lock:
+            self._recent[payload["id"]] = (owner, payload)
+            for k in [k for k, (o, _) in self._recent.items() if o == owner][:-RECENT_PER_OWNER]:
+                del self._recent[k]
+            while len(self._recent) > RECENT_COMPARISONS:
+                self._recent.popitem(last=False)
+
+    def recent(self, comparison_id, owner: str) -> dict | None:
+        """The owner's kept comparison, or None (gone, or another owner's)."""
+        with self._lock:
+            owner_p = self._recent.get(comparison_id) if isinstance(comparison_id, str) else None
+        return owner_p[1] if owner_p is not None and owner_p[0] == owner else None
+
+    def recent_owners(self) -> dict[str, str]:
+        """``{comparison id: owner}`` of every kept comparison, oldest first."""
+        with self._lock:
+            return {k: o for k, (o, _) in self._recent.items()}
+
+    def keep_live(self, owner: str, comparison_id: str, live) -> None:
+        """Keep ``live`` (what the next slider move of this comparison reuses) for its owner: the owner's newest
+        ``LIVE_PER_OWNER``, at most ``LIVE_TOTAL`` in all, least recently used out first."""
+        with self._lock:
+            self._live[comparison_id] = (owner, live)
+            for k in [k for k, (o, _) in self._live.items() if o == owner][:-LIVE_PER_OWNER]:
+                del self._live[k]
+            while len(self._live) > LIVE_TOTAL:
+                self._live.popitem(last=False)
+
+    def take_live(self, owner: str, source: str, max_new_tokens: int, labels: list[str]):
+        """(id, kept comparison) of the owner's newest kept comparison of this sentence, length and rows — taken
+        out while a move uses it — or (None, None)."""
+        with self._lock:
+            for cid, (o, live) in reversed(list(self._live.items())):
+                if o == owner and live.source == source and live.max_new_tokens == max_new_tokens \
+                        and [r.label for r in live.rows] == labels:
+                    del self._live[cid]
+                    return cid, live
+        return None, None
+
+    def forget_live(self) -> None:
+        """Drop every kept decode (the next comparison of each is a full decode)."""
+        with self._lock:
+            self._live.clear()
+
+    def bump_stream(self, key) -> int:
+        """A new generation of the streamed view ``key`` (the older stream in it stops at its next step)."""
+        if key is None:
+            return 0
+        with self._lock:
+            self._streams[key] = self._streams.get(key, 0) + 1
+            self._streams.move_to_end(key)
+            while len(self._streams) > 4096:  # forgetting an old view only forgets a finished stream
+                self._streams.popitem(last=False)
+            return self._streams[key]
+
+    def stream_generation(self, key) -> int:
+        with self._lock:
+            return self._streams.get(key, 0)
+
+
 class CompareService:
-    """Comparisons (kept in memory per process) and shared comparisons (stored under unguessable ids)."""
+    """Comparisons (kept in memory per process), several sentences at once, and shared comparisons (stored under
+    unguessable ids).
+
+    Receives the context, the backbone (exclusive use for each decode), the memories (a row's samples), the
+    plug-ins (each row's loaded plug-in) and the store of this process's comparisons."""
+
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
+                 plugin_svc: PluginService, store: ComparisonStore):
+        self.ctx = ctx
+        self.backbone_svc = backbone_svc
+        self.memory_svc = memory_svc
+        self.plugin_svc = plugin_svc
+        self.store = store
 
     # --- comparing ----------------------------------------------------------------------------------------------
-    def _rows(self, methods: list[str], task: str, settings: dict | None, owner: str | None = None,
+    def rows(self, methods: list[str], task: str, settings: dict | None, owner: str | None = None,
               calibrated: bool = True):
         """``Row``s for the chosen methods ("base" or plug-in ids), each with its complete decode settings:
         declared defaults ← tuned for (task, backbone) ← calibrated on the plug-in's memory (unless not
@@ -66,7 +173,7 @@ class CompareService:
             raise UserError("Choose at least one method to compare.")
         if not isinstance(methods, (list, tuple)) or not all(isinstance(m, (str, type(None))) for m in methods):
             raise UserError('Methods must be a list like ["base", "<plug-in id>"].')
-        self.limits.check("methods_per_comparison", len(methods), "The number of methods")
+        self.ctx.limits.check("methods_per_comparison", len(methods), "The number of methods")
         for m in methods:
             if m in ("base", "", None):
                 # the base model has no settings of its own; the comparison's (repetition guard) apply to it too
@@ -74,18 +181,19 @@ class CompareService:
                                 split_comparison(resolve_row_settings(("base", "Base model"), settings))[0]))
                 labels.add("Base model")
                 continue
-            plugin = self._plugin(m, owner)
-            row = self._plugin_row(m, owner)
+            plugin = self.plugin_svc.load_plugin(m, owner)
+            row = self.plugin_svc.plugin_row(m, owner)
             label = row["name"]
             if label in labels:
                 label = f"{label} [{m[-6:]}]"
             labels.add(label)
             own = resolve_row_settings((plugin.method, m, label), settings)
-            rows.append(Row(label, plugin, row_settings(plugin, task, self.backbone.name, own, calibrated)))
+            rows.append(Row(label, plugin, row_settings(plugin, task, self.backbone_svc.backbone.name, own,
+                                                    calibrated)))
         return rows
 
     @staticmethod
-    def _tuned(rows, calibrated: bool) -> dict[str, dict]:
+    def tuned(rows, calibrated: bool) -> dict[str, dict]:
         """``{row label: {"label": "tuned on N held-out samples of <memory>", "settings", "at_tuned"}}`` for the
         rows whose plug-in is calibrated (``at_tuned``: the row decodes at the tuned values); none with
         ``calibrated`` off (the global defaults)."""
@@ -97,26 +205,13 @@ class CompareService:
                                 "at_tuned": all(r.settings.get(k) == v for k, v in cal["settings"].items())}
         return out
 
-    def _prompt(self, task: str, rows) -> Any:
+    def prompt_for(self, task: str, rows) -> Any:
         """The memory's prompt of the chosen plug-ins when it is for this task, else the task's tuned prompt."""
         for r in rows:
             meta = getattr(r.plugin, "memory_meta", None) or {}
             if r.plugin is not None and meta.get("prompt") and meta.get("task") == task:
                 return Prompt.from_dict(meta["prompt"])
-        return task_prompt(task, self.backbone)
-
-    def _check_decode(self, max_new_tokens, num_beams: int = 1) -> tuple[int, int]:
-        try:
-            mx, nb = int(max_new_tokens), int(num_beams)
-        except (TypeError, ValueError):
-            raise UserError("Max new tokens and beams must be whole numbers.") from None
-        if mx < 1:
-            raise UserError("Max new tokens must be at least 1.")
-        if nb < 1:
-            raise UserError("Beams must be at least 1 (1 = greedy).")
-        self.limits.check("max_new_tokens", mx, "Max new tokens")
-        self.limits.check("beams", nb, "The number of beams")
-        return mx, nb
+        return task_prompt(task, self.backbone_svc.backbone)
 
     def compare(self, source: str, task: str = "translation", methods: list[str] | None = None,
                 settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
@@ -157,13 +252,13 @@ class CompareService:
         ``stream``, or ``cancel_compare``, stops this one between two steps; it then ends with a payload marked
         ``"cancelled": True`` (the rows so far; not kept). The decode runs in a worker thread that holds the
         backbone for the decode, as ``compare`` does; closing this generator stops it too."""
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         key = (owner, stream) if stream is not None else None
-        mine = self._stream_bump(key)
+        mine = self.store.bump_stream(key)
         closed = threading.Event()
 
         def stopped() -> bool:
-            return closed.is_set() or (key is not None and self._stream_generation(key) != mine)
+            return closed.is_set() or (key is not None and self.store.stream_generation(key) != mine)
 
         items: queue.Queue = queue.Queue()
 
@@ -193,89 +288,41 @@ class CompareService:
 
     def cancel_compare(self, *, owner: str | None = None, stream: str | None = None) -> None:
         """Stop the owner's streamed comparison in view ``stream`` between two steps (nothing when none runs)."""
-        self._stream_bump((self._owner(owner), stream))
-
-    def _stream_bump(self, key) -> int:
-        if key is None:
-            return 0
-        with self._recent_lock:
-            gens = self.__dict__.setdefault("_stream_generations", OrderedDict())
-            gens[key] = gens.get(key, 0) + 1
-            gens.move_to_end(key)
-            while len(gens) > 4096:  # forgetting an old view only forgets a finished stream
-                gens.popitem(last=False)
-            return gens[key]
-
-    def _stream_generation(self, key) -> int:
-        with self._recent_lock:
-            return self.__dict__.setdefault("_stream_generations", OrderedDict()).get(key, 0)
-
-    def _keep_recent(self, owner: str, payload: dict) -> None:
-        """Keep a finished comparison for its owner to share: the owner's newest ``RECENT_PER_OWNER`` (another
-        owner's comparisons never push one out), at most ``RECENT_COMPARISONS`` in all (oldest out first)."""
-        with self._recent_lock:
-            self._recent[payload["id"]] = (owner, payload)
-            for k in [k for k, (o, _) in self._recent.items() if o == owner][:-RECENT_PER_OWNER]:
-                del self._recent[k]
-            while len(self._recent) > RECENT_COMPARISONS:
-                self._recent.popitem(last=False)
-
-    def _keep_live(self, owner: str, comparison_id: str, live) -> None:
-        """Keep ``live`` (what the next slider move of this comparison reuses; it holds a KV cache) for its owner:
-        the owner's newest ``LIVE_PER_OWNER``, at most ``LIVE_TOTAL`` in all, least recently used out first."""
-        with self._recent_lock:
-            kept = self.__dict__.setdefault("_live", OrderedDict())
-            kept[comparison_id] = (owner, live)
-            for k in [k for k, (o, _) in kept.items() if o == owner][:-LIVE_PER_OWNER]:
-                del kept[k]
-            while len(kept) > LIVE_TOTAL:
-                kept.popitem(last=False)
-
-    def _take_live(self, owner: str, source: str, max_new_tokens: int, labels: list[str]):
-        """(id, kept comparison) of the owner's newest kept comparison of this sentence, length and rows — taken
-        out while a move uses it — or (None, None)."""
-        with self._recent_lock:
-            kept = self.__dict__.setdefault("_live", OrderedDict())
-            for cid, (o, live) in reversed(list(kept.items())):
-                if o == owner and live.source == source and live.max_new_tokens == max_new_tokens \
-                        and [r.label for r in live.rows] == labels:
-                    del kept[cid]
-                    return cid, live
-        return None, None
+        self.store.bump_stream((self.ctx.owner(owner), stream))
 
     def _compare_steps(self, source: str, task: str, methods, settings, max_new_tokens, num_beams, reference,
                        *, owner: str | None, no_repeat_ngram: int | None, should_stop=lambda: False,
                        partials: bool = True, global_defaults: bool = False):
         """The comparison as a generator of payloads (with ``partials``, one after each decoding step; the last is
         the final one), holding the backbone for the whole decode; ``should_stop()`` is asked between steps."""
-        owner = self._owner(owner)
-        self.limits.check_rate("compares_per_minute", owner)
+        owner = self.ctx.owner(owner)
+        self.ctx.limits.check_rate("compares_per_minute", owner)
         settings = with_comparison(settings, no_repeat_ngram)
         if not isinstance(source, str) or not source.strip():
             raise UserError("Type a sentence to translate or rewrite.")
-        self.limits.check_input(source, "sentence")  # length, NUL, lone surrogates, control characters
+        self.ctx.limits.check_input(source, "sentence")  # length, NUL, lone surrogates, control characters
         if reference is not None:
-            self.limits.check_input(reference, "reference")
-        max_new_tokens, num_beams = self._check_decode(max_new_tokens, num_beams)
+            self.ctx.limits.check_input(reference, "reference")
+        max_new_tokens, num_beams = check_decode(self.ctx.limits, max_new_tokens, num_beams)
         t0 = time.time()
         if not isinstance(methods, (list, tuple, type(None))):
             raise UserError('Methods must be a list like ["base", "<plug-in id>"].')
         methods = list(methods or ["base"])
-        self.limits.check("methods_per_comparison", len(methods), "The number of methods")
-        with self._interactive("a comparison") as bb:
-            rows = self._rows(methods, task, settings, owner, calibrated=not global_defaults)
-            tuned = self._tuned(rows, not global_defaults)
+        self.ctx.limits.check("methods_per_comparison", len(methods), "The number of methods")
+        with self.backbone_svc.interactive("a comparison") as bb:
+            rows = self.rows(methods, task, settings, owner, calibrated=not global_defaults)
+            tuned = self.tuned(rows, not global_defaults)
             t_load = time.time() - t0
-            prompt = self._prompt(task, rows)
+            prompt = self.prompt_for(task, rows)
             src = source.strip()
             reuse = {"kind": "full decode", "forward_passes": None, "reused_steps": 0}
-            if self._offsite(bb):
+            if self.backbone_svc.offsite(bb):
                 # a model owner's backbone decodes in the owner's session, the plug-ins mix here (offsite.decode)
                 comp = compare_remote(bb, src, rows, prompt=prompt, max_new_tokens=int(max_new_tokens),
                                       num_beams=int(num_beams), lm=REMOTE_LM)
                 new_live = None
             else:
-                live_id, live = self._take_live(owner, src, int(max_new_tokens), [r.label for r in rows])
+                live_id, live = self.store.take_live(owner, src, int(max_new_tokens), [r.label for r in rows])
                 run = start_compare(bb, src, rows, prompt, int(max_new_tokens), int(num_beams), live=live)
                 moved = not isinstance(run, BatchDecode)
 
@@ -288,19 +335,19 @@ class CompareService:
                                             int(max_new_tokens), partial=True, reuse=so_far())
                 if not run.finished:  # stopped: what is kept stays as it was (a move commits when it finishes)
                     if live is not None:
-                        self._keep_live(owner, live_id, live)
+                        self.store.keep_live(owner, live_id, live)
                     yield self._payload(run.partial()[0], methods, task, reference, bb, prompt, t0, t_load,
                                         int(max_new_tokens), partial=True, cancelled=True, reuse=so_far())
                     return
                 comp = run.result()[0]
-                new_live = run.live if moved else run.live()
+                new_live = run.live()  # what the next slider move reuses (either kind of run)
                 reuse = {"kind": "slider move" if moved else "full decode", "forward_passes": run.forwards,
                          "reused_steps": run.reused_steps if moved else 0}
         payload = self._payload(comp, methods, task, reference, bb, prompt, t0, t_load, int(max_new_tokens),
                                 reuse=reuse, tuned=tuned)
-        self._keep_recent(owner, payload)
+        self.store.keep_recent(owner, payload)
         if new_live is not None:
-            self._keep_live(owner, payload["id"], new_live)
+            self.store.keep_live(owner, payload["id"], new_live)
         yield payload
 
     @staticmethod
@@ -336,16 +383,14 @@ class CompareService:
 
     def recent(self, comparison_id: str, *, owner: str | None = None) -> dict:
         """One of the owner's comparisons of this process (another owner's reads as gone)."""
-        owner = self._owner(owner)
-        with self._recent_lock:
-            owner_p = self._recent.get(comparison_id) if isinstance(comparison_id, str) else None
-        if owner_p is None or owner_p[0] != owner:
+        p = self.store.recent(comparison_id, self.ctx.owner(owner))
+        if p is None:
             raise UserError("That comparison is no longer in memory (the app was restarted?). Run it again.")
-        return owner_p[1]
+        return p
 
     def neighbours(self, comparison_id: str, label: str, token_index: int, *, owner: str | None = None) -> list[dict]:
         """The kNN neighbours of one output token with their memory samples (the owner's view only)."""
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         p = self.recent(comparison_id, owner=owner)
         row = next((r for r in p["rows"] if r["label"] == label), None)
         if row is None or not 0 <= token_index < len(row["trace"]):
@@ -354,16 +399,16 @@ class CompareService:
         if not nb:
             return []
         samples = []
-        prow = self.catalog.plugin(row["plugin_id"], owner) if row.get("plugin_id") else None
+        prow = self.ctx.catalog.plugin(row["plugin_id"], owner) if row.get("plugin_id") else None
         if prow is None:  # deleted since (or never the owner's): no samples
             return []
-        plugin = self._plugins.get(row["plugin_id"])
+        plugin = self.plugin_svc.plugin_cache.peek(row["plugin_id"])
         mem = getattr(plugin, "memory", None)
-        if mem is None and self.catalog.memory(prow["memory_id"], owner):
-            mem = self._memory(prow["memory_id"], owner)
+        if mem is None and self.ctx.catalog.memory(prow["memory_id"], owner):
+            mem = self.memory_svc.load_memory(prow["memory_id"], owner)
         if mem is not None:
             samples = mem.samples
-        bb = self._bb
+        bb = self.backbone_svc.loaded
         out = []
         for n in nb:
             s = samples[n["sample"]] if samples and 0 <= n.get("sample", -1) < len(samples) else {}
@@ -377,16 +422,70 @@ class CompareService:
         row = next((r for r in comparison["rows"] if r["label"] == label), None)
         if row is None:
             raise UserError(f"No output {label!r} in this comparison.")
-        if comparison.get("backbone") != (self._bb.name if self._bb else None):
+        loaded = self.backbone_svc.loaded
+        if comparison.get("backbone") != (loaded.name if loaded else None):
             raise UserError("This comparison was made on another backbone.")
-        if self._offsite():
+        if self.backbone_svc.offsite():
             raise UserError("Attention maps need the decoder's layers, which the model owner keeps: not available "
                             "with a remote backbone.")
-        with self._interactive("attention") as bb:
+        with self.backbone_svc.interactive("attention") as bb:
             own = row.get("prompt")  # a row prompted its own way attends over its own context
             return input_attention(bb, Prompt.from_dict(own or comparison["prompt"]), comparison["source"],
                                    row["tokens"], layer=int(layer),
                                    context_ids=None if own else comparison.get("context_ids"))
+
+    def compare_several(self, text: str, task: str = "translation", methods: list[str] | None = None,
+                        settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1, *,
+                        owner: str | None = None, no_repeat_ngram: int | None = None) -> dict:
+        """Decode every pasted line (``studio.several_service.parse_lines``) with every chosen method in one batch.
+        ``methods`` and ``settings`` as ``compare``. Returns ``{"task", "backbone", "columns": [{"label", "method",
+        "plugin_id", "settings"}], "lines": [{"line", "source", "reference", "outputs": [text per column],
+        "scores": [{"sacrebleu", "chrf"} per column] | None}], "corpus": [{"label", "sacrebleu", "chrf", "n"}]
+        (lines with a reference), "timings"}``."""
+        owner = self.ctx.owner(owner)
+        if self.backbone_svc.offsite():
+            raise UserError("Several sentences at once decode on this machine's backbone; with a remote backbone, "
+                            "compare one sentence at a time.")
+        limits = self.ctx.limits
+        limits.check_rate("compares_per_minute", owner)
+        settings = with_comparison(settings, no_repeat_ngram)
+        lines = parse_lines(text)
+        limits.check("compare_lines", len(lines), "The number of sentences")
+        for ln in lines:  # the same text checks as one sentence (length, NUL, surrogates, control characters)
+            limits.check_input(ln["source"], f"line {ln['line']}'s sentence")
+            if ln["reference"] is not None:
+                limits.check_input(ln["reference"], f"line {ln['line']}'s reference")
+        max_new_tokens, num_beams = check_decode(limits, max_new_tokens, num_beams)
+        if not isinstance(methods, (list, tuple, type(None))):
+            raise UserError('Methods must be a list like ["base", "<plug-in id>"].')
+        methods = list(methods or ["base"])
+        t0 = time.time()
+        with self.backbone_svc.interactive("several sentences") as bb:
+            rows = self.rows(methods, task, settings, owner)
+            prompt = self.prompt_for(task, rows)
+            comps = decode_batch(bb, [ln["source"] for ln in lines], rows, prompt=prompt,
+                                 max_new_tokens=max_new_tokens, num_beams=num_beams, trace=False)
+        decode_s = comps[0].seconds if comps else 0.0
+        columns = [{"label": r.label, "method": r.method, "plugin_id": None if spec == "base" else spec,
+                    "settings": json_safe(r.settings)} for spec, r in zip(methods, comps[0].rows)]
+        with_ref = [i for i, ln in enumerate(lines) if ln["reference"] is not None]
+        refs = [lines[i]["reference"] for i in with_ref]
+        per_col = []  # per column: {line index: scores}
+        corpus = []
+        for c, col in enumerate(columns):
+            hyps = [comps[i].rows[c].text for i in with_ref]
+            per_col.append(dict(zip(with_ref, reference_scores(hyps, refs))))
+            if with_ref:
+                corpus.append({"label": col["label"], **bleu_chrf(hyps, refs), "n": len(with_ref)})
+        out_lines = []
+        for i, (ln, comp) in enumerate(zip(lines, comps)):
+            out_lines.append({**ln, "outputs": [r.text for r in comp.rows],
+                              "scores": [per_col[c][i] for c in range(len(columns))] if i in per_col[0] else None})
+        n_tok = sum(len(r.tokens) for comp in comps for r in comp.rows)
+        return {"task": task, "backbone": bb.name, "columns": columns, "lines": out_lines, "corpus": corpus,
+                "max_new_tokens": max_new_tokens, "num_beams": num_beams,
+                "timings": {"decode_s": round(decode_s, 3), "total_s": round(time.time() - t0, 3), "tokens": n_tok,
+                            "tokens_per_s": round(n_tok / max(decode_s, 1e-9), 1), "sentences": len(lines)}}
 
     # --- sharing ------------------------------------------------------------------------------------------------
     def share_labels(self, p: dict, labels: dict | None = None) -> dict[str, str]:
@@ -412,7 +511,7 @@ class CompareService:
             if own is not None:
                 if not isinstance(own, str) or not own.strip():
                     raise UserError("A share label must be non-empty text.")
-                own = self._check_name(own, "share label")  # shown on a public page: no control characters
+                own = self.ctx.limits.check_name(own, "share label")  # shown on a public page: no control characters
                 out[r["label"]] = own
             else:
                 out[r["label"]] = title if n_of[title] == 1 else f"{title} · {seen[title]}"
@@ -430,13 +529,15 @@ class CompareService:
         (see ``share_labels``). Never stored: the reference (a held-out sample), memory samples, file names or
         paths, plug-in or memory names and ids, or the prompt.
         """
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         p = self.recent(comparison_id, owner=owner)
-        self.limits.check_quota("shares_per_owner", self.catalog.count("comparisons", owner), "shared comparisons")
+        self.ctx.limits.check_quota("shares_per_owner", self.ctx.catalog.count("comparisons", owner),
+                                    "shared comparisons")
         names = self.share_labels(p, labels)
         attention = {}
-        if self._bb is not None and p.get("backbone") == self._bb.name:
-            lay = self._bb.num_layers - 1 if layer is None else int(layer)
+        bb = self.backbone_svc.loaded
+        if bb is not None and p.get("backbone") == bb.name:
+            lay = bb.num_layers - 1 if layer is None else int(layer)
             for r in p["rows"]:
                 try:
                     attention[names[r["label"]]] = self.attention(p, r["label"], lay)
@@ -452,14 +553,14 @@ class CompareService:
                       "trace": [shared_trace(t) for t in r["trace"]]} for r in p["rows"]],
             "attention": attention, "created": p["created"], "shared": time.time()}
         text = json.dumps(json_safe(payload), ensure_ascii=False)
-        self.limits.check("share_bytes", len(text.encode("utf-8")), "The shared comparison's size in bytes")
-        return self.catalog.save_comparison(text, backbone=p["backbone"], owner=owner)
+        self.ctx.limits.check("share_bytes", len(text.encode("utf-8")), "The shared comparison's size in bytes")
+        return self.ctx.catalog.save_comparison(text, backbone=p["backbone"], owner=owner)
 
     def shared(self, share_id: str) -> dict:
         """A shared comparison's stored payload (nothing else is read): public to anyone with the id."""
         if not share_id or not isinstance(share_id, str) or len(share_id) > 100:
             raise UserError("This link is not valid.")
-        p = self.catalog.comparison(share_id)
+        p = self.ctx.catalog.comparison(share_id)
         if p is None:
             raise UserError("This shared comparison does not exist (the link may be incomplete).")
         if p.get("version", 1) < 2:  # shared before labels were neutral: show it as a new share would be

@@ -3,14 +3,9 @@ JSON files for download (per owner, in the studio's private downloads folder, on
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import os
-import shutil
-import tempfile
-import threading
-import time
 from pathlib import Path
 
 from eval import run as eval_run
@@ -18,24 +13,51 @@ from ground.errors import UserError
 from ground.jobs import JobContext
 from memories.parse import parse_samples_strict
 from plugins.settings import load_calibration
-from studio.compare_service import with_comparison
+from studio.backbone_service import BackboneService
+from studio.compare_service import CompareService, check_decode, with_comparison
+from studio.context import StudioContext
+from studio.downloads import Downloads
+from studio.job_service import JobService
+from studio.limits import Limits
+from studio.memory_service import MemoryService
 from studio.payload import json_safe
+from studio.plugin_service import PluginService
 
-_DOWNLOADS_LOCK = threading.Lock()
+
+def read_test_pairs(limits: Limits, test_data, test_filename: str | None) -> list[tuple[str, str]]:
+    """The (source, reference) pairs of an uploaded test file, checked and bounded (Evaluate and Rank)."""
+    limits.check_upload(test_data)
+    samples = parse_samples_strict(test_data, test_filename, max_samples=limits.samples or None)
+    pairs = [(s.src, s.tgt) for s in samples if s.src is not None]
+    if not pairs:
+        raise UserError("The test file needs source and reference pairs (two columns, or src/tgt JSON).")
+    return pairs
 
 
 class EvaluateService:
-    """Evaluations (background jobs) and their CSV."""
+    """Evaluations (background jobs) and their CSV and JSON files.
+
+    Receives the context, the backbone (the job's decode), the memories (held-out splits), the plug-ins (the rows'
+    plug-ins), the comparisons (rows, prompts and settings are built as a comparison builds them), the job table
+    (a finished evaluation's result) and the downloads folder."""
+
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
+                 plugin_svc: PluginService, compare_svc: CompareService, job_svc: JobService,
+                 downloads: Downloads):
+        self.ctx = ctx
+        self.backbone_svc = backbone_svc
+        self.memory_svc = memory_svc
+        self.plugin_svc = plugin_svc
+        self.compare_svc = compare_svc
+        self.job_svc = job_svc
+        self.downloads = downloads
+
+    @property
+    def job_handlers(self) -> dict:
+        """The job kinds this service submits, with their handlers (``JobQueue.handlers``)."""
+        return {"evaluate": self.job_evaluate}
 
     # --- evaluating ---------------------------------------------------------------------------------------------
-    def _test_pairs(self, test_data, test_filename: str | None) -> list[tuple[str, str]]:
-        """The (source, reference) pairs of an uploaded test file, checked and bounded (Evaluate and Rank)."""
-        self._check_upload(test_data)
-        samples = parse_samples_strict(test_data, test_filename, max_samples=self.limits.samples or None)
-        pairs = [(s.src, s.tgt) for s in samples if s.src is not None]
-        if not pairs:
-            raise UserError("The test file needs source and reference pairs (two columns, or src/tgt JSON).")
-        return pairs
 
     def submit_evaluate(self, *, methods: list[str] | None = None, memory_id: str | None = None,
                         test_data: bytes | str | None = None, test_filename: str | None = None,
@@ -51,36 +73,36 @@ class EvaluateService:
         A plug-in calibrated on its memory is evaluated at its tuned settings (``global_defaults``: at the global
         defaults); on that memory's held-out split, the samples it was tuned on are left out (never scored on the
         samples a setting was chosen on), and the result says how many."""
-        owner = self._owner(owner)
-        self.limits.check_rate("evaluations_per_minute", owner)
+        owner = self.ctx.owner(owner)
+        self.ctx.limits.check_rate("evaluations_per_minute", owner)
         try:
             limit = int(limit or 0)
         except (TypeError, ValueError):
             raise UserError("The number of sentences must be a whole number.") from None
         if limit < 0:
             raise UserError("The number of sentences must be 0 (all) or more.")
-        max_new_tokens, _ = self._check_decode(max_new_tokens)
+        max_new_tokens, _ = check_decode(self.ctx.limits, max_new_tokens)
         settings = with_comparison(settings, no_repeat_ngram)
         if settings is not None and not isinstance(settings, dict):
             raise UserError('Decode settings must be an object like {"pema": {"lambda_max": 0.5}}.')
         args: dict = {"task": task, "limit": limit, "settings": settings or {}, "max_new_tokens": max_new_tokens,
                       "global_defaults": bool(global_defaults)}
         if test_data:
-            pairs = self._test_pairs(test_data, test_filename)
+            pairs = read_test_pairs(self.ctx.limits, test_data, test_filename)
             n = min(limit, len(pairs)) if limit else len(pairs)
             args["pairs"] = pairs[:n]
             args["data"] = Path(test_filename).name if test_filename else "uploaded test file"
         elif memory_id:
-            held = self.heldout_samples(memory_id, limit=100000, owner=owner)
+            held = self.memory_svc.heldout_samples(memory_id, limit=100000, owner=owner)
             if not held:
                 raise UserError("This memory has no held-out samples (it needs at least 5 samples); upload a "
                                 "test file instead.")
             n = min(limit, len(held)) if limit else len(held)
             args["memory_id"] = memory_id
-            args["data"] = f"held-out split of {self._memory_row(memory_id, owner)['name']!r}"
+            args["data"] = f"held-out split of {self.memory_svc.memory_row(memory_id, owner)['name']!r}"
         else:
             raise UserError("Choose a memory (its held-out split is used) or upload a test file.")
-        self.limits.check("eval_pairs", n, "The number of pairs to evaluate (set fewer sentences)")
+        self.ctx.limits.check("eval_pairs", n, "The number of pairs to evaluate (set fewer sentences)")
         if sweep_plugin:
             try:
                 lambdas = [float(x) for x in (lambdas or [0.0, 0.2, 0.4, 0.6, 0.8, 1.0])]
@@ -88,25 +110,25 @@ class EvaluateService:
                 raise UserError("λ_max values must be numbers between 0 and 1.") from None
             if not lambdas or any(not 0 <= x <= 1 for x in lambdas):
                 raise UserError("λ_max values must lie between 0 and 1.")
-            self.limits.check("sweep_points", len(lambdas), "The number of λ_max values")
-            self._plugin_row(sweep_plugin, owner)
+            self.ctx.limits.check("sweep_points", len(lambdas), "The number of λ_max values")
+            self.plugin_svc.plugin_row(sweep_plugin, owner)
             args.update(mode="sweep", plugin_id=sweep_plugin, lambdas=lambdas)
         else:
             if not methods:
                 raise UserError("Choose at least one method to evaluate.")
             if not isinstance(methods, (list, tuple)):
                 raise UserError('Methods must be a list like ["base", "<plug-in id>"].')
-            self.limits.check("methods_per_comparison", len(methods), "The number of methods")
+            self.ctx.limits.check("methods_per_comparison", len(methods), "The number of methods")
             for m in methods:
                 if m not in ("base", "", None):
-                    self._plugin_row(m, owner)
+                    self.plugin_svc.plugin_row(m, owner)
             args.update(mode="methods", methods=list(methods))
-        return self.jobs.submit("evaluate", args, owner=owner)
+        return self.ctx.jobs.submit("evaluate", args, owner=owner)
 
-    def _job_evaluate(self, job: JobContext) -> dict:
+    def job_evaluate(self, job: JobContext) -> dict:
         a = job.args
         owner = job.owner
-        bb = self._job_backbone(job)
+        bb = self.backbone_svc.for_job(job)
         calibrated = not a.get("global_defaults")
         left_out = 0
         if a.get("pairs"):
@@ -118,28 +140,30 @@ class EvaluateService:
         if not pairs:
             raise UserError("Every held-out sample of this memory was used to calibrate a chosen plug-in; evaluate "
                             "at the global defaults or on an uploaded test file.")
-        with self.gate.use(holder="an evaluation"):
-            job.checkpoint = self.gate.checkpoint
+        gate = self.backbone_svc.gate
+        with gate.use(holder="an evaluation"):
+            job.checkpoint = gate.checkpoint
             job.log(f"Evaluating on {len(pairs)} pairs ({a.get('data', '')})")
             if left_out:
                 job.log(f"Left out the {left_out} held-out samples a chosen plug-in was calibrated on")
             if a["mode"] == "sweep":
-                plugin = self._plugin(a["plugin_id"], owner)
-                rows = self._rows([a["plugin_id"]], a["task"], a.get("settings"), owner, calibrated)
-                prompt = self._prompt(a["task"], rows)
+                plugin = self.plugin_svc.load_plugin(a["plugin_id"], owner)
+                rows = self.compare_svc.rows([a["plugin_id"]], a["task"], a.get("settings"), owner, calibrated)
+                prompt = self.compare_svc.prompt_for(a["task"], rows)
                 sweep = eval_run.lambda_sweep(bb, pairs, plugin, prompt, a["lambdas"], task=a["task"],
                                               settings=rows[0].settings,
                                               max_new_tokens=a["max_new_tokens"], progress=job.progress,
-                                              should_stop=job.should_stop, **self._eval_decode(bb))
+                                              should_stop=job.should_stop, **self.backbone_svc.eval_decode(bb))
                 result = {"mode": "sweep", "sweep": json_safe(sweep), "plugin": rows[0].label}
                 msg = f"λ sweep done: {len(sweep)} points on {len(pairs)} pairs"
             else:
-                rows = self._rows(a["methods"], a["task"], a.get("settings"), owner, calibrated)
-                prompt = self._prompt(a["task"], rows)
+                rows = self.compare_svc.rows(a["methods"], a["task"], a.get("settings"), owner, calibrated)
+                prompt = self.compare_svc.prompt_for(a["task"], rows)
                 res = eval_run.evaluate(bb, pairs, rows, prompt, a["task"], max_new_tokens=a["max_new_tokens"],
-                                        progress=job.progress, should_stop=job.should_stop, **self._eval_decode(bb))
+                                        progress=job.progress, should_stop=job.should_stop,
+                                        **self.backbone_svc.eval_decode(bb))
                 result = {"mode": "methods", **json_safe(res),
-                          "tuned": {lb: t["label"] for lb, t in self._tuned(rows, calibrated).items()}}
+                          "tuned": {lb: t["label"] for lb, t in self.compare_svc.tuned(rows, calibrated).items()}}
                 msg = f"Evaluated {len(rows)} method(s) on {len(pairs)} pairs"
         result.update(data=a.get("data"), pairs=len(pairs), message=msg, calibrated=calibrated,
                       left_out_tuning_samples=left_out)
@@ -152,11 +176,11 @@ class EvaluateService:
         ids = [a["plugin_id"]] if a.get("mode") == "sweep" else [m for m in a.get("methods") or []
                                                                   if m not in ("base", "", None)]
         for pid in ids if calibrated else ():
-            row = self.catalog.plugin(pid, owner)
+            row = self.ctx.catalog.plugin(pid, owner)
             cal = load_calibration(row["path"]) if row else None
             if cal and cal.get("memory_id") == a["memory_id"]:
                 tuned |= {int(i) for i in cal.get("sample_ids") or [] if isinstance(i, int)}
-        mem = self._memory(a["memory_id"], owner)
+        mem = self.memory_svc.load_memory(a["memory_id"], owner)
         held = [(i, s) for i, s in enumerate(mem.samples) if s["split"] == "heldout"]
         pairs = [(s["src"], s["tgt"]) for i, s in held if i not in tuned]
         return pairs, len(held) - len(pairs)
@@ -180,56 +204,16 @@ class EvaluateService:
         return _csv(result.get("outputs") or [])
 
     # --- downloads ----------------------------------------------------------------------------------------------
-    DOWNLOAD_MAX_AGE = 24 * 3600  # older evaluation files are removed whenever new ones are written
-
-    def downloads_root(self) -> Path:
-        """This studio's folder of files handed to the page (evaluation files, plug-in packages): a private
-        temporary folder outside the data directory, which the web server may neither read nor serve; removed when
-        the studio closes (every file in it is written again on request)."""
-        folder = getattr(self, "_downloads", None)
-        if folder is None:
-            with _DOWNLOADS_LOCK:
-                folder = getattr(self, "_downloads", None)
-                if folder is None:
-                    folder = self._downloads = Path(tempfile.mkdtemp(prefix="pema-downloads-")).resolve()
-        return folder
-
-    def _remove_downloads(self) -> None:
-        folder = getattr(self, "_downloads", None)
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    def _downloads_dir(self, owner: str) -> Path:
-        """The owner's download folder (named by a hash: an owner id may be an e-mail-like name)."""
-        return self.downloads_root() / hashlib.sha256(owner.encode("utf-8")).hexdigest()[:20]
-
-    def _prune_downloads(self) -> None:
-        root = self.downloads_root()
-        if not root.is_dir():
-            return
-        cutoff = time.time() - self.DOWNLOAD_MAX_AGE
-        for folder in root.iterdir():
-            for f in folder.glob("*") if folder.is_dir() else [folder]:
-                try:
-                    if f.stat().st_mtime < cutoff:
-                        f.unlink()
-                except OSError:
-                    pass
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-
     def evaluation_files(self, job_id: str, *, owner: str | None = None) -> list[Path]:
         """One of the owner's finished evaluations as files to download: the scores table (CSV), the per-sentence
         outputs (CSV; not for a sweep) and everything as JSON. Written once per evaluation under the owner's
         download folder (the same names each time, so nothing piles up; files older than a day are removed)."""
-        owner = self._owner(owner)
-        job = self.job(job_id, owner=owner)
+        owner = self.ctx.owner(owner)
+        job = self.job_svc.job(job_id, owner=owner)
         res = job.get("result") if job["kind"] == "evaluate" and job["state"] == "done" else None
         if not res:
             raise UserError("This evaluation has no results (yet).")
-        self._prune_downloads()
-        folder = self._downloads_dir(owner)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self.downloads.fresh_owner_dir(owner)
         stem = f"pema-eval-{job['id']}"
         files = {f"{stem}-scores.csv": self.results_csv(res),
                  f"{stem}.json": json.dumps(res, indent=1, ensure_ascii=False)}

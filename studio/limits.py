@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable, Mapping
 
 from ground.errors import UserError
-from ground.text import check_text, describe_char
+from ground.text import check_name, check_text, describe_char
 
 ENV_PREFIX = "PEMA_LIMIT_"
 QUOTAS = ("memories_per_owner", "plugins_per_owner", "shares_per_owner", "jobs_per_owner", "uploads_per_owner",
@@ -124,6 +124,21 @@ class Limits:
             raise UserError(f"The {what} contains {describe_char(bad)}, a control character; send plain text.")
         self.check(name, len(text.strip()), f"The {what}'s length in characters")
         return text
+
+    def check_name(self, name: str | None, what: str) -> str:
+        """A name typed by the user: text, within ``name_chars``, without control characters, terminal escapes,
+        bidirectional overrides or lone surrogates (``ground.text.check_name``). Returns it as checked."""
+        name = check_name(name, what)
+        self.check("name_chars", len(name), f"The {what}'s length in characters")
+        return name
+
+    def check_upload(self, data: bytes | str | None) -> None:
+        """The size bound of an upload or pasted text, for bytes and text alike (the parser then gives both the
+        same encoding / NUL / surrogate checks, ``memories.parse``)."""
+        if data is not None and not isinstance(data, (str, bytes)):
+            raise UserError("Send the samples as text or as a file.")
+        n = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data or b"")
+        self.check("upload_bytes", n, "The uploaded text's size in bytes")
 
     def check_rate(self, name: str, owner: str | None) -> None:
         """Count one call of ``owner`` against the rate limit ``name`` (:data:`RATES`), or refuse it (not counted)

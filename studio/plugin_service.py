@@ -1,5 +1,5 @@
-"""The Studio's plug-ins and jobs: methods and their declared settings, training jobs, the loaded plug-in cache —
-plug-ins and jobs each for their owner."""
+"""The Studio's plug-ins: methods and their declared settings, training, continuing and calibration jobs, loading
+through the plug-in cache, export and import — each plug-in for its owner."""
 from __future__ import annotations
 
 import json
@@ -22,66 +22,17 @@ from plugins.hub import check_package, export_plugin, import_plugin
 from plugins.registry import available_methods, get_method
 from plugins.settings import coerce_all, load_calibration, presets_table, tuned_decode_settings
 from plugins.training import optimizer_from_tensors, optimizer_tensors
+from studio.backbone_service import BackboneService
+from studio.caches import LRU
+from studio.context import StudioContext
+from studio.downloads import Downloads
+from studio.job_status import training_status
+from studio.memory_service import MemoryService
 from studio.packages import unpack_zip, zip_folder
 
-PLUGIN_CACHE = 8
 OPTIMIZER_FILE = "optimizer.safetensors"  # a resumable plug-in's optimizer state, next to its weights
 # What "continue training" may change: how long it goes on, never the plug-in's shape.
 CONTINUE_SETTINGS = ("max_minutes", "max_epochs", "max_epochs_joint", "patience", "lr")
-STOPPED_BY = {"time_budget": "stopped by time budget", "early_stopping": "converged (early stopping)",
-              "max_epochs": "ran every epoch"}
-
-
-def _fmt_epochs(x) -> str:
-    return f"{x:.2f}".rstrip("0").rstrip(".") if isinstance(x, (int, float)) else "?"
-
-
-def training_status(metrics: dict | None) -> dict:
-    """How a plug-in's training ended, from its metrics (``run_training``'s summaries: one per phase, at the top
-    level or under the phase's name). ``under_trained`` when a phase stopped on the time budget before its
-    early-stopping rule or its epochs ended it. ``label``: one line for cards and lists, e.g. "stopped by time
-    budget at 0.39 of 10 epochs — under-trained"."""
-    metrics = {k: v for k, v in (metrics or {}).items() if k != "train_info"}  # train_info repeats them
-    summaries = [metrics] if "stopped_by" in metrics else []
-    summaries += [v for v in metrics.values() if isinstance(v, dict) and "stopped_by" in v]
-    if not summaries:
-        return {"stopped_by": None, "under_trained": False, "label": "ready"}
-    pick = next((x for x in summaries if x.get("stopped_by") == "time_budget"), summaries[-1])
-    why = pick.get("stopped_by")
-    epochs = pick.get("total_epochs", pick.get("epochs"))
-    of = f" of {pick['max_epochs'] + (pick.get('continued_from_epochs') or 0):g}" \
-        if isinstance(pick.get("max_epochs"), (int, float)) else ""
-    under = why == "time_budget"
-    phase = f" ({pick['phase']} phase)" if under and len(summaries) > 1 and pick.get("phase") else ""
-    if under:
-        label = f"stopped by time budget at {_fmt_epochs(epochs)}{of} epochs{phase} — under-trained"
-    elif why == "early_stopping":
-        label = f"converged: early stopping at {_fmt_epochs(epochs)} epochs{phase}"
-    elif why == "max_epochs":
-        label = f"ready: ran all {_fmt_epochs(epochs)} epochs{phase}"
-    else:
-        label = f"ready ({why})"
-    return {"stopped_by": why, "phase": pick.get("phase"), "epochs": epochs, "max_epochs": pick.get("max_epochs"),
-            "under_trained": under, "label": label}
-
-
-def job_timing(job: dict, now: float | None = None) -> dict:
-    """``elapsed_s`` (running: since it started; queued: waiting since it was queued; finished: its run time)
-    and ``eta_s`` (running jobs only, from the progress so far; None until there is enough progress to tell)."""
-    now = time.time() if now is None else now
-    started, finished = job.get("started"), job.get("finished")
-    state, p = job.get("state"), float(job.get("progress") or 0.0)
-    if state == "queued":
-        return {"elapsed_s": max(0.0, now - (job.get("created") or now)), "eta_s": None}
-    if not started:
-        return {"elapsed_s": None, "eta_s": None}
-    elapsed = max(0.0, (finished or now) - started)
-    eta = None
-    if state == "running" and p >= 0.01 and elapsed >= 2.0:
-        eta = elapsed * (1.0 - p) / p
-    return {"elapsed_s": round(elapsed, 1), "eta_s": None if eta is None else round(eta, 1)}
-
-
 def calibration_share(method: str, config: dict, backbone_name: str, memory) -> float:
     """The part of a training job's progress bar that training takes when calibration follows it (1.0: no
     calibration — the method does not interpolate, or its memory has too few held-out samples): from the training
@@ -98,7 +49,25 @@ def calibration_share(method: str, config: dict, backbone_name: str, memory) -> 
 
 
 class PluginService:
-    """Plug-ins: methods, start settings, training jobs, loading (cached), deleting; the job table."""
+    """Plug-ins: methods, start settings, training jobs, loading (cached), deleting, packages.
+
+    Receives the context, the backbone (training, loading, the offsite rule), the memories (what a plug-in is
+    trained on), the loaded plug-in cache, the downloads folder (exported packages) and the optional Ray executor
+    (trainings as Ray tasks)."""
+
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
+                 plugin_cache: LRU, downloads: Downloads, executor=None):
+        self.ctx = ctx
+        self.backbone_svc = backbone_svc
+        self.memory_svc = memory_svc
+        self.plugin_cache = plugin_cache
+        self.downloads = downloads
+        self.executor = executor
+
+    @property
+    def job_handlers(self) -> dict:
+        """The job kinds this service submits, with their handlers (``JobQueue.handlers``)."""
+        return {"train_plugin": self.job_train, "calibrate_plugin": self.job_calibrate}
 
     # --- plug-ins -----------------------------------------------------------------------------------------------
     def methods(self) -> list[dict]:
@@ -107,7 +76,7 @@ class PluginService:
         out = []
         for m in method_table():
             m["offsite"] = m["level"] == "output"
-            if self._offsite() and not m["offsite"]:
+            if self.backbone_svc.offsite() and not m["offsite"]:
                 m["unavailable"] = NOT_OFFSITE.format(what=m["title"])
             # the training form's presets ({name: {"values", "about"}}, "default" first) and "continue training"
             m["presets"] = presets_table(get_method(m["method"]).Config)
@@ -120,17 +89,18 @@ class PluginService:
         """How long training ``method`` with ``config`` (validated as ``submit_train`` does) on one of the owner's
         memories will take, said before it is queued (``plugins.estimate``: measured throughputs on the memory's
         backbone × its size × the epochs; whether the time budget stops it first)."""
-        row = self._memory_row(memory_id, self._owner(owner))
+        row = self.memory_svc.memory_row(memory_id, self.ctx.owner(owner))
         if method not in available_methods():
             raise UserError(f"Unknown method {method!r}; choose one of {', '.join(sorted(available_methods()))}.")
         return estimate(method, config or {}, row["backbone"], int(row["samples"] or 0), int(row["entries"] or 0))
 
     def start_settings(self, task: str) -> dict[str, dict]:
         """Every method's decode settings as a comparison of ``task`` starts them: the declared defaults with the
-        values tuned on dev data for this backbone (``backbone/tuned_defaults.json``, written by ``python -m
+        values tuned on dev data for this backbone (``plugins/tuned_defaults.json``, written by ``python -m
         eval.quality --save-defaults``). ``{method: {name: value}}``; Compare and Evaluate both start here."""
-        bb = self._bb
-        name = resolve_name(bb.name if bb is not None and self._offsite(bb) else self.backbone_name)  # owner's model
+        bb = self.backbone_svc.loaded
+        name = resolve_name(bb.name if bb is not None and self.backbone_svc.offsite(bb)
+                            else self.backbone_svc.backbone_name)  # owner's model
         return {m: {**{s.name: s.default for s in cls.decode_settings},
                     **coerce_all(cls.decode_settings, tuned_decode_settings(m, task, name), cls.title)}
                 for m, cls in available_methods().items() if cls.decode_settings}
@@ -139,13 +109,13 @@ class PluginService:
                      owner: str | None = None) -> str:
         """Validate the memory (the owner's), the method and its settings now (``make_config`` →
         ``PluginConfig.from_dict``: types and declared ranges), then queue the training job for ``owner``."""
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         if not memory_id:
             raise UserError("Choose a memory to train on.")
-        self._memory_row(memory_id, owner)
-        name = self._check_name(name, "plug-in name")
-        pending = len(self.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
-        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner) + pending,
+        self.memory_svc.memory_row(memory_id, owner)
+        name = self.ctx.limits.check_name(name, "plug-in name")
+        pending = len(self.ctx.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
+        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + pending,
                                 "plug-ins (with the trainings under way)")
         if isinstance(config, str):
             try:
@@ -156,9 +126,9 @@ class PluginService:
             raise UserError("The settings must be a JSON object like {\"rank\": 64}.")
         if method not in available_methods():
             raise UserError(f"Unknown method {method!r}; choose one of {', '.join(sorted(available_methods()))}.")
-        self._check_offsite(method)  # a remote backbone: output-level methods only, with the reason
+        self.backbone_svc.check_offsite(method)  # a remote backbone: output-level methods only, with the reason
         cfg = make_config(method, config or {}).to_dict()
-        return self.jobs.submit("train_plugin", {"memory_id": memory_id, "method": method, "config": cfg,
+        return self.ctx.jobs.submit("train_plugin", {"memory_id": memory_id, "method": method, "config": cfg,
                                                  "name": name}, owner=owner)
 
     def submit_continue(self, plugin_id: str, config: dict | None = None, name: str = "", *,
@@ -167,10 +137,10 @@ class PluginService:
         saved optimizer state (Adam's moments, the step count) on the same memory, as a new plug-in (the original
         stays). ``config`` may change only how long it runs (``CONTINUE_SETTINGS``: ``max_minutes``, the epochs,
         ``patience``, ``lr``); the epochs count from where it stopped."""
-        owner = self._owner(owner)
-        row = self._plugin_row(plugin_id, owner)
+        owner = self.ctx.owner(owner)
+        row = self.plugin_row(plugin_id, owner)
         cls = get_method(row["method"])
-        self._check_offsite(row["method"])
+        self.backbone_svc.check_offsite(row["method"])
         if not getattr(cls, "resumable", False):
             raise UserError(f"{cls.title} plug-ins cannot continue training (only "
                             f"{', '.join(m for m, c in available_methods().items() if getattr(c, 'resumable', 0))}"
@@ -178,26 +148,26 @@ class PluginService:
         if not (Path(row["path"]) / OPTIMIZER_FILE).exists():
             raise UserError("This plug-in was saved without its optimizer state (trained before continuing was "
                             "possible); train a new one instead.")
-        self._memory_row(row["memory_id"], owner)  # its memory is still there, still the owner's
+        self.memory_svc.memory_row(row["memory_id"], owner)  # its memory is still there, still the owner's
         config = dict(config or {})
         bad = sorted(set(config) - set(CONTINUE_SETTINGS))
         if bad:
             raise UserError(f"Continuing can change only {', '.join(CONTINUE_SETTINGS)}; not {', '.join(bad)}.")
-        name = self._check_name(name, "plug-in name") or f"{row['name']} (continued)"
-        pending = len(self.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
-        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner) + pending,
+        name = self.ctx.limits.check_name(name, "plug-in name") or f"{row['name']} (continued)"
+        pending = len(self.ctx.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
+        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + pending,
                                 "plug-ins (with the trainings under way)")
         cfg_path = Path(row["path"]) / "plugin_config.json"
         old = json.loads(cfg_path.read_text(encoding="utf-8")).get("config", {}) if cfg_path.exists() else {}
         cfg = make_config(row["method"], {**old, **config}).to_dict()
-        return self.jobs.submit("train_plugin", {"memory_id": row["memory_id"], "method": row["method"],
+        return self.ctx.jobs.submit("train_plugin", {"memory_id": row["memory_id"], "method": row["method"],
                                                  "config": cfg, "name": name, "continue_from": plugin_id},
                                 owner=owner)
 
     def _continue_train(self, job: JobContext, bb, mem, cls) -> tuple:
         """Load the plug-in to continue (a fresh copy: the cached one may be decoding), resume, save a new one."""
         a = job.args
-        prow = self._plugin_row(a["continue_from"], job.owner)
+        prow = self.plugin_row(a["continue_from"], job.owner)
         plugin = open_plugin(prow["path"], bb)
         plugin.config = make_config(a["method"], a["config"])
         plugin.resume_state = optimizer_from_tensors(load_file(str(Path(prow["path"]) / OPTIMIZER_FILE)))
@@ -208,7 +178,7 @@ class PluginService:
         plugin.train_info = {**plugin.train_info, "seconds": round(time.time() - t0, 2),
                              "trainable_parameters": plugin.trainable_parameters(),
                              "continued_from": prow["id"]}
-        out_dir = self.root / "plugins" / new_id(f"{a['method']}-")
+        out_dir = self.ctx.root / "plugins" / new_id(f"{a['method']}-")
         plugin.save(out_dir)
         (out_dir / "history.json").write_text(json.dumps(result.history), encoding="utf-8")
         row = {"id": out_dir.name, "name": a["name"], "method": a["method"], "memory_id": mem.id,
@@ -216,7 +186,7 @@ class PluginService:
                "params": plugin.trainable_parameters(),
                "metrics": json.dumps({**result.metrics, "train_info": plugin.train_info}, default=str),
                "created": time.time()}
-        self.catalog.owned_by(job.owner).add_plugin(row)
+        self.ctx.catalog.owned_by(job.owner).add_plugin(row)
         return plugin, {**row, "history": result.history}
 
     @staticmethod
@@ -230,14 +200,15 @@ class PluginService:
         save_file(optimizer_tensors(state), str(tmp))
         os.replace(tmp, Path(folder) / OPTIMIZER_FILE)
 
-    def _job_train(self, job: JobContext) -> dict:
+    def job_train(self, job: JobContext) -> dict:
         a = job.args
-        bb = self._job_backbone(job)
-        row = self._memory_row(a["memory_id"], job.owner)  # still there, still the owner's
-        if getattr(self, "executor", None) is not None and self.executor.runs_training(a):
-            res = self.executor.train(self, job)  # a Ray task (studio.ray_executor); no gate: not this backbone
+        bb = self.backbone_svc.for_job(job)
+        row = self.memory_svc.memory_row(a["memory_id"], job.owner)  # still there, still the owner's
+        if self.executor is not None and self.executor.runs_training(a):
+            # a Ray task (studio.ray_executor); no gate: not this backbone
+            res = self.executor.train(self.backbone_svc, job, row, self.ctx.catalog)
             return self._calibrate_ray_trained(job, bb, row, res)
-        self._check_offsite(a["method"], bb)  # queued before the studio switched to a remote backbone
+        self.backbone_svc.check_offsite(a["method"], bb)  # queued before the studio switched to a remote backbone
         mem = open_memory(row["path"], bb)
         cls = get_method(a["method"])
         # an interpolating plug-in is calibrated after training, in this job: training gets the first part of the bar
@@ -245,8 +216,9 @@ class PluginService:
         job_progress = job.progress
         if share < 1.0:
             job.progress = lambda f, m="": job_progress(float(f) * share, m)  # type: ignore[method-assign]
-        with self.gate.use(holder=f"training {cls.title}"):
-            job.checkpoint = self.gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
+        gate = self.backbone_svc.gate
+        with gate.use(holder=f"training {cls.title}"):
+            job.checkpoint = gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
             job.log(f"Training {cls.title} on {mem.meta.get('name', mem.id)!r} ({len(mem):,} entries)")
             if a.get("continue_from"):
                 plugin, row = self._continue_train(job, bb, mem, cls)
@@ -254,7 +226,7 @@ class PluginService:
                 job.log("Time estimate: " + estimate(a["method"], a["config"], bb.name, len(mem.split_samples("train")),
                                                      len(mem))["text"])
                 plugin, row = train_plugin(bb, mem, a["method"], a["config"],
-                                           catalog=self.catalog.owned_by(job.owner), name=a.get("name", ""),
+                                           catalog=self.ctx.catalog.owned_by(job.owner), name=a.get("name", ""),
                                            progress=job.progress, should_stop=job.should_stop, on_metric=job.metric)
         self._save_optimizer(plugin, row["path"])
         job.set_metrics([{k: v for k, v in h.items() if isinstance(v, (int, float, str))}
@@ -277,8 +249,8 @@ class PluginService:
         the global defaults and say so; the job still succeeds (the plug-in is saved)."""
         job.log(f"Calibrating {plugin.title} on held-out samples of {mem.meta.get('name', mem.id)!r}")
         try:
-            with self.gate.use(holder=f"calibrating {plugin.title}"):
-                job.checkpoint = self.gate.checkpoint
+            with self.backbone_svc.gate.use(holder=f"calibrating {plugin.title}"):
+                job.checkpoint = self.backbone_svc.gate.checkpoint
                 cal = calibrate(bb, plugin, mem, progress=lambda f, m: job.progress(start + (1 - start) * f, m),
                                 should_stop=job.should_stop)
         except UserError as e:
@@ -304,7 +276,7 @@ class PluginService:
         if not (cls.interpolates and cls.level == "output"):
             return res
         mem = open_memory(mem_row["path"], bb)
-        plugin = open_plugin(self._plugin_row(res["plugin_id"], job.owner)["path"], bb)
+        plugin = open_plugin(self.plugin_row(res["plugin_id"], job.owner)["path"], bb)
         cal = self._calibrate_trained(job, bb, mem, plugin, 0.95)
         return {**res, **({"calibration": cal, "message": f"{res.get('message', '')}; {cal['message']}"}
                           if cal else {})}
@@ -313,12 +285,12 @@ class PluginService:
                          max_seconds: float | None = None) -> str:
         """Queue the calibration of one of the owner's interpolating plug-ins on its memory's held-out tuning
         samples (``eval.calibrate``); a plug-in of another kind, or a memory that is gone, is refused now."""
-        owner = self._owner(owner)
-        row = self._plugin_row(plugin_id, owner)
+        owner = self.ctx.owner(owner)
+        row = self.plugin_row(plugin_id, owner)
         cls = get_method(row["method"])
         if not (cls.interpolates and cls.level == "output"):
             raise UserError(f"{cls.title} does not mix distributions; there is nothing to calibrate.")
-        self._memory_row(row["memory_id"], owner)
+        self.memory_svc.memory_row(row["memory_id"], owner)
         args: dict = {"plugin_id": row["id"]}
         for key, v, kind in (("max_samples", max_samples, int), ("max_seconds", max_seconds, float)):
             if v not in (None, "", 0):
@@ -328,17 +300,17 @@ class PluginService:
                     raise UserError(f"{key} must be a number.") from None
                 if args[key] <= 0:
                     raise UserError(f"{key} must be positive.")
-        return self.jobs.submit("calibrate_plugin", args, owner=owner)
+        return self.ctx.jobs.submit("calibrate_plugin", args, owner=owner)
 
-    def _job_calibrate(self, job: JobContext) -> dict:
+    def job_calibrate(self, job: JobContext) -> dict:
         a = job.args
-        bb = self._job_backbone(job)
-        prow = self._plugin_row(a["plugin_id"], job.owner)
-        mrow = self._memory_row(prow["memory_id"], job.owner)
+        bb = self.backbone_svc.for_job(job)
+        prow = self.plugin_row(a["plugin_id"], job.owner)
+        mrow = self.memory_svc.memory_row(prow["memory_id"], job.owner)
         mem = open_memory(mrow["path"], bb)
         plugin = open_plugin(prow["path"], bb)
-        with self.gate.use(holder=f"calibrating {plugin.title}"):
-            job.checkpoint = self.gate.checkpoint
+        with self.backbone_svc.gate.use(holder=f"calibrating {plugin.title}"):
+            job.checkpoint = self.backbone_svc.gate.checkpoint
             cal = calibrate(bb, plugin, mem, max_samples=a.get("max_samples"), max_seconds=a.get("max_seconds"),
                             progress=job.progress, should_stop=job.should_stop)
         msg = f"{prow['name']!r} {cal['label']}: {describe_choice(cal)}"
@@ -357,11 +329,12 @@ class PluginService:
 
     def plugins(self, owner: str | None = None) -> list[dict]:
         """The owner's plug-ins."""
-        owner = self._owner(owner)
-        fp = self._bb.fingerprint if self._bb is not None else None
-        mems = {m["id"]: m["name"] for m in self.catalog.memories(owner)}
+        owner = self.ctx.owner(owner)
+        bb = self.backbone_svc.loaded
+        fp = bb.fingerprint if bb is not None else None
+        mems = {m["id"]: m["name"] for m in self.ctx.catalog.memories(owner)}
         out = []
-        for r in self.catalog.plugins(owner):
+        for r in self.ctx.catalog.plugins(owner):
             metrics = json.loads(r.get("metrics") or "{}")
             cls = available_methods().get(r["method"])
             out.append({"id": r["id"], "name": r["name"], "method": r["method"], "memory_id": r["memory_id"],
@@ -373,15 +346,15 @@ class PluginService:
                         "calibration": self._calibration_summary(r["path"], r["backbone"])})
         return out
 
-    def _plugin_row(self, plugin_id: str, owner: str | None) -> dict:
+    def plugin_row(self, plugin_id: str, owner: str | None) -> dict:
         """The owner's plug-in row; another owner's plug-in reads as nonexistent."""
-        row = self.catalog.plugin(str(plugin_id or ""), self._owner(owner))
+        row = self.ctx.catalog.plugin(str(plugin_id or ""), self.ctx.owner(owner))
         if row is None:
             raise UserError(f"No plug-in {plugin_id!r}: it may have been deleted.")
         return row
 
     def plugin_detail(self, plugin_id: str, *, owner: str | None = None) -> dict:
-        row = self._plugin_row(plugin_id, owner)
+        row = self.plugin_row(plugin_id, owner)
         cfg = {}
         cfg_path = Path(row["path"]) / "plugin_config.json"
         if cfg_path.exists():
@@ -397,61 +370,26 @@ class PluginService:
                 "history": history, "calibration": cal}
 
     def delete_plugin(self, plugin_id: str, *, owner: str | None = None) -> str:
-        owner = self._owner(owner)
-        row = self._plugin_row(plugin_id, owner)
-        busy = [j for j in self.jobs.list(states=("queued", "running"), owner=owner)
+        owner = self.ctx.owner(owner)
+        row = self.plugin_row(plugin_id, owner)
+        busy = [j for j in self.ctx.jobs.list(states=("queued", "running"), owner=owner)
                 if plugin_id in (j["args"].get("methods") or []) or plugin_id in (j["args"].get("plugin_id"),
                                                                                   j["args"].get("continue_from"))]
         if busy:
             raise UserError("A job (an evaluation, or training that continues it) is using this plug-in; cancel it "
                             "or wait for it to finish first.")
-        self.catalog.delete_plugin(plugin_id)
-        with self._plugin_lock:
-            self._plugins.pop(plugin_id, None)
+        self.ctx.catalog.delete_plugin(plugin_id)
+        self.plugin_cache.pop(plugin_id)
         return f"Deleted plug-in {row['name']!r}."
 
-    def _plugin(self, plugin_id: str, owner: str | None = None):
+    def load_plugin(self, plugin_id: str, owner: str | None = None):
         """One of the owner's plug-ins, loaded (cached: loading reads safetensors and, for kNN, the memory's keys)."""
-        row = self._plugin_row(plugin_id, owner)  # checked on every use, cached or not
-        self._check_offsite(row["method"])  # an in-network plug-in cannot decode through a model owner
-        with self._plugin_lock:
-            if plugin_id in self._plugins:
-                self._plugins.move_to_end(plugin_id)
-                return self._plugins[plugin_id]
-        plugin = open_plugin(row["path"], self.backbone)
-        with self._plugin_lock:
-            self._plugins[plugin_id] = plugin
-            while len(self._plugins) > PLUGIN_CACHE:
-                self._plugins.popitem(last=False)
+        row = self.plugin_row(plugin_id, owner)  # checked on every use, cached or not
+        self.backbone_svc.check_offsite(row["method"])  # an in-network plug-in cannot decode through a model owner
+        plugin = self.plugin_cache.get(plugin_id)
+        if plugin is None:
+            plugin = self.plugin_cache.put(plugin_id, open_plugin(row["path"], self.backbone_svc.backbone))
         return plugin
-
-    # --- jobs ---------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _public_job(j: dict) -> dict:
-        """A job as its owner sees it: without the server's path of a pending upload; with its elapsed time and
-        ETA (``job_timing``) and, for a finished training, how it ended (``training``: ``training_status``)."""
-        out = {**j, "args": {k: v for k, v in j["args"].items() if k != "upload"}, **job_timing(j)}
-        res = j.get("result") if isinstance(j.get("result"), dict) else None
-        if j["kind"] == "train_plugin" and res and "metrics" in res:
-            out["training"] = res.get("training") or training_status(res["metrics"])
-        return out
-
-    def job(self, job_id: str, *, owner: str | None = None) -> dict:
-        """One of the owner's jobs (another owner's job reads as nonexistent)."""
-        j = self.jobs.get(str(job_id or ""), self._owner(owner))
-        if j is None:
-            raise UserError(f"No job {job_id!r}.")
-        return self._public_job(j)
-
-    def list_jobs(self, kinds: tuple[str, ...] | None = None, limit: int = 30, *, owner: str | None = None,
-                  states: tuple[str, ...] | None = None) -> list[dict]:
-        """The owner's latest jobs, newest first."""
-        return [self._public_job(j) for j in self.jobs.list(kinds=kinds, states=states,
-                                                            limit=max(1, min(int(limit or 30), 200)),
-                                                            owner=self._owner(owner))]
-
-    def cancel_job(self, job_id: str, *, owner: str | None = None) -> dict:
-        return self._public_job(self.jobs.cancel(str(job_id or ""), self._owner(owner)))
 
     # --- plug-in packages: the Plug-ins tab's Export (zip download) and Import (zip upload) ----------------------
     def export_plugin_zip(self, plugin_id: str, *, owner: str | None = None,
@@ -460,14 +398,12 @@ class PluginService:
         safetensors, PEFT files for LoRA, model card, manifest; with ``include_datastore`` — required for kNN — the
         memory's training entries and samples). Written under the owner's download folder (``pema-plugin-<id>.zip``,
         the same name each time; files older than a day are removed)."""
-        owner = self._owner(owner)
-        row = self._plugin_row(plugin_id, owner)
-        self._prune_downloads()
-        folder = self._downloads_dir(owner)
-        folder.mkdir(parents=True, exist_ok=True)
+        owner = self.ctx.owner(owner)
+        row = self.plugin_row(plugin_id, owner)
+        folder = self.downloads.fresh_owner_dir(owner)
         with tempfile.TemporaryDirectory(prefix="pema-export-") as tmp:
-            pkg = export_plugin(row["path"], self.backbone, Path(tmp) / "package",
-                                catalog=self.catalog.owned_by(owner), include_datastore=bool(include_datastore))
+            pkg = export_plugin(row["path"], self.backbone_svc.backbone, Path(tmp) / "package",
+                                catalog=self.ctx.catalog.owned_by(owner), include_datastore=bool(include_datastore))
             return zip_folder(pkg, folder / f"pema-plugin-{row['id']}.zip", f"pema-plugin-{row['id']}")
 
     def import_plugin_zip(self, upload: str | Path | bytes, name: str = "", *, owner: str | None = None) -> dict:
@@ -476,11 +412,11 @@ class PluginService:
         fingerprint, safetensors only, the plug-in's own checks on load) after the zip's (``studio.packages``: size
         bounds from ``limits.upload_bytes``, zip slip, links, bombs, pickle-capable files). A package with a
         datastore also becomes one of the owner's memories. Returns the new plug-in as ``plugins`` lists it."""
-        owner = self._owner(owner)
-        if self.read_only:
+        owner = self.ctx.owner(owner)
+        if self.ctx.read_only:
             raise UserError("This studio is read-only (another process owns its data directory); import there.")
-        name = self._check_name(name, "plug-in name")
-        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner), "plug-ins")
+        name = self.ctx.limits.check_name(name, "plug-in name")
+        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner), "plug-ins")
         with tempfile.TemporaryDirectory(prefix="pema-import-") as tmp:
             if isinstance(upload, (bytes, bytearray)):
                 data = Path(tmp) / "upload.zip"
@@ -489,10 +425,10 @@ class PluginService:
                 data = Path(str(upload or ""))
                 if not str(upload or "") or not data.is_file():
                     raise UserError("Choose a plug-in package (.zip) to import.")
-            pkg = unpack_zip(data, Path(tmp) / "package", self.limits.upload_bytes)
+            pkg = unpack_zip(data, Path(tmp) / "package", self.ctx.limits.upload_bytes)
             manifest = check_package(pkg)
             if manifest.get("datastore"):
-                self.limits.check_quota("memories_per_owner", self.catalog.count("memories", owner), "memories")
-            row = import_plugin(str(pkg), self.backbone, self.catalog.owned_by(owner), name=name)
+                self.ctx.limits.check_quota("memories_per_owner", self.ctx.catalog.count("memories", owner), "memories")
+            row = import_plugin(str(pkg), self.backbone_svc.backbone, self.ctx.catalog.owned_by(owner), name=name)
         return next(p for p in self.plugins(owner=owner) if p["id"] == row["id"])
 

@@ -20,6 +20,11 @@ from plugins.api import make_config, open_memory
 from plugins.estimate import estimate
 from plugins.registry import get_method
 from plugins.timing import minutes
+from studio.backbone_service import BackboneService
+from studio.caches import LRU
+from studio.context import StudioContext
+from studio.evaluate_service import read_test_pairs
+from studio.memory_service import MemoryService
 from studio.payload import json_safe
 
 MAX_RESUMES = 2  # automatic resumes of one ranking after restarts
@@ -37,7 +42,22 @@ SHARED_ROW_KEYS = ("rank", "method", "title", "level", "chrf", "sacrebleu", "chr
 
 
 class RankService:
-    """Rank jobs, leaderboards and their shares."""
+    """Rank jobs, leaderboards and their shares.
+
+    Receives the context, the backbone (the ranking job holds it), the memories (the memory ranked on; the tour's
+    build) and the loaded plug-in cache (a ranking recalibrates plug-ins: their loaded copies go)."""
+
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
+                 plugin_cache: LRU):
+        self.ctx = ctx
+        self.backbone_svc = backbone_svc
+        self.memory_svc = memory_svc
+        self.plugin_cache = plugin_cache
+
+    @property
+    def job_handlers(self) -> dict:
+        """The job kinds this service submits, with their handlers (``JobQueue.handlers``)."""
+        return {"rank": self.job_rank}
 
     def submit_rank(self, memory_id: str | None = None, *, methods: list[str] | None = None,
                     test_data: bytes | str | None = None, test_filename: str | None = None,
@@ -46,41 +66,42 @@ class RankService:
         """Queue "rank every method" (or ``methods``) on one of the owner's memories — or, with ``corpus`` (the
         first-run tour), on a memory built from that demo corpus first (its build job runs before the ranking).
         ``test_data``: report on this uploaded test file of pairs instead of the held-out report part."""
-        owner = self._owner(owner)
-        self.limits.check_rate("evaluations_per_minute", owner)
+        owner = self.ctx.owner(owner)
+        self.ctx.limits.check_rate("evaluations_per_minute", owner)
         names = self._rank_methods(methods)
         args: dict = {"methods": names}
         if test_data:
-            pairs = self._test_pairs(test_data, test_filename)
-            self.limits.check("eval_pairs", len(pairs), "The number of test pairs")
+            pairs = read_test_pairs(self.ctx.limits, test_data, test_filename)
+            self.ctx.limits.check("eval_pairs", len(pairs), "The number of test pairs")
             args.update(pairs=pairs, data=test_filename or "uploaded test file")
         if corpus:
             to_train = len(names)
             self._rank_quota(owner, to_train)
-            build = self.submit_build(corpus=corpus, limit=corpus_limit or TOUR_LIMIT, name=f"{corpus} (tour)",
-                                      owner=owner)
+            build = self.memory_svc.submit_build(corpus=corpus, limit=corpus_limit or TOUR_LIMIT,
+                                                 name=f"{corpus} (tour)", owner=owner)
             args.update(build_job=build)
         else:
             if not memory_id:
                 raise UserError("Choose a memory to rank the methods on.")
-            row = self._memory_row(memory_id, owner)
-            fp = self._bb.fingerprint if self._bb is not None else row["fingerprint"]
-            to_train = sum(find_trained(self.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp) is None
+            row = self.memory_svc.memory_row(memory_id, owner)
+            bb = self.backbone_svc.loaded
+            fp = bb.fingerprint if bb is not None else row["fingerprint"]
+            to_train = sum(find_trained(self.ctx.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp) is None
                            for m in names)
             self._rank_quota(owner, to_train)
             args.update(memory_id=memory_id)
-        return self.jobs.submit("rank", args, owner=owner)
+        return self.ctx.jobs.submit("rank", args, owner=owner)
 
     def _rank_methods(self, methods) -> list[str]:
         if methods is not None and not isinstance(methods, (list, tuple)):
             raise UserError('Methods must be a list like ["pema", "knn"] (empty: every method).')
-        if self._offsite():
+        if self.backbone_svc.offsite():
             raise UserError(REMOTE)
         return wanted_methods([m for m in methods or [] if m and m != "base"] or None)
 
     def _rank_quota(self, owner: str, to_train: int) -> None:
         # one check for all the plug-ins it trains (check_quota refuses one more when ``have`` reaches the bound)
-        self.limits.check_quota("plugins_per_owner", self.catalog.count("plugins", owner) + to_train - 1,
+        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + to_train - 1,
                                 "plug-ins (with the ones this ranking trains)")
 
     def rank_estimate(self, memory_id: str | None = None, *, corpus: str | None = None,
@@ -89,20 +110,21 @@ class RankService:
         """How long ranking will take, said before it starts: the training estimates (``plugins.estimate``; a
         plug-in that would be reused costs nothing) plus calibration and decoding from a per-sentence decode time.
         ``{"seconds", "text", "per_method"}``."""
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         names = self._rank_methods(methods)
-        bb_name = self._bb.name if self._bb is not None else self.backbone_name
+        bb = self.backbone_svc.loaded
+        bb_name = bb.name if bb is not None else self.backbone_svc.backbone_name
         if corpus:
             n = int(corpus_limit or TOUR_LIMIT)
             held = max(1, round(n * 0.1))
             samples, entries, reuse = n - held, (n - held) * 12, {}
         else:
-            row = self._memory_row(memory_id, owner)
+            row = self.memory_svc.memory_row(memory_id, owner)
             samples, entries = int(row["samples"] or 0), int(row["entries"] or 0)
             held = max(1, round(samples * 0.1))
             samples -= held
-            fp = self._bb.fingerprint if self._bb is not None else row["fingerprint"]
-            reuse = {m: find_trained(self.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp)
+            fp = bb.fingerprint if bb is not None else row["fingerprint"]
+            reuse = {m: find_trained(self.ctx.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp)
                      for m in names}
         per, unmeasured = {}, []
         for m in names:
@@ -126,34 +148,34 @@ class RankService:
             text += f"; no training estimate for {', '.join(unmeasured)}"
         return {"seconds": round(total, 1), "per_method": per, "text": text + "."}
 
-    def _job_rank(self, job: JobContext) -> dict:
+    def job_rank(self, job: JobContext) -> dict:
         a = job.args
         owner = job.owner
-        bb = self._job_backbone(job)
+        bb = self.backbone_svc.for_job(job)
         if a.get("build_job"):
-            built = self.jobs.get(a["build_job"], owner)
+            built = self.ctx.jobs.get(a["build_job"], owner)
             if built is None or built["state"] != "done":
                 raise UserError("The demo corpus's memory was not built (its build job "
                                 f"{'is ' + built['state'] if built else 'is gone'}); nothing to rank.")
             a = {**a, "memory_id": built["result"]["memory_id"]}
             job.args = a
-            self.jobs._update(job.id, args=json.dumps(a, default=str))  # a resume finds the memory
-        if self._offsite(bb):
+            self.ctx.jobs._update(job.id, args=json.dumps(a, default=str))  # a resume finds the memory
+        if self.backbone_svc.offsite(bb):
             raise UserError(REMOTE)
-        row = self._memory_row(a["memory_id"], owner)
+        row = self.memory_svc.memory_row(a["memory_id"], owner)
         mem = open_memory(row["path"], bb)
         if a.get("resume_of"):
             job.log(f"Resuming the ranking interrupted by a restart ({a['resume_of']}): finished plug-ins and "
                     f"calibrations are reused.")
         test = [tuple(p) for p in a["pairs"]] if a.get("pairs") else None
-        with self.gate.use(holder="ranking every method"):
-            job.checkpoint = self.gate.checkpoint
-            board = run_rank(bb, mem, catalog=self.catalog, owner=owner, methods=a["methods"], test_pairs=test,
+        gate = self.backbone_svc.gate
+        with gate.use(holder="ranking every method"):
+            job.checkpoint = gate.checkpoint
+            board = run_rank(bb, mem, catalog=self.ctx.catalog, owner=owner, methods=a["methods"], test_pairs=test,
                              test_name=a.get("data"), progress=job.progress, should_stop=job.should_stop,
                              log=job.log)
-        with self._plugin_lock:  # calibrations changed: loaded copies start from the new settings
-            for m in board["methods"]:
-                self._plugins.pop(m.get("plugin_id"), None)
+        for m in board["methods"]:  # calibrations changed: loaded copies start from the new settings
+            self.plugin_cache.pop(m.get("plugin_id"))
         return {"leaderboard": json_safe(board), "memory_id": a["memory_id"], "message": board["verdict"]}
 
     # --- leaderboards -------------------------------------------------------------------------------------------
@@ -161,15 +183,15 @@ class RankService:
                     owner: str | None = None) -> dict:
         """One of the owner's finished rankings (``job_id``), or the latest for ``memory_id`` (or for any memory):
         the leaderboard with ``job_id``."""
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         if job_id:
-            job = self.jobs.get(str(job_id), owner)
+            job = self.ctx.jobs.get(str(job_id), owner)
             if job is None or job["kind"] != "rank":
                 raise UserError(f"No ranking {job_id!r}.")
             if job["state"] != "done":
                 raise UserError(f"This ranking has no leaderboard: it is {job['state']}.")
         else:
-            job = next((j for j in self.jobs.list(kinds=("rank",), states=("done",), limit=200, owner=owner)
+            job = next((j for j in self.ctx.jobs.list(kinds=("rank",), states=("done",), limit=200, owner=owner)
                         if not memory_id or (j.get("result") or {}).get("memory_id") == memory_id), None)
             if job is None:
                 raise UserError("No finished ranking yet: rank the methods on a memory first.")
@@ -178,9 +200,9 @@ class RankService:
     def best_methods(self, *, owner: str | None = None) -> dict[str, str]:
         """``{plug-in id: "best on <memory>: +x chrF"}`` from the owner's latest ranking of each memory (what
         Compare's method picker marks)."""
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         out, seen = {}, set()
-        for j in self.jobs.list(kinds=("rank",), states=("done",), limit=200, owner=owner):
+        for j in self.ctx.jobs.list(kinds=("rank",), states=("done",), limit=200, owner=owner):
             res = j.get("result") or {}
             if res.get("memory_id") in seen:
                 continue
@@ -196,9 +218,10 @@ class RankService:
         """Store one of the owner's leaderboards for read-only viewing at ``/share/?c=<id>``; return the id. Stored:
         the rows' scores, costs and settings, the verdict, the numbers of samples, the phases' times, the backbone
         and task. Never stored: ids (plug-ins, memory, job), the memory's or test file's name, samples."""
-        owner = self._owner(owner)
+        owner = self.ctx.owner(owner)
         board = self.leaderboard(job_id, owner=owner)
-        self.limits.check_quota("shares_per_owner", self.catalog.count("comparisons", owner), "shared comparisons")
+        self.ctx.limits.check_quota("shares_per_owner", self.ctx.catalog.count("comparisons", owner),
+                                    "shared comparisons")
         d = board.get("data") or {}
         payload = {"kind": SHARE_KIND, "version": 2, "task": board["task"], "backbone": board["backbone"],
                    "data": {"tune": d.get("tune"), "report": d.get("report"), "report_source": d.get("report_source"),
@@ -210,24 +233,24 @@ class RankService:
                    "phases": board.get("phases"), "bootstrap": board.get("bootstrap"), "alpha": board.get("alpha"),
                    "signatures": board.get("signatures"), "created": board.get("created"), "shared": time.time()}
         text = json.dumps(json_safe(payload), ensure_ascii=False)
-        self.limits.check("share_bytes", len(text.encode("utf-8")), "The shared leaderboard's size in bytes")
-        return self.catalog.save_comparison(text, backbone=board["backbone"], owner=owner)
+        self.ctx.limits.check("share_bytes", len(text.encode("utf-8")), "The shared leaderboard's size in bytes")
+        return self.ctx.catalog.save_comparison(text, backbone=board["backbone"], owner=owner)
 
     def shared_leaderboard(self, share_id: str) -> dict:
         """A shared leaderboard's stored payload: public to anyone with the id."""
         if not share_id or not isinstance(share_id, str) or len(share_id) > 100:
             raise UserError("This link is not valid.")
-        p = self.catalog.comparison(share_id)
+        p = self.ctx.catalog.comparison(share_id)
         if p is None or p.get("kind") != SHARE_KIND:
             raise UserError("This shared leaderboard does not exist (the link may be incomplete).")
         return p
 
     # --- restarts -----------------------------------------------------------------------------------------------
-    def _running_rankings(self) -> list[dict]:
+    def running_rankings(self) -> list[dict]:
         """Rankings a previous process left running (before ``recover`` marks them interrupted)."""
-        return self.jobs.list(kinds=("rank",), states=("running",), limit=1000)
+        return self.ctx.jobs.list(kinds=("rank",), states=("running",), limit=1000)
 
-    def _resume_rankings(self, jobs: list[dict]) -> list[str]:
+    def resume_rankings(self, jobs: list[dict]) -> list[str]:
         """Queue each interrupted ranking again (it reuses what the first run finished); its row says so."""
         out = []
         for j in jobs:
@@ -238,9 +261,9 @@ class RankService:
             a.update(resume_of=j["id"], resumes=n + 1)
             a.pop("build_job", None) if a.get("memory_id") else None
             try:
-                jid = self.jobs.submit("rank", a, owner=j.get("owner") or "local")
+                jid = self.ctx.jobs.submit("rank", a, owner=j.get("owner") or "local")
             except UserError:
                 continue
-            self.jobs._update(j["id"], message=f"Interrupted by a restart; resumed as {jid}.")
+            self.ctx.jobs._update(j["id"], message=f"Interrupted by a restart; resumed as {jid}.")
             out.append(jid)
         return out

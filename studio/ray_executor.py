@@ -47,7 +47,7 @@ from plugins.api import new_plugin, plugin_catalog_row
 from plugins.base import load_plugin
 from plugins.registry import get_method
 from plugins.training import optimizer_tensors
-from studio.plugin_service import training_status
+from studio.job_status import training_status
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDRESS_ENV = "PEMA_RAY_ADDRESS"
@@ -80,18 +80,18 @@ def _ray():
     return ray
 
 
-def backbone_spec(studio) -> dict:
-    """How a worker loads the studio's backbone (and the fingerprint it must have)."""
-    if getattr(studio, "remote_url", None):
+def backbone_spec(backbone_svc) -> dict:
+    """How a worker loads the studio's backbone (``studio.backbone_service.BackboneService``: its name, device, data
+    directory and de-quantized cache) and the fingerprint it must have."""
+    if backbone_svc.remote_url:
         raise UserError("A remote (offsite) backbone cannot be sharded over Ray workers; use the in-process queue.")
-    bb = studio.backbone
-    name = str(studio.backbone_name)
-    cache = studio.root
-    bcache = getattr(studio, "backbone_cache", None)
+    bb = backbone_svc.backbone
+    cache = backbone_svc.root
+    bcache = backbone_svc.backbone_cache
     if bcache is not None and (Path(bcache) / "backbones").is_dir():
         cache = bcache
-    return {"name": name, "device": getattr(studio, "device", None), "data_dir": str(cache),
-            "fingerprint": bb.fingerprint}
+    return {"name": str(backbone_svc.backbone_name), "device": backbone_svc.device, "dtype": backbone_svc.dtype,
+            "data_dir": str(cache), "fingerprint": bb.fingerprint}
 
 
 _WORKER_BACKBONES: dict[tuple, object] = {}
@@ -100,13 +100,14 @@ _WORKER_BACKBONES: dict[tuple, object] = {}
 def worker_backbone(spec: dict, device: str | None = None):
     """The backbone of ``spec`` in this worker process (loaded once, then reused), checked against the head's
     fingerprint."""
-    key = (spec["name"], device or spec.get("device"), spec.get("data_dir"))
+    key = (spec["name"], device or spec.get("device"), spec.get("dtype"), spec.get("data_dir"))
     bb = _WORKER_BACKBONES.get(key)
     if bb is None:
         if spec["name"].lower() in TINY_NAMES:
             bb = tiny_backbone()
         else:
-            bb = load_backbone(spec["name"], device=device or spec.get("device"), data_dir=spec.get("data_dir"))
+            bb = load_backbone(spec["name"], device=device or spec.get("device"), dtype=spec.get("dtype"),
+                               data_dir=spec.get("data_dir"))
         _WORKER_BACKBONES[key] = bb
     if spec.get("fingerprint") is not None:
         check_worker_fingerprint(bb, spec["fingerprint"])
@@ -406,15 +407,15 @@ class RayExecutor:
         """Whether a training job goes to Ray: not "continue training", not a method with nothing to train."""
         return not args.get("continue_from") and not get_method(args["method"]).needs_memory_at_decode
 
-    def train(self, studio, job) -> dict:
+    def train(self, backbone_svc, job, mrow: dict, catalog) -> dict:
         """A studio training job (``train_plugin``) as a Ray actor; returns the job's result like the in-process
-        handler. The memory is the owner's (checked again here); the plug-in lands in the owner's catalog."""
+        handler. ``backbone_svc``: the studio's ``BackboneService`` (how a worker loads the same backbone);
+        ``mrow``: the owner's memory row (checked by the caller); the plug-in lands in the owner's ``catalog``."""
         ray = _ray()
         self.release_pool(force=False)  # idle build workers' CPUs / GPUs go to the training
         a = job.args
-        spec = backbone_spec(studio)
-        bb = studio.backbone
-        mrow = studio._memory_row(a["memory_id"], job.owner)
+        spec = backbone_spec(backbone_svc)
+        bb = backbone_svc.backbone
         mdir = Path(mrow["path"])
         memory = Memory.load(mdir, bb)
         files = {f.name: f.read_bytes() for f in mdir.iterdir() if f.is_file() and not f.name.startswith(".")}
@@ -442,7 +443,7 @@ class RayExecutor:
             raise Cancelled()
         if out.get("error"):
             raise UserError(out["message"])
-        row = self._publish(studio, job, bb, memory, out, a)
+        row = self._publish(catalog, job, bb, memory, out, a)
         metrics = json.loads(row["metrics"])
         status = training_status(metrics)
         job.set_metrics([{k: v for k, v in h.items() if isinstance(v, (int, float, str))}
@@ -468,11 +469,11 @@ class RayExecutor:
             job.progress(*now)
 
     @staticmethod
-    def _publish(studio, job, bb, memory: Memory, out: dict, a: dict) -> dict:
+    def _publish(catalog, job, bb, memory: Memory, out: dict, a: dict) -> dict:
         """Write the worker's plug-in files into the data directory, check them as any saved plug-in (checksums,
         fingerprint, paths) and register the folder and its catalog row in one step."""
         method = a["method"]
-        final = studio.root / "plugins" / new_id(f"{method}-")
+        final = catalog.root / "plugins" / new_id(f"{method}-")
         rows: list[dict] = []
         name = a.get("name") or f"{get_method(method).title} on {memory.meta.get('name', memory.id)}"
 
@@ -481,7 +482,7 @@ class RayExecutor:
             rows.append(plugin_catalog_row(plugin, final_path, name, memory.id, out.get("metrics")))
             return rows[-1]
 
-        with atomic_dir(final, studio.catalog.owned_by(job.owner).publisher("plugins", row_for)) as tmp:
+        with atomic_dir(final, catalog.owned_by(job.owner).publisher("plugins", row_for)) as tmp:
             for fname, data in out["files"].items():
                 if "/" in fname or "\\" in fname or fname.startswith("."):
                     raise UserError(f"A Ray worker sent a file named {fname[:60]!r}; refused.")

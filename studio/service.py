@@ -1,8 +1,12 @@
-"""The Studio service: everything the web app does, as plain methods (the ``ui/`` modules only call these).
+"""The Studio: everything the web app does, as plain methods of a few services (the ``ui/`` modules only call these).
 
-It owns the data directory and its catalog, the loaded backbone (loaded in a background thread so the page can
-show progress), the job queue (memory builds, plug-in training, evaluations), a cache of loaded plug-ins, the
-recent comparisons of this process and the shared ones (stored in the catalog under unguessable ids).
+``Studio`` is a façade. It owns the data directory and its catalog, the request bounds, the job queue, the owners'
+identities and uploads, and builds one service per concern, each given what it shares explicitly (the table in
+ARCHITECTURE.md): ``backbone_svc`` (the backbone, loaded in a background thread so the page can show progress, and
+its gate), ``memory_svc``, ``plugin_svc`` (+ the loaded plug-in cache), ``job_svc`` (the job table),
+``compare_svc`` (comparisons, several sentences, shares; + the store of this process's comparisons), ``map_svc``
+(neighbour maps), ``eval_svc`` and ``rank_svc``. The UI and the API call the services' methods through the façade's
+one declared table, ``Studio.FORWARDED`` (``studio.compare(…)`` is ``studio.compare_svc.compare(…)``).
 
 Sharing the backbone between threads: the backbone is one frozen model, but decoding and training attach forward
 hooks to it (f(c) capture, in-network plug-ins), so two threads must never run it at the same time. A
@@ -28,81 +32,109 @@ or claims anything.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from backbone.model import DEFAULT_BACKBONE
-from ground.errors import UserError
 from ground.jobs import JobQueue
 from ground.store import Catalog, clean_temporary
 from studio.backbone_service import BackboneService, check_remote_url
-from studio.compare_service import CompareService
+from studio.caches import LRU, PLUGIN_CACHE
+from studio.compare_service import CompareService, ComparisonStore
+from studio.context import StudioContext
+from studio.downloads import Downloads
 from studio.evaluate_service import EvaluateService
 from studio.gate import BackboneGate
-from studio.identity import LOCAL, NO_KEY, Identity
+from studio.identity import Identity
+from studio.job_service import JobService
 from studio.limits import Limits
 from studio.memory_service import MemoryService
+from studio.neighbour_map import NeighbourMapService
 from studio.plugin_service import PluginService
 from studio.rank_service import RankService
 from studio.ray_executor import make_executor
-from studio.several_service import SeveralService
 from studio.uploads import UploadLedger
 
 __all__ = ["BackboneGate", "Studio"]
 log = logging.getLogger("pema.studio")
 
 
-class Studio(BackboneService, MemoryService, PluginService, CompareService, SeveralService, EvaluateService,
-             RankService):
-    """The app's service object. ``backbone`` is a name ("gemma-3-270m", a hub id, a local path, or "tiny")."""
+class Studio:
+    """The app's entry object: builds the services and forwards the public names of ``FORWARDED`` to them."""
+
+    # The one table of names the façade forwards: ``studio.<name>`` is ``studio.<service>.<name>``, for reading and
+    # for setting. Every name is defined by exactly one service (tests/test_studio_services.py checks it); code in
+    # ``studio/`` calls the services directly.
+    FORWARDED: dict[str, str] = {
+        **dict.fromkeys(("set_remote", "load_backbone_async", "status", "wait_ready", "backbone", "gate",
+                         "backbone_name", "backbone_cache", "device", "remote_url", "busy_timeout"), "backbone_svc"),
+        **dict.fromkeys(("corpora", "preview", "submit_build", "memories", "memory_detail", "heldout_samples",
+                         "delete_memory", "memory_profile", "memory_token"), "memory_svc"),
+        **dict.fromkeys(("methods", "training_estimate", "start_settings", "submit_train", "submit_continue",
+                         "submit_calibrate", "plugins", "plugin_detail", "delete_plugin", "export_plugin_zip",
+                         "import_plugin_zip"), "plugin_svc"),
+        **dict.fromkeys(("job", "list_jobs", "cancel_job"), "job_svc"),
+        **dict.fromkeys(("compare", "compare_stream", "cancel_compare", "compare_several", "recent", "neighbours",
+                         "attention", "share_labels", "share", "shared"), "compare_svc"),
+        **dict.fromkeys(("neighbour_map",), "map_svc"),
+        **dict.fromkeys(("submit_evaluate", "results_csv", "outputs_csv", "evaluation_files"), "eval_svc"),
+        **dict.fromkeys(("submit_rank", "rank_estimate", "leaderboard", "best_methods", "share_leaderboard",
+                         "shared_leaderboard"), "rank_svc"),
+        **dict.fromkeys(("downloads_root",), "downloads"),
+    }
 
     def __init__(self, data_dir: str | Path | None = None, backbone: str | None = None, device: str | None = None,
                  workers: int = 1, load: bool = True, start_jobs: bool = True, busy_timeout: float = 120.0,
                  backbone_cache: str | Path | None = None, multi_user: bool = False, limits: Limits | None = None,
                  secret: str | None = None, remote: str | None = None, remote_token: str | None = None,
-                 executor=None):
-        """``backbone_cache``: another data directory whose ``backbones/`` may already hold the de-quantized
-        weights (e.g. baked into a Docker image); used when it has the requested backbone, else ``data_dir``.
-        ``multi_user``: callers are told apart by their keys (``studio.identity``); else everyone is the local user.
-        ``limits``: default ``Limits.configure(multi_user)`` (defaults ← ``PEMA_LIMIT_*``). ``secret``: signs the
-        keys (default ``$PEMA_SECRET``, else a secret file in the data directory). ``remote``: a model owner's
-        offsite service instead of a local backbone (``studio.backbone_service``; bearer ``remote_token``, else
+                 executor=None, dtype: str | None = None):
+        """``backbone``: a name ("gemma-3-270m", a hub id, a local path, or "tiny"). ``backbone_cache``: another
+        data directory whose ``backbones/`` may already hold the de-quantized weights (e.g. baked into a Docker
+        image); used when it has the requested backbone, else ``data_dir``. ``multi_user``: callers are told apart
+        by their keys (``studio.identity``); else everyone is the local user. ``limits``: default
+        ``Limits.configure(multi_user)`` (defaults ← ``PEMA_LIMIT_*``). ``secret``: signs the keys (default
+        ``$PEMA_SECRET``, else a secret file in the data directory). ``remote``: a model owner's offsite service
+        instead of a local backbone (``studio.backbone_service``; bearer ``remote_token``, else
         ``$PEMA_REMOTE_TOKEN``). ``executor``: None / "inprocess" (the default, unless ``$PEMA_RAY_ADDRESS`` is
-        set), "ray", or a started ``studio.ray_executor.RayExecutor``."""
+        set), "ray", or a started ``studio.ray_executor.RayExecutor``. ``dtype``: the backbone's precision
+        (``backbone.precision.resolve_precision``; None: the machine's default)."""
         if remote:
-            self.remote_url, self._remote_token = check_remote_url(remote), remote_token or None
+            check_remote_url(remote)  # refused before the data directory is taken
         self.catalog = Catalog(data_dir)
         self.root = self.catalog.root
         self.multi_user = bool(multi_user)
         self.identity = Identity(self.root, self.multi_user, secret)
-        self.limits = limits or Limits.configure(self.multi_user)
-        self.uploads = UploadLedger(self.limits)  # who uploaded which file through the web app
-        self.backbone_name = backbone or DEFAULT_BACKBONE
-        self.backbone_cache = Path(backbone_cache) if backbone_cache else None
-        self.device = device
-        self.busy_timeout = busy_timeout
-        self.gate = BackboneGate()
-        self._bb = None
-        self._load = {"state": "idle", "progress": 0.0, "message": "Not loaded", "error": "", "started": None,
-                      "finished": None, "stage_started": None}
-        self._ready = threading.Event()
-        self._plugins: OrderedDict[str, Any] = OrderedDict()
-        self._plugin_lock = threading.Lock()
-        self._recent: OrderedDict[str, dict] = OrderedDict()
-        self._recent_lock = threading.Lock()
-        self.jobs = JobQueue(self.catalog, {"build_memory": self._job_build, "train_plugin": self._job_train,
-                                            "evaluate": self._job_evaluate, "calibrate_plugin": self._job_calibrate,
-                                            "rank": self._job_rank},
-                             workers=workers)
-        self.jobs.max_per_owner, self.jobs.max_total = self.limits.jobs_per_owner, self.limits.jobs_total
+        limits = limits or Limits.configure(self.multi_user)
+        self.uploads = UploadLedger(limits)  # who uploaded which file through the web app
+        self.jobs = JobQueue(self.catalog, workers=workers)
+        self.jobs.max_per_owner, self.jobs.max_total = limits.jobs_per_owner, limits.jobs_total
         self.jobs.on_finish = self._job_finished
         # --executor ray / $PEMA_RAY_ADDRESS (studio.ray_executor): sharded builds, trainings as Ray tasks on a lane
         self.executor = make_executor(executor) if executor is None or isinstance(executor, str) else executor
         if self.executor is not None:
             self.jobs.add_lane(("train_plugin",), self.executor.training_slots())
         self.read_only = not self.jobs.acquire()
+        self.context = ctx = StudioContext(self.catalog, limits, self.jobs, self.multi_user, self.read_only)
+
+        self.plugin_cache = LRU(PLUGIN_CACHE)
+        self.downloads = Downloads()
+        self.store = ComparisonStore()
+        self.backbone_svc = BackboneService(ctx, self.plugin_cache, backbone or DEFAULT_BACKBONE, device=device,
+                                            dtype=dtype, cache=backbone_cache, busy_timeout=busy_timeout,
+                                            remote=remote, remote_token=remote_token)
+        self.memory_svc = MemoryService(ctx, self.backbone_svc, self.plugin_cache, self.executor)
+        self.plugin_svc = PluginService(ctx, self.backbone_svc, self.memory_svc, self.plugin_cache, self.downloads,
+                                        self.executor)
+        self.job_svc = JobService(ctx)
+        self.compare_svc = CompareService(ctx, self.backbone_svc, self.memory_svc, self.plugin_svc, self.store)
+        self.map_svc = NeighbourMapService(ctx, self.backbone_svc, self.memory_svc, self.plugin_svc,
+                                           self.compare_svc)
+        self.eval_svc = EvaluateService(ctx, self.backbone_svc, self.memory_svc, self.plugin_svc, self.compare_svc,
+                                        self.job_svc, self.downloads)
+        self.rank_svc = RankService(ctx, self.backbone_svc, self.memory_svc, self.plugin_cache)
+        for svc in (self.memory_svc, self.plugin_svc, self.eval_svc, self.rank_svc):
+            self.jobs.handlers.update(svc.job_handlers)
+
         self.repairs: list[str] = []  # what the start-up repair did (also logged)
         if self.read_only:
             self.jobs.read_only = True
@@ -110,34 +142,52 @@ class Studio(BackboneService, MemoryService, PluginService, CompareService, Seve
                         "(no builds, trainings or evaluations) and repairs nothing.", self.root,
                         self.jobs.lock.describe_holder())
         else:
-            ranking = self._running_rankings()
+            ranking = self.rank_svc.running_rankings()
             self.jobs.recover()  # before the clean-up: an interrupted job's upload goes with it
             self._clean_temporary_folders()
-            self._resume_rankings(ranking)  # they go on where they stopped (finished plug-ins are reused)
+            self.rank_svc.resume_rankings(ranking)  # they go on where they stopped (finished plug-ins are reused)
             if start_jobs:
                 self.jobs.start()
         if load:
-            self.load_backbone_async()
+            self.backbone_svc.load_backbone_async()
 
-    # --- owners -------------------------------------------------------------------------------------------------
-    def _owner(self, owner: str | None) -> str:
-        """The owner a call acts for: ``None`` is the local user in single-user mode, refused in multi-user mode."""
-        if owner is None or owner == "":
-            if self.multi_user:
-                raise UserError(NO_KEY)
-            return LOCAL
-        if not isinstance(owner, str):
-            raise TypeError(f"owner must be a string, not {type(owner).__name__}")
-        return owner
+    # --- the forwarding table -----------------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """``studio.<name>`` for a name of ``FORWARDED`` (called only for names the façade itself lacks)."""
+        svc = type(self).FORWARDED.get(name)
+        if svc is None or svc not in self.__dict__:  # (before __init__ made the services: a plain miss)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.__dict__[svc], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting a name of ``FORWARDED`` sets it on its service (``studio.busy_timeout = 5``), so the façade never
+        holds a stale copy."""
+        svc = type(self).FORWARDED.get(name)
+        if svc is None:
+            super().__setattr__(name, value)
+        else:
+            setattr(getattr(self, svc), name, value)
+
+    def __dir__(self):
+        return sorted({*super().__dir__(), *type(self).FORWARDED})
+
+    @property
+    def limits(self) -> Limits:
+        """The request bounds every service reads (``context.limits``); replacing them here replaces them for all."""
+        return self.context.limits
+
+    @limits.setter
+    def limits(self, value: Limits) -> None:
+        self.context.limits = value
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the job worker and give up the data directory (a read-only studio holds nothing)."""
         self.jobs.stop()
-        if getattr(self, "executor", None) is not None:
+        if self.executor is not None:
             self.executor.close()  # shuts Ray down only if this studio started it
         self.uploads.close()
-        self._remove_downloads()
+        self.downloads.remove()
 
     def _clean_temporary_folders(self) -> None:
         """The owner's start-up repair: temporary folders/files of writers that are gone (never those of a CLI

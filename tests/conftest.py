@@ -91,7 +91,7 @@ def _tracked_changes() -> dict[str, bytes] | None:
 
 
 def pytest_sessionstart(session):
-    # The suite must never write into the checkout (a test once left a fake backbone in tuned_defaults.json);
+    # The suite must never write into the checkout (a test once left a fake backbone in the tuned defaults);
     # checked when asked (make test), since a developer may be editing files while the tests run.
     if os.environ.get("PEMA_CHECK_CLEAN_TREE") == "1":
         session.config._tracked_before = _tracked_changes()

@@ -448,17 +448,17 @@ def test_real_backbone_build_train_compare_share(tmp_path, gemma, monkeypatch):
 
 
 def test_live_controls_start_from_the_tasks_tuned_settings(tmp_path):
-    """The Compare tab's sliders start from backbone/tuned_defaults.json for the studio's backbone and task."""
+    """The Compare tab's sliders start from plugins/tuned_defaults.json for the studio's backbone and task."""
     import json
 
-    from backbone.tasks import TUNED_PATH
+    from plugins.settings import TUNED_PATH
     from studio.service import Studio
 
     tuned = json.loads(TUNED_PATH.read_text())
     st = Studio(tmp_path / "d", backbone="gemma", load=False, start_jobs=False)  # an alias of gemma-3-270m
     try:
         for task in ("translation", "formality", "style"):
-            want = tuned[task]["backbones"]["gemma-3-270m"]["decode"]
+            want = tuned[task]["gemma-3-270m"]
             got = st.start_settings(task)
             assert {k: got["pema"][k] for k in want["pema"]} == want["pema"]
             assert {k: got["knn"][k] for k in want["knn"]} == want["knn"]

@@ -11,26 +11,26 @@ If ``/usr/bin/chromium`` is missing the fixture runs ``apt-get install -y chromi
 with a clear message when that fails.
 """
 import os
-import shutil
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from _server import build_tiny_memory, tiny_studio
+from _server import (
+    SHOTS,
+    TINY_PAIRS,
+    VIEWPORT,
+    browser_page,
+    browser_session,
+    build_tiny_memory,
+    open_app,
+    served_page_app,
+    tiny_studio,
+)
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[1]
-SHOTS = ROOT / "screenshots"
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-VIEWPORT = {"width": 1280, "height": 800}
-PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
-         ("good morning", "Guten Morgen"), ("hello world", "hallo Welt")] * 3
+PAIRS = TINY_PAIRS
 # Trained hard enough that the tiny model's PEMA output differs from the base model's at λ_max = 0.8.
 STRONG_PEMA = {"rank": 32, "lr": 1e-2, "max_epochs_rct": 15, "max_epochs_joint": 40, "patience": 100}
 # A time budget far too small for its epochs: it stops on the budget, under-trained.
@@ -38,45 +38,11 @@ BUDGET_PEMA = {"rank": 16, "max_minutes": 0.0003, "max_epochs_rct": 2, "max_epoc
 LONG_NAME = "PEMA on a budget, with a name long enough that a card used to cut it"
 
 
-def ensure_chromium() -> str:
-    if Path(CHROMIUM).exists():
-        return CHROMIUM
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"{CHROMIUM} is missing and apt-get is not available to install Debian's chromium")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        subprocess.run(["apt-get", "update"], check=True, capture_output=True, timeout=600, env=env)
-        subprocess.run(["apt-get", "install", "-y", "chromium"], check=True, capture_output=True, timeout=1200,
-                       env=env)
-    except (subprocess.SubprocessError, OSError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        pytest.skip(f"{CHROMIUM} is missing and `apt-get install -y chromium` failed: {e} "
-                    f"{detail.decode('utf-8', 'replace')[-300:]}")
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"`apt-get install -y chromium` ran but {CHROMIUM} is still missing")
-    return CHROMIUM
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    exe = ensure_chromium()
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=exe, args=ARGS, headless=True)
-        yield b
-        b.close()
+browser = pytest.fixture(scope="module", name="browser")(browser_session)
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from ui.app import launch_app
-
     studio = tiny_studio(tmp_path_factory.mktemp("browser-data"))
     mid = build_tiny_memory(studio, PAIRS, "demo pairs")
     budget = studio.jobs.wait(studio.submit_train(mid, "pema", BUDGET_PEMA, LONG_NAME), 180)
@@ -84,28 +50,12 @@ def app(tmp_path_factory):
     pema = studio.jobs.wait(studio.submit_train(mid, "pema", STRONG_PEMA, "PEMA demo"), 180)
     knn = studio.jobs.wait(studio.submit_train(mid, "knn", {}, "kNN demo"), 120)
     assert pema["state"] == "done" and knn["state"] == "done", (pema, knn)
-    demo, url = launch_app(studio, port=free_port(), block=False, quiet=True)
-    SHOTS.mkdir(exist_ok=True)
-    yield {"url": url.rstrip("/"), "studio": studio, "memory_id": mid}
-    demo.close()
+    with served_page_app(studio) as url:
+        yield {"url": url, "studio": studio, "memory_id": mid}
     studio.close()
 
 
-@pytest.fixture()
-def page(browser):
-    ctx = browser.new_context(viewport=VIEWPORT)
-    pg = ctx.new_page()
-    pg.set_default_timeout(60_000)
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    yield pg
-    ctx.close()
-    assert not errors, f"JavaScript errors on the page: {errors[:3]}"
-
-
-def open_app(page, url: str) -> None:
-    page.goto(url, wait_until="domcontentloaded")
-    page.wait_for_selector("#pema-status .pema-status.ok")
+page = pytest.fixture(name="page")(browser_page)
 
 
 def cards(page) -> list[dict]:
@@ -312,40 +262,38 @@ def test_hosted_browsers_each_see_only_their_own(browser, tmp_path):
     """Multi-user mode in a real browser: the key cookie rides along with the page's requests (queue included), the
     page shows the browser's key, and a second browser sees nothing of the first one's."""
     from studio.service import Studio
-    from ui.app import launch_app
 
     studio = Studio(tmp_path / "hosted", backbone="tiny", multi_user=True)
     assert studio.wait_ready(120), studio.status()
-    served, url = launch_app(studio, port=free_port(), block=False, quiet=True)
     try:
-        ctx_a, ctx_b = browser.new_context(viewport=VIEWPORT), browser.new_context(viewport=VIEWPORT)
-        pa, pb = ctx_a.new_page(), ctx_b.new_page()
-        for pg in (pa, pb):
-            pg.set_default_timeout(60_000)
-            open_app(pg, url)
-            pg.get_by_text("Your key (for the API)").click()  # the accordion renders its contents when opened
-            pg.wait_for_function("document.querySelector('#pema-key input, #pema-key textarea')?.value")
-        key_a = next(c["value"] for c in ctx_a.cookies() if c["name"] == "pema_owner")
-        cookie = next(c for c in ctx_a.cookies() if c["name"] == "pema_owner")
-        assert cookie["httpOnly"] and key_a.startswith("pk1.a.")
-        assert pa.locator("#pema-key input, #pema-key textarea").first.input_value() == key_a
-        owner_a = studio.identity.owner_of_key(key_a)
-        tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
-        job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name="only for A", owner=owner_a), 120)
-        assert job["state"] == "done", job
-        for pg in (pa, pb):
-            pg.reload(wait_until="domcontentloaded")
-            pg.wait_for_selector("#pema-status .pema-status.ok")
-            pg.get_by_text("Your key (for the API)").click()
-            pg.wait_for_function("document.querySelector('#pema-key input, #pema-key textarea')?.value")
-        pa.wait_for_function("document.body.innerText.includes('only for A')")
-        time.sleep(1)
-        assert "only for A" not in pb.locator("body").inner_text()
-        pa.screenshot(path=str(SHOTS / "hosted.png"), full_page=True)
-        ctx_a.close()
-        ctx_b.close()
+        with served_page_app(studio) as url:
+            ctx_a, ctx_b = browser.new_context(viewport=VIEWPORT), browser.new_context(viewport=VIEWPORT)
+            pa, pb = ctx_a.new_page(), ctx_b.new_page()
+            for pg in (pa, pb):
+                pg.set_default_timeout(60_000)
+                open_app(pg, url)
+                pg.get_by_text("Your key (for the API)").click()  # the accordion renders its contents when opened
+                pg.wait_for_function("document.querySelector('#pema-key input, #pema-key textarea')?.value")
+            key_a = next(c["value"] for c in ctx_a.cookies() if c["name"] == "pema_owner")
+            cookie = next(c for c in ctx_a.cookies() if c["name"] == "pema_owner")
+            assert cookie["httpOnly"] and key_a.startswith("pk1.a.")
+            assert pa.locator("#pema-key input, #pema-key textarea").first.input_value() == key_a
+            owner_a = studio.identity.owner_of_key(key_a)
+            tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
+            job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name="only for A", owner=owner_a), 120)
+            assert job["state"] == "done", job
+            for pg in (pa, pb):
+                pg.reload(wait_until="domcontentloaded")
+                pg.wait_for_selector("#pema-status .pema-status.ok")
+                pg.get_by_text("Your key (for the API)").click()
+                pg.wait_for_function("document.querySelector('#pema-key input, #pema-key textarea')?.value")
+            pa.wait_for_function("document.body.innerText.includes('only for A')")
+            time.sleep(1)
+            assert "only for A" not in pb.locator("body").inner_text()
+            pa.screenshot(path=str(SHOTS / "hosted.png"), full_page=True)
+            ctx_a.close()
+            ctx_b.close()
     finally:
-        served.close()
         studio.close()
 
 

@@ -11,6 +11,7 @@ from backbone.prompts import Prompt
 from plugins.api import new_plugin
 from plugins.decode import (
     Beams,
+    GroupAttachments,
     Row,
     compare,
     decode_loop,
@@ -91,7 +92,7 @@ def test_one_step_equals_the_step_of_a_full_decode(tiny, tiny_memory):
     handles = mt.attach(batch.net[0].rows, batch.net[0].settings)
     try:
         for step in range(3):
-            out = decode_step(tiny, batch, fc, step, [(batch.net[0], handles, prefill_handles[0])])
+            out = decode_step(tiny, batch, fc, step, [GroupAttachments(batch.net[0], handles, prefill_handles[0])])
             for b, row in enumerate(full.rows):
                 if step >= len(row.tokens):
                     continue

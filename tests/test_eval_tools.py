@@ -77,8 +77,8 @@ def test_task_prompt_follows_the_tuned_prompt_of_its_backbone(tmp_path, monkeypa
     from backbone import tasks
 
     path = tmp_path / "tuned.json"
-    path.write_text(json.dumps({"style": {"backbones": {"chatty": {"shots": 0, "paper_prompt": True}}}}))
-    monkeypatch.setattr(tasks, "TUNED_PATH", path)
+    path.write_text(json.dumps({"style": {"chatty": {"shots": 0, "paper_prompt": True}}}))
+    monkeypatch.setattr(tasks, "TUNED_PROMPTS_PATH", path)
     chatty, other = SimpleNamespace(name="chatty", chat=True), SimpleNamespace(name="other", chat=False)
     p = tasks.task_prompt("style", chatty)
     assert p.examples == [] and p.template == tasks.Prompt.for_task("style", paper=True).template and p.chat
@@ -89,14 +89,17 @@ def test_task_prompt_follows_the_tuned_prompt_of_its_backbone(tmp_path, monkeypa
 
 def test_save_defaults_keeps_what_it_is_not_given(tmp_path, monkeypatch):
     from backbone import tasks
+    from plugins import settings
 
-    path = tmp_path / "tuned.json"
-    monkeypatch.setattr(tasks, "TUNED_PATH", path)
+    prompts, decode = tmp_path / "prompts.json", tmp_path / "decode.json"
+    monkeypatch.setattr(tasks, "TUNED_PROMPTS_PATH", prompts)
+    monkeypatch.setattr(settings, "TUNED_PATH", decode)
     quality.save_defaults("formality", "bb", decode={"pema": {"lambda_max": 0.3, "gu": True}})
     quality.save_defaults("formality", "bb", prompt={"shots": 0, "paper_prompt": False})  # prompt-only run
-    entry = json.loads(path.read_text())["formality"]["backbones"]["bb"]
-    assert entry == {"decode": {"pema": {"lambda_max": 0.3, "gu": True}}, "shots": 0, "paper_prompt": False}
-    assert tasks.tuned_defaults("formality", "bb")["shots"] == 0
+    assert json.loads(decode.read_text()) == {"formality": {"bb": {"pema": {"lambda_max": 0.3, "gu": True}}}}
+    assert json.loads(prompts.read_text()) == {"formality": {"bb": {"shots": 0, "paper_prompt": False}}}
+    assert tasks.tuned_prompt("formality", "bb")["shots"] == 0
+    assert settings.tuned_decode_settings("pema", "formality", "bb") == {"lambda_max": 0.3, "gu": True}
 
 
 def test_bench_pair_compares_two_precisions_runs_item_by_item(tmp_path):

@@ -22,8 +22,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from _server import TINY_PAIRS, free_port  # noqa: E402
-from test_server_guard import event_inputs, file_data, files_under, fn_indexes, join  # noqa: E402
+from _server import TINY_PAIRS, event_inputs, file_data, files_under, fn_indexes, hosted_site, join  # noqa: E402,E501
 
 JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in TINY_PAIRS)
 EVIL = ("https://evil.example", "null")
@@ -32,29 +31,14 @@ EVIL = ("https://evil.example", "null")
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """A multi-user studio over HTTP (queue of 64), its own Gradio folder; owner A has a memory and a kNN plug-in."""
-    import app
-
-    cache = tmp_path_factory.mktemp("gradio-cache")
-    old = os.environ.get("GRADIO_TEMP_DIR")
-    os.environ["GRADIO_TEMP_DIR"] = str(cache)
-    data = tmp_path_factory.mktemp("site")
-    studio, served, url = app.start(["--backbone", "tiny", "--multi-user", "--port", str(free_port()), "--quiet",
-                                     "--data-dir", str(data), "--limit", "queue_size=64"], block=False)
-    try:
-        assert studio.wait_ready(120), studio.status()
+    cache, data = tmp_path_factory.mktemp("gradio-cache"), tmp_path_factory.mktemp("site")
+    with hosted_site(data, cache, ["queue_size=64"]) as (studio, served, url):
         ka, kb = studio.identity.new_browser_key(), studio.identity.new_browser_key()
         owner_a = studio.identity.owner_of_key(ka)
         mid = studio.jobs.wait(studio.submit_build(JSONL, "a.jsonl", owner=owner_a), 120)["result"]["memory_id"]
         pid = studio.jobs.wait(studio.submit_train(mid, "knn", {}, owner=owner_a), 120)["result"]["plugin_id"]
         yield SimpleNamespace(studio=studio, served=served, url=url, ka=ka, kb=kb, owner_a=owner_a, mid=mid,
                               pid=pid, cache=cache, data=data, blocks=served.blocks[0])
-    finally:
-        served.close()
-        studio.close()
-        if old is None:
-            os.environ.pop("GRADIO_TEMP_DIR", None)
-        else:
-            os.environ["GRADIO_TEMP_DIR"] = old
 
 
 def upload(url: str, files: list, key: str | None = None, cookie: str | None = None):

@@ -416,7 +416,7 @@ def test_zip_export_import_through_the_service_is_owner_checked(tiny, studio_hom
     st = studio_home
     plugin, row = trained("lora")
     path = st.export_plugin_zip(row["id"])
-    assert path.parent == st._downloads_dir("local") and path.name == f"pema-plugin-{row['id']}.zip"
+    assert path.parent == st.downloads.owner_dir("local") and path.name == f"pema-plugin-{row['id']}.zip"
     with zipfile.ZipFile(path) as z:
         assert {n.split("/")[0] for n in z.namelist()} == {f"pema-plugin-{row['id']}"}
         assert {"plugin_config.json", "adapter_model.safetensors", "README.md", "pema_export.json"} <= \

@@ -267,8 +267,7 @@ def test_studio_slider_move_reuses_and_equals_a_fresh_decode(studio_knn):
     same = st.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
     assert same["timings"]["reuse"] == {"kind": "slider move", "forward_passes": 0,
                                         "reused_steps": sum(len(r["tokens"]) for r in same["rows"])}
-    with st._recent_lock:
-        st._live.clear()  # nothing kept: a full decode
+    st.store.forget_live()  # nothing kept: a full decode
     fresh = st.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
     assert fresh["timings"]["reuse"]["kind"] == "full decode"
     assert _texts(moved) == _texts(same) == _texts(fresh)
@@ -291,11 +290,9 @@ def test_a_streamed_slider_move_says_so_while_it_decodes(studio_knn):
 def test_studio_stream_ends_as_compare_and_stop_ends_it(studio_knn, monkeypatch):
     st, knn_id = studio_knn
     args = dict(methods=["base", knn_id], settings={"knn": {"k": 3}}, max_new_tokens=12)
-    with st._recent_lock:
-        st._live.clear()
+    st.store.forget_live()
     want = st.compare(SOURCE, **args)
-    with st._recent_lock:
-        st._live.clear()
+    st.store.forget_live()
     items = list(st.compare_stream(SOURCE, stream="tab-1", **args))
     assert all(p["partial"] and not p["cancelled"] for p in items[:-1]) and "partial" not in items[-1]
     assert _texts(items[-1]) == _texts(want)

@@ -1,5 +1,6 @@
-"""The plug-in protocol, checked on every registered method alike (tiny model): save/load round trip, refusal of a
-foreign backbone, a batched row equals its own single decode, and the same seed gives the same plug-in."""
+"""The plug-in protocol, checked on every registered method alike (tiny model): the declared contracts
+(``plugins.base.contract_problems``: how it mixes, whether it resumes), save/load round trip, refusal of a foreign
+backbone, a batched row equals its own single decode, and the same seed gives the same plug-in."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import torch
 from backbone.prompts import Prompt
 from ground.errors import UserError
 from plugins.api import train_plugin
-from plugins.base import load_plugin
+from plugins.base import MixInput, Plugin, contract_problems, load_plugin
 from plugins.decode import Row, compare
 from plugins.registry import available_methods
 
@@ -43,6 +44,58 @@ def state(plugin) -> dict:
 
 def same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def check_contract(cls) -> None:
+    """The conformance check of a method class's declarations (fails naming each broken contract)."""
+    problems = contract_problems(cls)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_keeps_its_declared_contracts(method):
+    check_contract(available_methods()[method])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_resumable_method_leaves_its_optimizer_state_after_fit(method, trained):
+    plugin, _ = trained(method)
+    if type(plugin).resumable:
+        assert isinstance(plugin.optimizer_state, dict) and plugin.optimizer_state
+    else:
+        assert plugin.optimizer_state is None
+
+
+def test_the_contract_check_catches_a_method_that_mixes_without_declaring_how(tiny):
+    """A new interpolating method that forgets ``interpolates = True`` decodes as the base model (the base ``mix``
+    returns P_LM unchanged), so every decode test passes on it; the conformance check refuses it."""
+
+    class Forgetful(Plugin):  # built here, never registered
+        method = "forgetful_uniform"
+        level = "output"
+
+        def fit(self, memory, progress=None, should_stop=None):
+            raise NotImplementedError
+
+        def plugin_logprobs(self, inp):
+            n, v = inp.lm_logprobs.shape
+            return torch.full((n, v), -float(torch.log(torch.tensor(float(v))))), None
+
+        def mix_lambdas(self, inp):
+            return [0.5] * inp.lm_logprobs.shape[0]
+
+    lm = torch.log_softmax(torch.randn(2, tiny.vocab_size), dim=-1)
+    inp = MixInput(fc=torch.zeros(2, tiny.hidden_size), lm_logprobs=lm, extra_logits=None, step=0, src_len=[3, 3],
+                   settings=[{}, {}])
+    assert torch.equal(Forgetful(Plugin.Config(), tiny).mix(inp).logprobs, lm)  # the silent failure
+    with pytest.raises(AssertionError, match="interpolates"):
+        check_contract(Forgetful)
+
+    class Declared(Forgetful):
+        interpolates = True
+
+    check_contract(Declared)
+    assert not torch.equal(Declared(Plugin.Config(), tiny).mix(inp).logprobs, lm)
 
 
 @pytest.mark.parametrize("method", METHODS)

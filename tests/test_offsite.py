@@ -297,14 +297,14 @@ def test_the_studio_builds_trains_and_compares_through_the_owner_as_it_does_loca
     assert holds in status_html(far.status()) and "model owner" not in status_html(local.status())
     near_ids, far_ids = _studio_work(local), _studio_work(far)
 
-    a, b = (_arrays(Memory.load(s._memory_row(ids["memory"], None)["path"]))
+    a, b = (_arrays(Memory.load(s.memory_svc.memory_row(ids["memory"], None)["path"]))
             for s, ids in ((local, near_ids), (far, far_ids)))
     for k in a:
         if k.endswith("keys"):
             np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), atol=1e-3, rtol=1e-3)
         else:
             assert np.array_equal(a[k], b[k]), k
-    pa, pb = (load_plugin(s._plugin_row(ids["pema"], None)["path"], local.backbone).state_dict()
+    pa, pb = (load_plugin(s.plugin_svc.plugin_row(ids["pema"], None)["path"], local.backbone).state_dict()
               for s, ids in ((local, near_ids), (far, far_ids)))
     assert pa.keys() == pb.keys() and all(torch.allclose(pa[k].float(), pb[k].float(), atol=1e-4) for k in pa)
 

@@ -321,6 +321,23 @@ def test_plugin_of_another_precision_is_refused_in_a_comparison(tmp_path, tiny):
         compare(tiny, "the house is small", [Row("knn", knn)], PROMPT, max_new_tokens=4)
 
 
+def test_the_studio_gets_its_precision_as_an_argument(tmp_path, monkeypatch):
+    """``$PEMA_DTYPE`` is read where the command line is parsed; the studio gets the precision as a parameter (and
+    hands it to its backbone loads, Ray workers included), never through the environment."""
+    import app
+    from studio.service import Studio
+
+    monkeypatch.setenv("PEMA_DTYPE", "float32")
+    assert app.parse_args([]).dtype == "float32" and app.parse_args(["--dtype", "int8"]).dtype == "int8"
+    monkeypatch.delenv("PEMA_DTYPE")
+    assert app.parse_args([]).dtype is None
+    st = Studio(tmp_path / "d", backbone="tiny", load=False, start_jobs=False, dtype="bfloat16")
+    try:
+        assert st.backbone_svc.dtype == "bfloat16"
+    finally:
+        st.close()
+
+
 def test_precision_choice(monkeypatch):
     monkeypatch.delenv("PEMA_DTYPE", raising=False)
     assert resolve_precision(None, "cpu") == DEFAULT_CPU_PRECISION

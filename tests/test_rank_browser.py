@@ -5,8 +5,7 @@ no id, name or key. Screenshots go to ``screenshots/`` (gitignored)."""
 import os
 
 import pytest
-from _server import build_tiny_memory, tiny_studio
-from test_browser import ARGS, SHOTS, VIEWPORT, ensure_chromium, free_port, open_app
+from _server import SHOTS, browser_page, browser_session, build_tiny_memory, open_app, served_page_app, tiny_studio
 from test_rank import unique_pairs
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -15,41 +14,21 @@ pytestmark = pytest.mark.browser
 METHODS = ["knn", "pema", "adapter"]
 
 
-@pytest.fixture(scope="module")
-def browser():
-    exe = ensure_chromium()
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=exe, args=ARGS, headless=True)
-        yield b
-        b.close()
+browser = pytest.fixture(scope="module", name="browser")(browser_session)
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from ui.app import launch_app
-
     studio = tiny_studio(tmp_path_factory.mktemp("rank-browser-data"))
     mid = build_tiny_memory(studio, unique_pairs(110), "my pairs")
     job = studio.jobs.wait(studio.submit_rank(mid, methods=METHODS), 300)
     assert job["state"] == "done", job
-    demo, url = launch_app(studio, port=free_port(), block=False, quiet=True)
-    SHOTS.mkdir(exist_ok=True)
-    yield {"url": url.rstrip("/"), "studio": studio, "memory_id": mid, "job": job}
-    demo.close()
+    with served_page_app(studio) as url:
+        yield {"url": url, "studio": studio, "memory_id": mid, "job": job}
     studio.close()
 
 
-@pytest.fixture()
-def page(browser):
-    ctx = browser.new_context(viewport=VIEWPORT)
-    pg = ctx.new_page()
-    pg.set_default_timeout(60_000)
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    yield pg
-    ctx.close()
-    assert not errors, f"JavaScript errors on the page: {errors[:3]}"
+page = pytest.fixture(name="page")(browser_page)
 
 
 def test_leaderboard_plot_verdict_and_share(page, app):

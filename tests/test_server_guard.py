@@ -19,7 +19,6 @@ import os
 import shutil
 import socket
 import time
-import uuid
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,67 +27,21 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from _server import TINY_PAIRS, build_tiny_memory, free_port  # noqa: E402
+from _server import (  # noqa: E402
+    TINY_PAIRS,
+    build_tiny_memory,
+    event_inputs,
+    file_data,
+    files_under,
+    fn_indexes,
+    free_port,
+    hosted_site,
+    join,
+)
 
 JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in TINY_PAIRS)
 FILE_EVENTS = [("ui.memories", "do_preview"), ("ui.memories", "do_build"), ("ui.plugins", "import_plugin"),
                ("ui.evaluate", "do_run"), ("ui.evaluate", "do_sweep")]
-
-
-def fn_indexes(blocks, module: str, name: str) -> list[int]:
-    return [i for i, f in blocks.fns.items()
-            if getattr(f.fn, "__module__", "") == module and getattr(f.fn, "__name__", "") == name]
-
-
-def file_data(path: str) -> dict:
-    return {"path": path, "orig_name": Path(path).name, "meta": {"_type": "gradio.FileData"}}
-
-
-def event_inputs(blocks, index: int, file_value: dict) -> list:
-    """Plausible inputs of a page event with ``file_value`` in every File input (the rest: a radio's first
-    choice, empty text, numbers)."""
-    import gradio as gr
-
-    out = []
-    for comp in blocks.fns[index].inputs:
-        if isinstance(comp, gr.File):
-            out.append(file_value)
-        elif isinstance(comp, gr.Dropdown):
-            out.append(None)
-        elif isinstance(comp, gr.Radio):
-            out.append(comp.choices[0][1] if comp.choices else None)
-        elif isinstance(comp, (gr.Number, gr.Slider)):
-            out.append(10)
-        elif isinstance(comp, gr.CheckboxGroup):
-            out.append(["base"])
-        elif isinstance(comp, gr.Checkbox):
-            out.append(False)
-        else:
-            out.append("")
-    return out
-
-
-def join(url: str, index: int, data: list, cookies: dict | None = None, headers: dict | None = None) -> dict:
-    """``POST /gradio_api/queue/join`` and, when it is accepted, the event's completion message."""
-    import httpx
-
-    session = uuid.uuid4().hex
-    with httpx.Client(base_url=url, cookies=cookies, headers=headers, timeout=60) as h:
-        r = h.post("gradio_api/queue/join", json={"data": data, "fn_index": index, "session_hash": session,
-                                                  "event_data": None, "trigger_id": None})
-        if r.status_code != 200:
-            return {"status": r.status_code, "text": r.text, "success": False}
-        with h.stream("GET", "gradio_api/queue/data", params={"session_hash": session}) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data:"):
-                    msg = json.loads(line[5:])
-                    if msg.get("msg") == "process_completed":
-                        return {"status": 200, "text": json.dumps(msg), "success": msg.get("success")}
-    raise AssertionError("the event never completed")
-
-
-def files_under(folder: Path) -> set:
-    return {str(p) for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
 
 
 @pytest.fixture(scope="module")
@@ -96,38 +49,26 @@ def hosted(tmp_path_factory):
     """A multi-user studio over HTTP with its own Gradio upload folder; owner A has a memory and a plug-in."""
     from gradio_client import Client
 
-    import app
-
-    cache = tmp_path_factory.mktemp("gradio-cache")
-    old = os.environ.get("GRADIO_TEMP_DIR")
-    os.environ["GRADIO_TEMP_DIR"] = str(cache)
-    data = tmp_path_factory.mktemp("hosted")
-    studio, served, url = app.start(["--backbone", "tiny", "--multi-user", "--port", str(free_port()), "--quiet",
-                                     "--data-dir", str(data), "--limit", "uploads_per_owner=3"], block=False)
+    cache, data = tmp_path_factory.mktemp("gradio-cache"), tmp_path_factory.mktemp("hosted")
     clients = []
-    try:
-        assert studio.wait_ready(120), studio.status()
-        ka, kb = studio.identity.new_browser_key(), studio.identity.new_browser_key()
-        a = Client(url, headers={"X-Pema-Key": ka}, verbose=False)
-        clients.append(a)
-        job = a.predict(JSONL, "secret.jsonl", api_name="/build")["job_id"]
-        assert studio.jobs.wait(job, 120)["state"] == "done"
-        mid = studio.jobs.get(job)["result"]["memory_id"]
-        pid = studio.jobs.wait(a.predict(mid, "knn", {}, "", api_name="/train")["job_id"], 120)["result"]["plugin_id"]
-        mem_dir = Path(studio.catalog.memory(mid)["path"])
-        export = studio.export_plugin_zip(pid, owner=studio.identity.owner_of_key(ka), include_datastore=True)
-        yield SimpleNamespace(studio=studio, served=served, url=url, a=a, ka=ka, kb=kb, mid=mid, pid=pid,
-                              cache=cache, data=data, mem_dir=mem_dir, export=export,
-                              blocks=served.blocks[0])
-    finally:
-        for c in clients:
-            c.close()
-        served.close()
-        studio.close()
-        if old is None:
-            os.environ.pop("GRADIO_TEMP_DIR", None)
-        else:
-            os.environ["GRADIO_TEMP_DIR"] = old
+    with hosted_site(data, cache, ["uploads_per_owner=3"]) as (studio, served, url):
+        try:
+            ka, kb = studio.identity.new_browser_key(), studio.identity.new_browser_key()
+            a = Client(url, headers={"X-Pema-Key": ka}, verbose=False)
+            clients.append(a)
+            job = a.predict(JSONL, "secret.jsonl", api_name="/build")["job_id"]
+            assert studio.jobs.wait(job, 120)["state"] == "done"
+            mid = studio.jobs.get(job)["result"]["memory_id"]
+            pid = studio.jobs.wait(a.predict(mid, "knn", {}, "", api_name="/train")["job_id"], 120)["result"][
+                "plugin_id"]
+            mem_dir = Path(studio.catalog.memory(mid)["path"])
+            export = studio.export_plugin_zip(pid, owner=studio.identity.owner_of_key(ka), include_datastore=True)
+            yield SimpleNamespace(studio=studio, served=served, url=url, a=a, ka=ka, kb=kb, mid=mid, pid=pid,
+                                  cache=cache, data=data, mem_dir=mem_dir, export=export,
+                                  blocks=served.blocks[0])
+        finally:
+            for c in clients:
+                c.close()
 
 
 def server_paths(h) -> list[str]:
@@ -310,11 +251,11 @@ def test_recent_comparisons_are_kept_per_owner(tmp_path):
 
     st = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
     try:
-        st._keep_recent("victim", {"id": "victim-1"})
+        st.store.keep_recent("victim", {"id": "victim-1"})
         for i in range(3 * compare_service.RECENT_PER_OWNER):
-            st._keep_recent(f"stranger-{i % 3}", {"id": f"s-{i}"})
-        assert "victim-1" in st._recent
-        assert sum(o == "stranger-0" for o, _ in st._recent.values()) == compare_service.RECENT_PER_OWNER
+            st.store.keep_recent(f"stranger-{i % 3}", {"id": f"s-{i}"})
+        assert "victim-1" in st.store.recent_owners()
+        assert sum(o == "stranger-0" for o in st.store.recent_owners().values()) == compare_service.RECENT_PER_OWNER
     finally:
         st.close()
 
@@ -388,7 +329,8 @@ def test_a_copied_data_directory_never_touches_the_original(tmp_path):
         assert [m["id"] for m in st2.memories()] == [mid] and (copy / "memories" / mid).is_dir()
         assert Path(st2.catalog.memory(mid)["path"]).resolve() == (copy / "memories" / mid).resolve()
         assert not any("removed a folder" in r for r in st2.repairs), st2.repairs
-        plugin = st2._plugin(pid)  # a kNN plug-in: it reads its memory's keys, from the copy's own folder
+        # a kNN plug-in: it reads its memory's keys, from the copy's own folder
+        plugin = st2.plugin_svc.load_plugin(pid)
         assert Path(plugin.memory_meta["path"]).resolve() == (copy / "memories" / mid).resolve()
         st2.delete_plugin(pid)
         st2.delete_memory(mid)

@@ -112,12 +112,12 @@ def test_a_new_setting_in_one_declaration_reaches_ui_cli_and_grids(tiny, tiny_me
 def test_every_tuned_default_is_a_declared_setting():
     import json
 
-    from backbone.tasks import TUNED_PATH
     from plugins.registry import get_method
+    from plugins.settings import TUNED_PATH
 
     for task, t in json.loads(TUNED_PATH.read_text()).items():
-        for bb, entry in t.get("backbones", {}).items():
-            for method, values in entry.get("decode", {}).items():
+        for bb, entry in t.items():
+            for method, values in entry.items():
                 cls = get_method(method)
                 names = {s.name for s in cls.decode_settings}
                 assert set(values) <= names, (task, bb, method, set(values) - names)
@@ -127,12 +127,12 @@ def test_every_tuned_default_is_a_declared_setting():
 
 
 def test_evaluation_csv_records_settings_n_and_backbone():
-    from studio.service import Studio
+    from studio.evaluate_service import EvaluateService
 
     result = {"mode": "methods", "pairs": 12, "backbone": "tiny-llama", "data": "held-out split",
               "methods": [{"label": "Base model", "method": "base", "settings": {}, "chrf": 30.0},
                           {"label": "PEMA", "method": "pema", "settings": {"lambda_max": 0.2, "gu": False},
                            "chrf": 31.0}]}
-    rows = list(csv.DictReader(io.StringIO(Studio.results_csv(result))))
+    rows = list(csv.DictReader(io.StringIO(EvaluateService.results_csv(result))))
     assert rows[1]["settings"] == '{"lambda_max": 0.2, "gu": false}'
     assert rows[1]["n"] == "12" and rows[1]["backbone"] == "tiny-llama"

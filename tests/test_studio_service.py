@@ -54,7 +54,7 @@ def budget_pema(studio, memory_id):
 
 # --- honest training ---------------------------------------------------------------------------------------------
 def test_training_status_labels_every_way_a_training_ends():
-    from studio.plugin_service import training_status
+    from studio.job_status import training_status
 
     pema = {"reconstruction": {"phase": "reconstruction", "epochs": 2.0, "max_epochs": 2, "stopped_by": "max_epochs"},
             "joint": {"phase": "joint", "epochs": 0.39, "max_epochs": 20, "stopped_by": "time_budget"},
@@ -74,7 +74,7 @@ def test_training_status_labels_every_way_a_training_ends():
 
 
 def test_job_timing_and_its_rendering():
-    from studio.plugin_service import job_timing
+    from studio.job_status import job_timing
     from ui import render
 
     now = 1000.0
@@ -535,7 +535,7 @@ def test_neighbour_map_of_a_knn_row_is_the_decode_s_retrieval(studio, memory_id,
         assert m["token"] == row["token_texts"][i] and m["query_kind"].startswith("f(c) / key RMS")
         for n in m["neighbours"]:
             assert n["match"] == n["token"] and n["same_as_output"] == (n["token_id"] == row["tokens"][i])
-            assert n["source"] == studio._memory(memory_id).samples[n["sample"]]["src"]
+            assert n["source"] == studio.memory_svc.load_memory(memory_id).samples[n["sample"]]["src"]
             assert len(n["xy"]) == 2
     # the sentence is in the memory: the first token's context is a stored key, so it sits on its neighbour
     m0 = studio.neighbour_map(p["id"], row["label"], 0)
@@ -559,7 +559,7 @@ def test_neighbour_map_of_a_pema_row_places_h_pd_among_the_keys(studio, memory_i
     m = studio.neighbour_map(p["id"], row["label"], 1, k=5)
     assert m["method"] == "pema" and m["query_kind"].startswith("h_pd") and len(m["neighbours"]) == 5
     # the exact 5 nearest keys to h_pd (rescaled to the keys' RMS), recomputed here from the plug-in itself
-    bb, plugin = studio.backbone, studio._plugin(pid)
+    bb, plugin = studio.backbone, studio.plugin_svc.load_plugin(pid)
     ids = torch.tensor([p["context_ids"] + row["tokens"][:1]])
     with torch.no_grad():
         fc, _ = bb.forward_fc(ids)

@@ -36,13 +36,34 @@ CONCURRENCY = {"compare": ("decode", 1), "share": ("decode", 1), "preview": ("pa
                "continue_training": ("api-submit", 2), "calibrate": ("api-submit", 2)}
 
 
-def register(studio) -> None:
-    """Register the endpoints inside the current ``gr.Blocks`` context."""
+def _job_endpoints(studio) -> list:
+    """The backbone's state and the caller's jobs."""
 
     @_api
     def status() -> dict:
         """Backbone loading state: state (loading/ready/failed), progress 0-1, message."""
         return studio.status()
+
+    @_api
+    def job(job_id: str, request: gr.Request = None) -> dict:
+        """One of your jobs: state, progress, message, log, error, result, metrics (loss history)."""
+        return studio.job(job_id, owner=owner_of(studio, request))
+
+    @_api
+    def jobs(limit: int = 30, request: gr.Request = None) -> list:
+        """Your latest jobs, newest first."""
+        return studio.list_jobs(limit=limit, owner=owner_of(studio, request))
+
+    @_api
+    def cancel(job_id: str, request: gr.Request = None) -> dict:
+        """Cancel one of your queued jobs, or ask a running one to stop."""
+        return studio.cancel_job(job_id, owner=owner_of(studio, request))
+
+    return [status, job, jobs, cancel]
+
+
+def _memory_endpoints(studio) -> list:
+    """Samples and memories."""
 
     @_api
     def preview(text: str, filename: str = "samples.jsonl", corpus: str = "", limit: int = 0,
@@ -67,21 +88,6 @@ def register(studio) -> None:
         return {"job_id": jid}
 
     @_api
-    def job(job_id: str, request: gr.Request = None) -> dict:
-        """One of your jobs: state, progress, message, log, error, result, metrics (loss history)."""
-        return studio.job(job_id, owner=owner_of(studio, request))
-
-    @_api
-    def jobs(limit: int = 30, request: gr.Request = None) -> list:
-        """Your latest jobs, newest first."""
-        return studio.list_jobs(limit=limit, owner=owner_of(studio, request))
-
-    @_api
-    def cancel(job_id: str, request: gr.Request = None) -> dict:
-        """Cancel one of your queued jobs, or ask a running one to stop."""
-        return studio.cancel_job(job_id, owner=owner_of(studio, request))
-
-    @_api
     def memories(request: gr.Request = None) -> list:
         """Your memories with their statistics."""
         return studio.memories(owner=owner_of(studio, request))
@@ -94,6 +100,12 @@ def register(studio) -> None:
     @_api
     def delete_memory(memory_id: str, request: gr.Request = None) -> dict:
         return {"message": studio.delete_memory(memory_id, owner=owner_of(studio, request))}
+
+    return [preview, build, memories, memory, delete_memory]
+
+
+def _plugin_endpoints(studio) -> list:
+    """Methods, plug-ins, their training and calibration."""
 
     @_api
     def methods() -> list:
@@ -119,6 +131,20 @@ def register(studio) -> None:
         """Queue more training of one of your plug-ins (PEMA, LoRA) from its saved weights and optimizer state, as a
         new plug-in; ``config`` may change max_minutes, the epochs, patience and lr. Returns {"job_id"}."""
         return {"job_id": studio.submit_continue(plugin_id, config or {}, name, owner=owner_of(studio, request))}
+
+    @_api
+    def calibrate(plugin_id: str, max_samples: int = 0, max_seconds: float = 0.0, request: gr.Request = None) -> dict:
+        """Queue the calibration of one of your interpolating plug-ins (PEMA, kNN): its declared decode grid and
+        λ = 0 decoded on its memory's held-out tuning samples, the best by chrF then sacreBLEU that never loses to
+        the base is stored with it (0: the defaults — at most 40 samples, about 100 s). Returns {"job_id"}."""
+        return {"job_id": studio.submit_calibrate(plugin_id, owner=owner_of(studio, request),
+                                                  max_samples=max_samples or None, max_seconds=max_seconds or None)}
+
+    return [methods, train, plugins, continue_training, calibrate]
+
+
+def _comparison_endpoints(studio) -> list:
+    """Comparisons and their shares."""
 
     @_api
     def compare(source: str, task: str = "translation", methods: Optional[list] = None,
@@ -149,6 +175,12 @@ def register(studio) -> None:
         """The stored payload of a shared comparison."""
         return studio.shared(share_id)
 
+    return [compare, share, shared]
+
+
+def _evaluation_endpoints(studio) -> list:
+    """Evaluations and rankings."""
+
     @_api
     def evaluate(methods: Optional[list] = None, memory_id: str = "", test_text: str = "",
                  test_filename: str = "test.tsv", task: str = "translation", limit: int = 50,
@@ -167,14 +199,6 @@ def register(studio) -> None:
                                      owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
                                      global_defaults=bool(global_defaults))
         return {"job_id": jid}
-
-    @_api
-    def calibrate(plugin_id: str, max_samples: int = 0, max_seconds: float = 0.0, request: gr.Request = None) -> dict:
-        """Queue the calibration of one of your interpolating plug-ins (PEMA, kNN): its declared decode grid and
-        λ = 0 decoded on its memory's held-out tuning samples, the best by chrF then sacreBLEU that never loses to
-        the base is stored with it (0: the defaults — at most 40 samples, about 100 s). Returns {"job_id"}."""
-        return {"job_id": studio.submit_calibrate(plugin_id, owner=owner_of(studio, request),
-                                                  max_samples=max_samples or None, max_seconds=max_seconds or None)}
 
     @_api
     def rank(memory_id: str = "", methods: Optional[list] = None, test_text: str = "", test_filename: str = "test.tsv",
@@ -207,9 +231,14 @@ def register(studio) -> None:
         sid = studio.share_leaderboard(job_id, owner=owner_of(studio, request))
         return {"id": sid, "link": f"/share/?c={sid}"}
 
-    fns = (status, preview, build, job, jobs, cancel, memories, memory, delete_memory, methods, train, plugins,
-           continue_training, compare, share, shared, evaluate, calibrate, rank, leaderboard, share_leaderboard)
-    assert [f.__name__ for f in fns] == NAMES
-    for fn in fns:
-        group, limit = CONCURRENCY.get(fn.__name__, ("api-read", 4))
-        gr.api(fn, api_name=fn.__name__, concurrency_id=group, concurrency_limit=limit)
+    return [evaluate, rank, leaderboard, share_leaderboard]
+
+
+def register(studio) -> None:
+    """Register the endpoints inside the current ``gr.Blocks`` context, in the order of ``NAMES``."""
+    fns = {f.__name__: f for group in (_job_endpoints, _memory_endpoints, _plugin_endpoints, _comparison_endpoints,
+                                       _evaluation_endpoints) for f in group(studio)}
+    assert sorted(fns) == sorted(NAMES)
+    for name in NAMES:
+        group, limit = CONCURRENCY.get(name, ("api-read", 4))
+        gr.api(fns[name], api_name=name, concurrency_id=group, concurrency_limit=limit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import gradio as gr
 
@@ -66,131 +67,155 @@ def status_html(st: dict) -> str:
     return render.status_header(st) + extra
 
 
+def _header(studio) -> SimpleNamespace:
+    """The title, the backbone's state (polled while it loads) and, in multi-user mode, the caller's identity and
+    key."""
+    h = SimpleNamespace()
+    with gr.Row(equal_height=True):
+        gr.Markdown(f"# PEMA Studio\n{INTRO}", elem_id="pema-title")
+        if studio.multi_user and oauth_enabled():
+            gr.LoginButton(scale=0, min_width=220)
+    h.status = gr.HTML(status_html(studio.status()), elem_id="pema-status")
+    h.status_timer = gr.Timer(1.0, active=not studio.status()["ready"])
+    with gr.Accordion("Your key (for the API)", open=False, visible=studio.multi_user, elem_id="pema-identity"):
+        h.who = gr.Markdown(elem_id="pema-who")
+        h.key = gr.Textbox(label="Your key", type="password", buttons=["copy"], interactive=False,
+                           elem_id="pema-key")
+        gr.Markdown(KEY_HELP, elem_classes=["pema-help"])
+    return h
+
+
+def _remote_panel(studio, h: SimpleNamespace) -> None:
+    """Single-user mode only: a hosted studio's remote is its operator's (app.py --remote), not per user."""
+    with gr.Accordion("Remote backbone (offsite)", open=False, visible=not studio.multi_user,
+                      elem_id="pema-remote"):
+        gr.Markdown(REMOTE_HELP, elem_classes=["pema-help"])
+        with gr.Row(equal_height=True):
+            remote_url = gr.Textbox(studio.remote_url or "", label="Model owner's service URL", scale=3,
+                                    placeholder="http://127.0.0.1:8765", elem_id="remote-url")
+            remote_token = gr.Textbox(label="Bearer token (empty: $PEMA_REMOTE_TOKEN)", type="password",
+                                      scale=2, elem_id="remote-token")
+            remote_apply = gr.Button("Apply", variant="primary", size="sm", scale=0, min_width=90,
+                                     elem_id="remote-apply")
+        remote_msg = gr.HTML(elem_id="remote-message")
+
+    def on_remote(url, token):
+        try:
+            st = studio.set_remote(url, token)
+        except UserError as e:
+            return gr.skip(), gr.skip(), f"<div class='pema-status err'>{render.esc(e)}</div>", gr.skip()
+        where = f"the model owner at {st['remote']['host']}" if st.get("remote") else "the local backbone"
+        return (status_html(st), gr.Timer(active=True), f"<div class='pema-help'>Switching to {where}: the "
+                f"header shows its progress. Reopen a tab to refresh its lists.</div>", "")
+
+    remote_apply.click(on_remote, [remote_url, remote_token], [h.status, h.status_timer, remote_msg, remote_token],
+                       show_progress="hidden", api_visibility="private")
+
+
+def _tabs(studio) -> SimpleNamespace:
+    """The workspace tabs (each a ``gr.Tab`` and what its builder returns)."""
+    t = SimpleNamespace()
+    with gr.Column(visible=True):
+        with gr.Tabs():
+            with gr.Tab("Memories", id="memories") as t.t_mem:
+                t.mem = memories.build(studio)
+            with gr.Tab("Plug-ins", id="plugins") as t.t_plug:
+                t.plug = plugins.build(studio)
+            with gr.Tab("Compare", id="compare") as t.t_cmp:
+                t.cmp = compare.build(studio)
+            with gr.Tab("Evaluate", id="evaluate") as t.t_eval:
+                t.ev = evaluate.build(studio, t.cmp.settings_inputs, t.cmp.settings_of)
+            with gr.Tab("Rank", id="rank") as t.t_rank:
+                t.rk = rank.build(studio)
+    return t
+
+
+def _kept_selections(t: SimpleNamespace) -> dict:
+    """Selections that persist per browser (localStorage): memory, methods, task of each tab. One BrowserState per
+    selection (no two events write the same one); the user's own choices are kept (``.input``), and a page load
+    restores them — ids that are not the caller's are dropped there."""
+    persist = [*t.plug.persist, *t.cmp.persist, *t.ev.persist]
+    kept = {name: gr.BrowserState(None, storage_key=SELECTIONS_KEY + name.replace("_", "-")) for name, _ in persist}
+    for name, comp in persist:
+        comp.input(lambda v: v, comp, kept[name], show_progress="hidden", api_visibility="private", queue=False)
+    return kept
+
+
+def _wire_tab_refresh(t: SimpleNamespace, kept: dict) -> None:
+    """Tabs refresh their choices when opened (things made in other tabs appear)."""
+    def refresher(tab):
+        """A tab's refresh on opening it, with the kept selection standing in for each of its inputs that has
+        one (``tab.refresh_keys``): it is the user's latest choice, and a refresh that started before the
+        page load put it back would otherwise undo it."""
+        keys = tab.refresh_keys
+        named = [k for k in keys if k]
+
+        def fn(request: gr.Request, *args):
+            current, saved = list(args[:len(keys)]), dict(zip(named, args[len(keys):]))
+            vals = [saved[k] if k and saved.get(k) not in (None, "", []) else c for k, c in zip(keys, current)]
+            return tab.refresh(*vals, request)
+
+        return fn, [*tab.refresh_inputs, *[kept[k] for k in named]]
+
+    t.t_mem.select(t.mem.refresh, None, t.mem.refresh_outputs, show_progress="hidden", api_visibility="private")
+    for tab_ev, tab in ((t.t_plug, t.plug), (t.t_cmp, t.cmp), (t.t_eval, t.ev), (t.t_rank, t.rk)):
+        fn, ins = refresher(tab)
+        tab_ev.select(fn, ins, tab.refresh_outputs, show_progress="hidden", api_visibility="private")
+
+
+def _wire_page_load(studio, demo, h: SimpleNamespace, t: SimpleNamespace, kept: dict) -> None:
+    """Page load: the caller's identity and their own things; then this browser's kept selections are put back
+    (each tab keeps only what is the caller's)."""
+    rest = [*t.mem.load_outputs, *t.plug.load_outputs, *t.cmp.load_outputs, *t.ev.load_outputs, *t.rk.load_outputs]
+
+    def on_load(request: gr.Request):
+        st = status_html(studio.status())
+        try:
+            me = caller(studio, request)
+        except UserError as e:
+            return (st, f"**{render.esc(e)}**", "", *[gr.skip()] * len(rest))
+        if me.owner is None:  # multi-user mode and the browser refused the key cookie
+            return (st, "**This browser did not keep the studio's cookie, so the studio cannot tell your things "
+                        "from others': allow cookies for this site and reload.**", "", *[gr.skip()] * len(rest))
+        who_text = f"You are **{render.esc(me.describe())}**."
+        return (st, who_text, me.key, *t.mem.on_load(me.owner), *t.plug.on_load(me.owner), *t.cmp.on_load(me.owner),
+                *t.ev.on_load(me.owner), *t.rk.on_load(me.owner))
+
+    names = list(kept)
+    restored = [*t.plug.restore_outputs, *t.cmp.restore_outputs, *t.ev.restore_outputs]
+
+    def on_restore(request: gr.Request, *saved_values):
+        saved = {n: v for n, v in zip(names, saved_values) if v not in (None, "", [])}
+        try:
+            me = caller(studio, request).owner
+        except UserError:
+            me = None
+        if me is None or not saved:
+            return tuple(gr.skip() for _ in restored)
+        return (*t.plug.restore(me, saved), *t.cmp.restore(me, saved), *t.ev.restore(me, saved))
+
+    demo.load(on_load, None, [h.status, h.who, h.key, *rest], show_progress="hidden",
+              api_visibility="private").then(on_restore, [kept[n] for n in names], restored,
+                                             show_progress="hidden", api_visibility="private")
+
+
 def build_app(studio) -> gr.Blocks:
     # delete_cache: Gradio's copies of the files it served (evaluation downloads) go after a day
     with gr.Blocks(title="PEMA Studio", analytics_enabled=False, delete_cache=(3600, 86400)) as demo:
-        with gr.Row(equal_height=True):
-            gr.Markdown(f"# PEMA Studio\n{INTRO}", elem_id="pema-title")
-            if studio.multi_user and oauth_enabled():
-                gr.LoginButton(scale=0, min_width=220)
-        status = gr.HTML(status_html(studio.status()), elem_id="pema-status")
-        status_timer = gr.Timer(1.0, active=not studio.status()["ready"])
-        with gr.Accordion("Your key (for the API)", open=False, visible=studio.multi_user, elem_id="pema-identity"):
-            who = gr.Markdown(elem_id="pema-who")
-            key = gr.Textbox(label="Your key", type="password", buttons=["copy"], interactive=False,
-                             elem_id="pema-key")
-            gr.Markdown(KEY_HELP, elem_classes=["pema-help"])
-        # single-user mode only: a hosted studio's remote is its operator's (app.py --remote), not per user
-        with gr.Accordion("Remote backbone (offsite)", open=False, visible=not studio.multi_user,
-                          elem_id="pema-remote"):
-            gr.Markdown(REMOTE_HELP, elem_classes=["pema-help"])
-            with gr.Row(equal_height=True):
-                remote_url = gr.Textbox(studio.remote_url or "", label="Model owner's service URL", scale=3,
-                                        placeholder="http://127.0.0.1:8765", elem_id="remote-url")
-                remote_token = gr.Textbox(label="Bearer token (empty: $PEMA_REMOTE_TOKEN)", type="password",
-                                          scale=2, elem_id="remote-token")
-                remote_apply = gr.Button("Apply", variant="primary", size="sm", scale=0, min_width=90,
-                                         elem_id="remote-apply")
-            remote_msg = gr.HTML(elem_id="remote-message")
-
-        def on_remote(url, token):
-            try:
-                st = studio.set_remote(url, token)
-            except UserError as e:
-                return gr.skip(), gr.skip(), f"<div class='pema-status err'>{render.esc(e)}</div>", gr.skip()
-            where = f"the model owner at {st['remote']['host']}" if st.get("remote") else "the local backbone"
-            return (status_html(st), gr.Timer(active=True), f"<div class='pema-help'>Switching to {where}: the "
-                    f"header shows its progress. Reopen a tab to refresh its lists.</div>", "")
-
-        remote_apply.click(on_remote, [remote_url, remote_token], [status, status_timer, remote_msg, remote_token],
-                           show_progress="hidden", api_visibility="private")
-
-        with gr.Column(visible=True):
-            with gr.Tabs():
-                with gr.Tab("Memories", id="memories") as t_mem:
-                    mem = memories.build(studio)
-                with gr.Tab("Plug-ins", id="plugins") as t_plug:
-                    plug = plugins.build(studio)
-                with gr.Tab("Compare", id="compare") as t_cmp:
-                    cmp = compare.build(studio)
-                with gr.Tab("Evaluate", id="evaluate") as t_eval:
-                    ev = evaluate.build(studio, cmp.settings_inputs, cmp.settings_of)
-                with gr.Tab("Rank", id="rank") as t_rank:
-                    rk = rank.build(studio)
-
+        h = _header(studio)
+        _remote_panel(studio, h)
+        t = _tabs(studio)
         api.register(studio)
 
-        # --- header: backbone loading progress -------------------------------------------------------------
-        def on_status():
+        def on_status():  # the header follows the backbone's loading
             st = studio.status()
             return status_html(st), gr.Timer(active=st["state"] == "loading")
 
-        status_timer.tick(on_status, None, [status, status_timer], show_progress="hidden", api_visibility="private")
-
-        # --- selections that persist per browser (localStorage): memory, methods, task of each tab ---------------
-        # One BrowserState per selection (no two events write the same one); the user's own choices are kept
-        # (``.input``), and a page load restores them — ids that are not the caller's are dropped there.
-        persist = [*plug.persist, *cmp.persist, *ev.persist]
-        kept = {name: gr.BrowserState(None, storage_key=SELECTIONS_KEY + name.replace("_", "-"))
-                for name, _ in persist}
-        for name, comp in persist:
-            comp.input(lambda v: v, comp, kept[name], show_progress="hidden", api_visibility="private",
-                       queue=False)
-
-        def refresher(tab):
-            """A tab's refresh on opening it, with the kept selection standing in for each of its inputs that has
-            one (``tab.refresh_keys``): it is the user's latest choice, and a refresh that started before the
-            page load put it back would otherwise undo it."""
-            keys = tab.refresh_keys
-            named = [k for k in keys if k]
-
-            def fn(request: gr.Request, *args):
-                current, saved = list(args[:len(keys)]), dict(zip(named, args[len(keys):]))
-                vals = [saved[k] if k and saved.get(k) not in (None, "", []) else c for k, c in zip(keys, current)]
-                return tab.refresh(*vals, request)
-
-            return fn, [*tab.refresh_inputs, *[kept[k] for k in named]]
-
-        # --- tabs refresh their choices when opened (things made in other tabs appear) -----------------------
-        t_mem.select(mem.refresh, None, mem.refresh_outputs, show_progress="hidden", api_visibility="private")
-        for tab_ev, tab in ((t_plug, plug), (t_cmp, cmp), (t_eval, ev), (t_rank, rk)):
-            fn, ins = refresher(tab)
-            tab_ev.select(fn, ins, tab.refresh_outputs, show_progress="hidden", api_visibility="private")
-
-        # --- page load: the caller's identity and their own things ---------------------------------------------
-        rest = [*mem.load_outputs, *plug.load_outputs, *cmp.load_outputs, *ev.load_outputs, *rk.load_outputs]
-
-        def on_load(request: gr.Request):
-            st = status_html(studio.status())
-            try:
-                me = caller(studio, request)
-            except UserError as e:
-                return (st, f"**{render.esc(e)}**", "", *[gr.skip()] * len(rest))
-            if me.owner is None:  # multi-user mode and the browser refused the key cookie
-                return (st, "**This browser did not keep the studio's cookie, so the studio cannot tell your things "
-                            "from others': allow cookies for this site and reload.**", "", *[gr.skip()] * len(rest))
-            who_text = f"You are **{render.esc(me.describe())}**."
-            return (st, who_text, me.key, *mem.on_load(me.owner), *plug.on_load(me.owner), *cmp.on_load(me.owner),
-                    *ev.on_load(me.owner), *rk.on_load(me.owner))
-
-        # Then this browser's kept selections are put back (each tab keeps only what is the caller's).
-        names = list(kept)
-        restored = [*plug.restore_outputs, *cmp.restore_outputs, *ev.restore_outputs]
-
-        def on_restore(request: gr.Request, *saved_values):
-            saved = {n: v for n, v in zip(names, saved_values) if v not in (None, "", [])}
-            try:
-                me = caller(studio, request).owner
-            except UserError:
-                me = None
-            if me is None or not saved:
-                return tuple(gr.skip() for _ in restored)
-            return (*plug.restore(me, saved), *cmp.restore(me, saved), *ev.restore(me, saved))
-
-        demo.load(on_load, None, [status, who, key, *rest], show_progress="hidden",
-                  api_visibility="private").then(on_restore, [kept[n] for n in names], restored,
-                                                 show_progress="hidden", api_visibility="private")
-
+        h.status_timer.tick(on_status, None, [h.status, h.status_timer], show_progress="hidden",
+                            api_visibility="private")
+        kept = _kept_selections(t)
+        _wire_tab_refresh(t, kept)
+        _wire_page_load(studio, demo, h, t, kept)
         # Only the explicit endpoints of ui/api.py are part of the API; the page's own events stay private.
         for fn in demo.fns.values():
             if fn.api_name not in api.NAMES + api.TAB_NAMES:

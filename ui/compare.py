@@ -4,8 +4,9 @@ views; Share."""
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import gradio as gr
 
@@ -90,210 +91,273 @@ def _tok_text(payload, row, nb) -> str:
     return f"#{tid}"
 
 
-def build(studio) -> SimpleNamespace:
-    payload = gr.State(None)
-    reference = gr.State(None)
-    att_cache: OrderedDict = OrderedDict()
-    n_layers = max(1, int(studio.status().get("layers") or 1))
+class TokenViewOutputs(NamedTuple):
+    """The token views of one output token, in the order of the components they update (``TokenInspector.views``)."""
 
+    chips: Any
+    lambda_plot: Any
+    bars_plot: Any
+    neighbours: Any
+    neighbour_plot: Any
+    memory_attention: Any
+    attention: Any
+    neighbour_row: Any
+    memory_column: Any
+
+
+class CompareOutputs(namedtuple("CompareOutputs", ("payload", "cards", "method", "token", "share_link", "layer",
+                                                   "token_section", *TokenViewOutputs._fields))):
+    """What a comparison updates: one field a component (``build`` declares which), the token views last, so that
+    ``do_compare`` says what each value is for instead of relying on its position."""
+
+    __slots__ = ()
+
+    @classmethod
+    def skip(cls, **given) -> CompareOutputs:
+        """The ``given`` updates; every other component is left as it is."""
+        return cls(**{f: given.get(f, gr.skip()) for f in cls._fields})
+
+
+def _sentence_panel(c: SimpleNamespace) -> None:
+    """The sentence, its task, Compare / Stop, the examples, a memory's held-out samples and several sentences."""
     with gr.Row(equal_height=True):
-        source = gr.Textbox(label="Sentence", lines=2, max_lines=4, scale=5, elem_id="compare-source",
-                            placeholder="Type a sentence to translate or rewrite, then press Compare")
+        c.source = gr.Textbox(label="Sentence", lines=2, max_lines=4, scale=5, elem_id="compare-source",
+                              placeholder="Type a sentence to translate or rewrite, then press Compare")
         with gr.Column(scale=1, min_width=170):
-            task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="compare-task")
-            run = gr.Button("Compare", variant="primary", elem_id="compare-run")
-            stop = gr.Button("Stop", variant="stop", size="sm", elem_id="compare-stop")
-    several.examples_row(source, task, reference)
+            c.task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="compare-task")
+            c.run = gr.Button("Compare", variant="primary", elem_id="compare-run")
+            c.stop = gr.Button("Stop", variant="stop", size="sm", elem_id="compare-stop")
+    several.examples_row(c.source, c.task, c.reference)
     with gr.Accordion("…or pick a held-out sample of a memory", open=False):
         with gr.Row():
-            hmem = gr.Dropdown([], label="Memory", scale=2, elem_id="compare-memory")
-            hsample = gr.Dropdown([], label="Held-out sample", scale=3, elem_id="compare-sample")
-        hmem_warn = gr.HTML(elem_id="compare-memory-warning")
-    several_box = several.panel()
-    methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
-                               elem_id="compare-methods")
-    # Live controls are generated from the methods' declared decode settings (``live=True``); each is addressed
-    # to its own method only. They start at the task's tuned values and follow the Task choice.
-    table = {m["method"]: m for m in studio.methods()}
+            c.hmem = gr.Dropdown([], label="Memory", scale=2, elem_id="compare-memory")
+            c.hsample = gr.Dropdown([], label="Held-out sample", scale=3, elem_id="compare-sample")
+        c.hmem_warn = gr.HTML(elem_id="compare-memory-warning")
+    c.several_box = several.panel()
+
+
+def _methods_panel(studio, c: SimpleNamespace) -> None:
+    """The methods to decode together and their live controls, generated from the methods' declared decode settings
+    (``live=True``); each is addressed to its own method only. They start at the task's tuned values and follow the
+    Task choice."""
+    c.methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
+                                 elem_id="compare-methods")
+    c.table = {m["method"]: m for m in studio.methods()}
     start = studio.start_settings("translation")
-    live_keys: list[tuple[str, str]] = []  # (method, setting name) of every live control, in component order
-    live_ctls = []
+    c.live_keys = []  # (method, setting name) of every live control, in component order
+    c.live_ctls = []
     with gr.Row(equal_height=True, elem_id="live-controls"):
-        for m, info in table.items():
+        for m, info in c.table.items():
             for d in info["decode_settings"]:
                 if d["live"]:
-                    live_keys.append((m, d["name"]))
-                    live_ctls.append(setting_control(m, d, start[m][d["name"]], visible=False, min_width=180))
-    glob = gr.Checkbox(False, label="Global defaults", elem_id="compare-global-defaults",
-                       info="Start every plug-in at the settings tuned once on WMT dev, not at those tuned on its "
-                            "own memory's held-out samples (the picker says which plug-ins have them)")
+                    c.live_keys.append((m, d["name"]))
+                    c.live_ctls.append(setting_control(m, d, start[m][d["name"]], visible=False, min_width=180))
+    c.live_names = {m: {n for mm, n in c.live_keys if mm == m} for m in c.table}
+    c.glob = gr.Checkbox(False, label="Global defaults", elem_id="compare-global-defaults",
+                         info="Start every plug-in at the settings tuned once on WMT dev, not at those tuned on its "
+                              "own memory's held-out samples (the picker says which plug-ins have them)")
     # what each live control was last set to by this page (a plug-in's tuned start, or the task's): a control at
     # that value is untouched and not sent, so every row starts at its own plug-in's settings; a moved one is sent
-    starts = gr.State({f"{m}|{n}": start[m][n] for m, n in live_keys})
-    knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods that have them; a move "
-                        "re-mixes the moved row's kept steps and decodes again only from the first token it "
-                        "changes (no forward pass when no token changes). Other settings are under “More decode "
-                        "settings”.</div>")
+    c.starts = gr.State({f"{m}|{n}": start[m][n] for m, n in c.live_keys})
+    c.knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods that have them; a move "
+                          "re-mixes the moved row's kept steps and decodes again only from the first token it "
+                          "changes (no forward pass when no token changes). Other settings are under “More decode "
+                          "settings”.</div>")
+
+
+def _settings_panel(c: SimpleNamespace) -> None:
+    """More decode settings: length, beams, the settings of the whole comparison, other settings per method."""
     with gr.Accordion("More decode settings", open=False):
         with gr.Row():
-            max_new = gr.Slider(4, 128, 48, step=1, label="Max new tokens")
-            beams = gr.Slider(1, 4, 1, step=1, label="Beams (1 = greedy)")
+            c.max_new = gr.Slider(4, 128, 48, step=1, label="Max new tokens")
+            c.beams = gr.Slider(1, 4, 1, step=1, label="Beams (1 = greedy)")
             # settings of the whole comparison (every row alike, the base model's included), declared once in
             # plugins.settings.COMPARISON_SETTINGS: the repetition guard
-            comp_keys = [(ALL_ROWS, d.name) for d in COMPARISON_SETTINGS]
-            comp_ctls = [setting_control(ALL_ROWS, d.describe(), d.default) for d in COMPARISON_SETTINGS]
-        extra = gr.Code("{}", language="json", lines=4, max_lines=12,
-                        label="Other decode settings per method (or plug-in id); edit and press Compare")
+            c.comp_keys = [(ALL_ROWS, d.name) for d in COMPARISON_SETTINGS]
+            c.comp_ctls = [setting_control(ALL_ROWS, d.describe(), d.default) for d in COMPARISON_SETTINGS]
+        c.extra = gr.Code("{}", language="json", lines=4, max_lines=12,
+                          label="Other decode settings per method (or plug-in id); edit and press Compare")
         gr.Markdown("Each output card lists the complete settings its row was decoded with.",
                     elem_classes=["pema-help"])
-    extra_auto = gr.State("{}")
-    cards = gr.HTML(render.output_cards(None), elem_id="compare-outputs", js_on_load=render.CARDS_JS)
+    c.extra_auto = gr.State("{}")
+
+
+def _outputs_panel(c: SimpleNamespace) -> None:
+    """The output cards and Share."""
+    c.cards = gr.HTML(render.output_cards(None), elem_id="compare-outputs", js_on_load=render.CARDS_JS)
     with gr.Row(equal_height=True):
-        share_btn = gr.Button("Share this comparison", scale=1, elem_id="share-btn")
-        share_link = gr.Textbox(show_label=False, placeholder="The link appears here", buttons=["copy"],
-                                interactive=False, scale=4, elem_id="share-link", container=False)
-    with gr.Column(visible=False) as token_section:
+        c.share_btn = gr.Button("Share this comparison", scale=1, elem_id="share-btn")
+        c.share_link = gr.Textbox(show_label=False, placeholder="The link appears here", buttons=["copy"],
+                                  interactive=False, scale=4, elem_id="share-link", container=False)
+
+
+def _token_panel(studio, c: SimpleNamespace) -> None:
+    """Token by token (shown after a comparison): the chosen method's tokens, its λ curve and top tokens, the kNN
+    neighbours, attention over the memory and over the input, the neighbour map."""
+    n_layers = max(1, int(studio.status().get("layers") or 1))
+    with gr.Column(visible=False) as c.token_section:
         gr.Markdown("#### Token by token")
         with gr.Row(equal_height=True):
-            row_pick = gr.Dropdown([], label="Method", scale=2, elem_id="inspect-method")
-            tok = gr.Slider(0, 1, 0, step=1, label="Output token", scale=3, elem_id="inspect-token")
-            layer = gr.Slider(0, max(1, n_layers - 1), max(0, n_layers - 1), step=1,
-                              label="Backbone attention layer", scale=2, elem_id="attention-layer")
-        chips = gr.HighlightedText([], color_map=TOKEN_COLORS, combine_adjacent=False, show_legend=True,
-                                   label="Output tokens — click one", elem_id="token-chips")
+            c.row_pick = gr.Dropdown([], label="Method", scale=2, elem_id="inspect-method")
+            c.tok = gr.Slider(0, 1, 0, step=1, label="Output token", scale=3, elem_id="inspect-token")
+            c.layer = gr.Slider(0, max(1, n_layers - 1), max(0, n_layers - 1), step=1,
+                                label="Backbone attention layer", scale=2, elem_id="attention-layer")
+        c.chips = gr.HighlightedText([], color_map=TOKEN_COLORS, combine_adjacent=False, show_legend=True,
+                                     label="Output tokens — click one", elem_id="token-chips")
         gr.HTML(f"<div class='pema-help'>{TOKEN_HELP}</div>", elem_id="token-help")
         with gr.Row(equal_height=True):
-            lam_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
-            bars_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
-        with gr.Row(equal_height=True, visible=False) as nb_row:
+            c.lam_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
+            c.bars_plot = gr.Plot(plots.empty("Run a comparison first"), show_label=False)
+        with gr.Row(equal_height=True, visible=False) as c.nb_row:
             with gr.Column():
-                nb_df = gr.Dataframe(headers=NEIGHBOUR_HEADERS, interactive=False, max_height=300, wrap=True,
-                                     label="kNN neighbours of the chosen token, with their memory samples",
-                                     column_widths=["9%", "12%", "19%", "30%", "30%"], elem_id="compare-neighbours",
-                                     show_search="none")
+                c.nb_df = gr.Dataframe(headers=NEIGHBOUR_HEADERS, interactive=False, max_height=300, wrap=True,
+                                       label="kNN neighbours of the chosen token, with their memory samples",
+                                       column_widths=["9%", "12%", "19%", "30%", "30%"],
+                                       elem_id="compare-neighbours", show_search="none")
                 gr.HTML(f"<div class='pema-help'>{NEIGHBOUR_HELP}</div>")
-            nb_plot = gr.Plot(plots.empty("No kNN neighbours yet"), show_label=False)
+            c.nb_plot = gr.Plot(plots.empty("No kNN neighbours yet"), show_label=False)
         with gr.Row(equal_height=True):
-            with gr.Column(visible=False, min_width=400) as mem_col:
-                mem_att = gr.Plot(plots.empty("Attention over memory items (in-network methods)"), show_label=False)
-            att_plot = gr.Plot(plots.empty("Backbone attention appears after a comparison"), show_label=False)
-        neighbour_panel.mount(studio, payload)
+            with gr.Column(visible=False, min_width=400) as c.mem_col:
+                c.mem_att = gr.Plot(plots.empty("Attention over memory items (in-network methods)"),
+                                    show_label=False)
+            c.att_plot = gr.Plot(plots.empty("Backbone attention appears after a comparison"), show_label=False)
+        neighbour_panel.mount(studio, c.payload)
+    c.token_views = TokenViewOutputs(
+        chips=c.chips, lambda_plot=c.lam_plot, bars_plot=c.bars_plot, neighbours=c.nb_df, neighbour_plot=c.nb_plot,
+        memory_attention=c.mem_att, attention=c.att_plot, neighbour_row=c.nb_row, memory_column=c.mem_col)
+    c.outputs = CompareOutputs(payload=c.payload, cards=c.cards, method=c.row_pick, token=c.tok,
+                               share_link=c.share_link, layer=c.layer, token_section=c.token_section,
+                               **c.token_views._asdict())
 
-    # --- which controls apply -----------------------------------------------------------------------------------
-    live_names = {m: {n for mm, n in live_keys if mm == m} for m in table}
 
-    def chosen_methods(ids, me):
-        by_id = {p["id"]: p["method"] for p in studio.plugins(owner=me)}
-        return [by_id[i] for i in ids or [] if i in by_id]
+class TokenInspector:
+    """The token views of a comparison for one owner, with the backbone attention maps it computed (the last 32)."""
 
-    def start_values(me, ids, tk, global_defaults: bool) -> dict:
-        """Each live control's start: the tuned value of the first chosen plug-in of its method that has a
-        calibration (unless ``global_defaults``), else the task's start value."""
-        base = studio.start_settings(tk if tk in TASKS else "translation")
-        cal: dict[str, dict] = {}
-        if not global_defaults:
-            by_id = {p["id"]: p for p in studio.plugins(owner=me)}
-            for i in ids or []:
-                c = (by_id.get(i) or {}).get("calibration")
-                if c and by_id[i]["method"] not in cal:
-                    cal[by_id[i]["method"]] = c["settings"]
-        return {f"{m}|{n}": cal.get(m, {}).get(n, base[m][n]) for m, n in live_keys}
+    def __init__(self, studio):
+        self.studio = studio
+        self.att_cache: OrderedDict = OrderedDict()
 
-    def moved_to_start(values, old: dict, new: dict) -> list:
-        """Updates of the live controls to ``new`` starts: an untouched control (at its ``old`` start) follows; a
-        control the user moved keeps its value."""
-        out = []
-        for (m, n), v in zip(live_keys, values):
-            key = f"{m}|{n}"
-            out.append(gr.update(value=new[key]) if key not in old or old[key] == v else gr.skip())
-        return out
-
-    @user_errors
-    def on_methods(request: gr.Request, ids, text, auto, tk, gl, old, *values):
-        me = owner_of(studio, request)
-        ms = chosen_methods(ids, me)
-        other = {}
-        for m in dict.fromkeys(ms):
-            rest = {d["name"]: d["default"] for d in table.get(m, {}).get("decode_settings", [])
-                    if d["name"] not in live_names.get(m, ())}
-            if rest:
-                other[m] = rest
-        gen = render.settings_json(other) if other else "{}"
-        new_text = gen if (text or "{}").strip() in ("", "{}", (auto or "{}").strip()) else gr.skip()
-        new = start_values(me, ids, tk, gl)
-        moved = moved_to_start(values, old or {}, new)
-        shown = [gr.update(visible=m in ms, **({"value": u["value"]} if isinstance(u, dict) and "value" in u else {}))
-                 for (m, _n), u in zip(live_keys, moved)]
-        any_live = any(m in ms for m, _n in live_keys)
-        return (*shown, gr.update(visible=not any_live), new_text, gen, new)
-
-    methods.change(on_methods, [methods, extra, extra_auto, task, glob, starts, *live_ctls],
-                   [*live_ctls, knob_hint, extra, extra_auto, starts], show_progress="hidden")
-
-    # --- helpers ------------------------------------------------------------------------------------------------
-    def attention(p, label, lay):
+    def attention(self, p, label, lay):
         if not p:
             return plots.empty("Backbone attention appears after a comparison")
         row = row_of(p, label)
         key = (p["id"], row["label"], int(lay))
-        if key not in att_cache:
+        if key not in self.att_cache:
             try:
-                att_cache[key] = studio.attention(p, row["label"], int(lay))
+                self.att_cache[key] = self.studio.attention(p, row["label"], int(lay))
             except UserError as e:
                 return plots.empty(str(e)[:120])
-            while len(att_cache) > 32:
-                att_cache.popitem(last=False)
-        return plots.input_attention_heatmap(att_cache[key], f"{row['label']}: backbone attention, layer {int(lay)}")
+            while len(self.att_cache) > 32:
+                self.att_cache.popitem(last=False)
+        return plots.input_attention_heatmap(self.att_cache[key],
+                                             f"{row['label']}: backbone attention, layer {int(lay)}")
 
-    def views(p, label, idx, lay, me, with_attention=True):
+    def views(self, p, label, idx, lay, me, with_attention=True) -> TokenViewOutputs:
         """The token views of the chosen method (for owner ``me``: the kNN neighbours' samples are the owner's);
         the neighbour and memory-attention panels show only when that method reports them."""
         def nbf(lb, i):
             try:
-                return studio.neighbours(p["id"], lb, i, owner=me)
+                return self.studio.neighbours(p["id"], lb, i, owner=me)
             except UserError:  # the comparison is gone (restart, or not this owner's): no samples
                 return []
 
-        nbf = nbf if p else None
-        ch, lp, bp, nr, npl, ma = token_views(p, label, idx, nbf)
-        att = attention(p, label, lay) if with_attention else gr.skip()
+        ch, lp, bp, nr, npl, ma = token_views(p, label, idx, nbf if p else None)
         row = row_of(p, label)
         trace = row["trace"] if row else []
-        has_nb = any(t.get("neighbours") for t in trace)
-        has_mem = any(t.get("memory_attention") for t in trace)
-        return ch, lp, bp, nr, npl, ma, att, gr.update(visible=has_nb), gr.update(visible=has_mem)
+        return TokenViewOutputs(
+            chips=ch, lambda_plot=lp, bars_plot=bp, neighbours=nr, neighbour_plot=npl, memory_attention=ma,
+            attention=self.attention(p, label, lay) if with_attention else gr.skip(),
+            neighbour_row=gr.update(visible=any(t.get("neighbours") for t in trace)),
+            memory_column=gr.update(visible=any(t.get("memory_attention") for t in trace)))
 
-    # --- compare ------------------------------------------------------------------------------------------------
-    inputs = [source, task, methods, max_new, beams, extra, reference, row_pick, layer, glob, starts, *comp_ctls,
-              *live_ctls]
-    outputs = [payload, cards, row_pick, tok, share_link, layer, token_section, chips, lam_plot, bars_plot, nb_df,
-               nb_plot, mem_att, att_plot, nb_row, mem_col]
+
+def _start_values(studio, live_keys, me, ids, tk, global_defaults: bool) -> dict:
+    """Each live control's start: the tuned value of the first chosen plug-in of its method that has a calibration
+    (unless ``global_defaults``), else the task's start value."""
+    base = studio.start_settings(tk if tk in TASKS else "translation")
+    cal: dict[str, dict] = {}
+    if not global_defaults:
+        by_id = {p["id"]: p for p in studio.plugins(owner=me)}
+        for i in ids or []:
+            c = (by_id.get(i) or {}).get("calibration")
+            if c and by_id[i]["method"] not in cal:
+                cal[by_id[i]["method"]] = c["settings"]
+    return {f"{m}|{n}": cal.get(m, {}).get(n, base[m][n]) for m, n in live_keys}
+
+
+def _moved_to_start(live_keys, values, old: dict, new: dict) -> list:
+    """Updates of the live controls to ``new`` starts: an untouched control (at its ``old`` start) follows; a control
+    the user moved keeps its value."""
+    out = []
+    for (m, n), v in zip(live_keys, values):
+        key = f"{m}|{n}"
+        out.append(gr.update(value=new[key]) if key not in old or old[key] == v else gr.skip())
+    return out
+
+
+def _task_starts(studio, live_keys, tk) -> tuple:
+    t = studio.start_settings(tk)
+    return tuple(gr.update(value=t[m][n]) for m, n in live_keys)
+
+
+def _wire_method_choice(studio, c: SimpleNamespace) -> None:
+    """Choosing methods shows their live controls (at their starts) and fills the other settings' JSON."""
+    @user_errors
+    def on_methods(request: gr.Request, ids, text, auto, tk, gl, old, *values):
+        me = owner_of(studio, request)
+        by_id = {p["id"]: p["method"] for p in studio.plugins(owner=me)}
+        ms = [by_id[i] for i in ids or [] if i in by_id]
+        other = {}
+        for m in dict.fromkeys(ms):
+            rest = {d["name"]: d["default"] for d in c.table.get(m, {}).get("decode_settings", [])
+                    if d["name"] not in c.live_names.get(m, ())}
+            if rest:
+                other[m] = rest
+        gen = render.settings_json(other) if other else "{}"
+        new_text = gen if (text or "{}").strip() in ("", "{}", (auto or "{}").strip()) else gr.skip()
+        new = _start_values(studio, c.live_keys, me, ids, tk, gl)
+        moved = _moved_to_start(c.live_keys, values, old or {}, new)
+        shown = [gr.update(visible=m in ms, **({"value": u["value"]} if isinstance(u, dict) and "value" in u else {}))
+                 for (m, _n), u in zip(c.live_keys, moved)]
+        any_live = any(m in ms for m, _n in c.live_keys)
+        return (*shown, gr.update(visible=not any_live), new_text, gen, new)
+
+    c.methods.change(on_methods, [c.methods, c.extra, c.extra_auto, c.task, c.glob, c.starts, *c.live_ctls],
+                     [*c.live_ctls, c.knob_hint, c.extra, c.extra_auto, c.starts], show_progress="hidden")
+
+
+def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
+    """Compare (the button, Enter, every live control's move), Stop, and the controls' starts per task."""
+    inputs = [c.source, c.task, c.methods, c.max_new, c.beams, c.extra, c.reference, c.row_pick, c.layer, c.glob,
+              c.starts, *c.comp_ctls, *c.live_ctls]
+    outputs = list(c.outputs)
+    keys = c.comp_keys + c.live_keys
 
     def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, gl, st, *values):
         """Compare, streamed: the cards fill token by token as the batch decodes (a generator: one update per
         step); the final update fills the token views too. A newer decode of this tab or Stop ends it."""
-        skip_rest = tuple(gr.skip() for _ in outputs[2:])
         try:
             me = owner_of(studio, request)
             refs = (ref.get("tgt") if isinstance(ref, dict) and ref.get("src", "").strip() == (src or "").strip()
                     else None)
-            settings = decode_settings_of(comp_keys + live_keys, values, ex, st, gl)
+            settings = decode_settings_of(keys, values, ex, st, gl)
             p = None
             for p in studio.compare_stream(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs,
                                            owner=me, stream=view_key(request), global_defaults=bool(gl)):
                 if p.get("partial"):
-                    yield (gr.skip(), streaming_cards(p), *skip_rest)
+                    yield CompareOutputs.skip(cards=streaming_cards(p))
             if p is None or p.get("partial"):  # stopped (Stop, or a newer move): the partial cards stay
                 return
             labels = [r["label"] for r in p["rows"]]
             keep = label if label in labels else row_of(p, None)["label"]
-            row = row_of(p, keep)
-            n = max(1, len(row["trace"]))
+            n = max(1, len(row_of(p, keep)["trace"]))
             top = max(0, int(studio.status().get("layers") or 1) - 1)
             lay = min(int(lay), top)
-            yield (p, render.output_cards(p), gr.update(choices=labels, value=keep),
-                   gr.update(maximum=max(1, n - 1), value=0), "", gr.update(maximum=max(1, top), value=lay),
-                   gr.update(visible=True), *views(p, keep, 0, lay, me))
+            yield CompareOutputs(payload=p, cards=render.output_cards(p), method=gr.update(choices=labels, value=keep),
+                                 token=gr.update(maximum=max(1, n - 1), value=0), share_link="",
+                                 layer=gr.update(maximum=max(1, top), value=lay),
+                                 token_section=gr.update(visible=True),
+                                 **insp.views(p, keep, 0, lay, me)._asdict())
         except UserError as e:
             raise gr.Error(str(e), print_exception=False) from None
 
@@ -301,7 +365,7 @@ def build(studio) -> SimpleNamespace:
         """A live control moved: re-decode at once — once a comparison has been run (Compare pressed). The
         service re-decodes only what the move changes (plugins.decode.LiveComparison)."""
         if not p or not args[0] or not args[0].strip() or not args[2]:
-            yield tuple(gr.skip() for _ in outputs)
+            yield CompareOutputs.skip()
             return
         yield from do_compare(request, *args)
 
@@ -309,55 +373,57 @@ def build(studio) -> SimpleNamespace:
         """Stop (or a control moved while a decode runs): the running decode of this tab ends after its step."""
         studio.cancel_compare(owner=owner_of(studio, request), stream=view_key(request))
 
-    def on_task(tk):
-        t = studio.start_settings(tk)
-        return tuple(gr.update(value=t[m][n]) for m, n in live_keys)
-
     @user_errors
     def on_starts(request: gr.Request, tk, ids, gl, old, *values):
         """The task or the global-defaults switch changed: untouched live controls go to their new starts."""
-        new = start_values(owner_of(studio, request), ids, tk, gl)
-        return (*moved_to_start(values, old or {}, new), new)
+        new = _start_values(studio, c.live_keys, owner_of(studio, request), ids, tk, gl)
+        return (*_moved_to_start(c.live_keys, values, old or {}, new), new)
 
-    for ctl in (task, glob):
-        ctl.input(on_starts, [task, methods, glob, starts, *live_ctls], [*live_ctls, starts],
+    for ctl in (c.task, c.glob):
+        ctl.input(on_starts, [c.task, c.methods, c.glob, c.starts, *c.live_ctls], [*c.live_ctls, c.starts],
                   api_visibility="private", show_progress="hidden")
-    run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode", show_progress_on=cards)
-    source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
-                  show_progress_on=cards)
-    stop.click(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
-    for ctl in (*live_ctls, *comp_ctls, max_new, beams, methods):
+    c.run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
+                show_progress_on=c.cards)
+    c.source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
+                    show_progress_on=c.cards)
+    c.stop.click(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
+    for ctl in (*c.live_ctls, *c.comp_ctls, c.max_new, c.beams, c.methods):
         # the move first stops the decode in progress (not queued behind it), then queues its own decode
         ctl.input(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
-        ctl.input(live, [payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
-                  show_progress_on=cards, api_visibility="private", concurrency_id="decode")
+        ctl.input(live, [c.payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
+                  show_progress_on=c.cards, api_visibility="private", concurrency_id="decode")
 
-    # --- token inspector ----------------------------------------------------------------------------------------
-    insp_out = [chips, lam_plot, bars_plot, nb_df, nb_plot, mem_att, att_plot, nb_row, mem_col]
+
+def _wire_inspector(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
+    """The token views follow the chosen method, token (slider or chip) and attention layer."""
+    insp_out = list(c.token_views)
 
     @user_errors
     def on_row(p, label, lay, request: gr.Request):
         row = row_of(p, label)
         n = max(1, len(row["trace"])) if row else 1
-        return (gr.update(maximum=max(1, n - 1), value=0), *views(p, label, 0, lay, owner_of(studio, request)))
+        return (gr.update(maximum=max(1, n - 1), value=0), *insp.views(p, label, 0, lay, owner_of(studio, request)))
 
     @user_errors
     def on_tok(p, lb, i, lay, request: gr.Request):
-        return views(p, lb, i, lay, owner_of(studio, request), with_attention=False)
+        return insp.views(p, lb, i, lay, owner_of(studio, request), with_attention=False)
 
-    row_pick.input(on_row, [payload, row_pick, layer], [tok, *insp_out], show_progress="hidden")
-    tok.input(on_tok, [payload, row_pick, tok, layer], insp_out, trigger_mode="always_last", show_progress="hidden")
-    layer.input(lambda p, lb, lay: attention(p, lb, lay), [payload, row_pick, layer], att_plot,
-                trigger_mode="always_last", show_progress="hidden")
+    c.row_pick.input(on_row, [c.payload, c.row_pick, c.layer], [c.tok, *insp_out], show_progress="hidden")
+    c.tok.input(on_tok, [c.payload, c.row_pick, c.tok, c.layer], insp_out, trigger_mode="always_last",
+                show_progress="hidden")
+    c.layer.input(lambda p, lb, lay: insp.attention(p, lb, lay), [c.payload, c.row_pick, c.layer], c.att_plot,
+                  trigger_mode="always_last", show_progress="hidden")
 
     @user_errors
     def on_chip(p, lb, lay, evt: gr.SelectData, request: gr.Request):
         i = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
-        return (gr.update(value=i), *views(p, lb, i, lay, owner_of(studio, request), with_attention=False))
+        return (gr.update(value=i), *insp.views(p, lb, i, lay, owner_of(studio, request), with_attention=False))
 
-    chips.select(on_chip, [payload, row_pick, layer], [tok, *insp_out], show_progress="hidden")
+    c.chips.select(on_chip, [c.payload, c.row_pick, c.layer], [c.tok, *insp_out], show_progress="hidden")
 
-    # --- held-out samples ---------------------------------------------------------------------------------------
+
+def _wire_heldout(studio, c: SimpleNamespace) -> None:
+    """Picking a memory lists its held-out samples; picking one fills the sentence and its reference."""
     def on_hmem(mid, request: gr.Request):
         if not mid:
             return gr.update(choices=[], value=None), ""
@@ -370,7 +436,7 @@ def build(studio) -> SimpleNamespace:
         return (gr.update(choices=[((s["src"] or "")[:90], i) for i, s in enumerate(held)], value=None),
                 render.memory_warning(m, "heldout") if m and not held else "")
 
-    hmem.change(on_hmem, hmem, [hsample, hmem_warn], show_progress="hidden")
+    c.hmem.change(on_hmem, c.hmem, [c.hsample, c.hmem_warn], show_progress="hidden")
 
     @user_errors
     def on_sample(mid, i, request: gr.Request):
@@ -382,9 +448,10 @@ def build(studio) -> SimpleNamespace:
         s = held[int(i)]
         return s["src"], {"src": s["src"], "tgt": s["tgt"]}
 
-    hsample.input(on_sample, [hmem, hsample], [source, reference], show_progress="hidden")
+    c.hsample.input(on_sample, [c.hmem, c.hsample], [c.source, c.reference], show_progress="hidden")
 
-    # --- share --------------------------------------------------------------------------------------------------
+
+def _wire_share(studio, c: SimpleNamespace) -> None:
     @user_errors
     def do_share(p, lay, request: gr.Request):
         if not p:
@@ -392,7 +459,22 @@ def build(studio) -> SimpleNamespace:
         sid = studio.share(p["id"], int(lay), owner=owner_of(studio, request))
         return share_url(request, sid)
 
-    share_btn.click(do_share, [payload, layer], share_link, api_visibility="private")
+    c.share_btn.click(do_share, [c.payload, c.layer], c.share_link, api_visibility="private")
+
+
+def build(studio) -> SimpleNamespace:
+    c = SimpleNamespace(payload=gr.State(None), reference=gr.State(None))
+    _sentence_panel(c)
+    _methods_panel(studio, c)
+    _settings_panel(c)
+    _outputs_panel(c)
+    _token_panel(studio, c)
+    insp = TokenInspector(studio)
+    _wire_method_choice(studio, c)
+    _wire_compare(studio, c, insp)
+    _wire_inspector(studio, c, insp)
+    _wire_heldout(studio, c)
+    _wire_share(studio, c)
 
     def lists(me, current=None, mem_value=None):
         choices = tuned_choices(studio, me)
@@ -414,25 +496,26 @@ def build(studio) -> SimpleNamespace:
         """This browser's last task, methods and memory (``saved``; ids that are not the owner's are dropped), the
         live controls at that task's start values."""
         tk = saved.get("compare_task") if saved.get("compare_task") in TASKS else None
-        ctl = on_task(tk) if tk else tuple(gr.skip() for _ in live_ctls)
+        ctl = _task_starts(studio, c.live_keys, tk) if tk else tuple(gr.skip() for _ in c.live_ctls)
         choices, mchoices = tuned_choices(studio, me), memory_choices(studio, me)
         ms = keep_value(choices, list(saved.get("compare_methods") or []))
         mid = saved.get("compare_memory")
         return (gr.update(value=ms) if ms else gr.skip(),
-                gr.update(value=mid) if mid in [c[1] for c in mchoices] else gr.skip(),
+                gr.update(value=mid) if mid in [x[1] for x in mchoices] else gr.skip(),
                 gr.update(value=tk) if tk else gr.skip(), *ctl)
 
-    settings_inputs = [*comp_ctls, *live_ctls, extra, glob, starts]
+    settings_inputs = [*c.comp_ctls, *c.live_ctls, c.extra, c.glob, c.starts]
 
     def settings_of(*vals):
-        return decode_settings_of(comp_keys + live_keys, vals[:-3], vals[-3], vals[-1], vals[-2])
+        return decode_settings_of(c.comp_keys + c.live_keys, vals[:-3], vals[-3], vals[-1], vals[-2])
 
-    several.wire(studio, several_box, task, methods, max_new, beams, settings_inputs, settings_of)
+    several.wire(studio, c.several_box, c.task, c.methods, c.max_new, c.beams, settings_inputs, settings_of)
     return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory"],
-                           refresh_inputs=[methods, hmem], refresh_outputs=[methods, hmem],
-                           on_load=on_load, load_outputs=[methods, hmem, layer],
-                           persist=[("compare_task", task), ("compare_methods", methods), ("compare_memory", hmem)],
-                           restore=restore, restore_outputs=[methods, hmem, task, *live_ctls],
+                           refresh_inputs=[c.methods, c.hmem], refresh_outputs=[c.methods, c.hmem],
+                           on_load=on_load, load_outputs=[c.methods, c.hmem, c.layer],
+                           persist=[("compare_task", c.task), ("compare_methods", c.methods),
+                                    ("compare_memory", c.hmem)],
+                           restore=restore, restore_outputs=[c.methods, c.hmem, c.task, *c.live_ctls],
                            # what Evaluate decodes with by default: this tab's controls (untouched ones: each
                            # plug-in's own start, tuned on its memory unless Global defaults is ticked)
                            settings_inputs=settings_inputs, settings_of=settings_of)

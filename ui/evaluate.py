@@ -161,53 +161,92 @@ def _outputs_table(result: dict | None) -> tuple[list[str], list[list]]:
     return OUTPUT_HEADERS, rows
 
 
-def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
-    """``settings_inputs`` / ``settings_of``: the Compare tab's decode controls and how to read them, so that an
-    evaluation decodes with exactly the settings a comparison shows."""
-    job_id = gr.State(None)
-    seen = gr.State(None)
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=2, min_width=340):
-            gr.Markdown("#### Test data")
-            memory = gr.Dropdown([], label="A memory's held-out split", elem_id="eval-memory")
-            memory_warn = gr.HTML(elem_id="eval-memory-warning")
-            test_file = gr.File(label="…or a test file of source/reference pairs", type="filepath",
-                                file_types=[".jsonl", ".json", ".csv", ".tsv"], elem_id="eval-test-file")
-            with gr.Row():
-                task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="eval-task")
-                limit = gr.Number(50, label="Sentences (max)", precision=0, minimum=1)
-                max_new = gr.Number(48, label="Max tokens", precision=0, minimum=4)
-            gr.Markdown("#### Methods")
-            methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Compare these", elem_id="eval-methods")
-            gr.Markdown("Decode settings: those of the **Compare** tab (its live controls and “More decode "
-                        "settings”), so scores match what Compare shows; each row's settings are in the table and the "
-                        "CSV.", elem_classes=["pema-help"])
-            run = gr.Button("Evaluate in background", variant="primary", elem_id="eval-run")
-            gr.Markdown("#### λ_max sweep (with and without Gradual Unrolling)")
-            sweep_plugin = gr.Dropdown([], label="PEMA plug-in")
-            lambdas = gr.Textbox("0, 0.2, 0.4, 0.6, 0.8, 1.0", label="λ_max values")
-            sweep = gr.Button("Run the sweep in background")
-        with gr.Column(scale=3, min_width=440):
-            job_html = gr.HTML(render.job_card(None))
-            scores = gr.Dataframe(headers=list(SCORE_KEYS), interactive=False, max_height=260, label="Scores",
-                                  elem_id="eval-scores", wrap=True, show_search="none")
-            notes = gr.HTML(elem_id="eval-notes")
-            decode_df = gr.Dataframe(headers=DECODE_HEADERS, interactive=False, max_height=200, wrap=True,
-                                     label="How each row was decoded (Compare's settings at the time)",
-                                     elem_id="eval-decode", visible=False, show_search="none",
-                                     column_widths=["26%", "26%", "32%", "16%"])
-            with gr.Row():
-                bar = gr.Plot(plots.eval_bars([]), show_label=False)
-                line = gr.Plot(plots.sweep_lines([]), show_label=False)
-            download = gr.File(label="Download: scores (CSV), per-sentence outputs (CSV), everything (JSON)",
-                               file_count="multiple", interactive=False, visible=False, elem_id="eval-downloads")
-            outputs_df = gr.Dataframe(headers=OUTPUT_HEADERS, interactive=False, max_height=360, wrap=True,
-                                      visible=False, elem_id="eval-outputs",
-                                      column_widths=["6%", "21%", "21%", "16%", "28%", "8%"],
-                                      label=f"Outputs per sentence and method, with the sentence chrF (the first "
-                                            f"{SHOWN_OUTPUTS} sentences; all of them in the downloads)")
-    timer = gr.Timer(1.5)
+def _test_data_panel(c: SimpleNamespace) -> None:
+    """The test data (a memory's held-out split or a test file), the methods, Evaluate, and the λ_max sweep."""
+    gr.Markdown("#### Test data")
+    c.memory = gr.Dropdown([], label="A memory's held-out split", elem_id="eval-memory")
+    c.memory_warn = gr.HTML(elem_id="eval-memory-warning")
+    c.test_file = gr.File(label="…or a test file of source/reference pairs", type="filepath",
+                          file_types=[".jsonl", ".json", ".csv", ".tsv"], elem_id="eval-test-file")
+    with gr.Row():
+        c.task = gr.Dropdown(list(TASKS), value="translation", label="Task", elem_id="eval-task")
+        c.limit = gr.Number(50, label="Sentences (max)", precision=0, minimum=1)
+        c.max_new = gr.Number(48, label="Max tokens", precision=0, minimum=4)
+    gr.Markdown("#### Methods")
+    c.methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Compare these", elem_id="eval-methods")
+    gr.Markdown("Decode settings: those of the **Compare** tab (its live controls and “More decode "
+                "settings”), so scores match what Compare shows; each row's settings are in the table and the "
+                "CSV.", elem_classes=["pema-help"])
+    c.run = gr.Button("Evaluate in background", variant="primary", elem_id="eval-run")
+    gr.Markdown("#### λ_max sweep (with and without Gradual Unrolling)")
+    c.sweep_plugin = gr.Dropdown([], label="PEMA plug-in")
+    c.lambdas = gr.Textbox("0, 0.2, 0.4, 0.6, 0.8, 1.0", label="λ_max values")
+    c.sweep = gr.Button("Run the sweep in background")
 
+
+def _results_panel(c: SimpleNamespace) -> None:
+    """The job, the scores, how each row was decoded, the charts, the downloads and the outputs per sentence."""
+    c.job_html = gr.HTML(render.job_card(None))
+    c.scores = gr.Dataframe(headers=list(SCORE_KEYS), interactive=False, max_height=260, label="Scores",
+                            elem_id="eval-scores", wrap=True, show_search="none")
+    c.notes = gr.HTML(elem_id="eval-notes")
+    c.decode_df = gr.Dataframe(headers=DECODE_HEADERS, interactive=False, max_height=200, wrap=True,
+                               label="How each row was decoded (Compare's settings at the time)",
+                               elem_id="eval-decode", visible=False, show_search="none",
+                               column_widths=["26%", "26%", "32%", "16%"])
+    with gr.Row():
+        c.bar = gr.Plot(plots.eval_bars([]), show_label=False)
+        c.line = gr.Plot(plots.sweep_lines([]), show_label=False)
+    c.download = gr.File(label="Download: scores (CSV), per-sentence outputs (CSV), everything (JSON)",
+                         file_count="multiple", interactive=False, visible=False, elem_id="eval-downloads")
+    c.outputs_df = gr.Dataframe(headers=OUTPUT_HEADERS, interactive=False, max_height=360, wrap=True,
+                                visible=False, elem_id="eval-outputs",
+                                column_widths=["6%", "21%", "21%", "16%", "28%", "8%"],
+                                label=f"Outputs per sentence and method, with the sentence chrF (the first "
+                                      f"{SHOWN_OUTPUTS} sentences; all of them in the downloads)")
+    # what a result fills (``_result_views``), in this order
+    c.result_outputs = [c.scores, c.notes, c.decode_df, c.bar, c.line, c.download, c.outputs_df]
+
+
+def _cleared() -> tuple:
+    """A new evaluation is under way: nothing of the previous result stays on show (``result_outputs``)."""
+    return (gr.update(value={"headers": list(SCORE_KEYS), "data": []}), "", gr.update(visible=False),
+            plots.eval_bars([]), plots.sweep_lines([]), gr.update(visible=False, value=None),
+            gr.update(visible=False))
+
+
+def _result_views(studio, job, me) -> tuple:
+    """A finished job's card and result (``result_outputs``): table, notes, the chart of its kind (the other one is
+    cleared, so no chart of an earlier result stays beside it), downloads and per-sentence outputs."""
+    res = job.get("result") if job and job["state"] == "done" else None
+    if not res:
+        return (render.job_card(job), *_cleared())
+    cols, rows = _table(res)
+    if res.get("mode") == "sweep":
+        fig_bar, fig_line = plots.eval_bars([]), plots.sweep_lines(res.get("sweep") or [])
+    else:
+        fig_bar, fig_line = plots.eval_bars(res.get("methods") or []), plots.sweep_lines([])
+    try:
+        files = [str(f) for f in studio.evaluation_files(job["id"], owner=me)]
+        dl = gr.update(visible=True, value=files)
+    except UserError:
+        dl = gr.update(visible=False, value=None)
+    ocols, orows = _outputs_table(res)
+    outs = gr.update(visible=True, value={"headers": ocols, "data": orows}) if orows else gr.update(visible=False)
+    drows = _decode_table(res)
+    dec = (gr.update(visible=True, value={"headers": DECODE_HEADERS, "data": drows}) if drows
+           else gr.update(visible=False))
+    return (render.job_card(job), gr.update(value={"headers": cols, "data": rows}, column_widths=_widths(cols)),
+            _notes(res), dec, fig_bar, fig_line, dl, outs)
+
+
+def _memory_warning(studio, mid, me) -> str:
+    m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
+    return render.memory_warning(m, "heldout")
+
+
+def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of) -> None:
+    """Evaluate and the sweep: each submits a background job and clears the previous result."""
     @user_errors
     def do_run(request: gr.Request, mem, path, tk, n, mx, ms, *svals):
         me = owner_of(studio, request)
@@ -216,13 +255,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
                                      test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
                                      settings=settings_of(*svals), owner=me)
         studio.uploads.consume(path)  # the job holds the pairs it read
-        return (jid, render.job_card(studio.job(jid, owner=me)), None, *cleared())
-
-    def cleared():
-        """A new evaluation is under way: nothing of the previous result stays on show."""
-        return (gr.update(value={"headers": list(SCORE_KEYS), "data": []}), "", gr.update(visible=False),
-                plots.eval_bars([]), plots.sweep_lines([]), gr.update(visible=False, value=None),
-                gr.update(visible=False))
+        return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
 
     @user_errors
     def do_sweep(request: gr.Request, mem, path, tk, n, mx, pid, lams, *svals):
@@ -238,40 +271,17 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
                                      limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
                                      settings=settings_of(*svals), owner=me)
         studio.uploads.consume(path)
-        return (jid, render.job_card(studio.job(jid, owner=me)), None, *cleared())
+        return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
 
-    result_outputs = [scores, notes, decode_df, bar, line, download, outputs_df]
-    run.click(do_run, [memory, test_file, task, limit, max_new, methods, *settings_inputs],
-              [job_id, job_html, seen, *result_outputs], api_visibility="private")
-    sweep.click(do_sweep, [memory, test_file, task, limit, max_new, sweep_plugin, lambdas, *settings_inputs],
-                [job_id, job_html, seen, *result_outputs], api_visibility="private")
+    c.run.click(do_run, [c.memory, c.test_file, c.task, c.limit, c.max_new, c.methods, *settings_inputs],
+                [c.job_id, c.job_html, c.seen, *c.result_outputs], api_visibility="private")
+    c.sweep.click(do_sweep, [c.memory, c.test_file, c.task, c.limit, c.max_new, c.sweep_plugin, c.lambdas,
+                             *settings_inputs],
+                  [c.job_id, c.job_html, c.seen, *c.result_outputs], api_visibility="private")
 
-    def show(job, me):
-        """A finished job's result: table, notes, the chart of its kind (the other one is cleared, so no chart
-        of an earlier result stays beside it), downloads and per-sentence outputs."""
-        res = job.get("result") if job and job["state"] == "done" else None
-        if not res:
-            return (render.job_card(job), *cleared())
-        cols, rows = _table(res)
-        if res.get("mode") == "sweep":
-            fig_bar, fig_line = plots.eval_bars([]), plots.sweep_lines(res.get("sweep") or [])
-        else:
-            fig_bar, fig_line = plots.eval_bars(res.get("methods") or []), plots.sweep_lines([])
-        try:
-            files = [str(f) for f in studio.evaluation_files(job["id"], owner=me)]
-            dl = gr.update(visible=True, value=files)
-        except UserError:
-            dl = gr.update(visible=False, value=None)
-        ocols, orows = _outputs_table(res)
-        outs = gr.update(visible=True, value={"headers": ocols, "data": orows}) if orows else \
-            gr.update(visible=False)
-        drows = _decode_table(res)
-        dec = gr.update(visible=True, value={"headers": DECODE_HEADERS, "data": drows}) if drows else \
-            gr.update(visible=False)
-        return (render.job_card(job), gr.update(value={"headers": cols, "data": rows}, column_widths=_widths(cols)),
-                _notes(res), dec, fig_bar,
-                fig_line, dl, outs)
 
+def _wire_poll(studio, c: SimpleNamespace) -> None:
+    """The job's card while it runs; its result when it ends."""
     def tick(jid, last, request: gr.Request):
         n_out = 8
         if not jid:
@@ -285,21 +295,31 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         if key == last:
             return (*[gr.skip()] * n_out, last)
         if job["state"] in FINAL_STATES:
-            return (*show(job, me), key)
+            return (*_result_views(studio, job, me), key)
         return (render.job_card(job), *[gr.skip()] * (n_out - 1), key)
 
-    timer.tick(tick, [job_id, seen], [job_html, *result_outputs, seen], show_progress="hidden",
-               api_visibility="private")
+    c.timer.tick(tick, [c.job_id, c.seen], [c.job_html, *c.result_outputs, c.seen], show_progress="hidden",
+                 api_visibility="private")
 
-    def memory_warning(mid, me):
-        m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
-        return render.memory_warning(m, "heldout")
+
+def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
+    """``settings_inputs`` / ``settings_of``: the Compare tab's decode controls and how to read them, so that an
+    evaluation decodes with exactly the settings a comparison shows."""
+    c = SimpleNamespace(job_id=gr.State(None), seen=gr.State(None))
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=340):
+            _test_data_panel(c)
+        with gr.Column(scale=3, min_width=440):
+            _results_panel(c)
+    c.timer = gr.Timer(1.5)
+    _wire_runs(studio, c, settings_inputs, settings_of)
+    _wire_poll(studio, c)
 
     @user_errors
     def on_memory(mid, request: gr.Request):
-        return memory_warning(mid, owner_of(studio, request))
+        return _memory_warning(studio, mid, owner_of(studio, request))
 
-    memory.change(on_memory, memory, memory_warn, show_progress="hidden")
+    c.memory.change(on_memory, c.memory, c.memory_warn, show_progress="hidden")
 
     def lists(me, current=None, mem_value=None):
         choices = method_choices(studio, me)
@@ -307,7 +327,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         pchoices = plugin_choices(studio, methods=("pema",), owner=me)
         mem = keep_value(mchoices, mem_value)
         return (choices_update(choices, current, ["base"]), choices_update(mchoices, mem_value),
-                gr.update(choices=pchoices, value=keep_value(pchoices, None)), memory_warning(mem, me))
+                gr.update(choices=pchoices, value=keep_value(pchoices, None)), _memory_warning(studio, mem, me))
 
     @user_errors
     def refresh(current, mem_value, request: gr.Request):
@@ -325,14 +345,15 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         choices, mchoices = method_choices(studio, me), memory_choices(studio, me)
         ms = keep_value(choices, list(saved.get("eval_methods") or []))
         mid = saved.get("eval_memory")
-        ok = mid in [c[1] for c in mchoices]
+        ok = mid in [x[1] for x in mchoices]
         tk = saved.get("eval_task")
         return (gr.update(value=ms) if ms else gr.skip(), gr.update(value=mid) if ok else gr.skip(),
-                memory_warning(mid, me) if ok else gr.skip(), gr.update(value=tk) if tk in TASKS else gr.skip())
+                _memory_warning(studio, mid, me) if ok else gr.skip(),
+                gr.update(value=tk) if tk in TASKS else gr.skip())
 
     return SimpleNamespace(refresh=refresh, refresh_keys=["eval_methods", "eval_memory"],
-                           refresh_inputs=[methods, memory],
-                           refresh_outputs=[methods, memory, sweep_plugin, memory_warn], on_load=on_load,
-                           load_outputs=[methods, memory, sweep_plugin, memory_warn, job_id, job_html],
-                           persist=[("eval_memory", memory), ("eval_methods", methods), ("eval_task", task)],
-                           restore=restore, restore_outputs=[methods, memory, memory_warn, task])
+                           refresh_inputs=[c.methods, c.memory],
+                           refresh_outputs=[c.methods, c.memory, c.sweep_plugin, c.memory_warn], on_load=on_load,
+                           load_outputs=[c.methods, c.memory, c.sweep_plugin, c.memory_warn, c.job_id, c.job_html],
+                           persist=[("eval_memory", c.memory), ("eval_methods", c.methods), ("eval_task", c.task)],
+                           restore=restore, restore_outputs=[c.methods, c.memory, c.memory_warn, c.task])

@@ -20,62 +20,59 @@ SAMPLE_HEADERS = ["line", "split", "source", "synthetic?", "target"]
 ALL_TOKENS = "— every frequent token, coloured —"
 
 
-def build(studio) -> SimpleNamespace:
-    build_job = gr.State(None)
-    seen = gr.State(None)
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=2, min_width=340):
-            gr.Markdown("#### 1 · Your samples")
-            source = gr.Radio(SOURCES, value=SOURCES[0], show_label=False, container=False)
-            upload = gr.File(label="JSONL, CSV/TSV pairs or plain text", type="filepath",
-                             file_types=[".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt"])
-            paste = gr.Textbox(label="Paste samples", lines=7, max_lines=14, visible=False, placeholder=PASTE_HINT)
-            corpora = studio.corpora()
-            with gr.Row(visible=False) as corpus_row:
-                corpus = gr.Dropdown([(f"{k} — {v}", k) for k, v in corpora.items()],
-                                     value=next(iter(corpora), None), label="Demo corpus", scale=3,
-                                     info=None if corpora else "No demo corpus is available on this machine.")
-                limit = gr.Number(200, label="Samples", precision=0, minimum=5, maximum=20000, scale=1)
-            gr.Markdown("#### 2 · Build the memory")
-            with gr.Row():
-                name = gr.Textbox(label="Name", placeholder="e.g. my product manuals", scale=2)
-                task = gr.Dropdown(list(TASKS), value="translation", label="Task", scale=1)
-            with gr.Row():
-                mode = gr.Radio([("teacher-forced (fast)", "teacher"), ("offsite (slow)", "offsite")],
-                                value="teacher", label="Build mode", scale=2,
-                                info="offsite: the model's own predictions as context, as PEMA's code")
-                skip = gr.Checkbox(False, label="Skip invalid lines", scale=1)
-            with gr.Row():
-                build_btn = gr.Button("Build memory", variant="primary", elem_id="build-memory", scale=3)
-                cancel_btn = gr.Button("Cancel build", scale=1)
-            build_status = gr.HTML(elem_id="build-status")
-        with gr.Column(scale=3, min_width=420):
-            gr.Markdown("#### Preview")
-            preview_html = gr.HTML(render.preview_summary({}), elem_id="preview-summary")
-            preview_df = gr.Dataframe(headers=["line", "source", "target"], interactive=False, max_height=330,
-                                      wrap=True, column_widths=["60px", "45%", "45%"])
+def _samples_panel(studio, c: SimpleNamespace) -> None:
+    """1 · the samples (a file, pasted text or a demo corpus); 2 · the memory's name, task and build mode, Build."""
+    gr.Markdown("#### 1 · Your samples")
+    c.source = gr.Radio(SOURCES, value=SOURCES[0], show_label=False, container=False)
+    c.upload = gr.File(label="JSONL, CSV/TSV pairs or plain text", type="filepath",
+                       file_types=[".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt"])
+    c.paste = gr.Textbox(label="Paste samples", lines=7, max_lines=14, visible=False, placeholder=PASTE_HINT)
+    corpora = studio.corpora()
+    with gr.Row(visible=False) as c.corpus_row:
+        c.corpus = gr.Dropdown([(f"{k} — {v}", k) for k, v in corpora.items()],
+                               value=next(iter(corpora), None), label="Demo corpus", scale=3,
+                               info=None if corpora else "No demo corpus is available on this machine.")
+        c.limit = gr.Number(200, label="Samples", precision=0, minimum=5, maximum=20000, scale=1)
+    gr.Markdown("#### 2 · Build the memory")
+    with gr.Row():
+        c.name = gr.Textbox(label="Name", placeholder="e.g. my product manuals", scale=2)
+        c.task = gr.Dropdown(list(TASKS), value="translation", label="Task", scale=1)
+    with gr.Row():
+        c.mode = gr.Radio([("teacher-forced (fast)", "teacher"), ("offsite (slow)", "offsite")],
+                          value="teacher", label="Build mode", scale=2,
+                          info="offsite: the model's own predictions as context, as PEMA's code")
+        c.skip = gr.Checkbox(False, label="Skip invalid lines", scale=1)
+    with gr.Row():
+        c.build_btn = gr.Button("Build memory", variant="primary", elem_id="build-memory", scale=3)
+        c.cancel_btn = gr.Button("Cancel build", scale=1)
+    c.build_status = gr.HTML(elem_id="build-status")
+
+
+def _memory_list_panel(c: SimpleNamespace) -> None:
+    """The owner's memories; the chosen one's summary, profile (token frequencies, a 2-D map of its keys, one
+    token's spread) and samples."""
     gr.Markdown("#### Your memories")
-    mem_df = gr.Dataframe(headers=render.MEMORY_HEADERS, interactive=False, max_height=240, wrap=True)
+    c.mem_df = gr.Dataframe(headers=render.MEMORY_HEADERS, interactive=False, max_height=240, wrap=True)
     with gr.Row(equal_height=False, elem_classes="pema-actions"):
-        pick = gr.Dropdown([], label="Inspect a memory", scale=4, elem_id="memory-pick")
-        delete_btn = gr.Button("Delete memory", variant="stop", scale=1, size="sm")
-    detail = gr.HTML()
+        c.pick = gr.Dropdown([], label="Inspect a memory", scale=4, elem_id="memory-pick")
+        c.delete_btn = gr.Button("Delete memory", variant="stop", scale=1, size="sm")
+    c.detail = gr.HTML()
     with gr.Accordion("Profile: what the memory holds", open=True, elem_id="memory-profile"):
-        profile_html = gr.HTML(render.profile_summary(None), elem_id="memory-profile-box")
+        c.profile_html = gr.HTML(render.profile_summary(None), elem_id="memory-profile-box")
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=300):
-                freq_plot = gr.Plot(plots.token_frequencies(None), show_label=False, elem_id="memory-token-freq")
+                c.freq_plot = gr.Plot(plots.token_frequencies(None), show_label=False, elem_id="memory-token-freq")
             with gr.Column(scale=3, min_width=400):
-                map_plot = gr.Plot(plots.memory_map(None), show_label=False, elem_id="memory-map")
-                token_pick = gr.Dropdown([], label="Show one token's spread (its keys highlighted on the map)",
-                                         elem_id="memory-token")
-        token_html = gr.HTML(elem_id="memory-token-box")
-    samples_df = gr.Dataframe(headers=SAMPLE_HEADERS, interactive=False, max_height=320, wrap=True,
-                              column_widths=["7%", "9%", "38%", "8%", "38%"], label="Samples")
-    data_dir = gr.HTML()
-    timer = gr.Timer(1.0)
+                c.map_plot = gr.Plot(plots.memory_map(None), show_label=False, elem_id="memory-map")
+                c.token_pick = gr.Dropdown([], label="Show one token's spread (its keys highlighted on the map)",
+                                           elem_id="memory-token")
+        c.token_html = gr.HTML(elem_id="memory-token-box")
+    c.samples_df = gr.Dataframe(headers=SAMPLE_HEADERS, interactive=False, max_height=320, wrap=True,
+                                column_widths=["7%", "9%", "38%", "8%", "38%"], label="Samples")
 
-    # --- preview ----------------------------------------------------------------------------------------------
+
+def _wire_preview(studio, c: SimpleNamespace) -> None:
+    """The preview (with per-line problems) follows the chosen source."""
     def on_source(src):
         return (gr.update(visible=src == SOURCES[0]), gr.update(visible=src == SOURCES[1]),
                 gr.update(visible=src == SOURCES[2]))
@@ -96,14 +93,16 @@ def build(studio) -> SimpleNamespace:
             pv = {"count": 0, "problems": [str(e)], "problem_count": 1, "rows": [], "ok": False}
         return render.preview_summary(pv), gr.update(value=pv["rows"])
 
-    source.change(on_source, source, [upload, paste, corpus_row])
-    pv_inputs = [source, upload, paste, corpus, limit]
-    for ev in (source.change, upload.change, corpus.change, limit.change):
-        ev(do_preview, pv_inputs, [preview_html, preview_df], trigger_mode="always_last", show_progress="hidden")
-    paste.change(do_preview, pv_inputs, [preview_html, preview_df], trigger_mode="always_last",
-                 show_progress="hidden")
+    c.source.change(on_source, c.source, [c.upload, c.paste, c.corpus_row])
+    pv_inputs = [c.source, c.upload, c.paste, c.corpus, c.limit]
+    for ev in (c.source.change, c.upload.change, c.corpus.change, c.limit.change):
+        ev(do_preview, pv_inputs, [c.preview_html, c.preview_df], trigger_mode="always_last", show_progress="hidden")
+    c.paste.change(do_preview, pv_inputs, [c.preview_html, c.preview_df], trigger_mode="always_last",
+                   show_progress="hidden")
 
-    # --- build ------------------------------------------------------------------------------------------------
+
+def _wire_build(studio, c: SimpleNamespace) -> None:
+    """Build in the background, cancel, and poll the build job (the list follows when it finishes)."""
     @user_errors
     def do_build(src, path, text, corpus_name, n, nm, tk, md, sk, request: gr.Request):
         me = owner_of(studio, request)
@@ -121,8 +120,8 @@ def build(studio) -> SimpleNamespace:
             jid = studio.submit_build(corpus=corpus_name, limit=int(n or 200), name=nm, task=tk, mode=md, owner=me)
         return jid, render.job_card(studio.job(jid, owner=me))
 
-    build_btn.click(do_build, [source, upload, paste, corpus, limit, name, task, mode, skip],
-                    [build_job, build_status], api_visibility="private")
+    c.build_btn.click(do_build, [c.source, c.upload, c.paste, c.corpus, c.limit, c.name, c.task, c.mode, c.skip],
+                      [c.build_job, c.build_status], api_visibility="private")
 
     @user_errors
     def do_cancel(jid, request: gr.Request):
@@ -130,7 +129,7 @@ def build(studio) -> SimpleNamespace:
             raise UserError("No memory is being built.")
         return render.job_card(studio.cancel_job(jid, owner=owner_of(studio, request)))
 
-    cancel_btn.click(do_cancel, build_job, build_status, api_visibility="private")
+    c.cancel_btn.click(do_cancel, c.build_job, c.build_status, api_visibility="private")
 
     def tick(jid, last, request: gr.Request):
         if not jid:
@@ -150,10 +149,32 @@ def build(studio) -> SimpleNamespace:
             return card, table, gr.update(choices=choices, value=new or keep_value(choices, None)), key
         return card, gr.skip(), gr.skip(), key
 
-    timer.tick(tick, [build_job, seen], [build_status, mem_df, pick, seen], show_progress="hidden",
-               api_visibility="private")
+    c.timer.tick(tick, [c.build_job, c.seen], [c.build_status, c.mem_df, c.pick, c.seen], show_progress="hidden",
+                 api_visibility="private")
 
-    # --- list / inspect / delete --------------------------------------------------------------------------------
+
+def _detail_html(d: dict) -> str:
+    """A memory's summary line (``Studio.memory_detail``) with its size warnings."""
+    s, st = d["summary"], d["stats"]
+    shown, total = len(d["samples"]), d["total_samples"]
+    more = f" · showing the first {shown} of {total} samples" if total > shown else ""
+    html = (f"<div class='pema-status ok'><b>{render.esc(s['name'])}</b> · {render.esc(s['task'])} · "
+            f"{render.esc(s['mode'])} build · {s['samples']} training + {s['heldout_samples']} held-out "
+            f"samples · "
+            f"{s['entries']:,} entries (+{s['heldout_entries']:,} held-out) · "
+            f"{st.get('synthetic_sources', 0)} synthetic sources · built in {st.get('build_seconds', '?')}s · "
+            f"backbone {render.esc(s['backbone'])}"
+            f"<br><span class='pema-muted'>Prompt: <code>{render.esc((d['prompt'] or {}).get('template'))}</code>"
+            f"{more}"
+            f"</span></div>")
+    sizes = {"name": s["name"], "samples": s["samples"] + s["heldout_samples"],  # summary: training samples
+             "heldout_samples": s["heldout_samples"]}
+    return html + render.memory_warning(sizes, "train") + render.memory_warning(sizes, "heldout")
+
+
+def _wire_inspect(studio, c: SimpleNamespace) -> None:
+    """Picking a memory shows its summary, samples and profile (computed once per memory by the service: its first
+    pick may take a moment on a large one); a token shows its spread; Delete."""
     def show(mid, request: gr.Request):
         if not mid:
             return "", []
@@ -161,27 +182,11 @@ def build(studio) -> SimpleNamespace:
             d = studio.memory_detail(mid, owner=owner_of(studio, request))
         except UserError as e:
             return f"<div class='pema-error'>{render.esc(e)}</div>", []
-        s, st = d["summary"], d["stats"]
-        shown, total = len(d["samples"]), d["total_samples"]
-        more = f" · showing the first {shown} of {total} samples" if total > shown else ""
-        html = (f"<div class='pema-status ok'><b>{render.esc(s['name'])}</b> · {render.esc(s['task'])} · "
-                f"{render.esc(s['mode'])} build · {s['samples']} training + {s['heldout_samples']} held-out "
-                f"samples · "
-                f"{s['entries']:,} entries (+{s['heldout_entries']:,} held-out) · "
-                f"{st.get('synthetic_sources', 0)} synthetic sources · built in {st.get('build_seconds', '?')}s · "
-                f"backbone {render.esc(s['backbone'])}"
-                f"<br><span class='pema-muted'>Prompt: <code>{render.esc((d['prompt'] or {}).get('template'))}</code>"
-                f"{more}"
-                f"</span></div>")
-        sizes = {"name": s["name"], "samples": s["samples"] + s["heldout_samples"],  # summary: training samples
-                 "heldout_samples": s["heldout_samples"]}
-        html += render.memory_warning(sizes, "train") + render.memory_warning(sizes, "heldout")
         rows = [[x["line"], x["split"], x["src"], "yes" if x["synthetic_src"] else "", x["tgt"]] for x in d["samples"]]
-        return html, rows
+        return _detail_html(d), rows
 
-    pick.change(show, pick, [detail, samples_df], show_progress="hidden")
+    c.pick.change(show, c.pick, [c.detail, c.samples_df], show_progress="hidden")
 
-    # --- profile: computed once per memory by the service (its first pick may take a moment on a large one) ------
     def show_profile(mid, request: gr.Request):
         if not mid:
             return (render.profile_summary(None), plots.token_frequencies(None), plots.memory_map(None),
@@ -195,8 +200,8 @@ def build(studio) -> SimpleNamespace:
         return (render.profile_summary(prof), plots.token_frequencies(prof), plots.memory_map(prof),
                 gr.update(choices=choices, value=-1), "")
 
-    pick.change(show_profile, pick, [profile_html, freq_plot, map_plot, token_pick, token_html],
-                show_progress="minimal", show_progress_on=[profile_html])
+    c.pick.change(show_profile, c.pick, [c.profile_html, c.freq_plot, c.map_plot, c.token_pick, c.token_html],
+                  show_progress="minimal", show_progress_on=[c.profile_html])
 
     def show_token(mid, tid, request: gr.Request):
         if not mid:
@@ -211,8 +216,8 @@ def build(studio) -> SimpleNamespace:
             return gr.skip(), f"<div class='pema-error'>{render.esc(e)}</div>"
         return plots.memory_map(prof, info["token_id"]), render.token_detail(info)
 
-    token_pick.input(show_token, [pick, token_pick], [map_plot, token_html], show_progress="hidden",
-                     trigger_mode="always_last")
+    c.token_pick.input(show_token, [c.pick, c.token_pick], [c.map_plot, c.token_html], show_progress="hidden",
+                       trigger_mode="always_last")
 
     @user_errors
     def do_delete(mid, request: gr.Request):
@@ -224,9 +229,27 @@ def build(studio) -> SimpleNamespace:
         choices = memory_choices(studio, me)
         return render.memories_table(studio.memories(owner=me)), gr.update(choices=choices, value=None), "", []
 
-    delete_btn.click(do_delete, pick, [mem_df, pick, detail, samples_df],
-                     js="(m) => (m && confirm('Delete this memory? This cannot be undone.')) ? m : null",
-                     api_visibility="private")
+    c.delete_btn.click(do_delete, c.pick, [c.mem_df, c.pick, c.detail, c.samples_df],
+                       js="(m) => (m && confirm('Delete this memory? This cannot be undone.')) ? m : null",
+                       api_visibility="private")
+
+
+def build(studio) -> SimpleNamespace:
+    c = SimpleNamespace(build_job=gr.State(None), seen=gr.State(None))
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=340):
+            _samples_panel(studio, c)
+        with gr.Column(scale=3, min_width=420):
+            gr.Markdown("#### Preview")
+            c.preview_html = gr.HTML(render.preview_summary({}), elem_id="preview-summary")
+            c.preview_df = gr.Dataframe(headers=["line", "source", "target"], interactive=False, max_height=330,
+                                        wrap=True, column_widths=["60px", "45%", "45%"])
+    _memory_list_panel(c)
+    data_dir = gr.HTML()
+    c.timer = gr.Timer(1.0)
+    _wire_preview(studio, c)
+    _wire_build(studio, c)
+    _wire_inspect(studio, c)
 
     def lists(me):
         choices = memory_choices(studio, me)
@@ -245,5 +268,5 @@ def build(studio) -> SimpleNamespace:
                  f"<div class='pema-muted'>Data directory: <code>{render.esc(studio.root)}</code></div>")
         return table, dd, jid, render.job_card(active[0]) if jid else "", where
 
-    return SimpleNamespace(refresh=refresh, refresh_outputs=[mem_df, pick], on_load=on_load,
-                           load_outputs=[mem_df, pick, build_job, build_status, data_dir])
+    return SimpleNamespace(refresh=refresh, refresh_outputs=[c.mem_df, c.pick], on_load=on_load,
+                           load_outputs=[c.mem_df, c.pick, c.build_job, c.build_status, data_dir])

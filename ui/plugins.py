@@ -69,79 +69,116 @@ def estimate_html(est: dict | None) -> str:
     return f"<div class='pema-status {kind}' id='train-estimate-text'>Time: {render.esc(est['text'])}</div>"
 
 
-def build(studio) -> SimpleNamespace:
-    methods = {m["method"]: m for m in studio.methods()}
-    first = next((k for k in methods if shown_first(k)), next(iter(methods), None))
-
-    def method_info(k: str | None) -> str:  # start values read when shown (a remote backbone may change them)
-        return _method_info(methods.get(k), {task: studio.start_settings(task).get(k, {}) for task in TASKS})
-    selected_job = gr.State(None)
-    seen = gr.State(None)
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=2, min_width=340):
-            gr.Markdown("#### Train a plug-in")
-            memory = gr.Dropdown([], label="Memory", elem_id="train-memory")
-            memory_warn = gr.HTML(elem_id="train-memory-warning")
-            method = gr.Dropdown([(m["title"], k) for k, m in methods.items()], value=first, label="Method",
-                                 elem_id="train-method")
-            info = gr.HTML(method_info(first))
-            name = gr.Textbox(label="Name (optional)", placeholder="defaults to “<method> on <memory>”")
-            with gr.Row(equal_height=False, elem_classes="pema-actions"):
-                preset = gr.Radio(list((methods.get(first) or {}).get("presets") or ["default"]), value="default",
-                                  label="Preset", info="default: what ships · paper: the paper's / public code's "
-                                  "values · quick: a short run to try the studio", scale=4, elem_id="train-preset")
-                reset = gr.Button("Reset to preset", size="sm", scale=1, min_width=120)
-            note = gr.HTML(preset_note(methods.get(first), "default"))
-            estimate = gr.HTML(elem_id="train-estimate")
-            train = gr.Button("Train in background", variant="primary", elem_id="train-plugin")
-            train_msg = gr.HTML()
-            # One generated group of controls per method (declared settings: type, range, choices, help); only the
-            # chosen method's is visible. No hand-written per-method widgets.
-            groups, controls = {}, {}
-            with gr.Accordion("Hyperparameters — every setting of the method, with its help and range", open=False,
-                              elem_id="train-form"):
-                for k, m in methods.items():
-                    with gr.Column(visible=k == first) as groups[k]:
-                        descs = m["training_settings"]
-                        controls[k] = []
-                        for i in range(0, len(descs), 2):
-                            with gr.Row(equal_height=False):
-                                for d in descs[i:i + 2]:
-                                    controls[k].append(training_control(k, d, m["config"][d["name"]]))
-            all_controls = [c for k in methods for c in controls[k]]
-        with gr.Column(scale=3, min_width=440):
-            gr.Markdown("#### Jobs")
-            jobs_df = gr.Dataframe(headers=render.JOB_HEADERS, interactive=False, max_height=190, wrap=True,
-                                   elem_id="jobs-table",
-                                   column_widths=["10%", "22%", "14%", "13%", "15%", "26%"])
-            with gr.Row(equal_height=False, elem_classes="pema-actions"):
-                job_pick = gr.Dropdown([], label="Show job", scale=4)
-                cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=1)
-            job_html = gr.HTML(render.job_card(None), elem_id="job-card")
-            loss = gr.Plot(plots.loss_curve([]), show_label=False)
-            log = gr.Textbox(label="Log", lines=6, max_lines=6, autoscroll=True, interactive=False)
-    gr.Markdown("#### Your plug-ins")
-    plug_df = gr.Dataframe(headers=render.PLUGIN_HEADERS, interactive=False, max_height=220, wrap=True,
-                           elem_id="plugins-table",
-                           column_widths=["15%", "7%", "19%", "12%", "9%", "18%", "9%", "11%"])
+def _training_form(studio, c: SimpleNamespace) -> None:
+    """Train a plug-in: memory, method, name, preset, the time estimate, and the hyperparameters — one generated
+    group of controls per method (declared settings: type, range, choices, help), only the chosen method's visible.
+    No hand-written per-method widgets."""
+    methods, first = c.methods, c.first
+    gr.Markdown("#### Train a plug-in")
+    c.memory = gr.Dropdown([], label="Memory", elem_id="train-memory")
+    c.memory_warn = gr.HTML(elem_id="train-memory-warning")
+    c.method = gr.Dropdown([(m["title"], k) for k, m in methods.items()], value=first, label="Method",
+                           elem_id="train-method")
+    c.info = gr.HTML(_method_info_now(studio, methods, first))
+    c.name = gr.Textbox(label="Name (optional)", placeholder="defaults to “<method> on <memory>”")
     with gr.Row(equal_height=False, elem_classes="pema-actions"):
-        plug_pick = gr.Dropdown([], label="Inspect a plug-in", scale=4, elem_id="plugin-pick")
-        # shown for a plug-in that can continue (every in-network method and PEMA, saved with its optimizer)
-        more_minutes = gr.Number(5, label="Budget (min)", precision=1, minimum=0.1, scale=1, min_width=110,
-                                 elem_id="continue-minutes", visible=False)
-        plug_continue = gr.Button("Continue training", size="sm", scale=1, min_width=150,
-                                  elem_id="continue-training", visible=False)
-        plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1, min_width=130)
-    plug_status = gr.HTML(elem_id="plugin-status")
-    plug_detail = gr.Code(language="json", label="Plug-in details", visible=False, lines=8, max_lines=16)
-    timer = gr.Timer(1.0)
+        c.preset = gr.Radio(list((methods.get(first) or {}).get("presets") or ["default"]), value="default",
+                            label="Preset", info="default: what ships · paper: the paper's / public code's "
+                            "values · quick: a short run to try the studio", scale=4, elem_id="train-preset")
+        c.reset = gr.Button("Reset to preset", size="sm", scale=1, min_width=120)
+    c.note = gr.HTML(preset_note(methods.get(first), "default"))
+    c.estimate = gr.HTML(elem_id="train-estimate")
+    c.train = gr.Button("Train in background", variant="primary", elem_id="train-plugin")
+    c.train_msg = gr.HTML()
+    c.groups, c.controls = {}, {}
+    with gr.Accordion("Hyperparameters — every setting of the method, with its help and range", open=False,
+                      elem_id="train-form"):
+        for k, m in methods.items():
+            with gr.Column(visible=k == first) as c.groups[k]:
+                descs = m["training_settings"]
+                c.controls[k] = []
+                for i in range(0, len(descs), 2):
+                    with gr.Row(equal_height=False):
+                        for d in descs[i:i + 2]:
+                            c.controls[k].append(training_control(k, d, m["config"][d["name"]]))
+    c.all_controls = [ctl for k in methods for ctl in c.controls[k]]
 
-    # --- training form ------------------------------------------------------------------------------------------
+
+def _jobs_panel(c: SimpleNamespace) -> None:
+    """The owner's jobs, the chosen one's card, loss curve and log, Cancel."""
+    gr.Markdown("#### Jobs")
+    c.jobs_df = gr.Dataframe(headers=render.JOB_HEADERS, interactive=False, max_height=190, wrap=True,
+                             elem_id="jobs-table", column_widths=["10%", "22%", "14%", "13%", "15%", "26%"])
+    with gr.Row(equal_height=False, elem_classes="pema-actions"):
+        c.job_pick = gr.Dropdown([], label="Show job", scale=4)
+        c.cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=1)
+    c.job_html = gr.HTML(render.job_card(None), elem_id="job-card")
+    c.loss = gr.Plot(plots.loss_curve([]), show_label=False)
+    c.log = gr.Textbox(label="Log", lines=6, max_lines=6, autoscroll=True, interactive=False)
+
+
+def _plugin_list_panel(c: SimpleNamespace) -> None:
+    """The owner's plug-ins: details, Continue training, Delete."""
+    gr.Markdown("#### Your plug-ins")
+    c.plug_df = gr.Dataframe(headers=render.PLUGIN_HEADERS, interactive=False, max_height=220, wrap=True,
+                             elem_id="plugins-table",
+                             column_widths=["15%", "7%", "19%", "12%", "9%", "18%", "9%", "11%"])
+    with gr.Row(equal_height=False, elem_classes="pema-actions"):
+        c.plug_pick = gr.Dropdown([], label="Inspect a plug-in", scale=4, elem_id="plugin-pick")
+        # shown for a plug-in that can continue (every in-network method and PEMA, saved with its optimizer)
+        c.more_minutes = gr.Number(5, label="Budget (min)", precision=1, minimum=0.1, scale=1, min_width=110,
+                                   elem_id="continue-minutes", visible=False)
+        c.plug_continue = gr.Button("Continue training", size="sm", scale=1, min_width=150,
+                                    elem_id="continue-training", visible=False)
+        c.plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1, min_width=130)
+    c.plug_status = gr.HTML(elem_id="plugin-status")
+    c.plug_detail = gr.Code(language="json", label="Plug-in details", visible=False, lines=8, max_lines=16)
+
+
+def _method_info_now(studio, methods: dict, k: str | None) -> str:
+    """The method's summary with the start values read now (a remote backbone may change them)."""
+    return _method_info(methods.get(k), {task: studio.start_settings(task).get(k, {}) for task in TASKS})
+
+
+def _memory_names(studio, me) -> dict:
+    return {m["id"]: m["name"] for m in studio.memories(owner=me)}
+
+
+def _job_choices(studio, me) -> list:
+    return [(f"{render.KIND_LABEL.get(j['kind'], j['kind'])} · {j['state']} · {j['id']}", j["id"])
+            for j in studio.list_jobs(limit=30, owner=me)]
+
+
+def _get_job(studio, jid, me):
+    try:
+        return studio.job(jid, owner=me) if jid else None
+    except UserError:
+        return None
+
+
+def _show_job(studio, jid, me) -> tuple:
+    """The job's card, its loss (or progress) curve and its log."""
+    job = _get_job(studio, jid, me)
+    if job is None:
+        return render.job_card(None), plots.loss_curve([]), ""
+    title = "Training loss" if job["kind"] == "train_plugin" else "Progress"
+    return render.job_card(job), plots.loss_curve(job["metrics"], title), job.get("log") or ""
+
+
+def _memory_warning(studio, mid, me) -> str:
+    m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
+    return render.memory_warning(m, "train")
+
+
+def _wire_training_form(studio, c: SimpleNamespace) -> None:
+    """The form follows the method and preset, says the time estimate, and submits the training job."""
+    methods = c.methods
+
     def selected_values(m, values):
         """The chosen method's control values out of every method's controls (``all_controls`` order)."""
         at = 0
         for k in methods:
-            n = len(controls[k])
+            n = len(c.controls[k])
             if k == m:
                 return values[at:at + n]
             at += n
@@ -157,17 +194,19 @@ def build(studio) -> SimpleNamespace:
     def on_method(m):
         mm = methods.get(m)
         names = list((mm or {}).get("presets") or ["default"])
-        return [method_info(m), gr.update(choices=names, value="default"), preset_note(mm, "default")] + \
-            [gr.update(visible=k == m) for k in methods] + fill(m, "default")
+        return [_method_info_now(studio, methods, m), gr.update(choices=names, value="default"),
+                preset_note(mm, "default")] + [gr.update(visible=k == m) for k in methods] + fill(m, "default")
 
-    method.change(on_method, method, [info, preset, note] + [groups[k] for k in methods] + all_controls,
-                  show_progress="hidden", api_visibility="private")
+    c.method.change(on_method, c.method, [c.info, c.preset, c.note] + [c.groups[k] for k in methods] + c.all_controls,
+                    show_progress="hidden", api_visibility="private")
 
     def on_preset(m, pre):
         return [preset_note(methods.get(m), pre)] + fill(m, pre)
 
-    preset.input(on_preset, [method, preset], [note] + all_controls, show_progress="hidden", api_visibility="private")
-    reset.click(on_preset, [method, preset], [note] + all_controls, show_progress="hidden", api_visibility="private")
+    c.preset.input(on_preset, [c.method, c.preset], [c.note] + c.all_controls, show_progress="hidden",
+                   api_visibility="private")
+    c.reset.click(on_preset, [c.method, c.preset], [c.note] + c.all_controls, show_progress="hidden",
+                  api_visibility="private")
 
     def show_estimate(request: gr.Request, mid, m, *values):  # the request first: Gradio injects it by place
         if not mid or m not in methods:
@@ -179,19 +218,15 @@ def build(studio) -> SimpleNamespace:
             return f"<div class='pema-status err' id='train-estimate-text'>{render.esc(str(e))}</div>"
         return estimate_html(est)
 
-    gr.on([memory.change, method.change] + [c.change for c in all_controls], show_estimate,
-          [memory, method] + all_controls, estimate, show_progress="hidden", trigger_mode="always_last",
+    gr.on([c.memory.change, c.method.change] + [ctl.change for ctl in c.all_controls], show_estimate,
+          [c.memory, c.method] + c.all_controls, c.estimate, show_progress="hidden", trigger_mode="always_last",
           api_visibility="private")
-
-    def memory_warning(mid, me):
-        m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
-        return render.memory_warning(m, "train")
 
     @user_errors
     def on_memory(mid, request: gr.Request):
-        return memory_warning(mid, owner_of(studio, request))
+        return _memory_warning(studio, mid, owner_of(studio, request))
 
-    memory.change(on_memory, memory, memory_warn, show_progress="hidden")
+    c.memory.change(on_memory, c.memory, c.memory_warn, show_progress="hidden")
 
     @user_errors
     def do_train(request: gr.Request, mem, m, nm, *values):
@@ -200,46 +235,30 @@ def build(studio) -> SimpleNamespace:
             raise UserError("Choose a method.")
         jid = studio.submit_train(mem, m, form_config(methods[m], selected_values(m, values)), nm, owner=me)
         job = studio.job(jid, owner=me)
-        choices = job_choices(me)
+        choices = _job_choices(studio, me)
         return (f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>.</div>", jid,
                 gr.update(choices=choices, value=jid), render.job_card(job), plots.loss_curve([]), "")
 
-    train.click(do_train, [memory, method, name] + all_controls,
-                [train_msg, selected_job, job_pick, job_html, loss, log], api_visibility="private")
+    c.train.click(do_train, [c.memory, c.method, c.name] + c.all_controls,
+                  [c.train_msg, c.selected_job, c.job_pick, c.job_html, c.loss, c.log], api_visibility="private")
 
-    # --- jobs ---------------------------------------------------------------------------------------------------
-    def memory_names(me):
-        return {m["id"]: m["name"] for m in studio.memories(owner=me)}
 
-    def job_choices(me):
-        return [(f"{render.KIND_LABEL.get(j['kind'], j['kind'])} · {j['state']} · {j['id']}", j["id"])
-                for j in studio.list_jobs(limit=30, owner=me)]
-
-    def get_job(jid, me):
-        try:
-            return studio.job(jid, owner=me) if jid else None
-        except UserError:
-            return None
-
-    def show_job(jid, me):
-        job = get_job(jid, me)
-        if job is None:
-            return render.job_card(None), plots.loss_curve([]), ""
-        title = "Training loss" if job["kind"] == "train_plugin" else "Progress"
-        return render.job_card(job), plots.loss_curve(job["metrics"], title), job.get("log") or ""
-
+def _wire_jobs(studio, c: SimpleNamespace) -> None:
+    """Show a job (picker or table row), cancel it, and poll: the table, the chosen job's card, curve and log, and
+    the plug-in list when a job finishes."""
     @user_errors
     def pick_job(jid, request: gr.Request):
-        card, fig, lg = show_job(jid, owner_of(studio, request))
+        card, fig, lg = _show_job(studio, jid, owner_of(studio, request))
         return jid, card, fig, lg, None
 
-    job_pick.change(pick_job, job_pick, [selected_job, job_html, loss, log, seen], show_progress="hidden")
+    c.job_pick.change(pick_job, c.job_pick, [c.selected_job, c.job_html, c.loss, c.log, c.seen],
+                      show_progress="hidden")
 
     def select_row(evt: gr.SelectData):
         row = evt.row_value or []
         return gr.update(value=row[-1]) if row else gr.skip()
 
-    jobs_df.select(select_row, None, job_pick, show_progress="hidden", api_visibility="private")
+    c.jobs_df.select(select_row, None, c.job_pick, show_progress="hidden", api_visibility="private")
 
     @user_errors
     def do_cancel(jid, request: gr.Request):
@@ -247,9 +266,9 @@ def build(studio) -> SimpleNamespace:
             raise UserError("Choose a job to cancel.")
         me = owner_of(studio, request)
         job = studio.cancel_job(jid, owner=me)
-        return render.job_card(job), render.jobs_table(studio.list_jobs(owner=me), memory_names(me))
+        return render.job_card(job), render.jobs_table(studio.list_jobs(owner=me), _memory_names(studio, me))
 
-    cancel.click(do_cancel, selected_job, [job_html, jobs_df], api_visibility="private")
+    c.cancel.click(do_cancel, c.selected_job, [c.job_html, c.jobs_df], api_visibility="private")
 
     def tick(jid, last, request: gr.Request):
         try:
@@ -263,21 +282,21 @@ def build(studio) -> SimpleNamespace:
                        for j in jobs)
         if last is not None and last[0] == digest and last[1] == jid:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last
-        table = render.jobs_table(jobs, memory_names(me))
+        table = render.jobs_table(jobs, _memory_names(studio, me))
         before = {(x[0], x[1]) for x in last[0]} if last is not None else set()
         finished_now = last is not None and any(
             j["state"] in FINAL_STATES and (j["id"], j["state"]) not in before for j in jobs)
         n_metrics = -1
         if jid:
-            card, fig, lg = show_job(jid, me)
-            job = get_job(jid, me)
+            card, fig, lg = _show_job(studio, jid, me)
+            job = _get_job(studio, jid, me)
             n_metrics = len(job["metrics"]) if job else -1
             if last is not None and last[1] == jid and last[2] == n_metrics:
                 fig = gr.skip()  # the curve did not change: do not redraw it
         else:
             card, fig, lg = gr.skip(), gr.skip(), gr.skip()
-        picker = gr.update(choices=job_choices(me)) if last is None or len(last[0]) != len(digest) or finished_now \
-            else gr.skip()
+        picker = (gr.update(choices=_job_choices(studio, me))
+                  if last is None or len(last[0]) != len(digest) or finished_now else gr.skip())
         if finished_now:
             plist = studio.plugins(owner=me)
             pdf, pdd = render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist])
@@ -285,10 +304,13 @@ def build(studio) -> SimpleNamespace:
             pdf, pdd = gr.skip(), gr.skip()
         return table, card, fig, lg, picker, pdf, pdd, (digest, jid, n_metrics)
 
-    timer.tick(tick, [selected_job, seen], [jobs_df, job_html, loss, log, job_pick, plug_df, plug_pick, seen],
-               show_progress="hidden", api_visibility="private")
+    c.timer.tick(tick, [c.selected_job, c.seen],
+                 [c.jobs_df, c.job_html, c.loss, c.log, c.job_pick, c.plug_df, c.plug_pick, c.seen],
+                 show_progress="hidden", api_visibility="private")
 
-    # --- plug-in list -------------------------------------------------------------------------------------------
+
+def _wire_plugin_list(studio, c: SimpleNamespace) -> None:
+    """A plug-in's details and status; continue its training as a new plug-in; delete it."""
     def show_plugin(pid, request: gr.Request):
         hidden = gr.update(visible=False)
         if not pid:
@@ -303,8 +325,8 @@ def build(studio) -> SimpleNamespace:
         can = gr.update(visible=bool(p.get("can_continue")))
         return gr.update(visible=True, value=json.dumps(d, indent=2, default=str)), render.plugin_status(p), can, can
 
-    plug_pick.change(show_plugin, plug_pick, [plug_detail, plug_status, plug_continue, more_minutes],
-                     show_progress="hidden")
+    c.plug_pick.change(show_plugin, c.plug_pick, [c.plug_detail, c.plug_status, c.plug_continue, c.more_minutes],
+                       show_progress="hidden")
 
     @user_errors
     def do_continue(pid, minutes, request: gr.Request):
@@ -314,12 +336,14 @@ def build(studio) -> SimpleNamespace:
         cfg = {"max_minutes": float(minutes)} if minutes else {}
         jid = studio.submit_continue(pid, cfg, owner=me)
         job = studio.job(jid, owner=me)
-        return (jid, gr.update(choices=job_choices(me), value=jid), render.job_card(job), plots.loss_curve([]), "",
+        return (jid, gr.update(choices=_job_choices(studio, me), value=jid), render.job_card(job),
+                plots.loss_curve([]), "",
                 f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>: continues from the saved "
                 f"weights and optimizer state as a new plug-in.</div>")
 
-    plug_continue.click(do_continue, [plug_pick, more_minutes],
-                        [selected_job, job_pick, job_html, loss, log, plug_status], api_visibility="private")
+    c.plug_continue.click(do_continue, [c.plug_pick, c.more_minutes],
+                          [c.selected_job, c.job_pick, c.job_html, c.loss, c.log, c.plug_status],
+                          api_visibility="private")
 
     @user_errors
     def do_delete(pid, request: gr.Request):
@@ -331,15 +355,31 @@ def build(studio) -> SimpleNamespace:
         return (render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist], value=None),
                 gr.update(visible=False))
 
-    plug_delete.click(do_delete, plug_pick, [plug_df, plug_pick, plug_detail],
-                      js="(p) => (p && confirm('Delete this plug-in?')) ? p : null", api_visibility="private")
+    c.plug_delete.click(do_delete, c.plug_pick, [c.plug_df, c.plug_pick, c.plug_detail],
+                        js="(p) => (p && confirm('Delete this plug-in?')) ? p : null", api_visibility="private")
+
+
+def build(studio) -> SimpleNamespace:
+    methods = {m["method"]: m for m in studio.methods()}
+    c = SimpleNamespace(methods=methods, first=next((k for k in methods if shown_first(k)), next(iter(methods), None)),
+                        selected_job=gr.State(None), seen=gr.State(None))
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=340):
+            _training_form(studio, c)
+        with gr.Column(scale=3, min_width=440):
+            _jobs_panel(c)
+    _plugin_list_panel(c)
+    c.timer = gr.Timer(1.0)
+    _wire_training_form(studio, c)
+    _wire_jobs(studio, c)
+    _wire_plugin_list(studio, c)
 
     def lists(me, mem_value=None):
         choices = memory_choices(studio, me)
         plist = studio.plugins(owner=me)
         mem = keep_value(choices, mem_value)
         return (choices_update(choices, mem_value), render.plugins_table(plist),
-                gr.update(choices=[(p["name"], p["id"]) for p in plist]), memory_warning(mem, me))
+                gr.update(choices=[(p["name"], p["id"]) for p in plist]), _memory_warning(studio, mem, me))
 
     @user_errors
     def refresh(mem_value, request: gr.Request):
@@ -353,27 +393,27 @@ def build(studio) -> SimpleNamespace:
                   or [j for j in jobs if j["kind"] == "train_plugin"])
         jid = active[0]["id"] if active else None
         mem_dd, pdf, pdd, warn = lists(me)
-        card, fig, lg = show_job(jid, me)
-        return (mem_dd, pdf, pdd, render.jobs_table(jobs, memory_names(me)),
-                gr.update(choices=job_choices(me), value=jid), jid, card, fig, lg, warn)
+        card, fig, lg = _show_job(studio, jid, me)
+        return (mem_dd, pdf, pdd, render.jobs_table(jobs, _memory_names(studio, me)),
+                gr.update(choices=_job_choices(studio, me), value=jid), jid, card, fig, lg, warn)
 
     def restore(me, saved: dict):
         """This browser's last memory and method (``saved``), when they are still the owner's and still exist."""
         mid = saved.get("train_memory")
-        ids = [c[1] for c in memory_choices(studio, me)]
+        ids = [x[1] for x in memory_choices(studio, me)]
         meth = saved.get("train_method")
         return (gr.update(value=mid) if mid in ids else gr.skip(),
-                memory_warning(mid, me) if mid in ids else gr.skip(),
+                _memory_warning(studio, mid, me) if mid in ids else gr.skip(),
                 gr.update(value=meth) if meth in methods else gr.skip())
 
     build_packages(studio)
     return SimpleNamespace(refresh=refresh, refresh_keys=["train_memory"],
-                           refresh_inputs=[memory],
-                           refresh_outputs=[memory, plug_df, plug_pick, memory_warn],
-                           on_load=on_load, load_outputs=[memory, plug_df, plug_pick, jobs_df, job_pick,
-                                                          selected_job, job_html, loss, log, memory_warn],
-                           persist=[("train_memory", memory), ("train_method", method)],
-                           restore=restore, restore_outputs=[memory, memory_warn, method])
+                           refresh_inputs=[c.memory],
+                           refresh_outputs=[c.memory, c.plug_df, c.plug_pick, c.memory_warn],
+                           on_load=on_load, load_outputs=[c.memory, c.plug_df, c.plug_pick, c.jobs_df, c.job_pick,
+                                                          c.selected_job, c.job_html, c.loss, c.log, c.memory_warn],
+                           persist=[("train_memory", c.memory), ("train_method", c.method)],
+                           restore=restore, restore_outputs=[c.memory, c.memory_warn, c.method])
 
 
 PACKAGE_HELP = ("A package is what `python -m plugins export` writes — config, safetensors weights, PEFT's files for "

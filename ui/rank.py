@@ -130,67 +130,65 @@ def leaderboard_components(prefix: str = "rank"):
     return [verdict, df, p_time, p_params]
 
 
-def build(studio) -> SimpleNamespace:
-    job_id = gr.State(None)
-    seen = gr.State(None)
-    corpora = studio.corpora()
+def _tour_panel(c: SimpleNamespace, corpora: dict) -> None:
+    """The first-run tour: the demo corpus ranked in one click, with a time estimate."""
     with gr.Group(visible=TOUR_CORPUS in corpora, elem_id="rank-tour"):
         gr.Markdown(f"#### New here? See a real ranking without bringing data\nOne click builds a memory of "
                     f"{TOUR_LIMIT:,} English→German software messages (the demo corpus), trains every method on it "
                     f"with its defaults, tunes PEMA and kNN on part of its held-out samples and ranks all of them "
                     f"on the rest.")
         with gr.Row(equal_height=True):
-            tour_est = gr.HTML(elem_id="rank-tour-estimate")
-            tour = gr.Button("Rank every method on the demo corpus", variant="primary", scale=0, min_width=300,
-                             elem_id="rank-tour-run")
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=2, min_width=320):
-            memory = gr.Dropdown([], label="Memory", elem_id="rank-memory")
-            methods = gr.CheckboxGroup([(c.title, m) for m, c in available_methods().items()],
-                                       value=list(available_methods()), label="Methods (default: every method)",
-                                       elem_id="rank-methods")
-            test_file = gr.File(label="…report on a test file of pairs instead of the held-out samples (optional)",
-                                type="filepath", file_types=[".jsonl", ".json", ".csv", ".tsv"],
-                                elem_id="rank-test-file")
-            estimate = gr.HTML(elem_id="rank-estimate")
-            with gr.Row():
-                run = gr.Button("Rank every method", variant="primary", elem_id="rank-run", scale=3)
-                cancel = gr.Button("Cancel", scale=1, elem_id="rank-cancel")
-            gr.Markdown("Trains each method with its defaults (a plug-in already trained with the same settings on "
-                        "this memory is reused), tunes the interpolating ones on part of the held-out samples, "
-                        "scores every method and the base model on the rest. One job; the trainings run one after "
-                        "another.", elem_classes=["pema-help"])
-        with gr.Column(scale=3, min_width=440):
-            job_html = gr.HTML(render.job_card(None), elem_id="rank-job")
-            with gr.Row(equal_height=True):
-                share = gr.Button("Share this leaderboard", size="sm", scale=0, min_width=200, elem_id="rank-share")
-                share_link = gr.HTML(elem_id="rank-share-link")
-    board_outputs = leaderboard_components("rank")
-    timer = gr.Timer(1.5)
+            c.tour_est = gr.HTML(elem_id="rank-tour-estimate")
+            c.tour = gr.Button("Rank every method on the demo corpus", variant="primary", scale=0, min_width=300,
+                               elem_id="rank-tour-run")
 
-    def est_text(mid, ms, me) -> str:
-        if not mid:
-            return ""
-        try:
-            e = studio.rank_estimate(mid, methods=list(ms or []) or None, owner=me)
-        except UserError as err:
-            return f"<div class='pema-status err'>{render.esc(err)}</div>"
-        return f"<div class='pema-help'>Time estimate: {render.esc(e['text'])}</div>"
 
-    def tour_text(me) -> str:
-        try:
-            e = studio.rank_estimate(corpus=TOUR_CORPUS, owner=me)
-        except UserError as err:
-            return f"<div class='pema-status err'>{render.esc(err)}</div>"
-        return (f"<div class='pema-help' id='rank-tour-time'>Time estimate on this machine: "
-                f"{render.esc(e['text'])}</div>")
+def _ranking_panel(c: SimpleNamespace) -> None:
+    """The memory, the methods, an optional test file, the time estimate, Rank and Cancel."""
+    c.memory = gr.Dropdown([], label="Memory", elem_id="rank-memory")
+    c.methods = gr.CheckboxGroup([(m.title, k) for k, m in available_methods().items()],
+                                 value=list(available_methods()), label="Methods (default: every method)",
+                                 elem_id="rank-methods")
+    c.test_file = gr.File(label="…report on a test file of pairs instead of the held-out samples (optional)",
+                          type="filepath", file_types=[".jsonl", ".json", ".csv", ".tsv"],
+                          elem_id="rank-test-file")
+    c.estimate = gr.HTML(elem_id="rank-estimate")
+    with gr.Row():
+        c.run = gr.Button("Rank every method", variant="primary", elem_id="rank-run", scale=3)
+        c.cancel = gr.Button("Cancel", scale=1, elem_id="rank-cancel")
+    gr.Markdown("Trains each method with its defaults (a plug-in already trained with the same settings on "
+                "this memory is reused), tunes the interpolating ones on part of the held-out samples, "
+                "scores every method and the base model on the rest. One job; the trainings run one after "
+                "another.", elem_classes=["pema-help"])
 
+
+def _estimate_text(studio, mid, ms, me) -> str:
+    if not mid:
+        return ""
+    try:
+        e = studio.rank_estimate(mid, methods=list(ms or []) or None, owner=me)
+    except UserError as err:
+        return f"<div class='pema-status err'>{render.esc(err)}</div>"
+    return f"<div class='pema-help'>Time estimate: {render.esc(e['text'])}</div>"
+
+
+def _tour_text(studio, me) -> str:
+    try:
+        e = studio.rank_estimate(corpus=TOUR_CORPUS, owner=me)
+    except UserError as err:
+        return f"<div class='pema-status err'>{render.esc(err)}</div>"
+    return (f"<div class='pema-help' id='rank-tour-time'>Time estimate on this machine: "
+            f"{render.esc(e['text'])}</div>")
+
+
+def _wire_ranking(studio, c: SimpleNamespace) -> None:
+    """The estimate follows the memory and methods; Rank, the tour, Cancel and Share."""
     @user_errors
     def on_pick(mid, ms, request: gr.Request):
-        return est_text(mid, ms, owner_of(studio, request))
+        return _estimate_text(studio, mid, ms, owner_of(studio, request))
 
-    memory.change(on_pick, [memory, methods], estimate, show_progress="hidden")
-    methods.input(on_pick, [memory, methods], estimate, show_progress="hidden")
+    c.memory.change(on_pick, [c.memory, c.methods], c.estimate, show_progress="hidden")
+    c.methods.input(on_pick, [c.memory, c.methods], c.estimate, show_progress="hidden")
 
     def started(jid, me):
         return (jid, render.job_card(studio.job(jid, owner=me)), None, "", *views(None))
@@ -208,9 +206,9 @@ def build(studio) -> SimpleNamespace:
         me = owner_of(studio, request)
         return started(studio.submit_rank(corpus=TOUR_CORPUS, owner=me), me)
 
-    outs = [job_id, job_html, seen, share_link, *board_outputs]
-    run.click(do_run, [memory, methods, test_file], outs, api_visibility="private")
-    tour.click(do_tour, None, outs, api_visibility="private")
+    outs = [c.job_id, c.job_html, c.seen, c.share_link, *c.board_outputs]
+    c.run.click(do_run, [c.memory, c.methods, c.test_file], outs, api_visibility="private")
+    c.tour.click(do_tour, None, outs, api_visibility="private")
 
     @user_errors
     def do_cancel(jid, request: gr.Request):
@@ -218,7 +216,7 @@ def build(studio) -> SimpleNamespace:
             raise UserError("No ranking to cancel.")
         return render.job_card(studio.cancel_job(jid, owner=owner_of(studio, request)))
 
-    cancel.click(do_cancel, job_id, job_html, api_visibility="private")
+    c.cancel.click(do_cancel, c.job_id, c.job_html, api_visibility="private")
 
     @user_errors
     def do_share(jid, request: gr.Request):
@@ -229,10 +227,13 @@ def build(studio) -> SimpleNamespace:
         return (f"<div class='pema-help'>Read-only link (scores, settings and verdict; no ids, names or samples): "
                 f"<a id='rank-share-url' href='{render.esc(link)}' target='_blank'>{render.esc(link)}</a></div>")
 
-    share.click(do_share, job_id, share_link, api_visibility="private")
+    c.share.click(do_share, c.job_id, c.share_link, api_visibility="private")
 
+
+def _wire_poll(studio, c: SimpleNamespace) -> None:
+    """The job's card while it runs; the leaderboard when it ends."""
     def tick(jid, last, request: gr.Request):
-        n_out = 1 + len(board_outputs)
+        n_out = 1 + len(c.board_outputs)
         if not jid:
             return (*[gr.skip()] * n_out, last)
         try:
@@ -245,14 +246,32 @@ def build(studio) -> SimpleNamespace:
         if job["state"] in FINAL_STATES:
             board = (job.get("result") or {}).get("leaderboard") if job["state"] == "done" else None
             return (render.job_card(job), *views(board), key)
-        return (render.job_card(job), *[gr.skip()] * len(board_outputs), key)
+        return (render.job_card(job), *[gr.skip()] * len(c.board_outputs), key)
 
-    timer.tick(tick, [job_id, seen], [job_html, *board_outputs, seen], show_progress="hidden",
-               api_visibility="private")
+    c.timer.tick(tick, [c.job_id, c.seen], [c.job_html, *c.board_outputs, c.seen], show_progress="hidden",
+                 api_visibility="private")
+
+
+def build(studio) -> SimpleNamespace:
+    c = SimpleNamespace(job_id=gr.State(None), seen=gr.State(None))
+    _tour_panel(c, studio.corpora())
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=2, min_width=320):
+            _ranking_panel(c)
+        with gr.Column(scale=3, min_width=440):
+            c.job_html = gr.HTML(render.job_card(None), elem_id="rank-job")
+            with gr.Row(equal_height=True):
+                c.share = gr.Button("Share this leaderboard", size="sm", scale=0, min_width=200,
+                                    elem_id="rank-share")
+                c.share_link = gr.HTML(elem_id="rank-share-link")
+    c.board_outputs = leaderboard_components("rank")
+    c.timer = gr.Timer(1.5)
+    _wire_ranking(studio, c)
+    _wire_poll(studio, c)
 
     def lists(me, mem_value=None):
         mchoices = memory_choices(studio, me)
-        return choices_update(mchoices, mem_value), est_text(keep_value(mchoices, mem_value), None, me)
+        return choices_update(mchoices, mem_value), _estimate_text(studio, keep_value(mchoices, mem_value), None, me)
 
     @user_errors
     def refresh(mem_value, request: gr.Request):
@@ -261,11 +280,12 @@ def build(studio) -> SimpleNamespace:
     def on_load(me):
         last = studio.list_jobs(("rank",), 1, owner=me)
         jid = last[0]["id"] if last else None
-        return (*lists(me), tour_text(me), jid, render.job_card(last[0]) if jid else render.job_card(None))
+        return (*lists(me), _tour_text(studio, me), jid,
+                render.job_card(last[0]) if jid else render.job_card(None))
 
-    return SimpleNamespace(refresh=refresh, refresh_keys=[None], refresh_inputs=[memory],
-                           refresh_outputs=[memory, estimate], on_load=on_load,
-                           load_outputs=[memory, estimate, tour_est, job_id, job_html], persist=[],
+    return SimpleNamespace(refresh=refresh, refresh_keys=[None], refresh_inputs=[c.memory],
+                           refresh_outputs=[c.memory, c.estimate], on_load=on_load,
+                           load_outputs=[c.memory, c.estimate, c.tour_est, c.job_id, c.job_html], persist=[],
                            restore=lambda me, saved: (), restore_outputs=[])
 
 

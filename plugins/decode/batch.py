@@ -29,9 +29,9 @@ class NetGroup:
     plugin: Plugin
     key: str                  # the settings as JSON (with the plug-in, what the prefix cache is keyed by)
     settings: dict
-    members: list[int]        # row indices
+    members: list[int]        # its method rows
     prefill: int = 0          # its prefill group
-    rows: torch.Tensor | None = None  # its batch rows during the steps
+    rows: torch.Tensor | None = None  # its method rows' batch rows
 
 
 @dataclass
@@ -42,7 +42,7 @@ class PromptGroup:
     plugin: Plugin
     key: str
     settings: dict
-    members: list[int]
+    members: list[int]        # its method rows
     contexts: list[list[int]]  # per source: the row's context token ids
     prompts: list[Prompt]      # per source: the prompt they render
     prefill: int = 0
@@ -53,7 +53,7 @@ class OutGroup:
     """Rows whose plug-in mixes the output distribution (output-level, or in-network with ``mixes_output``)."""
 
     plugin: Plugin
-    rows: torch.Tensor        # batch rows
+    rows: torch.Tensor        # its method rows' batch rows
     settings: list[dict]      # per batch row
     src_lens: list[int]       # per batch row
     ref_lens: list[int | None] | None = None  # per batch row, when the request gave reference lengths
@@ -68,22 +68,23 @@ class OutGroup:
 
 @dataclass
 class Batch:
-    """One batched decode: S sources × R rows × B beams at batch row ``(s·R + r)·B + j``, the rows' settings and
-    groups. Prefill group 0 holds the rows that decode the comparison's prompt without an in-network plug-in (when
-    there are any: ``shared``), then one group per in-network group, then one per prompt group; prefill row
-    ``s·G + g``, whose context is ``prefill_contexts[s·G + g]``."""
+    """One batched decode: S sources × R method rows × B beams at batch row ``(s·R + r)·B + j``, the method rows'
+    settings and groups (the kinds of rows: ``plugins.decode``'s glossary). Prefill group 0 holds the method rows
+    that decode the comparison's prompt without an in-network plug-in (when there are any: ``shared``), then one
+    group per in-network group, then one per prompt group; prefill row ``s·G + g``, whose context is
+    ``prefill_contexts[s·G + g]``."""
 
     sources: list[str]
     rows: list[Row]
     prompt: Prompt
     contexts: list[list[int]]
     src_lens: list[int]
-    settings: list[dict]      # per row, complete (the method's own settings)
+    settings: list[dict]      # per method row, complete (the method's own settings)
     num_beams: int
     net: list[NetGroup]
     out: list[OutGroup]
     shared: int
-    group_of_row: list[int]   # prefill group per row
+    group_of_row: list[int]   # per method row: its prefill group
     comparison: dict = field(default_factory=dict)  # settings of every row alike that are on (repetition guard)
     ref_lens: list[int] | None = None  # per source: the reference's token length (evaluation only; else None)
     prompts: list[PromptGroup] = field(default_factory=list)
@@ -121,18 +122,20 @@ class Batch:
         return self.S > 1 or len({len(c) for c in self.prefill_contexts}) > 1
 
     def batch_rows(self, members: list[int]) -> list[int]:
-        """The batch rows of rows ``members``: every source, every beam."""
+        """The batch rows of method rows ``members``: every source, every beam."""
         return [(s * self.R + i) * self.B + j for s in range(self.S) for i in members for j in range(self.B)]
 
     def source_of(self, b: int) -> int:
+        """The source of batch row ``b``."""
         return b // (self.R * self.B)
 
-    def row_of(self, b: int) -> int:
+    def method_row_of(self, b: int) -> int:
+        """The method row of batch row ``b``."""
         return (b // self.B) % self.R
 
     def prefill_row(self, b: int) -> int:
         """The prefill row whose KV cache batch row ``b`` starts from."""
-        return self.source_of(b) * self.G + self.group_of_row[self.row_of(b)]
+        return self.source_of(b) * self.G + self.group_of_row[self.method_row_of(b)]
 
 
 def _comparison_of(rows: list[Row], given: dict | None) -> tuple[dict, list[dict]]:
@@ -212,7 +215,7 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
             batch.group_of_row[i] = g
     for plugin, members in out.values():
         rr = batch.batch_rows(members)
-        batch.out.append(OutGroup(plugin, torch.tensor(rr, device=dev), [settings[batch.row_of(b)] for b in rr],
+        batch.out.append(OutGroup(plugin, torch.tensor(rr, device=dev), [settings[batch.method_row_of(b)] for b in rr],
                                   [src_lens[batch.source_of(b)] for b in rr],
                                   None if batch.ref_lens is None else [batch.ref_lens[batch.source_of(b)] for b in rr]))
     return batch

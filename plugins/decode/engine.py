@@ -1,7 +1,9 @@
-"""The decode engines: ``BatchDecode``, the local one (the backbone's forward pass in this process, one step at a
-time: streaming, cancelling, the compact layout, a kept decode for slider moves), behind ``compare`` /
-``decode_batch`` / ``start_compare``; and ``decode_loop``, the same steps around a forward pass given as a function
-(a remote backbone's: ``offsite.decode``)."""
+"""The decode loop, one for every decode: ``BatchDecode.step`` (distributions, repetition guard, slider records, token
+selection, the next forward pass). ``BatchDecode`` runs it around the backbone's forward pass in this process (one
+step at a time: streaming, cancelling, the compact layout, a kept decode for slider moves), behind ``compare`` /
+``decode_batch`` / ``start_compare``; ``ForwardDecode`` around a forward pass given as a function (a remote
+backbone's: ``offsite.decode``), behind ``decode_loop``; a slider move (``LiveMove``) runs each of its re-decodes
+as a ``BatchDecode``."""
 from __future__ import annotations
 
 import time
@@ -18,7 +20,8 @@ from plugins.decode.beams import Beams, ban_repeated_ngrams
 from plugins.decode.forward import forward_step, prefill
 from plugins.decode.live import KEEP_TOP, LiveComparison, StepRecords, cache_view
 from plugins.decode.results import Comparison, Row, row_result
-from plugins.decode.step import StepOutput, decode_step, mix_step, trace_item
+from plugins.decode.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
+from plugins.decode.stepping import DecodeRun
 
 
 def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seconds: float) -> list[Comparison]:
@@ -76,13 +79,13 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     return BatchDecode(backbone, batch, max_new_tokens, trace, use_prefix_cache, t0=t0, compact=compact).run()
 
 
-class BatchDecode:
-    """``decode_batch`` one step at a time. ``step()`` runs the next step (the prefill first) and says whether the
-    decode goes on; ``partial()`` is every row's output so far (streaming), ``result()`` the comparisons, ``run()``
-    all steps. To cancel, stop calling ``step()``: no hook stays attached between two steps (in-network plug-ins
-    attach for each forward pass only, a step putting back the hooks the previous one took off: the same functions,
-    rows, settings and products derived from the plug-in's weights, which a decode reads as they were at its first
-    step), so the backbone is free for others between steps.
+class BatchDecode(DecodeRun):
+    """``decode_batch`` one step at a time (``DecodeRun``). ``step()`` runs the next step (the prefill first) and says
+    whether the decode goes on; ``partial()`` is every row's output so far (streaming), ``result()`` the comparisons,
+    ``run()`` all steps. To cancel, stop calling ``step()``: no hook stays attached between two steps (in-network
+    plug-ins attach for each forward pass only, a step putting back the hooks the previous one took off: the same
+    functions, rows, settings and products derived from the plug-in's weights, which a decode reads as they were at
+    its first step), so the backbone is free for others between steps.
 
     Compact layout (``compact``, on by default): the forward pass, the KV cache and the LM head's P_LM hold one row per
     *distinct live* batch row, not one per batch row. Rows of one prefill group (the base row, PEMA and kNN: no
@@ -110,8 +113,8 @@ class BatchDecode:
         self.compact = compact
         self.beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
         self.step_no = 0  # the next step's index
-        self.fc_last = self.cache = self.mask = None  # per row of the cache (compact: ``phys``), else per batch row
-        self.phys: torch.Tensor | None = None  # compact layout: batch row → its row of the cache and of fc_last
+        self.fc_last = self.cache = self.mask = None  # per cache row (a batch row's: ``phys``)
+        self.phys: torch.Tensor | None = None  # compact layout: batch row → its cache row (else a batch row is one)
         self.phys_list: list[int] = []  # the same as a list (no device round trip per use)
         self.finished_caches: dict[int, tuple] = {}  # keep: batch row → (cache, row) as it was when it finished
         self.prefill_handles: list[list] = [[] for _ in batch.net]
@@ -153,20 +156,16 @@ class BatchDecode:
         return self.cache, b if self.phys is None else self.phys_list[b]
 
     def step(self) -> bool:
+        """The decode loop's one step, for every decode: the prefill before the first; this step's distributions
+        (``_step_output``); the repetition guard; a kept decode's records; the token selection; then, unless every
+        row finished or the token budget is spent, the next forward pass (``_forward``)."""
         if self.finished:
             return False
-        bb, batch = self.backbone, self.batch
-        if self.cache is None and self.runner is None:
-            self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(
-                bb, batch, self.use_prefix_cache, self.trace, expand=not self.compact)
-            if self.compact:
-                self._set_layout([batch.prefill_row(b) for b in range(batch.N)])
-                self._take_runner()
-            self.forwards += 1
+        bb = self.backbone
+        if self.fc_last is None:
+            self._prefill()
         step = self.step_no
-        attached = [(grp, self.net_handles[g], self.prefill_handles[g], self.net_rows[g][1])
-                    for g, grp in enumerate(batch.net)] if self.trace else None
-        out = decode_step(bb, batch, self.fc_last, step, attached, keep_plugin=self.keep, phys=self.phys)
+        out = self._step_output(step)
         with torch.no_grad(), small_work_threads():
             if self.guard:
                 ban_repeated_ngrams(out.final, self.beams.tokens, self.guard)
@@ -177,10 +176,35 @@ class BatchDecode:
                         rec.add(self.row_fc(r), out.lm(r), plug, min(KEEP_TOP, plug.shape[-1]))
             next_tok, src = self.beams.select(out.final, trace_item(bb, out) if self.trace else None)
         self.step_no = step + 1
-        if self.beams.all_done or self.step_no >= self.max_new_tokens:
+        if self.beams.all_done or self.step_no >= self.max_new_tokens:  # no pass for a token nobody will select
             self.finished, self.seconds = True, time.time() - self.t0
             self._give_back_runner()
             return False
+        self._forward(next_tok, src)
+        self.forwards += 1
+        return True
+
+    def _prefill(self) -> None:
+        """The prompts' forward pass: every batch row's f(c) and KV cache (the compact layout: per prefill row)."""
+        batch = self.batch
+        self.fc_last, self.cache, self.mask, self.prefill_handles = prefill(
+            self.backbone, batch, self.use_prefix_cache, self.trace, expand=not self.compact)
+        if self.compact:
+            self._set_layout([batch.prefill_row(b) for b in range(batch.N)])
+            self._take_runner()
+        self.forwards += 1
+
+    def _step_output(self, step: int) -> StepOutput:
+        """This step's distributions from the last forward pass's f(c), with the in-network groups' traces."""
+        attached = [GroupAttachments(grp, self.net_handles[g], self.prefill_handles[g], self.net_rows[g][1])
+                    for g, grp in enumerate(self.batch.net)] if self.trace else None
+        return decode_step(self.backbone, self.batch, self.fc_last, step, attached, keep_plugin=self.keep,
+                           phys=self.phys)
+
+    def _forward(self, next_tok: torch.Tensor, src: torch.Tensor | None) -> None:
+        """The next forward pass over one new token per batch row (``src``: the batch row each beam continues), each
+        in-network group's hooks on its rows for this pass only (the previous pass's put back)."""
+        bb, batch = self.backbone, self.batch
         if self.phys is not None:
             with torch.no_grad(), small_work_threads():  # row copies: parallel regions that would wake a thread
                 next_tok = self._relayout(next_tok, src)
@@ -208,8 +232,6 @@ class BatchDecode:
             for h in handles:
                 if not (hasattr(h, "suspend") and h.suspend()):
                     h.remove()
-        self.forwards += 1
-        return True
 
     def _relayout(self, next_tok: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """The compact layout of the next forward pass: one row per distinct (row it continues, next token) among
@@ -295,11 +317,6 @@ class BatchDecode:
         return (torch.tensor(rows, device=self.backbone.device),
                 [at[self.phys_list[b]] if not self.beams.done[b // B] else None for b in members], rows)
 
-    def run(self) -> list[Comparison]:
-        while self.step():
-            pass
-        return self.result()
-
     def partial(self) -> list[Comparison]:
         return comparisons(self.backbone, self.batch, self.beams, self.step_no, time.time() - self.t0)
 
@@ -315,31 +332,40 @@ class BatchDecode:
 Forward = Callable[[tuple, torch.Tensor, torch.Tensor, Beams], tuple]
 
 
+class ForwardDecode(BatchDecode):
+    """The decode loop (``BatchDecode.step``) around a forward pass given as a function (a remote backbone's:
+    ``offsite.decode``), for a planned batch with one cache row per batch row and no in-network plug-in: ``first``
+    is (f(c) per batch row, log P_LM per batch row or None) after the prompt, and ``forward(last, next_tok, src,
+    beams)`` returns the same after one more token per batch row (``src``: the batch row each beam continues;
+    ``beams.done``: the rows that finished). Where log P_LM is None it is computed here from f(c) (``decode_step``),
+    else the plug-ins mix into it (``mix_step``)."""
+
+    def __init__(self, backbone: Backbone, batch: Batch, first: tuple, forward: Forward, max_new_tokens: int = 64,
+                 trace: bool = True, t0: float | None = None):
+        super().__init__(backbone, batch, max_new_tokens, trace, use_prefix_cache=False, t0=t0, compact=False)
+        self.fc_last, self.lm_logprobs = first
+        self.forward = forward
+        if self.max_new_tokens <= 0:  # not a single step
+            self.finished = True
+
+    def _prefill(self) -> None:  # the prompt's pass ran where the forward pass runs: ``first``
+        raise AssertionError("ForwardDecode starts from the f(c) it is given")
+
+    def _step_output(self, step: int) -> StepOutput:
+        if self.lm_logprobs is None:
+            return decode_step(self.backbone, self.batch, self.fc_last, step, [] if self.trace else None)
+        return mix_step(self.backbone, self.batch, self.fc_last, self.lm_logprobs, step, self.trace)
+
+    def _forward(self, next_tok: torch.Tensor, src: torch.Tensor | None) -> None:
+        self.fc_last, self.lm_logprobs = self.forward((self.fc_last, self.lm_logprobs), next_tok, src, self.beams)
+
+
 def decode_loop(backbone: Backbone, batch: Batch, first: tuple, forward: Forward, max_new_tokens: int = 64,
                 trace: bool = True, t0: float | None = None) -> list[Comparison]:
-    """Decode a planned ``batch`` (one row per batch row, no in-network plug-in) with the forward pass given:
-    ``first`` is (f(c) per batch row, log P_LM per batch row or None) after the prompt, and ``forward(last,
-    next_tok, src, beams)`` returns the same after one more token per batch row (``src``: the batch row each beam
-    continues; ``beams.done``: the rows that finished). Where log P_LM is None it is computed here from f(c)
-    (``decode_step``), else the plug-ins mix into it (``mix_step``); the repetition guard, the token selection and
-    the results are the local decode's."""
-    t0 = time.time() if t0 is None else t0
-    guard = int(batch.comparison.get("no_repeat_ngram", 0))
-    beams = Beams(batch.S * batch.R, batch.B, backbone.stop_ids, backbone.tokenizer.pad_token_id or 0)
-    last = first
-    steps = 0
-    for step in range(max_new_tokens):
-        steps = step + 1
-        fc_last, lm_lp = last
-        out: StepOutput = decode_step(backbone, batch, fc_last, step, [] if trace else None) if lm_lp is None \
-            else mix_step(backbone, batch, fc_last, lm_lp, step, trace)
-        if guard:
-            ban_repeated_ngrams(out.final, beams.tokens, guard)
-        next_tok, src = beams.select(out.final, trace_item(backbone, out) if trace else None)
-        if beams.all_done or steps == max_new_tokens:  # no forward pass for a token nobody will select
-            break
-        last = forward(last, next_tok, src, beams)
-    return comparisons(backbone, batch, beams, steps, time.time() - t0)
+    """Decode a planned ``batch`` (one row per batch row, no in-network plug-in) with the forward pass given
+    (``ForwardDecode``: ``first`` and ``forward`` as there); the repetition guard, the token selection and the
+    results are the local decode's, in the same loop."""
+    return ForwardDecode(backbone, batch, first, forward, max_new_tokens, trace, t0).run()
 
 
 def start_compare(backbone: Backbone, source: str, rows: list[Row], prompt: Prompt | None = None,

@@ -7,7 +7,6 @@ import torch
 from backbone.model import Backbone, grow_kv_cache, relayout_kv_rows, small_work_threads
 from plugins.decode.batch import Batch
 from plugins.decode.prefix_cache import PREFIX_KV
-from plugins.network import set_own_from
 from plugins.seqtrain import shared_prompt_len
 
 
@@ -28,26 +27,27 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
     ids, mask = _left_padded(contexts, backbone.tokenizer.pad_token_id or 0)
     ids, mask = ids.to(dev), mask.to(dev)
     attached: list[list] = []
-    frozen: list[list] = []  # the attachments of plug-ins that leave the prompt's shared prefix to the frozen backbone
+    # (plug-in, its attachment) of the in-network groups that leave the prompt's shared prefix to the frozen backbone
+    frozen: list[tuple] = []
     own = None
     try:
         for grp in batch.net:
             attached.append(grp.plugin.attach(torch.tensor([s * G + grp.prefill for s in range(S)], device=dev),
                                               grp.settings, trace=trace))
-            if getattr(grp.plugin, "frozen_prefix", False):
-                frozen.append(attached[-1])
+            if grp.plugin.leaves_shared_prefix:
+                frozen.append((grp.plugin, attached[-1]))
         if frozen:  # per prefill row, the first position of the source's own tokens (after left padding)
             width = ids.shape[1]
             own = torch.tensor([width - len(c) + shared_prompt_len(backbone, batch.prompt, c)
                                 for c in contexts], device=dev)
-            for handles in frozen:
-                set_own_from(handles, own)
+            for plugin, handles in frozen:
+                plugin.set_own_from(handles, own)
         with torch.no_grad():
             # the prefix cache holds the comparison prompt's prefix: rows prompted otherwise share none of it
             cacheable = S == 1 and use_prefix_cache and not batch.prompts
             P, past = _cached_prefix(backbone, batch, ids) if cacheable else (0, None)
-            for handles in frozen:  # positions counted from the first token of the forward pass below
-                set_own_from(handles, (own - P).clamp_min(0))
+            for plugin, handles in frozen:  # positions counted from the first token of the forward pass below
+                plugin.set_own_from(handles, (own - P).clamp_min(0))
             fc, out = backbone.forward_fc(ids[:, P:], attention_mask=mask if batch.padded else None,
                                           past_key_values=past, use_cache=True)
     finally:

@@ -17,6 +17,7 @@ from plugins.decode.beams import repeated_ngram_ends
 from plugins.decode.prefix_cache import PrefixKV
 from plugins.decode.results import Comparison, Row, row_result
 from plugins.decode.step import decode_step
+from plugins.decode.stepping import DecodeRun
 from plugins.decode.topk import TOP, top_k, top_tokens
 
 KEEP_TOP = 64  # per step and row of a kept decode: the top tokens of P_LM and of P_plug-in (LiveComparison)
@@ -296,13 +297,14 @@ def _rows_cache(cache, rows: list[int], remove: int):
     return out  # a growing cache's copy grows too (its layers are copies of the same kind)
 
 
-class LiveMove:
-    """A slider move on a ``LiveComparison``, run like a ``BatchDecode``: ``step()`` one step of every re-decode
-    (several rows from the same step share one batch), ``partial()``, ``result()``. When it finishes the
-    LiveComparison holds the new state; a move that is stopped half-way leaves it as it was."""
+class LiveMove(DecodeRun):
+    """A slider move on a ``LiveComparison``, run like a ``BatchDecode`` (``DecodeRun``): ``step()`` one step of every
+    re-decode — each a ``BatchDecode`` resumed at its first changed step, several rows from the same step sharing
+    one batch —, ``partial()``, ``result()``. When it finishes the LiveComparison holds the new state; a move that
+    is stopped half-way leaves it as it was."""
 
     def __init__(self, live: LiveComparison, batch: Batch, kept: dict, tails: list, t0: float):
-        self.live, self.batch, self.kept, self.tails, self.t0 = live, batch, kept, tails, t0
+        self._live, self.batch, self.kept, self.tails, self.t0 = live, batch, kept, tails, t0
         self.finished = False
         self.seconds = 0.0
         self.reused_steps = sum(len(toks) if kept[i][0] is None else kept[i][0]
@@ -326,14 +328,9 @@ class LiveMove:
             self._finish()
         return more
 
-    def run(self) -> list[Comparison]:
-        while self.step():
-            pass
-        return self.result()
-
     def _rows(self) -> list[tuple[list[int], list[dict], float]]:
         """(tokens, trace, score) of every row now."""
-        live = self.live
+        live = self._live
         out = [(live.tokens[i], live.traces[i], live.scores[i]) for i in range(len(live.rows))]
         for i, (t, traces, score, _) in self.kept.items():
             if t is None:
@@ -345,7 +342,7 @@ class LiveMove:
         return out
 
     def _finish(self) -> None:
-        live = self.live
+        live = self._live
         rows = self._rows()
         for i, (t, _traces, _score, rec) in self.kept.items():
             live.records[i] = rec
@@ -359,6 +356,11 @@ class LiveMove:
         live.rows, live.settings = list(self.batch.rows), list(self.batch.settings)
         self.finished, self.seconds = True, time.time() - self.t0
 
+    def live(self) -> LiveComparison | None:
+        """The kept decode with this move's new state once the move finished (None before), as
+        ``BatchDecode.live()``: what the next move starts from."""
+        return self._live if self.finished else None
+
     def partial(self) -> list[Comparison]:
         return [self._comparison(time.time() - self.t0)]
 
@@ -366,7 +368,7 @@ class LiveMove:
         return [self._comparison(self.seconds if self.finished else time.time() - self.t0)]
 
     def _comparison(self, seconds: float) -> Comparison:
-        live, bb = self.live, self.live.backbone
+        live, bb = self._live, self._live.backbone
         rows = self._rows()
         results = [row_result(bb, row, toks, tr, {**self.batch.settings[i], **self.batch.comparison}, score)
                    for i, (row, (toks, tr, score)) in enumerate(zip(self.batch.rows, rows))]

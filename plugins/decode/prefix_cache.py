@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 from backbone.model import Backbone
 from backbone.prompts import Prompt, common_prefix_len
+from backbone.torch_internals import version
 
 
 class PrefixKV:
@@ -40,7 +41,7 @@ class PrefixKV:
     @staticmethod
     def plugin_version(plugin) -> int:
         """A number that changes whenever a weight or buffer of ``plugin`` is written (its version counters)."""
-        return sum(t._version for t in itertools.chain(plugin.parameters(), plugin.buffers()))
+        return sum(version(t) for t in itertools.chain(plugin.parameters(), plugin.buffers()))
 
     def _key(self, backbone, groups: list) -> tuple:
         return (id(backbone.model),

@@ -8,21 +8,34 @@ import torch
 
 from backbone.model import Backbone, small_work_threads, vocab_wide_threads
 from plugins.base import MixInput, MixOutput
-from plugins.decode.batch import Batch
+from plugins.decode.batch import Batch, NetGroup
 from plugins.decode.topk import top_tokens
+
+
+@dataclass
+class GroupAttachments:
+    """What a step's trace reads of one in-network group: the handles of the attachment of the forward pass that made
+    the step's f(c) (empty before the first step's pass), those of its prefill attachment (whose trace stands in
+    for the first step's: one prefill row per source), and — in a compact layout — each of the group's batch rows'
+    position among the step attachment's rows (None: a finished row; ``positions`` None: the group's own order)."""
+
+    group: NetGroup
+    handles: list
+    prefill_handles: list
+    positions: list[int | None] | None = None
 
 
 @dataclass
 class StepOutput:
     """One step's distributions of every batch row, and what its trace shows."""
 
-    lm_logprobs: torch.Tensor  # (N, V) log P_LM, on the backbone's device; with ``phys``: (P, V), one per f(c) row
+    lm_logprobs: torch.Tensor  # (N, V) log P_LM, on the backbone's device; with ``phys``: (P, V), one per cache row
     final: torch.Tensor        # (N, V) the final log-probabilities after every plug-in's mix, on the backbone's
     # device: the token selection reads only each row's best few from it (on a GPU, a few numbers per row cross to
     # the host instead of the whole vocabulary)
     info: list[dict]           # per batch row: trace items (λ_t, the plug-in's top tokens, extras, memory attention)
     plugin: dict = field(default_factory=dict)  # with ``keep_plugin``: batch row → log P_plug-in (V,) of its mix
-    phys: torch.Tensor | None = None  # batch row → row of ``lm_logprobs`` (a compact step: ``decode_step``)
+    phys: torch.Tensor | None = None  # batch row → cache row, its row of ``lm_logprobs`` (a compact step)
 
     def lm(self, b: int) -> torch.Tensor:
         """Batch row ``b``'s log P_LM (V,)."""
@@ -30,20 +43,20 @@ class StepOutput:
 
 
 def decode_step(backbone: Backbone, batch: Batch, fc_last: torch.Tensor, step: int,
-                attached: list | None = None, keep_plugin: bool = False,
+                attached: list[GroupAttachments] | None = None, keep_plugin: bool = False,
                 phys: torch.Tensor | None = None) -> StepOutput:
     """One step's distributions from the last position's f(c) of every batch row: f(c) and the output-level
     plug-ins' extra states go through the frozen norm + LM head in one matrix product, then each output-level
-    plug-in mixes its rows. With ``attached`` (per in-network group: (group, step handles, prefill handles[,
-    position of each of the group's rows in the step attachment's rows])) the per-row trace items are collected
-    too; None: no trace. ``keep_plugin``: also return each interpolating plug-in's own distribution per row
-    (``StepOutput.plugin``). ``phys`` (``BatchDecode``'s compact layout): ``fc_last`` holds one row per distinct
-    live batch row and batch row ``b`` reads its row ``phys[b]``, so P_LM is computed once per distinct row."""
+    plug-in mixes its rows. With ``attached`` (one ``GroupAttachments`` per in-network group) the per-row trace
+    items are collected too; None: no trace. ``keep_plugin``: also return each interpolating plug-in's own
+    distribution per batch row (``StepOutput.plugin``). ``phys`` (``BatchDecode``'s compact layout): ``fc_last``
+    holds one cache row per distinct live batch row and batch row ``b`` reads cache row ``phys[b]``, so P_LM is
+    computed once per cache row."""
     kept: dict = {}
     N = batch.N
     P = fc_last.shape[0]
 
-    def rows_of(t: torch.Tensor, rr: torch.Tensor, at=None) -> torch.Tensor:  # batch rows ``rr`` of a per-f(c) tensor
+    def rows_of(t: torch.Tensor, rr: torch.Tensor, at=None) -> torch.Tensor:  # batch rows ``rr`` of a per-cache-row one
         return (t[rr if at is None else at]) if phys is None else t[phys[rr]]
 
     with torch.no_grad(), small_work_threads():  # small operators on one thread, the LM head on all
@@ -117,18 +130,18 @@ def _mix_trace(backbone: Backbone, info: list[dict], rows: list[int], mo: MixOut
             info[b].update(mo.extras[j])
 
 
-def _network_trace(batch: Batch, attached: list, info: list[dict]) -> None:
+def _network_trace(batch: Batch, attached: list[GroupAttachments], info: list[dict]) -> None:
     """Each in-network group's trace of the forward pass that made this step's f(c): its step attachment's, or
-    before the first step's pass its prefill attachment's (one prefill row per source). An entry's optional fourth
-    item maps the group's rows to their positions in the step attachment's rows (a compact layout; None: the same)."""
-    for grp, handles, prefill_handles, *where in attached:
+    before the first step's pass its prefill attachment's (one prefill row per source)."""
+    for ga in attached:
+        grp = ga.group
         rows = grp.rows.tolist()
-        per_row = grp.plugin.network_trace(handles)
+        per_row = grp.plugin.network_trace(ga.handles)
         if per_row is None:
-            pre = grp.plugin.network_trace(prefill_handles) or {}
+            pre = grp.plugin.network_trace(ga.prefill_handles) or {}
             per_row = {j: pre.get(batch.source_of(b)) for j, b in enumerate(rows)}
-        elif where and where[0] is not None:
-            per_row = {j: per_row.get(at) for j, at in enumerate(where[0]) if at is not None}
+        elif ga.positions is not None:
+            per_row = {j: per_row.get(at) for j, at in enumerate(ga.positions) if at is not None}
         for j, b in enumerate(rows):
             if per_row.get(j) is not None:
                 info[b]["memory_attention"] = per_row[j]
