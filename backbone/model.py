@@ -323,7 +323,11 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
                   data_dir: str | os.PathLike | None = None, progress: Progress = no_progress) -> Backbone:
     """Load a backbone by embedded short name, Hugging Face hub id or local path, in the precision ``dtype``
     (:func:`resolve_precision`: float32, bfloat16, int8 on a CPU, float16); see ``backbone.loading.load_model``."""
-    return Backbone(**load_model(name, device, dtype, data_dir, progress))
+    bb = Backbone(**load_model(name, device, dtype, data_dir, progress))
+    from backbone.graph_decode import warm_up  # a GPU's first-call work at load, not in the first comparison
+
+    warm_up(bb)
+    return bb
 
 
 def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_tokens: int = 64,

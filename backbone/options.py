@@ -22,6 +22,8 @@ class FastPaths:
     small_forward_one_thread: bool = True  # a small forward pass on one thread (``small_forward_threads``)
     small_forward_max_tokens: int = 32     # ... up to this many tokens (batch × length)
     small_work_one_thread: bool = True     # a step's small work around the decoder on one thread
+    graph_decode: str = "auto"             # the frozen step from a CUDA graph on a GPU ("static": no graph, any
+    # device — the tests' check of the static path; "off": the eager path) (``backbone.graph_decode``)
 
 
 _PATHS: ContextVar[FastPaths] = ContextVar("backbone_fast_paths", default=FastPaths())

@@ -39,7 +39,9 @@ T_IMPORT = time.time()
 
 import torch  # noqa: E402
 
+from backbone.graph_decode import RUNNERS, warm_up  # noqa: E402
 from backbone.model import Backbone, cpu_description, resolve_precision, set_precision  # noqa: E402
+from backbone.options import using_fast_paths  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
 from eval.datasets import wmt_pairs  # noqa: E402
 from ground.store import data_dir  # noqa: E402
@@ -50,7 +52,7 @@ from plugins.decode import Row, compare, start_compare  # noqa: E402
 from plugins.registry import available_methods  # noqa: E402
 
 SIX = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")
-QUICK = {"max_minutes": 0.2, "max_epochs": 1}  # plug-ins for the decode timing: their values do not matter
+QUICK = {"max_minutes": 0.05, "max_epochs": 1}  # plug-ins for the decode timing: their values do not matter
 
 
 def default_config_dir() -> Path:
@@ -87,17 +89,21 @@ def random_backbone(config_dir: str | Path, seed: int = 0, device: str | None = 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = resolve_precision(dtype, dev)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if precision == "bfloat16" else torch.float32)
+    with torch.device(dev):  # initialised where it runs (on a GPU: seconds, not a CPU's minute)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if precision == "bfloat16"
+                                                 else torch.float32)
     if dev.startswith("cuda") and precision == "float16":
         model = model.half()
-    model = model.to(dev)
+    model = model.to(dev).eval()
     if not dev.startswith("cuda") and precision != "float32" or precision == "bfloat16":
         set_precision(model, precision)
     tok = AutoTokenizer.from_pretrained(folder)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     name = f"{getattr(cfg, 'model_type', 'model')}-random-seed{seed}" + (f"-{layers}layers" if layers else "")
-    return Backbone(model=model, tokenizer=tok, name=name)
+    bb = Backbone(model=model, tokenizer=tok, name=name)
+    warm_up(bb)  # as load_backbone does: a GPU's first-call work and CUDA graphs before the first comparison
+    return bb
 
 
 class _FixedSteps:
@@ -168,8 +174,40 @@ def _pairs(n: int, small: bool) -> list[tuple[str, str]]:
     return pairs
 
 
+def profile_tables(bb, rows, prompt, source, tokens: int, folder: Path, name: str) -> dict:
+    """``torch.profiler`` over a warm fixed-length decode: the operator table (by self CPU time and, on a GPU, by
+    device time) written to ``folder/<name>.txt``; returns the wall time per step and, on a GPU, the device's busy
+    time per step (the kernels' summed time: what a step would cost without host overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = bb.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(bb)
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        compare(bb, source, rows, prompt, max_new_tokens=tokens, trace=False)
+        _sync(bb)
+    wall = time.perf_counter() - t
+    ka = prof.key_averages()
+    text = ka.table(sort_by="self_cpu_time_total", row_limit=40)
+    res = {"profiled_wall_ms_per_step": round(1000 * wall / tokens, 2)}
+    if cuda:
+        text += "\n\n" + ka.table(sort_by="self_device_time_total", row_limit=25)
+        busy = sum(e.self_device_time_total for e in ka) / 1000.0  # µs → ms
+        res["device_busy_ms_per_step"] = round(busy / tokens, 2)
+        res["kernel_launches_per_step"] = round(sum(e.count for e in ka if e.key in (
+            "cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")) / tokens, 1)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.txt").write_text(text, encoding="utf-8")
+    return res
+
+
 def run(bb: Backbone, pairs: int = 1000, tokens: int = 32, reps: int = 5, small: bool = False,
-        methods: list[str] | None = None, work: Path | None = None, ready_s: float = 0.0) -> dict:
+        methods: list[str] | None = None, work: Path | None = None, ready_s: float = 0.0,
+        parts: tuple = ("build", "train", "decode"), profile_dir: Path | None = None, partial=None) -> dict:
+    """``parts``: which measurements to run (the memory build, every method's training, the decode timings);
+    without "build" the decode's plug-ins train on a small memory (64 pairs). ``profile_dir``: also write the
+    profiler's operator tables of a warm 1-row and 7-row decode there."""
     methods = [m for m in (methods or SIX) if m in available_methods()]
     prompt = task_prompt("translation", bb)
     dev_src = [en for en, _ in wmt_pairs("dev", 0, 3)]
@@ -192,7 +230,7 @@ def run(bb: Backbone, pairs: int = 1000, tokens: int = 32, reps: int = 5, small:
     out["process_to_first_comparison_s"] = round(time.time() - T_IMPORT, 2)
 
     # the memory build, then every method to its epoch limit
-    train = _pairs(pairs, small)
+    train = _pairs(pairs if "build" in parts or "train" in parts else min(pairs, 64), small)
     t = time.perf_counter()
     mem = build_memory(bb, [Sample(s, tg, i) for i, (s, tg) in enumerate(train)], work / "mem", prompt=prompt,
                        heldout_frac=0.1)
@@ -201,7 +239,7 @@ def run(bb: Backbone, pairs: int = 1000, tokens: int = 32, reps: int = 5, small:
     out["memory_build"] = {"pairs": len(train), "entries": len(mem), "seconds": round(dt, 2),
                            "entries_per_s": round(len(mem) / max(dt, 1e-9), 1)}
     out["training"] = {}
-    for m in methods:
+    for m in (methods if "train" in parts else ()):
         over = {} if m == "knn" else ({"max_minutes": 0.0, "patience": 1000}
                                      if m != "pema" else {"max_minutes": 0.0})
         if small and m != "knn":
@@ -216,25 +254,46 @@ def run(bb: Backbone, pairs: int = 1000, tokens: int = 32, reps: int = 5, small:
         out["training"][m] = {"seconds": round(time.perf_counter() - t, 2), "stopped_by": phase.get("stopped_by"),
                               "epochs": phase.get("epochs"), "settings": over}
         print(f"trained {m}: {out['training'][m]}", file=sys.stderr)
+        if partial is not None:
+            partial(out)
 
+    if "decode" not in parts:
+        return out
     # the decode step: plug-ins trained briefly (a step's cost does not depend on how long one trained)
     plugins = {}
     for m in methods:
         over = {"search": "exact"} if m == "knn" else dict(QUICK, **({"max_translate": 8} if m == "memory_adapter"
                                                                      else {}))
         if m == "pema":
-            over = {"max_minutes": 0.2, "max_epochs_rct": 1, "max_epochs_joint": 1}
+            over = {"max_minutes": 0.05, "max_epochs_rct": 1, "max_epochs_joint": 1}
         plugins[m], _ = train_plugin(bb, mem, m, over, out_dir=work / f"quick-{m}")
     configs = {"1 row": [Row("base")],
+               "3 output-level rows": [Row("base")] + [Row(n, plugins[n]) for n in ("pema", "knn") if n in plugins],
                "4 rows": [Row("base")] + [Row(n, plugins[n]) for n in ("pema", "adapter", "knn") if n in plugins],
                "7 rows": [Row("base")] + [Row(n, plugins[n]) for n in methods]}
     with _FixedSteps(bb):
         for c in configs.values():  # warm: kernels, the prefix cache, derived products
             compare(bb, dev_src[0], c, prompt, max_new_tokens=2, trace=False)
         out["decode_step_ms"] = {k: _decode_ms(bb, c, prompt, dev_src[1], tokens, reps) for k, c in configs.items()}
-        base = out["decode_step_ms"]["1 row"]
+        base = max(out["decode_step_ms"]["1 row"], 1e-3)  # a tiny model's step can round to 0
         out["over_one_row"] = {k: round(v / base, 3) for k, v in out["decode_step_ms"].items()}
+        if bb.device.type == "cuda":  # the same steps on the eager path, in the same process: the graphs' gain
+            with using_fast_paths(graph_decode="off"):
+                for c in configs.values():
+                    compare(bb, dev_src[0], c, prompt, max_new_tokens=2, trace=False)
+                out["eager_decode_step_ms"] = {k: _decode_ms(bb, c, prompt, dev_src[1], tokens, reps)
+                                               for k, c in configs.items()}
+                eager = compare(bb, dev_src[1], configs["3 output-level rows"], prompt, max_new_tokens=tokens,
+                                trace=False)
+            graphed = compare(bb, dev_src[1], configs["3 output-level rows"], prompt, max_new_tokens=tokens,
+                              trace=False)
+            out["graph_check"] = {"same_tokens": [a.tokens == b.tokens for a, b in zip(eager.rows, graphed.rows)],
+                                  "runners": {"/".join(map(str, k[2:])): n for k, n in RUNNERS._count.items()},
+                                  "disabled": dict((str(k), v) for k, v in RUNNERS.disabled.items())}
         out["host_reads_7_rows"] = host_reads(bb, configs["7 rows"], prompt, dev_src[1], min(tokens, 8))
+        if profile_dir is not None:
+            out["profile"] = {k: profile_tables(bb, configs[k], prompt, dev_src[1], tokens, Path(profile_dir),
+                                                k.replace(" ", "_")) for k in ("1 row", "7 rows")}
     # a slider move (PEMA's λ_max) against a full decode of the same comparison
     if "pema" in plugins:
         rows = lambda lam: [Row("base"), Row("PEMA", plugins["pema"], {"lambda_max": lam})]  # noqa: E731
@@ -272,6 +331,10 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="CPU-sized: 24 pairs, 8 tokens, 2 reps, one epoch each, "
                                                           "two decoder layers")
     ap.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    ap.add_argument("--parts", default="build,train,decode",
+                    help="comma-separated: build (the memory on --pairs), train (every method to its epoch "
+                         "limit), decode (first comparison, steps, host reads, slider)")
+    ap.add_argument("--profile-dir", help="also write torch.profiler operator tables of warm decodes here")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -287,7 +350,16 @@ def main(argv=None) -> int:
         bb = random_backbone(args.config_dir or default_config_dir(), device=args.device, dtype=args.dtype,
                              layers=args.layers)
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
-    res = run(bb, args.pairs, args.tokens, args.reps, args.small, methods, ready_s=time.time() - t)
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    bad = set(parts) - {"build", "train", "decode"}
+    if bad:
+        ap.error(f"unknown part(s): {', '.join(sorted(bad))}")
+    def partial(res):
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1), encoding="utf-8")
+
+    res = run(bb, args.pairs, args.tokens, args.reps, args.small, methods, ready_s=time.time() - t, parts=parts,
+              profile_dir=Path(args.profile_dir) if args.profile_dir else None, partial=partial)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -49,8 +49,8 @@ def test_gpu_benchmark_runs_cpu_sized(tiny, shared_data, tmp_path):
     assert set(res["training"]) == {"pema", "knn", "adapter"}
     assert res["training"]["adapter"]["stopped_by"] == "max_epochs"
     assert res["training"]["adapter"]["epochs"] == 1
-    assert set(res["decode_step_ms"]) == {"1 row", "4 rows", "7 rows"}
-    assert all(v > 0 for v in res["decode_step_ms"].values())
+    assert set(res["decode_step_ms"]) == {"1 row", "3 output-level rows", "4 rows", "7 rows"}
+    assert all(v >= 0 for v in res["decode_step_ms"].values())  # a tiny model's step may round to 0
     assert res["host_reads_7_rows"]["scalar_reads_per_step"] >= 0
     assert 0 < res["slider"]["move_over_full"]
     json.dumps(res)

@@ -7,10 +7,12 @@ as a ``BatchDecode``."""
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable
 
 import torch
 
+from backbone.graph_decode import RUNNERS, graph_mode
 from backbone.model import Backbone, relayout_kv_rows, small_work_threads
 from backbone.prompts import Prompt
 from plugins.decode.batch import Batch, NetGroup, plan_batch
@@ -124,6 +126,8 @@ class BatchDecode(DecodeRun):
         self.finished = False
         self.seconds = 0.0
         self.records: dict[int, StepRecords] = {}
+        self.runner = None  # a static-cache step (``backbone.graph_decode``) instead of the eager forward pass
+        self._runner_back = None
 
     def resume(self, step: int, fc_last: torch.Tensor, cache, tokens: list[list[int]], traces: list[list[dict]],
                scores: list[float]) -> "BatchDecode":
@@ -147,6 +151,8 @@ class BatchDecode(DecodeRun):
         """(the KV cache holding batch row ``b``, its row in it): a finished row's as it was when it finished."""
         if b in self.finished_caches:
             return self.finished_caches[b]
+        if self.runner is not None:
+            return self.runner.export([self.phys_list[b]]), 0
         return self.cache, b if self.phys is None else self.phys_list[b]
 
     def step(self) -> bool:
@@ -172,6 +178,7 @@ class BatchDecode(DecodeRun):
         self.step_no = step + 1
         if self.beams.all_done or self.step_no >= self.max_new_tokens:  # no pass for a token nobody will select
             self.finished, self.seconds = True, time.time() - self.t0
+            self._give_back_runner()
             return False
         self._forward(next_tok, src)
         self.forwards += 1
@@ -184,6 +191,7 @@ class BatchDecode(DecodeRun):
             self.backbone, batch, self.use_prefix_cache, self.trace, expand=not self.compact)
         if self.compact:
             self._set_layout([batch.prefill_row(b) for b in range(batch.N)])
+            self._take_runner()
         self.forwards += 1
 
     def _step_output(self, step: int) -> StepOutput:
@@ -214,8 +222,11 @@ class BatchDecode(DecodeRun):
                     self.net_handles[g] = grp.plugin.attach(rows, grp.settings, trace=self.trace)
                 self.net_rows[g] = (key, where)
                 on.append((grp.plugin, self.net_handles[g]))
-            self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
-                                                               src if batch.B > 1 else None, padded=batch.padded)
+            if self.runner is not None:
+                self.fc_last = self.runner.step(next_tok)
+            else:
+                self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
+                                                                   src if batch.B > 1 else None, padded=batch.padded)
         finally:
             for plugin, handles in on:
                 plugin.suspend(handles)
@@ -239,15 +250,48 @@ class BatchDecode(DecodeRun):
         phys = [at[live[b]] if b in live else 0 for b in range(len(old))]  # a finished row's entry is never read
         if self.keep:  # a row that finished leaves the layout: keep its cache as it is (the tensors are not copied)
             gone = [b for b in range(len(old)) if self.beams.done[b // B] and b not in self.finished_caches]
-            if gone:
+            if gone and self.runner is not None:  # the runner's buffers are reused: copy the rows out
+                snapshot = self.runner.export([old[b] for b in gone])
+                self.finished_caches.update({b: (snapshot, i) for i, b in enumerate(gone)})
+            elif gone:
                 snapshot = cache_view(self.cache)
                 self.finished_caches.update({b: (snapshot, old[b]) for b in gone})
         gather = [r for r, _ in order]
-        if gather != list(range(self.mask.shape[0])):
+        if self.runner is not None:
+            if gather != list(range(self.runner.rows)):
+                self.runner.relayout(gather)
+        elif gather != list(range(self.mask.shape[0])):
             relayout_kv_rows(self.cache, gather, row_capacity=len(live))
             self.mask = self.mask[torch.tensor(gather, device=dev)]
         self._set_layout(phys)
         return torch.tensor([tok for _, tok in order], dtype=torch.long)
+
+    def _take_runner(self) -> None:
+        """After the prefill: the static-cache step for a decode it can serve (greedy, compact, no in-network
+        hooks, short enough: ``backbone.graph_decode``), loaded with the prefill's cache."""
+        bb, batch = self.backbone, self.batch
+        mode = graph_mode(bb.device)
+        if mode is None or batch.net or batch.B != 1:
+            return
+        runner = RUNNERS.take(bb.decoder, bb.final_norm, batch.N, self.mask.shape[1] + self.max_new_tokens,
+                              graph=mode == "graph")
+        if runner is None:
+            return
+        runner.start(self.cache, self.mask)
+        self.runner, self.cache = runner, None
+        self._runner_back = weakref.finalize(self, RUNNERS.give_back, runner)  # a decode dropped half-way
+
+    def _give_back_runner(self) -> None:
+        """A finished decode's runner goes back to the pool; a kept decode first copies its rows' caches out."""
+        if self.runner is None:
+            return
+        if self.keep:
+            rows = [b for b in range(self.batch.N) if b not in self.finished_caches]
+            if rows:
+                snapshot = self.runner.export([self.phys_list[b] for b in rows])
+                self.finished_caches.update({b: (snapshot, i) for i, b in enumerate(rows)})
+        self._runner_back()  # gives the runner back, once
+        self.runner = None
 
     def _set_layout(self, phys: list[int]) -> None:
         self.phys_list = phys
