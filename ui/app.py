@@ -124,7 +124,7 @@ def _tabs(studio) -> SimpleNamespace:
             with gr.Tab("Compare", id="compare") as t.t_cmp:
                 t.cmp = compare.build(studio)
             with gr.Tab("Evaluate", id="evaluate") as t.t_eval:
-                t.ev = evaluate.build(studio, t.cmp.settings_inputs, t.cmp.settings_of)
+                t.ev = evaluate.build(studio, t.cmp.settings_inputs, t.cmp.settings_of, t.cmp.global_of)
             with gr.Tab("Rank", id="rank") as t.t_rank:
                 t.rk = rank.build(studio)
     return t

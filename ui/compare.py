@@ -509,6 +509,9 @@ def build(studio) -> SimpleNamespace:
     def settings_of(*vals):
         return decode_settings_of(c.comp_keys + c.live_keys, vals[:-3], vals[-3], vals[-1], vals[-2])
 
+    def global_of(*vals) -> bool:  # the Global defaults switch among ``settings_inputs``' values
+        return bool(vals[-2])
+
     several.wire(studio, c.several_box, c.task, c.methods, c.max_new, c.beams, settings_inputs, settings_of)
     return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory"],
                            refresh_inputs=[c.methods, c.hmem], refresh_outputs=[c.methods, c.hmem],
@@ -518,7 +521,7 @@ def build(studio) -> SimpleNamespace:
                            restore=restore, restore_outputs=[c.methods, c.hmem, c.task, *c.live_ctls],
                            # what Evaluate decodes with by default: this tab's controls (untouched ones: each
                            # plug-in's own start, tuned on its memory unless Global defaults is ticked)
-                           settings_inputs=settings_inputs, settings_of=settings_of)
+                           settings_inputs=settings_inputs, settings_of=settings_of, global_of=global_of)
 
 
 def view_key(request: gr.Request | None) -> str | None:

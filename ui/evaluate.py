@@ -245,15 +245,16 @@ def _memory_warning(studio, mid, me) -> str:
     return render.memory_warning(m, "heldout")
 
 
-def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of) -> None:
-    """Evaluate and the sweep: each submits a background job and clears the previous result."""
+def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of, global_of) -> None:
+    """Evaluate and the sweep: each submits a background job and clears the previous result; both decode as
+    Compare does, at each plug-in's calibrated settings unless Compare's Global defaults is ticked."""
     @user_errors
     def do_run(request: gr.Request, mem, path, tk, n, mx, ms, *svals):
         me = owner_of(studio, request)
         data, fname = read_upload(studio, request, path)
         jid = studio.submit_evaluate(methods=list(ms or []), memory_id=None if data else mem, test_data=data,
                                      test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals), owner=me)
+                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals))
         studio.uploads.consume(path)  # the job holds the pairs it read
         return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
 
@@ -269,7 +270,7 @@ def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of) -
             raise UserError("Write the λ_max values as numbers separated by commas, e.g. 0, 0.5, 1.") from None
         jid = studio.submit_evaluate(memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
                                      limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals), owner=me)
+                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals))
         studio.uploads.consume(path)
         return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
 
@@ -302,7 +303,7 @@ def _wire_poll(studio, c: SimpleNamespace) -> None:
                  api_visibility="private")
 
 
-def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
+def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: False) -> SimpleNamespace:
     """``settings_inputs`` / ``settings_of``: the Compare tab's decode controls and how to read them, so that an
     evaluation decodes with exactly the settings a comparison shows."""
     c = SimpleNamespace(job_id=gr.State(None), seen=gr.State(None))
@@ -312,7 +313,7 @@ def build(studio, settings_inputs: list, settings_of) -> SimpleNamespace:
         with gr.Column(scale=3, min_width=440):
             _results_panel(c)
     c.timer = gr.Timer(1.5)
-    _wire_runs(studio, c, settings_inputs, settings_of)
+    _wire_runs(studio, c, settings_inputs, settings_of, global_of)
     _wire_poll(studio, c)
 
     @user_errors

@@ -26,6 +26,7 @@ def _method_info(m: dict | None, starts: dict | None = None) -> str:
         return ""
     level = {"output": "output-level: mixes the next-token distribution",
              "network": "in-network: changes the backbone's hidden states of its own rows",
+             "prompt": "prompt-level: the frozen model, prompted with examples retrieved from the memory",
              }.get(m["level"], m["level"])
     declared = {d["name"]: d["default"] for d in m.get("decode_settings", [])}
     dec = ", ".join(f"{d['name']}={d['default']}" + (" (live)" if d["live"] else "")
