@@ -41,6 +41,11 @@ def hook_id(handle) -> int:
     return handle.id
 
 
+def forward_hook_count(module: nn.Module) -> int:
+    """How many forward hooks and pre-hooks ``module`` and its submodules carry (none between two decode steps)."""
+    return sum(len(getattr(m, name)) for m in module.modules() for name in FORWARD_HOOK_TABLES)
+
+
 def clear_module_hooks(module: nn.Module) -> None:
     """Remove every hook of ``module`` and its submodules (a copy of a layer that must run without the hooks
     attached to the original)."""

@@ -15,8 +15,18 @@ import torch
 from _server import build_tiny_memory, tiny_studio
 
 from backbone.prompts import Prompt
+from backbone.torch_internals import forward_hook_count
 from plugins.api import new_plugin
-from plugins.decode import BatchDecode, LiveComparison, Row, compare, decode_batch, plan_batch, start_compare
+from plugins.decode import (
+    BatchDecode,
+    DecodeRun,
+    LiveComparison,
+    Row,
+    compare,
+    decode_batch,
+    plan_batch,
+    start_compare,
+)
 from plugins.knn import KNN, KNNConfig
 from plugins.registry import available_methods
 
@@ -115,6 +125,7 @@ def test_slider_moves_equal_a_full_redecode_and_a_no_change_move_runs_no_forward
         counter.n = 0
         run = start_compare(tiny, SOURCE, rows, PROMPT, max_new_tokens=12, no_repeat_ngram=guard, live=live)
         assert not isinstance(run, BatchDecode), f"move {n} ({key}.{s.name}) fell back to a full decode"
+        assert isinstance(run, DecodeRun)  # driven as a full decode is: step, partial, result, live
         got = _run(run)
         reuse_forwards = counter.n
         want = compare(tiny, SOURCE, _rows(plugins, settings), PROMPT, max_new_tokens=12, no_repeat_ngram=guard)
@@ -201,7 +212,7 @@ def test_a_stopped_decode_leaves_no_hook_attached(tiny, plugins):
     batch = plan_batch(tiny, [SOURCE], _rows(plugins, {}), PROMPT)
     dec = BatchDecode(tiny, batch, max_new_tokens=12)
     assert dec.step() and dec.step()
-    assert not any(m._forward_hooks for m in tiny.model.modules())  # between steps: nothing attached
+    assert not forward_hook_count(tiny.model)  # between steps: nothing attached
     part = dec.partial()[0]
     assert all(len(r.tokens) == 2 for r in part.rows)
 

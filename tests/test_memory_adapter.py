@@ -4,6 +4,7 @@ import re
 import pytest
 import torch
 
+from backbone.torch_internals import forward_hook_count
 from ground.errors import UserError
 
 FOX = "The quick brown fox jumps over the lazy dog in the park."
@@ -347,7 +348,7 @@ def test_batched_compare_matches_single_rows(tiny, tiny_memory, trained):
         assert batched.row(r.label).score == pytest.approx(single.rows[0].score, abs=1e-3)
     # the adapter really acts on its own row only, and changes it; no hook stays on the shared backbone
     assert batched.row("ma").trace[0]["top_lm"] != batched.row("base").trace[0]["top_lm"]
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
+    assert not forward_hook_count(tiny.model)
 
 
 def test_token_batches_and_step_budget(tiny, tiny_memory):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backbone.torch_internals import forward_hook_count
 from ground.errors import UserError
 from plugins.api import make_config, new_plugin, train_plugin
 from plugins.base import load_plugin
@@ -144,8 +145,8 @@ def test_lora_training_leaves_backbone_untouched(tiny, train_data, trained, base
     assert set(now) == set(base_state)
     assert all(torch.equal(now[k], base_state[k]) for k in now)
     o = tiny.layers[-1].self_attn.o_proj
-    assert type(o) is torch.nn.Linear and not o._forward_hooks and not o._forward_pre_hooks
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
+    assert type(o) is torch.nn.Linear and not forward_hook_count(o)
+    assert not forward_hook_count(tiny.model)
     assert not hasattr(tiny.model, "peft_config")
     plugin = trained[0]["lora"][0]
     assert plugin.train_info["trained_with"] == "peft" and plugin.rank == 64  # r = 512 capped at d = 64
@@ -305,7 +306,7 @@ def test_mt_m_trace_and_attention_implementations(tiny, tiny_memory, tmp_path, m
     monkeypatch.setattr(tiny.model.config, "_attn_implementation", "flash_attention_2")
     with pytest.raises(UserError, match="eager or sdpa"):
         p.attach(None, {})
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
+    assert not forward_hook_count(tiny.model)
 
 
 def test_attachment_rows_read_as_positions_inside_a_sub_batch():
@@ -379,7 +380,7 @@ def test_a_decode_puts_back_the_hooks_of_its_last_step(tiny, tiny_memory, traine
                 if not dec.beams.done[i + 1]:
                     live[m] += 1
                     moved[m] += before is not None and dec.row_cache(i + 1)[1] != before[m]
-            assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.model.modules())
+            assert not forward_hook_count(tiny.model)
         return dec.result()[0], steps, (live, moved)
 
     kept, steps, (live, moved) = decode()
@@ -405,7 +406,7 @@ def test_suspended_hooks_come_back_in_their_order():
     second = _Handle([lin.register_forward_hook(lambda *a: calls.append("b"))], Attachment(None, {}))
     for h in (first, second):
         assert h.suspend() and not h.att.live
-    assert not lin._forward_hooks and not lin._forward_pre_hooks and not lin._forward_pre_hooks_with_kwargs
+    assert not forward_hook_count(lin) and not lin._forward_pre_hooks_with_kwargs
     lin(torch.ones(2))
     assert calls == []
     assert first.resume() and second.resume() and first.att.live and not first.resume()
@@ -413,7 +414,7 @@ def test_suspended_hooks_come_back_in_their_order():
     assert calls == ["pre", "a", "b"]
     first.remove()
     second.remove()
-    assert not lin._forward_hooks and not lin._forward_pre_hooks
+    assert not forward_hook_count(lin)
 
 
 @pytest.mark.parametrize("rows", [[1], [1, 2], [0, 2], [2, 0]])

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from backbone.hf_internals import attn_implementation, sdpa_attention
 from backbone.model import (
     CPU_FLOAT16_TAG,
     DEFAULT_CPU_PRECISION,
@@ -21,6 +22,7 @@ from backbone.model import (
 )
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
+from backbone.torch_internals import mkldnn_linear
 from ground.errors import UserError
 from memories.build import build_memory
 from memories.parse import Sample
@@ -45,7 +47,7 @@ def tiny_on_decode_attention(precision: str = "bfloat16") -> Backbone:
 
     bb = tiny_in(precision)
     use_cpu_decode_attention(bb.model)
-    assert bb.model.config._attn_implementation == CPU_DECODE_ATTENTION
+    assert attn_implementation(bb.model) == CPU_DECODE_ATTENTION
     return bb
 
 
@@ -231,9 +233,9 @@ def test_bfloat16_linears_run_oneDNN_packed_weights_with_the_plain_paths_arithme
 def test_cpu_decode_attention_is_sdpa_with_its_masks():
     """bfloat16 decode steps on a CPU use cpu_decode_attention: the same result as transformers' SDPA function up to
     bfloat16 rounding, with grouped KV heads and boolean or additive masks (padding, sliding window)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from backbone.model import cpu_decode_attention
+
+    sdpa_attention_forward = sdpa_attention()
 
     module = nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
@@ -259,7 +261,7 @@ def test_bfloat16_backbone_masks_padding_in_batched_decodes(tiny):
     from backbone.model import CPU_DECODE_ATTENTION
 
     bb = tiny_in("bfloat16")
-    assert bb.model.config._attn_implementation == CPU_DECODE_ATTENTION
+    assert attn_implementation(bb.model) == CPU_DECODE_ATTENTION
     short = bb.encode_context("English: good morning\nGerman:")
     long = bb.encode_context("English: the house is small and the cat sleeps on the old red chair\nGerman:")
     pad = len(long) - len(short)
@@ -645,7 +647,7 @@ def test_packed_bfloat16_linear_gives_one_row_what_it_gives_that_row_in_a_batch(
     the same bits), so a row's output does not depend on the batch it is in."""
     torch.manual_seed(0)
     lin = PackedBF16Linear(nn.Linear(2048, 640, bias=False, dtype=torch.bfloat16))
-    raw = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin._prepared[0], None, "none", [], "")  # noqa: E731
+    raw = lambda x: mkldnn_linear(x, lin._prepared[0], None)  # noqa: E731
     differs = 0
     with torch.no_grad():
         for trial in range(20):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backbone.torch_internals import forward_hook_count
 from plugins.api import new_plugin, train_plugin
 from plugins.decode import Row, plan_batch, prefill
 from plugins.network import FullBatch, PreparedBatch, TrainingBatches
@@ -134,11 +135,10 @@ def test_prepared_batches_equal_whole_sequences(tiny, shots_memory, method, extr
 
 def _hooked_layers(tiny, p) -> list[int]:
     """The decoder layers whose modules carry one of the plug-in's hooks while it is attached."""
-    before = [sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in layer.modules()) for layer in tiny.layers]
+    before = [forward_hook_count(layer) for layer in tiny.layers]
     handles = p.attach(None, {})
     try:
-        after = [sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in layer.modules())
-                 for layer in tiny.layers]
+        after = [forward_hook_count(layer) for layer in tiny.layers]
     finally:
         for h in handles:
             h.remove()
