@@ -27,6 +27,7 @@ from backbone.cpu_attention import (
     cpu_decode_attention,
     use_cpu_decode_attention,
 )
+from backbone.graph_decode import warm_up
 from backbone.kernels import (
     Fp16WeightLinear,
     Int8Linear,
@@ -324,9 +325,7 @@ def load_backbone(name: str | None = None, device: str | None = None, dtype: str
     """Load a backbone by embedded short name, Hugging Face hub id or local path, in the precision ``dtype``
     (:func:`resolve_precision`: float32, bfloat16, int8 on a CPU, float16); see ``backbone.loading.load_model``."""
     bb = Backbone(**load_model(name, device, dtype, data_dir, progress))
-    from backbone.graph_decode import warm_up  # a GPU's first-call work at load, not in the first comparison
-
-    warm_up(bb)
+    warm_up(bb)  # on a GPU: the first-call work and the CUDA graphs at load, not in the first comparison
     return bb
 
 
