@@ -231,7 +231,7 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
               "forwards_per_sample": round(forwards / max(1, n), 1), "max_new_tokens": int(max_new_tokens),
               "created": time.time(), "weights_sha256": cfg_sha}
     result["label"] = calibration_label(result)
-    folder = getattr(plugin, "plugin_path", None)
+    folder = plugin.plugin_path
     if store and folder is not None:
         write_json_atomic(Path(folder) / CALIBRATION_FILE, _finite(result))
     progress(1.0, f"calibrated {plugin.title} on {n} held-out samples: "
@@ -242,7 +242,7 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
 def _read_config(plugin) -> dict:
     import json
 
-    folder = getattr(plugin, "plugin_path", None)
+    folder = plugin.plugin_path
     if folder is None:
         return {}
     try:

@@ -399,7 +399,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
 def _calibrated(backbone, plugin, memory, task, tune: list[dict], max_seconds, progress, should_stop):
     """``(calibration, note)``: the plug-in's stored calibration when it was made on exactly these tuning samples,
     else a new one (``eval.calibrate.calibrate``); ``(None, why)`` when the memory has too few samples."""
-    folder = getattr(plugin, "plugin_path", None)
+    folder = plugin.plugin_path
     old = calibrate.load_calibration(folder) if folder is not None else None
     ids = {s.get("index") for s in tune}
     if old and old.get("memory_id") == memory.id and old.get("sample_ids") and set(old["sample_ids"]) <= ids:

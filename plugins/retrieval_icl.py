@@ -168,7 +168,7 @@ class RetrievalICL(Plugin):
     def prepare_decode(self) -> None:
         """A loaded plug-in reads its index (checked against its sha256 when it was loaded) on first use."""
         if self.index is None:
-            path = getattr(self, "plugin_path", None)
+            path = self.plugin_path
             if path is None:
                 raise UserError("This retrieval plug-in has no index: train it on a memory first.")
             self._set_pool(read_pool(Path(path)))

@@ -141,7 +141,7 @@ class PluginService:
         row = self.plugin_row(plugin_id, owner)
         cls = get_method(row["method"])
         self.backbone_svc.check_offsite(row["method"])
-        if not getattr(cls, "resumable", False):
+        if not cls.resumable:
             raise UserError(f"{cls.title} plug-ins cannot continue training (only "
                             f"{', '.join(m for m, c in available_methods().items() if getattr(c, 'resumable', 0))}"
                             f" save their optimizer state); train a new one with more time instead.")
@@ -193,8 +193,8 @@ class PluginService:
     def _save_optimizer(plugin, folder: str | Path) -> None:
         """A resumable plug-in's optimizer state after ``fit``, as safetensors next to its weights (written to a
         temporary name first: a half-written file is never taken for a state to resume from)."""
-        state = getattr(plugin, "optimizer_state", None)
-        if not state or not getattr(plugin, "resumable", False):
+        state = plugin.optimizer_state
+        if not state or not plugin.resumable:
             return
         tmp = Path(folder) / f".{OPTIMIZER_FILE}.tmp"
         save_file(optimizer_tensors(state), str(tmp))
@@ -341,7 +341,7 @@ class PluginService:
                         "memory": mems.get(r["memory_id"], "(deleted)"), "backbone": r["backbone"],
                         "params": r["params"], "metrics": metrics, "created": r["created"],
                         "usable": fp is None or r["fingerprint"] == fp, "training": training_status(metrics),
-                        "can_continue": bool(getattr(cls, "resumable", False)
+                        "can_continue": bool(cls.resumable
                                              and (Path(r["path"]) / OPTIMIZER_FILE).exists()),
                         "calibration": self._calibration_summary(r["path"], r["backbone"])})
         return out

@@ -203,8 +203,8 @@ class TrainWorker:
                 out = Path(tmp) / "plugin"
                 plugin.save(out)
                 (out / "history.json").write_text(json.dumps(result.history), encoding="utf-8")
-                state = getattr(plugin, "optimizer_state", None)
-                if state and getattr(plugin, "resumable", False):
+                state = plugin.optimizer_state
+                if state and plugin.resumable:
                     from safetensors.torch import save_file  # heavy
 
                     save_file(optimizer_tensors(state), str(out / OPTIMIZER_FILE))
