@@ -9,6 +9,7 @@ import json
 import pytest
 
 from ground.errors import Cancelled, UserError
+from plugins.settings import calibration_label
 
 PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
          ("good morning", "Guten Morgen"), ("hello world", "hallo Welt"), ("the dog runs", "der Hund rennt"),
@@ -112,7 +113,8 @@ def test_stored_settings_are_where_rows_start_and_global_defaults_go_back(tiny, 
     stored = load_calibration(knn.plugin_path)
     assert stored["settings"] == cal["settings"] and stored["n"] == 16 and stored["memory"] == "cal-mem"
     assert stored["sample_ids"] == [s["index"] for s in _tune(mem)]
-    assert cal["label"] == "tuned on 16 held-out samples of cal-mem"
+    assert cal["label"] == "tuned on 16 held-out samples of cal-mem (few samples: a rough guide)"
+    assert calibration_label({**cal, "n": 30}) == "tuned on 30 held-out samples of cal-mem"
     assert row_settings(knn, "translation", tiny.name) == cal["settings"]
     assert row_settings(knn, "translation", tiny.name, calibrated=False) == glob
     assert row_settings(knn, "translation", tiny.name, {"k": 3})["k"] == 3  # an override still wins
@@ -248,7 +250,7 @@ def test_training_job_calibrates_and_lists_show_it(studio, calibrated_knn):
     mid, job = calibrated_knn
     res = job["result"]
     assert res["calibration"]["n"] == 8 and res["calibration"]["label"] == \
-        "tuned on 8 held-out samples of cal-studio-mem"
+        "tuned on 8 held-out samples of cal-studio-mem (few samples: a rough guide)"
     assert "tuned on 8 held-out samples" in res["message"]
     assert any("Calibrating" in line for line in job["log"]) if isinstance(job.get("log"), list) else True
     row = next(p for p in studio.plugins() if p["id"] == res["plugin_id"])
@@ -265,7 +267,8 @@ def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(stu
     p = studio.compare("the house is small", methods=["base", pid], max_new_tokens=8)
     row = next(r for r in p["rows"] if r["plugin_id"] == pid)
     assert row["settings"] == {**row["settings"], **cal["settings"]}
-    assert row["tuned"]["label"] == "tuned on 8 held-out samples of cal-studio-mem" and row["tuned"]["at_tuned"]
+    assert row["tuned"]["label"] == "tuned on 8 held-out samples of cal-studio-mem (few samples: a rough guide)" \
+        and row["tuned"]["at_tuned"]
     g = studio.compare("the house is small", methods=["base", pid], max_new_tokens=8, global_defaults=True)
     grow = next(r for r in g["rows"] if r["plugin_id"] == pid)
     assert grow["tuned"] is None and grow["settings"] == studio.start_settings("translation")["knn"]
