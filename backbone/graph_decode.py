@@ -214,7 +214,20 @@ class RunnerPool:
     def give_back(self, runner: GraphRunner) -> None:
         key = (id(runner.model), runner.graph is not None, runner.R, runner.L)
         with self._lock:
-            self._free.setdefault(key, []).append(runner)
+            if self._count.get(key):  # not a forgotten model's
+                self._free.setdefault(key, []).append(runner)
+
+    def forget(self, model) -> None:
+        """Drop every runner of ``model`` (a backbone switched away: its runners hold the model and their buffers)."""
+        with self._lock:
+            for table in (self._free, self._count, self.disabled):
+                for key in [k for k in table if k[0] == id(model)]:
+                    del table[key]
+
+    def counts(self) -> dict:
+        """Runners made, by (model id, graph, rows, positions)."""
+        with self._lock:
+            return dict(self._count)
 
 
 RUNNERS = RunnerPool()

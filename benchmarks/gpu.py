@@ -288,7 +288,7 @@ def run(bb: Backbone, pairs: int = 1000, tokens: int = 32, reps: int = 5, small:
             graphed = compare(bb, dev_src[1], configs["3 output-level rows"], prompt, max_new_tokens=tokens,
                               trace=False)
             out["graph_check"] = {"same_tokens": [a.tokens == b.tokens for a, b in zip(eager.rows, graphed.rows)],
-                                  "runners": {"/".join(map(str, k[2:])): n for k, n in RUNNERS._count.items()},
+                                  "runners": {"/".join(map(str, k[2:])): n for k, n in RUNNERS.counts().items()},
                                   "disabled": dict((str(k), v) for k, v in RUNNERS.disabled.items())}
         out["host_reads_7_rows"] = host_reads(bb, configs["7 rows"], prompt, dev_src[1], min(tokens, 8))
         if profile_dir is not None:

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from backbone.graph_decode import RUNNERS
 from backbone.model import load_backbone, resolve_name
 from backbone.tiny import tiny_backbone
 from ground.errors import Cancelled, UserError
@@ -122,6 +123,8 @@ class BackboneService:
             self._ready.clear()
             self._bb = None
             self.plugin_cache.clear()
+            if old is not None and hasattr(old, "decoder"):  # its decode graphs hold it: let it go
+                RUNNERS.forget(old.decoder)
             self.remote_url, self._remote_token = url, token
             self._load.update(state="idle", progress=0.0, message="Not loaded", error="", started=None,
                               finished=None)

@@ -100,14 +100,22 @@ def test_a_sliding_window_model_decodes_the_same_on_the_static_step(tmp_path, ti
 def test_runners_are_reused_and_a_dropped_decode_gives_its_runner_back(tiny, rows, mode):
     with using_fast_paths(graph_decode=mode):
         compare(tiny, "the cat sleeps", rows[:1], PROMPT, max_new_tokens=4)
-        counts = dict(RUNNERS._count)
+        counts = dict(RUNNERS.counts())
         compare(tiny, "the cat sleeps", rows[:1], PROMPT, max_new_tokens=4)
-        assert RUNNERS._count == counts  # the same runner again
+        assert RUNNERS.counts() == counts  # the same runner again
         dropped = start_compare(tiny, "the cat sleeps", rows[:1], PROMPT, max_new_tokens=8)
         dropped.step(), dropped.step()
         assert dropped.runner is not None
         del dropped
         gc.collect()
         compare(tiny, "the cat sleeps", rows[:1], PROMPT, max_new_tokens=4)
-        assert RUNNERS._count == counts  # the dropped decode's runner came back
+        assert RUNNERS.counts() == counts  # the dropped decode's runner came back
     assert not RUNNERS.disabled  # (on a GPU: every graph recorded)
+
+
+def test_a_forgotten_model_leaves_the_pool(tiny, rows, mode):
+    with using_fast_paths(graph_decode=mode):
+        compare(tiny, "the cat sleeps", rows[:1], PROMPT, max_new_tokens=4)
+    assert any(k[0] == id(tiny.decoder) for k in RUNNERS.counts())
+    RUNNERS.forget(tiny.decoder)
+    assert not any(k[0] == id(tiny.decoder) for k in RUNNERS.counts())
