@@ -35,10 +35,11 @@ How it is adapted to our decoder-only backbones (Llama, Gemma 3):
       are the frozen model's, computed once per memory (``plugins.network``; "adapted" = the paper's).
     * ``max_minutes`` bounds the training time; ``BudgetGuard`` evaluates once more just before the budget runs
       out, so a budget-stopped run keeps its last steps (``run_training`` alone restores the last *evaluated* best).
-    * Option ``softmax="candidates"`` (not the default): the training softmax runs over a candidate vocabulary
-      (memory values + stop tokens + the LM's top tokens on sampled memory contexts), as PEMA's fast mode, instead
-      of all V tokens — a sampled-softmax approximation that makes CPU training several times faster on Gemma's
-      262k vocabulary. Decoding always uses the full vocabulary.
+    * Training softmax over a candidate vocabulary by default (``softmax="candidates"``, as PEMA's fast mode): the
+      memory's target tokens, the stop tokens and the LM's top tokens on sampled memory contexts instead of all V
+      tokens — a sampled-softmax approximation of the paper's NLL (Gemma's LM head is 262k × 640: with every token it
+      was a third of a CPU step). Decoding always uses the full vocabulary. ``softmax="full"`` (and the ``paper``
+      preset) is the exact NLL. Measured on held-out data: BENCHMARKS.md, "The candidate softmax as the default".
 
 The in-network machinery it shares with LoRA and memory-tuning (hooks restricted to a comparison's batch rows,
 sequence-level training) is in ``plugins.network``.

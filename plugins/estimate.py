@@ -5,7 +5,9 @@ this kind of machine (``python -m plugins.estimate measure``): training units pe
 PEMA and kNN, *samples* — sequences — for the in-network methods), the fixed costs before the loop (candidate
 vocabulary, calibration, each batch's preparation per sample — the frozen prompt prefix and layers below the
 plug-in, done the first time a batch is used —, the memory adapter's phrase memory) and, where a run to
-convergence was measured, the epochs early stopping took. ``estimate`` turns that into one line for the training
+convergence was measured, the epochs early stopping took. Records are kept per kind of machine (``machine_kind``:
+a GPU, a CPU with native bfloat16, an AVX2 CPU) under ``"<backbone>@<kind>"``; a backbone's plain entry is the
+fallback for a kind without records of its own. ``estimate`` turns that into one line for the training
 form and the CLI, e.g. "≈ 6 min to converge (≈ 12 epochs); your budget of 5 min stops at ≈ 0.8 epochs —
 under-trained".
 
@@ -31,12 +33,13 @@ from backbone.tiny import tiny_backbone
 from ground.cli import add_common, run_main
 from ground.errors import UserError
 from ground.store import write_json_atomic
-from plugins.api import make_config, open_memory, train_plugin
+from plugins.api import make_config, open_memory, open_plugin, train_plugin
 from plugins.registry import available_methods, get_method
 from plugins.settings import parse_sets
 from plugins.timing import EVAL_COST, budget_seconds, epochs_text, minutes, sig
 
-__all__ = ["EVAL_COST", "THROUGHPUT_PATH", "estimate", "measure", "save_measurements", "throughputs"]
+__all__ = ["EVAL_COST", "THROUGHPUT_PATH", "estimate", "machine_kind", "measure", "record_for", "save_measurements",
+           "throughputs"]
 
 THROUGHPUT_PATH = Path(__file__).resolve().parents[1] / "backbone" / "training_throughput.json"
 
@@ -50,17 +53,39 @@ def throughputs(path: Path | None = None) -> dict:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
+def machine_kind() -> str:
+    """The kind of machine this process trains on, as the throughput records are keyed: ``cuda`` when a GPU is
+    present (the studio trains there), else the CPU's: ``cpu-bf16`` (native bfloat16: the default precision
+    multiplies in bfloat16), ``cpu-avx2`` (AVX2 with FBGEMM's float16 kernel: training multiplies in float32, ≈ 2.5×
+    slower a step than the bfloat16 kind in BENCHMARKS' runs), or ``cpu``."""
+    import torch
+
+    from backbone.kernels import fp16_weight_available, native_bf16_cpu
+
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu-bf16" if native_bf16_cpu() else "cpu-avx2" if fp16_weight_available() else "cpu"
+
+
+def record_for(table: dict, backbone_name: str, method: str, kind: str | None = None) -> dict | None:
+    """The throughput record of ``method`` on ``backbone_name`` for this kind of machine (``kind``, default
+    ``machine_kind()``), else the backbone's plain record, else None."""
+    own = table.get(f"{backbone_name}@{kind or machine_kind()}", {}).get(method)
+    return own or table.get(backbone_name, {}).get(method)
+
+
 def estimate(method: str, config: dict | None, backbone_name: str, samples: int, entries: int,
-             table: dict | None = None) -> dict:
+             table: dict | None = None, kind: str | None = None) -> dict:
     """How long training ``method`` with ``config`` (its overrides; validated) on a memory of ``samples``
     training samples / ``entries`` training entries takes on ``backbone_name``, from the measured throughputs.
 
+    ``kind``: the machine kind whose records to prefer (default: this one's, ``machine_kind``).
     ``{"measured": False, "text"}`` when this backbone/method was not measured; else ``setup_s``, ``loops`` (one
     per training loop: epoch seconds, epochs, seconds to converge, epochs within the budget), ``converge_s``,
     ``under_trained`` (the budget stops a loop before it converges) and ``text`` (one line for the form)."""
     cls = get_method(method)
     cfg = make_config(method, config or {})
-    rec = (throughputs() if table is None else table).get(backbone_name, {}).get(method)
+    rec = record_for(throughputs() if table is None else table, backbone_name, method, kind)
     if not rec:
         return {"measured": False, "under_trained": False,
                 "text": f"No time estimate: {cls.title} was not measured on {backbone_name} "
@@ -148,6 +173,21 @@ def measure(backbone, memory, methods: list[str], progress=print) -> dict:
     return out
 
 
+def record_from_run(plugin, folder: Path) -> dict:
+    """The record of a finished real run: a saved plug-in's ``train_info`` and ``history.json``. Its ``seconds`` are
+    the whole run's, so what happened before the first step (the candidate vocabulary) is in the rate, not in
+    ``setup_s`` — a record of the run as the user waits for it."""
+    info = dict(plugin.train_info)
+    hist_path = Path(folder) / "history.json"
+    history = json.loads(hist_path.read_text(encoding="utf-8")) if hist_path.is_file() else []
+    rec = plugin.throughput_record(info, history, float(info["seconds"]), None)
+    return {**rec, "cpu_time_speedup": 1.0,
+            "measured_on": {"run": "a finished training run (python -m plugins.estimate record)",
+                            "samples": info.get("train_samples"), "epochs": info.get("epochs"),
+                            "wall_s": info.get("seconds"), "stopped_by": info.get("stopped_by"),
+                            "date": time.strftime("%Y-%m-%d")}}
+
+
 def save_measurements(backbone_name: str, records: dict, path: Path | None = None) -> Path:
     """Merge ``records`` into the JSON (atomically), keeping what a record already says about convergence."""
     p = path or THROUGHPUT_PATH
@@ -169,6 +209,11 @@ def main(argv=None) -> int:
     me.add_argument("--methods", help="comma-separated (default: every method)")
     me.add_argument("--no-write", action="store_true", help="print the records only")
     add_common(me)
+    rc = sub.add_parser("record", help="write the records of finished runs (saved plug-ins trained on a quiet "
+                                       "machine of this kind) to backbone/training_throughput.json")
+    rc.add_argument("plugins", nargs="+", help="plug-in ids or folders")
+    rc.add_argument("--no-write", action="store_true", help="print the records only")
+    add_common(rc)
     sh = sub.add_parser("show", help="the time estimate of training a method on a memory")
     sh.add_argument("memory", help="memory folder")
     sh.add_argument("--method", required=True)
@@ -184,7 +229,22 @@ def main(argv=None) -> int:
         mem = open_memory(args.memory, bb)
         records = measure(bb, mem, methods)
         if not args.no_write:
-            print(f"wrote {save_measurements(bb.name, records)}")
+            print(f"wrote {save_measurements(f'{bb.name}@{machine_kind()}', records)}")
+        return 0
+    if args.cmd == "record":
+        from ground.store import Catalog
+        from plugins.api import plugin_folder
+
+        bb = tiny_backbone() if args.backbone in ("tiny", "tiny-llama") else load_backbone_from_args(args)
+        catalog = Catalog(args.data_dir)
+        records = {}
+        for ref in args.plugins:
+            folder = plugin_folder(ref, catalog)
+            plugin = open_plugin(ref, bb, catalog)
+            records[plugin.method] = record_from_run(plugin, folder)
+            print(f"{plugin.method}: {json.dumps(records[plugin.method])}")
+        if not args.no_write:
+            print(f"wrote {save_measurements(f'{bb.name}@{machine_kind()}', records)}")
         return 0
     mem = open_memory(args.memory)
     res = estimate(args.method, parse_sets(args.set), mem.meta.get("backbone", ""),

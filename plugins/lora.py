@@ -35,9 +35,9 @@ How it is adapted to our decoder-only backbones and to the shared-backbone proto
       and r = 512 the scaling α/r is 1/512, so the delta moves slowly: at one epoch of 1,000 WMT pairs on Gemma 3
       270M, lr 1e-2 scored significantly above lr 1e-3, which at that budget was still below the base model
       (BENCHMARKS.md §5e; ``python -m plugins train … --method lora --set lr=…``).
-    * The LM head dominates the cost of a step (Gemma's vocabulary is 262k), so ``softmax="candidates"``
-      (see ``plugins.adapter``) makes LoRA steps several times faster on CPU (≈8× measured) at the price of a
-      sampled softmax.
+    * The LM head dominates the cost of a step (Gemma's vocabulary is 262k), so the default ``softmax="candidates"``
+      (see ``plugins.adapter``) makes LoRA steps several times faster on CPU at the price of a sampled softmax;
+      decoding uses every token, and the ``paper`` preset trains with the full softmax.
     * PEFT's own format (``save_peft``; every ``save`` writes it beside the studio's files through the
       ``save_extra_files`` hook, checksummed in ``plugin_config.json``, so the studio's own plug-in folder and an
       export both load with PEFT):

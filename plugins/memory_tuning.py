@@ -64,6 +64,9 @@ Adaptations (recorded in ``train_info``):
     * M ~ N(0, 1); W_o starts at zero, so MT-F is the identity at the start.
     * Decode-time setting ``scale`` σ (not in the paper) multiplies ΔH (MT-F) and the prefix's unnormalised
       attention weights (MT-M: log σ is added to its scores); 1 = as trained, 0 = off (exactly the frozen model).
+    * Training softmax over a candidate vocabulary by default (``softmax="candidates"``, ``plugins.adapter``): a
+      sampled-softmax approximation of the paper's NLL; decoding uses every token; ``--preset paper`` trains with
+      the full softmax.
 
 ``network_trace(handles)`` gives, per decoded row, at the newest position of the last layer: MT-F's attention over
 its k slots (for MT-M alone: the head-averaged attention within the l prefix slots), and for MT-M / MT-MF
@@ -128,8 +131,10 @@ class MemoryTuningConfig(NetworkConfig):
         low=0.0, low_open=True, high=1.0)
 
     PRESETS = {
-        "paper": Preset({"variant": "MT-MF", "slots": 50, "slot_size": 16, "prefix_length": 16, "lr": 1e-4},
-                        "the paper's Table II sizes: MT-MF with k = 50 slots, s = l = 16, and its learning rate 1e-4"),
+        "paper": Preset({"variant": "MT-MF", "slots": 50, "slot_size": 16, "prefix_length": 16, "lr": 1e-4,
+                         "softmax": "full"},
+                        "the paper's Table II sizes: MT-MF with k = 50 slots, s = l = 16, its learning rate 1e-4, "
+                        "exact softmax"),
         "quick": Preset({"variant": "MT-F", "slots": 16, "softmax": "candidates", "max_epochs": 1,
                          "max_heldout": 8, "evals_per_epoch": 2, "max_minutes": 3.0},
                         "a short run for trying the studio: MT-F with 16 slots, candidate softmax, 1 epoch, at most "

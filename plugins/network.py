@@ -72,8 +72,10 @@ class NetworkConfig(PluginConfig):
     max_minutes: float = setting(
         60.0, "wall-clock cap (0 = none); the epochs and early stopping end a default run on two CPU cores before it "
               "(a budget in minutes makes a result depend on the machine's load)", low=0.0, high=1440.0)
-    softmax: str = setting("full", "\"full\" (exact NLL) | \"candidates\" (fast: softmax over a candidate vocabulary)",
-                           choices=("full", "candidates"))
+    softmax: str = setting(
+        "candidates", "\"candidates\" (default: the training softmax over a candidate vocabulary — the memory's target "
+        "tokens, the stop tokens and the LM's top tokens on sampled memory contexts; decoding uses every token) | "
+        "\"full\" (exact NLL over all tokens; the papers, their `paper` presets)", choices=("full", "candidates"))
     candidate_top_k: int = setting(
         16, "with \"candidates\": the LM's top tokens per sampled memory context", low=0, high=1024)
     candidate_contexts: int = setting(

@@ -52,6 +52,10 @@ def test_paper_presets_carry_the_papers_values():
     pema = preset_values(get_method("pema").Config, "paper")
     assert (pema["lora_alpha"], pema["b_init"], pema["batch_size"]) == (1.0, "zeros", 2048)  # the public code
     assert preset_values(get_method("lora").Config, "paper")["lr"] == 1e-3
+    for m in ("adapter", "lora", "memory_tuning", "memory_adapter"):  # the defaults' candidate softmax is not the papers'
+        assert get_method(m).Config().softmax == "candidates", m
+        assert preset_values(get_method(m).Config, "paper")["softmax"] == "full", m
+    assert preset_values(get_method("memory_tuning").Config, "paper")["lr"] == 1e-4
     ma = preset_values(get_method("memory_adapter").Config, "paper")
     assert (ma["lr"], ma["temperature"], ma["alpha"], ma["beta"]) == (2e-4, 0.5, 5.0, 5.0)
 
@@ -144,6 +148,35 @@ def test_estimate_without_a_measurement_says_so():
 
     est = estimate("adapter", {}, "another-backbone", 100, 3000, table=TABLE)
     assert not est["measured"] and "was not measured on another-backbone" in est["text"]
+
+
+def test_estimate_prefers_the_record_of_this_kind_of_machine():
+    from plugins.estimate import estimate, machine_kind
+
+    table = {**TABLE, "bb@cpu-avx2": {"adapter": {"samples_per_s": 0.5, "setup_s": 10.0}}}
+    bf16 = estimate("adapter", {"max_minutes": 0}, "bb", 1000, 30000, table=table, kind="cpu-bf16")
+    avx2 = estimate("adapter", {"max_minutes": 0}, "bb", 1000, 30000, table=table, kind="cpu-avx2")
+    assert avx2["loops"][0]["epoch_s"] == pytest.approx(2 * bf16["loops"][0]["epoch_s"], abs=0.02)  # its own: half the rate
+    # a method without a record of its own kind falls back to the backbone's plain record
+    assert estimate("lora", {}, "bb", 200, 6000, table=table, kind="cpu-avx2")["setup_s"] == pytest.approx(100.0)
+    assert machine_kind() in ("cuda", "cpu-bf16", "cpu-avx2", "cpu")
+
+
+def test_record_of_a_finished_run_gives_back_its_rate(tiny, tiny_memory, tmp_path):
+    """``python -m plugins.estimate record``: a saved run's record, whose estimate for the same memory and settings
+    is that run's own loop time."""
+    from plugins.api import open_plugin, train_plugin
+    from plugins.estimate import estimate, record_from_run, save_measurements, throughputs
+
+    settings = {"max_epochs": 2, "max_minutes": 0, "max_heldout": 4, "patience": 1000}
+    plugin, _ = train_plugin(tiny, tiny_memory, "adapter", settings, out_dir=tmp_path / "p")
+    info = plugin.train_info
+    rec = record_from_run(open_plugin(str(tmp_path / "p"), tiny), tmp_path / "p")
+    assert rec["samples_per_s"] > 0 and rec["measured_on"]["epochs"] == info["epochs"] == 2
+    path = save_measurements("bb@cpu-avx2", {"adapter": rec}, tmp_path / "t.json")
+    est = estimate("adapter", settings, "bb", len(tiny_memory.split_samples("train")), len(tiny_memory),
+                   table=throughputs(path), kind="cpu-avx2")
+    assert est["converge_s"] == pytest.approx(info["seconds"], rel=0.3)
 
 
 def test_shipped_throughputs_cover_every_method_on_tiny_and_gemma():
