@@ -28,12 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from backbone.cli import load_backbone_from_args
+from backbone.kernels import fp16_weight_available, native_bf16_cpu
 from backbone.tiny import tiny_backbone
 from ground.cli import add_common, run_main
 from ground.errors import UserError
-from ground.store import write_json_atomic
-from plugins.api import make_config, open_memory, open_plugin, train_plugin
+from ground.store import Catalog, write_json_atomic
+from plugins.api import make_config, open_memory, open_plugin, plugin_folder, train_plugin
 from plugins.registry import available_methods, get_method
 from plugins.settings import parse_sets
 from plugins.timing import EVAL_COST, budget_seconds, epochs_text, minutes, sig
@@ -58,10 +61,6 @@ def machine_kind() -> str:
     present (the studio trains there), else the CPU's: ``cpu-bf16`` (native bfloat16: the default precision
     multiplies in bfloat16), ``cpu-avx2`` (AVX2 with FBGEMM's float16 kernel: training multiplies in float32, ≈ 2.5×
     slower a step than the bfloat16 kind in BENCHMARKS' runs), or ``cpu``."""
-    import torch
-
-    from backbone.kernels import fp16_weight_available, native_bf16_cpu
-
     if torch.cuda.is_available():
         return "cuda"
     return "cpu-bf16" if native_bf16_cpu() else "cpu-avx2" if fp16_weight_available() else "cpu"
@@ -232,9 +231,6 @@ def main(argv=None) -> int:
             print(f"wrote {save_measurements(f'{bb.name}@{machine_kind()}', records)}")
         return 0
     if args.cmd == "record":
-        from ground.store import Catalog
-        from plugins.api import plugin_folder
-
         bb = tiny_backbone() if args.backbone in ("tiny", "tiny-llama") else load_backbone_from_args(args)
         catalog = Catalog(args.data_dir)
         records = {}

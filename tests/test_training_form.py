@@ -52,7 +52,8 @@ def test_paper_presets_carry_the_papers_values():
     pema = preset_values(get_method("pema").Config, "paper")
     assert (pema["lora_alpha"], pema["b_init"], pema["batch_size"]) == (1.0, "zeros", 2048)  # the public code
     assert preset_values(get_method("lora").Config, "paper")["lr"] == 1e-3
-    for m in ("adapter", "lora", "memory_tuning", "memory_adapter"):  # the defaults' candidate softmax is not the papers'
+    # the defaults' candidate softmax is not the papers'
+    for m in ("adapter", "lora", "memory_tuning", "memory_adapter"):
         assert get_method(m).Config().softmax == "candidates", m
         assert preset_values(get_method(m).Config, "paper")["softmax"] == "full", m
     assert preset_values(get_method("memory_tuning").Config, "paper")["lr"] == 1e-4
@@ -156,7 +157,8 @@ def test_estimate_prefers_the_record_of_this_kind_of_machine():
     table = {**TABLE, "bb@cpu-avx2": {"adapter": {"samples_per_s": 0.5, "setup_s": 10.0}}}
     bf16 = estimate("adapter", {"max_minutes": 0}, "bb", 1000, 30000, table=table, kind="cpu-bf16")
     avx2 = estimate("adapter", {"max_minutes": 0}, "bb", 1000, 30000, table=table, kind="cpu-avx2")
-    assert avx2["loops"][0]["epoch_s"] == pytest.approx(2 * bf16["loops"][0]["epoch_s"], abs=0.02)  # its own: half the rate
+    # its own record: half the rate
+    assert avx2["loops"][0]["epoch_s"] == pytest.approx(2 * bf16["loops"][0]["epoch_s"], abs=0.02)
     # a method without a record of its own kind falls back to the backbone's plain record
     assert estimate("lora", {}, "bb", 200, 6000, table=table, kind="cpu-avx2")["setup_s"] == pytest.approx(100.0)
     assert machine_kind() in ("cuda", "cpu-bf16", "cpu-avx2", "cpu")
