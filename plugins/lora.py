@@ -278,7 +278,7 @@ class LoRA(NetworkPlugin):
         self.optimizer_state = {}
         try:
             summary = run_training(trainable, params, len(tb), train_loss, guard.heldout_loss, s, self.method,
-                                   progress, should_stop, history, (0.0, 1.0), resume=resume,
+                                   progress, should_stop, history, (0.005, 1.0), resume=resume,
                                    state_out=self.optimizer_state)
             summary = guard.restore(summary)
             with torch.no_grad():

@@ -164,21 +164,36 @@ def test_estimate_prefers_the_record_of_this_kind_of_machine():
     assert machine_kind() in ("cuda", "cpu-bf16", "cpu-avx2", "cpu")
 
 
-def test_record_of_a_finished_run_gives_back_its_rate(tiny, tiny_memory, tmp_path):
-    """``python -m plugins.estimate record``: a saved run's record, whose estimate for the same memory and settings
-    is that run's own loop time."""
-    from plugins.api import open_plugin, train_plugin
-    from plugins.estimate import estimate, record_from_run, save_measurements, throughputs
+def test_record_of_a_finished_run_gives_back_its_time(tiny, tiny_memory, tmp_path):
+    """``python -m plugins.estimate record``: the record of a finished run (a saved plug-in's ``train_info`` and
+    ``history.json``) is read back from its folder, and an estimate from it, for the run's own memory size and
+    settings, is that run's time (a 300-second run of 2 epochs: 900 samples, 100 set aside, 8 a step, 4
+    evaluations an epoch, 60 s of batch preparation)."""
+    from types import SimpleNamespace
 
-    settings = {"max_epochs": 2, "max_minutes": 0, "max_heldout": 4, "patience": 1000}
-    plugin, _ = train_plugin(tiny, tiny_memory, "adapter", settings, out_dir=tmp_path / "p")
-    info = plugin.train_info
+    from plugins.api import make_config, open_plugin, train_plugin
+    from plugins.estimate import estimate, record_from_run, save_measurements, throughputs
+    from plugins.timing import sample_record
+
+    plugin, _ = train_plugin(tiny, tiny_memory, "adapter", {"max_epochs": 2, "max_minutes": 0, "max_heldout": 4,
+                                                            "patience": 1000}, out_dir=tmp_path / "p")
     rec = record_from_run(open_plugin(str(tmp_path / "p"), tiny), tmp_path / "p")
-    assert rec["samples_per_s"] > 0 and rec["measured_on"]["epochs"] == info["epochs"] == 2
+    assert rec["samples_per_s"] > 0 and rec["measured_on"]["epochs"] == plugin.train_info["epochs"] == 2
+
+    settings = {"max_epochs": 2, "max_minutes": 0, "max_heldout": 100}
+    cfg = make_config("adapter", settings)
+    info = {"seconds": 300.0, "prepare_seconds": 60.0, "steps": 200, "epochs": 2, "train_samples": 800,
+            "early_stop_samples": 100, "stopped_by": "max_epochs"}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "history.json").write_text(json.dumps(
+        [{"step": i * 25, "heldout_loss": 2.0} for i in range(8)]))
+    run = SimpleNamespace(train_info=info, throughput_record=lambda i, h, w, m: sample_record(cfg, i, h, w))
+    rec = record_from_run(run, tmp_path / "run")
     path = save_measurements("bb@cpu-avx2", {"adapter": rec}, tmp_path / "t.json")
-    est = estimate("adapter", settings, "bb", len(tiny_memory.split_samples("train")), len(tiny_memory),
-                   table=throughputs(path), kind="cpu-avx2")
-    assert est["converge_s"] == pytest.approx(info["seconds"], rel=0.3)
+    est = estimate("adapter", settings, "bb", 900, 30000, table=throughputs(path), kind="cpu-avx2")
+    assert est["converge_s"] == pytest.approx(300.0, rel=0.02)
+    assert estimate("adapter", settings, "bb", 1800, 60000, table=throughputs(path),
+                    kind="cpu-avx2")["converge_s"] == pytest.approx(600.0, rel=0.05)  # twice the samples
 
 
 def test_shipped_throughputs_cover_every_method_on_tiny_and_gemma():
