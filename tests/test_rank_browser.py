@@ -38,6 +38,8 @@ def test_leaderboard_plot_verdict_and_share(page, app):
     page.wait_for_selector("#rank-verdict-text")
     verdict = page.locator("#rank-verdict-text").inner_text()
     assert verdict == board["verdict"]
+    assert "Memory my pairs (" in page.locator("#rank-verdict").inner_text()  # the owner's view names the memory
+    page.wait_for_function("document.querySelector('#rank-memory input')?.value.startsWith('my pairs')")
     page.wait_for_selector("#rank-table [aria-rowcount='5']")  # a header and 4 rows: 3 methods and the base
     text = page.locator("#rank-table").inner_text()
     assert all(r["title"] in text for r in board["methods"]), text
@@ -64,6 +66,7 @@ def test_leaderboard_plot_verdict_and_share(page, app):
     page.goto(app["url"] + href, wait_until="domcontentloaded")
     page.wait_for_selector("#shared-rank-verdict #rank-verdict-text")
     assert page.locator("#rank-verdict-text").inner_text() == board["verdict"]
+    assert "A memory of " in page.locator("#shared-rank-verdict").inner_text()  # its size, never its name
     page.wait_for_selector("#shared-rank-table [aria-rowcount='5']")
     page.wait_for_selector("#shared-rank-pareto-time .js-plotly-plot .scatterlayer .point")
     html = page.content()

@@ -64,7 +64,11 @@ def verdict_html(board: dict | None) -> str:
         return "<div class='pema-muted'>No leaderboard yet.</div>"
     d = board.get("data") or {}
     where = "test pairs" if d.get("report_source") == "test file" else "held-out samples (report part)"
-    info = (f"Scored on {d.get('report')} {where}; the interpolating methods were tuned on {d.get('tune')} other "
+    mem = board.get("memory") or {}
+    # the owner's view names the memory; a shared leaderboard holds only its size
+    on = (f"Memory {mem['name']} ({mem.get('train_samples')} training samples). " if mem.get("name") else
+          f"A memory of {mem['train_samples']} training samples. " if mem.get("train_samples") else "")
+    info = (f"{on}Scored on {d.get('report')} {where}; the interpolating methods were tuned on {d.get('tune')} other "
             f"held-out samples, never scored. Backbone {board.get('backbone')}, task {board.get('task')}. "
             f"p: one-sided paired bootstrap against the base model ({board.get('bootstrap')} resamples).")
     phases = board.get("phases") or {}
@@ -280,7 +284,8 @@ def build(studio) -> SimpleNamespace:
     def on_load(me):
         last = studio.list_jobs(("rank",), 1, owner=me)
         jid = last[0]["id"] if last else None
-        return (*lists(me), _tour_text(studio, me), jid,
+        ranked = (last[0].get("args") or {}).get("memory_id") if last else None  # the picker shows its memory
+        return (*lists(me, ranked), _tour_text(studio, me), jid,
                 render.job_card(last[0]) if jid else render.job_card(None))
 
     return SimpleNamespace(refresh=refresh, refresh_keys=[None], refresh_inputs=[c.memory],
