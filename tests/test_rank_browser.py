@@ -23,6 +23,7 @@ def app(tmp_path_factory):
     mid = build_tiny_memory(studio, unique_pairs(110), "my pairs")
     job = studio.jobs.wait(studio.submit_rank(mid, methods=METHODS), 300)
     assert job["state"] == "done", job
+    build_tiny_memory(studio, unique_pairs(30), "other pairs")  # newer: the picker's first choice, not the ranked one
     with served_page_app(studio) as url:
         yield {"url": url, "studio": studio, "memory_id": mid, "job": job}
     studio.close()

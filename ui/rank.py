@@ -273,9 +273,10 @@ def build(studio) -> SimpleNamespace:
     _wire_ranking(studio, c)
     _wire_poll(studio, c)
 
-    def lists(me, mem_value=None):
+    def lists(me, mem_value=None, default=None):
         mchoices = memory_choices(studio, me)
-        return choices_update(mchoices, mem_value), _estimate_text(studio, keep_value(mchoices, mem_value), None, me)
+        return (choices_update(mchoices, mem_value, default),
+                _estimate_text(studio, keep_value(mchoices, mem_value or default), None, me))
 
     @user_errors
     def refresh(mem_value, request: gr.Request):
@@ -285,7 +286,7 @@ def build(studio) -> SimpleNamespace:
         last = studio.list_jobs(("rank",), 1, owner=me)
         jid = last[0]["id"] if last else None
         ranked = (last[0].get("args") or {}).get("memory_id") if last else None  # the picker shows its memory
-        return (*lists(me, ranked), _tour_text(studio, me), jid,
+        return (*lists(me, None, ranked), _tour_text(studio, me), jid,
                 render.job_card(last[0]) if jid else render.job_card(None))
 
     return SimpleNamespace(refresh=refresh, refresh_keys=[None], refresh_inputs=[c.memory],
