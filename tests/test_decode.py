@@ -84,7 +84,8 @@ def test_beam_search_reorders_beams_and_keeps_their_histories():
 def test_one_step_equals_the_step_of_a_full_decode(tiny, tiny_memory):
     knn = KNN(KNNConfig(), tiny)
     knn.fit(tiny_memory)
-    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"slots": 4})  # untrained, but its hooks run and trace
+    # untrained, but its hooks run and trace
+    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"variant": "MT-MF", "slots": 4})
     rows = [Row("base"), Row("knn", knn, {"k": 4, "lambda": 0.3}), Row("mt", mt)]
     full = compare(tiny, SOURCE, rows, PROMPT, max_new_tokens=4, use_prefix_cache=False)
     batch = plan_batch(tiny, [SOURCE], rows, PROMPT)
@@ -144,7 +145,7 @@ def test_decode_loop_around_the_local_forward_pass_decodes_as_compare(tiny, tiny
 
 # --- traces by handle ------------------------------------------------------------------------------------------------
 def test_network_trace_is_addressed_by_handle_not_by_call_order(tiny, tiny_memory):
-    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"slots": 4})
+    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"variant": "MT-MF", "slots": 4})
     ids = torch.tensor([tiny.encode_context(PROMPT.render(s))[-6:] for s in ("a b c", "hello world", "good day")])
     h1 = mt.attach(torch.tensor([0]), {"scale": 1.0})
     h2 = mt.attach(torch.tensor([1, 2]), {"scale": 0.5})

@@ -41,7 +41,7 @@ def plugins(tiny, tiny_memory):
     pema = new_plugin("pema", tiny, tiny_memory, {"seed": 1})  # untrained, random B: P_PEMA is far from P_LM
     pema_cand = new_plugin("pema", tiny, tiny_memory, {"seed": 2})
     pema_cand.candidates = torch.arange(0, tiny.vocab_size, 3)  # a restricted vocabulary: the head-subset path
-    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"slots": 4})  # in-network, no live settings
+    mt = new_plugin("memory_tuning", tiny, tiny_memory, {"variant": "MT-MF", "slots": 4})  # in-network, no live knobs
     return {"knn": knn, "pema": pema, "pema_cand": pema_cand, "mt": mt}
 
 

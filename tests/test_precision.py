@@ -287,7 +287,8 @@ def test_memory_tuning_prefix_runs_on_the_bfloat16_cpu_attention(tmp_path):
 
     bb = tiny_in("bfloat16")
     mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m", prompt=PROMPT)
-    mt, _ = train_plugin(bb, mem, "memory_tuning", {"max_epochs": 1, "max_minutes": 0}, out_dir=tmp_path / "mt")
+    mt, _ = train_plugin(bb, mem, "memory_tuning", {"max_epochs": 1, "max_minutes": 0, "variant": "MT-MF"},
+                         out_dir=tmp_path / "mt")
     rows = [Row("base"), Row("mt", mt)]
     both = decode_batch(bb, ["the house is small", "good morning"], rows, PROMPT, max_new_tokens=5)
     alone = compare(bb, "good morning", rows, PROMPT, max_new_tokens=5)

@@ -28,7 +28,7 @@ LONG = ("the old man who lives in the small house near the river walks to the ma
 PAIRS = [("the house is small", "das Haus ist klein"), ("hi", "hallo"), LONG, ("good morning", "Guten Morgen"),
          ("the cat sleeps", "die Katze schlaeft"), ("the small house", "das kleine Haus")] * 3
 SHOTS = [("the house is small", "das Haus ist klein"), ("good morning", "Guten Morgen")]
-CASES = [("adapter", {"bottleneck": 8}), ("lora", {"alpha": 64.0}), ("memory_tuning", {"slots": 8}),
+CASES = [("adapter", {"bottleneck": 8}), ("lora", {"alpha": 64.0}), ("memory_tuning", {"variant": "MT-MF", "slots": 8}),
          ("memory_tuning", {"variant": "MT-M"}), ("memory_adapter", {"layers": "all"}),
          ("memory_adapter", {"layers": "1"})]
 IDS = ["adapter", "lora", "mt-mf", "mt-m", "madapter-all", "madapter-top"]
