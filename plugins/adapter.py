@@ -38,7 +38,7 @@ How it is adapted to our decoder-only backbones (Llama, Gemma 3):
     * Training softmax over a candidate vocabulary by default (``softmax="candidates"``, as PEMA's fast mode): the
       memory's target tokens, the stop tokens and the LM's top tokens on sampled memory contexts instead of all V
       tokens — a sampled-softmax approximation of the paper's NLL (Gemma's LM head is 262k × 640: with every token it
-      was a third of a CPU step). Decoding always uses the full vocabulary. ``softmax="full"`` (and the ``paper``
+      was a large share of a CPU step). Decoding always uses the full vocabulary. ``softmax="full"`` (and the ``paper``
       preset) is the exact NLL. Measured on held-out data: BENCHMARKS.md, "The candidate softmax as the default".
 
 The in-network machinery it shares with LoRA and memory-tuning (hooks restricted to a comparison's batch rows,

@@ -59,8 +59,8 @@ def throughputs(path: Path | None = None) -> dict:
 def machine_kind() -> str:
     """The kind of machine this process trains on, as the throughput records are keyed: ``cuda`` when a GPU is
     present (the studio trains there), else the CPU's: ``cpu-bf16`` (native bfloat16: the default precision
-    multiplies in bfloat16), ``cpu-avx2`` (AVX2 with FBGEMM's float16 kernel: training multiplies in float32, ≈ 2.5×
-    slower a step than the bfloat16 kind in BENCHMARKS' runs), or ``cpu``."""
+    multiplies in bfloat16), ``cpu-avx2`` (AVX2 with FBGEMM's float16 kernel: training multiplies in float32, a
+    slower step), or ``cpu``."""
     if torch.cuda.is_available():
         return "cuda"
     return "cpu-bf16" if native_bf16_cpu() else "cpu-avx2" if fp16_weight_available() else "cpu"
