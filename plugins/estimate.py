@@ -98,9 +98,9 @@ def estimate(method: str, config: dict | None, backbone_name: str, samples: int,
     converge_s = setup_s + sum(lp["converge_s"] for lp in loops)
     total_epochs = sum(lp["epochs"] for lp in loops)
     measured = all(lp["converge_measured"] for lp in loops)
+    every = "its 1 epoch" if total_epochs == 1 else f"all {epochs_text(total_epochs)} epochs"
     what = (f"≈ {minutes(converge_s)} to converge (≈ {epochs_text(total_epochs)} epochs)" if measured else
-            f"≈ {minutes(converge_s)} for all {epochs_text(total_epochs)} epochs (max_epochs; early stopping may end "
-            f"it sooner)")
+            f"≈ {minutes(converge_s)} for {every} (max_epochs; early stopping may end it sooner)")
     if len(loops) > 1:
         what += " — " + ", ".join(f"{lp['phase']} {epochs_text(lp['epochs'])} epochs ≈ {minutes(lp['converge_s'])}"
                                   for lp in loops)

@@ -76,3 +76,19 @@ def test_leaderboard_plot_verdict_and_share(page, app):
     tab = page.get_by_role("tab", name="Memories")
     assert tab.count() == 0 or not tab.is_visible()
     page.screenshot(path=str(SHOTS / "rank-shared.png"), full_page=True)
+
+
+def test_the_picker_opens_on_the_ranked_memory(page, app):
+    """A memory built after the ranking is the newest (the default of every other picker), yet the Rank tab's
+    picker opens on the memory of the caller's latest ranking, whichever of the page's load and the tab's refresh
+    answers first (both start there)."""
+    build_tiny_memory(app["studio"], unique_pairs(30), "later pairs")
+    for wait_for_load in (False, True):  # the tab opened at once (its refresh races the load), then after the load
+        if wait_for_load:
+            open_app(page, app["url"])
+        else:
+            page.goto(app["url"], wait_until="domcontentloaded")
+        page.get_by_role("tab", name="Rank").click()
+        page.wait_for_function("(document.querySelector('#rank-memory input') || {}).value?.startsWith('my pairs')")
+        page.wait_for_timeout(1500)  # a late answer of the other event must not move it
+        assert page.locator("#rank-memory input").input_value().startswith("my pairs")

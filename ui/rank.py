@@ -278,16 +278,21 @@ def build(studio) -> SimpleNamespace:
         return (choices_update(mchoices, mem_value, default),
                 _estimate_text(studio, keep_value(mchoices, mem_value or default), None, me))
 
+    def last_rank(me):
+        """The caller's latest rank job and its memory: the picker starts there, whether the page's load or the
+        tab's refresh answers first (both use it, so neither undoes the other)."""
+        last = studio.list_jobs(("rank",), 1, owner=me)
+        return (last[0] if last else None), ((last[0].get("args") or {}).get("memory_id") if last else None)
+
     @user_errors
     def refresh(mem_value, request: gr.Request):
-        return lists(owner_of(studio, request), mem_value)
+        me = owner_of(studio, request)
+        return lists(me, mem_value, last_rank(me)[1])
 
     def on_load(me):
-        last = studio.list_jobs(("rank",), 1, owner=me)
-        jid = last[0]["id"] if last else None
-        ranked = (last[0].get("args") or {}).get("memory_id") if last else None  # the picker shows its memory
-        return (*lists(me, None, ranked), _tour_text(studio, me), jid,
-                render.job_card(last[0]) if jid else render.job_card(None))
+        last, ranked = last_rank(me)
+        return (*lists(me, None, ranked), _tour_text(studio, me), last["id"] if last else None,
+                render.job_card(last))
 
     return SimpleNamespace(refresh=refresh, refresh_keys=[None], refresh_inputs=[c.memory],
                            refresh_outputs=[c.memory, c.estimate], on_load=on_load,
