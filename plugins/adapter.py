@@ -33,6 +33,9 @@ How it is adapted to our decoder-only backbones (Llama, Gemma 3):
     * Not applied to the prompt's shared prefix (``prompt_prefix="frozen"``, the default; a deviation: the paper
       adapts every position): the adapter acts on a sample's own positions, the instruction and few-shot examples
       are the frozen model's, computed once per memory (``plugins.network``; "adapted" = the paper's).
+    * ``layers`` (default ``"all"``, the paper's every block): ``"top:N"`` etc. adapt fewer blocks, and training
+      runs the frozen blocks below once per batch. Faster, but measured worse (BENCHMARKS.md, "Training every method
+      on 1,000 pairs, and one epoch tried for the residual adapter and memory-tuning").
     * ``max_minutes`` bounds the training time; ``BudgetGuard`` evaluates once more just before the budget runs
       out, so a budget-stopped run keeps its last steps (``run_training`` alone restores the last *evaluated* best).
     * Training softmax over a candidate vocabulary by default (``softmax="candidates"``, as PEMA's fast mode): the
@@ -59,6 +62,7 @@ from plugins.network import (
     NetworkPlugin,
     derived,
     first_tensor,
+    parse_layers,
     replace_first,
     rows_apply,
 )
@@ -71,6 +75,9 @@ from plugins.settings import Preset, setting
 class AdapterConfig(NetworkConfig):
     bottleneck: int = setting(64, "m (paper: 10–300 per task)", low=1, high=65536)
     ln_eps: float = setting(1e-5)
+    layers: str = setting(
+        "all", "adapted layers: \"all\" (the paper: after every block) | \"top:N\" | \"bottom:N\" | \"every:K\" | "
+        "\"0,4,8\"; with the top layers only, the frozen layers below run once per batch (faster training)")
 
     PRESETS = {
         "paper": Preset({"bottleneck": 300, "batch_size": 32, "max_epochs": 8, "softmax": "full"},
@@ -85,6 +92,19 @@ class AdapterConfig(NetworkConfig):
         super().validate()
         self._check(self.bottleneck <= 4096, "The adapter bottleneck m must be between 1 and 4096.")
         self._check(self.ln_eps > 0, "ln_eps must be positive.")
+        parse_layers(self.layers, None)
+
+
+class LayerAdapters(nn.ModuleDict):
+    """The adapters of the adapted layers, indexed by layer number; its state-dict keys (``adapters.<l>.…``) are a
+    ``ModuleList``'s over every layer when every layer is adapted, so plug-ins saved before ``layers`` load as
+    before."""
+
+    def __getitem__(self, layer) -> "ResidualAdapter":
+        return super().__getitem__(str(layer))
+
+    def by_layer(self) -> list[tuple[int, "ResidualAdapter"]]:
+        return [(int(k), m) for k, m in self.items()]
 
 
 class ResidualAdapter(nn.Module):
@@ -115,13 +135,18 @@ class Adapter(NetworkPlugin):
         d, L = backbone.hidden_size, backbone.num_layers
         with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
             torch.manual_seed(config.seed)
-            self.adapters = nn.ModuleList(ResidualAdapter(d, config.bottleneck, config.ln_eps) for _ in range(L))
+            self.layer_ids = parse_layers(config.layers, L)
+            self.adapters = LayerAdapters({str(l): ResidualAdapter(d, config.bottleneck, config.ln_eps)
+                                           for l in self.layer_ids})
         self.register_buffer("out_scale", torch.ones(L, d))  # s_l: per-feature RMS of block l's output
+
+    def lowest_layer(self) -> int:
+        return min(self.layer_ids)
 
     def _register_hooks(self, att: Attachment) -> list:
         folded = self._folded_out(self._scale_of(att)) if att.forward_rows is not None else None  # decoding
-        return [layer.register_forward_hook(self._hook(l, att, None if folded is None else folded[l]))
-                for l, layer in enumerate(self.backbone.layers)]
+        return [self.backbone.layers[l].register_forward_hook(self._hook(l, att, None if folded is None else folded[l]))
+                for l in self.layer_ids]
 
     def _hook(self, l: int, att: Attachment, out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``out``: layer l's W_D, b_D with σ·s_l folded in when decoding (``_folded_out``; None: as trained)."""
@@ -146,17 +171,19 @@ class Adapter(NetworkPlugin):
         """Every layer's W_D and b_D times σ·s_l, for decoding: (ReLU(…)·W_D + b_D) ⊙ σ·s_l in one product (one
         cache check for all layers: a decode step attaches the hooks anew)."""
         s = self.out_scale
-        sources = [s, *(t for ad in self.adapters for t in (ad.W_D.weight, ad.W_D.bias))]
+        pairs = self.adapters.by_layer()
+        sources = [s, *(t for _, ad in pairs for t in (ad.W_D.weight, ad.W_D.bias))]
         return derived(self, ("out", scale), sources,
-                       lambda: [(ad.W_D.weight * (s[l] * scale)[:, None], ad.W_D.bias * (s[l] * scale))
-                                for l, ad in enumerate(self.adapters)])
+                       lambda: {l: (ad.W_D.weight * (s[l] * scale)[:, None], ad.W_D.bias * (s[l] * scale))
+                                for l, ad in pairs})
 
     def fit(self, memory, progress=lambda f, m: None, should_stop=lambda: False) -> FitResult:
         def prepare(train):
-            rms = self.calibrate_rms(list(self.backbone.layers), train)
-            for l, r in enumerate(rms):
+            rms = self.calibrate_rms([self.backbone.layers[l] for l in self.layer_ids], train)
+            for l, r in zip(self.layer_ids, rms):
                 if r is not None:
                     self.out_scale[l].copy_(r.to(self.out_scale))
-            return {"out_scale_rms": self.scale_summary(list(self.out_scale)), "bottleneck": self.config.bottleneck}
+            return {"out_scale_rms": self.scale_summary([self.out_scale[l] for l in self.layer_ids]),
+                    "bottleneck": self.config.bottleneck, "layers": self.layer_ids}
 
         return self.fit_sequences(memory, progress, should_stop, prepare)

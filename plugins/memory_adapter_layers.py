@@ -1,7 +1,7 @@
-"""The memory-augmented adapter's layers (Xu et al.): which phrases go to which layer (``parse_layers``,
-``allocate``), one adapter's attention over its phrase memory and gate (``MemoryAdapter``), and a layer's adapters
-for the target and source sides (``LayerBlock``). The plug-in that trains and attaches them is
-``plugins.memory_adapter``."""
+"""The memory-augmented adapter's layers (Xu et al.): which phrases go to which layer (``allocate``; the ``layers``
+setting's ``parse_layers`` is ``plugins.network``'s), one adapter's attention over its phrase memory and gate
+(``MemoryAdapter``), and a layer's adapters for the target and source sides (``LayerBlock``). The plug-in that
+trains and attaches them is ``plugins.memory_adapter``."""
 from __future__ import annotations
 
 import math
@@ -12,37 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbone.model import PackedBF16Linear, packed_bf16_available
-from ground.errors import UserError
-
-
-def parse_layers(spec: str, num_layers: int | None) -> list[int]:
-    """Layer indices of a ``layers`` spec; with ``num_layers`` None only the syntax is checked."""
-    spec = str(spec).strip().lower()
-    bad = UserError(f"Bad layers setting {spec!r}: use 'all', 'top:N', 'bottom:N', 'every:K' or a list like '0,4,8'.")
-    L = num_layers
-    try:
-        if spec == "all":
-            out = list(range(L)) if L else []
-        elif spec.startswith(("top:", "bottom:", "every:")):
-            kind, n = spec.split(":")
-            n = int(n)
-            if n < 1:
-                raise bad
-            if L is None:
-                return []
-            out = {"top": list(range(max(0, L - n), L)), "bottom": list(range(min(n, L))),
-                   "every": list(range(L - 1, -1, -n))[::-1]}[kind]
-        else:
-            out = sorted({int(x) for x in spec.split(",") if x.strip()})
-            if not out:
-                raise bad
-    except ValueError:
-        raise bad from None
-    if L is not None:
-        wrong = [i for i in out if not 0 <= i < L]
-        if wrong:
-            raise UserError(f"Layer(s) {wrong} do not exist: the backbone has layers 0..{L - 1}.")
-    return out
+from plugins.network import parse_layers  # noqa: F401  (re-exported)
 
 
 def allocate(lengths: list[int], layers: list[int], how: str = "short_to_long", seed: int = 0

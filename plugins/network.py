@@ -97,6 +97,36 @@ class NetworkConfig(PluginConfig):
         self._check(self.patience >= 1, "patience must be ≥ 1.")
 
 
+def parse_layers(spec: str, num_layers: int | None) -> list[int]:
+    """Layer indices of a ``layers`` spec; with ``num_layers`` None only the syntax is checked."""
+    spec = str(spec).strip().lower()
+    bad = UserError(f"Bad layers setting {spec!r}: use 'all', 'top:N', 'bottom:N', 'every:K' or a list like '0,4,8'.")
+    L = num_layers
+    try:
+        if spec == "all":
+            out = list(range(L)) if L else []
+        elif spec.startswith(("top:", "bottom:", "every:")):
+            kind, n = spec.split(":")
+            n = int(n)
+            if n < 1:
+                raise bad
+            if L is None:
+                return []
+            out = {"top": list(range(max(0, L - n), L)), "bottom": list(range(min(n, L))),
+                   "every": list(range(L - 1, -1, -n))[::-1]}[kind]
+        else:
+            out = sorted({int(x) for x in spec.split(",") if x.strip()})
+            if not out:
+                raise bad
+    except ValueError:
+        raise bad from None
+    if L is not None:
+        wrong = [i for i in out if not 0 <= i < L]
+        if wrong:
+            raise UserError(f"Layer(s) {wrong} do not exist: the backbone has layers 0..{L - 1}.")
+    return out
+
+
 def derived(owner, key, sources, build: Callable[[], object]):
     """What ``build()`` derives from the tensors ``sources`` (a plug-in's weights: folded products, packed copies,
     a dtype's copy), computed once under ``no_grad`` and kept on ``owner`` under ``key`` until a source changes —

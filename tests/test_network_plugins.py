@@ -190,7 +190,8 @@ def test_bad_configurations_raise_user_error(tiny, trained):
     bad = [("adapter", {"bottleneck": 0}), ("adapter", {"lr": -1}), ("adapter", {"lr_schedule": "linear"}),
            ("lora", {"rank": 0}), ("lora", {"alpha": 0}), ("lora", {"dropout": 1.5}),
            ("memory_tuning", {"variant": "MT-X"}), ("memory_tuning", {"query_dim": 8}),
-           ("memory_tuning", {"slots": 0}), ("memory_tuning", {"nonsense": 1})]
+           ("memory_tuning", {"slots": 0}), ("memory_tuning", {"nonsense": 1}), ("adapter", {"layers": "top:0"}),
+           ("adapter", {"layers": "first"})]
     for method, over in bad:
         with pytest.raises(UserError):
             make_config(method, over)
@@ -456,3 +457,29 @@ def test_two_decodes_taking_turns_keep_their_own_hooks(tiny, tiny_memory, traine
     for want, d in zip(alone, decs):
         got = d.result()[0]
         assert [r.tokens for r in got.rows] == [r.tokens for r in want.rows]
+
+
+def test_adapter_on_the_top_layers_only(tiny, tiny_memory, train_data, tmp_path):
+    """``layers="top:1"``: one adapter, hooked on the top layer only, the frozen layers below run once per batch
+    (``lowest_layer``); every layer's adapter keeps the state-dict keys of the list it was before ``layers``
+    existed, so older plug-ins load."""
+    L = tiny.num_layers
+    every = new_plugin("adapter", tiny, tiny_memory, FAST["adapter"])
+    assert sorted({k.split(".")[1] for k in every.state_dict() if k.startswith("adapters.")}) == \
+        sorted(str(l) for l in range(L)) and every.lowest_layer() == 0
+    path = tmp_path / "top"
+    top, _ = train_plugin(tiny, tiny_memory, "adapter", {**FAST["adapter"], "layers": "top:1", "max_epochs": 2},
+                          out_dir=path, name="top")
+    assert top.lowest_layer() == L - 1 and top.train_info["layers"] == [L - 1]
+    assert {k.split(".")[1] for k in top.state_dict() if k.startswith("adapters.")} == {str(L - 1)}
+    assert top.trainable_parameters() * L == every.trainable_parameters()
+    low, high = forward_hook_count(tiny.layers[0]), forward_hook_count(tiny.layers[L - 1])
+    handles = top.attach(None, {})
+    try:
+        assert (forward_hook_count(tiny.layers[0]), forward_hook_count(tiny.layers[L - 1])) == (low, high + 1)
+    finally:
+        for h in handles:
+            h.remove()
+    loaded = load_plugin(path, tiny)
+    assert torch.equal(_logits(tiny, train_data, top), _logits(tiny, train_data, loaded))
+    assert not torch.equal(_logits(tiny, train_data, top), _logits(tiny, train_data, every))

@@ -28,10 +28,10 @@ LONG = ("the old man who lives in the small house near the river walks to the ma
 PAIRS = [("the house is small", "das Haus ist klein"), ("hi", "hallo"), LONG, ("good morning", "Guten Morgen"),
          ("the cat sleeps", "die Katze schlaeft"), ("the small house", "das kleine Haus")] * 3
 SHOTS = [("the house is small", "das Haus ist klein"), ("good morning", "Guten Morgen")]
-CASES = [("adapter", {"bottleneck": 8}), ("lora", {"alpha": 64.0}), ("memory_tuning", {"variant": "MT-MF", "slots": 8}),
-         ("memory_tuning", {"variant": "MT-M"}), ("memory_adapter", {"layers": "all"}),
-         ("memory_adapter", {"layers": "1"})]
-IDS = ["adapter", "lora", "mt-mf", "mt-m", "madapter-all", "madapter-top"]
+CASES = [("adapter", {"bottleneck": 8}), ("adapter", {"bottleneck": 8, "layers": "top:1"}), ("lora", {"alpha": 64.0}),
+         ("memory_tuning", {"variant": "MT-MF", "slots": 8}), ("memory_tuning", {"variant": "MT-M"}),
+         ("memory_adapter", {"layers": "all"}), ("memory_adapter", {"layers": "1"})]
+IDS = ["adapter", "adapter-top", "lora", "mt-mf", "mt-m", "madapter-all", "madapter-top"]
 # per-token NLL, prepared batch vs whole sequences. ``adapted``: the same sequences through the same operations (the
 # layers below the plug-in merely run earlier), measured equal to the last bit: exact. ``frozen``: the prefix's keys
 # and values come as the past, so attention sums over keys of another layout — measured ≤ 2.3e-7 relative (1–2 ulp
