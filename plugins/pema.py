@@ -154,8 +154,9 @@ class PEMAConfig(PluginConfig):
                         "the public code's regime (train_rct_pd.py): LoraLinear with lora_alpha 1, r 512, B = 0, "
                         "on the raw f(c); 2,048 entries a step; early stopping every 100 steps when the loss rises "
                         "above the two evaluations before, up to 200 epochs; here also at most "
-                        f"{PAPER_MAX_STEPS:,} steps a phase (a step budget, not minutes); behind the shipped "
-                        "defaults at 150 steps a phase (BENCHMARKS.md, \"PEMA one change at a time\")"),
+                        f"{PAPER_MAX_STEPS:,} steps a phase (a step budget, not minutes); level with the shipped "
+                        "defaults on WMT dev at its full budget, far behind at 150 steps a phase (BENCHMARKS.md, "
+                        "\"PEMA's paper preset at its full budget\")"),
         "quick": Preset({"rank": 128, "max_epochs_rct": 2, "max_epochs_joint": 4, "candidate_contexts": 512,
                          "max_minutes": 2.0},
                         "a short run for trying the studio: r 128, 2 + 4 epochs, at most 2 minutes a phase"),
