@@ -26,8 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see ground/__init__.py
-
+import ground  # noqa: E402,F401  (before torch: OpenMP's wait policy, see ground/__init__.py)
 from backbone.model import DEFAULT_BACKBONE, EMBEDDED  # noqa: E402  (after the environment above is set)
 from ground.errors import UserError  # noqa: E402
 from ground.jobs import READ_ONLY_MESSAGE  # noqa: E402

@@ -27,23 +27,28 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from backbone.cli import load_backbone_from_args
-from backbone.tasks import task_prompt
-from eval import datasets
-from eval.calibrate import calibrate, describe_choice
-from eval.rank import format_leaderboard, rank
-from eval.run import evaluate, format_table, lambda_sweep
-from eval.style import train_shakespeare_classifier
-from ground.cli import add_common, progress_bar, run_main
-from ground.errors import UserError
-from ground.store import Catalog
-from memories.parse import parse_samples_strict
-from offsite.cli import add_remote, remote_backbone_from_args
-from offsite.decode import decode_batch_remote, open_offsite_plugin
-from plugins.__main__ import plugin_rows, tuned_lines
-from plugins.api import open_memory, open_plugin, plugin_folder
-from plugins.decode import Row
-from plugins.settings import parse_sets, plugin_calibration
+import ground
+
+if sys.argv[1:2] == ["rank"]:  # trainings, then evaluations: OpenMP threads spin briefly before sleeping (ground)
+    ground.spin_briefly()  # before torch loads, i.e. before the imports below
+
+from backbone.cli import load_backbone_from_args  # noqa: E402
+from backbone.tasks import task_prompt  # noqa: E402
+from eval import datasets  # noqa: E402
+from eval.calibrate import calibrate, describe_choice  # noqa: E402
+from eval.rank import format_leaderboard, rank  # noqa: E402
+from eval.run import evaluate, format_table, lambda_sweep  # noqa: E402
+from eval.style import train_shakespeare_classifier  # noqa: E402
+from ground.cli import add_common, progress_bar, run_main  # noqa: E402
+from ground.errors import UserError  # noqa: E402
+from ground.store import Catalog  # noqa: E402
+from memories.parse import parse_samples_strict  # noqa: E402
+from offsite.cli import add_remote, remote_backbone_from_args  # noqa: E402
+from offsite.decode import decode_batch_remote, open_offsite_plugin  # noqa: E402
+from plugins.__main__ import plugin_rows, tuned_lines  # noqa: E402
+from plugins.api import open_memory, open_plugin, plugin_folder  # noqa: E402
+from plugins.decode import Row  # noqa: E402
+from plugins.settings import parse_sets, plugin_calibration  # noqa: E402
 
 
 def load_pairs(args, catalog) -> list[tuple[str, str | None]]:

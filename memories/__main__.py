@@ -14,21 +14,27 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from backbone.cli import load_backbone_from_args
-from backbone.prompts import Prompt
-from backbone.tasks import task_prompt
-from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
-from ground.errors import UserError
-from ground.store import Catalog, new_id
-from ground.text import printable
-from memories.build import build_memory
-from memories.corpora import available_corpora, load_corpus
-from memories.datasets_source import load_dataset_samples, record_source
-from memories.parse import parse_samples_strict, samples_from_dicts
-from offsite.cli import add_remote, remote_backbone_from_args
-from plugins.api import open_memory
+import ground
+
+if sys.argv[1:2] == ["build"]:  # a memory build: OpenMP threads spin briefly before sleeping (ground)
+    ground.spin_briefly()  # before torch loads, i.e. before the imports below
+
+from backbone.cli import load_backbone_from_args  # noqa: E402
+from backbone.prompts import Prompt  # noqa: E402
+from backbone.tasks import task_prompt  # noqa: E402
+from ground.cli import add_common, dump_json, print_table, progress_bar, run_main  # noqa: E402
+from ground.errors import UserError  # noqa: E402
+from ground.store import Catalog, new_id  # noqa: E402
+from ground.text import printable  # noqa: E402
+from memories.build import build_memory  # noqa: E402
+from memories.corpora import available_corpora, load_corpus  # noqa: E402
+from memories.datasets_source import load_dataset_samples, record_source  # noqa: E402
+from memories.parse import parse_samples_strict, samples_from_dicts  # noqa: E402
+from offsite.cli import add_remote, remote_backbone_from_args  # noqa: E402
+from plugins.api import open_memory  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -20,23 +20,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from backbone.cli import load_backbone_from_args
-from backbone.model import CPU_FLOAT16_TAG, FINGERPRINT_TAGS, PRECISIONS, resolve_name
-from backbone.prompts import TASKS, Prompt
-from backbone.tasks import task_prompt
-from ground.cli import add_common, dump_json, print_table, progress_bar, run_main
-from ground.errors import UserError
-from ground.store import Catalog
-from ground.text import printable
-from offsite.cli import add_remote, remote_backbone_from_args
-from offsite.decode import check_offsite_method, compare_remote, open_offsite_plugin
-from plugins.api import method_table, open_memory, open_plugin, plugin_folder, train_plugin
-from plugins.decode import Row, compare
-from plugins.estimate import estimate
-from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin
-from plugins.registry import get_method
-from plugins.settings import (
+import ground
+
+if sys.argv[1:2] == ["train"]:  # a training process: OpenMP threads spin briefly before sleeping (ground)
+    ground.spin_briefly()  # before torch loads, i.e. before the imports below
+
+from backbone.cli import load_backbone_from_args  # noqa: E402
+from backbone.model import CPU_FLOAT16_TAG, FINGERPRINT_TAGS, PRECISIONS, resolve_name  # noqa: E402
+from backbone.prompts import TASKS, Prompt  # noqa: E402
+from backbone.tasks import task_prompt  # noqa: E402
+from ground.cli import add_common, dump_json, print_table, progress_bar, run_main  # noqa: E402
+from ground.errors import UserError  # noqa: E402
+from ground.store import Catalog  # noqa: E402
+from ground.text import printable  # noqa: E402
+from offsite.cli import add_remote, remote_backbone_from_args  # noqa: E402
+from offsite.decode import check_offsite_method, compare_remote, open_offsite_plugin  # noqa: E402
+from plugins.api import method_table, open_memory, open_plugin, plugin_folder, train_plugin  # noqa: E402
+from plugins.decode import Row, compare  # noqa: E402
+from plugins.estimate import estimate  # noqa: E402
+from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin  # noqa: E402
+from plugins.registry import get_method  # noqa: E402
+from plugins.settings import (  # noqa: E402
     address_sets,
     calibration_label,
     describe_changes,

@@ -133,6 +133,11 @@ class PreparedBatch:
         return h
 
 
+def _pass_through(hidden_states, *args, **kwargs):
+    """A decoder layer's stand-in while ``prepare_batch`` reads the layers' arguments: its input unchanged."""
+    return hidden_states
+
+
 def prepare_batch(backbone, data: SeqData, idx: list[int], prefix: FrozenPrefix | None, l0: int
                   ) -> PreparedBatch | None:
     """Run the frozen backbone once over the samples ``idx`` (their own positions, the prefix as the past) up to
@@ -157,8 +162,13 @@ def prepare_batch(backbone, data: SeqData, idx: list[int], prefix: FrozenPrefix 
                 raise StopForward()
         return pre
 
-    handles = [bb.layers[l].register_forward_pre_hook(hook_for(l), with_kwargs=True)
-               for l in range(l0, bb.num_layers)]
+    above = [bb.layers[l] for l in range(l0, bb.num_layers)]
+    handles = [layer.register_forward_pre_hook(hook_for(l), with_kwargs=True) for l, layer in enumerate(above, l0)]
+    # the layers from l0 up only show their arguments: running them would compute states nobody reads (for l0 = 0
+    # with Gemma's first full-attention layer at 5, a third of a forward pass per batch)
+    own_forward = [layer.__dict__.get("forward") for layer in above]
+    for layer in above:
+        layer.forward = _pass_through
     try:
         with torch.no_grad():
             past = prefix.cache(bb, len(idx)) if prefix is not None else None
@@ -170,6 +180,11 @@ def prepare_batch(backbone, data: SeqData, idx: list[int], prefix: FrozenPrefix 
     finally:
         for h in handles:
             h.remove()
+        for layer, fwd in zip(above, own_forward):
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
     if "h" not in hidden or not need <= set(got):
         return None
     keys = P + ids.shape[1]
