@@ -255,12 +255,49 @@ class Fp16WeightLinear(KernelLinear):
         y = fp16_linear(x.reshape(-1, self.in_features).contiguous(), self._prepared[0])
         return y.view(*lead, self.out_features)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (torch.is_grad_enabled() and self.kernel_ok and x.dtype == torch.float32 and x.is_cpu
+                and not self.weight.requires_grad and (self.bias is None or not self.bias.requires_grad)):
+            return _Fp16TrainingProduct.apply(x, self)
+        return super().forward(x)
+
+    def transposed(self):
+        """FBGEMM's float16 copy of the weight's transpose (for g·W, the input's gradient), packed the first time
+        a gradient passes through this layer and kept (float16: half of the float32 weight's bytes)."""
+        packed = self.__dict__.get("_packed_t")
+        if packed is None:
+            packed = self.__dict__["_packed_t"] = fp16_pack_linear(self.weight.detach().float().t().contiguous(),
+                                                                   None)
+        return packed
+
     def _check_rows_invariant(self, rows: int = 16) -> bool:
         self.pad_to, self.pad_limit = _steady_rows(self), self.PAD_UP_TO
         return True
 
     def _padded_rows(self, rows: int) -> int:
         return self.pad_to[rows]
+
+
+class _Fp16TrainingProduct(torch.autograd.Function):
+    """x·Wᵀ (+ b) of a frozen :class:`Fp16WeightLinear` while training through it (gradients on): forward and the
+    input's gradient g·W both on FBGEMM's float16 kernel — the same float16-rounded weight values that ``F.linear``
+    would multiply in float32, with float32 accumulation (only the summation order differs) — where MKL's float32
+    products were slower on the AVX2 machines (BENCHMARKS, "OpenMP's wait policy in training"). The weight gets no
+    gradient: it is frozen."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "Fp16WeightLinear") -> torch.Tensor:
+        ctx.layer = layer
+        lead = x.shape[:-1]
+        y = fp16_linear(x.reshape(-1, layer.in_features).contiguous(), layer._prepared[0])
+        return y.view(*lead, layer.out_features)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        layer = ctx.layer
+        lead = g.shape[:-1]
+        gx = fp16_linear(g.reshape(-1, layer.out_features).contiguous().float(), layer.transposed())
+        return gx.view(*lead, layer.in_features), None
 
 
 _STEADY_ROWS: dict = {}  # (in, out) → padded row count per row count (``Fp16WeightLinear``)

@@ -144,11 +144,25 @@ def test_float16_on_a_cpu_is_weight_only_and_a_row_keeps_its_bits_alone_and_in_a
         for n in (1, 2, 3, 7, 14, 31, 32, 64):  # row counts FBGEMM rounds differently unpadded (on an AVX2 CPU)
             assert torch.equal(lin(x[:n]), batch[:n]), n
         assert all(torch.equal(lin(x[i:i + 1]), batch[i:i + 1]) for i in range(0, 64, 9))
-    xg = x[:3].clone().requires_grad_(True)
-    out = lin(xg)  # with gradients: F.linear on the same (rounded) weights
-    assert torch.equal(out, nn.functional.linear(x[:3], lin.weight, lin.bias))
-    out.sum().backward()
-    assert xg.grad is not None
+    # with gradients (training through the frozen backbone): FBGEMM for x·Wᵀ and for the input's gradient g·W, on
+    # the same rounded weights as F.linear — equal up to the summation order; the frozen weight gets no gradient
+    xg = x[:40].clone().requires_grad_(True)
+    out = lin(xg)
+    want = nn.functional.linear(x[:40], lin.weight, lin.bias)
+    assert out.requires_grad and torch.allclose(out, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    g = torch.randn_like(out)
+    out.backward(g)
+    want_grad = g @ lin.weight
+    assert torch.allclose(xg.grad, want_grad, rtol=1e-4, atol=1e-4 * float(want_grad.abs().max()))
+    assert lin.weight.grad is None
+    lin.weight.requires_grad_(True)  # a weight that trains: the plain product, whose weight gradient exists
+    try:
+        nn.functional.linear(x[:3], lin.weight, lin.bias).sum().backward()
+        lin(x[:3]).sum().backward()
+        assert lin.weight.grad is not None
+    finally:
+        lin.weight.requires_grad_(False)
+        lin.weight.grad = None
     copy_ = __import__("copy").deepcopy(lin)  # LoRA copies the last layer: the copy packs its own weights
     with torch.no_grad():
         assert isinstance(copy_, Fp16WeightLinear) and torch.equal(copy_(x[:5]), batch[:5])

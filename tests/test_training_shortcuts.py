@@ -175,6 +175,35 @@ def test_lowest_layer_runs_only_the_layers_above(tiny, shots_memory):
         h.remove()
 
 
+def test_preparing_a_batch_runs_no_layer_from_the_lowest_up(tiny, shots_memory, monkeypatch):
+    """The residual adapter (lowest layer 0): preparing a batch reads the layers' arguments without running any of
+    them, leaves no stand-in behind, and the training step then runs every layer."""
+    p = _perturbed(tiny, shots_memory, "adapter", {"bottleneck": 4})
+    assert p.lowest_layer() == 0
+    layer_cls = type(tiny.layers[0])
+    runs = []
+    real = layer_cls.forward
+
+    def counted(self, *args, **kwargs):
+        runs.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_cls, "forward", counted)
+    # two attention types, the second first seen at layer 1 (as Gemma's full attention at 5): the arguments of
+    # layer 1 are needed, and layer 0 must not run to get there
+    monkeypatch.setattr("plugins.training_batches.layer_types", lambda bb: ["sliding", "full"])
+    data = memory_sequences(tiny, shots_memory, "train")
+    batches = TrainingBatches(tiny, data, 3, True, 0)
+    batches._prefix(batches.buckets[0])  # the shared prefix's keys and values: the whole frozen model, once
+    runs.clear()
+    prepared = batches[0]
+    assert isinstance(prepared, PreparedBatch) and runs == []
+    assert all("forward" not in layer.__dict__ for layer in tiny.layers)
+    with torch.no_grad():
+        p.hooked_seq_loss(prepared)
+    assert len(runs) == tiny.num_layers
+
+
 @pytest.mark.parametrize("layers", ["all", "1"])
 @pytest.mark.parametrize("prompt_prefix", ["frozen", "adapted"])
 def test_memory_adapter_doubled_batch_is_its_two_passes(tiny, shots_memory, layers, prompt_prefix):
