@@ -28,6 +28,14 @@ def small_forward_threads(n_tokens: int) -> int | None:
     return 1
 
 
+def wait_policy() -> str:
+    """How this process's idle OpenMP threads wait, as its environment said before torch loaded (``ground``):
+    ``"passive"`` (sleep at once: the studio's default) or ``"spin"`` (spin a while first: ``plugins train`` and the
+    other batch commands, or a user's setting). Training-time records name it: a training step is slower under
+    PASSIVE (``plugins.estimate``)."""
+    return "passive" if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE" else "spin"
+
+
 # torch's thread count is one setting for the whole process, and the studio decodes in several threads at once: a
 # per-caller save/restore could interleave (A saves 2 and sets 1, B saves 1, A restores 2, B restores 1) and leave
 # the process on one thread. So one-thread sections are counted: the first to enter lowers the count, the last to

@@ -9,6 +9,8 @@
     python -m benchmarks gpu [...]          # Gemma 3 270M's shapes with random weights: decode, build, training
                                             # speed on a GPU (or CPU-sized with --small; benchmarks/gpu.py)
     python -m benchmarks heldout MEMORY --plugin P   # teacher-forced NLL of a memory's held-out samples
+    python -m benchmarks trainstep MEMORY [--method M] [--policies]   # a training step's kernels and OpenMP wait
+                                            # policy, A/B on the same batches (benchmarks/train_step.py)
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import importlib
 import sys
 
 OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
-               "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu", "heldout": "benchmarks.heldout"}
+               "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu", "heldout": "benchmarks.heldout",
+               "trainstep": "benchmarks.train_step"}
 
 
 def main(argv: list[str] | None = None):

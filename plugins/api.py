@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from backbone.threads import wait_policy
 from ground.errors import UserError
 from ground.store import Catalog, new_id
 from memories.store import Memory
@@ -52,7 +53,7 @@ def train_plugin(backbone, memory: Memory, method: str, overrides: dict | None =
     t0 = time.time()
     result = plugin.fit(memory, progress=progress, should_stop=should_stop)
     plugin.train_info = {**plugin.train_info, "seconds": round(time.time() - t0, 2),
-                         "trainable_parameters": plugin.trainable_parameters()}
+                         "trainable_parameters": plugin.trainable_parameters(), "openmp_wait": wait_policy()}
     pid = new_id(f"{method}-")
     if out_dir is None:
         if catalog is None:

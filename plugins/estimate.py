@@ -32,6 +32,7 @@ import torch
 
 from backbone.cli import load_backbone_from_args
 from backbone.kernels import fp16_weight_available, native_bf16_cpu
+from backbone.threads import wait_policy
 from backbone.tiny import tiny_backbone
 from ground.cli import add_common, run_main
 from ground.errors import UserError
@@ -41,10 +42,13 @@ from plugins.registry import available_methods, get_method
 from plugins.settings import parse_sets
 from plugins.timing import EVAL_COST, budget_seconds, epochs_text, minutes, sig
 
-__all__ = ["EVAL_COST", "THROUGHPUT_PATH", "estimate", "machine_kind", "measure", "record_for", "save_measurements",
-           "throughputs"]
+__all__ = ["EVAL_COST", "PASSIVE_SLOWDOWN", "THROUGHPUT_PATH", "estimate", "for_wait_policy", "machine_kind",
+           "measure", "record_for", "save_measurements", "throughputs"]
 
 THROUGHPUT_PATH = Path(__file__).resolve().parents[1] / "backbone" / "training_throughput.json"
+# a residual-adapter step's seconds under PASSIVE over a short spin, both on two AVX2 cores (BENCHMARKS, "OpenMP's
+# wait policy in training": ``python -m benchmarks trainstep <wmt1k-own> --policies``)
+PASSIVE_SLOWDOWN = 1.3
 
 
 def throughputs(path: Path | None = None) -> dict:
@@ -85,6 +89,8 @@ def estimate(method: str, config: dict | None, backbone_name: str, samples: int,
     cls = get_method(method)
     cfg = make_config(method, config or {})
     rec = record_for(throughputs() if table is None else table, backbone_name, method, kind)
+    if rec:
+        rec = for_wait_policy(rec, wait_policy())
     if not rec:
         return {"measured": False, "under_trained": False,
                 "text": f"No time estimate: {cls.title} was not measured on {backbone_name} "
@@ -148,6 +154,20 @@ def quiet_record(rec: dict, speedup: float) -> dict:
     return out
 
 
+def for_wait_policy(rec: dict, policy: str) -> dict:
+    """A record made under one OpenMP wait policy (its ``wait_policy``: the finished run's) as it would run under
+    ``policy``: a training step of an in-network method pays a thread wake-up at each of its thousands of parallel
+    regions under PASSIVE, so it is ``PASSIVE_SLOWDOWN`` times slower there than with a short spin (a record without
+    a policy is left as it is)."""
+    made = rec.get("wait_policy")
+    if made is None or made == policy:
+        return rec
+    k = PASSIVE_SLOWDOWN if made == "spin" else 1.0 / PASSIVE_SLOWDOWN
+    out = {key: (sig(v / k) if key.endswith("_per_s") else sig(v * k) if key.endswith("_s") else v)
+           if isinstance(v, (int, float)) and not isinstance(v, bool) else v for key, v in rec.items()}
+    return {**out, "wait_policy": policy}
+
+
 def measure(backbone, memory, methods: list[str], progress=print) -> dict:
     """Time a short run (the method's ``measure_settings``) of each method on ``memory``: ``{method: record}``.
     Plug-ins are written to a temporary folder and removed; the memory is only read."""
@@ -160,7 +180,7 @@ def measure(backbone, memory, methods: list[str], progress=print) -> dict:
             plugin, row = train_plugin(backbone, memory, m, get_method(m).measure_settings, out_dir=tmp / m)
             wall, cpu = time.time() - t0, time.process_time() - c0
             rec = throughput_record(m, plugin, row["history"], wall, memory, json.loads(row["metrics"]))
-            out[m] = {**quiet_record(rec, wall / max(cpu, 1e-9)),
+            out[m] = {**quiet_record(rec, wall / max(cpu, 1e-9)), "wait_policy": wait_policy(),
                       "measured_on": {"samples": len(memory.split_samples("train")), "entries": len(memory),
                                       "settings": get_method(m).measure_settings, "wall_s": round(wall, 1),
                                       "cpu_s": round(cpu, 1), "as_measured": rec,
@@ -172,7 +192,7 @@ def measure(backbone, memory, methods: list[str], progress=print) -> dict:
     return out
 
 
-def record_from_run(plugin, folder: Path) -> dict:
+def record_from_run(plugin, folder: Path, wait: str | None = None) -> dict:
     """The record of a finished real run: a saved plug-in's ``train_info`` and ``history.json``. Its ``seconds`` are
     the whole run's, so what happened before the first step (the candidate vocabulary) is in the rate, not in
     ``setup_s`` — a record of the run as the user waits for it."""
@@ -180,7 +200,7 @@ def record_from_run(plugin, folder: Path) -> dict:
     hist_path = Path(folder) / "history.json"
     history = json.loads(hist_path.read_text(encoding="utf-8")) if hist_path.is_file() else []
     rec = plugin.throughput_record(info, history, float(info["seconds"]), None)
-    return {**rec, "cpu_time_speedup": 1.0,
+    return {**rec, "cpu_time_speedup": 1.0, "wait_policy": wait or info.get("openmp_wait", "passive"),
             "measured_on": {"run": "a finished training run (python -m plugins.estimate record)",
                             "samples": info.get("train_samples"), "epochs": info.get("epochs"),
                             "wall_s": info.get("seconds"), "stopped_by": info.get("stopped_by"),
@@ -211,6 +231,9 @@ def main(argv=None) -> int:
     rc = sub.add_parser("record", help="write the records of finished runs (saved plug-ins trained on a quiet "
                                        "machine of this kind) to backbone/training_throughput.json")
     rc.add_argument("plugins", nargs="+", help="plug-in ids or folders")
+    rc.add_argument("--wait-policy", choices=("passive", "spin"),
+                    help="the OpenMP wait policy the runs trained under, for runs saved before plug-ins recorded it "
+                         "(default: the run's own record, else passive)")
     rc.add_argument("--no-write", action="store_true", help="print the records only")
     add_common(rc)
     sh = sub.add_parser("show", help="the time estimate of training a method on a memory")
@@ -237,7 +260,7 @@ def main(argv=None) -> int:
         for ref in args.plugins:
             folder = plugin_folder(ref, catalog)
             plugin = open_plugin(ref, bb, catalog)
-            records[plugin.method] = record_from_run(plugin, folder)
+            records[plugin.method] = record_from_run(plugin, folder, args.wait_policy)
             print(f"{plugin.method}: {json.dumps(records[plugin.method])}")
         if not args.no_write:
             print(f"wrote {save_measurements(f'{bb.name}@{machine_kind()}', records)}")

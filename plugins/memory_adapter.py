@@ -120,7 +120,7 @@ from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_
 from memories.store import Memory
 from plugins.base import FitResult, MixInput, MixOutput
 from plugins.knn import KNN, KNNConfig
-from plugins.memory_adapter_layers import LayerBlock, MemoryAdapter, allocate, parse_layers  # noqa: F401  (re-exported)
+from plugins.memory_adapter_layers import LayerBlock, MemoryAdapter, allocate  # noqa: F401  (re-exported)
 from plugins.network import (
     Attachment,
     FullBatch,
@@ -130,6 +130,7 @@ from plugins.network import (
     TrainingBatches,
     derived,
     first_tensor,
+    parse_layers,
     replace_first,
     rows_apply,
 )

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbone.model import PackedBF16Linear, packed_bf16_available
-from plugins.network import parse_layers  # noqa: F401  (re-exported)
 
 
 def allocate(lengths: list[int], layers: list[int], how: str = "short_to_long", seed: int = 0

@@ -40,6 +40,7 @@ from ground.errors import UserError
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
 from plugins.settings import Setting, setting
+from plugins.timing import layers_scaled
 from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 from plugins.training_batches import (  # noqa: F401  (re-exported: plug-ins and tests import them from here)
     FrozenPrefix,
@@ -415,6 +416,27 @@ class NetworkPlugin(Plugin):
         """The lowest decoder layer whose forward pass carries one of this plug-in's hooks: the frozen layers below
         compute the same states at every training step, so training runs them once per batch (``PreparedBatch``)."""
         return 0
+
+    @classmethod
+    def lowest_layer_of(cls, config, num_layers: int) -> int | None:
+        """What ``lowest_layer()`` will be for ``config`` on a backbone of ``num_layers`` layers, before the plug-in
+        exists (the training-time estimate): the lowest of its ``layers`` setting; None for a method without one."""
+        spec = getattr(config, "layers", None)
+        return min(parse_layers(spec, num_layers), default=None) if spec is not None else None
+
+    @classmethod
+    def training_time(cls, config, rec: dict, samples: int, entries: int) -> dict:
+        """``Plugin.training_time`` with the record scaled to the layers ``config`` adapts where they differ from
+        the recorded run's (``plugins.timing.layers_scaled``)."""
+        L, made = rec.get("num_layers"), rec.get("lowest_layer")
+        now = cls.lowest_layer_of(config, L) if L and made is not None else None
+        if now is not None:
+            rec = layers_scaled(rec, L, made, now)
+        return super().training_time(config, rec, samples, entries)
+
+    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
+        return {**super().throughput_record(info, history, wall_s, memory), "num_layers": self.backbone.num_layers,
+                "lowest_layer": self.lowest_layer()}
 
     def _register_hooks(self, att: Attachment) -> list:
         raise NotImplementedError

@@ -122,3 +122,19 @@ def sample_record(cfg, info: dict, history: list[dict], wall_s: float) -> dict:
     inside = 0.0 if "prepare_seconds" in info else (pre or 0.0)  # older runs prepared before the loop
     out["setup_s"] = round(max(0.0, wall_s - info["seconds"] - inside - (mem_s or 0.0)), 1)
     return out
+
+
+def layers_scaled(rec: dict, num_layers: int, made: int, now: int) -> dict:
+    """A record of a run whose lowest adapted layer was ``made`` as for a config whose lowest is ``now`` (of
+    ``num_layers``): a step runs the layers from the lowest up, forward and backward, so the rate scales with how many
+    run; preparing a batch runs the frozen layers below once (forward only: about half of a step's cost per layer)."""
+    rate = rec.get("samples_per_s")
+    if not rate or made == now or not 0 <= now < num_layers or not 0 <= made < num_layers:
+        return rec
+    above_made, above_now = num_layers - made, num_layers - now
+    out = {**rec, "samples_per_s": sig(rate * above_made / above_now), "lowest_layer": now}
+    pre = 1.0 / rec["precompute_samples_per_s"] if rec.get("precompute_samples_per_s") else 0.0
+    pre = max(pre * 0.1, pre + (now - made) / (2.0 * above_made * rate))
+    if pre > 0:
+        out["precompute_samples_per_s"] = sig(1.0 / pre)
+    return out

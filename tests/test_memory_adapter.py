@@ -127,7 +127,8 @@ def test_english_targets_are_parsed_and_back_translated_with_the_tasks_reverse_p
 
 
 def test_allocation_short_to_long():
-    from plugins.memory_adapter import allocate, parse_layers
+    from plugins.memory_adapter import allocate
+    from plugins.network import parse_layers
 
     lengths = [5, 1, 3, 8, 2, 13]
     a = allocate(lengths, [0, 1, 2])

@@ -67,7 +67,7 @@ def _perturbed(tiny, memory, method, extra, **more):
     p = new_plugin(method, tiny, memory, {**extra, "batch_size": 3, **more})
     g = torch.Generator().manual_seed(0)
     if method == "memory_adapter":
-        from plugins.memory_adapter_layers import parse_layers
+        from plugins.network import parse_layers
 
         p._build_blocks({l: 6 for l in parse_layers(extra["layers"], tiny.num_layers)})
         with torch.no_grad():
