@@ -29,9 +29,9 @@ def _steps_runner(memory: str, method: str, steps: int):
     """A closure running ``steps`` fixed training steps of ``method`` on ``memory``, and its batches' tokens."""
     import torch
 
-    from backbone.model import load_backbone
-    from plugins.api import open_memory
-    from plugins.registry import get_method
+    from backbone.model import load_backbone  # heavy (torch): after the wait policy is chosen
+    from plugins.api import open_memory  # heavy, likewise
+    from plugins.registry import get_method  # heavy, likewise
 
     bb = load_backbone()
     mem = open_memory(memory, bb)
@@ -63,7 +63,7 @@ def _steps_runner(memory: str, method: str, steps: int):
 
 
 def kernels(memory: str, method: str, steps: int, turns: int) -> dict:
-    from backbone.kernels import Fp16WeightLinear, KernelLinear
+    from backbone.kernels import Fp16WeightLinear, KernelLinear  # heavy (torch): after the wait policy is chosen
 
     run, tokens = _steps_runner(memory, method, steps)
     fbgemm = Fp16WeightLinear.forward
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", action="store_true", help="also time the two OpenMP wait policies (children)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    import ground
+    import ground  # heavy callers below: the wait policy first (not heavy itself, but it must precede torch)
 
     ground.spin_briefly()  # the kernels' turns under the policy ``plugins train`` trains with
     out = {"method": args.method, "kernels": kernels(args.memory, args.method, args.steps, args.turns)}
@@ -136,7 +136,7 @@ def _child(argv) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_child"]:
-        import ground  # noqa: F401  (the wait policy from this child's environment, before torch loads)
+        import ground  # noqa: F401  (not heavy: the wait policy from this child's environment, before torch loads)
 
         sys.exit(_child(sys.argv[2:]))
     sys.exit(main())
