@@ -30,11 +30,12 @@ def _steps_runner(memory: str, method: str, steps: int):
     import torch
 
     from backbone.model import load_backbone  # heavy (torch): after the wait policy is chosen
+    from ground.store import Catalog  # lazy with the heavy ones above
     from plugins.api import open_memory  # heavy, likewise
     from plugins.registry import get_method  # heavy, likewise
 
     bb = load_backbone()
-    mem = open_memory(memory, bb)
+    mem = open_memory(memory, bb, Catalog())  # an id in the default data directory, or a folder
     cls = get_method(method)
     plugin = cls(cls.Config(), bb, None)
     train, _ = plugin._data(mem)

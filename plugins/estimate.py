@@ -46,9 +46,9 @@ __all__ = ["EVAL_COST", "PASSIVE_SLOWDOWN", "THROUGHPUT_PATH", "estimate", "for_
            "measure", "record_for", "save_measurements", "throughputs"]
 
 THROUGHPUT_PATH = Path(__file__).resolve().parents[1] / "backbone" / "training_throughput.json"
-# a residual-adapter step's seconds under PASSIVE over a short spin, both on two AVX2 cores (BENCHMARKS, "OpenMP's
-# wait policy in training": ``python -m benchmarks trainstep <wmt1k-own> --policies``)
-PASSIVE_SLOWDOWN = 1.3
+# a residual adapter's whole default run under PASSIVE over a short spin on two AVX2 cores, ≈ 1.15 (its steps alone:
+# 1.10–1.41; BENCHMARKS, "OpenMP's wait policy in training": ``python -m benchmarks trainstep <memory> --policies``)
+PASSIVE_SLOWDOWN = 1.15
 
 
 def throughputs(path: Path | None = None) -> dict:
@@ -78,11 +78,12 @@ def record_for(table: dict, backbone_name: str, method: str, kind: str | None = 
 
 
 def estimate(method: str, config: dict | None, backbone_name: str, samples: int, entries: int,
-             table: dict | None = None, kind: str | None = None) -> dict:
+             table: dict | None = None, kind: str | None = None, policy: str | None = None) -> dict:
     """How long training ``method`` with ``config`` (its overrides; validated) on a memory of ``samples``
     training samples / ``entries`` training entries takes on ``backbone_name``, from the measured throughputs.
 
-    ``kind``: the machine kind whose records to prefer (default: this one's, ``machine_kind``).
+    ``kind``: the machine kind whose records to prefer (default: this one's, ``machine_kind``); ``policy``: the
+    OpenMP wait policy the training runs under (default: this process's, ``backbone.threads.wait_policy``).
     ``{"measured": False, "text"}`` when this backbone/method was not measured; else ``setup_s``, ``loops`` (one
     per training loop: epoch seconds, epochs, seconds to converge, epochs within the budget), ``converge_s``,
     ``under_trained`` (the budget stops a loop before it converges) and ``text`` (one line for the form)."""
@@ -90,7 +91,7 @@ def estimate(method: str, config: dict | None, backbone_name: str, samples: int,
     cfg = make_config(method, config or {})
     rec = record_for(throughputs() if table is None else table, backbone_name, method, kind)
     if rec:
-        rec = for_wait_policy(rec, wait_policy())
+        rec = for_wait_policy(rec, policy or wait_policy())
     if not rec:
         return {"measured": False, "under_trained": False,
                 "text": f"No time estimate: {cls.title} was not measured on {backbone_name} "
@@ -240,6 +241,9 @@ def main(argv=None) -> int:
     sh.add_argument("memory", help="memory folder")
     sh.add_argument("--method", required=True)
     sh.add_argument("--set", action="append", metavar="KEY=VALUE")
+    sh.add_argument("--wait-policy", choices=("passive", "spin"),
+                    help="estimate for a training under this OpenMP wait policy: spin = `plugins train`, passive = "
+                         "the studio (default: this process's, passive unless set)")
     add_common(sh, backbone=False)
     args = ap.parse_args(argv)
     if args.cmd == "measure":
@@ -267,7 +271,7 @@ def main(argv=None) -> int:
         return 0
     mem = open_memory(args.memory)
     res = estimate(args.method, parse_sets(args.set), mem.meta.get("backbone", ""),
-                   len(mem.split_samples("train")), len(mem))
+                   len(mem.split_samples("train")), len(mem), policy=args.wait_policy)
     print(res["text"])
     return 0
 
