@@ -281,9 +281,9 @@ class Fp16WeightLinear(KernelLinear):
 class _Fp16TrainingProduct(torch.autograd.Function):
     """x·Wᵀ (+ b) of a frozen :class:`Fp16WeightLinear` while training through it (gradients on): forward and the
     input's gradient g·W both on FBGEMM's float16 kernel — the same float16-rounded weight values that ``F.linear``
-    would multiply in float32, with float32 accumulation (only the summation order differs) — where MKL's float32
-    products were slower on the AVX2 machines (BENCHMARKS, "OpenMP's wait policy in training"). The weight gets no
-    gradient: it is frozen."""
+    would multiply in float32, with float32 accumulation (only the summation order differs): the kernel decoding already
+    uses, reading half the weight bytes (its effect on a step: BENCHMARKS, "OpenMP's wait policy in training").
+    The weight gets no gradient: it is frozen."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "Fp16WeightLinear") -> torch.Tensor:
