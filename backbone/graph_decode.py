@@ -31,6 +31,7 @@ from backbone.options import fast_paths
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 LENGTH_BLOCK = 128
+WARM_PROMPT = 240  # tokens: about a few-shot translation prompt's
 
 
 def graph_mode(device: torch.device) -> str | None:
@@ -255,8 +256,11 @@ def _warm_up(backbone) -> dict:
     import time
 
     t = time.perf_counter()
-    ids = torch.tensor([[backbone.tokenizer.bos_token_id or 0] * 16], device=backbone.device)
+    bos = backbone.tokenizer.bos_token_id or 0
     with torch.inference_mode():
+        # a prompt's length too: attention and matrix kernels are chosen (and their libraries loaded) per shape
+        backbone.forward_fc(torch.tensor([[bos] * WARM_PROMPT], device=backbone.device), use_cache=True)
+        ids = torch.tensor([[bos] * 16], device=backbone.device)
         fc, out = backbone.forward_fc(ids, use_cache=True)
         past = out.past_key_values
         for _ in range(3):
