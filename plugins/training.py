@@ -269,18 +269,27 @@ def early_stopping_split(entry_sample: np.ndarray, frac: float = 0.1, seed: int 
     return every[~held], every[held]
 
 
+CANDIDATE_VOCABULARIES_KEPT = 4  # per backbone: (memory, top_k, contexts, seed) → the sorted token ids
+
+
 def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int,
                          include_heldout: bool = False,
                          progress: Callable[[float, str], None] | None = None) -> torch.Tensor:
     """The fast-softmax candidate vocabulary shared by every method that offers ``softmax="candidates"``: every token
     that occurs as a value of the memory's training entries, the backbone's stop tokens, and the LM's ``top_k`` tokens
     on ``contexts`` seeded sampled memory contexts (keys = f(c), training entries). Sorted token ids (long) on the
-    backbone's device.
+    backbone's device. A backbone keeps the last few it made: a memory's candidates are the same for every method
+    that asks with the same settings (memories are immutable; the backbone is frozen).
 
     ``include_heldout`` (default False; no method uses it) would also add the held-out samples' target tokens. That
     leaks the evaluation split into the model (a token seen only in held-out targets becomes reachable): every
     method early-stops on a split of its training data instead (``early_stopping_split``,
     ``plugins.seqtrain.split_for_early_stopping``), whose targets are memory values already."""
+    key = (str(getattr(memory, "path", "")), getattr(memory, "id", None), len(memory), top_k, contexts, seed,
+           include_heldout)
+    kept = backbone.__dict__.setdefault("_candidate_vocabularies", {})
+    if key[1] is not None and key in kept:  # a rank trains four methods on the same memory and settings
+        return kept[key].clone()
     toks = set(np.unique(np.asarray(memory.values)).tolist())
     if include_heldout and len(memory.heldout_values):
         toks |= set(np.unique(np.asarray(memory.heldout_values)).tolist())
@@ -296,4 +305,9 @@ def candidate_vocabulary(backbone, memory, top_k: int, contexts: int, seed: int,
                 fc = torch.from_numpy(np.asarray(memory.keys[pick[b0:b0 + 32]], dtype=np.float32))
                 top = backbone.logits_from_fc(fc.to(backbone.device)).topk(top_k, dim=-1).indices
                 toks |= set(top.flatten().tolist())
-    return torch.tensor(sorted(toks), dtype=torch.long, device=backbone.device)
+    out = torch.tensor(sorted(toks), dtype=torch.long, device=backbone.device)
+    if key[1] is not None:
+        while len(kept) >= CANDIDATE_VOCABULARIES_KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = out.clone()
+    return out

@@ -219,6 +219,28 @@ def test_candidate_softmax_trains(tiny, tiny_memory, train_data, tmp_path):
     assert _nll(tiny, train_data, plugin) < _nll(tiny, train_data) - 0.1  # full-vocabulary NLL improves too
 
 
+def test_a_memorys_candidate_vocabulary_is_made_once_per_setting(tiny, tiny_memory, monkeypatch):
+    """Methods trained one after another on a memory (a rank) share its candidates: the LM's top tokens are
+    computed once per (memory, top_k, contexts, seed), and another setting computes its own."""
+    from plugins.training import candidate_vocabulary
+
+    tiny.__dict__.pop("_candidate_vocabularies", None)
+    calls = []
+    real = tiny.logits_from_fc
+    monkeypatch.setattr(tiny, "logits_from_fc", lambda fc: calls.append(len(fc)) or real(fc))
+    first = candidate_vocabulary(tiny, tiny_memory, 4, 64, 0)
+    made = len(calls)
+    assert made > 0
+    again = candidate_vocabulary(tiny, tiny_memory, 4, 64, 0)
+    assert torch.equal(first, again) and len(calls) == made  # nothing run again
+    again[0] = -1  # a caller's copy: changing it changes nothing kept
+    assert torch.equal(candidate_vocabulary(tiny, tiny_memory, 4, 64, 0), first)
+    other = candidate_vocabulary(tiny, tiny_memory, 4, 64, 1)
+    assert len(calls) > made  # another seed samples other contexts
+    tiny.__dict__.pop("_candidate_vocabularies", None)
+    assert torch.equal(candidate_vocabulary(tiny, tiny_memory, 4, 64, 1), other)  # what was kept is what it makes
+
+
 def test_training_keeps_progress_cut_off_by_the_budget(monkeypatch):
     """A budget that ends between two held-out evaluations must not throw away the steps since the last one."""
     import plugins.network as ad
