@@ -56,9 +56,6 @@ from plugins.base import load_plugin
 from plugins.decode import Row, compare, start_compare
 from plugins.pema import mix_logprobs
 
-# Idle OpenMP threads spin-wait by default and starve the other core on a busy 2-core machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 N_PAIRS = 200
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -341,7 +340,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-dir", help="also write torch.profiler operator tables of warm decodes here")
     ap.add_argument("--out", help="also write the JSON result here")
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.small:
         args.pairs, args.tokens, args.reps = min(args.pairs, 24), min(args.tokens, 8), min(args.reps, 2)
         args.layers = args.layers or 2

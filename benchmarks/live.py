@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -35,8 +34,6 @@ from memories.build import build_memory
 from memories.parse import Sample
 from plugins.api import train_plugin
 from plugins.decode import LiveMove, Row, compare, start_compare
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on a busy 2-core machine
 
 
 def random_value(s, rng: random.Random):

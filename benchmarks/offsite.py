@@ -31,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from backbone.model import load_backbone  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
 from backbone.tiny import tiny_backbone  # noqa: E402
