@@ -11,6 +11,8 @@
     python -m benchmarks heldout MEMORY --plugin P   # teacher-forced NLL of a memory's held-out samples
     python -m benchmarks trainstep MEMORY [--method M] [--policies]   # a training step's kernels and OpenMP wait
                                             # policy, A/B on the same batches (benchmarks/train_step.py)
+    python -m benchmarks waitpolicy MEMORY [--beside]   # decode steps under each OpenMP wait policy, alone or
+                                            # beside a training process (benchmarks/wait_policy.py)
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import sys
 
 OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
                "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu", "heldout": "benchmarks.heldout",
-               "trainstep": "benchmarks.train_step"}
+               "trainstep": "benchmarks.train_step", "waitpolicy": "benchmarks.wait_policy"}
 
 
 def main(argv: list[str] | None = None):

@@ -47,7 +47,7 @@ from ground.store import data_dir  # noqa: E402
 from memories.build import build_memory  # noqa: E402
 from memories.parse import Sample  # noqa: E402
 from plugins.api import train_plugin  # noqa: E402
-from plugins.decode import Row, compare, start_compare  # noqa: E402
+from plugins.decode import Row, compare, start_compare, warm_comparison  # noqa: E402
 from plugins.registry import available_methods  # noqa: E402
 
 SIX = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")
@@ -102,6 +102,7 @@ def random_backbone(config_dir: str | Path, seed: int = 0, device: str | None = 
     name = f"{getattr(cfg, 'model_type', 'model')}-random-seed{seed}" + (f"-{layers}layers" if layers else "")
     bb = Backbone(model=model, tokenizer=tok, name=name)
     warm_up(bb)  # as load_backbone does: a GPU's first-call work and CUDA graphs before the first comparison
+    warm_comparison(bb)  # as the studio does before it says ready
     return bb
 
 

@@ -21,6 +21,7 @@ from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
 from offsite.client import TOKEN_ENV, RemoteBackbone, connect
 from offsite.decode import check_offsite_method, decode_batch_remote
+from plugins.decode import warm_comparison
 from studio.caches import LRU
 from studio.context import StudioContext
 from studio.gate import BackboneGate
@@ -167,6 +168,7 @@ class BackboneService:
                     cache_root = self.backbone_cache
                 bb = load_backbone(self.backbone_name, device=self.device, dtype=self.dtype, data_dir=cache_root,
                                    progress=progress)
+                self._warm(bb, progress)
             self._bb = bb
             self._load.update(state="ready", progress=1.0, finished=time.time(),
                               message=f"{bb.name} ready on {bb.device} "
@@ -178,6 +180,20 @@ class BackboneService:
             self._load.update(state="failed", error=msg, message=f"Could not {what}: {msg}", finished=time.time())
         finally:
             self._ready.set()
+
+    @staticmethod
+    def _warm(bb, progress) -> None:
+        """On a GPU, one short comparison before the studio says ready (``plugins.decode.warm_comparison``); a
+        failure there leaves the first comparison cold, nothing else."""
+        if bb.device.type != "cuda":
+            return
+        progress(0.97, "Warming up the GPU with a short comparison")
+        try:
+            warm_comparison(bb)
+        except Exception as exc:  # noqa: BLE001 — the backbone itself loaded; only the warm-up is lost
+            import logging
+
+            logging.getLogger(__name__).warning("GPU warm-up comparison skipped: %s", exc)
 
     def status(self) -> dict:
         """Backbone loading state for the page header: state, progress (0–1), message, elapsed seconds."""

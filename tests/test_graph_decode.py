@@ -119,3 +119,17 @@ def test_a_forgotten_model_leaves_the_pool(tiny, rows, mode):
     assert any(k[0] == id(tiny.decoder) for k in RUNNERS.counts())
     RUNNERS.forget(tiny.decoder)
     assert not any(k[0] == id(tiny.decoder) for k in RUNNERS.counts())
+
+
+def test_the_start_up_comparison_runs_on_a_gpu_only_and_changes_no_later_comparison(tiny, rows, mode):
+    """``warm_comparison`` (the studio's last start-up step on a GPU) decodes a short base row with another prompt;
+    a user's comparison after it is what it would have been without it."""
+    from plugins.decode import warm_comparison
+
+    with using_fast_paths(graph_decode=mode):
+        before = _runs([compare(tiny, "the red house", rows, PROMPT, max_new_tokens=6)])
+        if tiny.device.type != "cuda":
+            assert warm_comparison(tiny) == {}  # a CPU has no first-call work to move
+        assert warm_comparison(tiny, force=True)["seconds"] >= 0
+        after = _runs([compare(tiny, "the red house", rows, PROMPT, max_new_tokens=6)])
+    assert after == before

@@ -60,6 +60,7 @@ from plugins.decode.engine import (
     decode_batch,
     decode_loop,
     start_compare,
+    warm_comparison,
 )
 from plugins.decode.forward import forward_step, prefill
 from plugins.decode.live import KEEP_TOP, TRACE_OWN, LiveComparison, LiveMove, StepRecords
@@ -71,7 +72,7 @@ from plugins.decode.topk import TOP, top_k, top_tokens
 
 __all__ = ["Batch", "NetGroup", "OutGroup", "plan_batch", "Beams", "ban_repeated_ngrams", "repeated_ngram_ends",
            "BatchDecode", "ForwardDecode", "DecodeRun", "compare", "comparisons", "decode_batch", "decode_loop",
-           "start_compare",
+           "start_compare", "warm_comparison",
            "forward_step", "prefill", "KEEP_TOP", "TRACE_OWN", "LiveComparison", "LiveMove", "StepRecords",
            "PREFIX_KV", "PrefixKV", "Comparison", "Row", "RowResult", "row_result", "GroupAttachments", "StepOutput",
            "decode_step",
