@@ -3,8 +3,9 @@
 weights still measures the studio's speed at the real scale. Speed does not depend on the weights' values; **quality
 does: no quality number comes from this model.** One call measures, in a few minutes on a GPU:
 
-* ``ready_s`` / ``first_compare_s``: building the model, and the first comparison after it (cold kernels, no
-  prefix cache) — what a user waits for after a start; ``second_compare_s``: a second one on another sentence;
+* ``ready_s`` / ``first_compare_s``: building the model with the studio's start-up warm-ups, and the first
+  comparison after it (no prefix cache) — what a user waits for after a start; ``second_compare_s``: a second
+  one on another sentence;
 * ``decode_step_ms``: the warm decode step of 1, 4 and 7 rows (the base row; base + PEMA + adapter + kNN; base + six
   methods), fixed-length decodes, ``(T(n) − T(1)) / (n − 1)``, and ``scalar_reads_per_step``: the host reads of a
   device value (``aten::_local_scalar_dense``: ``.item()``, ``int()``, ``float()``, ``bool()`` of a tensor) per step

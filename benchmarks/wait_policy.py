@@ -3,7 +3,7 @@ sleeping at once (``OMP_WAIT_POLICY=PASSIVE``, the studio's) against a short spi
 training commands set: ``ground.spin_briefly``) — alone, and with ``--beside`` while a ``plugins train`` process
 (threads spinning briefly, as it ships) trains the residual adapter on the same two cores.
 
-Rows: the plug-ins of every in-network and output-level method trained on MEMORY (the newest ready one of each in
+Rows: the plug-ins of every in-network and output-level method trained on MEMORY (the newest one of each in
 the catalog, e.g. a rank's; ``--plugin ID`` names others). A child process per policy and turn loads the backbone,
 warms up, and times fixed-length decodes of the base row, 4 rows (base, PEMA, residual adapter, kNN) and 7 rows
 (base + six methods): ms per step = (T(n) − T(1)) / (n − 1), the median of 3 sentences, and one whole 7-row
@@ -33,7 +33,7 @@ def policies() -> dict[str, dict[str, str]]:
 
 
 def newest_plugins(memory_id: str, catalog) -> dict[str, str]:
-    """The newest ready plug-in id of each of ``METHODS`` trained on the memory."""
+    """The newest plug-in id of each of ``METHODS`` trained on the memory (any owner: a local benchmark)."""
     out: dict[str, str] = {}
     for row in sorted(catalog.plugins(), key=lambda r: r.get("created") or 0, reverse=True):
         if row.get("memory_id") == memory_id and row.get("method") in METHODS:
