@@ -72,9 +72,13 @@ def machine_kind() -> str:
 
 def record_for(table: dict, backbone_name: str, method: str, kind: str | None = None) -> dict | None:
     """The throughput record of ``method`` on ``backbone_name`` for this kind of machine (``kind``, default
-    ``machine_kind()``), else the backbone's plain record, else None."""
+    ``machine_kind()``) — with the plain record's convergence (``converge_*``) where it has none of its own —, else
+    the backbone's plain record, else None."""
     own = table.get(f"{backbone_name}@{kind or machine_kind()}", {}).get(method)
-    return own or table.get(backbone_name, {}).get(method)
+    plain = table.get(backbone_name, {}).get(method)
+    if own and plain:  # how many epochs a method takes to converge is the data's, not the machine's
+        return {**{k: v for k, v in plain.items() if k.startswith("converge")}, **own}
+    return own or plain
 
 
 def estimate(method: str, config: dict | None, backbone_name: str, samples: int, entries: int,

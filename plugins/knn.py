@@ -260,7 +260,9 @@ class KNN(Plugin):
                 "text": f"Nothing to train: ≈ {minutes(secs)} to index {entries:,} entries."}
 
     def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
-        return {"entries_per_s": round(len(memory) / max(wall_s, 1e-3), 1), "setup_s": 0.0}
+        """``memory`` is None for a saved run (``plugins.estimate record``): its ``train_info`` counts the entries."""
+        entries = len(memory) if memory is not None else int(info["entries"])
+        return {"entries_per_s": round(entries / max(wall_s, 1e-3), 1), "setup_s": 0.0}
 
     def __init__(self, config: KNNConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)

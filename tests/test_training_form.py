@@ -164,6 +164,22 @@ def test_estimate_prefers_the_record_of_this_kind_of_machine():
     assert machine_kind() in ("cuda", "cpu-bf16", "cpu-avx2", "cpu")
 
 
+def test_a_machines_own_record_keeps_the_plain_records_convergence():
+    """A record of this kind of machine gives the rate; how many epochs early stopping took (the data's, not the
+    machine's) comes from the plain record when the machine's own has none, and its own wins when it has one."""
+    from plugins.estimate import estimate
+
+    own = {"rct_entries_per_s": 2000.0, "joint_entries_per_s": 1000.0, "setup_s": 0.0}
+    table = {**TABLE, "bb@cpu-bf16": {"pema": own}}
+    est = estimate("pema", {"max_minutes": 0}, "bb", 900, 30000, table=table, kind="cpu-bf16")
+    assert [lp["epochs"] for lp in est["loops"]] == [10, 12] and "to converge" in est["text"]
+    assert est["loops"][1]["epoch_s"] == pytest.approx(
+        estimate("pema", {"max_minutes": 0}, "bb", 900, 30000, table=TABLE)["loops"][1]["epoch_s"] / 2, rel=0.05)
+    table["bb@cpu-bf16"]["pema"] = {**own, "converge_epochs": {"reconstruction": 10, "joint": 5}}
+    est = estimate("pema", {"max_minutes": 0}, "bb", 900, 30000, table=table, kind="cpu-bf16")
+    assert [lp["epochs"] for lp in est["loops"]] == [10, 5]
+
+
 def test_estimate_follows_the_wait_policy_its_record_was_made_under(monkeypatch):
     """A record of a run whose OpenMP threads spun briefly (``plugins train``) estimates a studio's training
     (PASSIVE) ``PASSIVE_SLOWDOWN`` times slower, and the other way round; a record that names no policy is taken as
@@ -235,6 +251,21 @@ def test_record_of_a_finished_run_gives_back_its_time(tiny, tiny_memory, tmp_pat
     assert est["converge_s"] == pytest.approx(300.0, rel=0.02)
     assert estimate("adapter", settings, "bb", 1800, 60000, table=throughputs(path),
                     kind="cpu-avx2")["converge_s"] == pytest.approx(600.0, rel=0.05)  # twice the samples
+
+
+def test_record_of_a_saved_knn_index_counts_its_entries(tiny, tiny_memory, tmp_path):
+    """A saved kNN plug-in has no memory attached when ``plugins.estimate record`` reads it: its rate comes from
+    the entries its ``train_info`` counted, and the estimate for that memory gives back the run's time."""
+    from plugins.api import open_plugin, train_plugin
+    from plugins.estimate import estimate, record_from_run
+
+    plugin, _ = train_plugin(tiny, tiny_memory, "knn", {}, out_dir=tmp_path / "k")
+    rec = record_from_run(open_plugin(str(tmp_path / "k"), tiny), tmp_path / "k")
+    info = plugin.train_info
+    assert info["entries"] == len(tiny_memory)
+    assert rec["entries_per_s"] == pytest.approx(len(tiny_memory) / max(info["seconds"], 1e-3), rel=0.01)
+    est = estimate("knn", {}, "bb", 10, len(tiny_memory), table={"bb": {"knn": rec}}, kind="cpu")
+    assert est["setup_s"] == pytest.approx(info["seconds"], abs=0.01)
 
 
 def test_shipped_throughputs_cover_every_method_on_tiny_and_gemma():
