@@ -54,6 +54,7 @@ from memories.store import Memory
 from plugins.api import open_memory, train_plugin
 from plugins.base import load_plugin
 from plugins.decode import Row, compare, start_compare
+from plugins.knn import CertifiedL2Search, ProjectedL2Search
 from plugins.pema import mix_logprobs
 
 N_PAIRS = 200
@@ -517,8 +518,8 @@ def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> li
 
 def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
-    exact kNN over 100k entries alone (its certified 16-bit pre-filter scan or packed float32 scan, and the plain
-    float32 matmul), the base row with each method's row beside it (what each method adds to a step), and the base
+    exact kNN over 100k entries alone (its certified 16-bit pre-filter scan — over the keys' principal components
+    where they allow it, and over every coordinate — or packed float32 scan, and the plain float32 matmul), the base row with each method's row beside it (what each method adds to a step), and the base
     + memory-tuning pair with MT-M's attention re-run instead of its prefix read inside the decode attention. The
     configs take turns: ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to
     that turn's base
@@ -535,21 +536,27 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
                "7 rows": [R("base")] + [R(n, plugins[n]) for n in SEVEN],
                "knn 100k": [R("knn100k", knn100k)],
                "knn 100k, plain float32 scan": [R("knn100k", knn100k)],
+               "knn 100k, every coordinate": [R("knn100k", knn100k)],
                **{f"base + {m}": [R("base"), R(m, plugins[m])] for m in SEVEN},  # what each method adds
                "base + memory_tuning, MT-M re-run": [R("base"), R("memory_tuning", plugins["memory_tuning"])],
                "7 rows, every batch row": [R("base")] + [R(n, plugins[n]) for n in SEVEN]}
     mt = plugins["memory_tuning"]
     src = iter(sources * reps * len(configs))
+    # the certified pre-filter over every coordinate, where the default scans the keys' principal components
+    shipped_l2 = knn100k.exact_l2
+    every_coordinate = CertifiedL2Search(knn100k.keys) if isinstance(shipped_l2, ProjectedL2Search) else shipped_l2
 
     def run(name):
         plain = name.endswith("plain float32 scan")  # the float32 matmul over every key (no certified, no packed scan)
         knn100k.certified_search = knn100k.packed_scan = not plain
         mt.row_keys_in_attention = not name.endswith("MT-M re-run")  # the attention re-run for MT-M's rows
         compact = not name.endswith("every batch row")  # one cache row per batch row, as before
+        knn100k.exact_l2 = every_coordinate if name.endswith("every coordinate") else shipped_l2
         try:
             return _decode_seconds(bb, configs[name], prompt, next(src), tokens, compact=compact)
         finally:
             knn100k.certified_search = knn100k.packed_scan = mt.row_keys_in_attention = True
+            knn100k.exact_l2 = shipped_l2
 
     with _FixedSteps(bb):
         for c in configs.values():  # warm-up: prefix KV cache, candidate rows, kernels
@@ -565,7 +572,7 @@ def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> di
             "over_one_row": paired_ratios(turns, "base"),
             "over_one_row_of_medians": {k: round(v / base, 3) for k, v in med.items()},
             "ms_per_turn": {k: [round(1000 * t, 1) for t in v] for k, v in turns.items()},
-            "knn_entries": len(big), "profile": prof, "whole_comparisons": natural}
+            "knn_entries": len(big), "knn_search": knn100k.search_kind, "profile": prof, "whole_comparisons": natural}
 
 
 def bench_whole_comparisons(bb, rows, prompt, sources, max_new_tokens: int = 48) -> dict:

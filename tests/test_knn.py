@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backbone.model import fp16_weight_available, packed_bf16_available, packed_f32_available
-from plugins.knn import KNN, CertifiedL2Search, KNNConfig
+from plugins.knn import KNN, CertifiedL2Search, KNNConfig, ProjectedL2Search, certified_search
 
 needs_onednn = pytest.mark.skipif(not packed_bf16_available(), reason="oneDNN bfloat16 linear not available")
 # the 16-bit scan kernels this CPU runs (bfloat16: oneDNN, native; float16: FBGEMM, x86 with AVX2)
@@ -92,6 +92,68 @@ def test_certified_search_centres_keys_that_share_a_large_common_component(kerne
     uncentred = approx - 6 * unit * q.norm(dim=1, keepdim=True) * keys.norm(dim=1)
     admitted = int((uncentred <= ref_d[:, -1:].float()).sum())
     assert admitted > (0.5 * len(keys) * len(q) if kernel == "bfloat16" else 4 * max(search.checked, 1))
+
+
+def _low_rank_keys(n=8000, d=64, rank=12, seed=0):
+    """Keys as a model's hidden states are: most of their variance in a few directions (here 12 of 64), a little
+    in every other, a large shared component, and near-duplicates (tiles of 400 points)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(rank, d, generator=g)
+    points = torch.randn(400, rank, generator=g) * 10 @ mix + 0.3 * torch.randn(400, d, generator=g)
+    keys = points.repeat(n // 400, 1) + 200 * torch.randn(1, d, generator=g)
+    return keys + 0.02 * torch.randn(keys.shape, generator=g)
+
+
+@each_kernel
+@pytest.mark.parametrize("k", [1, 8, 64])
+def test_projected_search_equals_a_float64_scan(k, kernel):
+    """Keys whose variance lies mostly in a few directions are scanned over their principal components only (r of
+    d coordinates), and the answer is still the float64 scan's: every key the projection could misplace is
+    re-checked in float32. The projected distances alone would be wrong."""
+    keys = _low_rank_keys()
+    q = keys[torch.randperm(len(keys), generator=torch.Generator().manual_seed(1))[:6]] + 0.3 * torch.randn(6, 64)
+    search = certified_search(keys, kernel)
+    assert isinstance(search, ProjectedL2Search) and search.kernel == kernel and search.rank <= 32
+    d, i = search.search(q, k)
+    ref_d, ref_i = _float64_topk(keys, q, k)
+    for r in range(len(q)):
+        assert set(i[r].tolist()) == set(ref_i[r].tolist())
+    assert torch.allclose(d.double(), ref_d, rtol=1e-5, atol=1e-2)
+    assert search.checked <= 0.1 * len(keys) * len(q)
+    approx, _ = search.bounds(q)
+    approx_i = approx.topk(k, dim=1, largest=False).indices
+    assert any(set(approx_i[r].tolist()) != set(ref_i[r].tolist()) for r in range(len(q)))
+
+
+@each_kernel
+def test_projected_search_is_exact_with_any_orthonormal_basis(kernel):
+    """The bound holds for every orthonormal basis, not only the keys' principal one: a random 8-dimensional
+    projection of isotropic keys (a poor pre-filter) still gives the float64 scan's neighbours — it only
+    re-checks more keys. Isotropic keys are not projected by default."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(6000, 64, generator=g) * 5
+    assert not isinstance(certified_search(keys, kernel), ProjectedL2Search)
+    basis, _ = torch.linalg.qr(torch.randn(64, 8, generator=g, dtype=torch.float64))
+    search = ProjectedL2Search(keys, basis, kernel)
+    q = keys[:4] + torch.randn(4, 64, generator=g)
+    d, i = search.search(q, 8)
+    ref_d, ref_i = _float64_topk(keys, q, 8)
+    for r in range(4):
+        assert set(i[r].tolist()) == set(ref_i[r].tolist())
+    assert torch.allclose(d.double(), ref_d, rtol=1e-5, atol=1e-2)
+    assert search.checked > 8 * 4
+
+
+@pytest.mark.skipif(not KERNELS, reason="no 16-bit scan kernel on this CPU")
+def test_knn_scans_the_principal_components_of_low_rank_keys(tiny):
+    keys = _low_rank_keys(d=tiny.hidden_size).numpy()
+    plugin = KNN(KNNConfig(search="exact"), tiny)
+    plugin.attach_memory(_Datastore(keys, 40.0))
+    assert isinstance(plugin.exact_l2, ProjectedL2Search) and "principal components" in plugin.search_kind
+    q = torch.from_numpy(keys[5:8] * 1.001) / 40.0
+    _, i = plugin.search(q, 16)
+    _, ref_i = _float64_topk(plugin.keys, q, 16)
+    assert all(set(i[r].tolist()) == set(ref_i[r].tolist()) for r in range(3))
 
 
 @pytest.mark.skipif(not packed_f32_available(), reason="oneDNN float32 linear not available")
