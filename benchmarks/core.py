@@ -519,12 +519,12 @@ def profile_step(bb, rows, prompt, source, tokens: int = 8, top: int = 12) -> li
 def bench_rows(bb, mem, plugin_dir: Path, tokens: int = 16, reps: int = 5) -> dict:
     """Per decode step, in one run: the base row alone, 4 rows (base, PEMA, residual adapter, kNN), all 7 methods,
     exact kNN over 100k entries alone (its certified 16-bit pre-filter scan — over the keys' principal components
-    where they allow it, and over every coordinate — or packed float32 scan, and the plain float32 matmul), the base row with each method's row beside it (what each method adds to a step), and the base
-    + memory-tuning pair with MT-M's attention re-run instead of its prefix read inside the decode attention. The
-    configs take turns: ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to
-    that turn's base
-    step (``paired_ratios``; the ratio of the medians is kept as ``over_one_row_of_medians``). Also a profile of
-    the 1-, 4- and 7-row steps."""
+    where they allow it, and over every coordinate — or packed float32 scan, and the plain float32 matmul), the base
+    row with each method's row beside it (what each method adds to a step), and the base + memory-tuning pair with
+    MT-M's attention re-run instead of its prefix read inside the decode attention. The configs take turns:
+    ``ms_per_step`` are medians over the turns, ``over_one_row`` the median of each turn's ratio to that turn's base
+    step (``paired_ratios``; the ratio of the medians is kept as ``over_one_row_of_medians``). Also a profile of the
+    1-, 4- and 7-row steps."""
     R = Row
     prompt = mem.prompt
     sources = [en for en, _ in wmt_pairs("dev", 0, 3)]
