@@ -267,3 +267,26 @@ def test_a_stranger_can_neither_rank_nor_read_nor_share_nor_calibrate_anothers_t
         assert st.jobs.list(owner="b") == []
     finally:
         st.close()
+
+
+def test_decode_cost_times_the_base_beside_each_method(monkeypatch):
+    """A method's decode cost is its seconds per token over the base model's, the two decoding the same sentences in
+    turns (base, method, base, method …), so a slow or fast moment of a long run moves both alike. A fake clock:
+    the base takes 1 s for 10 tokens a sentence, the method 3 s for 12."""
+    from types import SimpleNamespace
+
+    from plugins.decode import Row
+
+    clock = [0.0]
+    calls = []
+    monkeypatch.setattr(rank_mod.time, "perf_counter", lambda: clock[0])
+
+    def decode(backbone, sources, rows, prompt, max_new_tokens, trace):
+        label = rows[0].label
+        calls.append((sources[0], label))
+        clock[0] += 1.0 if label == "base" else 3.0
+        yield SimpleNamespace(rows=[SimpleNamespace(tokens=[0] * (10 if label == "base" else 12))])
+
+    cost = rank_mod.decode_cost(None, ["a", "b"], Row("knn"), None, 16, lambda: False, decode=decode)
+    assert calls == [("a", "base"), ("a", "knn"), ("b", "base"), ("b", "knn")]
+    assert cost == pytest.approx((6.0 / 24) / (2.0 / 20))
