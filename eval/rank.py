@@ -190,8 +190,8 @@ def decode_cost(backbone, sources: list[str], row: Row, prompt: Prompt, max_new_
                 should_stop: Callable[[], bool], decode: Callable = decode_batch) -> float:
     """``row``'s seconds per generated token over the base model's, each decoding ``sources`` alone, the two taking
     turns sentence by sentence: the base is timed beside the method, not once at another moment of a long run
-    (timed at the rank's start, it gave the residual adapter 1.29× and kNN 1.37× where these paired turns give
-    1.06× and 1.07×, BENCHMARKS "Training every method and ranking them on 1,000 pairs, BF16 kind")."""
+    (timed at the rank's start, it gave the residual adapter 1.29× and kNN 1.37× where these turns give 1.11× and
+    1.11× on the same plug-ins, BENCHMARKS "Training every method and ranking them on 1,000 pairs, BF16 kind")."""
     secs, tokens = {"base": 0.0, "row": 0.0}, {"base": 0, "row": 0}
     for s in sources:
         for key, r in (("base", Row("base")), ("row", row)):
