@@ -217,7 +217,7 @@ class ProjectedL2Search(CertifiedL2Search):
     float32 distance from the float32 keys. A key far from the principal subspace only costs a re-check.
 
     A model's hidden states are far from isotropic (Gemma 3 270M's memory keys: 94 % of their variance in 256 of
-    640 directions), which is what keeps the re-checked set small; ``choose_rank`` takes the projection only where
+    640 directions), which is what keeps the re-checked set small; ``principal_basis`` takes the projection only where
     the keys' spectrum allows it (``certified_search``). V comes from the covariance of up to ``SAMPLE`` keys: any
     orthonormal V keeps the answer exact, a better one only re-checks fewer keys."""
 
@@ -242,7 +242,7 @@ class ProjectedL2Search(CertifiedL2Search):
         self.checked = 0
 
     @classmethod
-    def choose_rank(cls, keys: torch.Tensor) -> torch.Tensor | None:
+    def principal_basis(cls, keys: torch.Tensor) -> torch.Tensor | None:
         """The principal directions (d, r) of ``keys`` that keep ``VARIANCE`` of their variance, r a multiple of
         32, or None where that takes more than ``MAX_SHARE`` of the d dimensions (no projection pays there)."""
         n, d = keys.shape
@@ -267,7 +267,7 @@ class ProjectedL2Search(CertifiedL2Search):
 def certified_search(keys: torch.Tensor, kernel: str | None = None) -> CertifiedL2Search:
     """The exact search with a 16-bit pre-filter for ``keys``: over their principal components where few of them
     carry most of the variance (:class:`ProjectedL2Search`), else over every coordinate."""
-    basis = ProjectedL2Search.choose_rank(keys)
+    basis = ProjectedL2Search.principal_basis(keys)
     return ProjectedL2Search(keys, basis, kernel) if basis is not None else CertifiedL2Search(keys, kernel)
 
 
