@@ -189,6 +189,21 @@ def time_decode(backbone, sources: list[str], row: Row, prompt: Prompt, max_new_
     return {"seconds": round(secs, 3), "tokens": tokens, "s_per_token": secs / max(tokens, 1)}
 
 
+def decoding_seconds(s_per_sentence: float, methods: list[str], n_tune: int, n_report: int, cost_sentences: int,
+                     calibrate_seconds: float | None = None) -> dict:
+    """The ETA of a rank's decoding phases from the seconds the base model takes to decode one sentence alone:
+    ``{"decode_speed", "calibration": {method: s} (the interpolating ones, each capped by its time budget),
+    "evaluation", "decode_cost": {method: s}}`` — the rank's own plan and the studio's estimate before it starts."""
+    budget = calibrate.DEFAULT_SECONDS if calibrate_seconds is None else calibrate_seconds
+    return {"decode_speed": max(1, cost_sentences) * s_per_sentence,
+            "calibration": {m: min(budget, CALIBRATION_SENTENCE_COST * n_tune * s_per_sentence)
+                            for m in methods if get_method(m).interpolates},
+            # every row of a batch decodes, but rows that agree share the forward pass
+            "evaluation": n_report * s_per_sentence * (1 + 0.5 * len(methods)),
+            # each method beside the base, sentence by sentence (``decode_cost``)
+            "decode_cost": {m: cost_sentences * s_per_sentence * 2.2 for m in methods}}
+
+
 def decode_cost(backbone, sources: list[str], row: Row, prompt: Prompt, max_new_tokens: int,
                 should_stop: Callable[[], bool], decode: Callable = decode_batch) -> float:
     """``row``'s seconds per generated token over the base model's, each decoding ``sources`` alone, the two taking
@@ -300,7 +315,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
                                _train_estimate(m, configs.get(m) or {}, backbone.name, memory)) for m in names}
     phases = {"decode_speed": 0.0, "training": 0.0, "calibration": 0.0, "evaluation": 0.0, "decode_cost": 0.0}
 
-    # 1. decode speed: the base model alone (its cost per token is the denominator of every row's)
+    # 1. decode speed: the base model alone (the ETA of the decoding phases)
     t0 = time.time()
     rep = plan.start(probe)
     base_cost = time_decode(backbone, cost_src or [report[0][0]], Row("base"), prompt, max_new_tokens, should_stop)
@@ -310,13 +325,10 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
     phases["decode_speed"] = round(time.time() - t0, 2)
     log(f"phase decode speed: {phases['decode_speed']} s wall")
     interp = [m for m in names if get_method(m).interpolates]
-    cal_budget = calibrate.DEFAULT_SECONDS if calibrate_seconds is None else calibrate_seconds
-    cal_items = {m: plan.add("calibration", get_method(m).title,
-                             min(cal_budget, CALIBRATION_SENTENCE_COST * info["tune"] * s_per_sentence))
-                 for m in interp}
-    eval_item = plan.add("evaluation", f"{len(names) + 1} rows on {info['report']} sentences",
-                         info["report"] * s_per_sentence * (1 + 0.5 * len(names)))
-    cost_items = {m: plan.add("decode cost", get_method(m).title, max(1, len(cost_src)) * s_per_sentence * 2.2)
+    eta = decoding_seconds(s_per_sentence, names, info["tune"], info["report"], len(cost_src), calibrate_seconds)
+    cal_items = {m: plan.add("calibration", get_method(m).title, eta["calibration"][m]) for m in interp}
+    eval_item = plan.add("evaluation", f"{len(names) + 1} rows on {info['report']} sentences", eta["evaluation"])
+    cost_items = {m: plan.add("decode cost", get_method(m).title, eta["decode_cost"][m])
                   for m in names} if cost_src else {}
 
     # 2. training, one method after another

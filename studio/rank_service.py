@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import time
 
-from eval.rank import find_trained, wanted_methods
+from eval import calibrate
+from eval.rank import COST_SENTENCES, decoding_seconds, find_trained, wanted_methods
 from eval.rank import rank as run_rank
 from ground.errors import UserError
 from ground.jobs import JobContext
 from plugins.api import make_config, open_memory
-from plugins.estimate import estimate
+from plugins.estimate import estimate, machine_kind
 from plugins.registry import get_method
 from plugins.timing import minutes
 from studio.backbone_service import BackboneService
@@ -31,7 +32,16 @@ MAX_RESUMES = 2  # automatic resumes of one ranking after restarts
 TOUR_CORPUS = "gettext-de"  # the demo corpus the first-run tour ranks on
 TOUR_LIMIT = 1000  # its samples: 100 held out (40 tune, 60 report)
 # Decode seconds per sentence and row (greedy, ≈ 30 tokens) for the tour's estimate before any decode was timed.
-DECODE_S_PER_SENTENCE = {"gemma-3-270m": 1.5}
+# seconds the base model takes to decode one held-out sentence alone in the studio's process (PASSIVE threads), per
+# backbone and kind of machine (plugins.estimate.machine_kind), for the estimate said before a rank starts: BF16 CPU
+# 0.82 s (the 1,000-pair WMT memory's report sentences, 2 cores); AVX2 CPU 1.5 s (its rank's decode-speed phase)
+DECODE_S_PER_SENTENCE = {"gemma-3-270m@cpu-bf16": 0.82, "gemma-3-270m@cpu-avx2": 1.5, "gemma-3-270m": 1.5}
+
+
+def decode_s_per_sentence(backbone_name: str) -> float:
+    """This machine kind's entry for ``backbone_name``, else the backbone's, else a small model's guess."""
+    return DECODE_S_PER_SENTENCE.get(f"{backbone_name}@{machine_kind()}",
+                                     DECODE_S_PER_SENTENCE.get(backbone_name, 0.05))
 SHARE_KIND = "leaderboard"
 REMOTE = ("Ranking trains every method, the in-network ones too, which need the decoder's layers: it runs on the "
           "local backbone, not a model owner's service.")
@@ -135,10 +145,11 @@ class RankService:
             if not est.get("measured"):
                 unmeasured.append(get_method(m).title)
             per[m] = float(est.get("converge_s") or 0.0)
-        spr = DECODE_S_PER_SENTENCE.get(bb_name, 0.05)
-        tune = min(40, held // 2)
-        interp = sum(1 for m in names if get_method(m).interpolates)
-        decode_s = spr * (interp * 2 * tune + (held - tune) * (1 + 0.5 * len(names)) + 5 * (len(names) + 1))
+        spr = decode_s_per_sentence(bb_name)
+        tune = min(calibrate.DEFAULT_TUNE, held // 2)
+        eta = decoding_seconds(spr, names, tune, held - tune, min(COST_SENTENCES, held - tune))
+        decode_s = (eta["decode_speed"] + sum(eta["calibration"].values()) + eta["evaluation"]
+                    + sum(eta["decode_cost"].values()))
         total = sum(per.values()) + decode_s
         reused = sum(1 for m in names if reuse.get(m))
         text = (f"≈ {minutes(total)}: training ≈ {minutes(sum(per.values()))}"

@@ -290,3 +290,22 @@ def test_decode_cost_times_the_base_beside_each_method(monkeypatch):
     cost = rank_mod.decode_cost(None, ["a", "b"], Row("knn"), None, 16, lambda: False, decode=decode)
     assert calls == [("a", "base"), ("a", "knn"), ("b", "base"), ("b", "knn")]
     assert cost == pytest.approx((6.0 / 24) / (2.0 / 20))
+
+
+def test_the_decoding_eta_caps_each_calibration_by_its_budget(monkeypatch):
+    """The ETA of the decoding phases, one function for the rank's plan and the studio's estimate before it starts:
+    a calibration costs a tuning sample 4 base sentences up to its time budget (100 s unless given); only the
+    interpolating methods calibrate; the studio reads the base's sentence time for this kind of machine."""
+    from studio import rank_service
+
+    methods = ["knn", "adapter", "pema"]
+    eta = rank_mod.decoding_seconds(0.8, methods, 40, 60, 4)
+    assert eta["calibration"] == {"knn": 100.0, "pema": 100.0}  # 4 × 40 × 0.8 = 128 s, over the budget
+    assert rank_mod.decoding_seconds(0.1, methods, 40, 60, 4)["calibration"]["knn"] == pytest.approx(16.0)
+    assert rank_mod.decoding_seconds(0.8, methods, 40, 60, 4, calibrate_seconds=30)["calibration"]["pema"] == 30
+    assert set(eta["decode_cost"]) == set(methods) and eta["evaluation"] == pytest.approx(60 * 0.8 * 2.5)
+    monkeypatch.setattr(rank_service, "machine_kind", lambda: "cpu-bf16")
+    assert rank_service.decode_s_per_sentence("gemma-3-270m") == 0.82
+    monkeypatch.setattr(rank_service, "machine_kind", lambda: "cuda")
+    assert rank_service.decode_s_per_sentence("gemma-3-270m") == 1.5  # no entry of its own: the backbone's
+    assert rank_service.decode_s_per_sentence("tiny-llama") == 0.05
