@@ -249,7 +249,10 @@ class ProjectedL2Search(CertifiedL2Search):
         pick = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:cls.SAMPLE] if n > cls.SAMPLE else None
         x = (keys if pick is None else keys[pick]).double()
         x = x - x.mean(0)
-        values, vectors = torch.linalg.eigh(x.T @ x)
+        cov = x.T @ x
+        if not torch.isfinite(cov).all():  # keys no 16-bit scan can hold: left to CertifiedL2Search's own checks
+            return None
+        values, vectors = torch.linalg.eigh(cov)
         values, vectors = values.flip(0).clamp_min(0), vectors.flip(1)
         if float(values.sum()) <= 0:
             return None
