@@ -41,8 +41,8 @@ LEADERBOARD_VERSION = 1
 ALPHA = 0.05  # a difference to the base model counts when its one-sided paired-bootstrap p is below this
 COST_SENTENCES = 4  # report sentences each method decodes alone to time its cost per token
 UNMEASURED_TRAIN_S = 120.0  # the ETA's guess for a method without a measured training throughput
-# a tuning sample's grid decode, in base-model sentences: PEMA's and kNN's grids took 2.6 and 3.0 s a sample where the
-# base decoded a sentence in 0.74 s (BF16 CPU, the 1,000-pair rank); the calibration's time budget caps it
+# a tuning sample's grid decode, in base-model sentences (the 1,000-pair rank's calibrations: BENCHMARKS, "Training
+# every method and ranking them on 1,000 pairs, BF16 kind"); the calibration's time budget caps it
 CALIBRATION_SENTENCE_COST = 4.0
 
 
@@ -207,9 +207,9 @@ def decoding_seconds(s_per_sentence: float, methods: list[str], n_tune: int, n_r
 def decode_cost(backbone, sources: list[str], row: Row, prompt: Prompt, max_new_tokens: int,
                 should_stop: Callable[[], bool], decode: Callable = decode_batch) -> float:
     """``row``'s seconds per generated token over the base model's, each decoding ``sources`` alone, the two taking
-    turns sentence by sentence: the base is timed beside the method, not once at another moment of a long run
-    (timed at the rank's start, it gave the residual adapter 1.29× and kNN 1.37× where these turns give 1.11× and
-    1.11× on the same plug-ins, BENCHMARKS "Training every method and ranking them on 1,000 pairs, BF16 kind")."""
+    turns sentence by sentence: the base is timed beside the method, not once at another moment of a long run (a
+    base timed at the rank's start made every method look dearer: BENCHMARKS, "The cost column, timed in turns with
+    the base")."""
     secs, tokens = {"base": 0.0, "row": 0.0}, {"base": 0, "row": 0}
     for s in sources:
         for key, r in (("base", Row("base")), ("row", row)):

@@ -118,9 +118,7 @@ class CertifiedL2Search:
         self.keys = keys
         self.gamma = 2 * keys.shape[1] * _FP32_U
         self.u = _BF16_U if self.kernel == "bfloat16" else 0.0  # the product's output rounding
-        # the mean in float64, a chunk at a time (no float64 copy of every key)
-        total = sum(keys[b0:b0 + self._CHUNK].double().sum(0) for b0 in range(0, len(keys), self._CHUNK))
-        self.center = (total / len(keys)).float()
+        self.center = self.mean64(keys).float()
         rounded, norm, resid, rnorm = [], [], [], []
         for b0 in range(0, len(keys), self._CHUNK):
             kc = keys[b0:b0 + self._CHUNK] - self.center
@@ -141,6 +139,11 @@ class CertifiedL2Search:
         else:  # float16 values in float32: FBGEMM's packing rounds nothing further
             self.packed = fp16_pack_linear(torch.cat(rounded).float(), None)
         self.checked = 0  # entries whose float32 distance the last search computed (benchmarks, tests)
+
+    @classmethod
+    def mean64(cls, keys: torch.Tensor) -> torch.Tensor:
+        """The keys' mean in float64, a chunk at a time (no float64 copy of every key)."""
+        return sum(keys[b0:b0 + cls._CHUNK].double().sum(0) for b0 in range(0, len(keys), cls._CHUNK)) / len(keys)
 
     @staticmethod
     def kernel_for(keys: torch.Tensor) -> str | None:
@@ -216,8 +219,8 @@ class ProjectedL2Search(CertifiedL2Search):
     Step 3 is unchanged: candidates by the projected distances, then every key whose bound reaches D_k gets its
     float32 distance from the float32 keys. A key far from the principal subspace only costs a re-check.
 
-    A model's hidden states are far from isotropic (Gemma 3 270M's memory keys: 94 % of their variance in 256 of
-    640 directions), which is what keeps the re-checked set small; ``principal_basis`` takes the projection only where
+    A model's hidden states are far from isotropic (Gemma 3 270M's memory keys: docs/methods.md, "kNN"), which is
+    what keeps the re-checked set small; ``principal_basis`` takes the projection only where
     the keys' spectrum allows it (``certified_search``). V comes from the covariance of up to ``SAMPLE`` keys: any
     orthonormal V keeps the answer exact, a better one only re-checks fewer keys."""
 
@@ -227,8 +230,7 @@ class ProjectedL2Search(CertifiedL2Search):
 
     def __init__(self, keys: torch.Tensor, basis: torch.Tensor, kernel: str | None = None):
         self.keys = keys
-        total = sum(keys[b0:b0 + self._CHUNK].double().sum(0) for b0 in range(0, len(keys), self._CHUNK))
-        self.center64 = total / len(keys)
+        self.center64 = self.mean64(keys)
         self.basis = basis.double()  # (d, r)
         gram = self.basis.T @ self.basis
         self.shrink = 1.0 / (1.0 + float(torch.linalg.matrix_norm(gram - torch.eye(len(gram), dtype=gram.dtype)))

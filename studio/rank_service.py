@@ -32,10 +32,10 @@ MAX_RESUMES = 2  # automatic resumes of one ranking after restarts
 TOUR_CORPUS = "gettext-de"  # the demo corpus the first-run tour ranks on
 TOUR_LIMIT = 1000  # its samples: 100 held out (40 tune, 60 report)
 # Decode seconds per sentence and row (greedy, ≈ 30 tokens) for the tour's estimate before any decode was timed.
-# seconds the base model takes to decode one held-out sentence alone in the studio's process (PASSIVE threads), per
-# backbone and kind of machine (plugins.estimate.machine_kind), for the estimate said before a rank starts: BF16 CPU
-# 0.82 s (the 1,000-pair WMT memory's report sentences, 2 cores); AVX2 CPU 1.5 s (its rank's decode-speed phase)
-DECODE_S_PER_SENTENCE = {"gemma-3-270m@cpu-bf16": 0.82, "gemma-3-270m@cpu-avx2": 1.5, "gemma-3-270m": 1.5}
+# seconds the base model takes to decode one held-out sentence alone, per backbone and kind of machine
+# (plugins.estimate.machine_kind), for the estimate said before a rank starts: a rank's decode-speed phase ÷ its
+# sentences (BENCHMARKS, "Training every method and ranking them on 1,000 pairs, BF16 kind" and the AVX2 rank)
+DECODE_S_PER_SENTENCE = {"gemma-3-270m@cpu-bf16": 0.89, "gemma-3-270m@cpu-avx2": 1.5, "gemma-3-270m": 1.5}
 
 
 def decode_s_per_sentence(backbone_name: str) -> float:

@@ -305,7 +305,8 @@ def test_the_decoding_eta_caps_each_calibration_by_its_budget(monkeypatch):
     assert rank_mod.decoding_seconds(0.8, methods, 40, 60, 4, calibrate_seconds=30)["calibration"]["pema"] == 30
     assert set(eta["decode_cost"]) == set(methods) and eta["evaluation"] == pytest.approx(60 * 0.8 * 2.5)
     monkeypatch.setattr(rank_service, "machine_kind", lambda: "cpu-bf16")
-    assert rank_service.decode_s_per_sentence("gemma-3-270m") == 0.82
+    assert rank_service.decode_s_per_sentence("gemma-3-270m") == rank_service.DECODE_S_PER_SENTENCE[
+        "gemma-3-270m@cpu-bf16"] != rank_service.DECODE_S_PER_SENTENCE["gemma-3-270m"]
     monkeypatch.setattr(rank_service, "machine_kind", lambda: "cuda")
     assert rank_service.decode_s_per_sentence("gemma-3-270m") == 1.5  # no entry of its own: the backbone's
     assert rank_service.decode_s_per_sentence("tiny-llama") == 0.05
