@@ -32,6 +32,7 @@ from ground.text import printable  # noqa: E402
 from memories.build import build_memory  # noqa: E402
 from memories.corpora import available_corpora, load_corpus  # noqa: E402
 from memories.datasets_source import load_dataset_samples, record_source  # noqa: E402
+from memories.nearness import profile_text  # noqa: E402
 from memories.parse import parse_samples_strict, samples_from_dicts  # noqa: E402
 from offsite.cli import add_remote, remote_backbone_from_args  # noqa: E402
 from plugins.api import open_memory  # noqa: E402
@@ -99,8 +100,10 @@ def main(argv=None) -> int:
     if args.cmd == "inspect":
         m = open_memory(args.id, catalog=cat)
         dump_json({**m.summary(), "name": printable(m.summary()["name"]), "prompt": m.meta["prompt"],
-                   "prompt_examples": m.prompt_examples,
+                   "prompt_examples": m.prompt_examples, "split": m.split,
                    "stats": m.meta["stats"], "path": str(m.path)})
+        print(profile_text(m.split["heldout_profile"], "Held-out sources") + f" ({m.split['method']} split"
+              + (f"; {m.split['note']}" if m.split.get("note") else "") + ")")
         for s in m.samples[: args.samples]:
             print(f"[{s['split']}] {s['src']!r} -> {s['tgt']!r}{' (synthetic source)' if s['synthetic_src'] else ''}")
         return 0

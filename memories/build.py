@@ -40,6 +40,7 @@ from ground.errors import Cancelled, UserError
 from ground.lock import writer_tag
 from ground.store import atomic_dir, write_json_atomic
 from ground.text import check_name
+from memories.nearness import MEASURE, NEAR_DUPLICATE, NgramIndex, near_duplicate_groups, nearness_profile
 from memories.parse import Sample
 from memories.store import FORMAT_VERSION, Memory, disk_bytes
 
@@ -52,11 +53,56 @@ def _noop(*a) -> None:
 
 
 def heldout_split(n: int, frac: float = 0.1, seed: int = 123, max_heldout: int = 500) -> np.ndarray:
-    """A fixed, seeded choice of held-out sample indices (at least 1 when there are ≥ 5 samples)."""
+    """A fixed, seeded random choice of held-out sample indices (at least 1 when there are ≥ 5 samples): how
+    memories were split before ``grouped_heldout_split``, which takes as many."""
     if n < 5 or frac <= 0:
         return np.zeros(0, dtype=np.int64)
     k = min(max_heldout, max(1, int(round(n * frac))))
     return np.sort(np.random.default_rng(seed).permutation(n)[:k])
+
+
+def grouped_heldout_split(sources: list[str], frac: float = 0.1, seed: int = 123, max_heldout: int = 500,
+                          threshold: float = NEAR_DUPLICATE) -> tuple[np.ndarray, dict]:
+    """Held-out sample indices chosen like new inputs: sources at word 1–3-gram Jaccard ≥ ``threshold`` are grouped
+    (``memories.nearness.near_duplicate_groups``) and each group goes wholly to one side, as grouped
+    cross-validation does, so no held-out sample has a near-duplicate among the training samples. The groups are
+    taken in a seeded random order, each while it fits in the held-out size ``heldout_split`` would choose (a group
+    larger than what is left stays in training; when no group fits, the smallest group that leaves training samples
+    is held out whole, larger than asked). Without near-duplicates the choice is ``heldout_split``'s. Returns the
+    sorted indices and what the split did (``meta.json``'s ``split``, without its profile)."""
+    n = len(sources)
+    info = {"method": "grouped", "measure": MEASURE, "threshold": threshold}
+    if n < 5 or frac <= 0:
+        return np.zeros(0, dtype=np.int64), {**info, "groups": n, "largest_group": 1 if n else 0,
+                                             "grouped_samples": 0}
+    k = min(max_heldout, max(1, int(round(n * frac))))
+    group = near_duplicate_groups(sources, threshold)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group):
+        members.setdefault(g, []).append(i)
+    ids = sorted(members)
+    held: list[int] = []
+    order = [members[ids[j]] for j in np.random.default_rng(seed).permutation(len(ids))]
+    for m in order:
+        if len(held) + len(m) <= k:
+            held.extend(m)
+            if len(held) == k:
+                break
+    if not held:  # every group is larger than the held-out size: the smallest one that leaves training samples
+        fits = [m for m in order if len(m) < n]
+        if fits:
+            held = list(min(fits, key=len))
+    sizes = [len(m) for m in members.values()]
+    return np.sort(np.asarray(held, dtype=np.int64)), {
+        **info, "groups": len(members), "largest_group": max(sizes), "grouped_samples": sum(s for s in sizes if s > 1)}
+
+
+def split_profile(sources: list[str], heldout: set[int] | list[int]) -> dict:
+    """How near the held-out sources are to the training ones: ``nearness_profile`` of each held-out source's
+    nearest training source (Jaccard)."""
+    held = set(heldout)
+    index = NgramIndex([s for i, s in enumerate(sources) if i not in held])
+    return nearness_profile(index.nearest([sources[i] for i in sorted(held)])[0])
 
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes become inf in float16
@@ -320,7 +366,10 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
             srcs[i] = s
     base = 0.5 if any(synthetic) else 0.0
 
-    held = set(heldout_split(len(samples), heldout_frac, seed).tolist())
+    progress(base, "choosing held-out samples (near-duplicates kept on one side)")
+    held_idx, split_info = grouped_heldout_split(srcs, heldout_frac, seed)
+    held = set(held_idx.tolist())
+    split_info["heldout_profile"] = split_profile(srcs, held) if held else {"n": 0}
     own = choose_prompt_examples(srcs, tgts, synthetic, [i for i in range(len(samples)) if i not in held],
                                  len(prompt.examples)) if examples == "own" else []
     if own:
@@ -400,7 +449,8 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
                 "prompt": prompt.to_dict(), "prompt_examples": prompt_examples, "key_dtype": stored_dtype,
                 "requested_key_dtype": key_dtype,
                 "hidden_size": d, "seed": seed,
-                "heldout_frac": heldout_frac, "created": time.time(), "stats": stats, "writer": writer_tag()}
+                "heldout_frac": heldout_frac, "split": split_info, "created": time.time(), "stats": stats,
+                "writer": writer_tag()}
         if should_stop():
             raise Cancelled()
         write_json_atomic(tmp / "meta.json", meta)

@@ -1,6 +1,7 @@
 """A memory's profile: what it holds at a glance, computed from the stored memory alone (no backbone).
 
 * counts: entries, samples (training and held out), entries per sample, distinct value tokens, key size and RMS;
+* the held-out split: how it was chosen and how near its sources are to the training ones (``Memory.split``);
 * the value-token frequencies (the top ``top_n`` tokens with their counts and shares);
 * a 2-D projection of a seeded sample of at most ``PROJECTION_SAMPLE`` keys: PCA by SVD of the sample's keys
   divided by the memory's key RMS — the space kNN searches (``normalize_keys``) and PEMA's adapter reads
@@ -128,6 +129,7 @@ def memory_profile(memory, token_text: Callable[[int], str] = str, top_n: int = 
         "entries_per_sample": round(n / samples, 2) if samples else 0.0,
         "distinct_tokens": int(len(ids)), "hidden_size": int(memory.keys.shape[1]) if n else meta.get("hidden_size"),
         "key_rms": round(float(memory.key_scale), 4),
+        "split": memory.split,
         "top_tokens": top, "overall_spread": _rms_spread(x),
         "projection": {"method": PROJECTION_METHOD.format(n=sample), "seed": seed, "sample_size": int(len(rows)),
                        "explained": explained, "mean": [float(v) for v in mean],

@@ -140,6 +140,23 @@ class Memory:
         return dict(rec) if isinstance(rec, dict) and rec.get("source") in ("own", "builtin", "given") \
             else {"source": "builtin"}
 
+    @cached_property
+    def split(self) -> dict:
+        """How the held-out samples were chosen, with their distance profile (``memories.nearness``): the build's
+        record (``method`` "grouped": near-duplicates on one side), or, for a memory built before grouped splits,
+        ``method`` "random" — it keeps its split, and says so — with the profile computed from its samples now."""
+        rec = self.meta.get("split")
+        if isinstance(rec, dict) and rec.get("method") == "grouped" and isinstance(rec.get("heldout_profile"), dict):
+            return dict(rec)
+        from memories.nearness import MEASURE, NgramIndex, nearness_profile
+
+        train = [s.get("src") or "" for s in self.split_samples("train")]
+        held = [s.get("src") or "" for s in self.split_samples("heldout")]
+        profile = nearness_profile(NgramIndex(train).nearest(held)[0]) if held else {"n": 0}
+        return {"method": "random", "measure": MEASURE, "heldout_profile": profile,
+                "note": "built before held-out samples were chosen apart from their near-duplicates: this memory "
+                        "keeps its random split (build it again for a grouped one)"}
+
     @property
     def task(self) -> str:
         return self.meta.get("task", "custom")

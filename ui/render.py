@@ -431,7 +431,19 @@ def profile_summary(prof: dict | None) -> str:
             f"shown (seed {proj.get('seed', 0)}); the two axes explain {100 * ex[0]:.0f}% and {100 * ex[1]:.0f}% "
             f"of their variance. Spread = RMS distance of a token's keys from their centroid in the full key space"
             f"{f' (all sampled keys: {spread:g})' if spread is not None else ''}: small = its contexts agree."
-            f"</div></div>")
+            f"</div>{split_summary(prof.get('split'))}</div>")
+
+
+def split_summary(split: dict | None) -> str:
+    """How a memory's held-out samples were chosen and how near their sources are to the training ones."""
+    if not split or not (split.get("heldout_profile") or {}).get("n"):
+        return ""
+    from memories.nearness import profile_text
+
+    how = ("grouped: near-duplicate sources (Jaccard ≥ {:g}) kept on one side".format(split.get("threshold", 0.5))
+           if split.get("method") == "grouped" else f"random ({split.get('note', '')})")
+    return (f"<div class='pema-help' id='memory-split'>Held-out split: {esc(how)}. "
+            f"{esc(profile_text(split['heldout_profile'], 'Held-out sources'))}.</div>")
 
 
 def token_choices(prof: dict | None) -> list[tuple[str, int]]:
