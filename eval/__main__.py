@@ -16,6 +16,9 @@ Examples::
     # train (or reuse), calibrate and rank every registered method on a memory's held-out report samples
     python -m eval rank <memory-id> --json leaderboard.json
     python -m eval rank <memory-id> --methods pema,knn,adapter --test pairs.jsonl
+    # the same, its trainings at once as Ray tasks: a local cluster of 2 CPUs, or an existing cluster (docs/ray.md)
+    python -m eval rank <memory-id> --workers 2
+    python -m eval rank <memory-id> --ray-address auto
     # offsite: base, PEMA and kNN rows through a model owner's service (python -m offsite serve)
     PEMA_REMOTE_TOKEN=... python -m eval run --memory <memory-id> --plugin <pema-id> --remote http://owner:8765
 """
@@ -33,6 +36,7 @@ if sys.argv[1:2] == ["rank"]:  # trainings, then evaluations: OpenMP threads spi
     ground.spin_briefly()  # before torch loads, i.e. before the imports below
 
 from backbone.cli import load_backbone_from_args  # noqa: E402
+from backbone.model import DEFAULT_BACKBONE  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
 from eval import datasets  # noqa: E402
 from eval.calibrate import calibrate, describe_choice  # noqa: E402
@@ -49,6 +53,7 @@ from plugins.__main__ import plugin_rows, tuned_lines  # noqa: E402
 from plugins.api import open_memory, open_plugin, plugin_folder  # noqa: E402
 from plugins.decode import Row  # noqa: E402
 from plugins.settings import parse_sets, plugin_calibration  # noqa: E402
+from studio.ray_executor import RayExecutor  # noqa: E402
 
 
 def load_pairs(args, catalog) -> list[tuple[str, str | None]]:
@@ -124,16 +129,44 @@ def rank_main(args, cat) -> int:
             raise UserError(f"--set {item!r}: write METHOD.NAME=VALUE, e.g. pema.max_minutes=2.")
         configs.setdefault(method.strip(), {}).update(parse_sets([f"{name.strip()}={value}"]))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    with progress_bar("rank") as prog:
-        board = rank(bb, mem, catalog=cat, methods=methods, configs=configs, test_pairs=test_pairs,
-                     test_name=Path(args.test).name if args.test else None, n_tune=args.tune,
-                     max_new_tokens=args.max_new_tokens, batch_sources=args.batch, progress=prog,
-                     log=lambda line: print(line, file=sys.stderr))
+    executor = rank_executor(args)
+    try:
+        trainer = None
+        if executor is not None:
+            spec = {"name": args.backbone or DEFAULT_BACKBONE, "device": args.device, "dtype": args.dtype,
+                    "data_dir": str(cat.root), "fingerprint": bb.fingerprint}
+            trainer = executor.rank_trainer(spec)
+            where = args.ray_address or f"a local Ray cluster of {args.workers} CPU(s)"
+            print(f"training on {trainer.slots()} Ray worker(s) at {where}", file=sys.stderr)
+        with progress_bar("rank") as prog:
+            board = rank(bb, mem, catalog=cat, methods=methods, configs=configs, test_pairs=test_pairs,
+                         test_name=Path(args.test).name if args.test else None, n_tune=args.tune,
+                         max_new_tokens=args.max_new_tokens, batch_sources=args.batch, progress=prog,
+                         log=lambda line: print(line, file=sys.stderr), trainer=trainer)
+    finally:
+        if executor is not None:
+            executor.close()  # shuts Ray down when this process started it
     print(format_leaderboard(board))
     if args.json:
         Path(args.json).write_text(json.dumps(board, indent=1, ensure_ascii=False), encoding="utf-8")
         print(f"wrote {args.json}")
     return 0
+
+
+def rank_executor(args):
+    """``--workers N`` / ``--ray-address``: the Ray executor the rank trains on (None: in this process). Without an
+    address, a local Ray cluster of N CPUs, one training per CPU (on a machine with GPUs, N trainings share each
+    GPU); with one, that cluster, N trainings at a time (default: one per GPU, else per CPU)."""
+    if args.workers is None and not args.ray_address:
+        return None
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be 1 or more.")
+    if args.ray_address:
+        return RayExecutor(args.ray_address, training_slots=args.workers).start()
+    ex = RayExecutor(num_cpus=args.workers).start()
+    if ex.gpus():
+        ex.gpus_per_training = ex.gpus() / args.workers
+    return ex
 
 
 def untuned_pairs(args, cat, plugins, pairs) -> list:
@@ -212,6 +245,11 @@ def main(argv=None) -> int:
     r.add_argument("--batch", type=int, default=4, help="sentences per batched decode")
     r.add_argument("--max-new-tokens", type=int, default=96)
     r.add_argument("--json", help="also write the leaderboard to this JSON file")
+    r.add_argument("--workers", type=int, default=None,
+                   help="train the methods at once as Ray tasks, N at a time: a local Ray cluster of N CPUs, or "
+                        "--ray-address's cluster (docs/ray.md); calibration and evaluation stay here")
+    r.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster to train on (host:6379, ray://host:10001, auto)")
     add_common(r)
     args = ap.parse_args(argv)
 

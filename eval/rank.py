@@ -12,8 +12,10 @@ held-out samples once, calibration reads only the tuning part, the report part (
 
 Phases, one after another on the one backbone (each cancellable at its next batch): decode speed (the base model
 alone on a few report sentences, which also times the ETA of the decoding phases), training, calibration,
-evaluation, decode cost (each method alone on the same sentences). Progress is reported over all phases with an ETA
-from the training-time estimates (``plugins.estimate``) and the measured decode speed.
+evaluation, decode cost (each method alone on the same sentences). With a ``trainer`` (``python -m eval rank
+--workers N``, a studio on Ray) the trainings run at once on its workers instead, so that phase lasts about as
+long as its slowest method, and the leaderboard's ``workers`` says where they ran. Progress is reported over all
+phases with an ETA from the training-time estimates (``plugins.estimate``) and the measured decode speed.
 """
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ UNMEASURED_TRAIN_S = 120.0  # the ETA's guess for a method without a measured tr
 # a tuning sample's grid decode, in base-model sentences (the 1,000-pair rank's calibrations: BENCHMARKS, "Training
 # every method and ranking them on 1,000 pairs, BF16 kind"); the calibration's time budget caps it
 CALIBRATION_SENTENCE_COST = 4.0
+# where a rank trained (the leaderboard's "workers"): in this process unless a trainer is given; a trainer says
+# {"executor", "workers", "address", "gpus"} (``studio.ray_executor.RankTrainer``) and offers ``runs(method)``,
+# ``slots()`` and ``train_many(backbone, memory, jobs, catalog=, owner=, progress=(method, frac, msg), should_stop=)``
+# → {method: catalog row}
+IN_PROCESS = {"executor": "inprocess", "workers": 1}
 
 
 def _noop(*a) -> None:
@@ -133,13 +140,14 @@ def memory_prompt(memory, backbone, task: str) -> Prompt:
 
 # --- the plan and its progress ------------------------------------------------------------------------------------
 class Plan:
-    """The run's items (phase, what, estimated seconds) and the overall progress / ETA they give."""
+    """The run's items (phase, what, estimated seconds) and the overall progress / ETA they give. Several items may
+    run at once (trainings on workers): each counts its own fraction."""
 
     def __init__(self, progress: Progress):
         self.items: list[dict] = []
         self.progress = progress
         self.done_s = 0.0
-        self.current: dict | None = None
+        self.running: dict[int, tuple[dict, float]] = {}  # id(item) -> (item, its fraction done)
 
     def add(self, phase: str, what: str, est_s: float) -> dict:
         item = {"phase": phase, "what": what, "est_s": max(0.5, float(est_s))}
@@ -150,11 +158,11 @@ class Plan:
         return sum(i["est_s"] for i in self.items)
 
     def start(self, item: dict) -> Progress:
-        self.current = item
+        self.running[id(item)] = (item, 0.0)
 
         def report(frac: float, msg: str = "") -> None:
-            frac = min(1.0, max(0.0, float(frac or 0.0)))
-            done = self.done_s + item["est_s"] * frac
+            self.running[id(item)] = (item, min(1.0, max(0.0, float(frac or 0.0))))
+            done = self.done_s + sum(i["est_s"] * f for i, f in self.running.values())
             left = max(0.0, self.total() - done)
             text = f"{item['phase']}: {item['what']}" + (f" — {msg}" if msg else "") + f" · ETA ≈ {minutes(left)}"
             self.progress(done / max(self.total(), 1e-9), text)
@@ -164,7 +172,7 @@ class Plan:
 
     def finish(self, item: dict) -> None:
         self.done_s += item["est_s"]
-        self.current = None
+        self.running.pop(id(item), None)
 
 
 def _train_estimate(method: str, config: dict, bb_name: str, memory) -> float:
@@ -286,13 +294,15 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
          batch_sources: int = 4, bootstrap: int = 1000, cost_sentences: int = COST_SENTENCES,
          calibrate_seconds: float | None = None, progress: Progress = _noop,
          should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] = _noop,
-         on_metric: Callable[[dict], None] | None = None) -> dict:
+         on_metric: Callable[[dict], None] | None = None, trainer=None) -> dict:
     """Train (or reuse), calibrate, evaluate and rank ``methods`` (default: every registered one) on ``memory``.
 
     ``configs``: training overrides per method (default: each method's defaults — what the studio ships); a plug-in
     of the owner's already trained on this memory with the same complete config is reused, not trained again.
     ``test_pairs`` (source, reference): report on these instead of the held-out report part. ``n_tune``: held-out
     samples for calibration (default ``eval.calibrate``'s). ``calibrate_seconds``: a bound per method.
+    ``trainer``: trains the methods it ``runs`` all at once on workers (``studio.ray_executor.RankTrainer``, see
+    ``IN_PROCESS``); the others train here first. Calibration and evaluation stay on ``backbone``.
     Returns the leaderboard (see the module docstring)."""
     t_start = time.time()
     task = memory.task or "translation"
@@ -311,8 +321,12 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
     probe = plan.add("decode speed", f"the base model on {len(cost_src) or 1} sentence(s)", 2.0 * max(1, len(cost_src)))
     wanted = {m: make_config(m, configs.get(m) or {}).to_dict() for m in names}
     reuse = {m: find_trained(catalog, owner, memory.id, m, wanted[m], backbone.fingerprint) for m in names}
+    remote = [m for m in names if trainer is not None and reuse[m] is None and trainer.runs(m)]
+    # trainings side by side: their estimates share the workers (the phase lasts about as long as its slowest)
+    share = 1.0 / max(1, min(len(remote), trainer.slots() if trainer is not None else 1))
     train_items = {m: plan.add("training", get_method(m).title, 1.0 if reuse[m] else
-                               _train_estimate(m, configs.get(m) or {}, backbone.name, memory)) for m in names}
+                               _train_estimate(m, configs.get(m) or {}, backbone.name, memory)
+                               * (share if m in remote else 1.0)) for m in names}
     phases = {"decode_speed": 0.0, "training": 0.0, "calibration": 0.0, "evaluation": 0.0, "decode_cost": 0.0}
 
     # 1. decode speed: the base model alone (the ETA of the decoding phases)
@@ -331,35 +345,54 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
     cost_items = {m: plan.add("decode cost", get_method(m).title, eta["decode_cost"][m])
                   for m in names} if cost_src else {}
 
-    # 2. training, one method after another
+    # 2. training: here one method after another, then the trainer's all at once on its workers
     t0 = time.time()
     plugins, rows_out = {}, {}
-    for m in names:
-        if should_stop():
-            raise Cancelled()
-        item, cls = train_items[m], get_method(m)
-        rep = plan.start(item)
-        if reuse[m] is not None:
-            plugin = open_plugin(reuse[m]["path"], backbone)
-            prow = reuse[m]
-            log(f"{cls.title}: reusing plug-in {prow['id']} (same settings, same memory)")
-            trained_now = False
-        else:
-            log(f"{cls.title}: training with its defaults"
-                + (f" (overrides {json.dumps(configs[m])})" if configs.get(m) else ""))
-            plugin, prow = train_plugin(backbone, memory, m, configs.get(m) or {}, catalog=catalog.owned_by(owner),
-                                        name=f"{cls.title} on {memory.meta.get('name', memory.id)} (ranking)",
-                                        progress=rep, should_stop=should_stop, on_metric=on_metric)
-            trained_now = True
+    label = f"{memory.meta.get('name', memory.id)} (ranking)"
+
+    def record(m: str, plugin, prow: dict, trained_now: bool) -> None:
+        cls = get_method(m)
         metrics = json.loads(prow["metrics"]) if isinstance(prow.get("metrics"), str) else (prow.get("metrics") or {})
         tinfo = metrics.get("train_info") or {}
         plugins[m] = plugin
         rows_out[m] = {"method": m, "title": cls.title, "level": cls.level, "plugin_id": prow["id"],
                        "reused": not trained_now, "training_seconds": tinfo.get("seconds"),
                        "trainable_parameters": int(prow.get("params") or plugin.trainable_parameters()),
-                       "config": wanted[m]}
+                       "config": wanted[m], "trained_on": tinfo.get("trained_on") or "here"}
+
+    for m in names:
+        if m in remote:
+            continue
+        if should_stop():
+            raise Cancelled()
+        item, cls = train_items[m], get_method(m)
+        rep = plan.start(item)
+        if reuse[m] is not None:
+            log(f"{cls.title}: reusing plug-in {reuse[m]['id']} (same settings, same memory)")
+            record(m, open_plugin(reuse[m]["path"], backbone), reuse[m], False)
+        else:
+            log(f"{cls.title}: training with its defaults"
+                + (f" (overrides {json.dumps(configs[m])})" if configs.get(m) else ""))
+            plugin, prow = train_plugin(backbone, memory, m, configs.get(m) or {}, catalog=catalog.owned_by(owner),
+                                        name=f"{cls.title} on {label}", progress=rep, should_stop=should_stop,
+                                        on_metric=on_metric)
+            record(m, plugin, prow, True)
         rep(1.0)
         plan.finish(item)
+    if remote:
+        if should_stop():
+            raise Cancelled()
+        log(f"{_names([get_method(m).title for m in remote])}: training at once on {trainer.slots()} worker(s)"
+            + "".join(f"; {m} overrides {json.dumps(configs[m])}" for m in remote if configs.get(m)))
+        reps = {m: plan.start(train_items[m]) for m in remote}
+        prows = trainer.train_many(backbone, memory, [{"method": m, "config": configs.get(m) or {},
+                                                       "name": f"{get_method(m).title} on {label}"} for m in remote],
+                                   catalog=catalog, owner=owner, progress=lambda m, f, msg="": reps[m](f, msg),
+                                   should_stop=should_stop)
+        for m in remote:
+            record(m, open_plugin(prows[m]["path"], backbone), prows[m], True)
+            reps[m](1.0)
+            plan.finish(train_items[m])
     phases["training"] = round(time.time() - t0, 2)
     log(f"phase training: {phases['training']} s wall")
 
@@ -425,7 +458,8 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
             "better": v["better"], "level": v["level"], "worse": v["worse"],
             "pareto": {"training_seconds": sorted(pareto(board, "training_seconds")),
                        "trainable_parameters": sorted(pareto(board, "trainable_parameters"))},
-            "phases": phases, "decode": res.get("decode"), "signatures": res.get("signatures") or signatures(),
+            "phases": phases, "workers": trainer.describe() if trainer is not None else IN_PROCESS,
+            "decode": res.get("decode"), "signatures": res.get("signatures") or signatures(),
             "bootstrap": bootstrap, "alpha": ALPHA, "created": time.time()}
 
 
@@ -487,6 +521,11 @@ def format_leaderboard(board: dict) -> str:
     out = [fmt(head), "-+-".join("-" * w for w in widths), *map(fmt, lines), "", board["verdict"],
            f"Report: {d['report']} {d['report_source']} sentences; tuning: {d['tune']} held-out samples.",
            "Wall time per phase (s): " + ", ".join(f"{k} {v}" for k, v in board["phases"].items())]
+    w = board.get("workers") or IN_PROCESS
+    if w.get("executor") != "inprocess":
+        gpus = f", {w['gpus']} GPU(s)" if w.get("gpus") else ""
+        out.append(f"Trained on {w['workers']} {w['executor'].capitalize()} worker(s) "
+                   f"({w.get('address') or 'a local cluster'}{gpus}).")
     if d.get("warning"):
         out.append(f"Warning: {d['warning']}")
     return "\n".join(out)

@@ -226,10 +226,11 @@ class RayExecutor:
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None, build_workers: int | None = None,
                  shard_samples: int | None = None, cpus_per_training: float = 1.0, training_slots: int | None = None,
-                 keep_alive: float = 30.0):
+                 keep_alive: float = 30.0, gpus_per_training: float = 1.0):
         self.address, self.num_cpus = address, num_cpus
         self.build_workers, self.shard_samples = build_workers, shard_samples
         self.cpus_per_training, self._training_slots = float(cpus_per_training), training_slots
+        self.gpus_per_training = float(gpus_per_training)  # below 1: trainings share a GPU (Ray's fractional GPUs)
         self.started_ray = False
         self.keep_alive = float(keep_alive)
         self._pool_lock = threading.Lock()
@@ -276,11 +277,21 @@ class RayExecutor:
         return int(self._resources().get("GPU", 0))
 
     def training_slots(self) -> int:
-        """Trainings that run at once: one per GPU, else the cluster's CPUs / ``cpus_per_training``."""
+        """Trainings that run at once: the GPUs / ``gpus_per_training``, else the cluster's CPUs /
+        ``cpus_per_training``."""
         if self._training_slots:
             return int(self._training_slots)
         g = self.gpus()
-        return g if g else max(1, int(self._resources().get("CPU", 1) // max(self.cpus_per_training, 1e-9)))
+        if g:
+            return max(1, int(g // max(self.gpus_per_training, 1e-9)))
+        return max(1, int(self._resources().get("CPU", 1) // max(self.cpus_per_training, 1e-9)))
+
+    def _training_actor(self, spec: dict):
+        """A new training actor for ``spec`` (a GPU, or a share of one, where the cluster has GPUs)."""
+        g = self.gpus()
+        opts = ({"num_gpus": min(1.0, self.gpus_per_training), "num_cpus": self.cpus_per_training} if g
+                else {"num_cpus": self.cpus_per_training})
+        return self._train_actor.options(max_concurrency=2, **opts).remote(spec, "cuda" if g else "cpu"), bool(g)
 
     # memory builds ----------------------------------------------------------------------------------------------
     def capture(self, spec: dict, batch_size: int = 8):
@@ -420,9 +431,7 @@ class RayExecutor:
         memory = Memory.load(mdir, bb)
         files = {f.name: f.read_bytes() for f in mdir.iterdir() if f.is_file() and not f.name.startswith(".")}
         cls = get_method(a["method"])
-        g = self.gpus()
-        opts = {"num_gpus": 1, "num_cpus": self.cpus_per_training} if g else {"num_cpus": self.cpus_per_training}
-        actor = self._train_actor.options(max_concurrency=2, **opts).remote(spec, "cuda" if g else "cpu")
+        actor, g = self._training_actor(spec)
         job.log(f"Training {cls.title} on {memory.meta.get('name', memory.id)!r} ({len(memory):,} entries) as a "
                 f"Ray task{' on a GPU' if g else ''}")
         try:
@@ -443,7 +452,7 @@ class RayExecutor:
             raise Cancelled()
         if out.get("error"):
             raise UserError(out["message"])
-        row = self._publish(catalog, job, bb, memory, out, a)
+        row = self._publish(catalog, job.owner, bb, memory, out, a["method"], a.get("name"))
         metrics = json.loads(row["metrics"])
         status = training_status(metrics)
         job.set_metrics([{k: v for k, v in h.items() if isinstance(v, (int, float, str))}
@@ -469,22 +478,121 @@ class RayExecutor:
             job.progress(*now)
 
     @staticmethod
-    def _publish(catalog, job, bb, memory: Memory, out: dict, a: dict) -> dict:
+    def _publish(catalog, owner: str, bb, memory: Memory, out: dict, method: str, name: str | None = None) -> dict:
         """Write the worker's plug-in files into the data directory, check them as any saved plug-in (checksums,
-        fingerprint, paths) and register the folder and its catalog row in one step."""
-        method = a["method"]
+        fingerprint, paths) and register the folder and its catalog row (``owner``'s) in one step."""
         final = catalog.root / "plugins" / new_id(f"{method}-")
         rows: list[dict] = []
-        name = a.get("name") or f"{get_method(method).title} on {memory.meta.get('name', memory.id)}"
+        name = name or f"{get_method(method).title} on {memory.meta.get('name', memory.id)}"
 
         def row_for(tmp: Path, final_path: Path) -> dict:
             plugin = load_plugin(tmp, bb)
             rows.append(plugin_catalog_row(plugin, final_path, name, memory.id, out.get("metrics")))
             return rows[-1]
 
-        with atomic_dir(final, catalog.owned_by(job.owner).publisher("plugins", row_for)) as tmp:
+        with atomic_dir(final, catalog.owned_by(owner).publisher("plugins", row_for)) as tmp:
             for fname, data in out["files"].items():
                 if "/" in fname or "\\" in fname or fname.startswith("."):
                     raise UserError(f"A Ray worker sent a file named {fname[:60]!r}; refused.")
                 (tmp / fname).write_bytes(data)
         return rows[-1]
+
+    # a rank's trainings -----------------------------------------------------------------------------------------
+    def train_many(self, spec: dict, backbone, memory: Memory, jobs: list[dict], *, catalog, owner: str,
+                   progress=None, should_stop=lambda: False) -> dict[str, dict]:
+        """Several trainings on one memory at once, each in a Ray actor of its own, ``training_slots()`` at a time
+        (the next starts when one ends): a rank's training phase across workers. ``jobs``: ``[{"method", "config"
+        (overrides), "name"}]``; ``progress(method, frac, msg)``. The memory's files go through the object store once
+        for all of them. Each plug-in is checked and published like a studio training's (``owner``'s); returns
+        ``{method: catalog row}``. A cancel stops every actor; a worker's UserError is raised (after the others
+        ended) with the method's name."""
+        ray = _ray()
+        self.release_pool(force=False)  # idle build workers' CPUs / GPUs go to the trainings
+        mdir = Path(memory.path)
+        files = ray.put({f.name: f.read_bytes() for f in mdir.iterdir() if f.is_file() and not f.name.startswith(".")})
+        report = progress or (lambda *a: None)
+        slots = self.training_slots()
+        todo = list(jobs)
+        actors: dict[str, object] = {}
+        refs: dict = {}  # train ref -> method
+        try:
+            outs: dict[str, dict] = {}
+            polls: dict = {}  # poll ref -> method (an actor Ray has not started yet answers once it has)
+            stopping, seen = False, {}
+            while len(outs) < len(jobs):
+                while todo and not stopping and len(actors) - len(outs) < slots:
+                    j = todo.pop(0)
+                    actors[j["method"]], _ = self._training_actor(spec)
+                    refs[actors[j["method"]].train.remote(files, str(mdir), j["method"], j.get("config") or {})] = \
+                        j["method"]
+                if stopping and todo:  # never started: nothing to stop
+                    outs.update({j["method"]: {"error": "cancelled"} for j in todo})
+                    todo.clear()
+                    continue
+                ready, _ = ray.wait([r for r in refs if refs[r] not in outs], num_returns=1, timeout=POLL_SECONDS)
+                for ref in ready:
+                    outs[refs[ref]] = ray.get(ref)
+                    try:
+                        ray.kill(actors[refs[ref]])  # its CPU / GPU goes to the next training
+                    except Exception:  # noqa: BLE001 — already gone
+                        pass
+                for m, actor in actors.items():
+                    if m not in outs and m not in polls.values():
+                        polls[actor.poll.remote()] = m
+                answered, _ = ray.wait(list(polls), num_returns=len(polls), timeout=0.05) if polls else ([], [])
+                for ref in answered:
+                    m = polls.pop(ref)
+                    try:
+                        st = ray.get(ref)
+                    except Exception:  # noqa: BLE001 — an actor that ended: its train ref says how
+                        continue
+                    now = (st["progress"], st["message"])
+                    if now != seen.get(m) and m not in outs:
+                        seen[m] = now
+                        report(m, *now)
+                if not stopping and should_stop():
+                    for m, actor in actors.items():
+                        if m not in outs:
+                            actor.stop.remote()
+                    stopping = True
+        finally:
+            for actor in actors.values():
+                try:
+                    ray.kill(actor)
+                except Exception:  # noqa: BLE001 — already gone
+                    pass
+        if stopping or any(o.get("error") == "cancelled" for o in outs.values()):
+            raise Cancelled()
+        failed = [f"{get_method(m).title}: {o['message']}" for m, o in outs.items() if o.get("error")]
+        if failed:
+            raise UserError("Training on a Ray worker failed — " + "; ".join(failed))
+        return {j["method"]: self._publish(catalog, owner, backbone, memory, outs[j["method"]], j["method"],
+                                           j.get("name")) for j in jobs}
+
+    def rank_trainer(self, spec: dict) -> "RankTrainer":
+        return RankTrainer(self, spec)
+
+
+class RankTrainer:
+    """``eval.rank.rank``'s ``trainer``: the methods that train run at once on the executor's Ray workers, each
+    loading the backbone of ``spec`` (``backbone_spec``, or a CLI's); kNN and retrieved examples, which only index
+    the memory in seconds, stay on the head (a worker's start would cost more)."""
+
+    def __init__(self, executor: RayExecutor, spec: dict):
+        self.executor, self.spec = executor, spec
+
+    @staticmethod
+    def runs(method: str) -> bool:
+        return RayExecutor.runs_training({"method": method}) and get_method(method).level != "prompt"
+
+    def slots(self) -> int:
+        return self.executor.training_slots()
+
+    def describe(self) -> dict:
+        """What the leaderboard records as ``workers``."""
+        return {"executor": "ray", "workers": self.slots(), "address": self.executor.address,
+                "gpus": self.executor.gpus()}
+
+    def train_many(self, backbone, memory, jobs, *, catalog, owner, progress=None, should_stop=lambda: False):
+        return self.executor.train_many(self.spec, backbone, memory, jobs, catalog=catalog, owner=owner,
+                                        progress=progress, should_stop=should_stop)
