@@ -11,11 +11,12 @@ of every phase. Evaluation never sees a sample a setting was tuned on: ``eval.ca
 held-out samples once, calibration reads only the tuning part, the report part (or the test file) is scored.
 
 Phases, one after another on the one backbone (each cancellable at its next batch): decode speed (the base model
-alone on a few report sentences, which also times the ETA of the decoding phases), training, calibration,
+alone on a few report sentences: the first measured pace of the ETA), training, calibration,
 evaluation, decode cost (each method alone on the same sentences). With a ``trainer`` (``python -m eval rank
 --workers N``, a studio on Ray) the trainings run at once on its workers instead, so that phase lasts about as
 long as its slowest method, and the leaderboard's ``workers`` says where they ran. Progress is reported over all
-phases with an ETA from the training-time estimates (``plugins.estimate``) and the measured decode speed.
+phases as the time fraction of one ETA (``Plan``): the training-time estimates (``plugins.estimate``) and the decode
+plan, re-estimated from the pace measured so far.
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from plugins.decode import Row, decode_batch
 from plugins.estimate import estimate
 from plugins.registry import available_methods, get_method
 from plugins.settings import row_settings
-from plugins.timing import minutes
 
 Progress = Callable[[float, str], None]
 LEADERBOARD_VERSION = 1
@@ -46,6 +46,9 @@ UNMEASURED_TRAIN_S = 120.0  # the ETA's guess for a method without a measured tr
 # a tuning sample's grid decode, in base-model sentences (the 1,000-pair rank's calibrations: BENCHMARKS, "Training
 # every method and ranking them on 1,000 pairs, BF16 kind"); the calibration's time budget caps it
 CALIBRATION_SENTENCE_COST = 4.0
+# the ETA's prior: the plan's pace starts at 1 with the weight of this share of the planned seconds (at least
+# PRIOR_MIN_S), so the first seconds measured do not swing it and a tenth of the run outweighs it
+PRIOR_SHARE, PRIOR_MIN_S = 0.02, 2.0
 # where a rank trained (the leaderboard's "workers"): in this process unless a trainer is given; a trainer says
 # {"executor", "workers", "address", "gpus"} (``studio.ray_executor.RankTrainer``) and offers ``runs(method)``,
 # ``slots()`` and ``train_many(backbone, memory, jobs, catalog=, owner=, progress=(method, frac, msg), should_stop=)``
@@ -140,32 +143,54 @@ def memory_prompt(memory, backbone, task: str) -> Prompt:
 
 # --- the plan and its progress ------------------------------------------------------------------------------------
 class Plan:
-    """The run's items (phase, what, estimated seconds) and the overall progress / ETA they give. Several items may
-    run at once (trainings on workers): each counts its own fraction."""
+    """The run's items (phase, what, planned seconds) and the run's one ETA. Several items may run at once
+    (trainings on workers): each counts its own fraction.
 
-    def __init__(self, progress: Progress):
+    The ETA is re-estimated from measured progress: the planned seconds not yet done × the run's pace so far (seconds
+    spent ÷ planned seconds done; it starts at 1, a prior worth ``PRIOR_SHARE`` of the plan), so a machine twice as
+    loaded as the estimates assume doubles every remaining item as soon as the first items show it. The progress
+    reported is the time fraction spent ÷ (spent + remaining): ``studio.job_status.job_timing`` (elapsed × (1 − p) / p)
+    then shows this very ETA, and the message carries the phase and its place among ``phases``, no ETA of its own."""
+
+    def __init__(self, progress: Progress, clock: Callable[[], float] = time.monotonic):
         self.items: list[dict] = []
         self.progress = progress
+        self.clock = clock
+        self.t0 = clock()
         self.done_s = 0.0
         self.running: dict[int, tuple[dict, float]] = {}  # id(item) -> (item, its fraction done)
+        self.phases: list[str] = []  # the run's phases in order (the message says "phase k of n")
 
     def add(self, phase: str, what: str, est_s: float) -> dict:
         item = {"phase": phase, "what": what, "est_s": max(0.5, float(est_s))}
         self.items.append(item)
+        if phase not in self.phases:
+            self.phases.append(phase)
         return item
 
     def total(self) -> float:
         return sum(i["est_s"] for i in self.items)
+
+    def remaining(self, now: float | None = None) -> float:
+        """Seconds left: the planned seconds not done yet × the pace measured so far."""
+        now = self.clock() if now is None else now
+        total = self.total()
+        done = self.done_s + sum(i["est_s"] * f for i, f in self.running.values())
+        prior = max(PRIOR_MIN_S, PRIOR_SHARE * total)
+        pace = (max(0.0, now - self.t0) + prior) / (done + prior)
+        return max(0.0, total - done) * pace
 
     def start(self, item: dict) -> Progress:
         self.running[id(item)] = (item, 0.0)
 
         def report(frac: float, msg: str = "") -> None:
             self.running[id(item)] = (item, min(1.0, max(0.0, float(frac or 0.0))))
-            done = self.done_s + sum(i["est_s"] * f for i, f in self.running.values())
-            left = max(0.0, self.total() - done)
-            text = f"{item['phase']}: {item['what']}" + (f" — {msg}" if msg else "") + f" · ETA ≈ {minutes(left)}"
-            self.progress(done / max(self.total(), 1e-9), text)
+            now = self.clock()
+            spent, left = max(0.0, now - self.t0), self.remaining(now)
+            where = f" (phase {self.phases.index(item['phase']) + 1} of {len(self.phases)})" \
+                if item["phase"] in self.phases else ""
+            text = f"{item['phase']}{where}: {item['what']}" + (f" — {msg}" if msg else "")
+            self.progress(spent / (spent + left) if spent + left > 0 else 0.0, text)
 
         report(0.0)
         return report
@@ -271,9 +296,35 @@ def verdict(rows: list[dict], n: int, source: str = "held-out", metric: str = "c
     if worse:
         text += f"; {_names([r['title'] for r in worse])} {'is' if len(worse) == 1 else 'are'} worse than the base " \
                 f"model"
+    split = disagreements(rows)
+    if split:
+        text += "; chrF and sacreBLEU disagree in sign for " + _names(
+            [f"{r['title']} ({r['chrf_delta']:+.1f} chrF, {r['sacrebleu_delta']:+.1f} sacreBLEU)" for r in split])
     return {"text": text + ".", "best": better[0]["method"] if better else None,
             "better": [r["method"] for r in better], "level": [r["method"] for r in level],
-            "worse": [r["method"] for r in worse]}
+            "worse": [r["method"] for r in worse], "disagree": [r["method"] for r in split]}
+
+
+def disagreements(rows: list[dict]) -> list[dict]:
+    """The methods whose difference to the base model has one sign in chrF and the other in sacreBLEU."""
+    return [r for r in rows if r["method"] != "base" and isinstance(r.get("chrf_delta"), (int, float))
+            and isinstance(r.get("sacrebleu_delta"), (int, float)) and r["chrf_delta"] * r["sacrebleu_delta"] < 0]
+
+
+# The leaderboard's one order (the table's rows, its ★ and the verdict follow it): the methods the verdict says beat
+# the base model first, largest gain first; then every other row, the base model's included, by chrF.
+ORDER_RULE = ("Order: first the methods the verdict finds better than the base model, largest Δ chrF first; then the "
+              "others and the base model by chrF. ★ marks row 1 when it beats the base model.")
+
+
+def ordered(rows: list[dict], better: list[str]) -> list[dict]:
+    """``rows`` in the leaderboard's order (``ORDER_RULE``; ``better``: the verdict's, best first), ranks 1…n."""
+    first = {m: i for i, m in enumerate(better)}
+    out = sorted(rows, key=lambda r: (0, first[r["method"]], 0.0) if r["method"] in first else
+                 (1, -(r.get("chrf") or 0.0), -(r.get("sacrebleu") or 0.0)))
+    for i, r in enumerate(out, 1):
+        r["rank"] = i
+    return out
 
 
 def pareto(rows: list[dict], cost_key: str, metric: str = "chrf") -> set[str]:
@@ -294,7 +345,8 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
          batch_sources: int = 4, bootstrap: int = 1000, cost_sentences: int = COST_SENTENCES,
          calibrate_seconds: float | None = None, progress: Progress = _noop,
          should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] = _noop,
-         on_metric: Callable[[dict], None] | None = None, trainer=None) -> dict:
+         on_metric: Callable[[dict], None] | None = None, trainer=None,
+         s_per_sentence: float | None = None) -> dict:
     """Train (or reuse), calibrate, evaluate and rank ``methods`` (default: every registered one) on ``memory``.
 
     ``configs``: training overrides per method (default: each method's defaults — what the studio ships); a plug-in
@@ -303,6 +355,9 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
     samples for calibration (default ``eval.calibrate``'s). ``calibrate_seconds``: a bound per method.
     ``trainer``: trains the methods it ``runs`` all at once on workers (``studio.ray_executor.RankTrainer``, see
     ``IN_PROCESS``); the others train here first. Calibration and evaluation stay on ``backbone``.
+    ``s_per_sentence``: the base model's seconds per sentence the plan of the decoding phases starts from (the
+    studio's figure for this kind of machine, as in its estimate before the run; ``Plan`` then follows the measured
+    pace); None: planned from the decode-speed phase's measurement.
     Returns the leaderboard (see the module docstring)."""
     t_start = time.time()
     task = memory.task or "translation"
@@ -318,7 +373,11 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
     prompt = memory_prompt(memory, backbone, task)
     plan = Plan(progress)
     cost_src = [s for s, _ in report[:max(0, cost_sentences)]]
-    probe = plan.add("decode speed", f"the base model on {len(cost_src) or 1} sentence(s)", 2.0 * max(1, len(cost_src)))
+    interp = [m for m in names if get_method(m).interpolates]
+    plan.phases = ["decode speed", "training", *(["calibration"] if interp else []), "evaluation",
+                   *(["decode cost"] if cost_src else [])]
+    n_probe = max(1, len(cost_src))
+    probe = plan.add("decode speed", f"the base model on {n_probe} sentence(s)", (s_per_sentence or 2.0) * n_probe)
     wanted = {m: make_config(m, configs.get(m) or {}).to_dict() for m in names}
     reuse = {m: find_trained(catalog, owner, memory.id, m, wanted[m], backbone.fingerprint) for m in names}
     remote = [m for m in names if trainer is not None and reuse[m] is None and trainer.runs(m)]
@@ -329,21 +388,27 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
                                * (share if m in remote else 1.0)) for m in names}
     phases = {"decode_speed": 0.0, "training": 0.0, "calibration": 0.0, "evaluation": 0.0, "decode_cost": 0.0}
 
-    # 1. decode speed: the base model alone (the ETA of the decoding phases)
+    def plan_decoding(spr: float) -> tuple[dict, dict, dict]:
+        eta = decoding_seconds(spr, names, info["tune"], info["report"], len(cost_src), calibrate_seconds)
+        return ({m: plan.add("calibration", get_method(m).title, eta["calibration"][m]) for m in interp},
+                plan.add("evaluation", f"{len(names) + 1} rows on {info['report']} sentences", eta["evaluation"]),
+                {m: plan.add("decode cost", get_method(m).title, eta["decode_cost"][m]) for m in names}
+                if cost_src else {})
+
+    if s_per_sentence is not None:
+        cal_items, eval_item, cost_items = plan_decoding(s_per_sentence)
+
+    # 1. decode speed: the base model alone (the plan's first measured pace; the decoding phases' plan without
+    # ``s_per_sentence``)
     t0 = time.time()
     rep = plan.start(probe)
     base_cost = time_decode(backbone, cost_src or [report[0][0]], Row("base"), prompt, max_new_tokens, should_stop)
-    s_per_sentence = base_cost["seconds"] / max(1, len(cost_src) or 1)
     rep(1.0)
     plan.finish(probe)
     phases["decode_speed"] = round(time.time() - t0, 2)
-    log(f"phase decode speed: {phases['decode_speed']} s wall")
-    interp = [m for m in names if get_method(m).interpolates]
-    eta = decoding_seconds(s_per_sentence, names, info["tune"], info["report"], len(cost_src), calibrate_seconds)
-    cal_items = {m: plan.add("calibration", get_method(m).title, eta["calibration"][m]) for m in interp}
-    eval_item = plan.add("evaluation", f"{len(names) + 1} rows on {info['report']} sentences", eta["evaluation"])
-    cost_items = {m: plan.add("decode cost", get_method(m).title, eta["decode_cost"][m])
-                  for m in names} if cost_src else {}
+    log(f"phase decode speed: {phases['decode_speed']} s wall ({base_cost['seconds'] / n_probe:.2f} s a sentence)")
+    if s_per_sentence is None:
+        cal_items, eval_item, cost_items = plan_decoding(base_cost["seconds"] / n_probe)
 
     # 2. training: here one method after another, then the trainer's all at once on its workers
     t0 = time.time()
@@ -448,6 +513,7 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
 
     board = _leaderboard_rows(res, rows_out, tuned)
     v = verdict(board, info["report"], info["report_source"], resamples=bootstrap)
+    board = ordered(board, v["better"])
     for r in board:
         r["best"] = r["method"] == v["best"]
     progress(1.0, f"done: {v['text']}")
@@ -455,8 +521,8 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
             "memory": {"id": memory.id, "name": memory.meta.get("name", memory.id),
                        "train_samples": len(memory.split_samples("train")), "entries": len(memory)},
             "data": info, "methods": board, "verdict": v["text"], "best": v["best"],
-            "better": v["better"], "level": v["level"], "worse": v["worse"],
-            "pareto": {"training_seconds": sorted(pareto(board, "training_seconds")),
+            "better": v["better"], "level": v["level"], "worse": v["worse"], "disagree": v["disagree"],
+            "order": ORDER_RULE, "pareto": {"training_seconds": sorted(pareto(board, "training_seconds")),
                        "trainable_parameters": sorted(pareto(board, "trainable_parameters"))},
             "phases": phases, "workers": trainer.describe() if trainer is not None else IN_PROCESS,
             "decode": res.get("decode"), "signatures": res.get("signatures") or signatures(),
