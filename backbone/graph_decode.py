@@ -15,7 +15,12 @@ on fixed buffers:
 A runner holds ``rows`` rows (a power of two at least the decode's rows: spare rows compute values nobody reads)
 and ``length`` positions. Models with sliding-window layers are served only while the whole decode fits inside the
 window (a static sliding layer's roll past its window is decided on the host, which a replay cannot do); longer
-decodes, beam search and decodes with in-network plug-in hooks keep the eager path (``plugins.decode.engine``).
+decodes and beam search keep the eager path (``plugins.decode.engine``).
+
+In-network plug-ins' per-layer work is recorded too: a runner made for a set of them (``hooks``: an object whose
+``on()`` / ``off()`` put their forward hooks on the backbone and take them off, and whose rows are device row masks
+that the decode rewrites in place) runs its forward pass, and records its graph, with those hooks on; it is pooled
+under that set's key (``hooks_key``: which plug-ins, their weights and settings), the last few sets per model kept.
 
 ``graph_decode`` in ``backbone.options.fast_paths``: "auto" (CUDA graphs on a GPU, the eager path elsewhere),
 "static" (this module's static cache without graph capture, on any device: the tests check it against the eager
@@ -69,12 +74,15 @@ class GraphRunner:
     ``start(cache, mask)`` loads a prefill's KV cache (rows × positions, every position a real one: left padding
     is masked by ``mask``); ``step(next_tok)`` runs one step and returns f(c) per row; ``relayout(gather)`` makes
     row i the old row ``gather[i]``; ``export(rows)`` copies rows out as a transformers ``DynamicCache`` (what a
-    kept decode hands to slider moves)."""
+    kept decode hands to slider moves). ``hooks`` (optional): in-network plug-ins' hooks, on for every forward pass
+    of the runner (the recorded one included), off between them."""
 
-    def __init__(self, model, final_norm, rows: int, length: int, graph: bool):
+    def __init__(self, model, final_norm, rows: int, length: int, graph: bool, hooks=None):
         from transformers import StaticCache
 
         self.model, self.final_norm = model, final_norm
+        self.hooks = hooks
+        self.pool_key: tuple | None = None  # set by the pool that made it
         self.R, self.L = rows, length
         dev = next(model.parameters()).device
         self.device = dev
@@ -94,11 +102,15 @@ class GraphRunner:
         captured = {}
         handle = self.final_norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("fc", a[0]))
         try:
+            if self.hooks is not None:
+                self.hooks.on()
             self.mask.index_fill_(-1, self.pos.view(-1), True)  # the step's own position
             self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
                        past_key_values=self.cache, use_cache=True)
         finally:
             handle.remove()
+            if self.hooks is not None:
+                self.hooks.off()
         return captured["fc"]
 
     def _capture(self) -> None:
@@ -168,38 +180,74 @@ class GraphRunner:
 
 
 class RunnerPool:
-    """Runners by (rows, positions), each used by one decode at a time (the studio decodes in several threads);
-    a graph is recorded once per runner and replayed by every later decode that takes it."""
+    """Runners by (rows, positions) — and, for in-network plug-ins' hooks, by the hooks' key —, each used by one
+    decode at a time (the studio decodes in several threads); a graph is recorded once per runner and replayed by
+    every later decode that takes it. Runners with hooks are kept for the ``hooked_keys`` most recently used hook
+    keys per model (a slider move or another plug-in makes a new key; an older key's free runners are dropped)."""
 
-    def __init__(self, per_key: int = 2):
+    def __init__(self, per_key: int = 2, hooked_keys: int = 4):
         self.per_key = per_key
+        self.hooked_keys = hooked_keys
         self._free: dict[tuple, list[GraphRunner]] = {}
         self._count: dict[tuple, int] = {}
+        self._recent: dict[tuple, list] = {}  # (model id, graph) → hook keys, least recently used first
         self._lock = threading.Lock()
-        self.disabled: dict[tuple, str] = {}  # model key → why recording failed (then the eager path)
+        self.disabled: dict[tuple, str] = {}  # (model id, graph[, hook key]) → why recording failed (then eager)
 
-    def take(self, model, final_norm, rows: int, length: int, graph: bool) -> GraphRunner | None:
+    def take(self, model, final_norm, rows: int, length: int, graph: bool, hooks_key=None,
+             make_hooks=None) -> GraphRunner | None:
+        return self.take_or_why(model, final_norm, rows, length, graph, hooks_key, make_hooks)[0]
+
+    def take_or_why(self, model, final_norm, rows: int, length: int, graph: bool, hooks_key=None,
+                    make_hooks=None) -> tuple[GraphRunner | None, str]:
+        """(a runner, "") or (None, why the decode takes the eager path). ``make_hooks(rows)``: the hooks of a new
+        runner of ``rows`` rows, for ``hooks_key`` (a hashable key of what they do)."""
         cap = capacity(model.config, rows, length)
         if cap is None:
-            return None
+            return None, (f"{rows} rows × {length} positions: more than a runner holds (or past the model's "
+                          f"sliding window)")
         mkey = (id(model), graph)
-        key = (id(model), graph) + cap
+        key = mkey + cap + (() if hooks_key is None else (hooks_key,))
+        dkey = mkey + (() if hooks_key is None else (hooks_key,))
         with self._lock:
-            if mkey in self.disabled:
-                return None
+            for k in (mkey, dkey):
+                if k in self.disabled:
+                    return None, f"recording failed: {self.disabled[k]}"
+            if hooks_key is not None:
+                recent = self._recent.setdefault(mkey, [])
+                if hooks_key in recent:
+                    recent.remove(hooks_key)
+                recent.append(hooks_key)
+                for old in recent[:-self.hooked_keys]:
+                    recent.remove(old)
+                    self._drop(mkey, old)
             free = self._free.setdefault(key, [])
             if free:
-                return free.pop()
+                return free.pop(), ""
             if self._count.get(key, 0) >= self.per_key:
-                return None
+                return None, f"every runner of {cap[0]} rows × {cap[1]} positions is in use"
             self._count[key] = self._count.get(key, 0) + 1
         try:
-            return GraphRunner(model, final_norm, cap[0], cap[1], graph)
-        except Exception as exc:  # noqa: BLE001 — a model whose step cannot be recorded decodes eagerly
+            hooks = None if make_hooks is None else make_hooks(cap[0])
+            runner = GraphRunner(model, final_norm, cap[0], cap[1], graph, hooks)
+        except Exception as exc:  # noqa: BLE001 — a step that cannot be recorded decodes eagerly
+            import logging
+
+            why = f"{type(exc).__name__}: {exc}"
+            logging.getLogger(__name__).warning("decode step not recorded (%s): the eager path serves it", why)
             with self._lock:
                 self._count[key] -= 1
-                self.disabled[mkey] = f"{type(exc).__name__}: {exc}"
-            return None
+                self.disabled[dkey] = why
+            return None, f"recording failed: {why}"
+        runner.pool_key = key
+        return runner, ""
+
+    def _drop(self, mkey: tuple, hooks_key) -> None:
+        """Forget a hook key's runners (the lock held): free ones now, those in use when they come back."""
+        for table in (self._free, self._count):
+            for k in [k for k in table if k[:2] == mkey and len(k) == 5 and k[4] == hooks_key]:
+                del table[k]
+        self.disabled.pop(mkey + (hooks_key,), None)
 
     def prepare(self, model, final_norm, shapes) -> int:
         """Record the runners of ``shapes`` ((rows, length) pairs) ahead of the first decode that needs them (a
@@ -213,20 +261,20 @@ class RunnerPool:
         return ready
 
     def give_back(self, runner: GraphRunner) -> None:
-        key = (id(runner.model), runner.graph is not None, runner.R, runner.L)
+        key = runner.pool_key
         with self._lock:
-            if self._count.get(key):  # not a forgotten model's
+            if self._count.get(key):  # not a forgotten model's (or hook key's)
                 self._free.setdefault(key, []).append(runner)
 
     def forget(self, model) -> None:
         """Drop every runner of ``model`` (a backbone switched away: its runners hold the model and their buffers)."""
         with self._lock:
-            for table in (self._free, self._count, self.disabled):
+            for table in (self._free, self._count, self.disabled, self._recent):
                 for key in [k for k in table if k[0] == id(model)]:
                     del table[key]
 
     def counts(self) -> dict:
-        """Runners made, by (model id, graph, rows, positions)."""
+        """Runners made, by (model id, graph, rows, positions[, hook key])."""
         with self._lock:
             return dict(self._count)
 

@@ -243,11 +243,11 @@ def prefixed_mask(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int,
     else:
         ctx = mask[..., :k_len].to(device)
     ctx = ctx.to(dtype).expand(batch, 1, q_len, k_len)
-    pre = torch.full((batch, 1, q_len, prefix_len), neg, dtype=dtype, device=device)
     if allowed is None:
-        pre.fill_(log_sigma)
-    else:
-        pre[allowed.to(device)] = log_sigma
+        pre = torch.full((batch, 1, q_len, prefix_len), log_sigma, dtype=dtype, device=device)
+    else:  # a select, not a boolean-mask assignment: no host read of how many rows are allowed (a CUDA graph's step)
+        pre = torch.where(allowed.to(device).view(batch, 1, 1, 1), log_sigma, neg).to(dtype)
+        pre = pre.expand(batch, 1, q_len, prefix_len)
     return torch.cat([pre, ctx], dim=-1)
 
 
@@ -332,7 +332,7 @@ class MemoryTuning(NetworkPlugin):
                       else None)  # decoding: the slot reads with their scales folded in, every layer at once
         # decoding on the CPU decode attention: every layer's prefix in the backbone's dtype, looked up once
         row_keys = (self._all_prefixes(self.backbone.dtype) if self.use_attn and self.row_keys_in_attention
-                    and att.forward_rows is not None
+                    and att.forward_rows is not None and att.forward_rows.dtype != torch.bool
                     and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION
                     else None)
         for l, layer in enumerate(self.backbone.layers):
@@ -439,6 +439,9 @@ class MemoryTuning(NetworkPlugin):
             keys, values = kv.seen
             x = module_input(args, kwargs)
             rows = None if att.rows is None else att.rows.to(x.device)
+            if rows is not None and rows.dtype == torch.bool:
+                return self._masked_rerun(mod, args, kwargs, output, x, rows, keys, values, l, att, trace, shared,
+                                          log_sigma)
             allowed = None
             if rows is not None:
                 allowed = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
@@ -478,6 +481,26 @@ class MemoryTuning(NetworkPlugin):
 
         return pre, post
 
+    def _masked_rerun(self, mod, args, kwargs, output, x, allowed, keys, values, l, att, trace, shared, log_sigma):
+        """MT-M's re-run on a row mask (``NetworkPlugin.fixed_rows``): the attention again over every row with the
+        prefix allowed for the masked rows only, whose outputs replace theirs — fixed shapes, no index on the host,
+        and another method's hooks inside the attention (LoRA on o_proj) act on their own rows as in the first
+        run, which the masked rows are not."""
+        mask = prefixed_mask(kwargs.get("attention_mask"), x.shape[0], x.shape[1], keys.shape[-2],
+                             self.config.prefix_length, allowed, log_sigma, x.dtype, x.device)
+        pk, pv = self.prefix(l)
+        h = first_tensor(output)
+        redo = first_tensor(mod.forward(*args, **{**kwargs, "attention_mask": mask, "past_key_values":
+                                                  PrefixKV(None, (pk, pv), (keys, values))}))
+        new = torch.where(allowed.view(-1, *(1,) * (h.dim() - 1)), redo.to(h.dtype), h)
+        if trace:
+            got = self._prefix_trace(mod, args, kwargs, torch.arange(x.shape[0], device=x.device), keys, mask, pk)
+            if got is not None and not self.use_ffn:
+                self._trace_weights(att, l, "attention", got[0], got[1])
+            elif got is not None:
+                shared["lambda"] = got[1]
+        return replace_first(output, new)
+
     @staticmethod
     def _trace_from_probs(probs: torch.Tensor, n_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``_prefix_trace``, from the attention weights (rows, KV heads, heads per KV head, prefix + keys) that
@@ -516,9 +539,16 @@ class MemoryTuning(NetworkPlugin):
     def _trace_weights(self, att: Attachment, l: int, component: str, w: torch.Tensor,
                        lam: torch.Tensor | None = None) -> None:
         """Record, per row, the attention ``w`` (rows, slots) over the slots at the newest position (and λ of MT-M
-        when known)."""
-        w = w.detach().float().cpu()
-        lams = lam.detach().float().cpu().tolist() if lam is not None else [None] * len(w)
+        when known): kept on the device and read after the forward pass (``_trace_rows``), so that no hook waits for
+        a device-to-host copy and a step recorded in a CUDA graph refreshes the very tensors it recorded."""
+        att.trace = {"device": (l, component, w.detach().float(), None if lam is None else lam.detach().float())}
+
+    def _trace_rows(self, att: Attachment) -> dict:
+        if "device" not in att.trace:
+            return super()._trace_rows(att)
+        l, component, w, lam = att.trace["device"]
+        w = w.cpu()
+        lams = lam.cpu().tolist() if lam is not None else [None] * len(w)
         per_row = []
         for row, lv in zip(w, lams):
             top = torch.topk(row, min(TRACE_TOP, row.numel()))
@@ -527,7 +557,7 @@ class MemoryTuning(NetworkPlugin):
             if lv is not None:
                 entry["attention_lambda"] = round(lv, 4)
             per_row.append(entry)
-        self._record(att, per_row)
+        return dict(enumerate(per_row))
 
     # --- training -----------------------------------------------------------------------------------------
     def calibrate_prefix(self, data: SeqData, n: int = 16) -> None:

@@ -177,7 +177,15 @@ def rows_apply(h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
     ``starts`` (one per selected row; ``Attachment.starts``): the row's positions before it keep ``h`` (a shared
     prompt prefix the plug-in does not act on). Without gradients (decoding) the rows are written into ``h``
     itself — a module's fresh output that the hook replaces anyway — instead of into a copy of the whole batch.
+
+    ``rows`` may also be a **row mask** (a bool tensor, one entry per batch row: ``fixed_rows``): ``fn`` then runs
+    on every row and the masked rows take its result — fixed shapes, no index read on the host, so a CUDA graph
+    can record the hook once and a decode changes its rows by writing the mask in place.
     """
+    if rows is not None and rows.dtype == torch.bool:
+        if starts is not None:
+            raise ValueError("a row mask acts on every position of its rows (a decode step's)")
+        return torch.where(rows.view(-1, *(1,) * (h.dim() - 1)), fn(x, h).to(h.dtype), h)
     if starts is not None and h.dim() == 3:
         starts = starts.to(h.device)
         if bool((starts >= h.shape[1]).all()):
@@ -258,7 +266,9 @@ class Attachment:
     rows in a step (batch rows where the layout is not compact), every row in training (None)."""
 
     def __init__(self, rows, settings: dict, state: dict | None = None, recording: bool = True):
-        self.forward_rows = rows  # the forward pass's rows the hooks act on, indices of the whole pass (None: all)
+        # the forward pass's rows the hooks act on, indices of the whole pass (None: all; a bool tensor: a row mask,
+        # ``NetworkPlugin.fixed_rows``, whose rows a decode changes in place between replays of a recorded step)
+        self.forward_rows = rows
         self.settings = settings
         self.state = dict(state or {})
         self.live = True
@@ -348,6 +358,9 @@ class NetworkPlugin(Plugin):
     """
 
     level = "network"
+    # Whether the hooks run on a bool row mask (``fixed_rows``: a decode step recorded once in a CUDA graph, its rows
+    # changed in place) without host reads, data-dependent shapes or per-step Python decisions in the hooked modules
+    fixed_rows = True
     # Continue training (every in-network method): ``resume_state`` — set before ``fit`` from the saved
     # ``optimizer.safetensors`` (``training.optimizer_from_tensors``) — resumes Adam's moments and the step count
     # (so the learning-rate schedule goes on) from the plug-in's own weights; its calibration (scales, prefix
@@ -377,15 +390,16 @@ class NetworkPlugin(Plugin):
     # --- attaching ------------------------------------------------------------------------------------------
     def attach(self, rows: torch.Tensor | None, settings: dict | None = None, trace: bool = True,
                own_from: torch.Tensor | None = None, **state) -> list:
-        """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row, as in training);
-        return handles (pass them to ``network_trace``). ``trace`` False: nobody will ask for ``network_trace``, so
-        the hooks need not record it (a decode without traces). ``own_from``: see ``set_own_from``. ``state``:
-        per-pass inputs of a training forward."""
+        """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row, as in training; a
+        bool tensor: a row mask, ``fixed_rows``); return handles (pass them to ``network_trace``). ``trace`` False:
+        nobody will ask for ``network_trace``, so the hooks need not record it (a decode without traces).
+        ``own_from``: see ``set_own_from``. ``state``: per-pass inputs of a training forward."""
         self.to_backbone()
         s = dict(self.decode_defaults)
         s.update(settings or {})
-        att = Attachment(None if rows is None else torch.as_tensor(rows, dtype=torch.long).flatten(), s, state,
-                         recording=trace)
+        if rows is not None and not (isinstance(rows, torch.Tensor) and rows.dtype == torch.bool):
+            rows = torch.as_tensor(rows, dtype=torch.long).flatten()
+        att = Attachment(rows, s, state, recording=trace)
         att.own_from = own_from
         return [_Handle(self._register_hooks(att), att)]
 

@@ -184,7 +184,7 @@ class RankService:
             job.checkpoint = gate.checkpoint
             board = run_rank(bb, mem, catalog=self.ctx.catalog, owner=owner, methods=a["methods"], test_pairs=test,
                              test_name=a.get("data"), progress=job.progress, should_stop=job.should_stop,
-                             log=job.log)
+                             log=job.log, s_per_sentence=decode_s_per_sentence(bb.name))
         for m in board["methods"]:  # calibrations changed: loaded copies start from the new settings
             self.plugin_cache.pop(m.get("plugin_id"))
         return {"leaderboard": json_safe(board), "memory_id": a["memory_id"], "message": board["verdict"]}
@@ -240,7 +240,8 @@ class RankService:
                    "memory": {"train_samples": board["memory"].get("train_samples"),
                               "entries": board["memory"].get("entries")},
                    "methods": [{k: r.get(k) for k in SHARED_ROW_KEYS} for r in board["methods"]],
-                   "verdict": board["verdict"], "best": board.get("best"), "pareto": board.get("pareto"),
+                   "verdict": board["verdict"], "best": board.get("best"), "better": board.get("better"),
+                   "pareto": board.get("pareto"),
                    "phases": board.get("phases"), "bootstrap": board.get("bootstrap"), "alpha": board.get("alpha"),
                    "signatures": board.get("signatures"), "created": board.get("created"), "shared": time.time()}
         text = json.dumps(json_safe(payload), ensure_ascii=False)

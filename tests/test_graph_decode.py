@@ -133,3 +133,85 @@ def test_the_start_up_comparison_runs_on_a_gpu_only_and_changes_no_later_compari
         assert warm_comparison(tiny, force=True)["seconds"] >= 0
         after = _runs([compare(tiny, "the red house", rows, PROMPT, max_new_tokens=6)])
     assert after == before
+
+
+# --- in-network rows on the static step (their hooks on fixed row masks: ``plugins.decode.fixed_rows``) -------------
+def _perturbed(plugin, seed: int, std: float):
+    """``plugin`` with seeded noise on every weight: the untrained adapter, LoRA and MT-F are the identity, and on the
+    tiny model a small change leaves the next token's probability at 1, so the rows would show nothing."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in plugin.parameters():
+            if t.dtype.is_floating_point:
+                t.add_(torch.randn(t.shape, generator=g).to(t) * std)
+    return plugin
+
+
+@pytest.fixture(scope="module")
+def net(tiny, tiny_memory):
+    ma = new_plugin("memory_adapter", tiny, tiny_memory, {"max_translate": 8})
+    ma.build_memory(tiny_memory)
+    made = {"adapter": (new_plugin("adapter", tiny, tiny_memory, {}), 3.0),
+            "lora": (new_plugin("lora", tiny, tiny_memory, {}), 10.0),
+            "MT-F": (new_plugin("memory_tuning", tiny, tiny_memory, {"variant": "MT-F", "slots": 10}), 3.0),
+            "MT-M": (new_plugin("memory_tuning", tiny, tiny_memory, {"variant": "MT-M"}), 30.0),
+            "MT-MF": (new_plugin("memory_tuning", tiny, tiny_memory, {"variant": "MT-MF", "slots": 10}), 3.0),
+            "memory_adapter": (ma, 30.0)}
+    return {k: _perturbed(p.to(tiny.device), i + 1, std) for i, (k, (p, std)) in enumerate(made.items())}
+
+
+SETS = {  # base + six methods (the comparison the studio offers), and MT-M's prefix / MT-MF with the others
+    "seven rows": ("kNN", "PEMA", "adapter", "memory_adapter", "MT-F", "lora"),
+    "prefix rows": ("PEMA", "MT-M", "MT-MF", "adapter", "lora"),
+}
+
+
+def _set_rows(rows, net, names):
+    out = {r.label: r for r in rows}
+    return [rows[0]] + [out[n] if n in out else Row(n, net[n]) for n in names]
+
+
+def _stepwise(tiny, rows, mode, stop=None, tokens=10):
+    """A decode run step by step: (its comparison, each step's f(c) per live batch row, the decode)."""
+    from plugins.decode.batch import plan_batch
+    from plugins.decode.engine import BatchDecode
+
+    saved = tiny.stop_ids
+    tiny.stop_ids = set(saved) | set(stop or ())
+    try:
+        with using_fast_paths(graph_decode=mode):
+            dec = BatchDecode(tiny, plan_batch(tiny, ["the cat sleeps"], rows, PROMPT), tokens, trace=True)
+            fcs = []
+            while dec.step():
+                fcs.append({b: dec.row_fc(b).float().cpu() for b in range(len(rows)) if not dec.beams.done[b]})
+    finally:
+        tiny.stop_ids = saved
+    return dec.result(), fcs, dec
+
+
+@pytest.mark.parametrize("which", list(SETS))
+def test_in_network_rows_decode_on_the_static_step_as_on_the_eager_one(tiny, rows, net, which, mode):
+    """Every row — in-network ones mixed with the base, PEMA and kNN, finishing at different steps — decodes the
+    same tokens, log-probabilities, hidden states and traces on the static step (one recorded step on a GPU) as on
+    the eager one."""
+    chosen = _set_rows(rows, net, SETS[which])
+    free, _, _ = _stepwise(tiny, chosen, "off")
+    # a stop token that one in-network row emits at its third step: rows end at different steps
+    row = next(r for r in free[0].rows if r.label in ("adapter", "MT-MF"))
+    stop = {row.tokens[2]}
+    eager, eager_fc, dec_e = _stepwise(tiny, chosen, "off", stop)
+    static, static_fc, dec_s = _stepwise(tiny, chosen, mode, stop)
+    assert dec_e.path == "eager" and dec_s.path == ("graph" if mode == "auto" else "static"), dec_s.path_reason
+    lengths = {len(r.tokens) for r in eager[0].rows}
+    assert len(lengths) > 1 and min(lengths) < 10  # rows finished at different steps, some before the budget
+    for r in eager[0].rows:  # every in-network row decodes otherwise than the base row
+        if r.label in net:
+            assert r.tokens != eager[0].rows[0].tokens or r.trace[0]["logprob"] != eager[0].rows[0].trace[0]["logprob"]
+    _same(eager, static)
+    for a, b in zip(eager[0].rows, static[0].rows):
+        assert [t.get("memory_attention") for t in a.trace] == [t.get("memory_attention") for t in b.trace], a.label
+    assert len(eager_fc) == len(static_fc)
+    for fa, fb in zip(eager_fc, static_fc):
+        assert fa.keys() == fb.keys()
+        for b in fa:  # to float32 rounding of the row's scale (the noisy adapter's states reach ~10⁴)
+            assert float((fa[b] - fb[b]).norm()) <= 1e-4 * float(fa[b].norm()) + 1e-4, b

@@ -8,6 +8,7 @@ from collections import Counter
 import gradio as gr
 
 from ground.errors import UserError
+from ground.jobs import FINAL_STATES
 from studio.identity import LOCAL, Caller
 
 
@@ -84,6 +85,36 @@ def job_poll_key(job: dict) -> tuple:
     its elapsed time (every 5 s) between progress reports."""
     return (job["id"], job["state"], round(job["progress"], 3), job["message"],
             int((job.get("elapsed_s") or 0) // 5) if job["state"] == "running" else 0)
+
+
+def jobs_busy(studio, owner, jid=None, drawn=True) -> bool:
+    """Whether a tab's job poll has something to show: job ``jid`` (``None``: any of the owner's jobs) is queued or
+    running, or has not been drawn yet (``drawn`` False)."""
+    try:
+        if jid is None:
+            return bool(studio.list_jobs(limit=1, owner=owner, states=("queued", "running"))) or not drawn
+        job = studio.job(jid, owner=owner)
+    except UserError:
+        return False
+    return job["state"] not in FINAL_STATES or not drawn
+
+
+def poll_while_running(studio, timer, job_state, seen, any_job: bool = False) -> None:
+    """A tab's job poll (``timer``, made with ``active=False``) on only while it has something to show: its job
+    (``job_state``; with ``any_job`` any of the owner's jobs) is queued or running, or is not drawn yet (``seen``,
+    what the poll last drew, still None). An idle page then polls and redraws nothing (BENCHMARKS, "An idle tab").
+    Asked whenever the job or what was drawn of it changes: a job started, the page loaded, the poll drew."""
+    def switch(jid, last, request: gr.Request):
+        try:
+            me = owner_of(studio, request)
+        except UserError:
+            return gr.Timer(active=False)
+        if not jid and not any_job:
+            return gr.Timer(active=False)
+        return gr.Timer(active=jobs_busy(studio, me, None if any_job else jid, last is not None))
+
+    for state in (job_state, seen):
+        state.change(switch, [job_state, seen], timer, show_progress="hidden", api_visibility="private")
 
 
 def memory_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:

@@ -105,6 +105,21 @@ class TokenViewOutputs(NamedTuple):
     memory_column: Any
 
 
+# Gradio's slider sends "release" when the pointer lets go, not after a move with the arrow keys: a key released on a
+# slider settles it the same way (its one decode runs then). Once per page.
+SLIDER_KEYS_JS = """
+if (!window.pemaSliderKeys) {
+  window.pemaSliderKeys = true;
+  document.addEventListener('keyup', (e) => {
+    const t = e.target;
+    if (t instanceof HTMLInputElement && t.type === 'range') {
+      t.dispatchEvent(new PointerEvent('pointerup', {bubbles: true, composed: true}));
+    }
+  }, true);
+}
+"""
+
+
 class CompareOutputs(namedtuple("CompareOutputs", ("payload", "cards", "method", "token", "share_link", "layer",
                                                    "token_section", *TokenViewOutputs._fields))):
     """What a comparison updates: one field a component (``build`` declares which), the token views last, so that
@@ -160,9 +175,10 @@ def _methods_panel(studio, c: SimpleNamespace) -> None:
     # that value is untouched and not sent, so every row starts at its own plug-in's settings; a moved one is sent
     c.starts = gr.State({f"{m}|{n}": start[m][n] for m, n in c.live_keys})
     c.knob_hint = gr.HTML("<div class='pema-help'>Live controls appear for the chosen methods that have them; a move "
-                          "re-mixes the moved row's kept steps and decodes again only from the first token it "
+                          "(once the slider settles) re-mixes the moved row's kept steps and decodes again only from "
+                          "the first token it "
                           "changes (no forward pass when no token changes). Other settings are under “More decode "
-                          "settings”.</div>")
+                          "settings”.</div>", js_on_load=SLIDER_KEYS_JS)
 
 
 def _settings_panel(c: SimpleNamespace) -> None:
@@ -388,10 +404,12 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
                     show_progress_on=c.cards)
     c.stop.click(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
     for ctl in (*c.live_ctls, *c.comp_ctls, c.max_new, c.beams, c.methods):
-        # the move first stops the decode in progress (not queued behind it), then queues its own decode
-        ctl.input(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
-        ctl.input(live, [c.payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
-                  show_progress_on=c.cards, api_visibility="private", concurrency_id="decode")
+        # A slider decodes once it settles (let go, or a key released: SLIDER_KEYS_JS), not at every step of a
+        # drag; the move first stops the decode in progress (not queued behind it), then queues its own decode.
+        moved = ctl.release if isinstance(ctl, gr.Slider) else ctl.input
+        moved(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
+        moved(live, [c.payload, *inputs], outputs, trigger_mode="always_last", show_progress="minimal",
+              show_progress_on=c.cards, api_visibility="private", concurrency_id="decode")
 
 
 def _wire_inspector(studio, c: SimpleNamespace, insp: TokenInspector) -> None:

@@ -23,6 +23,7 @@ from ui.common import (
     method_choices,
     owner_of,
     plugin_choices,
+    poll_while_running,
     read_upload,
     user_errors,
 )
@@ -312,9 +313,10 @@ def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: Fa
             _test_data_panel(c)
         with gr.Column(scale=3, min_width=440):
             _results_panel(c)
-    c.timer = gr.Timer(1.5)
+    c.timer = gr.Timer(1.5, active=False)  # on while an evaluation runs or is not drawn yet (poll_while_running)
     _wire_runs(studio, c, settings_inputs, settings_of, global_of)
     _wire_poll(studio, c)
+    poll_while_running(studio, c.timer, c.job_id, c.seen)
 
     @user_errors
     def on_memory(mid, request: gr.Request):

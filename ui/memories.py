@@ -11,7 +11,7 @@ from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from ui import plots, render
-from ui.common import keep_value, memory_choices, owner_of, read_upload, user_errors
+from ui.common import keep_value, memory_choices, owner_of, poll_while_running, read_upload, user_errors
 
 SOURCES = ["Upload a file", "Paste text", "Demo corpus"]
 PASTE_HINT = ('One sample a line: {"src": "...", "tgt": "..."} JSON lines, "source<TAB>target", '
@@ -246,10 +246,11 @@ def build(studio) -> SimpleNamespace:
                                         wrap=True, column_widths=["60px", "45%", "45%"])
     _memory_list_panel(c)
     data_dir = gr.HTML()
-    c.timer = gr.Timer(1.0)
+    c.timer = gr.Timer(1.0, active=False)  # on while a build runs (poll_while_running)
     _wire_preview(studio, c)
     _wire_build(studio, c)
     _wire_inspect(studio, c)
+    poll_while_running(studio, c.timer, c.build_job, c.seen)
 
     def lists(me):
         choices = memory_choices(studio, me)

@@ -15,7 +15,17 @@ from plugins.registry import shown_first
 from plugins.settings import describe_changes, tuned_start_changes
 from studio.packages import without_temp_paths
 from ui import plots, render
-from ui.common import choices_update, keep_value, memory_choices, owner_of, read_upload, training_control, user_errors
+from ui.common import (
+    choices_update,
+    jobs_busy,
+    keep_value,
+    memory_choices,
+    owner_of,
+    poll_while_running,
+    read_upload,
+    training_control,
+    user_errors,
+)
 
 
 def _method_info(m: dict | None, starts: dict | None = None) -> str:
@@ -370,10 +380,11 @@ def build(studio) -> SimpleNamespace:
         with gr.Column(scale=3, min_width=440):
             _jobs_panel(c)
     _plugin_list_panel(c)
-    c.timer = gr.Timer(1.0)
+    c.timer = gr.Timer(1.0, active=False)  # on while any of the owner's jobs runs (poll_while_running)
     _wire_training_form(studio, c)
     _wire_jobs(studio, c)
     _wire_plugin_list(studio, c)
+    poll_while_running(studio, c.timer, c.selected_job, c.seen, any_job=True)
 
     def lists(me, mem_value=None):
         choices = memory_choices(studio, me)
@@ -384,7 +395,9 @@ def build(studio) -> SimpleNamespace:
 
     @user_errors
     def refresh(mem_value, request: gr.Request):
-        return lists(owner_of(studio, request), mem_value)
+        """Opening the tab: the lists, and the job poll on when a job started elsewhere runs."""
+        me = owner_of(studio, request)
+        return (*lists(me, mem_value), gr.Timer(active=jobs_busy(studio, me)))
 
     def on_load(me):
         """Page (re)load for owner ``me``: lists, and the running (else latest) job with its curve and log."""
@@ -410,7 +423,7 @@ def build(studio) -> SimpleNamespace:
     build_packages(studio)
     return SimpleNamespace(refresh=refresh, refresh_keys=["train_memory"],
                            refresh_inputs=[c.memory],
-                           refresh_outputs=[c.memory, c.plug_df, c.plug_pick, c.memory_warn],
+                           refresh_outputs=[c.memory, c.plug_df, c.plug_pick, c.memory_warn, c.timer],
                            on_load=on_load, load_outputs=[c.memory, c.plug_df, c.plug_pick, c.jobs_df, c.job_pick,
                                                           c.selected_job, c.job_html, c.loss, c.log, c.memory_warn],
                            persist=[("train_memory", c.memory), ("train_method", c.method)],

@@ -6,6 +6,7 @@ backbone's: ``offsite.decode``), behind ``decode_loop``; a slider move (``LiveMo
 as a ``BatchDecode``."""
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Callable
@@ -17,11 +18,14 @@ from backbone.model import Backbone, relayout_kv_rows, small_work_threads
 from backbone.prompts import Prompt
 from plugins.decode.batch import Batch, NetGroup, plan_batch
 from plugins.decode.beams import Beams, ban_repeated_ngrams
+from plugins.decode.fixed_rows import FixedRowHooks, fixed_rows_refusal, hooks_key
 from plugins.decode.forward import forward_step, prefill
 from plugins.decode.live import KEEP_TOP, LiveComparison, StepRecords, cache_view
 from plugins.decode.results import Comparison, Row, row_result
 from plugins.decode.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
 from plugins.decode.stepping import DecodeRun
+
+log = logging.getLogger(__name__)
 
 
 def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seconds: float) -> list[Comparison]:
@@ -144,6 +148,9 @@ class BatchDecode(DecodeRun):
         self.records: dict[int, StepRecords] = {}
         self.runner = None  # a static-cache step (``backbone.graph_decode``) instead of the eager forward pass
         self._runner_back = None
+        # which step ran the decode's forward passes after the prefill: "graph" (a CUDA graph's replay), "static"
+        # (the static cache without a graph) or "eager", and for "eager" why
+        self.path, self.path_reason = "eager", "not started"
 
     def resume(self, step: int, fc_last: torch.Tensor, cache, tokens: list[list[int]], traces: list[list[dict]],
                scores: list[float]) -> "BatchDecode":
@@ -225,6 +232,11 @@ class BatchDecode(DecodeRun):
             with torch.no_grad(), small_work_threads():  # row copies: parallel regions that would wake a thread
                 next_tok = self._relayout(next_tok, src)
             src = None
+        if self.runner is not None:  # in-network groups: their row masks, in place (``fixed_rows``)
+            for g, grp in enumerate(batch.net):
+                self._runner_group_rows(g, grp)
+            self.fc_last = self.runner.step(next_tok)
+            return
         on: list[tuple] = []  # (plug-in, handles) attached for this pass
         try:
             for g, grp in enumerate(batch.net):  # hooks on for this forward pass only: the last step's put back
@@ -238,11 +250,8 @@ class BatchDecode(DecodeRun):
                     self.net_handles[g] = grp.plugin.attach(rows, grp.settings, trace=self.trace)
                 self.net_rows[g] = (key, where)
                 on.append((grp.plugin, self.net_handles[g]))
-            if self.runner is not None:
-                self.fc_last = self.runner.step(next_tok)
-            else:
-                self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
-                                                                   src if batch.B > 1 else None, padded=batch.padded)
+            self.fc_last, self.cache, self.mask = forward_step(bb, self.cache, self.mask, next_tok,
+                                                               src if batch.B > 1 else None, padded=batch.padded)
         finally:
             for plugin, handles in on:
                 plugin.suspend(handles)
@@ -283,19 +292,48 @@ class BatchDecode(DecodeRun):
         return torch.tensor([tok for _, tok in order], dtype=torch.long)
 
     def _take_runner(self) -> None:
-        """After the prefill: the static-cache step for a decode it can serve (greedy, compact, no in-network
-        hooks, short enough: ``backbone.graph_decode``), loaded with the prefill's cache."""
+        """After the prefill: the static-cache step for a decode it can serve (greedy, compact, short enough:
+        ``backbone.graph_decode``; in-network groups' hooks on fixed row masks, ``plugins.decode.fixed_rows``),
+        loaded with the prefill's cache. Else the eager step, and why (``path_reason``, logged)."""
         bb, batch = self.backbone, self.batch
         mode = graph_mode(bb.device)
-        if mode is None or batch.net or batch.B != 1:
-            return
-        runner = RUNNERS.take(bb.decoder, bb.final_norm, batch.N, self.mask.shape[1] + self.max_new_tokens,
-                              graph=mode == "graph")
-        if runner is None:
+        why = None
+        if mode is None:
+            why = "no static step on this device (graph_decode: auto is a GPU option)"
+        elif batch.B != 1:
+            why = "beam search"
+        elif batch.net:
+            why = fixed_rows_refusal(batch)
+        if why is None:
+            key = make = None
+            if batch.net:
+                key = hooks_key(batch, self.trace)
+                make = lambda rows: FixedRowHooks(batch.net, rows, bb.device, self.trace)  # noqa: E731
+            runner, why = RUNNERS.take_or_why(bb.decoder, bb.final_norm, batch.N,
+                                              self.mask.shape[1] + self.max_new_tokens, graph=mode == "graph",
+                                              hooks_key=key, make_hooks=make)
+        if why:
+            self.path, self.path_reason = "eager", why
+            if mode is not None:
+                log.info("decode on the eager path: %s", why)
             return
         runner.start(self.cache, self.mask)
         self.runner, self.cache = runner, None
+        self.path, self.path_reason = ("graph" if runner.graph is not None else "static"), ""
         self._runner_back = weakref.finalize(self, RUNNERS.give_back, runner)  # a decode dropped half-way
+
+    def _runner_group_rows(self, g: int, grp: NetGroup) -> None:
+        """In-network group ``g``'s live rows as its row mask in the runner (written only when they changed), and
+        each of its batch rows' runner row for the trace (the hooks compute every runner row)."""
+        members = self.member_rows.get(g)
+        if members is None:
+            members = self.member_rows[g] = grp.rows.tolist()
+        B = self.batch.B
+        where = [self.phys_list[b] if not self.beams.done[b // B] else None for b in members]
+        hooks = self.runner.hooks
+        hooks.set_rows(g, sorted({p for p in where if p is not None}))
+        self.net_handles[g] = hooks.handles(g)
+        self.net_rows[g] = (None, where)
 
     def _give_back_runner(self) -> None:
         """A finished decode's runner goes back to the pool; a kept decode first copies its rows' caches out."""
