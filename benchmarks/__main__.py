@@ -13,6 +13,8 @@
                                             # policy, A/B on the same batches (benchmarks/train_step.py)
     python -m benchmarks waitpolicy MEMORY [--beside]   # decode steps under each OpenMP wait policy, alone or
                                             # beside a training process (benchmarks/wait_policy.py)
+    python -m benchmarks domain-shift build --out DIR | prompts --split DIR   # a domain-shift split from gettext
+                                            # catalogs; PEMA with built-in vs own prompt examples (domain_shift.py)
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import sys
 
 OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
                "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu", "heldout": "benchmarks.heldout",
-               "trainstep": "benchmarks.train_step", "waitpolicy": "benchmarks.wait_policy"}
+               "trainstep": "benchmarks.train_step", "waitpolicy": "benchmarks.wait_policy",
+               "domain-shift": "benchmarks.domain_shift"}
 
 
 def main(argv: list[str] | None = None):

@@ -30,6 +30,7 @@ from backbone.tasks import task_prompt
 from eval import calibrate
 from eval.metrics import signatures
 from eval.run import MIN_BOOTSTRAP_N, evaluate
+from eval.transfer import memory_transfer, side_by_side
 from ground.errors import Cancelled, UserError
 from ground.store import LOCAL_OWNER, Catalog
 from plugins.api import make_config, open_plugin, train_plugin
@@ -129,7 +130,7 @@ def split(memory, test_pairs: list[tuple[str, str]] | None = None, n_tune: int |
     warning = info.get("warning")
     if test_pairs is not None and len(report) < 20:
         warning = f"Only {len(report)} test pairs: intervals will be wide."
-    return {"tune": tune, "report": report,
+    return {"tune": tune, "report": report, "heldout_report": [(s["src"], s["tgt"]) for s in rest],
             "info": {"tune": len(tune), "report": len(report), "report_source": source, "warning": warning}}
 
 
@@ -490,8 +491,16 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
                                                             (tuned.get(m) or {}).get("settings")))
                             for m in names]
     rep = plan.start(eval_item)
+    # a test file: the held-out report part is scored too, for the held-out leaderboard beside the test's
+    held_report = data["heldout_report"] if test_pairs is not None and \
+        len(data["heldout_report"]) >= MIN_BOOTSTRAP_N else []
+    share = len(report) / (len(report) + len(held_report))
     res = evaluate(backbone, report, rows, prompt, task, batch_sources=batch_sources, max_new_tokens=max_new_tokens,
-                   progress=rep, should_stop=should_stop, bootstrap=bootstrap)
+                   progress=lambda f, m="": rep(share * f, m), should_stop=should_stop, bootstrap=bootstrap)
+    res_held = evaluate(backbone, held_report, rows, prompt, task, batch_sources=batch_sources,
+                        max_new_tokens=max_new_tokens, progress=lambda f, m="": rep(share + (1 - share) * f,
+                                                                                     "held-out part: " + m),
+                        should_stop=should_stop, bootstrap=bootstrap) if held_report else None
     plan.finish(eval_item)
     phases["evaluation"] = round(time.time() - t0, 2)
     log(f"phase evaluation: {phases['evaluation']} s wall")
@@ -516,8 +525,21 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
     board = ordered(board, v["better"])
     for r in board:
         r["best"] = r["method"] == v["best"]
+    extra = {}
+    if test_pairs is not None:  # the held-out leaderboard beside the test's, and how far the test is from the memory
+        extra["transfer"] = memory_transfer(memory, [s for s, _ in report], [s for s, _ in data["heldout_report"]])
+        log(extra["transfer"]["text"])
+        if res_held is not None:
+            hboard = _leaderboard_rows(res_held, rows_out, tuned)
+            hv = verdict(hboard, len(held_report), "held-out", resamples=bootstrap)
+            hboard = ordered(hboard, hv["better"])
+            for r in hboard:
+                r["best"] = r["method"] == hv["best"]
+            extra["heldout"] = {"data": {"report": len(held_report), "report_source": "held-out"}, "methods": hboard,
+                                "verdict": hv["text"], "best": hv["best"], "better": hv["better"],
+                                "level": hv["level"], "worse": hv["worse"]}
     progress(1.0, f"done: {v['text']}")
-    return {"version": LEADERBOARD_VERSION, "task": task, "backbone": backbone.name,
+    return {**extra, "version": LEADERBOARD_VERSION, "task": task, "backbone": backbone.name,
             "memory": {"id": memory.id, "name": memory.meta.get("name", memory.id),
                        "train_samples": len(memory.split_samples("train")), "entries": len(memory)},
             "data": info, "methods": board, "verdict": v["text"], "best": v["best"],
@@ -592,6 +614,11 @@ def format_leaderboard(board: dict) -> str:
         gpus = f", {w['gpus']} GPU(s)" if w.get("gpus") else ""
         out.append(f"Trained on {w['workers']} {w['executor'].capitalize()} worker(s) "
                    f"({w.get('address') or 'a local cluster'}{gpus}).")
+    if board.get("heldout"):
+        out += ["", f"Held-out report part ({board['heldout']['data']['report']} sentences) beside the test file:",
+                side_by_side(board["heldout"], board), "Held-out: " + board["heldout"]["verdict"]]
+    if board.get("transfer", {}).get("text"):
+        out.append("Transfer check: " + board["transfer"]["text"])
     if d.get("warning"):
         out.append(f"Warning: {d['warning']}")
     return "\n".join(out)

@@ -190,10 +190,12 @@ def transfer_check(train_sources: list[str], heldout_sources: list[str], inputs:
     elif not held.get("n"):
         text = profile_text(inp, input_label.capitalize()) + "; the memory has no held-out samples to compare with."
     else:
-        head = (f"{input_label.capitalize()} are farther from the memory than its held-out samples: expect smaller "
-                f"gains than the held-out scores show; methods that memorize may not transfer. " if farther else
-                f"{input_label.capitalize()} are about as near the memory as its held-out samples. ")
-        text = (head + f"Median nearest-training Jaccard ({MEASURE}): {inp['median']:.2f} vs {held['median']:.2f} "
-                f"held-out; at or above {NEAR_DUPLICATE:g}: {100 * inp['share_near_duplicate']:.0f} % vs "
+        who, be = input_label.capitalize(), "is" if inp["n"] == 1 else "are"
+        head = (f"{who} {be} farther from the memory than its held-out samples: expect smaller gains than the "
+                f"held-out scores show; methods that memorize may not transfer. " if farther else
+                f"{who} {be} about as near the memory as its held-out samples. ")
+        near = "Nearest-training" if inp["n"] == 1 else "Median nearest-training"
+        text = (head + f"{near} Jaccard ({MEASURE}): {inp['median']:.2f} vs {held['median']:.2f} (median of "
+                f"{held['n']} held-out); at or above {NEAR_DUPLICATE:g}: {100 * inp['share_near_duplicate']:.0f} % vs "
                 f"{100 * held['share_near_duplicate']:.0f} %.")
     return {"measure": MEASURE, "inputs": inp, "heldout": held, "farther": farther, "text": text}

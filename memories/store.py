@@ -20,6 +20,7 @@ import numpy as np
 
 from backbone.prompts import Prompt
 from ground.errors import UserError
+from memories.nearness import MEASURE, NgramIndex, nearness_profile
 
 FORMAT_VERSION = 1
 
@@ -148,8 +149,6 @@ class Memory:
         rec = self.meta.get("split")
         if isinstance(rec, dict) and rec.get("method") == "grouped" and isinstance(rec.get("heldout_profile"), dict):
             return dict(rec)
-        from memories.nearness import MEASURE, NgramIndex, nearness_profile
-
         train = [s.get("src") or "" for s in self.split_samples("train")]
         held = [s.get("src") or "" for s in self.split_samples("heldout")]
         profile = nearness_profile(NgramIndex(train).nearest(held)[0]) if held else {"n": 0}

@@ -164,6 +164,9 @@ class EvaluateService:
                                         **self.backbone_svc.eval_decode(bb))
                 result = {"mode": "methods", **json_safe(res),
                           "tuned": {lb: t["label"] for lb, t in self.compare_svc.tuned(rows, calibrated).items()}}
+                if a.get("pairs"):  # a test file: how near its sources are to the memory, beside the held-out
+                    result["transfer"] = self.memory_svc.transfer_check([s for s, _ in pairs], a["methods"],
+                                                                        owner=owner, input_label="your test inputs")
                 msg = f"Evaluated {len(rows)} method(s) on {len(pairs)} pairs"
         result.update(data=a.get("data"), pairs=len(pairs), message=msg, calibrated=calibrated,
                       left_out_tuning_samples=left_out)

@@ -10,6 +10,7 @@ import numpy as np
 
 from backbone.prompts import TASKS
 from backbone.tasks import task_prompt
+from eval.transfer import memory_transfer
 from ground.errors import UserError
 from ground.jobs import READ_ONLY_MESSAGE, JobContext
 from ground.store import new_id
@@ -206,6 +207,24 @@ class MemoryService:
     def load_memory(self, memory_id: str, owner: str | None = None) -> Memory:
         """One of the owner's memories, loaded from its folder."""
         return Memory.load(self.memory_row(memory_id, owner)["path"])
+
+    def transfer_check(self, sources: list[str], methods: list[str] | None = None, *, owner: str | None = None,
+                       input_label: str = "your sentences") -> dict | None:
+        """How near ``sources`` are to the memory of the first of ``methods`` that is one of the owner's plug-ins,
+        beside that memory's held-out samples (``eval.transfer.memory_transfer``); None without such a plug-in
+        or without a source. Compare and Evaluate show its ``text`` beside their scores."""
+        owner = self.ctx.owner(owner)
+        sources = [s for s in (sources or []) if isinstance(s, str) and s.strip()]
+        for m in methods or []:
+            row = self.ctx.catalog.plugin(m, owner) if m not in ("base", "", None) else None
+            if row is not None and sources:
+                try:
+                    mem = self.load_memory(row["memory_id"], owner)
+                except UserError:  # its memory was deleted: nothing to measure against
+                    continue
+                return {**memory_transfer(mem, sources, input_label=input_label),
+                        "memory_name": mem.meta.get("name", mem.id)}
+        return None
 
     def memory_detail(self, memory_id: str, limit: int = 500, *, owner: str | None = None) -> dict:
         """Summary, build statistics and samples (with synthetic sources flagged) of one of the owner's memories."""

@@ -69,7 +69,7 @@ class Studio:
         **dict.fromkeys(("set_remote", "load_backbone_async", "status", "wait_ready", "backbone", "gate",
                          "backbone_name", "backbone_cache", "device", "remote_url", "busy_timeout"), "backbone_svc"),
         **dict.fromkeys(("corpora", "preview", "submit_build", "memories", "memory_detail", "heldout_samples",
-                         "delete_memory", "memory_profile", "memory_token"), "memory_svc"),
+                         "delete_memory", "memory_profile", "memory_token", "transfer_check"), "memory_svc"),
         **dict.fromkeys(("methods", "training_estimate", "start_settings", "submit_train", "submit_continue",
                          "submit_calibrate", "plugins", "plugin_detail", "delete_plugin", "export_plugin_zip",
                          "import_plugin_zip"), "plugin_svc"),

@@ -369,7 +369,8 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
             n = max(1, len(row_of(p, keep)["trace"]))
             top = max(0, int(studio.status().get("layers") or 1) - 1)
             lay = min(int(lay), top)
-            yield CompareOutputs(payload=p, cards=render.output_cards(p), method=gr.update(choices=labels, value=keep),
+            yield CompareOutputs(payload=p, cards=render.output_cards(p) + transfer_html(studio, src, ms, me),
+                                 method=gr.update(choices=labels, value=keep),
                                  token=gr.update(maximum=max(1, n - 1), value=0), share_link="",
                                  layer=gr.update(maximum=max(1, top), value=lay),
                                  token_section=gr.update(visible=True),
@@ -540,6 +541,15 @@ def build(studio) -> SimpleNamespace:
                            # what Evaluate decodes with by default: this tab's controls (untouched ones: each
                            # plug-in's own start, tuned on its memory unless Global defaults is ticked)
                            settings_inputs=settings_inputs, settings_of=settings_of, global_of=global_of)
+
+
+def transfer_html(studio, source: str, methods, owner: str | None) -> str:
+    """The transfer check of the typed sentence against the first chosen plug-in's memory, under the cards."""
+    try:
+        check = studio.transfer_check([source or ""], list(methods or []), owner=owner, input_label="this sentence")
+    except UserError:
+        return ""
+    return render.transfer_note(check, "compare-transfer")
 
 
 def view_key(request: gr.Request | None) -> str | None:

@@ -140,7 +140,7 @@ def _notes(result: dict | None) -> str:
                  f"of a paired bootstrap (Koehn 2004); p &lt; 0.05 is unlikely to be chance.")
     if result.get("mode") == "sweep":
         text += "<br>λ_max = 0 is the base model: one point, drawn at 0 on both curves."
-    return f"<div class='pema-help' id='eval-notes-text'>{text}</div>"
+    return f"<div class='pema-help' id='eval-notes-text'>{text}</div>" + render.transfer_note(result.get("transfer"))
 
 
 OUTPUT_HEADERS = ["#", "source", "reference", "method", "output", "chrF"]

@@ -102,7 +102,8 @@ def verdict_html(board: dict | None) -> str:
     return (f"<div id='rank-verdict-text' class='pema-verdict'><b>{render.esc(board.get('verdict', ''))}</b></div>"
             f"<div class='pema-help'>{render.esc(info)}</div>{warn}"
             f"<div class='pema-help' id='rank-order'>{render.esc(ORDER_RULE)}</div>"
-            f"<div class='pema-help' id='rank-phases'>Wall time per phase: {render.esc(ph)}</div>")
+            f"<div class='pema-help' id='rank-phases'>Wall time per phase: {render.esc(ph)}</div>"
+            + render.rank_transfer_html(board))
 
 
 def _points(rows: list[dict], key: str, front: set, zero: bool) -> list[go.Scatter]:

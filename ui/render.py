@@ -9,6 +9,7 @@ import html
 import json
 
 from ground.jobs import READ_ONLY_MESSAGE
+from memories.nearness import profile_text
 from studio.several_service import reference_scores
 
 STATE_BADGE = {"queued": "#64748b", "running": "#2563eb", "done": "#16a34a", "failed": "#dc2626",
@@ -434,12 +435,45 @@ def profile_summary(prof: dict | None) -> str:
             f"</div>{split_summary(prof.get('split'))}</div>")
 
 
+def transfer_note(check: dict | None, elem_id: str = "transfer-note") -> str:
+    """The transfer check (``eval.transfer``) where scores are read: a warning when the inputs are farther from the
+    memory than its held-out samples, a plain note when they are about as near; nothing without one."""
+    if not check or not check.get("text"):
+        return ""
+    kind = "pema-warn" if check.get("farther") else "pema-help"
+    mem = f" (memory {esc(check['memory_name'])})" if check.get("memory_name") else ""
+    return f"<div class='{kind}' id='{esc(elem_id)}'>{esc(check['text'])}{mem}</div>"
+
+
+def rank_transfer_html(board: dict | None) -> str:
+    """A rank on a test file: the transfer check, and each method's chrF difference to the base model on the
+    held-out report part beside the test's (the two leaderboards side by side, compactly)."""
+    if not board or not board.get("transfer"):
+        return ""
+    html_ = transfer_note(board["transfer"], "rank-transfer")
+    held = board.get("heldout")
+    if held:
+        test = {r["method"]: r for r in board.get("methods") or []}
+
+        def cell(r: dict | None) -> str:
+            if not r or r.get("chrf_delta") is None:
+                return "—"
+            return f"{r['chrf_delta']:+.1f} (p {r['p_chrf']:.3f})"
+
+        rows = "".join(f"<tr><td>{esc(r.get('title', r['method']))}</td><td>{esc(cell(r))}</td>"
+                       f"<td>{esc(cell(test.get(r['method'])))}</td></tr>"
+                       for r in held["methods"] if r["method"] != "base")
+        html_ += (f"<div class='pema-help' id='rank-heldout-beside'><b>Held-out vs test</b> — ΔchrF over the base "
+                  f"model on the {held['data']['report']} held-out report samples and on the test file:"
+                  f"<table><tr><th>method</th><th>held-out</th><th>test</th></tr>{rows}</table>"
+                  f"Held-out: {esc(held.get('verdict', ''))}</div>")
+    return html_
+
+
 def split_summary(split: dict | None) -> str:
     """How a memory's held-out samples were chosen and how near their sources are to the training ones."""
     if not split or not (split.get("heldout_profile") or {}).get("n"):
         return ""
-    from memories.nearness import profile_text
-
     how = ("grouped: near-duplicate sources (Jaccard ≥ {:g}) kept on one side".format(split.get("threshold", 0.5))
            if split.get("method") == "grouped" else f"random ({split.get('note', '')})")
     return (f"<div class='pema-help' id='memory-split'>Held-out split: {esc(how)}. "
