@@ -19,6 +19,7 @@ bootstrap of every difference. Everything else is equal (same samples, split, se
 
     nice -n 10 python -m benchmarks domain-shift prompts --split /work/data-local/domain-shift --batch 8 \\
         --json /work/data-local/domain-shift/prompts.json
+    ... prompts --split /work/data-local/domain-shift --batch 8 --on heldout   # the same on the held-out samples
 
 Steps already done are reused from ``state.json`` in the split folder (a memory, a plug-in, a decode), so an
 interrupted run goes on where it stopped.
@@ -142,10 +143,10 @@ def prompts_main(a) -> int:
     cat = Catalog(a.data_dir)
     bb = load_backbone_from_args(a)
     samples = parse_samples_strict((folder / "memory.jsonl").read_bytes(), "memory.jsonl")
-    test = [(s.src, s.tgt) for s in parse_samples_strict((folder / "test.jsonl").read_bytes(), "test.jsonl")]
-    test = test[:a.n] if a.n else test
+    test_file = [(s.src, s.tgt) for s in parse_samples_strict((folder / "test.jsonl").read_bytes(), "test.jsonl")]
+    key = "hyps" if a.on == "test" else "hyps_heldout"
     hyps: dict[str, list[str]] = {}
-    result = {"backbone": bb.name, "precision": getattr(bb, "precision", None), "n": len(test), "rows": {}}
+    result = {"backbone": bb.name, "precision": getattr(bb, "precision", None), "on": a.on, "rows": {}}
     for ex in EXAMPLES:
         st = state.setdefault(ex, {})
         if not st.get("memory") or not Path(st["memory"]).is_dir():
@@ -162,25 +163,30 @@ def prompts_main(a) -> int:
             with progress_bar(f"pema ({ex})") as prog:
                 plugin, row = train_plugin(bb, mem, "pema", {}, catalog=cat, progress=prog)
             st["plugin"], st["train_seconds"] = str(plugin.plugin_path), round(time.time() - t0, 1)
-            st.pop("hyps", None)
+            st.pop("hyps", None), st.pop("hyps_heldout", None)
             _save_state(state_path, state)
         plugin = open_plugin(st["plugin"], bb)
         settings = row_settings(plugin, "translation", bb.name, calibrated=False)  # the global tuned defaults
-        if not st.get("hyps") or len(st["hyps"]["base"]) != len(test):
+        test = [(s["src"], s["tgt"]) for s in mem.split_samples("heldout")] if a.on == "heldout" else test_file
+        test = test[:a.n] if a.n else test  # held-out: the same in both memories (the split reads sources only)
+        sources = [x for x, _ in test]
+        if not st.get(key) or len(st[key]["base"]) != len(test) or st.get(key + "_sources", sources) != sources:
             prompt = memory_prompt(mem, bb, "translation")
             with progress_bar(f"decode ({ex})") as prog:
                 res = evaluate(bb, test, [Row("base"), Row("pema", plugin, settings)], prompt, "translation",
                                batch_sources=a.batch, progress=prog, bootstrap=0)
-            st["hyps"] = {m["label"]: [o[m["label"]] for o in res["outputs"]] for m in res["methods"]}
-            st["decode_seconds"] = res["seconds"]
+            st[key] = {m["label"]: [o[m["label"]] for o in res["outputs"]] for m in res["methods"]}
+            st[key + "_sources"] = sources
+            st[key.replace("hyps", "decode_seconds")] = res["seconds"]
             _save_state(state_path, state)
         for label in ("base", "pema"):
-            hyps[f"{label} · {ex}"] = st["hyps"][label]
+            hyps[f"{label} · {ex}"] = st[key][label]
         result["rows"][ex] = {"memory": mem.id, "prompt_examples": mem.prompt_examples,
                               "plugin": Path(st["plugin"]).name,
                               "settings": settings, "train_seconds": st.get("train_seconds"),
                               "train_info": json.loads((Path(st["plugin"]) / "plugin_config.json").read_text())
                               .get("train_info") if (Path(st["plugin"]) / "plugin_config.json").is_file() else None}
+    result["n"] = len(test)
     refs = [t for _, t in test]
     scores = {k: bleu_chrf(v, refs) for k, v in hyps.items()}
     pairs = [("base · builtin", "pema · builtin"), ("base · own", "pema · own"), ("base · builtin", "base · own"),
@@ -219,7 +225,9 @@ def main(argv=None) -> int:
     b.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("prompts", help="PEMA with the built-in vs the memory's own prompt examples")
     p.add_argument("--split", required=True, help="a folder written by `build`")
-    p.add_argument("--n", type=int, default=None, help="test pairs used (default all)")
+    p.add_argument("--n", type=int, default=None, help="pairs used (default all)")
+    p.add_argument("--on", default="test", choices=["test", "heldout"],
+                   help="decode the test file (default) or the memory's own held-out samples (in-domain)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--json")

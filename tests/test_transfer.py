@@ -125,3 +125,36 @@ def test_compare_and_evaluate_say_how_near_their_inputs_are(studio_knn):
     t = job["result"]["transfer"]
     assert t["farther"] and t["inputs"]["n"] == 5
     assert "Your test inputs are farther" in render.transfer_note(t)
+
+
+def test_the_domain_shift_split_keeps_the_memory_programs_messages_out_of_the_test(tmp_path):
+    import json
+
+    from test_datasets import build_mo
+
+    from benchmarks.domain_shift import main as domain_shift
+
+    def catalog(name, pairs):
+        (tmp_path / "loc" / f"{name}.mo").write_bytes(build_mo([(e.encode(), d.encode()) for e, d in pairs]))
+
+    (tmp_path / "loc").mkdir()
+    server = [(f"Could not open the relation number {i} now", f"Konnte Relation Nummer {i} jetzt nicht öffnen")
+              for i in range(30)]
+    shared = ("Connection to the server was lost", "Verbindung zum Server wurde getrennt")
+    catalog("server-15", server + [shared])
+    catalog("client-15", [(f"Enter the name of role {i} to drop", f"Namen der Rolle {i} zum Löschen eingeben")
+                          for i in range(12)] + [shared])
+    catalog("dump-15", [(f"Dumping the contents of table {i} now", f"Inhalt der Tabelle {i} wird ausgegeben")
+                        for i in range(12)])
+    catalog("other-16", [("This catalog is another product", "Dieser Katalog ist ein anderes Produkt")])
+    out = tmp_path / "split"
+    assert domain_shift(["build", "--out", str(out), "--locale-dir", str(tmp_path / "loc"), "--memory-catalog",
+                         "server-15", "--memory-n", "20", "--test-n", "15"]) == 0
+    memory = [json.loads(x)["src"] for x in (out / "memory.jsonl").read_text().splitlines()]
+    test = [json.loads(x)["src"] for x in (out / "test.jsonl").read_text().splitlines()]
+    assert len(memory) == 20 and set(memory) <= {e for e, _ in server + [shared]}
+    assert len(test) == 15 and not set(test) & {e for e, _ in server + [shared]}  # none of the memory program's
+    assert all(t.startswith(("Enter the name", "Dumping")) for t in test)  # only the product's other programs
+    info = json.loads((out / "split.json").read_text())
+    assert [c["catalog"] for c in info["test_catalogs"]] == ["client-15.mo", "dump-15.mo"]
+    assert info["grouped_split"]["test"]["n"] == 15 and "transfer_check" in info["grouped_split"]
