@@ -228,7 +228,8 @@ def main(argv=None) -> int:
     c.add_argument("--n", type=int, default=None, help="tuning samples at most (default: eval.calibrate's "
                                                        "DEFAULT_TUNE, and at most half of the held-out samples)")
     c.add_argument("--max-seconds", type=float, default=None,
-                   help="time budget (default: eval.calibrate's DEFAULT_SECONDS); checked between samples")
+                   help="time budget (default: none, every tuning sample); checked between samples, "
+                        "never before eval.calibrate's MIN_TUNE")
     c.add_argument("--max-new-tokens", type=int, default=96)
     c.add_argument("--json", help="also write the calibration (with its table) to this JSON file")
     add_common(c)

@@ -7,16 +7,26 @@ whose rows are the base model and every setting (``plugins.decode.BatchDecode``)
 row of the forward pass (the compact layout), so a setting that changes no token costs nothing and the rows that
 part run together — the whole grid costs little more than one decode per sentence. (Re-decoding each setting as a
 slider move of one kept decode, ``LiveComparison``, gives the same outputs but ran the backbone once per changed
-setting: 4.4× the CPU time on Gemma for kNN's grid, BENCHMARKS.) The score is corpus chrF, then sacreBLEU. λ = 0
-(the base model) is always a candidate and a setting is chosen only when it is at least as good as the base on
-*both* metrics, so a tuned setting never loses to the base on its tuning samples; when nothing beats the base,
-λ = 0 is stored and the plug-in starts there (the same output as the base: the data said it does not help).
+setting: 4.4× the CPU time on Gemma for kNN's grid, BENCHMARKS.) The grid and the tuning samples set the cost, not
+the clock: every tuning sample is decoded (``DEFAULT_TUNE`` at most) unless a caller gives a time budget, and a
+budget never stops calibration before ``MIN_TUNE`` samples.
+
+The evidence rule: the plug-in starts at the *global start* (the declared defaults ← the ones tuned for the task and
+backbone, ``row_settings(calibrated=False)``) unless another setting — λ = 0, the base model, included — beats the
+global start on the tuning samples by a margin the paired bootstrap says is real: corpus chrF (the tuning metric)
+higher with a one-sided paired-bootstrap p, Holm-adjusted for the number of settings whose outputs differ from the
+global start's (the best of many settings is otherwise chosen for its luck), below ``ALPHA``, and sacreBLEU not lower.
+Among the settings that pass, the best chrF, then sacreBLEU; ties go to the setting nearer the base (the smaller
+weight). The global start and λ = 0 are always among the settings tried. The evidence (the difference, its raw and
+adjusted p, the number of samples and of settings tested) is stored with the choice (``evidence``) and shown where
+the choice is read ("λ_max 0.3: +2.1 chrF over the global start on 40 samples, p 0.01 …").
 
 The held-out samples are split (``split_heldout``): the tuning part is what calibration decodes; the rest is left
 for reports (``eval.rank``, the Evaluate tab), which never score a setting on the samples it was tuned on.
 
 The result is stored atomically as ``calibration.json`` in the plug-in's folder (JSON only), tied to the checksum of
-its weights; ``plugins.settings.row_settings`` starts the plug-in there unless asked for the global defaults.
+its weights, the backbone and the rule it was chosen by (``plugins.settings.CALIBRATION_RULE``);
+``plugins.settings.row_settings`` starts the plug-in there unless asked for the global defaults.
 """
 from __future__ import annotations
 
@@ -25,13 +35,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from eval.metrics import bleu_chrf
+from eval.metrics import bleu_chrf, holm, paired_bootstrap
 from ground.errors import Cancelled, UserError
 from ground.store import write_json_atomic
 from plugins.base import MixInput
 from plugins.decode import BatchDecode, Row, plan_batch
 from plugins.settings import (
     CALIBRATION_FILE,
+    CALIBRATION_RULE,
     _weights_sha,
     calibration_label,
     decode_grid,
@@ -39,13 +50,19 @@ from plugins.settings import (
     row_settings,
 )
 
-__all__ = ["DEFAULT_TUNE", "MIN_TUNE", "MIN_REPORT", "DEFAULT_SECONDS", "split_heldout", "calibrate",
-           "load_calibration", "calibration_label", "weight_setting", "choose", "CALIBRATION_FILE"]
+__all__ = ["DEFAULT_TUNE", "MIN_TUNE", "MIN_REPORT", "DEFAULT_SECONDS", "ALPHA", "split_heldout", "calibrate",
+           "load_calibration", "calibration_label", "weight_setting", "choose", "evidence", "CALIBRATION_FILE"]
 
 DEFAULT_TUNE = 40      # tuning samples at most (the first of the held-out split)
 MIN_TUNE = 8           # fewer tuning samples: no calibration (a choice on fewer says nothing)
 MIN_REPORT = 20        # fewer report samples left after the tuning part: split_heldout warns
-DEFAULT_SECONDS = 100.0  # time budget of one calibration; checked between samples once MIN_TUNE are done
+DEFAULT_SECONDS = None  # no time budget by default: the grid and the tuning samples set the cost (a budget, when
+#                        given, is checked between samples once MIN_TUNE are done)
+# what one calibration at the default sizes takes on Gemma 3 270M, for progress shares and estimates only: the
+# 12-setting grids decode about 4 s a tuning sample on two loaded CPU cores (25 samples in 100 s), 40 samples
+TYPICAL_SECONDS = 160.0
+ALPHA = 0.05           # a setting leaves the global start when its Holm-adjusted one-sided p is below this
+BOOTSTRAP = 1000       # paired-bootstrap resamples of the evidence
 MAX_NEW_TOKENS = 96    # as the Evaluate tab: capped per sentence at 2 × its source tokens + 16
 
 Progress = Callable[[float, str], None]
@@ -120,14 +137,42 @@ def _candidates(plugin, task: str | None) -> tuple[list[dict], dict, str]:
     return out, start, weight
 
 
-def choose(base: dict, table: list[dict], weight: str) -> dict:
-    """The chosen row of ``table`` (rows ``{"settings", "chrf", "bleu"}``; ``base``: the base model's scores and
-    settings at weight 0): the best by chrF, then sacreBLEU, among the rows at least as good as the base on both;
-    ties go to the smaller weight, and to the base itself — so the choice never loses to the base."""
-    ok = [r for r in table if r["chrf"] >= base["chrf"] and r["bleu"] >= base["bleu"]
-          and (r["chrf"], r["bleu"]) != (base["chrf"], base["bleu"])]
+def evidence(start: dict, rows: list[dict], hyps: list[list[str]], start_hyps: list[str], refs: list[str],
+             resamples: int = BOOTSTRAP) -> int:
+    """Each row of ``rows`` (with its outputs ``hyps``) against the global start (``start_hyps``) on the tuning
+    samples: ``chrf_vs_start`` / ``bleu_vs_start`` (corpus differences), ``p_vs_start`` (one-sided paired-bootstrap p
+    of chrF, ``eval.metrics.paired_bootstrap``) and ``p_vs_start_holm`` (Holm-adjusted over the distinct output sets
+    that differ from the start's: the same outputs are one test, and outputs equal to the start's test nothing — their
+    p stays None). ``start`` is the start's row; it gets zeros and None. Returns the number of tests."""
+    key_start = tuple(start_hyps)
+    tests: dict[tuple, dict] = {}
+    for h in hyps:
+        key = tuple(h)
+        if key != key_start and key not in tests:
+            pb = paired_bootstrap(start_hyps, h, refs, n_samples=resamples)
+            tests[key] = {"chrf": pb["chrf"]["delta"], "bleu": pb["sacrebleu"]["delta"], "p": pb["chrf"]["p_value"]}
+    keys = list(tests)
+    for key, adj in zip(keys, holm([tests[k]["p"] for k in keys])):
+        tests[key]["p_holm"] = adj
+    for r, h in zip(rows, hyps):
+        t = tests.get(tuple(h))
+        if r is start or t is None:
+            r.update(chrf_vs_start=0.0, bleu_vs_start=0.0, p_vs_start=None, p_vs_start_holm=None)
+        else:
+            r.update(chrf_vs_start=t["chrf"], bleu_vs_start=t["bleu"], p_vs_start=t["p"], p_vs_start_holm=t["p_holm"])
+    return len(tests)
+
+
+def choose(start: dict, table: list[dict], weight: str, alpha: float = ALPHA) -> dict:
+    """The chosen row of ``table`` (rows ``{"settings", "chrf", "bleu", "chrf_vs_start", "bleu_vs_start",
+    "p_vs_start_holm"}``, the base model's row at weight 0 among them; ``start``: the global start's row): a row
+    other than the start only when it beats the start in chrF with a Holm-adjusted p below ``alpha`` and does not
+    lose sacreBLEU to it; among those the best by chrF, then sacreBLEU, ties to the smaller weight (nearer the base).
+    Otherwise the start."""
+    ok = [r for r in table if r is not start and r.get("p_vs_start_holm") is not None
+          and r["p_vs_start_holm"] < alpha and r["chrf_vs_start"] > 0 and r["bleu_vs_start"] >= 0]
     if not ok:
-        return base
+        return start
     return max(ok, key=lambda r: (r["chrf"], r["bleu"], -float(r["settings"][weight])))
 
 
@@ -188,11 +233,10 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
     n_all = len(samples)
     base_h, hyps, refs, used, forwards = [], [[] for _ in candidates], [], [], 0
     stopped_by_time = False
-    progress(0.0, f"calibrating {plugin.title}: {len(candidates)} settings + the base on up to {n_all} held-out "
+    progress(0.0, f"calibrating {plugin.title}: {len(candidates)} settings + the base on {n_all} held-out "
                   f"samples of {mem_name}")
     for i, s in enumerate(samples):
-        elapsed = time.time() - t0
-        if i >= MIN_TUNE and elapsed > budget:
+        if budget is not None and i >= MIN_TUNE and time.time() - t0 > budget:
             stopped_by_time = True
             break
         src = s["src"].strip()
@@ -204,32 +248,44 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
         refs.append(s["tgt"])
         used.append(s.get("index", i))
         forwards += fw
-        frac = max((i + 1) / n_all, min(1.0, (time.time() - t0) / budget) if i + 1 >= MIN_TUNE else 0.0)
-        progress(min(frac, 0.99), f"calibrating {plugin.title}: {i + 1}/{n_all} held-out samples × "
-                                  f"{len(candidates) + 1} settings")
+        progress(min((i + 1) / n_all, 0.99), f"calibrating {plugin.title}: {i + 1}/{n_all} held-out samples × "
+                                             f"{len(candidates) + 1} settings")
     n = len(refs)
     sc = bleu_chrf(base_h, refs)
     base_settings = plugin.settings({**start, weight: 0.0})
     base = {"settings": base_settings, "chrf": round(sc["chrf"], 4), "bleu": round(sc["sacrebleu"], 4),
-            "base": True}
+            "base": True, "changed": 0, "global_default": base_settings == start}
     table = []
     for c, h in zip(candidates, hyps):
         m = bleu_chrf(h, refs)
         table.append({"settings": c, "chrf": round(m["chrf"], 4), "bleu": round(m["sacrebleu"], 4),
                       "changed": sum(a != b for a, b in zip(h, base_h)), "global_default": c == start})
-    best = choose(base, table, weight)
+    rows, outs = [base] + table, [base_h] + hyps
+    at = next(i for i, r in enumerate(rows) if r["global_default"])  # the start: a candidate, or the base itself
+    progress(0.99, f"calibrating {plugin.title}: the paired bootstrap of every setting against the global start")
+    tests = evidence(rows[at], rows, outs, outs[at], refs)
+    best = choose(rows[at], rows, weight)
     cfg_sha = _weights_sha(_read_config(plugin))
+    ev = {"metric": "chrF", "alpha": ALPHA, "n": n, "tests": tests, "resamples": BOOTSTRAP,
+          "moved": best is not rows[at], "start": dict(start)}
+    contender = best if ev["moved"] else max((r for r in rows if r.get("p_vs_start") is not None),
+                                             key=lambda r: (r["chrf"], r["bleu"], -float(r["settings"][weight])),
+                                             default=None)
+    if contender is not None:
+        ev.update(settings=dict(contender["settings"]), is_base=bool(contender.get("base")),
+                  chrf_delta=contender["chrf_vs_start"], bleu_delta=contender["bleu_vs_start"],
+                  p=contender["p_vs_start"], p_holm=contender["p_vs_start_holm"])
     result = {"settings": dict(best["settings"]), "chrf": best["chrf"], "bleu": best["bleu"],
               "is_base": bool(best.get("base")), "weight": weight, "base": {"chrf": base["chrf"], "bleu": base["bleu"]},
-              "global_default": {"settings": start,
-                                 **next(({"chrf": r["chrf"], "bleu": r["bleu"]} for r in table if r["global_default"]),
-                                        {})},
-              "table": [base] + table, "n": n, "memory": mem_name, "memory_id": memory.id, "sample_ids": used,
-              "task": task, "backbone": plugin.backbone_name, "method": plugin.method,
+              "global_default": {"settings": start, "chrf": rows[at]["chrf"], "bleu": rows[at]["bleu"]},
+              "table": rows, "n": n, "memory": mem_name, "memory_id": memory.id, "sample_ids": used,
+              "task": task, "backbone": plugin.backbone_name, "method": plugin.method, "rule": CALIBRATION_RULE,
               "seconds": round(time.time() - t0, 1), "stopped_by_time": stopped_by_time,
               "time_budget_seconds": budget, "forwards": forwards,
               "forwards_per_sample": round(forwards / max(1, n), 1), "max_new_tokens": int(max_new_tokens),
               "created": time.time(), "weights_sha256": cfg_sha}
+    ev["text"] = evidence_text(result, ev, _labels(plugin))
+    result["evidence"] = ev
     result["label"] = calibration_label(result)
     folder = plugin.plugin_path
     if store and folder is not None:
@@ -263,12 +319,55 @@ def _finite(obj):
 
 
 def describe_choice(cal: dict) -> str:
-    """One line: "λ_max=0.3, gu=False (chrF 55.1 vs base 54.2, sacreBLEU 30.0 vs 29.1)" or "λ = 0 (the base) …"."""
-    tuned = {k: v for k, v in cal["settings"].items() if k in _grid_names(cal)}
-    what = "λ = 0: the base model (no setting beat it)" if cal.get("is_base") else \
-        ", ".join(f"{k}={v}" for k, v in tuned.items())
+    """One line: the choice with its evidence ("λ_max 0.3: +2.1 chrF over the global start on 40 samples, p 0.01
+    (Holm-adjusted for 12 settings)"), then its scores beside the base model's."""
+    what = (cal.get("evidence") or {}).get("text") or ", ".join(
+        f"{k}={v}" for k, v in cal["settings"].items() if k in _grid_names(cal))
     return (f"{what} (chrF {cal['chrf']:.2f} vs base {cal['base']['chrf']:.2f}, sacreBLEU {cal['bleu']:.2f} vs "
             f"{cal['base']['bleu']:.2f})")
+
+
+def p_short(p: float | None, resamples: int = BOOTSTRAP) -> str:
+    """A p-value as the evidence line writes it: "p 0.21", "p 0.004", "p < 0.001" (the bootstrap's resolution)."""
+    if p is None:
+        return "p n/a"
+    if p < 1 / resamples:
+        return f"p < {1 / resamples:g}"
+    return f"p {p:.3f}" if p < 0.01 else f"p {p:.2f}"
+
+
+def _labels(plugin) -> dict:
+    """Each decode setting's UI label without the method's name ("λ_max", not "PEMA λ_max")."""
+    names = {plugin.method.lower(), plugin.title.split()[0].lower()}
+    out = {}
+    for s in plugin.decode_settings:
+        first, _, rest = s.title.partition(" ")
+        out[s.name] = rest if rest and first.lower() in names else s.title
+    return out
+
+
+def _setting_text(settings: dict, names: list[str], labels: dict) -> str:
+    return ", ".join(f"{labels.get(k, k)} {settings[k]}" for k in names if k in settings)
+
+
+def evidence_text(cal: dict, ev: dict, labels: dict | None = None) -> str:
+    """The choice in one line with its evidence against the global start (``calibrate``'s ``evidence``)."""
+    labels = labels or {}
+    names = [k for k in ev["start"] if k in _grid_names(cal)]
+    start = _setting_text(ev["start"], names, labels)
+    tested = f"Holm-adjusted for {ev['tests']} setting{'s' if ev['tests'] != 1 else ''}"
+    if "settings" in ev:
+        what = "λ = 0 (the base model)" if ev["is_base"] else _setting_text(ev["settings"], names, labels)
+        gain = f"{ev['chrf_delta']:+.1f} chrF"
+        p = f"{p_short(ev['p_holm'], ev['resamples'])} ({tested})"
+    if ev["moved"]:
+        return f"{what}: {gain} over the global start ({start}) on {ev['n']} samples, {p}"
+    if "settings" not in ev:
+        return f"the global start ({start}) kept: no setting changed an output on {ev['n']} samples"
+    if ev["chrf_delta"] <= 0:
+        return f"the global start ({start}) kept: no setting beat it on {ev['n']} samples"
+    return (f"the global start ({start}) kept: the best other setting, {what}, {gain} on {ev['n']} samples, {p} — "
+            f"not clear evidence (p < {ev['alpha']:g} needed)")
 
 
 def _grid_names(cal: dict) -> set:

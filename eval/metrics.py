@@ -151,6 +151,21 @@ def paired_bootstrap(base_hyps: list[str], sys_hyps: list[str], refs, n_samples:
     return out
 
 
+def holm(p_values: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment (Holm, 1979) of ``p_values`` for testing them together: sorted ascending, the
+    i-th smallest (from 0) is multiplied by (m − i), kept at least as large as the one before and at most 1; m is the
+    number of p-values that are not None (None stays None). Rejecting where the adjusted p is below α keeps the
+    chance of any false claim among the m at most α."""
+    tested = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    m = len(tested)
+    out: list[float | None] = [None] * len(p_values)
+    running = 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (m - rank) * float(p)))
+        out[i] = round(running, 4)
+    return out
+
+
 # --- content similarity -----------------------------------------------------------------------------------------
 _model_lock = threading.Lock()
 _embedder: dict[str, object] = {}  # {"model": SentenceTransformer} or {"error": str}; filled on first use

@@ -28,7 +28,7 @@ from typing import Callable
 from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
 from eval import calibrate
-from eval.metrics import signatures
+from eval.metrics import holm, signatures
 from eval.run import MIN_BOOTSTRAP_N, evaluate
 from eval.transfer import memory_transfer, side_by_side
 from ground.errors import Cancelled, UserError
@@ -45,7 +45,7 @@ ALPHA = 0.05  # a difference to the base model counts when its one-sided paired-
 COST_SENTENCES = 4  # report sentences each method decodes alone to time its cost per token
 UNMEASURED_TRAIN_S = 120.0  # the ETA's guess for a method without a measured training throughput
 # a tuning sample's grid decode, in base-model sentences (the 1,000-pair rank's calibrations: BENCHMARKS, "Training
-# every method and ranking them on 1,000 pairs, BF16 kind"); the calibration's time budget caps it
+# every method and ranking them on 1,000 pairs, BF16 kind"); a time budget, when given, caps it
 CALIBRATION_SENTENCE_COST = 4.0
 # the ETA's prior: the plan's pace starts at 1 with the weight of this share of the planned seconds (at least
 # PRIOR_MIN_S), so the first seconds measured do not swing it and a tenth of the run outweighs it
@@ -226,11 +226,13 @@ def time_decode(backbone, sources: list[str], row: Row, prompt: Prompt, max_new_
 def decoding_seconds(s_per_sentence: float, methods: list[str], n_tune: int, n_report: int, cost_sentences: int,
                      calibrate_seconds: float | None = None) -> dict:
     """The ETA of a rank's decoding phases from the seconds the base model takes to decode one sentence alone:
-    ``{"decode_speed", "calibration": {method: s} (the interpolating ones, each capped by its time budget),
-    "evaluation", "decode_cost": {method: s}}`` — the rank's own plan and the studio's estimate before it starts."""
+    ``{"decode_speed", "calibration": {method: s} (the interpolating ones: every tuning sample, capped by a time
+    budget only when one is given), "evaluation", "decode_cost": {method: s}}`` — the rank's own plan and the
+    studio's estimate before it starts."""
     budget = calibrate.DEFAULT_SECONDS if calibrate_seconds is None else calibrate_seconds
     return {"decode_speed": max(1, cost_sentences) * s_per_sentence,
-            "calibration": {m: min(budget, CALIBRATION_SENTENCE_COST * n_tune * s_per_sentence)
+            "calibration": {m: min(float("inf") if budget is None else budget,
+                                   CALIBRATION_SENTENCE_COST * n_tune * s_per_sentence)
                             for m in methods if get_method(m).interpolates},
             # every row of a batch decodes, but rows that agree share the forward pass
             "evaluation": n_report * s_per_sentence * (1 + 0.5 * len(methods)),
@@ -269,26 +271,40 @@ def _names(titles: list[str]) -> str:
     return titles[0] if len(titles) == 1 else ", ".join(titles[:-1]) + " and " + titles[-1]
 
 
+def holm_adjusted(rows: list[dict], metric: str = "chrf") -> dict[str, tuple[float | None, float | None]]:
+    """Per method (not the base model): ``(p that it beats the base, p that it loses to it)`` in ``metric``, each
+    Holm-adjusted (``eval.metrics.holm``) over the methods compared with the base model. The first from the one-sided
+    paired-bootstrap p (``p_<metric>``: the share of resamples where the method does not score above the base), the
+    second from its complement (the share where it scores above it); a row without a p gets None."""
+    others = [r for r in rows if r["method"] != "base"]
+    raw = [r.get(f"p_{metric}") if r.get(f"{metric}_delta") is not None else None for r in others]
+    up = holm(raw)
+    down = holm([None if p is None else 1.0 - float(p) for p in raw])
+    return {r["method"]: (u, d) for r, u, d in zip(others, up, down)}
+
+
 def verdict(rows: list[dict], n: int, source: str = "held-out", metric: str = "chrf", resamples: int = 1000) -> dict:
     """One line a user can act on, from the leaderboard's rows: which method is best on these ``n`` samples (the
-    largest gain in ``metric`` over the base model whose one-sided p is below ``ALPHA``), which are level with the
-    base model and which are worse. ``{"text", "best", "better", "level", "worse"}`` (method names)."""
+    largest gain in ``metric`` over the base model whose one-sided p, Holm-adjusted for the number of methods
+    compared (``holm_adjusted``), is below ``ALPHA``), which are level with the base model and which are worse (the
+    same, the other way). ``{"text", "best", "better", "level", "worse"}`` (method names)."""
     label = {"chrf": "chrF", "sacrebleu": "sacreBLEU"}[metric]
     others = [r for r in rows if r["method"] != "base" and r.get(f"{metric}_delta") is not None]
-    better = sorted([r for r in others if r[f"p_{metric}"] < ALPHA and r[f"{metric}_delta"] > 0],
+    adj = holm_adjusted(rows, metric)
+    better = sorted([r for r in others if adj[r["method"]][0] < ALPHA and r[f"{metric}_delta"] > 0],
                     key=lambda r: -r[f"{metric}_delta"])
-    worse = [r for r in others if r[f"p_{metric}"] > 1 - ALPHA and r[f"{metric}_delta"] < 0]
+    worse = [r for r in others if adj[r["method"]][1] < ALPHA and r[f"{metric}_delta"] < 0]
     level = [r for r in others if r not in better and r not in worse]
     where = f"On your {n} {'held-out samples' if source == 'held-out' else 'test pairs'}"
     if better:
         b = better[0]
         text = f"{where} the best method is {b['title']}: {b[f'{metric}_delta']:+.1f} {label} " \
-               f"({p_text(b[f'p_{metric}'], resamples)})"
+               f"({p_text(adj[b['method']][0], resamples)}, Holm-adjusted for {len(others)} methods)"
         if len(better) > 1:
             text += f"; {_names([r['title'] for r in better[1:]])} also beat{'s' if len(better) == 2 else ''} the " \
                     f"base model"
     elif others:
-        text = f"{where} no method beats the base model in {label} (p < {ALPHA:g})"
+        text = f"{where} no method beats the base model in {label} (Holm-adjusted p < {ALPHA:g})"
     else:
         text = f"{where}: no method to compare with the base model"
     if level:
@@ -476,7 +492,11 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
             tuned[m] = cal
             log(f"{get_method(m).title}: tuned on {cal.get('n')} held-out samples → {json.dumps(cal['settings'])}")
         rows_out[m]["calibration"] = ({"n": cal.get("n"), "seconds": cal.get("seconds"), "settings": cal["settings"],
-                                       "reused": bool(cal.get("_reused"))} if cal is not None else None)
+                                       "reused": bool(cal.get("_reused")), "evidence": cal.get("evidence")}
+                                      if cal is not None else None)
+        if cal is not None and cal.get("evidence"):
+            rows_out[m]["calibration_evidence"] = cal["evidence"]["text"]
+            log(f"{get_method(m).title}: {cal['evidence']['text']}")
         if note:
             rows_out[m]["calibration_note"] = note
             log(f"{get_method(m).title}: {note}")
@@ -552,13 +572,16 @@ def rank(backbone, memory, *, catalog: Catalog, owner: str = LOCAL_OWNER, method
 
 
 def _calibrated(backbone, plugin, memory, task, tune: list[dict], max_seconds, progress, should_stop):
-    """``(calibration, note)``: the plug-in's stored calibration when it was made on exactly these tuning samples,
-    else a new one (``eval.calibrate.calibrate``); ``(None, why)`` when the memory has too few samples."""
+    """``(calibration, note)``: the plug-in's stored calibration when it was made on exactly these tuning samples
+    (so on none of the report part's, and on all of the tuning part) of this memory, by the current rule
+    (``load_calibration`` checks the rule, the weights and ``plugin_calibration`` the backbone), else a new one
+    (``eval.calibrate.calibrate``); ``(None, why)`` when the memory has too few samples."""
     folder = plugin.plugin_path
     old = calibrate.load_calibration(folder) if folder is not None else None
     ids = {s.get("index") for s in tune}
-    if old and old.get("memory_id") == memory.id and old.get("sample_ids") and set(old["sample_ids"]) <= ids:
-        return {**old, "_reused": True}, None  # made on tuning samples only: still never on a report sample
+    if old and old.get("memory_id") == memory.id and old.get("backbone") == plugin.backbone_name \
+            and old.get("sample_ids") and set(old["sample_ids"]) == ids:
+        return {**old, "_reused": True}, None
     try:
         cal = calibrate.calibrate(backbone, plugin, memory, task=task, samples=tune, max_seconds=max_seconds,
                                   progress=progress, should_stop=should_stop)
@@ -583,20 +606,30 @@ def _leaderboard_rows(res: dict, rows_out: dict, tuned: dict) -> list[dict]:
             out = rows_out[m["label"]]
             board.append({**out, "tuned": (tuned.get(m["label"]) or {}).get("settings"),
                           "decode_cost": out.get("decode_cost"), **scores})
+    for k in ("chrf", "sacrebleu"):  # the p beside the raw one, corrected for the number of methods compared
+        for r in board:
+            if r["method"] != "base":
+                r[f"p_{k}_holm"], r[f"p_{k}_worse_holm"] = holm_adjusted(board, k)[r["method"]]
     board.sort(key=lambda r: (-(r.get("chrf") or 0.0), -(r.get("sacrebleu") or 0.0)))
     for i, r in enumerate(board, 1):
         r["rank"] = i
     return board
 
 
+def _p3(p) -> str:
+    return "n/a" if p is None else f"{p:.3f}"
+
+
 def format_leaderboard(board: dict) -> str:
     """The leaderboard as a text table (the CLI's), then the verdict and the phases' wall times."""
-    head = ["#", "method", "chrF [95% CI]", "sacreBLEU [95% CI]", "ΔchrF (p)", "ΔBLEU (p)", "train s", "params",
+    head = ["#", "method", "chrF [95% CI]", "sacreBLEU [95% CI]", "ΔchrF (p; Holm p)", "ΔBLEU (p; Holm p)", "train s",
+            "params",
             "cost/tok", "tuned"]
     lines = []
     for r in board["methods"]:
         ci = lambda k: f"[{r[k][0]:.1f}, {r[k][1]:.1f}]" if r.get(k) else ""  # noqa: E731
-        d = lambda k: "" if r.get(f"{k}_delta") is None else f"{r[f'{k}_delta']:+.2f} ({r[f'p_{k}']:.3f})"  # noqa: E731
+        d = lambda k: "" if r.get(f"{k}_delta") is None else f"{r[f'{k}_delta']:+.2f} ({r[f'p_{k}']:.3f}; " \
+            f"{_p3(r.get(f'p_{k}_holm'))})"  # noqa: E731
         lines.append([str(r["rank"]), r["method"] + (" ★" if r.get("best") else ""),
                       f"{r['chrf']:.2f} {ci('chrf_ci95')}", f"{r['sacrebleu']:.2f} {ci('sacrebleu_ci95')}",
                       d("chrf"), d("sacrebleu"), f"{r.get('training_seconds') or 0:.0f}",
@@ -607,7 +640,11 @@ def format_leaderboard(board: dict) -> str:
     fmt = lambda x: " | ".join(c.ljust(w) for c, w in zip(x, widths))  # noqa: E731
     d = board["data"]
     out = [fmt(head), "-+-".join("-" * w for w in widths), *map(fmt, lines), "", board["verdict"],
-           f"Report: {d['report']} {d['report_source']} sentences; tuning: {d['tune']} held-out samples.",
+           f"Report: {d['report']} {d['report_source']} sentences; tuning: {d['tune']} held-out samples. p: one-sided "
+           f"paired bootstrap against the base model; Holm p: adjusted for the {len(board['methods']) - 1} methods "
+           f"compared (the verdict reads it).",
+           *(f"Calibration of {r['title']}: {r['calibration_evidence']}." for r in board["methods"]
+             if r.get("calibration_evidence")),
            "Wall time per phase (s): " + ", ".join(f"{k} {v}" for k, v in board["phases"].items())]
     w = board.get("workers") or IN_PROCESS
     if w.get("executor") != "inprocess":

@@ -333,12 +333,15 @@ def row_settings(plugin, task: str | None, backbone_name: str | None, overrides:
 
 # --- per-memory calibration (written by ``eval.calibrate``) -------------------------------------------------------
 CALIBRATION_FILE = "calibration.json"  # in the plug-in's folder, beside its weights
+# the rule a stored calibration was chosen by (``eval.calibrate``: a setting leaves the global start only on
+# Holm-adjusted paired-bootstrap evidence); one chosen by an earlier rule is not used
+CALIBRATION_RULE = "evidence-holm-1"
 
 
 def load_calibration(plugin_folder) -> dict | None:
     """The calibration stored in a plug-in's folder, or None: none there, unreadable or malformed JSON, or made for
     other weights (the weight file's checksum it records differs from the one ``plugin_config.json`` records now —
-    a plug-in trained again in place is not calibrated)."""
+    a plug-in trained again in place is not calibrated), or chosen by another rule than ``CALIBRATION_RULE``."""
     from pathlib import Path
 
     if plugin_folder is None:
@@ -352,7 +355,7 @@ def load_calibration(plugin_folder) -> dict | None:
     if not (isinstance(cal, dict) and isinstance(cal.get("settings"), dict) and isinstance(cal.get("n"), int)
             and isinstance(cal.get("table"), list) and isinstance(cfg, dict)):
         return None
-    if cal.get("weights_sha256") != _weights_sha(cfg):
+    if cal.get("weights_sha256") != _weights_sha(cfg) or cal.get("rule") != CALIBRATION_RULE:
         return None
     return cal
 
@@ -364,10 +367,10 @@ def _weights_sha(plugin_config: dict) -> str | None:
 
 
 def plugin_calibration(plugin) -> dict | None:
-    """A loaded plug-in's calibration (``load_calibration`` of its folder) when it is for this plug-in's backbone
-    and its settings pass the method's declarations; else None."""
+    """A loaded plug-in's calibration (``load_calibration`` of its folder) when it was made on this plug-in's
+    backbone (one that does not say which is not used) and its settings pass the method's declarations; else None."""
     cal = load_calibration(getattr(plugin, "plugin_path", None))
-    if cal is None or cal.get("backbone") not in (None, plugin.backbone_name):
+    if cal is None or cal.get("backbone") != plugin.backbone_name:
         return None
     try:
         plugin.settings(cal["settings"])

@@ -11,7 +11,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from backbone.model import resolve_name
-from eval.calibrate import DEFAULT_SECONDS, MIN_TUNE, calibrate, describe_choice, split_heldout
+from eval.calibrate import MIN_TUNE, TYPICAL_SECONDS, calibrate, describe_choice, split_heldout
 from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
 from ground.store import new_id
@@ -36,7 +36,7 @@ CONTINUE_SETTINGS = ("max_minutes", "max_epochs", "max_epochs_joint", "patience"
 def calibration_share(method: str, config: dict, backbone_name: str, memory) -> float:
     """The part of a training job's progress bar that training takes when calibration follows it (1.0: no
     calibration — the method does not interpolate, or its memory has too few held-out samples): from the training
-    estimate and calibration's time budget."""
+    estimate and what a calibration typically takes."""
     cls = get_method(method)
     if not (cls.interpolates and cls.level == "output") or split_heldout(memory)[2]["tune"] < MIN_TUNE:
         return 1.0
@@ -45,7 +45,7 @@ def calibration_share(method: str, config: dict, backbone_name: str, memory) -> 
     except UserError:
         est = {}
     train_s = float(est.get("converge_s") or 30.0)
-    return max(0.05, min(0.95, train_s / (train_s + DEFAULT_SECONDS)))
+    return max(0.05, min(0.95, train_s / (train_s + TYPICAL_SECONDS)))
 
 
 class PluginService:
@@ -266,7 +266,7 @@ class PluginService:
         job.log(msg)
         return {"skipped": False, "settings": cal["settings"], "n": cal["n"], "label": cal["label"],
                 "is_base": cal["is_base"], "chrf": cal["chrf"], "bleu": cal["bleu"], "base": cal["base"],
-                "seconds": cal["seconds"], "message": msg}
+                "seconds": cal["seconds"], "evidence": cal.get("evidence"), "message": msg}
 
     def _calibrate_ray_trained(self, job: JobContext, bb, mem_row: dict, res: dict) -> dict:
         """A plug-in trained by the Ray executor, calibrated here (the decode needs this process's backbone)."""
@@ -325,7 +325,7 @@ class PluginService:
         if cal is None or cal.get("backbone") not in (None, backbone):
             return None
         return {k: cal.get(k) for k in ("settings", "label", "n", "is_base", "chrf", "bleu", "base", "weight",
-                                        "seconds", "created", "global_default")}
+                                        "seconds", "created", "global_default", "evidence")}
 
     def plugins(self, owner: str | None = None) -> list[dict]:
         """The owner's plug-ins, each with its memory's name and task (None when the memory was deleted)."""

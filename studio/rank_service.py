@@ -48,7 +48,8 @@ REMOTE = ("Ranking trains every method, the in-network ones too, which need the 
 # What a leaderboard share keeps of each row: scores, costs and settings, never an id, a name or a sample.
 SHARED_ROW_KEYS = ("rank", "method", "title", "level", "chrf", "sacrebleu", "chrf_ci95", "sacrebleu_ci95",
                    "chrf_delta", "p_chrf", "sacrebleu_delta", "p_sacrebleu", "training_seconds",
-                   "trainable_parameters", "decode_cost", "settings", "tuned", "best", "n")
+                   "trainable_parameters", "decode_cost", "settings", "tuned", "best", "n", "p_chrf_holm",
+                   "p_sacrebleu_holm", "calibration_evidence")
 
 
 class RankService:

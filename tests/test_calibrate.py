@@ -1,19 +1,19 @@
 """Per-memory calibration (eval/calibrate.py) on the tiny backbone: the declared grid tuned on a memory's held-out
-tuning samples never ends below the base model (λ = 0) there; what it stores is where Compare, Evaluate and the CLIs
-start a plug-in, and the global-defaults switch goes back; too few samples and a cancel are said plainly.
+tuning samples leaves the global start only on paired-bootstrap evidence (λ = 0 when the base model is clearly
+better, a setting that clearly helps when one does); what it stores is where Compare, Evaluate and the CLIs start a
+plug-in, and the global-defaults switch goes back; too few samples and a cancel are said plainly.
 
     python -m pytest -q tests/test_calibrate.py
 """
 import json
 
 import pytest
+from test_rank import unique_pairs
 
 from ground.errors import Cancelled, UserError
-from plugins.settings import calibration_label
+from plugins.settings import CALIBRATION_RULE, calibration_label
 
-PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
-         ("good morning", "Guten Morgen"), ("hello world", "hallo Welt"), ("the dog runs", "der Hund rennt"),
-         ("a red car", "ein rotes Auto"), ("we eat bread", "wir essen Brot"), ("it is cold", "es ist kalt")] * 10
+PAIRS = unique_pairs(80)  # distinct sources: none is a near-duplicate of another (the held-out split groups those)
 CAP = 12  # new tokens per output: the tiny model rarely stops by itself, and the test needs only a few
 
 
@@ -56,8 +56,9 @@ def _tune(mem):
 
 
 def test_every_setting_hurts_so_lambda_zero_is_chosen(tiny, setup):
-    """References that are the base model's own outputs: any setting that changes an output scores below the base;
-    calibration must keep λ = 0 (and the table must hold such hurting settings, or the test proves nothing)."""
+    """References that are the base model's own outputs: any setting that changes an output scores below the base,
+    the global start included; the base beats the start clearly, so calibration moves to λ = 0 (and the table must
+    hold such hurting settings, or the test proves nothing)."""
     from eval.calibrate import calibrate
 
     pema, mem = setup["pema"], setup["mem"]
@@ -91,16 +92,24 @@ def test_a_setting_that_helps_is_chosen_and_scores_as_a_full_decode(tiny, setup)
     assert cal["chrf"] >= cal["base"]["chrf"] and cal["bleu"] >= cal["base"]["bleu"]
 
 
-def test_choose_never_trades_one_metric_for_the_other():
-    from eval.calibrate import choose
+def _cand(lam, chrf, bleu, p_holm, start=(50.0, 20.0)):
+    return {"settings": {"lam": lam}, "chrf": chrf, "bleu": bleu, "chrf_vs_start": round(chrf - start[0], 4),
+            "bleu_vs_start": round(bleu - start[1], 4), "p_vs_start": p_holm, "p_vs_start_holm": p_holm}
 
-    base = {"settings": {"lam": 0.0}, "chrf": 50.0, "bleu": 20.0, "base": True}
-    worse_bleu = {"settings": {"lam": 0.2}, "chrf": 55.0, "bleu": 19.9}
-    tie = {"settings": {"lam": 0.1}, "chrf": 50.0, "bleu": 20.0}
-    assert choose(base, [worse_bleu, tie], "lam") is base  # more chrF but less sacreBLEU: not taken; a tie: base
-    better = {"settings": {"lam": 0.4}, "chrf": 51.0, "bleu": 20.0}
-    same_better = {"settings": {"lam": 0.3}, "chrf": 51.0, "bleu": 20.0}
-    assert choose(base, [worse_bleu, better, same_better], "lam") is same_better  # equal scores: smaller weight
+
+def test_choose_moves_only_on_evidence_and_never_trades_one_metric_for_the_other():
+    from eval.calibrate import ALPHA, choose
+
+    start = {"settings": {"lam": 0.2}, "chrf": 50.0, "bleu": 20.0, "chrf_vs_start": 0.0, "bleu_vs_start": 0.0,
+             "p_vs_start": None, "p_vs_start_holm": None}
+    worse_bleu = _cand(0.5, 55.0, 19.9, 0.001)
+    weak = _cand(0.7, 58.0, 25.0, ALPHA)  # the largest gain, but its adjusted p is not below α
+    assert choose(start, [start, worse_bleu, weak], "lam") is start
+    better, same_better = _cand(0.4, 51.0, 20.0, 0.01), _cand(0.3, 51.0, 20.0, 0.01)
+    assert choose(start, [start, worse_bleu, weak, better, same_better], "lam") is same_better  # a tie: nearer base
+    base = {**_cand(0.0, 53.0, 21.0, 0.002), "base": True}  # λ = 0 stays possible when the base is better
+    assert choose(start, [base, start, better], "lam") is base
+    assert choose(start, [{**base, "p_vs_start_holm": 0.2}, start, better], "lam") is better
 
 
 def test_stored_settings_are_where_rows_start_and_global_defaults_go_back(tiny, setup):
@@ -145,7 +154,8 @@ def test_cli_compare_and_run_start_tuned_and_global_defaults_go_back(tiny, setup
     forced = pema.settings({"lambda_max": 0.9, "gu": False})
     write_json_atomic(pema.plugin_path / "calibration.json", {
         "settings": forced, "table": [], "n": 16, "memory": "cal-mem", "memory_id": mem.id, "sample_ids": [],
-        "backbone": tiny.name, "weights_sha256": cfg["files"]["plugin_model.safetensors"]["sha256"]})
+        "backbone": tiny.name, "weights_sha256": cfg["files"]["plugin_model.safetensors"]["sha256"],
+        "rule": CALIBRATION_RULE})
     assert load_calibration(pema.plugin_path) is not None
     seen = []
 
@@ -277,7 +287,7 @@ def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(stu
     assert "cal-studio-mem" not in shared and "tuned on" not in shared
     # the picker says where the plug-in starts
     label = dict((v, k) for k, v in tuned_choices(studio, None))[pid]
-    assert "tuned:" in label and "(8 held-out)" in label
+    assert "tuned:" in label and cal["evidence"]["text"] in label and "on 8 samples" in label
     # the Compare tab's untouched controls (at the start the page set) are not sent; moved ones are
     keys = [("knn", "k"), ("knn", "lambda")]
     starts = {"knn|k": cal["settings"]["k"], "knn|lambda": cal["settings"]["lambda"]}

@@ -139,14 +139,16 @@ def _row(method, delta, p, **kw):
 
 
 def test_verdict_names_the_best_the_level_and_the_worse():
-    rows = [{"method": "base", "title": "Base", "chrf": 50.0}, _row("adapter", 4.4, 0.004), _row("lora", 1.2, 0.03),
-            _row("pema", 0.3, 0.3), _row("knn", -0.1, 0.6), _row("mt", -3.0, 0.99)]
+    """Claims on Holm-adjusted p over the 5 methods: ADAPTER 0.004 → 0.016, LORA 0.002 → 0.01 (better); MT's p of
+    being worse 0.001 → 0.005; KNN's raw 0.03 of being worse → 0.12: level."""
+    rows = [{"method": "base", "title": "Base", "chrf": 50.0}, _row("adapter", 4.4, 0.004), _row("lora", 1.2, 0.002),
+            _row("pema", 0.3, 0.3), _row("knn", -0.1, 0.97), _row("mt", -3.0, 0.999)]
     v = rank_mod.verdict(rows, 100)
     assert v["best"] == "adapter" and v["better"] == ["adapter", "lora"]
     assert v["level"] == ["pema", "knn"] and v["worse"] == ["mt"]
-    assert v["text"] == ("On your 100 held-out samples the best method is ADAPTER: +4.4 chrF (p < 0.01); LORA also "
-                         "beats the base model; PEMA and KNN are level with the base model; MT is worse than the base "
-                         "model.")
+    assert v["text"] == ("On your 100 held-out samples the best method is ADAPTER: +4.4 chrF (p = 0.02, Holm-adjusted "
+                         "for 5 methods); LORA also beats the base model; PEMA and KNN are level with the base model; "
+                         "MT is worse than the base model.")
     none = rank_mod.verdict([rows[0], _row("pema", 0.3, 0.3)], 30, "test file")
     assert none["best"] is None
     assert none["text"].startswith("On your 30 test pairs no method beats the base model")
@@ -294,13 +296,13 @@ def test_decode_cost_times_the_base_beside_each_method(monkeypatch):
 
 def test_the_decoding_eta_caps_each_calibration_by_its_budget(monkeypatch):
     """The ETA of the decoding phases, one function for the rank's plan and the studio's estimate before it starts:
-    a calibration costs a tuning sample 4 base sentences up to its time budget (100 s unless given); only the
+    a calibration costs a tuning sample 4 base sentences, up to a time budget when one is given; only the
     interpolating methods calibrate; the studio reads the base's sentence time for this kind of machine."""
     from studio import rank_service
 
     methods = ["knn", "adapter", "pema"]
     eta = rank_mod.decoding_seconds(0.8, methods, 40, 60, 4)
-    assert eta["calibration"] == {"knn": 100.0, "pema": 100.0}  # 4 × 40 × 0.8 = 128 s, over the budget
+    assert eta["calibration"] == {"knn": 128.0, "pema": 128.0}  # 4 × 40 × 0.8 s: no budget unless given
     assert rank_mod.decoding_seconds(0.1, methods, 40, 60, 4)["calibration"]["knn"] == pytest.approx(16.0)
     assert rank_mod.decoding_seconds(0.8, methods, 40, 60, 4, calibrate_seconds=30)["calibration"]["pema"] == 30
     assert set(eta["decode_cost"]) == set(methods) and eta["evaluation"] == pytest.approx(60 * 0.8 * 2.5)

@@ -581,7 +581,10 @@ def tuned_choices(studio, owner: str | None) -> list[tuple[str, str]]:
 
 
 def tuned_text(method: str, cal: dict) -> str:
-    """A calibration in a few words: the tuned values of the method's declared grid settings and N."""
+    """A calibration in a few words: its choice with the evidence for it ("tuned: λ_max 0.3: +2.1 chrF over the
+    global start (…) on 40 samples, p 0.01 (…)"), or, for one without evidence, the tuned values and N."""
+    if (cal.get("evidence") or {}).get("text"):
+        return f"tuned: {cal['evidence']['text']}"
     if cal.get("is_base"):
         return f"tuned: λ = 0, the base was best ({cal['n']} held-out)"
     try:

@@ -22,7 +22,7 @@ from ui.common import choices_update, job_poll_key, keep_value, memory_choices, 
 
 # The leaderboard in two tables that each fit a 1,200 px page: the scores, then (folded) each method's costs and
 # settings, in the same order and numbering.
-HEADERS = ["#", "method", "chrF [95% CI]", "Δ chrF (p)", "sacreBLEU [95% CI]", "Δ sacreBLEU (p)"]
+HEADERS = ["#", "method", "chrF [95% CI]", "Δ chrF (p; Holm p)", "sacreBLEU [95% CI]", "Δ sacreBLEU (p; Holm p)"]
 COST_HEADERS = ["#", "method", "training", "trainable parameters", "decode cost / token",
                 "settings (tuned on this memory)"]
 PARETO = {"training_seconds": "training time (s)", "trainable_parameters": "trainable parameters"}
@@ -36,8 +36,10 @@ def _ci(v) -> str:
 def _delta(r: dict, k: str) -> str:
     if r.get(f"{k}_delta") is None:
         return "—"
-    p = r.get(f"p_{k}")
-    return f"{r[f'{k}_delta']:+.2f} (p={p:.3f})" if isinstance(p, (int, float)) else f"{r[f'{k}_delta']:+.2f}"
+    p, ph = r.get(f"p_{k}"), r.get(f"p_{k}_holm")
+    if not isinstance(p, (int, float)):
+        return f"{r[f'{k}_delta']:+.2f}"
+    return f"{r[f'{k}_delta']:+.2f} (p={p:.3f}" + (f"; Holm p={ph:.3f})" if isinstance(ph, (int, float)) else ")")
 
 
 def _settings(r: dict) -> str:
@@ -45,7 +47,8 @@ def _settings(r: dict) -> str:
         return "—"
     tuned = r.get("tuned")
     if tuned:
-        return "tuned: " + ", ".join(f"{k}={v}" for k, v in tuned.items())
+        return "tuned: " + ", ".join(f"{k}={v}" for k, v in tuned.items()) + (
+            f" — {r['calibration_evidence']}" if r.get("calibration_evidence") else "")
     return "defaults" + (f" ({r['calibration_note']})" if r.get("calibration_note") else "")
 
 
@@ -95,7 +98,8 @@ def verdict_html(board: dict | None) -> str:
           f"A memory of {mem['train_samples']} training samples. " if mem.get("train_samples") else "")
     info = (f"{on}Scored on {d.get('report')} {where}; the interpolating methods were tuned on {d.get('tune')} other "
             f"held-out samples, never scored. Backbone {board.get('backbone')}, task {board.get('task')}. "
-            f"p: one-sided paired bootstrap against the base model ({board.get('bootstrap')} resamples).")
+            f"p: one-sided paired bootstrap against the base model ({board.get('bootstrap')} resamples); Holm p: "
+            f"adjusted for the number of methods compared — the verdict claims a method better or worse only on it.")
     phases = board.get("phases") or {}
     ph = " · ".join(f"{k.replace('_', ' ')} {minutes(v)}" for k, v in phases.items() if isinstance(v, (int, float)))
     warn = f"<div class='pema-warn'>{render.esc(d['warning'])}</div>" if d.get("warning") else ""
