@@ -189,16 +189,20 @@ def _stepwise(tiny, rows, mode, stop=None, tokens=10):
     return dec.result(), fcs, dec
 
 
+def _stop_token(tiny, chosen) -> set:
+    """A stop token that one in-network row emits at its third step: rows then end at different steps."""
+    free, _, _ = _stepwise(tiny, chosen, "off")
+    row = next(r for r in free[0].rows if r.label in ("adapter", "MT-MF"))
+    return {row.tokens[2]}
+
+
 @pytest.mark.parametrize("which", list(SETS))
 def test_in_network_rows_decode_on_the_static_step_as_on_the_eager_one(tiny, rows, net, which, mode):
     """Every row — in-network ones mixed with the base, PEMA and kNN, finishing at different steps — decodes the
     same tokens, log-probabilities, hidden states and traces on the static step (one recorded step on a GPU) as on
     the eager one."""
     chosen = _set_rows(rows, net, SETS[which])
-    free, _, _ = _stepwise(tiny, chosen, "off")
-    # a stop token that one in-network row emits at its third step: rows end at different steps
-    row = next(r for r in free[0].rows if r.label in ("adapter", "MT-MF"))
-    stop = {row.tokens[2]}
+    stop = _stop_token(tiny, chosen)
     eager, eager_fc, dec_e = _stepwise(tiny, chosen, "off", stop)
     static, static_fc, dec_s = _stepwise(tiny, chosen, mode, stop)
     assert dec_e.path == "eager" and dec_s.path == ("graph" if mode == "auto" else "static"), dec_s.path_reason
@@ -215,3 +219,65 @@ def test_in_network_rows_decode_on_the_static_step_as_on_the_eager_one(tiny, row
         assert fa.keys() == fb.keys()
         for b in fa:  # to float32 rounding of the row's scale (the noisy adapter's states reach ~10⁴)
             assert float((fa[b] - fb[b]).norm()) <= 1e-4 * float(fa[b].norm()) + 1e-4, b
+
+
+FORBIDDEN_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten.item")
+FORBIDDEN_CALLS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+                   "tensor", "as_tensor", "from_numpy", "masked_select")
+
+
+def test_the_step_with_every_in_network_hook_is_recordable(tiny, rows, net, monkeypatch, mode):
+    """What a CUDA graph needs of the step with in-network hooks on (their rows: row masks on the device): no host
+    read of a device value, no data-dependent shape (``nonzero``, boolean indexing), no tensor made from host data —
+    checked on every forward pass of the runner, on the CPU too — and every step, as rows part and finish, runs the
+    same operators on the same shapes (the recorded step serves them all: the masks are written in place)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from backbone import graph_decode
+
+    bad, passes = [], []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name.startswith(FORBIDDEN_OPS) or (name.startswith(("aten.index.", "aten.index_put")) and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))):
+                bad.append(name)
+            out = func(*args, **(kwargs or {}))
+            shapes = [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                      if isinstance(t, torch.Tensor)]
+            passes[-1].append((name, tuple(shapes)))
+            return out
+
+    class Calls(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in FORBIDDEN_CALLS:
+                bad.append(getattr(func, "__qualname__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    step = graph_decode.GraphRunner._forward
+
+    def guarded(runner):
+        passes.append([])  # (a new runner's first pass, before ``start``, also allocates the static cache)
+        with Calls(), Ops():
+            out = step(runner)
+        if not runner.rows:
+            passes.pop()
+        return out
+
+    monkeypatch.setattr(graph_decode.GraphRunner, "_forward", guarded)
+    chosen = _set_rows(rows, net, SETS["seven rows"]) + [Row("MT-M", net["MT-M"]), Row("MT-MF", net["MT-MF"])]
+    stop = _stop_token(tiny, chosen)
+    _, fcs, dec = _stepwise(tiny, chosen, "static", stop)
+    assert dec.path == "static" and len(passes) == len(fcs)  # one pass per step that goes on
+    assert {len(f) for f in fcs} != {len(chosen)}  # rows finished while others went on
+    assert not bad, sorted(set(bad))
+    assert all(p == passes[0] for p in passes), "a step ran other operators or shapes than the first"
+    # a second decode of the same rows takes the same runner: its hooks and row masks are the very same objects
+    def masks(d):  # each in-network group's row mask: its attachment's rows
+        return [(id(h[0].att.forward_rows), h[0].att.forward_rows.data_ptr()) for h in d.net_handles]
+
+    counts = dict(RUNNERS.counts())
+    _, _, again = _stepwise(tiny, chosen, "static")
+    assert masks(again) == masks(dec) and len(masks(dec)) == 6 and RUNNERS.counts() == counts
