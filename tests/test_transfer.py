@@ -3,6 +3,8 @@ far the test's sources are from the memory beside the held-out samples; Evaluate
 inputs too."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from eval import calibrate as calibration
@@ -100,7 +102,7 @@ def studio_knn(tmp_path_factory):
     from _server import build_tiny_memory, tiny_studio
 
     st = tiny_studio(tmp_path_factory.mktemp("transfer-studio"))
-    mid = build_tiny_memory(st, memory_pairs(60), "transfer pairs")
+    mid = build_tiny_memory(st, memory_pairs(120), "transfer pairs")  # 12 held out: 6 tune, 6 report
     job = st.jobs.wait(st.submit_train(mid, "knn", {}, "kNN"), 120)
     assert job["state"] == "done", job
     yield st, job["result"]["plugin_id"]
@@ -158,3 +160,23 @@ def test_the_domain_shift_split_keeps_the_memory_programs_messages_out_of_the_te
     info = json.loads((out / "split.json").read_text())
     assert [c["catalog"] for c in info["test_catalogs"]] == ["client-15.mo", "dump-15.mo"]
     assert info["grouped_split"]["test"]["n"] == 15 and "transfer_check" in info["grouped_split"]
+
+
+def test_a_rank_job_on_a_test_file_shares_both_leaderboards_and_the_check_without_ids(studio_knn):
+    from ui import rank as rank_ui
+
+    st, _ = studio_knn
+    mid = st.memories()[0]["id"]
+    tsv = "\n".join(f"{s}\t{t}" for s, t in FAR_TEST)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibration, "calibrate", lambda *a, **kw: None)  # the global defaults: fast
+        job = st.jobs.wait(st.submit_rank(mid, methods=["knn"], test_data=tsv, test_filename="far.tsv"), 300)
+    assert job["state"] == "done", job
+    board = st.leaderboard(job["id"])
+    assert board["transfer"]["farther"] and board["heldout"]["methods"]
+    html = rank_ui.verdict_html(board)
+    assert "rank-transfer" in html and "rank-heldout-beside" in html
+    shared = st.shared_leaderboard(st.share_leaderboard(job["id"]))
+    assert shared["transfer"]["farther"] and "memory_id" not in shared["transfer"]
+    assert {r["method"] for r in shared["heldout"]["methods"]} == {"base", "knn"}
+    assert mid not in json.dumps(shared) and "rank-heldout-beside" in rank_ui.verdict_html(shared)
