@@ -10,7 +10,9 @@ does: no quality number comes from this model.** One call measures, in a few min
   methods), fixed-length decodes, ``(T(n) − T(1)) / (n − 1)``, and ``scalar_reads_per_step``: the host reads of a
   device value (``aten::_local_scalar_dense``: ``.item()``, ``int()``, ``float()``, ``bool()`` of a tensor) per step
   of the 7-row decode, each a wait for the GPU's queue (counted by ``torch.profiler``; on a GPU also
-  ``cuda_syncs_per_step``, the ``cudaStreamSynchronize`` / ``cudaMemcpy*`` calls);
+  ``cuda_syncs_per_step``, the ``cudaStreamSynchronize`` / ``cudaMemcpy*`` calls); ``over_one_row``: each
+  step over the one-row step (issue #62's bar: 7 rows ≤ 1.5×); ``decode_path``: whether each comparison's steps
+  ran from a CUDA graph ("graph"), the static cache without one ("static") or the eager path, and why;
 * ``slider``: a PEMA slider move's re-decode against a full decode of the same comparison;
 * ``memory_build``: teacher-forced memory build rate (entries/s) on ``--pairs`` WMT train pairs;
 * ``training``: every method's shipped defaults on that memory, run to the epoch limit (early stopping off:
@@ -140,6 +142,17 @@ def _decode_ms(bb, rows, prompt, source, tokens: int, reps: int) -> float:
         times.append(max((t2 - t1) - (t1 - t0), 1e-6) / (tokens - 1))
     times.sort()
     return round(1000 * times[len(times) // 2], 2)
+
+
+def decode_path(bb, rows, prompt, source, tokens: int) -> dict:
+    """Which step a comparison of ``rows`` runs on (``BatchDecode.path``: "graph", "static" or "eager") and, for the
+    eager path, why."""
+    from plugins.decode.batch import plan_batch
+    from plugins.decode.engine import BatchDecode
+
+    dec = BatchDecode(bb, plan_batch(bb, [source], rows, prompt), tokens, trace=False)
+    dec.run()
+    return {"path": dec.path, **({"reason": dec.path_reason} if dec.path == "eager" else {})}
 
 
 def host_reads(bb, rows, prompt, source, tokens: int) -> dict:
@@ -282,19 +295,27 @@ def run(bb: Backbone, pairs: int = 1000, tokens: int = 32, reps: int = 5, small:
         out["decode_step_ms"] = {k: _decode_ms(bb, c, prompt, dev_src[1], tokens, reps) for k, c in configs.items()}
         base = max(out["decode_step_ms"]["1 row"], 1e-3)  # a tiny model's step can round to 0
         out["over_one_row"] = {k: round(v / base, 3) for k, v in out["decode_step_ms"].items()}
+        out["decode_path"] = {k: decode_path(bb, c, prompt, dev_src[1], tokens) for k, c in configs.items()}
         if bb.device.type == "cuda":  # the same steps on the eager path, in the same process: the graphs' gain
             with using_fast_paths(graph_decode="off"):
                 for c in configs.values():
                     compare(bb, dev_src[0], c, prompt, max_new_tokens=2, trace=False)
                 out["eager_decode_step_ms"] = {k: _decode_ms(bb, c, prompt, dev_src[1], tokens, reps)
                                                for k, c in configs.items()}
-                eager = compare(bb, dev_src[1], configs["3 output-level rows"], prompt, max_new_tokens=tokens,
-                                trace=False)
-            graphed = compare(bb, dev_src[1], configs["3 output-level rows"], prompt, max_new_tokens=tokens,
-                              trace=False)
-            out["graph_check"] = {"same_tokens": [a.tokens == b.tokens for a, b in zip(eager.rows, graphed.rows)],
-                                  "runners": {"/".join(map(str, k[2:])): n for k, n in RUNNERS.counts().items()},
-                                  "disabled": dict((str(k), v) for k, v in RUNNERS.disabled.items())}
+                eager = {k: compare(bb, dev_src[1], configs[k], prompt, max_new_tokens=tokens, trace=False)
+                         for k in ("3 output-level rows", "7 rows")}
+            graphed = {k: compare(bb, dev_src[1], configs[k], prompt, max_new_tokens=tokens, trace=False)
+                       for k in eager}
+            runners: dict = {}  # rows/positions (+ "hooked": a runner with in-network hooks) → runners made
+            for k, n in RUNNERS.counts().items():
+                name = "/".join(map(str, k[2:4])) + ("+hooked" if len(k) > 4 else "")
+                runners[name] = runners.get(name, 0) + n
+            out["graph_check"] = {"same_tokens": {k: [a.tokens == b.tokens for a, b in zip(eager[k].rows,
+                                                                                              graphed[k].rows)]
+                                                  for k in eager},
+                                  "runners": runners,
+                                  "disabled": dict((str(k[:2]) + ("+hooked" if len(k) > 2 else ""), v)
+                                                   for k, v in RUNNERS.disabled.items())}
         out["host_reads_7_rows"] = host_reads(bb, configs["7 rows"], prompt, dev_src[1], min(tokens, 8))
         if profile_dir is not None:
             out["profile"] = {k: profile_tables(bb, configs[k], prompt, dev_src[1], tokens, Path(profile_dir),

@@ -44,7 +44,11 @@ def test_random_backbone_has_the_configs_shapes(tmp_path, tiny, gz):
 def test_gpu_benchmark_runs_cpu_sized(tiny, shared_data, tmp_path):
     from benchmarks.gpu import run
 
-    res = run(tiny, pairs=12, tokens=4, reps=1, small=True, methods=["pema", "knn", "adapter"], work=tmp_path)
+    from backbone.options import using_fast_paths
+
+    with using_fast_paths(graph_decode="static"):  # the GPU's step without graph capture: every comparison takes it
+        res = run(tiny, pairs=12, tokens=4, reps=1, small=True, methods=["pema", "knn", "adapter"], work=tmp_path)
+    assert {k: v["path"] for k, v in res["decode_path"].items()} == dict.fromkeys(res["decode_step_ms"], "static")
     assert res["memory_build"]["entries"] > 0 and res["memory_build"]["pairs"] == 12  # short pairs of the first 96
     assert set(res["training"]) == {"pema", "knn", "adapter"}
     assert res["training"]["adapter"]["stopped_by"] == "max_epochs"
