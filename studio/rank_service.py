@@ -27,6 +27,7 @@ from studio.context import StudioContext
 from studio.evaluate_service import read_test_pairs
 from studio.memory_service import MemoryService
 from studio.payload import json_safe
+from studio.ray_executor import RankTrainer, backbone_spec
 
 MAX_RESUMES = 2  # automatic resumes of one ranking after restarts
 TOUR_CORPUS = "gettext-de"  # the demo corpus the first-run tour ranks on
@@ -42,6 +43,22 @@ def decode_s_per_sentence(backbone_name: str) -> float:
     """This machine kind's entry for ``backbone_name``, else the backbone's, else a small model's guess."""
     return DECODE_S_PER_SENTENCE.get(f"{backbone_name}@{machine_kind()}",
                                      DECODE_S_PER_SENTENCE.get(backbone_name, 0.05))
+
+
+def training_seconds(per_method: dict[str, float], slots: int | None = None) -> float:
+    """A ranking's training phase from its methods' estimates: their sum in one process; with ``slots`` workers
+    (``studio.ray_executor.RankTrainer``) the methods that index only (kNN, retrieval) first, then the others side by
+    side, so about the slowest of them when there are as many workers as methods (longest first onto the least
+    loaded worker otherwise)."""
+    if not slots:
+        return sum(per_method.values())
+    here = sum(s for m, s in per_method.items() if not RankTrainer.runs(m))
+    loads = [0.0] * max(1, int(slots))
+    for s in sorted((s for m, s in per_method.items() if RankTrainer.runs(m)), reverse=True):
+        loads[loads.index(min(loads))] += s
+    return here + max(loads)
+
+
 SHARE_KIND = "leaderboard"
 REMOTE = ("Ranking trains every method, the in-network ones too, which need the decoder's layers: it runs on the "
           "local backbone, not a model owner's service.")
@@ -56,14 +73,16 @@ class RankService:
     """Rank jobs, leaderboards and their shares.
 
     Receives the context, the backbone (the ranking job holds it), the memories (the memory ranked on; the tour's
-    build) and the loaded plug-in cache (a ranking recalibrates plug-ins: their loaded copies go)."""
+    build) and the loaded plug-in cache (a ranking recalibrates plug-ins: their loaded copies go); ``executor``: the
+    studio's Ray executor, when it runs with workers (a ranking's trainings then run at once on them)."""
 
     def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
-                 plugin_cache: LRU):
+                 plugin_cache: LRU, executor=None):
         self.ctx = ctx
         self.backbone_svc = backbone_svc
         self.memory_svc = memory_svc
         self.plugin_cache = plugin_cache
+        self.executor = executor
 
     @property
     def job_handlers(self) -> dict:
@@ -151,10 +170,12 @@ class RankService:
         eta = decoding_seconds(spr, names, tune, held - tune, min(COST_SENTENCES, held - tune))
         decode_s = (eta["decode_speed"] + sum(eta["calibration"].values()) + eta["evaluation"]
                     + sum(eta["decode_cost"].values()))
-        total = sum(per.values()) + decode_s
+        train_s = training_seconds(per, self.executor.training_slots() if self.executor is not None else None)
+        total = train_s + decode_s
         reused = sum(1 for m in names if reuse.get(m))
-        text = (f"≈ {minutes(total)}: training ≈ {minutes(sum(per.values()))}"
+        text = (f"≈ {minutes(total)}: training ≈ {minutes(train_s)}"
                 + (f" ({reused} plug-in(s) reused)" if reused else "")
+                + (f" on {self.executor.training_slots()} Ray worker(s)" if self.executor is not None else "")
                 + f", calibrating and decoding ≈ {minutes(decode_s)}")
         if unmeasured:
             text += f"; no training estimate for {', '.join(unmeasured)}"
@@ -181,11 +202,12 @@ class RankService:
                     f"calibrations are reused.")
         test = [tuple(p) for p in a["pairs"]] if a.get("pairs") else None
         gate = self.backbone_svc.gate
+        trainer = self.executor.rank_trainer(backbone_spec(self.backbone_svc)) if self.executor is not None else None
         with gate.use(holder="ranking every method"):
             job.checkpoint = gate.checkpoint
             board = run_rank(bb, mem, catalog=self.ctx.catalog, owner=owner, methods=a["methods"], test_pairs=test,
                              test_name=a.get("data"), progress=job.progress, should_stop=job.should_stop,
-                             log=job.log, s_per_sentence=decode_s_per_sentence(bb.name))
+                             log=job.log, trainer=trainer, s_per_sentence=decode_s_per_sentence(bb.name))
         for m in board["methods"]:  # calibrations changed: loaded copies start from the new settings
             self.plugin_cache.pop(m.get("plugin_id"))
         return {"leaderboard": json_safe(board), "memory_id": a["memory_id"], "message": board["verdict"]}
@@ -245,13 +267,6 @@ class RankService:
                    "pareto": board.get("pareto"),
                    "phases": board.get("phases"), "bootstrap": board.get("bootstrap"), "alpha": board.get("alpha"),
                    "signatures": board.get("signatures"), "created": board.get("created"), "shared": time.time()}
-        if board.get("transfer"):  # a test file's transfer check and the held-out leaderboard beside it, no ids
-            payload["transfer"] = {k: board["transfer"].get(k) for k in ("measure", "inputs", "heldout", "farther",
-                                                                         "text")}
-        if board.get("heldout"):
-            h = board["heldout"]
-            payload["heldout"] = {"data": h.get("data"), "verdict": h.get("verdict"),
-                                  "methods": [{k: r.get(k) for k in SHARED_ROW_KEYS} for r in h["methods"]]}
         text = json.dumps(json_safe(payload), ensure_ascii=False)
         self.ctx.limits.check("share_bytes", len(text.encode("utf-8")), "The shared leaderboard's size in bytes")
         return self.ctx.catalog.save_comparison(text, backbone=board["backbone"], owner=owner)

@@ -131,7 +131,7 @@ class Studio:
                                            self.compare_svc)
         self.eval_svc = EvaluateService(ctx, self.backbone_svc, self.memory_svc, self.plugin_svc, self.compare_svc,
                                         self.job_svc, self.downloads)
-        self.rank_svc = RankService(ctx, self.backbone_svc, self.memory_svc, self.plugin_cache)
+        self.rank_svc = RankService(ctx, self.backbone_svc, self.memory_svc, self.plugin_cache, self.executor)
         for svc in (self.memory_svc, self.plugin_svc, self.eval_svc, self.rank_svc):
             self.jobs.handlers.update(svc.job_handlers)
 

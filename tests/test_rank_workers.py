@@ -94,6 +94,19 @@ def test_without_a_trainer_the_leaderboard_says_it_trained_in_process():
     assert rank_mod.IN_PROCESS == {"executor": "inprocess", "workers": 1}
 
 
+def test_the_plan_counts_items_that_run_at_once():
+    """Two trainings half done side by side leave as much to do as one of them done."""
+    def plan_with(*fracs):
+        plan = rank_mod.Plan(lambda f, msg: None, clock=lambda: 100.0)
+        items = [plan.add("training", "A", 10), plan.add("training", "B", 10), plan.add("evaluation", "rows", 20)]
+        for item, frac in zip(items, fracs):
+            plan.start(item)(frac)
+        return plan.remaining(100.0)
+
+    assert plan_with(0.5, 0.5) == pytest.approx(plan_with(1.0, 0.0))
+    assert plan_with(0.5, 0.5) < plan_with(0.5, 0.0) < plan_with(0.0, 0.0)
+
+
 @pytest.mark.slow
 def test_eval_rank_with_two_ray_workers_ranks_every_method(tiny_pairs, tmp_path):
     """``python -m eval rank <memory> --backbone <tiny folder> --workers 2`` on a local Ray cluster of 2 CPUs: every
@@ -129,3 +142,13 @@ def test_eval_rank_with_two_ray_workers_ranks_every_method(tiny_pairs, tmp_path)
     assert "training at once on 2 worker(s)" in proc.stderr
     assert "Trained on 2 Ray worker(s) (a local cluster)" in proc.stdout
     assert all(Path(p["path"]).parent == cat.root / "plugins" for p in Catalog(cat.root).plugins())
+
+
+def test_the_studio_estimates_the_training_phase_by_its_slowest_method_on_workers():
+    from studio.rank_service import training_seconds
+
+    per = {"knn": 2.0, "retrieval_icl": 1.0, "pema": 30.0, "lora": 20.0, "adapter": 60.0}
+    assert training_seconds(per) == 113.0  # one process: one after another
+    assert training_seconds(per, 8) == 3.0 + 60.0  # indexing here, then the slowest
+    assert training_seconds(per, 2) == 3.0 + 60.0  # adapter | pema + lora
+    assert training_seconds(per, 1) == 113.0

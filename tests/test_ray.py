@@ -174,3 +174,24 @@ def test_cancel_reaches_a_running_ray_training(studio, tiny_pairs):
     job = st.jobs.wait(jid, timeout=120)
     assert job["state"] == "cancelled", job
     assert "cancel me" not in {p["name"] for p in st.plugins()}
+
+
+def test_a_studio_ranking_trains_on_the_ray_workers(studio):
+    """The Rank tab's job on a studio with workers: the methods that train run as Ray tasks (kNN here), the
+    leaderboard records the workers, and the estimate said so before."""
+    from test_rank import unique_pairs
+
+    st = studio
+    text = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in unique_pairs(120))
+    build = st.jobs.wait(st.submit_build(text, "rank.jsonl", name="rank on ray"), timeout=300)
+    assert build["state"] == "done", build
+    mid = build["result"]["memory_id"]
+    assert "on 2 Ray worker(s)" in st.rank_estimate(mid, methods=["knn", "adapter"])["text"]
+    job = st.jobs.wait(st.submit_rank(mid, methods=["knn", "adapter"]), timeout=600)
+    assert job["state"] == "done", job
+    board = job["result"]["leaderboard"]
+    assert board["workers"] == {"executor": "ray", "workers": 2, "address": None, "gpus": 0}
+    rows = {r["method"]: r for r in board["methods"]}
+    assert set(rows) == {"base", "knn", "adapter"}
+    assert rows["adapter"]["trained_on"] == "ray" and rows["knn"]["trained_on"] == "here"
+    assert "training at once on 2 worker(s)" in job["log"]
