@@ -73,6 +73,31 @@ def test_every_setting_hurts_so_lambda_zero_is_chosen(tiny, setup):
     assert all(r["chrf"] <= cal["base"]["chrf"] for r in others)
 
 
+def test_a_setting_that_helps_on_some_samples_and_hurts_on_others_does_not_move_the_global_start(tiny, setup):
+    """References that are λ_max 0.9's outputs on every other sample where it differs from the global start, and the
+    start's outputs elsewhere: no clear evidence either way, so the start stays and the record says so."""
+    from eval.calibrate import calibrate
+    from plugins.settings import row_settings
+
+    pema, mem = setup["pema"], setup["mem"]
+    tune = _tune(mem)
+    start = row_settings(pema, mem.task, tiny.name, calibrated=False)
+    srcs = [s["src"] for s in tune]
+    refs = _outputs(tiny, pema, start, srcs, mem.prompt)
+    target = _outputs(tiny, pema, pema.settings({"lambda_max": 0.9, "gu": False}), srcs, mem.prompt)
+    differ = [j for j, (a, b) in enumerate(zip(refs, target)) if a != b]
+    assert len(differ) >= 4, "λ_max 0.9 must change several outputs of the tiny PEMA for this test to mean anything"
+    for j in differ[::2]:
+        refs[j] = target[j]
+    cal = calibrate(tiny, pema, mem, samples=[{**s, "tgt": r} for s, r in zip(tune, refs)], store=False,
+                    max_new_tokens=CAP)
+    ev = cal["evidence"]
+    assert not ev["moved"] and cal["settings"] == start and not cal["is_base"]
+    assert ev["text"].startswith("the global start") and "kept" in ev["text"]
+    assert all(r["p_vs_start_holm"] is None or r["p_vs_start_holm"] >= 0.05 or r["chrf_vs_start"] <= 0
+               or r["bleu_vs_start"] < 0 for r in cal["table"])
+
+
 def test_a_setting_that_helps_is_chosen_and_scores_as_a_full_decode(tiny, setup):
     """References that are one setting's own full-decode outputs: that setting scores 100 through calibration's
     kept-decode moves (so a move decodes what a full decode does) and is chosen over the base."""
