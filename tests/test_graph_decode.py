@@ -192,7 +192,7 @@ def _stepwise(tiny, rows, mode, stop=None, tokens=10):
 def _stop_token(tiny, chosen) -> set:
     """A stop token that one in-network row emits at its third step: rows then end at different steps."""
     free, _, _ = _stepwise(tiny, chosen, "off")
-    row = next(r for r in free[0].rows if r.label in ("adapter", "MT-MF"))
+    row = next(r for r in free[0].rows if r.label in ("adapter", "MT-MF") and len(r.tokens) > 2)
     return {row.tokens[2]}
 
 
