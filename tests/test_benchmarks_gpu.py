@@ -42,9 +42,8 @@ def test_random_backbone_has_the_configs_shapes(tmp_path, tiny, gz):
 
 
 def test_gpu_benchmark_runs_cpu_sized(tiny, shared_data, tmp_path):
-    from benchmarks.gpu import run
-
     from backbone.options import using_fast_paths
+    from benchmarks.gpu import run
 
     with using_fast_paths(graph_decode="static"):  # the GPU's step without graph capture: every comparison takes it
         res = run(tiny, pairs=12, tokens=4, reps=1, small=True, methods=["pema", "knn", "adapter"], work=tmp_path)
