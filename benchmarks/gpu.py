@@ -51,6 +51,8 @@ from memories.build import build_memory  # noqa: E402
 from memories.parse import Sample  # noqa: E402
 from plugins.api import train_plugin  # noqa: E402
 from plugins.decode import Row, compare, start_compare, warm_comparison  # noqa: E402
+from plugins.decode.batch import plan_batch  # noqa: E402
+from plugins.decode.engine import BatchDecode  # noqa: E402
 from plugins.registry import available_methods  # noqa: E402
 
 SIX = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")
@@ -147,9 +149,6 @@ def _decode_ms(bb, rows, prompt, source, tokens: int, reps: int) -> float:
 def decode_path(bb, rows, prompt, source, tokens: int) -> dict:
     """Which step a comparison of ``rows`` runs on (``BatchDecode.path``: "graph", "static" or "eager") and, for the
     eager path, why."""
-    from plugins.decode.batch import plan_batch
-    from plugins.decode.engine import BatchDecode
-
     dec = BatchDecode(bb, plan_batch(bb, [source], rows, prompt), tokens, trace=False)
     dec.run()
     return {"path": dec.path, **({"reason": dec.path_reason} if dec.path == "eager" else {})}
