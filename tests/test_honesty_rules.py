@@ -136,6 +136,17 @@ def test_the_global_start_and_lambda_zero_are_always_tried(tiny, setup, pema_cal
     assert cstart == start and start in candidates and weight == "lambda_max"
 
 
+def test_the_global_start_ignores_an_earlier_calibration(tiny, setup, tmp_path):
+    """Calibrating again starts from the global start, not from where an earlier calibration left the plug-in."""
+    pema = _copy_plugin(tiny, setup["pema"], tmp_path / "pema")
+    start = row_settings(pema, setup["mem"].task, tiny.name, calibrated=False)
+    _write_cal(pema, settings=pema.settings({"lambda_max": 0.9, "gu": False}), backbone=tiny.name,
+               weights_sha256=_sha(pema), rule=CALIBRATION_RULE)
+    assert row_settings(pema, setup["mem"].task, tiny.name) != start  # the earlier calibration is in force
+    candidates, cstart, _ = cal_mod._candidates(pema, setup["mem"].task)
+    assert cstart == start and start in candidates
+
+
 # --- the evidence rule and the Holm-adjusted p ---------------------------------------------------------------------
 def test_holm_by_hand():
     assert holm([0.01, 0.04, 0.03, None]) == [0.03, 0.06, 0.06, None]
@@ -278,6 +289,11 @@ def test_a_plugin_is_reused_only_with_identical_settings_on_the_same_backbone(ti
     assert rank_mod.find_trained(cat, "local", mem.id, "knn", other, tiny.fingerprint) is None
     assert rank_mod.find_trained(cat, "local", "another-memory", "knn", cfg, tiny.fingerprint) is None
     assert rank_mod.find_trained(cat, "someone-else", mem.id, "knn", cfg, tiny.fingerprint) is None
+    # a newer plug-in that continued another's training has another history: not reused
+    cat.add_plugin({**cat.plugin(prow["id"]), "id": prow["id"] + "-continued",
+                    "created": (found.get("created") or 0) + 100,
+                    "metrics": json.dumps({"train_info": {"continued_from": prow["id"]}})})
+    assert rank_mod.find_trained(cat, "local", mem.id, "knn", cfg, tiny.fingerprint)["id"] == prow["id"]
 
 
 # --- prompt examples ------------------------------------------------------------------------------------------------
