@@ -281,3 +281,69 @@ def test_the_step_with_every_in_network_hook_is_recordable(tiny, rows, net, monk
     counts = dict(RUNNERS.counts())
     _, _, again = _stepwise(tiny, chosen, "static")
     assert masks(again) == masks(dec) and len(masks(dec)) == 6 and RUNNERS.counts() == counts
+
+
+def test_the_eager_path_serves_what_the_static_step_cannot_and_says_why(tiny, rows, net, monkeypatch, mode):
+    """A plug-in without fixed-row hooks, or a step whose recording fails, decodes on the eager path — the same
+    output — with the reason recorded; a plug-in whose weights change gets a runner of its own."""
+    from plugins.decode import fixed_rows
+
+    chosen = [rows[0], rows[2], Row("adapter", net["adapter"])]
+    eager, _, _ = _stepwise(tiny, chosen, "off")
+    monkeypatch.setattr(net["adapter"], "fixed_rows", False, raising=False)
+    out, _, dec = _stepwise(tiny, chosen, mode)
+    assert dec.path == "eager" and "'adapter' has no fixed-row hooks" in dec.path_reason
+    _same(eager, out)
+    monkeypatch.undo()
+
+    def broken(*a, **k):
+        raise RuntimeError("not recordable")
+
+    monkeypatch.setattr(fixed_rows.FixedRowHooks, "__init__", broken)
+    try:
+        out, _, dec = _stepwise(tiny, chosen, mode)
+        assert dec.path == "eager" and "recording failed: RuntimeError: not recordable" in dec.path_reason
+        _same(eager, out)
+        _, _, dec = _stepwise(tiny, rows[:1], mode)  # a failed hook key leaves every other step recordable
+        assert dec.path != "eager"
+    finally:
+        for k in [k for k in RUNNERS.disabled if len(k) > 2]:
+            del RUNNERS.disabled[k]
+    monkeypatch.undo()
+    _, _, dec = _stepwise(tiny, chosen, mode)
+    made = dict(RUNNERS.counts())
+    with torch.no_grad():
+        net["adapter"].adapters[0].W_D.weight.mul_(1.0)  # the same values, a new version: products are derived anew
+    _, _, dec = _stepwise(tiny, chosen, mode)
+    assert dec.path != "eager" and set(RUNNERS.counts()) - set(made)  # a runner of a new hook key
+
+
+def test_the_pool_keeps_the_latest_hook_keys(tiny):
+    """Runners with hooks are kept for the most recently used hook keys only; one of a dropped key that comes back
+    from its decode is not pooled again."""
+    from backbone.graph_decode import RunnerPool
+
+    class Hooks:
+        def on(self):
+            pass
+
+        def off(self):
+            pass
+
+    pool = RunnerPool(hooked_keys=2)
+
+    def take(key):
+        return pool.take_or_why(tiny.decoder, tiny.final_norm, 1, 10, graph=False, hooks_key=key,
+                                make_hooks=lambda rows: Hooks())
+
+    a, why = take("a")
+    assert a is not None and not why and a.hooks is not None
+    pool.give_back(take("b")[0])
+    assert take("a")[0] is not a  # "a"'s only runner is still out: another is made
+    pool.give_back(take("c")[0])  # "b" is now the least recently used of three: dropped
+    assert {k[-1] for k in pool.counts()} == {"a", "c"}
+    pool.give_back(a)
+    assert take("a")[0] is a
+    take("d"), take("e")  # "a" and "c" dropped while "a"'s runner is out
+    pool.give_back(a)
+    assert {k[-1] for k in pool.counts()} == {"d", "e"} and all(r is not a for f in pool._free.values() for r in f)
