@@ -24,6 +24,7 @@ model instead of the Gemma shapes.
 
     python -m benchmarks gpu                       # on a GPU: the full run (config from the data directory)
     python -m benchmarks gpu --config-dir DIR      # DIR holds config.json + tokenizer files (gzipped: *.gz)
+    python -m benchmarks gpu --config-dir gemma-3-1b --tokenizer-dir DIR   # Gemma 3 1B's shapes (benchmarks/configs)
     python -m benchmarks gpu --small --out r.json  # CPU-sized
 """
 from __future__ import annotations
@@ -57,6 +58,8 @@ from plugins.registry import available_methods  # noqa: E402
 
 SIX = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")
 QUICK = {"max_minutes": 0.05, "max_epochs": 1}  # plug-ins for the decode timing: their values do not matter
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.json.gz", "tokenizer.model.gz")
+CONFIGS = Path(__file__).resolve().parent / "configs"  # shapes of larger Gemma 3 models (config.json only)
 
 
 def default_config_dir() -> Path:
@@ -77,14 +80,24 @@ def _unpacked(folder: Path) -> Path:
     return out
 
 
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).exists() for f in TOKENIZER_FILES)
+
+
 def random_backbone(config_dir: str | Path, seed: int = 0, device: str | None = None, dtype: str | None = None,
-                    layers: int | None = None) -> Backbone:
+                    layers: int | None = None, tokenizer_dir: str | Path | None = None) -> Backbone:
     """A backbone of the shapes in ``config_dir/config.json`` (and its tokenizer) with random weights (the
     architecture's own initialisation, seeded), in the precision the studio would load it in on ``device``.
-    ``layers``: keep only the first N decoder layers (a CPU-sized run)."""
+    ``layers``: keep only the first N decoder layers (a CPU-sized run). A ``config_dir`` without a tokenizer (the
+    repository's ``benchmarks/configs/gemma-3-1b``) takes ``tokenizer_dir``'s, by default the embedded Gemma 3
+    270M's: the Gemma 3 models share one tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = _unpacked(Path(config_dir))
+    tok_folder = folder if has_tokenizer(folder) else _unpacked(Path(tokenizer_dir or default_config_dir()))
+    if not has_tokenizer(tok_folder):
+        raise SystemExit(f"No tokenizer in {config_dir} nor in {tok_folder}: give --tokenizer-dir (the embedded "
+                         f"Gemma 3 270M's folder, or its files gzipped).")
     cfg = AutoConfig.from_pretrained(folder)
     if layers:
         cfg.num_hidden_layers = layers
@@ -101,7 +114,7 @@ def random_backbone(config_dir: str | Path, seed: int = 0, device: str | None = 
     model = model.to(dev).eval()
     if not dev.startswith("cuda") and precision != "float32" or precision == "bfloat16":
         set_precision(model, precision)
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(tok_folder)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     name = f"{getattr(cfg, 'model_type', 'model')}-random-seed{seed}" + (f"-{layers}layers" if layers else "")
@@ -344,7 +357,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-dir", help="folder with config.json and the tokenizer (default: the embedded Gemma 3 "
-                                         "270M's in the data directory); *.gz files are un-gzipped")
+                                         "270M's in the data directory); *.gz files are un-gzipped; a name in "
+                                         "benchmarks/configs (gemma-3-1b, gemma-3-4b) for that model's shapes")
+    ap.add_argument("--tokenizer-dir", help="the tokenizer when --config-dir has none (default: the embedded Gemma "
+                                            "3 270M's, which the Gemma 3 models share)")
     ap.add_argument("--backbone", default="random", choices=["random", "tiny"],
                     help="random: the config's shapes, random weights; tiny: the tests' tiny model")
     ap.add_argument("--device", help="cuda / cpu (default: cuda when present)")
@@ -371,8 +387,11 @@ def main(argv=None) -> int:
 
         bb = tiny_backbone(device=args.device)
     else:
-        bb = random_backbone(args.config_dir or default_config_dir(), device=args.device, dtype=args.dtype,
-                             layers=args.layers)
+        cfg = args.config_dir or default_config_dir()
+        if args.config_dir and not Path(cfg).exists() and (CONFIGS / cfg / "config.json").exists():
+            cfg = CONFIGS / cfg
+        bb = random_backbone(cfg, device=args.device, dtype=args.dtype, layers=args.layers,
+                             tokenizer_dir=args.tokenizer_dir)
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
     bad = set(parts) - {"build", "train", "decode"}

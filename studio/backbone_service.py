@@ -22,6 +22,7 @@ from ground.jobs import JobContext
 from offsite.client import TOKEN_ENV, RemoteBackbone, connect
 from offsite.decode import check_offsite_method, decode_batch_remote
 from plugins.decode import warm_comparison
+from studio import backbone_menu as menus
 from studio.caches import LRU
 from studio.context import StudioContext
 from studio.gate import BackboneGate
@@ -115,6 +116,41 @@ class BackboneService:
         if url and not (token or os.environ.get(TOKEN_ENV)):
             raise UserError(f"Give the bearer token the model owner gave you (or set ${TOKEN_ENV} before starting "
                             f"the studio).")
+        with self._switching():
+            self.remote_url, self._remote_token = url, token
+        return self.status()
+
+    # --- the GPU's backbone menu (studio.backbone_menu) ------------------------------------------------------------
+    def backbone_menu(self) -> list[dict]:
+        """The backbones this studio offers to switch to: none without a GPU, or in multi-user mode (the operator's
+        ``--backbone`` is the whole studio's); each entry says whether it is the current one."""
+        if self.ctx.multi_user:
+            return []
+        current = resolve_name(self.backbone_name) if not self.remote_url else None
+        return [{**e, "current": e["name"] == current} for e in menus.backbone_menu(menus.cuda_memory_gib())]
+
+    def set_backbone(self, name: str, *, owner: str | None = None) -> dict:
+        """Single-user mode, on a GPU: switch to ``name``, one of ``backbone_menu()``'s, in its precision (the local
+        backbone again when a remote one was in use); it loads in the background (``status``). Refused while the
+        backbone loads or a job holds it. Memories and plug-ins stay bound to the backbone they were made with."""
+        self.ctx.owner(owner)
+        menu = self.backbone_menu()
+        if not menu:
+            raise UserError("Switching the backbone is offered on a GPU machine in single-user mode; start the "
+                            "studio with --backbone NAME instead.")
+        entry = menus.menu_entry(str(name or ""), menu)
+        if entry is None:
+            raise UserError(f"Not in this studio's backbone menu: {str(name)[:80]!r}; choose one of "
+                            f"{', '.join(e['name'] for e in menu)}.")
+        with self._switching():
+            self.backbone_name, self.dtype = entry["name"], entry["dtype"] or self.dtype
+            self.remote_url, self._remote_token = None, None
+        return self.status()
+
+    @contextmanager
+    def _switching(self):
+        """Drop the loaded backbone (its plug-ins and decode graphs) under the gate, let the body change what to
+        load, then load it in the background."""
         busy = (f"The backbone is busy ({self.gate.holder or 'a background job'}): switch when it finishes, or "
                 f"cancel it in the Plug-ins tab.")
         with self.gate.use(timeout=min(self.busy_timeout, 5.0), holder="switching the backbone", busy=busy):
@@ -126,13 +162,12 @@ class BackboneService:
             self.plugin_cache.clear()
             if old is not None and hasattr(old, "decoder"):  # its decode graphs hold it: let it go
                 RUNNERS.forget(old.decoder)
-            self.remote_url, self._remote_token = url, token
+            yield
             self._load.update(state="idle", progress=0.0, message="Not loaded", error="", started=None,
                               finished=None)
             if isinstance(old, RemoteBackbone):
                 old.client.close()
             self.load_backbone_async()
-        return self.status()
 
     # --- the backbone -------------------------------------------------------------------------------------------
     def load_backbone_async(self) -> None:

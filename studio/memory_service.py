@@ -20,6 +20,7 @@ from memories.corpora import CORPUS_TASKS, available_corpora, load_corpus
 from memories.parse import Sample, detect_format, parse_samples, parse_samples_strict
 from memories.profile import highlighted_target, memory_profile
 from memories.store import Memory
+from studio.backbone_menu import build_batch_size
 from studio.backbone_service import BackboneService
 from studio.caches import LRU
 from studio.context import StudioContext
@@ -167,11 +168,12 @@ class MemoryService:
                 mid = new_id("mem-")
                 job.log(f"Building memory {a['name']!r} from {len(samples)} samples ({a['mode']} mode)")
                 # the folder and its catalog row appear in one step (nothing to clean up after a failure)
-                capture = self.executor.capture(backbone_spec(self.backbone_svc)) if self.executor else None
+                batch = build_batch_size(self.backbone_svc.backbone_name)  # a GPU menu backbone's is larger
+                capture = self.executor.capture(backbone_spec(self.backbone_svc), batch) if self.executor else None
                 mem = build_memory(bb, samples, self.ctx.root / "memories" / mid,
                                    prompt=task_prompt(a["task"], bb), task=a["task"], mode=a["mode"],
                                    name=a["name"], progress=job.progress, should_stop=job.should_stop,
-                                   catalog=self.ctx.catalog.owned_by(job.owner),
+                                   catalog=self.ctx.catalog.owned_by(job.owner), batch_size=batch,
                                    # --executor ray: the capture sharded over Ray workers (studio.ray_executor)
                                    capture=capture)
             s = mem.summary()

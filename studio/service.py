@@ -66,8 +66,9 @@ class Studio:
     # for setting. Every name is defined by exactly one service (tests/test_studio_services.py checks it); code in
     # ``studio/`` calls the services directly.
     FORWARDED: dict[str, str] = {
-        **dict.fromkeys(("set_remote", "load_backbone_async", "status", "wait_ready", "backbone", "gate",
-                         "backbone_name", "backbone_cache", "device", "remote_url", "busy_timeout"), "backbone_svc"),
+        **dict.fromkeys(("set_remote", "set_backbone", "backbone_menu", "load_backbone_async", "status", "wait_ready",
+                         "backbone", "gate", "backbone_name", "backbone_cache", "device", "remote_url", "busy_timeout"),
+                        "backbone_svc"),
         **dict.fromkeys(("corpora", "preview", "submit_build", "memories", "memory_detail", "heldout_samples",
                          "delete_memory", "memory_profile", "memory_token", "transfer_check"), "memory_svc"),
         **dict.fromkeys(("methods", "training_estimate", "start_settings", "submit_train", "submit_continue",

@@ -112,6 +112,41 @@ def _remote_panel(studio, h: SimpleNamespace) -> None:
                        show_progress="hidden", api_visibility="private")
 
 
+BACKBONE_HELP = ("This machine has a GPU: besides the embedded backbones the studio offers larger models from the "
+                 "Hugging Face Hub, loaded in bfloat16 with memory builds of larger batches. The Gemma models are "
+                 "gated: accept their licence on the Hub and set `HF_TOKEN` before starting the studio. Memories and "
+                 "plug-ins belong to the backbone they were made with; switch back to use them again.")
+
+
+def backbone_choices(menu: list[dict]) -> tuple[list[tuple[str, str]], str | None]:
+    """The menu's dropdown choices (label, name) and the current backbone's name (None: not in the menu)."""
+    choices = [(f"{e['label']}" + (f" · {e['parameters']}" if e.get("parameters") else "") + f" ({e['name']})",
+                e["name"]) for e in menu]
+    return choices, next((e["name"] for e in menu if e.get("current")), None)
+
+
+def _backbone_panel(studio, h: SimpleNamespace) -> None:
+    """On a GPU, single-user mode: switch to a larger backbone (``studio.backbone_menu``); hidden without one."""
+    menu = studio.backbone_menu()
+    choices, current = backbone_choices(menu)
+    with gr.Accordion("Backbone (GPU)", open=False, visible=bool(menu), elem_id="pema-backbone-menu"):
+        gr.Markdown(BACKBONE_HELP, elem_classes=["pema-help"])
+        with gr.Row(equal_height=True):
+            choice = gr.Dropdown(choices, value=current, label="Backbone", scale=4, elem_id="backbone-choice")
+            load = gr.Button("Load", variant="primary", size="sm", scale=0, min_width=90, elem_id="backbone-load")
+        msg = gr.HTML(elem_id="backbone-message")
+
+    def on_load(name):
+        try:
+            st = studio.set_backbone(name)
+        except UserError as e:
+            return gr.skip(), gr.skip(), f"<div class='pema-status err'>{render.esc(e)}</div>"
+        return (status_html(st), gr.Timer(active=True), f"<div class='pema-help'>Loading {render.esc(name)}: the "
+                f"header shows its progress. Reopen a tab to refresh its lists.</div>")
+
+    load.click(on_load, [choice], [h.status, h.status_timer, msg], show_progress="hidden", api_visibility="private")
+
+
 def _tabs(studio) -> SimpleNamespace:
     """The workspace tabs (each a ``gr.Tab`` and what its builder returns)."""
     t = SimpleNamespace()
@@ -204,6 +239,7 @@ def build_app(studio) -> gr.Blocks:
     with gr.Blocks(title="PEMA Studio", analytics_enabled=False, delete_cache=(3600, 86400)) as demo:
         h = _header(studio)
         _remote_panel(studio, h)
+        _backbone_panel(studio, h)
         t = _tabs(studio)
         api.register(studio)
 

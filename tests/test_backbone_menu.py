@@ -1,0 +1,93 @@
+"""The GPU's backbone menu (``studio.backbone_menu``, ``BackboneService.set_backbone``, the header's panel) on the
+CPU, with CUDA's presence replaced: no menu without a GPU or in multi-user mode; on a GPU the embedded backbones and
+the larger Hub ones that fit its memory, each with its precision and build batch; switching refuses what the menu
+does not offer and loads the chosen one by its Hub id (unreachable here: the load fails with the reason)."""
+from __future__ import annotations
+
+import pytest
+
+from ground.errors import UserError
+from studio import backbone_menu as menus
+
+
+def test_no_gpu_no_menu():
+    assert menus.backbone_menu(None) == []
+
+
+def test_a_gpu_offers_gemma_3_1b_in_bfloat16_with_larger_build_batches():
+    menu = {e["name"]: e for e in menus.backbone_menu(80.0)}
+    assert {"gemma-3-270m", "smollm2-135m-instruct", "google/gemma-3-1b-pt", "google/gemma-3-1b-it"} <= set(menu)
+    one_b = menu["google/gemma-3-1b-pt"]
+    assert one_b["hub"] and one_b["dtype"] == "bfloat16" and one_b["build_batch_size"] == 32
+    assert not menu["gemma-3-270m"]["hub"] and menu["gemma-3-270m"]["build_batch_size"] == 8
+    assert menus.build_batch_size("google/gemma-3-1b-it") == 32
+    assert menus.build_batch_size("gemma") == menus.build_batch_size("tiny") == 8
+
+
+def test_a_small_gpu_offers_only_what_fits():
+    names = [e["name"] for e in menus.backbone_menu(4.0)]
+    assert "gemma-3-270m" in names and not any(n.startswith("google/") for n in names)
+
+
+@pytest.fixture()
+def studio(tmp_path, monkeypatch):
+    from studio.service import Studio
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub path is kept but cannot be reached here
+    st = Studio(tmp_path / "data", backbone="tiny")
+    assert st.wait_ready(60)
+    yield st
+    st.close()
+
+
+def test_the_studio_offers_the_menu_only_on_a_gpu(studio, monkeypatch):
+    monkeypatch.setattr(menus, "cuda_memory_gib", lambda: None)
+    assert studio.backbone_menu() == []
+    with pytest.raises(UserError, match="offered on a GPU machine"):
+        studio.set_backbone("google/gemma-3-1b-pt")
+    monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
+    menu = studio.backbone_menu()
+    assert "google/gemma-3-1b-pt" in [e["name"] for e in menu] and not any(e["current"] for e in menu)
+    with pytest.raises(UserError, match="Not in this studio's backbone menu"):
+        studio.set_backbone("someone/huge-model")
+    assert studio.status()["ready"] and studio.backbone_name == "tiny"  # a refusal changes nothing
+
+
+def test_switching_loads_the_hub_backbone_in_its_precision(studio, monkeypatch):
+    monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
+    studio.set_backbone("google/gemma-3-1b-pt")
+    assert studio.backbone_name == "google/gemma-3-1b-pt" and studio.backbone_svc.dtype == "bfloat16"
+    assert not studio.wait_ready(120)  # offline here: the Hub id cannot load, and the header says why
+    st = studio.status()
+    assert st["state"] == "failed" and "google/gemma-3-1b-pt" in st["message"]
+    assert [e["name"] for e in studio.backbone_menu() if e["current"]] == ["google/gemma-3-1b-pt"]
+
+
+def test_a_hosted_studio_has_no_menu(tmp_path, monkeypatch):
+    from studio.service import Studio
+
+    monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
+    st = Studio(tmp_path / "hosted", backbone="tiny", multi_user=True, load=False, start_jobs=False)
+    try:
+        assert st.backbone_menu() == []
+        with pytest.raises(UserError):
+            st.set_backbone("google/gemma-3-1b-pt", owner="someone")
+    finally:
+        st.close()
+
+
+def _visible(demo, elem_id: str) -> bool:
+    block = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == elem_id)
+    return bool(block.visible)
+
+
+def test_the_header_shows_the_menu_only_on_a_gpu(studio, monkeypatch):
+    from ui.app import backbone_choices, build_app
+
+    monkeypatch.setattr(menus, "cuda_memory_gib", lambda: None)
+    assert not _visible(build_app(studio), "pema-backbone-menu")
+    monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
+    assert _visible(build_app(studio), "pema-backbone-menu")
+    choices, current = backbone_choices(studio.backbone_menu())
+    assert ("Gemma 3 1B (pre-trained), multilingual · 1.0B (google/gemma-3-1b-pt)", "google/gemma-3-1b-pt") in choices
+    assert current is None  # the tiny test backbone is not on the menu
