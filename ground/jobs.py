@@ -31,6 +31,7 @@ leaves nothing half-made behind.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import traceback
@@ -49,11 +50,30 @@ INTERRUPTED_MESSAGE = "Interrupted: the app stopped while this job was running. 
 READ_ONLY_MESSAGE = ("This studio cannot run jobs: another PEMA Studio process owns its data directory and runs "
                      "its jobs. Use that studio, or stop it and restart this one.")
 
+def finite(obj, depth: int = 0):
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no such numbers: a browser's
+    ``JSON.parse`` refuses them), however deeply nested."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if depth > 64:
+        return obj
+    if isinstance(obj, dict):
+        return {k: finite(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v, depth + 1) for v in obj]
+    return obj
+
+
+def dumps(obj) -> str:
+    """A job column's JSON: standard JSON only (no NaN, no Infinity)."""
+    return json.dumps(finite(obj), default=str, allow_nan=False)
+
+
 def _loads(text: str | None, default):
     if not text:
         return default
     try:
-        return json.loads(text)
+        return finite(json.loads(text))
     except (TypeError, ValueError):
         return default
 
@@ -94,7 +114,7 @@ class JobContext:
             frac = float(frac)
         except (TypeError, ValueError):
             frac = self._progress
-        self._progress = min(1.0, max(0.0, frac))
+        self._progress = min(1.0, max(0.0, frac)) if math.isfinite(frac) else self._progress
         if message:
             self._message = str(message)
             # log the first message of a phase and then at most one line every 2 s
@@ -145,7 +165,7 @@ class JobContext:
             return
         self._last_write, self._dirty = now, False
         self.queue._update(self.id, progress=round(self._progress, 4), message=self._message[:500],
-                           log="\n".join(self._log), metrics=json.dumps(self._metrics))
+                           log="\n".join(self._log), metrics=dumps(self._metrics))
 
 
 Handler = Callable[[JobContext], dict | None]
@@ -264,24 +284,39 @@ class JobQueue:
         now = time.time()
         # created is made strictly increasing so that FIFO order is exact even within one clock tick
         with self._claim:
-            if self.max_per_owner and self.count(("queued", "running"), owner) >= self.max_per_owner:
-                raise UserError(f"You already have {self.max_per_owner} jobs queued or running (the limit per "
-                                f"user); wait for one to finish or cancel one (the studio's operator sets the limit "
-                                f"with --limit jobs_per_owner=… or $PEMA_LIMIT_JOBS_PER_OWNER).")
-            if self.max_total and self.count(("queued", "running")) >= self.max_total:
-                raise UserError(f"The studio's job queue is full ({self.max_total} jobs queued or running); try "
-                                f"again in a few minutes (the studio's operator sets the limit with --limit "
-                                f"jobs_total=… or $PEMA_LIMIT_JOBS_TOTAL).")
+            self.check_room(owner)
             last = next(iter(self.catalog.db.query("select max(created) as m from jobs")), {}).get("m") or 0
             created = max(now, last + 1e-6)
             self.catalog.db["jobs"].insert({
-                "id": jid, "kind": kind, "args": json.dumps(args or {}, default=str), "state": "queued",
+                "id": jid, "kind": kind, "args": dumps(args or {}), "state": "queued",
                 "progress": 0.0, "message": "Waiting for a worker", "log": "", "error": "", "result": "",
                 "metrics": "[]", "created": created, "started": None, "finished": None, "cancel": 0,
                 "owner": owner})
         with self._wake:
             self._wake.notify_all()
         return jid
+
+    def check_room(self, owner: str, jobs: int = 1) -> None:
+        """Refuse (a UserError) when ``jobs`` more jobs of ``owner`` would pass the bound per owner or overall."""
+        if self.max_per_owner and self.count(("queued", "running"), owner) + jobs > self.max_per_owner:
+            raise UserError(f"You already have {self.count(('queued', 'running'), owner)} jobs queued or running "
+                            f"and this needs {jobs} more (the limit per user is {self.max_per_owner}); wait for "
+                            f"one to finish or cancel one (the studio's operator sets the limit with --limit "
+                            f"jobs_per_owner=… or $PEMA_LIMIT_JOBS_PER_OWNER)." if jobs > 1 else
+                            f"You already have {self.max_per_owner} jobs queued or running (the limit per "
+                            f"user); wait for one to finish or cancel one (the studio's operator sets the limit "
+                            f"with --limit jobs_per_owner=… or $PEMA_LIMIT_JOBS_PER_OWNER).")
+        if self.max_total and self.count(("queued", "running")) + jobs > self.max_total:
+            raise UserError(f"The studio's job queue is full ({self.max_total} jobs queued or running); try "
+                            f"again in a few minutes (the studio's operator sets the limit with --limit "
+                            f"jobs_total=… or $PEMA_LIMIT_JOBS_TOTAL).")
+
+    def discard(self, job_id: str) -> bool:
+        """Remove a job that has not started, as if it had never been submitted (part of a request that was then
+        refused); False when it has started already (cancel it instead)."""
+        with self._claim, self.catalog.transaction() as conn:
+            gone = conn.execute("delete from jobs where id = ? and state = 'queued'", [job_id]).rowcount
+        return bool(gone)
 
     def count(self, states: tuple[str, ...], owner: str | None = None) -> int:
         where = f"state in ({','.join('?' * len(states))})"
@@ -407,7 +442,7 @@ class JobQueue:
         try:
             handler = self.handlers[job["kind"]]
             result = handler(ctx)
-            fields = {"state": "done", "progress": 1.0, "result": json.dumps(result or {}, default=str),
+            fields = {"state": "done", "progress": 1.0, "result": dumps(result or {}),
                       "message": (result or {}).get("message") or "Done"}
             ctx._append_log(fields["message"])
         except Cancelled:

@@ -486,6 +486,27 @@ class Catalog:
         rows = list(self.db["comparisons"].rows_where("id = ?", [cid]))
         return json.loads(rows[0]["payload"]) if rows else None
 
+    def shares(self, owner: str, limit: int = 1000) -> list[dict]:
+        """The owner's shared comparisons and leaderboards, newest first: id, created, backbone and what it is
+        (``kind``: "comparison" or "leaderboard"; ``source``: a comparison's input), never another owner's."""
+        out = []
+        for r in self.db["comparisons"].rows_where("owner = ?", [owner], order_by="created desc", limit=limit):
+            try:
+                p = json.loads(r["payload"])
+            except ValueError:
+                p = {}
+            p = p if isinstance(p, dict) else {}
+            out.append({"id": r["id"], "created": r["created"], "backbone": r["backbone"],
+                        "kind": "leaderboard" if p.get("kind") == "leaderboard" else "comparison",
+                        "source": p.get("source") if isinstance(p.get("source"), str) else ""})
+        return out
+
+    def delete_comparison(self, cid: str, owner: str) -> bool:
+        """Delete one of the owner's shares (its link stops working at once); False when the owner has no such
+        share (another owner's reads as nonexistent)."""
+        with self.transaction() as conn:
+            return bool(conn.execute("delete from comparisons where id = ? and owner = ?", [cid, owner]).rowcount)
+
 
 class OwnedCatalog:
     """A catalog seen by one owner when registering: rows added through it carry ``owner``; everything else is the

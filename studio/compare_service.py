@@ -567,6 +567,21 @@ class CompareService:
             p = self._neutral_v1(p)
         return p
 
+    def shares(self, *, owner: str | None = None) -> list[dict]:
+        """The owner's shares (comparisons and leaderboards), newest first, with their links."""
+        return [{**r, "link": f"/share/?c={r['id']}"} for r in self.ctx.catalog.shares(self.ctx.owner(owner))]
+
+    def delete_share(self, share_id: str, *, owner: str | None = None) -> str:
+        """Delete one of the owner's shares: its link stops working at once, and it no longer counts against
+        ``shares_per_owner``. Another owner's share reads as nonexistent."""
+        owner = self.ctx.owner(owner)
+        if not isinstance(share_id, str) or not share_id.strip() or len(share_id) > 100:
+            raise UserError("Give the id of one of your shares (the part after ?c= in its link).")
+        sid = share_id.strip().rsplit("c=", 1)[-1]
+        if not self.ctx.catalog.delete_comparison(sid, owner):
+            raise UserError(f"You have no share {sid!r}.")
+        return f"Deleted the share {sid}; its link no longer works."
+
     def _neutral_v1(self, p: dict) -> dict:
         """A version-1 share without what version 2 no longer stores (reference, prompt template) and with neutral
         row labels instead of the plug-ins' names."""

@@ -1,7 +1,8 @@
 """What every studio service shares, handed to each through its constructor (``studio.service.Studio`` builds it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ground.errors import UserError
@@ -23,6 +24,8 @@ class StudioContext:
     jobs: JobQueue
     multi_user: bool = False
     read_only: bool = False
+    # held from a request's quota checks to its job's queuing, so that concurrent requests are counted one by one
+    admission: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def root(self) -> Path:
@@ -37,3 +40,14 @@ class StudioContext:
         if not isinstance(owner, str):
             raise TypeError(f"owner must be a string, not {type(owner).__name__}")
         return owner
+
+    def plugins_in_flight(self, owner: str) -> int:
+        """Plug-ins the owner's queued or running jobs will add: one per training, one per method a ranking trains
+        (counted when it was admitted: ``args["to_train"]``)."""
+        jobs = self.jobs.list(kinds=("train_plugin", "rank"), states=("queued", "running"), owner=owner, limit=1000)
+        return sum(1 if j["kind"] == "train_plugin" else int((j.get("args") or {}).get("to_train") or 0)
+                   for j in jobs)
+
+    def memories_in_flight(self, owner: str) -> int:
+        """Memories the owner's queued or running builds will add."""
+        return len(self.jobs.list(kinds=("build_memory",), states=("queued", "running"), owner=owner, limit=1000))

@@ -3,8 +3,10 @@ runs them; each service submits its own kinds and registers their handlers)."""
 from __future__ import annotations
 
 from ground.errors import UserError
+from ground.jobs import finite
 from studio.context import StudioContext
 from studio.job_status import job_timing, training_status
+from studio.limits import check_number
 
 
 class JobService:
@@ -21,7 +23,7 @@ class JobService:
         res = j.get("result") if isinstance(j.get("result"), dict) else None
         if j["kind"] == "train_plugin" and res and "metrics" in res:
             out["training"] = res.get("training") or training_status(res["metrics"])
-        return out
+        return finite(out)  # standard JSON only: no NaN or Infinity reaches a client
 
     def job(self, job_id: str, *, owner: str | None = None) -> dict:
         """One of the owner's jobs (another owner's job reads as nonexistent)."""
@@ -33,8 +35,8 @@ class JobService:
     def list_jobs(self, kinds: tuple[str, ...] | None = None, limit: int = 30, *, owner: str | None = None,
                   states: tuple[str, ...] | None = None) -> list[dict]:
         """The owner's latest jobs, newest first."""
-        return [self.public_job(j) for j in self.ctx.jobs.list(kinds=kinds, states=states,
-                                                               limit=max(1, min(int(limit or 30), 200)),
+        limit = check_number(30 if limit is None else limit, "limit", 0, 200, integer=True) or 30
+        return [self.public_job(j) for j in self.ctx.jobs.list(kinds=kinds, states=states, limit=limit,
                                                                owner=self.ctx.owner(owner))]
 
     def cancel_job(self, job_id: str, *, owner: str | None = None) -> dict:

@@ -27,7 +27,7 @@ from ground.text import check_name, check_text, describe_char
 
 ENV_PREFIX = "PEMA_LIMIT_"
 QUOTAS = ("memories_per_owner", "plugins_per_owner", "shares_per_owner", "jobs_per_owner", "uploads_per_owner",
-          "queued_per_owner")
+          "queued_per_owner", "tours_per_owner")
 RATES = {"compares_per_minute": "comparisons", "evaluations_per_minute": "evaluations"}  # bound: what it counts
 RATE_WINDOW_S = 60.0
 
@@ -56,6 +56,9 @@ class Limits:
     upload_bytes_total: int = 1_000_000_000  # bytes of all such uploads together
     queue_size: int = 256              # page events and API calls waiting in the queue overall
     queued_per_owner: int = 16         # of those, per owner (one caller cannot fill the queue for all)
+    sessions: int = 200                # browser sessions whose page state each app keeps (least recently used out)
+    tours_per_owner: int = 1           # first-run tours queued or running per owner
+    tours_total: int = 2               # first-run tours queued or running overall
 
     def __post_init__(self):
         # not a field: the per-owner windows of the rate limits (a fresh, empty set for every Limits object)
@@ -175,6 +178,26 @@ class RateWindows:
                 for key in [k for k, c in self._calls.items() if not c or c[-1] <= now - self.window]:
                     del self._calls[key]
             return 0.0
+
+
+def check_number(value, name: str, low: float, high: float, *, integer: bool = False) -> int | float:
+    """A numeric argument as sent: a finite number (never a bool, NaN or Infinity), whole when ``integer``, within
+    ``[low, high]``; returned as int or float, else a UserError naming the argument and its range."""
+    kind = "a whole number" if integer else "a number"
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise UserError(f"{name} must be {kind} from {_n(low)} to {_n(high)}, not {value[:40]!r}.") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{name} must be {kind} from {_n(low)} to {_n(high)}, not {type(value).__name__}.")
+    if not math.isfinite(value):
+        raise UserError(f"{name} must be a finite number (from {_n(low)} to {_n(high)}), not {value}.")
+    if integer and value != int(value):
+        raise UserError(f"{name} must be a whole number, not {value}.")
+    if not low <= value <= high:
+        raise UserError(f"{name} must be from {_n(low)} to {_n(high)}, not {_n(value)}.")
+    return int(value) if integer else float(value)
 
 
 def _control(ch: str) -> bool:

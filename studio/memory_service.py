@@ -113,9 +113,7 @@ class MemoryService:
         name = self.ctx.limits.check_name(name, "memory name")
         if filename is not None and not isinstance(filename, str):
             raise UserError("The file name must be text.")
-        pending = len(self.ctx.jobs.list(kinds=("build_memory",), states=("queued", "running"), owner=owner))
-        self.ctx.limits.check_quota("memories_per_owner", self.ctx.catalog.count("memories", owner) + pending,
-                                "memories (with the builds under way)")
+        self.memory_quota(owner)
         if task not in TASKS:
             raise UserError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)}.")
         if mode not in ("teacher", "offsite"):
@@ -142,11 +140,18 @@ class MemoryService:
                         skip_invalid=bool(skip_invalid), name=args["name"] or stem)
         args["count"] = len(samples)
         try:
-            return self.ctx.jobs.submit("build_memory", args, owner=owner)
+            with self.ctx.admission:  # checked again with the job's queuing: concurrent builds count one by one
+                self.memory_quota(owner)
+                return self.ctx.jobs.submit("build_memory", args, owner=owner)
         except BaseException:  # e.g. the job queue is full: no upload left behind
             if args.get("upload"):
                 Path(args["upload"]).unlink(missing_ok=True)
             raise
+
+    def memory_quota(self, owner: str, more: int = 1) -> None:
+        """Refuse ``more`` memories beyond the owner's quota, counting the builds queued or running."""
+        self.ctx.limits.check_quota("memories_per_owner", self.ctx.catalog.count("memories", owner) + more - 1
+                                    + self.ctx.memories_in_flight(owner), "memories (with the builds under way)")
 
     def job_build(self, job: JobContext) -> dict:
         a = job.args

@@ -27,6 +27,7 @@ from studio.caches import LRU
 from studio.context import StudioContext
 from studio.downloads import Downloads
 from studio.job_status import training_status
+from studio.limits import check_number
 from studio.memory_service import MemoryService
 from studio.packages import unpack_zip, zip_folder
 
@@ -46,6 +47,12 @@ def calibration_share(method: str, config: dict, backbone_name: str, memory) -> 
         est = {}
     train_s = float(est.get("converge_s") or 30.0)
     return max(0.05, min(0.95, train_s / (train_s + TYPICAL_SECONDS)))
+
+
+# Declared ranges of a calibration's budgets (0: the defaults): a held-out split has at most a few thousand samples,
+# and an hour of the shared CPU is already far more than the grid needs (BENCHMARKS, per-memory calibration).
+CALIBRATE_MAX_SAMPLES = 5000
+CALIBRATE_MAX_SECONDS = 3600.0
 
 
 class PluginService:
@@ -114,9 +121,7 @@ class PluginService:
             raise UserError("Choose a memory to train on.")
         self.memory_svc.memory_row(memory_id, owner)
         name = self.ctx.limits.check_name(name, "plug-in name")
-        pending = len(self.ctx.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
-        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + pending,
-                                "plug-ins (with the trainings under way)")
+        self.plugin_quota(owner)
         if isinstance(config, str):
             try:
                 config = json.loads(config or "{}")
@@ -128,8 +133,10 @@ class PluginService:
             raise UserError(f"Unknown method {method!r}; choose one of {', '.join(sorted(available_methods()))}.")
         self.backbone_svc.check_offsite(method)  # a remote backbone: output-level methods only, with the reason
         cfg = make_config(method, config or {}).to_dict()
-        return self.ctx.jobs.submit("train_plugin", {"memory_id": memory_id, "method": method, "config": cfg,
-                                                 "name": name}, owner=owner)
+        with self.ctx.admission:
+            self.plugin_quota(owner)
+            return self.ctx.jobs.submit("train_plugin", {"memory_id": memory_id, "method": method, "config": cfg,
+                                                         "name": name}, owner=owner)
 
     def submit_continue(self, plugin_id: str, config: dict | None = None, name: str = "", *,
                         owner: str | None = None) -> str:
@@ -154,15 +161,22 @@ class PluginService:
         if bad:
             raise UserError(f"Continuing can change only {', '.join(CONTINUE_SETTINGS)}; not {', '.join(bad)}.")
         name = self.ctx.limits.check_name(name, "plug-in name") or f"{row['name']} (continued)"
-        pending = len(self.ctx.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner))
-        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + pending,
-                                "plug-ins (with the trainings under way)")
+        self.plugin_quota(owner)
         cfg_path = Path(row["path"]) / "plugin_config.json"
         old = json.loads(cfg_path.read_text(encoding="utf-8")).get("config", {}) if cfg_path.exists() else {}
         cfg = make_config(row["method"], {**old, **config}).to_dict()
-        return self.ctx.jobs.submit("train_plugin", {"memory_id": row["memory_id"], "method": row["method"],
-                                                 "config": cfg, "name": name, "continue_from": plugin_id},
-                                owner=owner)
+        with self.ctx.admission:
+            self.plugin_quota(owner)
+            return self.ctx.jobs.submit("train_plugin", {"memory_id": row["memory_id"], "method": row["method"],
+                                                         "config": cfg, "name": name, "continue_from": plugin_id},
+                                        owner=owner)
+
+    def plugin_quota(self, owner: str, more: int = 1) -> None:
+        """Refuse ``more`` plug-ins beyond the owner's quota, counting those the queued or running trainings and
+        rankings will add (``StudioContext.plugins_in_flight``)."""
+        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + more - 1
+                                    + self.ctx.plugins_in_flight(owner),
+                                    "plug-ins (with the trainings and rankings under way)")
 
     def _continue_train(self, job: JobContext, bb, mem, cls) -> tuple:
         """Load the plug-in to continue (a fresh copy: the cached one may be decoding), resume, save a new one."""
@@ -292,14 +306,12 @@ class PluginService:
             raise UserError(f"{cls.title} does not mix distributions; there is nothing to calibrate.")
         self.memory_svc.memory_row(row["memory_id"], owner)
         args: dict = {"plugin_id": row["id"]}
-        for key, v, kind in (("max_samples", max_samples, int), ("max_seconds", max_seconds, float)):
-            if v not in (None, "", 0):
-                try:
-                    args[key] = kind(v)
-                except (TypeError, ValueError):
-                    raise UserError(f"{key} must be a number.") from None
-                if args[key] <= 0:
-                    raise UserError(f"{key} must be positive.")
+        for key, v, high, whole in (("max_samples", max_samples, CALIBRATE_MAX_SAMPLES, True),
+                                    ("max_seconds", max_seconds, CALIBRATE_MAX_SECONDS, False)):
+            if v is not None and not (isinstance(v, str) and not v.strip()):
+                v = check_number(v, key, 0, high, integer=whole)
+                if v:  # 0: the default
+                    args[key] = v
         return self.ctx.jobs.submit("calibrate_plugin", args, owner=owner)
 
     def job_calibrate(self, job: JobContext) -> dict:
@@ -417,7 +429,7 @@ class PluginService:
         if self.ctx.read_only:
             raise UserError("This studio is read-only (another process owns its data directory); import there.")
         name = self.ctx.limits.check_name(name, "plug-in name")
-        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner), "plug-ins")
+        self.plugin_quota(owner)
         with tempfile.TemporaryDirectory(prefix="pema-import-") as tmp:
             if isinstance(upload, (bytes, bytearray)):
                 data = Path(tmp) / "upload.zip"
@@ -429,7 +441,7 @@ class PluginService:
             pkg = unpack_zip(data, Path(tmp) / "package", self.ctx.limits.upload_bytes)
             manifest = check_package(pkg)
             if manifest.get("datastore"):
-                self.ctx.limits.check_quota("memories_per_owner", self.ctx.catalog.count("memories", owner), "memories")
+                self.memory_svc.memory_quota(owner)
             row = import_plugin(str(pkg), self.backbone_svc.backbone, self.ctx.catalog.owned_by(owner), name=name)
         return next(p for p in self.plugins(owner=owner) if p["id"] == row["id"])
 

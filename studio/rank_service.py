@@ -25,6 +25,7 @@ from studio.backbone_service import BackboneService
 from studio.caches import LRU
 from studio.context import StudioContext
 from studio.evaluate_service import read_test_pairs
+from studio.limits import hint
 from studio.memory_service import MemoryService
 from studio.payload import json_safe
 from studio.ray_executor import RankTrainer, backbone_spec
@@ -105,11 +106,7 @@ class RankService:
             self.ctx.limits.check("eval_pairs", len(pairs), "The number of test pairs")
             args.update(pairs=pairs, data=test_filename or "uploaded test file")
         if corpus:
-            to_train = len(names)
-            self._rank_quota(owner, to_train)
-            build = self.memory_svc.submit_build(corpus=corpus, limit=corpus_limit or TOUR_LIMIT,
-                                                 name=f"{corpus} (tour)", owner=owner)
-            args.update(build_job=build)
+            return self._submit_tour(args, names, corpus, corpus_limit, owner)
         else:
             if not memory_id:
                 raise UserError("Choose a memory to rank the methods on.")
@@ -119,8 +116,40 @@ class RankService:
             to_train = sum(find_trained(self.ctx.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp) is None
                            for m in names)
             self._rank_quota(owner, to_train)
-            args.update(memory_id=memory_id)
-        return self.ctx.jobs.submit("rank", args, owner=owner)
+            args.update(memory_id=memory_id, to_train=to_train)
+        with self.ctx.admission:
+            self._rank_quota(owner, to_train)
+            return self.ctx.jobs.submit("rank", args, owner=owner)
+
+    def _submit_tour(self, args: dict, names: list[str], corpus: str, corpus_limit: int | None, owner: str) -> str:
+        """The first-run tour: a build of the demo corpus, then the ranking on it. Everything is checked before
+        anything is queued (tours per owner and overall, the plug-in and memory quotas counting the work in flight,
+        room for both jobs), and a build whose ranking is then refused goes again: a refused tour leaves nothing."""
+        args.update(to_train=len(names), tour=True)
+        with self.ctx.admission:
+            tours = [j for j in self.ctx.jobs.list(kinds=("rank",), states=("queued", "running"), limit=1000)
+                     if (j.get("args") or {}).get("tour")]
+            limits = self.ctx.limits
+            mine = sum(j.get("owner") == owner for j in tours)
+            if limits.tours_per_owner and mine >= limits.tours_per_owner:
+                raise UserError(f"Your first-run tour is already under way ({mine} queued or running; the limit "
+                                f"per user is {limits.tours_per_owner}); follow it in the Jobs list "
+                                f"({hint('tours_per_owner')}).")
+            if limits.tours_total and len(tours) >= limits.tours_total:
+                raise UserError(f"{len(tours)} first-run tours are under way on this studio (the limit is "
+                                f"{limits.tours_total}); try again in a few minutes, or rank the methods on a memory "
+                                f"of your own ({hint('tours_total')}).")
+            self._rank_quota(owner, len(names))
+            self.memory_svc.memory_quota(owner)
+            self.ctx.jobs.check_room(owner, 2)
+            build = self.memory_svc.submit_build(corpus=corpus, limit=corpus_limit or TOUR_LIMIT,
+                                                 name=f"{corpus} (tour)", owner=owner)
+            try:
+                return self.ctx.jobs.submit("rank", {**args, "build_job": build}, owner=owner)
+            except BaseException:
+                if not self.ctx.jobs.discard(build):
+                    self.ctx.jobs.cancel(build, owner)
+                raise
 
     def _rank_methods(self, methods) -> list[str]:
         if methods is not None and not isinstance(methods, (list, tuple)):
@@ -130,9 +159,12 @@ class RankService:
         return wanted_methods([m for m in methods or [] if m and m != "base"] or None)
 
     def _rank_quota(self, owner: str, to_train: int) -> None:
-        # one check for all the plug-ins it trains (check_quota refuses one more when ``have`` reaches the bound)
-        self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + to_train - 1,
-                                "plug-ins (with the ones this ranking trains)")
+        # one check for all the plug-ins it trains (check_quota refuses one more when ``have`` reaches the bound),
+        # counting those the owner's queued or running trainings and rankings will add
+        if to_train:
+            self.ctx.limits.check_quota("plugins_per_owner", self.ctx.catalog.count("plugins", owner) + to_train - 1
+                                        + self.ctx.plugins_in_flight(owner),
+                                        "plug-ins (with the ones this ranking and the jobs under way train)")
 
     def rank_estimate(self, memory_id: str | None = None, *, corpus: str | None = None,
                       corpus_limit: int | None = None, methods: list[str] | None = None,

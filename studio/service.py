@@ -76,7 +76,7 @@ class Studio:
                          "import_plugin_zip"), "plugin_svc"),
         **dict.fromkeys(("job", "list_jobs", "cancel_job"), "job_svc"),
         **dict.fromkeys(("compare", "compare_stream", "cancel_compare", "compare_several", "recent", "neighbours",
-                         "attention", "share_labels", "share", "shared"), "compare_svc"),
+                         "attention", "share_labels", "share", "shared", "shares", "delete_share"), "compare_svc"),
         **dict.fromkeys(("neighbour_map",), "map_svc"),
         **dict.fromkeys(("submit_evaluate", "results_csv", "outputs_csv", "evaluation_files"), "eval_svc"),
         **dict.fromkeys(("submit_rank", "rank_estimate", "leaderboard", "best_methods", "share_leaderboard",

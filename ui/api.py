@@ -12,10 +12,16 @@ the browser's cookie; another owner's memory, plug-in, job or comparison reads a
 
 Note: no ``from __future__ import annotations`` here — ``gr.api`` reads the real type hints.
 """
+import inspect
+import json
+import typing
 from typing import Optional
 
 import gradio as gr
 
+from ground.errors import UserError
+from studio.limits import check_number
+from studio.plugin_service import CALIBRATE_MAX_SAMPLES, CALIBRATE_MAX_SECONDS
 from studio.rank_service import TOUR_CORPUS
 from ui.common import owner_of, user_errors
 
@@ -24,9 +30,87 @@ _api = user_errors  # API endpoints report a UserError as the same Gradio error 
 
 NAMES = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
          "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate", "calibrate", "rank",
-         "leaderboard", "share_leaderboard"]
+         "leaderboard", "share_leaderboard", "shares", "delete_share"]
 # Named events of a tab that are API endpoints too (files in and out: ui/plugins.py's Export / Import block)
 TAB_NAMES = ["export_plugin", "import_plugin"]
+
+
+# The declared range of every numeric argument ("endpoint.argument": (lowest, highest), inclusive); the server
+# refuses a call outside it (or with a number that is not finite), naming the argument, before anything runs.
+# Bounds an operator sets (Limits: max_new_tokens, beams, eval_pairs, ...) are checked again by the service.
+RANGES = {"preview.limit": (0, 20_000), "build.limit": (0, 20_000), "jobs.limit": (0, 200),
+          "calibrate.max_samples": (0, CALIBRATE_MAX_SAMPLES), "calibrate.max_seconds": (0, CALIBRATE_MAX_SECONDS),
+          "compare.max_new_tokens": (1, 4096), "compare.num_beams": (1, 64), "compare.no_repeat_ngram": (0, 64),
+          "share.layer": (-1, 4096), "evaluate.limit": (0, 100_000), "evaluate.no_repeat_ngram": (0, 64)}
+# What the items of each list argument are: names (text), or numbers within a range.
+ITEMS = {"compare.methods": str, "evaluate.methods": str, "rank.methods": str, "evaluate.lambdas": (0.0, 1.0)}
+MAX_ITEMS = 256  # items of one list argument
+
+
+def _kind(annotation) -> tuple[type | None, bool]:
+    """(the argument's type, whether null is allowed) from its type hint."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and len(args) == 1:
+        return _kind(args[0])[0], True
+    return (annotation if isinstance(annotation, type) else None), False
+
+
+def check_arguments(fn, api_name: str, data: list) -> str | None:
+    """Why a call of the API endpoint ``fn`` with ``data`` (its positional arguments, as sent) must be refused, or
+    None: every argument of the type its hint declares (text, a whole number, a number, true/false, a list, an
+    object; null only where the hint allows it), every number finite and in its declared range (``RANGES``), the
+    items of a list argument of their declared kind (``ITEMS``)."""
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.annotation is not gr.Request and p.name != "request"]
+    for p, value in zip(params, data):
+        kind, nullable = _kind(p.annotation)
+        key = f"{api_name}.{p.name}"
+        where = f"The argument {p.name!r} of /{api_name}"
+        if value is None:
+            if nullable or p.default is None or kind is str:
+                continue
+            return f"{where} must not be null."
+        if kind is bool:
+            if not isinstance(value, bool):
+                return f"{where} must be true or false, not {_shown(value)}."
+        elif kind in (int, float):
+            low, high = RANGES.get(key, (-1e15, 1e15))
+            if isinstance(value, str):
+                return f"{where} must be a number from {low:,} to {high:,}, not {_shown(value)}."
+            try:
+                check_number(value, p.name, low, high, integer=kind is int)
+            except UserError as e:
+                return f"{where}: {e}"
+        elif kind is str:
+            if not isinstance(value, str):
+                return f"{where} must be text, not {_shown(value)}."
+        elif kind is list:
+            if not isinstance(value, list):
+                return f"{where} must be a list, not {_shown(value)}."
+            if len(value) > MAX_ITEMS:
+                return f"{where} has {len(value)} items; at most {MAX_ITEMS}."
+            items = ITEMS.get(key)
+            for i, item in enumerate(value):
+                if items is str and not isinstance(item, str):
+                    return f"{where} must be a list of names (text); item {i + 1} is {_shown(item)}."
+                if isinstance(items, tuple):
+                    try:
+                        if isinstance(item, str):
+                            raise UserError(f"item {i + 1} must be a number, not {_shown(item)}.")
+                        check_number(item, f"item {i + 1}", *items)
+                    except UserError as e:
+                        return f"{where}: {e}"
+        elif kind is dict:
+            if not isinstance(value, dict):
+                return f"{where} must be an object, not {_shown(value)}."
+    return None
+
+
+def _shown(value) -> str:
+    """What was sent, briefly, for a message (its JSON type and a short excerpt)."""
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "text", list: "a list", dict: "an object"}
+    text = json.dumps(value, allow_nan=True, default=str)
+    return f"{kind.get(type(value), type(value).__name__)} ({text[:40]}{'…' if len(text) > 40 else ''})"
 
 
 # Every endpoint runs in a bounded group: decoding one at a time with the page's comparisons, parsing samples one at
@@ -175,7 +259,18 @@ def _comparison_endpoints(studio) -> list:
         """The stored payload of a shared comparison."""
         return studio.shared(share_id)
 
-    return [compare, share, shared]
+    @_api
+    def shares(request: gr.Request = None) -> list:
+        """Your shares (comparisons and leaderboards), newest first: id, link, created, kind, the input."""
+        return studio.shares(owner=owner_of(studio, request))
+
+    @_api
+    def delete_share(share_id: str, request: gr.Request = None) -> dict:
+        """Delete one of your shares (its id, or its link): the link stops working at once and it no longer counts
+        against your limit of shares."""
+        return {"message": studio.delete_share(share_id, owner=owner_of(studio, request))}
+
+    return [compare, share, shared, shares, delete_share]
 
 
 def _evaluation_endpoints(studio) -> list:

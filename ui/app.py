@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from ground.errors import UserError
-from ui import api, compare, evaluate, memories, plugins, rank, render, shared
+from ui import api, compare, evaluate, memories, plugins, rank, render, shared, shares
 from ui.common import CSS, THEME, caller
 from ui.server import Served, serve
 
@@ -241,6 +241,7 @@ def build_app(studio) -> gr.Blocks:
         _remote_panel(studio, h)
         _backbone_panel(studio, h)
         t = _tabs(studio)
+        shares.build(studio)
         api.register(studio)
 
         def on_status():  # the header follows the backbone's loading

@@ -2,14 +2,58 @@
 
 Every builder returns a ``plotly.graph_objects.Figure``; with nothing to draw it returns :func:`empty` with a short
 message instead of raising, so a view never breaks on a missing trace field.
+
+One escaping rule for every figure (:func:`escape_figure`, applied by ``_layout``, which every builder ends with):
+Plotly draws titles, legends, axis labels and tick labels, annotations, trace text and hover labels as a small HTML
+dialect (links, styles, bold), and a user's text reaches all of them (memory, plug-in and share labels, tokens,
+sentences). Every text in a figure is escaped (``&``, ``<``, ``>``), so it is drawn as the characters it is. Hover
+templates are this module's own markup; a user's text reaches them only through ``%{…}`` fields (a trace's name,
+its ``customdata``), which are escaped like the rest.
 """
 from __future__ import annotations
 
+import html
+
+import numpy as np
 import plotly.graph_objects as go
 
 COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626", "#0891b2", "#ca8a04", "#db2777"]
 SOURCE_COLORS = {"P_LM": "#64748b", "plug-in": "#ea580c", "final": "#2563eb"}
 FONT = dict(family="system-ui, -apple-system, Segoe UI, sans-serif", size=12)
+
+
+# Plotly's own markup (``%{…}`` fields, <br>, <extra>): written here, never from a user's text
+TEMPLATE_KEYS = {"hovertemplate", "texttemplate", "template", "hovertemplatefallback", "texttemplatefallback"}
+
+
+def label(text) -> str:
+    """A user's text as Plotly must be given it to draw it as is: ``&``, ``<`` and ``>`` as entities."""
+    return html.escape("" if text is None else str(text), quote=False)
+
+
+def _escaped(value, key: str = ""):
+    if key in TEMPLATE_KEYS:
+        return value
+    if isinstance(value, str):
+        return label(value)
+    if isinstance(value, dict):
+        return {k: _escaped(v, k) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        return [_escaped(v) for v in value.tolist()] if value.dtype.kind in "OUS" else value
+    if isinstance(value, (list, tuple)):
+        return [_escaped(v) for v in value]
+    return value
+
+
+def escape_figure(fig: go.Figure) -> go.Figure:
+    """Escape every text of ``fig`` in place (see the module's docstring): each trace's and the layout's strings,
+    whatever property holds them; hover and text templates are left as written."""
+    for trace in fig.data:
+        props = {k: v for k, v in trace.to_plotly_json().items() if k not in ("type", "uid")}
+        trace.update(_escaped(props), overwrite=True)
+    layout = {k: v for k, v in fig.layout.to_plotly_json().items() if k != "template"}
+    fig.layout.update(_escaped(layout), overwrite=True)
+    return fig
 
 
 def _layout(fig: go.Figure, title: str = "", height: int = 300, **kw) -> go.Figure:
@@ -21,7 +65,7 @@ def _layout(fig: go.Figure, title: str = "", height: int = 300, **kw) -> go.Figu
                       template="plotly_white", height=height, font=FONT,
                       margin=dict(l=48, r=16, t=(64 if legend_line else 40) if title else 16, b=40),
                       legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1), **kw)
-    return fig
+    return escape_figure(fig)
 
 
 def empty(message: str = "Nothing to show yet", height: int = 300) -> go.Figure:
@@ -123,7 +167,7 @@ def token_bars(entry: dict | None, title: str = "") -> go.Figure:
         probs = {_tok(text): p for _, text, p in g}
         fig.add_trace(go.Bar(x=order, y=[probs.get(t, 0.0) for t in order], name=name,
                              marker_color=SOURCE_COLORS[name],
-                             hovertemplate="%{x}: %{y:.3f}<extra>" + name + "</extra>"))
+                             hovertemplate="%{x}: %{y:.3f}<extra>%{fullData.name}</extra>"))
     chosen = _tok(entry.get("text", ""))
     t = title or f"Top tokens at “{chosen}”" + (f" (λ={entry['lambda']:.2f})" if entry.get("lambda") is not None
                                                   else "")
@@ -314,7 +358,7 @@ def memory_map(profile: dict | None, token_id: int | None = None, title: str = "
             mine = [p for p, t in zip(pts, toks) if t == tid]
             x, y = _xy(mine)
             fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name=label, marker=dict(size=size, color=color),
-                                     hovertemplate=label + "<extra></extra>"))
+                                     hovertemplate="%{fullData.name}<extra></extra>"))
     else:
         others = [p for p, t in zip(pts, toks) if t != token_id]
         mine = [p for p, t in zip(pts, toks) if t == token_id]
@@ -327,7 +371,7 @@ def memory_map(profile: dict | None, token_id: int | None = None, title: str = "
             x, y = _xy(mine)
             fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name=f"“{label}”",
                                      marker=dict(size=9, color=HIGHLIGHT_COLOR, line=dict(color="white", width=1)),
-                                     hovertemplate=f"“{label}”<extra></extra>"))
+                                     hovertemplate="%{fullData.name}<extra></extra>"))
             # the centroid as a ring, so the token's own keys stay visible where they coincide with it
             cx, cy = sum(x) / len(x), sum(y) / len(y)
             fig.add_trace(go.Scatter(x=[cx], y=[cy], mode="markers", name="its centroid", hoverinfo="skip",
@@ -383,7 +427,7 @@ def neighbour_map(m: dict | None, title: str = "") -> go.Figure:
             customdata=[[n["rank"], _tok(n["token"]), n["distance"]] for n in group],
             hovertemplate="%{customdata[0]}. “%{customdata[1]}” distance %{customdata[2]:.3f}<extra></extra>"))
     q = m.get("query_label") or "query f(c)"
-    fig.add_trace(go.Scatter(x=[qx], y=[qy], mode="markers", name=q, hovertemplate=q + "<extra></extra>",
+    fig.add_trace(go.Scatter(x=[qx], y=[qy], mode="markers", name=q, hovertemplate="%{fullData.name}<extra></extra>",
                              marker=dict(size=18, symbol="star", color=HIGHLIGHT_COLOR,
                                          line=dict(color="#111827", width=1))))
     _axes(fig, proj.get("explained"))

@@ -5,8 +5,11 @@ on what a stranger sends: :class:`OwnerCookieMiddleware`), and the uvicorn serve
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import itertools
 import json
+import math
 import mimetypes
 import os
 import re
@@ -30,6 +33,7 @@ from ground.errors import UserError
 from studio.identity import COOKIE, NO_KEY
 from studio.limits import hint
 from studio.uploads import NOT_YOURS, ServedFiles, TooManyParts, mark_downloads, own_folder, sweep_downloads
+from ui.api import check_arguments
 
 COOKIE_MAX_AGE = 400 * 24 * 3600  # browsers cap cookie lifetimes at 400 days
 # Gradio's cache (its copies of uploaded files and of files it served): every hour, files older than a day go
@@ -282,6 +286,34 @@ def file_paths(value) -> list:
     return [f["path"] for f in file_values(value)]
 
 
+NOT_FINITE = "NaN and Infinity are not numbers JSON allows (nor numbers too large for one); send finite numbers."
+
+
+class NotFinite(ValueError):
+    pass
+
+
+def not_finite(constant: str):
+    raise NotFinite(constant)
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotFinite(text)
+    return value
+
+
+def api_parameters(fn) -> list[tuple[str, object]]:
+    """``(name, default)`` of an API endpoint's arguments as a client sends them (``gr.Request`` is not one)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [(p.name, p.default) for p in sig.parameters.values()
+            if p.annotation is not gr.Request and p.annotation != "gr.Request" and p.name != "request"]
+
+
 def multipart_boundary(content_type: str) -> bytes | None:
     m = re.match(r'\s*multipart/form-data\s*;.*?\bboundary="?([^";]+)"?', content_type or "", re.I)
     return m.group(1).strip().encode("latin-1") if m and 0 < len(m.group(1).strip()) <= 200 else None
@@ -336,7 +368,9 @@ class FileInputGuard:
                                                f"({hint('upload_bytes')}).")
         body = bytes(buf)
         try:
-            value = json.loads(body) if body else None
+            value = json.loads(body, parse_constant=not_finite, parse_float=finite_float) if body else None
+        except NotFinite:
+            return await refuse(send, 400, NOT_FINITE)
         except (ValueError, RecursionError):
             value = None  # not JSON (or not JSON Gradio could read): Gradio refuses it itself; it names no file
         try:
@@ -362,6 +396,13 @@ class FileInputGuard:
             return await app(scope, replay, send)
         if not self._known(event.group("api"), value, on_share):
             return await refuse(send, 404, NO_SUCH_EVENT)
+        completed = self._with_defaults(event.group("api"), value, on_share)
+        if isinstance(completed, str):
+            return await refuse(send, 400, completed)
+        if completed is not None:  # an earlier release's arguments: the newer ones take their defaults
+            body = json.dumps(completed).encode()
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+                     + [(b"content-length", str(len(body)).encode())]}
         ticket, waiting = self._admit(owners)
         if ticket is None:
             cap = studio.limits.owner_queue_cap()
@@ -383,6 +424,39 @@ class FileInputGuard:
         if isinstance(index, int) and not isinstance(index, bool):
             return index in fns  # as Gradio routes it: a given fn_index wins over the path's name (run/predict)
         return api_name is None or any(getattr(f, "api_name", None) == api_name for f in fns.values())
+
+    def _with_defaults(self, api_name: str | None, value, on_share: bool):
+        """An API call as its endpoint takes it: with fewer arguments than it takes (a client written for an earlier
+        release, before an argument was added), the request with each missing argument's default; a message
+        naming the first missing argument that has no default, or the first argument of the wrong type or out of
+        its declared range (``ui.api.check_arguments``); else None (nothing to change; page events are left
+        alone)."""
+        blocks = self.blocks[1 if on_share else 0] if len(self.blocks) > (1 if on_share else 0) else None
+        fns = getattr(blocks, "fns", None)
+        if not isinstance(fns, dict) or not isinstance(value, dict) or not isinstance(value.get("data"), list):
+            return None
+        index = value.get("fn_index")
+        if isinstance(index, int) and not isinstance(index, bool):
+            fn = fns.get(index)
+        else:
+            fn = next((f for f in fns.values() if getattr(f, "api_name", None) == api_name), None)
+        if fn is None or not is_api_endpoint(fn):
+            return None
+        params = api_parameters(fn.fn)
+        if len(params) != len(fn.inputs):
+            return None
+        data = list(value["data"])
+        for name, default in params[len(data):]:
+            if default is inspect.Parameter.empty:
+                return f"The argument {name!r} is missing (this endpoint takes {', '.join(n for n, _ in params)})."
+            data.append(default)
+        # null for an argument that has a default: the default (as gradio_client's own filling does)
+        data = [default if v is None and default is not inspect.Parameter.empty else v
+                for v, (_, default) in zip(data, params)] + data[len(params):]
+        wrong = check_arguments(fn.fn, getattr(fn, "api_name", None) or "", data)
+        if wrong:
+            return wrong
+        return {**value, "data": data} if data != value["data"] else None
 
     def _admit(self, owners: frozenset) -> tuple[int | None, int]:
         """Count the caller's events (queued, running, let through a moment ago) and, within the bound, reserve
@@ -555,11 +629,22 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     files = ServedFiles()
     for blocks in (studio_blocks, share_blocks):
         grant_returned_files(blocks, files, studio.identity)
-    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    sweeper = ResultSweeper([studio_blocks, share_blocks])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        task = asyncio.get_running_loop().create_task(sweeper.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(OwnerCookieMiddleware, studio=studio, downloads=downloads,
                        blocks=[studio_blocks, share_blocks], served=files, allow_origins=allow_origins)
     for blocks in (studio_blocks, share_blocks):  # read by mount_gradio_app: each app cleans its own cache
         blocks.delete_cache = blocks.delete_cache or DELETE_CACHE
+        bound_sessions(blocks, studio.limits.sessions)
     common = dict(server_name=host, server_port=port, ssr_mode=False, show_error=True, theme=theme, css=css,
                   head=head, max_file_size=max_file_size, allowed_paths=None,
                   blocked_paths=blocked_paths(studio.root))
@@ -574,7 +659,100 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
                                    timeout_graceful_shutdown=1))  # open event streams are cut after 1 s
     server.run_in_thread()
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return Served(server, [studio_blocks, share_blocks], f"http://{shown}:{port}/", files)
+    served = Served(server, [studio_blocks, share_blocks], f"http://{shown}:{port}/", files)
+    served.sweeper = sweeper
+    return served
+
+
+def is_api_endpoint(block_fn) -> bool:
+    """An event of ``gr.api`` (every input and output an ``Api`` component): it needs no session state."""
+    from gradio.components.api_component import Api
+
+    comps = [*getattr(block_fn, "inputs", []), *getattr(block_fn, "outputs", [])]
+    return bool(comps) and all(isinstance(c, Api) for c in comps)
+
+
+def forget_api_sessions(blocks: gr.Blocks) -> None:
+    """Gradio makes a session state (a copy of the app's whole config: about 1 MB for the studio) for every session
+    hash it sees, and raw-HTTP calls name a new one each time. An API endpoint needs none: after its event, the
+    session goes unless a page event has used it (a browser tab's session stays, within ``Limits.sessions``)."""
+    process_api = blocks.process_api
+
+    async def process_api_forgetting(*args, **kwargs):
+        block_fn = kwargs.get("block_fn", args[0] if args else None)
+        if isinstance(block_fn, int):
+            block_fn = blocks.fns.get(block_fn)
+        state = kwargs.get("state", args[2] if len(args) > 2 else None)
+        session = kwargs.get("session_hash")
+        api = is_api_endpoint(block_fn)
+        if state is not None and not api:
+            state.pema_page = True
+        try:
+            return await process_api(*args, **kwargs)
+        finally:
+            holder = getattr(blocks, "state_holder", None)
+            if api and session and holder is not None and not getattr(state, "pema_page", False):
+                with holder.lock:
+                    if holder.session_data.get(session) is state:
+                        holder.session_data.pop(session, None)
+                        holder.time_last_used.pop(session, None)
+
+    blocks.process_api = process_api_forgetting
+
+
+RESULT_KEEP_S = 120.0  # an event's result waits this long (at least) for its caller to read it
+SWEEP_S = 30.0
+
+
+class ResultSweeper:
+    """Gradio keeps an event's messages until its caller reads them, and an empty message queue per session hash
+    after that, forever: a caller that never reads (or names a fresh session each time) grows the server. Every
+    ``SWEEP_S`` seconds, in the server's event loop (so never between a join's steps), the messages of a session
+    with no event queued or running that have waited ``RESULT_KEEP_S`` go."""
+
+    def __init__(self, blocks: list[gr.Blocks], keep_s: float = RESULT_KEEP_S, clock=time.monotonic):
+        self.blocks, self.keep_s, self.clock = list(blocks), float(keep_s), clock
+        self._idle: list[dict[str, float]] = [{} for _ in self.blocks]
+
+    def sweep(self) -> int:
+        """Drop what has waited long enough; the number of sessions dropped."""
+        now, dropped = self.clock(), 0
+        for blocks, idle in zip(self.blocks, self._idle):
+            queue = getattr(blocks, "_queue", None)
+            if queue is None:
+                continue
+            busy = {e.session_hash for e in list(queue.event_ids_to_events.values())}
+            pending = queue.pending_messages_per_session
+            for session in [s for s in idle if s not in pending or s in busy]:
+                idle.pop(session, None)
+            for session in list(pending):
+                if session in busy:
+                    continue
+                since = idle.setdefault(session, now)
+                if now - since >= self.keep_s:
+                    pending.pop(session, None)
+                    queue.pending_event_ids_session.pop(session, None)
+                    idle.pop(session, None)
+                    dropped += 1
+        return dropped
+
+    async def run(self, every: float = SWEEP_S) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 — a sweep must never stop the server; the next one tries again
+                pass
+
+
+def bound_sessions(blocks: gr.Blocks, sessions: int) -> None:
+    """Gradio's bound on kept session states (``state_session_capacity``; read when the app is mounted) and on its
+    event analytics (no page reads them: the monitoring route is off)."""
+    blocks.state_session_capacity = int(sessions) if sessions else 10000
+    queue = getattr(blocks, "_queue", None)
+    if queue is not None:
+        queue.ANALYTICS_MAX_EVENTS = 64
+    forget_api_sessions(blocks)
 
 
 def grant_returned_files(blocks: gr.Blocks, files: ServedFiles, identity) -> None:

@@ -10,13 +10,23 @@ import gradio as gr
 
 from ground.errors import UserError
 from ui import plots, rank, render
+from ui.common import idle_queue
 from ui.compare import TOKEN_COLORS, TOKEN_HELP, row_of, token_views
 
 SETTINGS_HEADERS = ["method", "kind", "decode settings", "tokens"]
 
 
 def build(studio) -> SimpleNamespace:
+    # A page's session keeps the share's id only, never the payload (up to share_bytes): what a visitor costs the
+    # server stays small however many open the link (ui/server.py bounds the sessions), and a share its owner
+    # deleted is gone from every open page at its next event.
     payload = gr.State(None)
+
+    def read(sid):
+        try:
+            return studio.shared(sid) if isinstance(sid, str) and sid else None
+        except UserError:
+            return None
     header = gr.HTML(elem_id="shared-header")
     with gr.Column() as body:
         cards = gr.HTML(elem_id="shared-outputs", js_on_load=render.CARDS_JS)
@@ -42,7 +52,13 @@ def build(studio) -> SimpleNamespace:
         att = (p.get("attention") or {}).get(row["label"]) if row else None
         return plots.input_attention_heatmap(att) if att else plots.empty("No attention map was stored")
 
-    def views(p, label, idx):
+    def views(sid, label, idx):
+        return token_views_of(read(sid), label, idx)
+
+    def token_views_of(p, label, idx):
+        if p is None:
+            e_fig = plots.empty("This shared comparison is no longer available")
+            return [], e_fig, e_fig, gr.update(visible=False), gr.update(visible=False), e_fig
         ch, lp, bp, _, npl, ma = token_views(p, label, idx, neighbours=None)
         trace = (row_of(p, label) or {}).get("trace") or []
         has_nb = any(t.get("neighbours") for t in trace)
@@ -66,20 +82,22 @@ def build(studio) -> SimpleNamespace:
         row = row_of(p, first)
         rows = [[r["label"], r["method"], render._settings_text(r.get("settings")), r.get("n_tokens")]
                 for r in p["rows"]]
-        return (p, render.shared_header(p), gr.update(visible=True), render.output_cards(p, shared=True), rows,
+        return (sid, render.shared_header(p), gr.update(visible=True), render.output_cards(p, shared=True), rows,
                 gr.update(choices=labels, value=first), gr.update(maximum=max(1, len(row["trace"]) - 1), value=0),
-                *views(p, first, 0))
+                *token_views_of(p, first, 0))
 
-    def on_row(p, label):
-        row = row_of(p, label)
-        return (gr.update(maximum=max(1, len(row["trace"]) - 1) if row else 1, value=0), *views(p, label, 0))
+    def on_row(sid, label):
+        p = read(sid)
+        row = row_of(p, label) if p is not None else None
+        return (gr.update(maximum=max(1, len(row["trace"]) - 1) if row else 1, value=0),
+                *token_views_of(p, label, 0))
 
     row_pick.input(on_row, [payload, row_pick], [tok, *outs], show_progress="hidden")
     tok.input(views, [payload, row_pick, tok], outs, trigger_mode="always_last", show_progress="hidden")
 
-    def on_chip(p, label, evt: gr.SelectData):
+    def on_chip(sid, label, evt: gr.SelectData):
         i = evt.index if isinstance(evt.index, int) else (evt.index[0] if evt.index else 0)
-        return (gr.update(value=i), *views(p, label, i))
+        return (gr.update(value=i), *views(sid, label, i))
 
     chips.select(on_chip, [payload, row_pick], [tok, *outs], show_progress="hidden")
 
@@ -108,5 +126,6 @@ def build_app(studio) -> gr.Blocks:
         for fn in demo.fns.values():
             fn.api_visibility = "private"
     demo.queue(default_concurrency_limit=4, max_size=64)
+    idle_queue(demo)
     return demo
 
