@@ -40,6 +40,18 @@ class LoopSettings:
     stop_rule: str = "best"        # "best" | "rising" (see the module docstring)
 
 
+def loss_text(loss: float, parts: dict, best: float) -> str:
+    """The training progress line's losses, each named: a method whose objective adds terms to the NLL (the
+    memory adapter's dropout NLL and KL) says so and gives the NLL part, so that it is not read against the
+    held-out loss, which early stopping watches."""
+    nll = parts.get("nll")
+    if nll is not None and abs(float(nll) - loss) > 1e-6:
+        train = f"training objective {loss:.4f} on this batch (its NLL part {float(nll):.4f})"
+    else:
+        train = f"training loss {loss:.4f} on this batch"
+    return f"{train} · best held-out loss {best:.4f} (early stopping)"
+
+
 def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], n_train: int,
                  train_loss: Callable[[np.ndarray], tuple[torch.Tensor, dict]],
                  heldout_loss: Callable[[], float], s: LoopSettings, phase: str,
@@ -116,8 +128,8 @@ def run_training(module: torch.nn.Module, params: Iterable[torch.nn.Parameter], 
             frac = min(1.0, step / max(1, total_steps - step0))
             if s.max_minutes:  # with a budget, the run ends at whichever comes first: the epochs or the time
                 frac = max(frac, min(1.0, (time.time() - t0) / (60 * s.max_minutes)))
-            progress(lo + (hi - lo) * frac, f"{phase}: epoch {epoch + 1}/{s.max_epochs} step {step} "
-                                             f"loss {float(loss.detach()):.4f} (best held-out {best:.4f})")
+            progress(lo + (hi - lo) * frac, f"{phase}: epoch {epoch + 1}/{s.max_epochs} step {step} · "
+                                             + loss_text(float(loss.detach()), parts, best))
             out_of_time = bool(s.max_minutes) and time.time() - t0 > 60 * s.max_minutes
             out_of_steps = bool(s.max_steps) and step >= s.max_steps
             # evaluate on schedule, and once more when a budget ends, so the last steps are not thrown away

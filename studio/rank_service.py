@@ -32,6 +32,7 @@ from studio.ray_executor import RankTrainer, backbone_spec
 
 MAX_RESUMES = 2  # automatic resumes of one ranking after restarts
 TOUR_CORPUS = "gettext-de"  # the demo corpus the first-run tour ranks on
+TOUR_CORPORA = {"translation": TOUR_CORPUS, "formality": "formality-en"}  # the tour's demo corpus per task
 TOUR_LIMIT = 1000  # its samples: 100 held out (40 tune, 60 report)
 # Decode seconds per sentence and row (greedy, ≈ 30 tokens) for the tour's estimate before any decode was timed.
 # seconds the base model takes to decode one held-out sentence alone, per backbone and kind of machine

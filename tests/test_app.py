@@ -477,6 +477,38 @@ def test_live_controls_start_from_the_tasks_tuned_settings(tmp_path):
         other.close()
 
 
+def test_plugin_choices_name_their_task_and_offer_only_the_chosen_tasks():
+    from types import SimpleNamespace
+
+    from ui.common import hidden_plugins_note, plugin_choices
+
+    rows = [{"id": "knn-1-aaaaaa", "name": "software", "method": "knn", "usable": True, "task": "translation"},
+            {"id": "pema-1-bbbbbb", "name": "chat", "method": "pema", "usable": True, "task": "formality"},
+            {"id": "knn-1-cccccc", "name": "orphan", "method": "knn", "usable": True, "task": None}]
+    st = SimpleNamespace(plugins=lambda owner=None: rows)
+    assert plugin_choices(st) == [("software [knn] · translation", rows[0]["id"]),
+                                  ("chat [pema] · formality", rows[1]["id"]), ("orphan [knn]", rows[2]["id"])]
+    assert [pid for _l, pid in plugin_choices(st, task="formality")] == [rows[1]["id"], rows[2]["id"]]
+    assert hidden_plugins_note(st, None, "formality") == ("Only plug-ins trained for formality are offered; 1 plug-in "
+                                                          "of translation is hidden (choose that task to use them).")
+    assert hidden_plugins_note(st, None, "style").startswith("Only plug-ins trained for style are offered; 2 plug-ins")
+    assert hidden_plugins_note(st, None, None) == ""
+
+
+def test_training_progress_names_its_losses():
+    """A training objective with terms beyond the NLL (the memory adapter's) is not shown as if it were the held-out
+    loss it sits beside."""
+    import torch
+
+    from plugins.training import loss_text
+
+    plain = loss_text(2.5, {}, 1.9)
+    assert plain == "training loss 2.5000 on this batch · best held-out loss 1.9000 (early stopping)"
+    mixed = loss_text(12.8, {"nll": torch.tensor(2.0), "kl": torch.tensor(5.4)}, 1.9)
+    assert mixed.startswith("training objective 12.8000 on this batch (its NLL part 2.0000)")
+    assert "best held-out loss 1.9000" in mixed
+
+
 def test_plugin_choices_tell_variants_of_one_method_on_one_memory_apart():
     from types import SimpleNamespace
 

@@ -44,6 +44,13 @@ browser = pytest.fixture(scope="module", name="browser")(browser_session)
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     studio = tiny_studio(tmp_path_factory.mktemp("browser-data"))
+    # a formality memory first (the newest memory is the one the pickers start at) with a kNN plug-in: the pickers
+    # offer a task's plug-ins only
+    tsv = "\n".join(f"{s.lower()}\t{s.capitalize()}." for s, _t in PAIRS)
+    formal = studio.jobs.wait(studio.submit_build(tsv, "formal.tsv", name="formal pairs", task="formality"), 120)
+    assert formal["state"] == "done", formal
+    assert studio.jobs.wait(studio.submit_train(formal["result"]["memory_id"], "knn", {}, "kNN formal"),
+                            120)["state"] == "done"
     mid = build_tiny_memory(studio, PAIRS, "demo pairs")
     budget = studio.jobs.wait(studio.submit_train(mid, "pema", BUDGET_PEMA, LONG_NAME), 180)
     assert budget["state"] == "done" and budget["result"]["training"]["under_trained"], budget
@@ -233,9 +240,12 @@ def test_selections_persist_after_a_reload(page, app):
     page.get_by_role("tab", name="Compare").click()
     stored = "Object.fromEntries(Object.entries(localStorage).filter(([k]) => k.startsWith('pema-studio-')))"
     before = page.evaluate(stored)
-    page.locator("#compare-methods label").filter(has_text="kNN demo").click()
     page.locator("#compare-task input").click()
     page.get_by_role("option", name="formality").click()
+    # the formality task offers the formality memory's plug-ins only
+    page.wait_for_function("[...document.querySelectorAll('#compare-methods label')]"
+                           ".some(l => l.innerText.includes('kNN formal'))")
+    page.locator("#compare-methods label").filter(has_text="kNN formal").click()
     page.get_by_role("tab", name="Evaluate").click()
     page.locator("#eval-methods label").filter(has_text="kNN demo").click()
     # the three choices are written to this browser's storage (a round trip each; slow on a loaded machine)
@@ -249,8 +259,8 @@ def test_selections_persist_after_a_reload(page, app):
         f"[...document.querySelectorAll('{where} label')].filter(l => l.querySelector('input')?.checked)"
         ".map(l => l.innerText.trim())")
     page.wait_for_function("[...document.querySelectorAll('#compare-methods label')]"
-                           ".some(l => l.innerText.includes('kNN demo') && l.querySelector('input')?.checked)")
-    assert any("kNN demo" in t for t in checked("#compare-methods"))
+                           ".some(l => l.innerText.includes('kNN formal') && l.querySelector('input')?.checked)")
+    assert any("kNN formal" in t for t in checked("#compare-methods"))
     assert any("Base model" in t for t in checked("#compare-methods"))
     page.get_by_role("tab", name="Evaluate").click()
     page.wait_for_function("[...document.querySelectorAll('#eval-methods label')]"

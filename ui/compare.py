@@ -19,6 +19,7 @@ from ui import plots, render, several
 from ui.common import (
     BASE_CHOICE,
     choices_update,
+    hidden_plugins_note,
     keep_value,
     memory_choices,
     method_choices,
@@ -470,6 +471,29 @@ def _wire_heldout(studio, c: SimpleNamespace) -> None:
     c.hsample.input(on_sample, [c.hmem, c.hsample], [c.source, c.reference], show_progress="hidden")
 
 
+def methods_update(studio, me, task: str, current) -> dict:
+    """The method picker for ``task``: that task's plug-ins only (a translation plug-in answers a formality input
+    in German), a ticked plug-in of another task unticked, and a line saying what is hidden."""
+    choices = tuned_choices(studio, me, task)
+    value = keep_value(choices, list(current or []))
+    return gr.update(choices=choices, value=value or ["base"], info=hidden_plugins_note(studio, me, task) or None)
+
+
+def _wire_task_filter(studio, c: SimpleNamespace) -> None:
+    """The Task choice filters the method picker (``methods_update``); a memory picked for its held-out samples
+    sets the Task to the memory's."""
+    @user_errors
+    def on_task(tk, ms, request: gr.Request):
+        return methods_update(studio, owner_of(studio, request), tk, ms)
+
+    def memory_task(mid, request: gr.Request):
+        m = next((x for x in studio.memories(owner=owner_of(studio, request)) if x["id"] == mid), None) if mid else None
+        return gr.update(value=m["task"]) if m and m["task"] in TASKS else gr.skip()
+
+    c.task.change(on_task, [c.task, c.methods], c.methods, show_progress="hidden", api_visibility="private")
+    c.hmem.input(memory_task, c.hmem, c.task, show_progress="hidden", api_visibility="private")
+
+
 def _wire_share(studio, c: SimpleNamespace) -> None:
     @user_errors
     def do_share(p, lay, request: gr.Request):
@@ -494,16 +518,15 @@ def build(studio) -> SimpleNamespace:
     _wire_inspector(studio, c, insp)
     _wire_heldout(studio, c)
     _wire_share(studio, c)
+    _wire_task_filter(studio, c)
 
-    def lists(me, current=None, mem_value=None):
-        choices = tuned_choices(studio, me)
-        mchoices = memory_choices(studio, me)
-        return (choices_update(choices, current, ["base"]),
-                choices_update(mchoices, mem_value, default_first=False))
+    def lists(me, current=None, mem_value=None, task=None):
+        return (methods_update(studio, me, task or "translation", current),
+                choices_update(memory_choices(studio, me), mem_value, default_first=False))
 
     @user_errors
-    def refresh(current, mem_value, request: gr.Request):
-        return lists(owner_of(studio, request), current, mem_value)
+    def refresh(current, mem_value, task, request: gr.Request):
+        return lists(owner_of(studio, request), current, mem_value, task)
 
     def on_load(me):
         st = studio.status()
@@ -516,10 +539,10 @@ def build(studio) -> SimpleNamespace:
         live controls at that task's start values."""
         tk = saved.get("compare_task") if saved.get("compare_task") in TASKS else None
         ctl = _task_starts(studio, c.live_keys, tk) if tk else tuple(gr.skip() for _ in c.live_ctls)
-        choices, mchoices = tuned_choices(studio, me), memory_choices(studio, me)
+        choices, mchoices = tuned_choices(studio, me, tk or "translation"), memory_choices(studio, me)
         ms = keep_value(choices, list(saved.get("compare_methods") or []))
         mid = saved.get("compare_memory")
-        return (gr.update(value=ms) if ms else gr.skip(),
+        return (methods_update(studio, me, tk or "translation", ms) if ms else gr.skip(),
                 gr.update(value=mid) if mid in [x[1] for x in mchoices] else gr.skip(),
                 gr.update(value=tk) if tk else gr.skip(), *ctl)
 
@@ -532,8 +555,8 @@ def build(studio) -> SimpleNamespace:
         return bool(vals[-2])
 
     several.wire(studio, c.several_box, c.task, c.methods, c.max_new, c.beams, settings_inputs, settings_of)
-    return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory"],
-                           refresh_inputs=[c.methods, c.hmem], refresh_outputs=[c.methods, c.hmem],
+    return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory", "compare_task"],
+                           refresh_inputs=[c.methods, c.hmem, c.task], refresh_outputs=[c.methods, c.hmem],
                            on_load=on_load, load_outputs=[c.methods, c.hmem, c.layer],
                            persist=[("compare_task", c.task), ("compare_methods", c.methods),
                                     ("compare_memory", c.hmem)],
@@ -567,12 +590,13 @@ def streaming_cards(p: dict) -> str:
     return note + render.output_cards(p)
 
 
-def tuned_choices(studio, owner: str | None) -> list[tuple[str, str]]:
-    """The method picker's choices: each plug-in calibrated on its memory says where it starts — "· tuned:
-    lambda_max=0.3, gu=False (15 held-out)", or "· tuned: λ = 0, the base was best" when no setting beat the base."""
+def tuned_choices(studio, owner: str | None, task: str | None = None) -> list[tuple[str, str]]:
+    """The method picker's choices (with ``task``, only that task's plug-ins): each plug-in calibrated on its memory
+    says where it starts — "· tuned: lambda_max=0.3, gu=False (15 held-out)", or "· tuned: λ = 0, the base was
+    best" when no setting beat the base."""
     cal = {p["id"]: (p["method"], p["calibration"]) for p in studio.plugins(owner=owner) if p.get("calibration")}
     out = []
-    for label, pid in method_choices(studio, owner):
+    for label, pid in method_choices(studio, owner, task):
         if pid in cal:
             m, c = cal[pid]
             label += f" · {tuned_text(m, c)}"

@@ -17,6 +17,7 @@ from ui import plots, render
 from ui.common import (
     BASE_CHOICE,
     choices_update,
+    hidden_plugins_note,
     job_poll_key,
     keep_value,
     memory_choices,
@@ -304,6 +305,31 @@ def _wire_poll(studio, c: SimpleNamespace) -> None:
                  api_visibility="private")
 
 
+def eval_methods_update(studio, me, task: str, current) -> dict:
+    """The methods to evaluate for ``task``: that task's plug-ins only, with a line saying what is hidden."""
+    choices = method_choices(studio, me, task)
+    value = keep_value(choices, list(current or []))
+    return gr.update(choices=choices, value=value or ["base"], info=hidden_plugins_note(studio, me, task) or None)
+
+
+def _wire_task_filter(studio, c: SimpleNamespace) -> None:
+    """A memory's held-out split is for the memory's task (the Task follows the memory); the Task filters the
+    methods and the sweep's PEMA plug-ins."""
+    def memory_task(mid, request: gr.Request):
+        m = next((x for x in studio.memories(owner=owner_of(studio, request)) if x["id"] == mid), None) if mid else None
+        return gr.update(value=m["task"]) if m and m["task"] in TASKS else gr.skip()
+
+    @user_errors
+    def on_task(tk, ms, request: gr.Request):
+        me = owner_of(studio, request)
+        pchoices = plugin_choices(studio, methods=("pema",), owner=me, task=tk)
+        return eval_methods_update(studio, me, tk, ms), gr.update(choices=pchoices, value=keep_value(pchoices, None))
+
+    c.memory.change(memory_task, c.memory, c.task, show_progress="hidden", api_visibility="private")
+    c.task.change(on_task, [c.task, c.methods], [c.methods, c.sweep_plugin], show_progress="hidden",
+                  api_visibility="private")
+
+
 def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: False) -> SimpleNamespace:
     """``settings_inputs`` / ``settings_of``: the Compare tab's decode controls and how to read them, so that an
     evaluation decodes with exactly the settings a comparison shows."""
@@ -323,18 +349,18 @@ def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: Fa
         return _memory_warning(studio, mid, owner_of(studio, request))
 
     c.memory.change(on_memory, c.memory, c.memory_warn, show_progress="hidden")
+    _wire_task_filter(studio, c)
 
-    def lists(me, current=None, mem_value=None):
-        choices = method_choices(studio, me)
+    def lists(me, current=None, mem_value=None, task=None):
         mchoices = memory_choices(studio, me)
-        pchoices = plugin_choices(studio, methods=("pema",), owner=me)
+        pchoices = plugin_choices(studio, methods=("pema",), owner=me, task=task or "translation")
         mem = keep_value(mchoices, mem_value)
-        return (choices_update(choices, current, ["base"]), choices_update(mchoices, mem_value),
+        return (eval_methods_update(studio, me, task or "translation", current), choices_update(mchoices, mem_value),
                 gr.update(choices=pchoices, value=keep_value(pchoices, None)), _memory_warning(studio, mem, me))
 
     @user_errors
-    def refresh(current, mem_value, request: gr.Request):
-        return lists(owner_of(studio, request), current, mem_value)
+    def refresh(current, mem_value, task, request: gr.Request):
+        return lists(owner_of(studio, request), current, mem_value, task)
 
     def on_load(me):
         """Page (re)load for owner ``me``: lists and the latest evaluation (its result follows with the first
@@ -345,17 +371,18 @@ def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: Fa
 
     def restore(me, saved: dict):
         """This browser's last memory, methods and task (``saved``; ids that are not the owner's are dropped)."""
-        choices, mchoices = method_choices(studio, me), memory_choices(studio, me)
+        tk = saved.get("eval_task")
+        choices, mchoices = method_choices(studio, me, tk if tk in TASKS else "translation"), memory_choices(studio, me)
         ms = keep_value(choices, list(saved.get("eval_methods") or []))
         mid = saved.get("eval_memory")
         ok = mid in [x[1] for x in mchoices]
-        tk = saved.get("eval_task")
-        return (gr.update(value=ms) if ms else gr.skip(), gr.update(value=mid) if ok else gr.skip(),
+        return (eval_methods_update(studio, me, tk if tk in TASKS else "translation", ms) if ms else gr.skip(),
+                gr.update(value=mid) if ok else gr.skip(),
                 _memory_warning(studio, mid, me) if ok else gr.skip(),
                 gr.update(value=tk) if tk in TASKS else gr.skip())
 
-    return SimpleNamespace(refresh=refresh, refresh_keys=["eval_methods", "eval_memory"],
-                           refresh_inputs=[c.methods, c.memory],
+    return SimpleNamespace(refresh=refresh, refresh_keys=["eval_methods", "eval_memory", "eval_task"],
+                           refresh_inputs=[c.methods, c.memory, c.task],
                            refresh_outputs=[c.methods, c.memory, c.sweep_plugin, c.memory_warn], on_load=on_load,
                            load_outputs=[c.methods, c.memory, c.sweep_plugin, c.memory_warn, c.job_id, c.job_html],
                            persist=[("eval_memory", c.memory), ("eval_methods", c.methods), ("eval_task", c.task)],

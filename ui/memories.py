@@ -10,6 +10,7 @@ import gradio as gr
 from backbone.prompts import TASKS
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
+from memories.corpora import CORPUS_TASKS
 from ui import plots, render
 from ui.common import keep_value, memory_choices, owner_of, poll_while_running, read_upload, user_errors
 
@@ -18,6 +19,13 @@ PASTE_HINT = ('One sample a line: {"src": "...", "tgt": "..."} JSON lines, "sour
               "or plain target-side text (the backbone then writes a synthetic source).")
 SAMPLE_HEADERS = ["line", "split", "source", "synthetic?", "target"]
 ALL_TOKENS = "— every frequent token, coloured —"
+# What each build mode puts in a key's context (memories.build), shown under the mode that is selected.
+MODE_HELP = {
+    "teacher": "teacher-forced: each key's context is the source and the reference's words so far, all of a "
+               "sample's positions in one forward pass (fast; the studio's default)",
+    "offsite": "offsite: each key's context is the source and the model's own predictions so far, one decode step "
+               "per token, as PEMA's code builds its memory (slow)",
+}
 
 
 def _samples_panel(studio, c: SimpleNamespace) -> None:
@@ -30,17 +38,18 @@ def _samples_panel(studio, c: SimpleNamespace) -> None:
     corpora = studio.corpora()
     with gr.Row(visible=False) as c.corpus_row:
         c.corpus = gr.Dropdown([(f"{k} — {v}", k) for k, v in corpora.items()],
-                               value=next(iter(corpora), None), label="Demo corpus", scale=3,
+                               value=next(iter(corpora), None), label="Demo corpus", scale=3, elem_id="demo-corpus",
                                info=None if corpora else "No demo corpus is available on this machine.")
-        c.limit = gr.Number(200, label="Samples", precision=0, minimum=5, maximum=20000, scale=1)
+        c.limit = gr.Number(200, label="Samples", precision=0, minimum=5, maximum=20000, scale=1,
+                            elem_id="demo-corpus-size")
     gr.Markdown("#### 2 · Build the memory")
     with gr.Row():
         c.name = gr.Textbox(label="Name", placeholder="e.g. my product manuals", scale=2)
-        c.task = gr.Dropdown(list(TASKS), value="translation", label="Task", scale=1)
+        c.task = gr.Dropdown(list(TASKS), value="translation", label="Task", scale=1, elem_id="build-task")
     with gr.Row():
         c.mode = gr.Radio([("teacher-forced (fast)", "teacher"), ("offsite (slow)", "offsite")],
-                          value="teacher", label="Build mode", scale=2,
-                          info="offsite: the model's own predictions as context, as PEMA's code")
+                          value="teacher", label="Build mode", scale=2, info=MODE_HELP["teacher"],
+                          elem_id="build-mode")
         c.skip = gr.Checkbox(False, label="Skip invalid lines", scale=1)
     with gr.Row():
         c.build_btn = gr.Button("Build memory", variant="primary", elem_id="build-memory", scale=3)
@@ -74,8 +83,9 @@ def _memory_list_panel(c: SimpleNamespace) -> None:
 def _wire_preview(studio, c: SimpleNamespace) -> None:
     """The preview (with per-line problems) follows the chosen source."""
     def on_source(src):
-        return (gr.update(visible=src == SOURCES[0]), gr.update(visible=src == SOURCES[1]),
-                gr.update(visible=src == SOURCES[2]))
+        """Show the chosen source's input; another source lets go of the file (it is not sent again)."""
+        return (gr.update(visible=True) if src == SOURCES[0] else gr.update(visible=False, value=None),
+                gr.update(visible=src == SOURCES[1]), gr.update(visible=src == SOURCES[2]))
 
     def do_preview(src, path, text, corpus_name, n, request: gr.Request):
         try:
@@ -93,12 +103,25 @@ def _wire_preview(studio, c: SimpleNamespace) -> None:
             pv = {"count": 0, "problems": [str(e)], "problem_count": 1, "rows": [], "ok": False}
         return render.preview_summary(pv), gr.update(value=pv["rows"])
 
+    def preview_without_file(src, text, corpus_name, n, request: gr.Request):
+        """The pasted text's or the demo corpus's preview: these events do not send the file input, so a file
+        that is gone (a build consumed it, or its upload expired) cannot make them fail."""
+        if src == SOURCES[0]:
+            return render.preview_summary({}), gr.update(value=[])  # the file input is empty when chosen again
+        return do_preview(src, None, text, corpus_name, n, request)
+
     c.source.change(on_source, c.source, [c.upload, c.paste, c.corpus_row])
-    pv_inputs = [c.source, c.upload, c.paste, c.corpus, c.limit]
-    for ev in (c.source.change, c.upload.change, c.corpus.change, c.limit.change):
-        ev(do_preview, pv_inputs, [c.preview_html, c.preview_df], trigger_mode="always_last", show_progress="hidden")
-    c.paste.change(do_preview, pv_inputs, [c.preview_html, c.preview_df], trigger_mode="always_last",
-                   show_progress="hidden")
+    c.source.change(lambda src, k: gr.update(value=CORPUS_TASKS[k]) if src == SOURCES[2] and k in CORPUS_TASKS
+                    else gr.skip(), [c.source, c.corpus], c.task, show_progress="hidden")
+    c.corpus.change(lambda k: gr.update(value=CORPUS_TASKS[k]) if k in CORPUS_TASKS else gr.skip(), c.corpus,
+                    c.task, show_progress="hidden")  # a demo corpus is for one task: the memory's task follows it
+    c.mode.change(lambda m: gr.update(info=MODE_HELP.get(m, "")), c.mode, c.mode, show_progress="hidden")
+    outs = [c.preview_html, c.preview_df]
+    c.upload.change(do_preview, [c.source, c.upload, c.paste, c.corpus, c.limit], outs, trigger_mode="always_last",
+                    show_progress="hidden")
+    for ev in (c.source.change, c.corpus.change, c.limit.change, c.paste.change):
+        ev(preview_without_file, [c.source, c.paste, c.corpus, c.limit], outs, trigger_mode="always_last",
+           show_progress="hidden")
 
 
 def _wire_build(studio, c: SimpleNamespace) -> None:
@@ -111,17 +134,18 @@ def _wire_build(studio, c: SimpleNamespace) -> None:
             if data is None:
                 raise UserError("Upload a file first.")
             jid = studio.submit_build(data, fname, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
-            studio.uploads.consume(path)  # the build job keeps its own copy
+            studio.uploads.consume(path)  # the build job keeps its own copy: the file input lets go of it too
+            return jid, render.job_card(studio.job(jid, owner=me)), gr.update(value=None)
         elif src == SOURCES[1]:
             jid = studio.submit_build(text or "", None, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
         else:
             if not corpus_name:
                 raise UserError("Pick a demo corpus first.")
             jid = studio.submit_build(corpus=corpus_name, limit=int(n or 200), name=nm, task=tk, mode=md, owner=me)
-        return jid, render.job_card(studio.job(jid, owner=me))
+        return jid, render.job_card(studio.job(jid, owner=me)), gr.skip()
 
     c.build_btn.click(do_build, [c.source, c.upload, c.paste, c.corpus, c.limit, c.name, c.task, c.mode, c.skip],
-                      [c.build_job, c.build_status], api_visibility="private")
+                      [c.build_job, c.build_status, c.upload], api_visibility="private")
 
     @user_errors
     def do_cancel(jid, request: gr.Request):

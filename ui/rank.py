@@ -16,7 +16,7 @@ from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from plugins.registry import available_methods
 from plugins.timing import minutes
-from studio.rank_service import TOUR_CORPUS, TOUR_LIMIT
+from studio.rank_service import TOUR_CORPORA, TOUR_CORPUS, TOUR_LIMIT
 from ui import plots, render
 from ui.common import choices_update, job_poll_key, keep_value, memory_choices, owner_of, read_upload, user_errors
 
@@ -25,6 +25,8 @@ from ui.common import choices_update, job_poll_key, keep_value, memory_choices, 
 HEADERS = ["#", "method", "chrF [95% CI]", "Δ chrF (p; Holm p)", "sacreBLEU [95% CI]", "Δ sacreBLEU (p; Holm p)"]
 COST_HEADERS = ["#", "method", "training", "trainable parameters", "decode cost / token",
                 "settings (tuned on this memory)"]
+TOUR_LABELS = {"translation": "Translation: English→German software messages (gettext-de)",
+               "formality": "Formality: informal→formal English, the informal side synthetic (formality-en)"}
 PARETO = {"training_seconds": "training time (s)", "trainable_parameters": "trainable parameters"}
 ZERO = {"training_seconds": "none (0 s)", "trainable_parameters": "none (0)"}
 
@@ -198,12 +200,14 @@ def leaderboard_components(prefix: str = "rank"):
 
 
 def _tour_panel(c: SimpleNamespace, corpora: dict) -> None:
-    """The first-run tour: the demo corpus ranked in one click, with a time estimate."""
+    """The first-run tour: a demo corpus (one per task) ranked in one click, with a time estimate."""
     with gr.Group(visible=TOUR_CORPUS in corpora, elem_id="rank-tour"):
         gr.Markdown(f"#### New here? See a real ranking without bringing data\nOne click builds a memory of "
-                    f"{TOUR_LIMIT:,} English→German software messages (the demo corpus), trains every method on it "
-                    f"with its defaults, tunes PEMA and kNN on part of its held-out samples and ranks all of them "
-                    f"on the rest.")
+                    f"{TOUR_LIMIT:,} samples of a demo corpus, trains every method on it with its defaults, tunes "
+                    f"PEMA and kNN on part of its held-out samples and ranks all of them on the rest.")
+        tasks = [t for t, k in TOUR_CORPORA.items() if k in corpora]
+        c.tour_task = gr.Radio([(TOUR_LABELS[t], t) for t in tasks], value=tasks[0] if tasks else None,
+                               show_label=False, container=False, elem_id="rank-tour-task")
         with gr.Row(equal_height=True):
             c.tour_est = gr.HTML(elem_id="rank-tour-estimate")
             c.tour = gr.Button("Rank every method on the demo corpus", variant="primary", scale=0, min_width=300,
@@ -282,16 +286,16 @@ def _wire_ranking(studio, c: SimpleNamespace) -> None:
         return started(jid, me)
 
     @user_errors
-    def do_tour(request: gr.Request):
+    def do_tour(task, request: gr.Request):
         me = owner_of(studio, request)
-        return started(studio.submit_rank(corpus=TOUR_CORPUS, owner=me), me)
+        return started(studio.submit_rank(corpus=TOUR_CORPORA.get(task, TOUR_CORPUS), owner=me), me)
 
     outs = [c.job_id, c.share_link, *c.poll_outputs]
     # the card is where the eyes are: scrolled into view under the button just pressed
     show_card = "() => document.querySelector('#rank-job')?.scrollIntoView({block: 'nearest', behavior: 'smooth'})"
     c.run.click(do_run, [c.memory, c.methods, c.test_file], outs, api_visibility="private").then(
         None, js=show_card)
-    c.tour.click(do_tour, None, outs, api_visibility="private").then(None, js=show_card)
+    c.tour.click(do_tour, c.tour_task, outs, api_visibility="private").then(None, js=show_card)
 
     @user_errors
     def do_cancel(jid, request: gr.Request):
