@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from backbone.hf_internals import attn_implementation, register_attention, sdpa_attention, set_attn_implementation
+from backbone.padding import PAD_NEUTRAL_SDPA, ROW_ATTENTION, pad_neutral
 from backbone.torch_internals import unregistered
 
 CPU_DECODE_ATTENTION = "pema_cpu_decode"
-ROW_ATTENTION = "pema_row_keys"  # the attention module's attribute a plug-in sets for one call (``RowAttention``)
 
 
 class RowAttention(Protocol):
@@ -113,11 +113,11 @@ def _decode_scores(q: torch.Tensor, key: torch.Tensor, attention_mask: torch.Ten
 
 
 def use_cpu_decode_attention(model: nn.Module) -> bool:
-    """Register :func:`cpu_decode_attention` and switch a model that runs SDPA to it; False when this transformers
-    or model cannot (the model then keeps its attention)."""
+    """Register :func:`cpu_decode_attention` (pad-neutral: ``backbone.padding``) and switch a model that runs SDPA
+    to it; False when this transformers or model cannot (the model then keeps its attention)."""
     try:
-        register_attention(CPU_DECODE_ATTENTION, cpu_decode_attention)
-        if attn_implementation(model) != "sdpa":
+        register_attention(CPU_DECODE_ATTENTION, pad_neutral(cpu_decode_attention))
+        if attn_implementation(model) not in ("sdpa", PAD_NEUTRAL_SDPA):
             return False
         set_attn_implementation(model, CPU_DECODE_ATTENTION)
         return True

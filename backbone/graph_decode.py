@@ -89,6 +89,8 @@ class GraphRunner:
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        # per row, its left padding: a row's position ids count from its first real token (``backbone.padding``)
+        self.pads = torch.zeros((rows, 1), dtype=torch.long, device=dev)
         self.mask = torch.zeros((rows, 1, 1, length), dtype=torch.bool, device=dev)
         self.graph = None
         self.rows = self.fill = 0
@@ -105,7 +107,7 @@ class GraphRunner:
             if self.hooks is not None:
                 self.hooks.on()
             self.mask.index_fill_(-1, self.pos.view(-1), True)  # the step's own position
-            self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,
+            self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=(self.pos - self.pads).clamp_min(0),
                        past_key_values=self.cache, use_cache=True)
         finally:
             handle.remove()
@@ -138,6 +140,8 @@ class GraphRunner:
                     st.cumulative_length_int = length
             self.mask.zero_()
             self.mask[:rows, 0, 0, :length] = mask.to(self.device, torch.bool)
+            self.pads.zero_()
+            self.pads[:rows, 0] = (mask.to(self.device) == 0).long().cumprod(dim=-1).sum(dim=-1)
             self.mask[rows:, 0, 0, 0] = True  # spare rows attend somewhere: no NaN anywhere
         self.rows, self.fill = rows, length
 
@@ -164,6 +168,7 @@ class GraphRunner:
                 st.keys.copy_(st.keys.index_select(0, idx))
                 st.values.copy_(st.values.index_select(0, idx))
             self.mask.copy_(self.mask.index_select(0, idx))
+            self.pads.copy_(self.pads.index_select(0, idx))
         self.rows = len(gather)
 
     def export(self, rows: list[int]):

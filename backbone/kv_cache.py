@@ -129,6 +129,28 @@ def relayout_kv_rows(cache, gather: list[int], row_capacity: int) -> None:
             layer.reorder_cache(idx)
 
 
+def join_left_padded(caches: list, lengths: list[int], width: int):
+    """The rows of ``caches`` (transformers caches of one forward pass each, ``lengths[i]`` positions) as one cache,
+    in order, each pass's positions right-aligned to ``width`` (zeros in front: left padding, which the mask hides):
+    separate prefills joined for one batched decode. The first cache becomes the joined one. None (nothing changed)
+    when a layer does not hold every position of its pass (a sliding window past its width)."""
+    first = caches[0]
+    layers = [getattr(c, "layers", None) for c in caches]
+    if any(ls is None or len(ls) != len(layers[0]) for ls in layers):
+        return None
+    for ls, n in zip(layers, lengths):
+        if any(layer.keys is None or layer.keys.dim() != 4 or layer.keys.shape[-2] != n for layer in ls):
+            return None
+    for i, layer in enumerate(layers[0]):
+        for name in ("keys", "values"):
+            parts = [torch.nn.functional.pad(getattr(ls[i], name), (0, 0, width - n, 0))
+                     for ls, n in zip(layers, lengths)]
+            setattr(layer, name, torch.cat(parts))
+        if hasattr(layer, "cumulative_length"):  # a sliding layer below its window: every position it holds
+            layer.cumulative_length = width
+    return first
+
+
 def grow_kv_cache(cache, model: nn.Module) -> None:
     """Switch a transformers ``DynamicCache``'s layers to :class:`GrowingKVLayer` appends, in place (a decode's
     cache after its prefill), where ``model`` runs :func:`cpu_decode_attention` (bfloat16: its products read the

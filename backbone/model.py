@@ -58,6 +58,7 @@ from backbone.loading import (
 )
 from backbone.norms import FusedRMSNorm
 from backbone.options import FastPaths, fast_paths, using_fast_paths
+from backbone.padding import left_padded, use_pad_neutral_attention
 from backbone.precision import (
     CPU_FLOAT16_TAG,
     DEFAULT_CPU_PRECISION,
@@ -129,6 +130,7 @@ class Backbone:
         for p in self.model.parameters():
             p.requires_grad_(False)
         FusedRMSNorm.swap_into(self.model)
+        use_pad_neutral_attention(self.model)
         cfg = self.model.config
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = self.lm_head.weight.shape[0]
@@ -207,14 +209,25 @@ class Backbone:
 
     # --- f(c) capture -----------------------------------------------------------------------------
     def forward_fc(self, input_ids: torch.Tensor, attention_mask=None, past_key_values=None,
-                   use_cache: bool = False, output_attentions: bool = False, inference: bool = True):
+                   use_cache: bool = False, output_attentions: bool = False, inference: bool = True,
+                   pad_neutral: bool = False):
         """Run the decoder (no LM head) and return ``(f(c), outputs)``: f(c) is the final norm's input. Without
         gradients it runs in ``torch.inference_mode`` unless ``inference`` is False (what its hooks capture is
-        then an ordinary tensor that a later pass with gradients may save for backward)."""
-        captured = {}
+        then an ordinary tensor that a later pass with gradients may save for backward). ``pad_neutral``: a
+        left-padded row computes what it computes alone (``backbone.padding``: its own positions, attention over its
+        own keys) — a decode's passes, whose rows must not depend on which others share the batch."""
         input_ids = input_ids.to(self.device)  # callers may build ids on the CPU; the model may sit on a GPU
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
+        if pad_neutral and attention_mask is not None:
+            with left_padded(attention_mask) as pos:
+                return self._forward_fc(input_ids, attention_mask, past_key_values, use_cache, output_attentions,
+                                        inference, None if pos is None else pos(input_ids.shape[1]))
+        return self._forward_fc(input_ids, attention_mask, past_key_values, use_cache, output_attentions, inference)
+
+    def _forward_fc(self, input_ids, attention_mask, past_key_values, use_cache, output_attentions, inference,
+                    position_ids=None):
+        captured = {}
 
         def pre_hook(module, args):
             captured["fc"] = args[0]
@@ -227,7 +240,8 @@ class Backbone:
             with one_thread_section(few is not None), torch.inference_mode(inference and not torch.is_grad_enabled()):
                 out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                                    past_key_values=past_key_values, use_cache=use_cache,
-                                   output_attentions=output_attentions)
+                                   output_attentions=output_attentions,
+                                   **({} if position_ids is None else {"position_ids": position_ids}))
         finally:
             handle.remove()
         return captured["fc"], out

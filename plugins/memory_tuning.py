@@ -93,6 +93,7 @@ from torch import nn
 
 from backbone.hf_internals import attn_implementation
 from backbone.model import CPU_DECODE_ATTENTION, ROW_ATTENTION
+from backbone.padding import PAD_NEUTRAL_SDPA
 from backbone.torch_internals import set_unregistered
 from ground.errors import UserError
 from plugins.base import FitResult
@@ -117,7 +118,7 @@ from plugins.settings import Preset, setting
 VARIANTS = ("MT-F", "MT-M", "MT-MF")
 TRACE_TOP = 5
 # those that take an additive float mask of any key length (the CPU decode attention adds it as eager does)
-ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", CPU_DECODE_ATTENTION)
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", PAD_NEUTRAL_SDPA, CPU_DECODE_ATTENTION)
 LEGACY_SETTINGS = ("query_dim", "key_dim", "slot_dim", "value_dim")
 
 

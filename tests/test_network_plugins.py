@@ -288,7 +288,10 @@ def test_prefix_kv_cache_decodes_as_a_full_prefill(tiny, tiny_memory, trained):
     assert not PREFIX_KV._entries
     miss = compare(tiny, "the cat sleeps", rows, prompt, max_new_tokens=8)
     hit = compare(tiny, "hello world", rows, prompt, max_new_tokens=8)  # another source, same prefix
-    assert len(PREFIX_KV._entries) == 1
+    # one entry per prefix length: a decode reads only the prefix of its own shared length (the passes' shapes)
+    lengths = {PREFIX_KV.shared_len(tiny, prompt, s, tiny.encode_context(prompt.render(s)))
+               for s in ("the cat sleeps", "hello world")}
+    assert len(PREFIX_KV._entries) == len(lengths)
     hit_full = compare(tiny, "hello world", rows, prompt, max_new_tokens=8, use_prefix_cache=False)
     for r in rows:
         assert miss.row(r.label).tokens == full.row(r.label).tokens, r.label
@@ -299,7 +302,7 @@ def test_prefix_kv_cache_decodes_as_a_full_prefill(tiny, tiny_memory, trained):
         with torch.no_grad():
             ad.adapters[0].W_D.weight.mul_(2.0)  # weights changed in place: the old entry must not match
         compare(tiny, "the cat sleeps", rows, prompt, max_new_tokens=2)
-        assert len(PREFIX_KV._entries) == 2
+        assert len(PREFIX_KV._entries) == len(lengths) + 1
     finally:
         ad.load_state_dict(saved)
 

@@ -47,9 +47,11 @@ class PrefixKV:
         return (id(backbone.model),
                 tuple((id(p), k, self.plugin_version(p)) if p is not None else None for p, k in groups))
 
-    def get(self, backbone, groups: list, ctx: list[int]):
+    def get(self, backbone, groups: list, ctx: list[int], length: int | None = None):
         """``(P, cache)``: a copy of the longest stored prefix cache for these groups whose tokens start ``ctx``
-        (at least one token of ``ctx`` left over), or ``(0, None)``."""
+        (at least one token of ``ctx`` left over) — with ``length``, only one of exactly that many tokens (a decode
+        whose rows must not depend on what earlier decodes stored: the prefix's length sets the passes' shapes) —,
+        or ``(0, None)``."""
         key = self._key(backbone, groups)
         owners = [backbone.model] + [p for p, _ in groups]
         with self._lock:
@@ -61,6 +63,8 @@ class PrefixKV:
                     del self._entries[(k, prefix)]  # an id was reused by another object
                     continue
                 n = len(prefix)
+                if length is not None and n != length:
+                    continue
                 if n < len(ctx) and tuple(ctx[:n]) == prefix and (best is None or n > len(best[0])):
                     best = (prefix, cache)
             if best is None:
