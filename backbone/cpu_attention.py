@@ -123,3 +123,19 @@ def use_cpu_decode_attention(model: nn.Module) -> bool:
         return True
     except Exception:  # noqa: BLE001 - an older transformers: keep SDPA
         return False
+
+
+def use_pad_neutral_attention(model) -> bool:
+    """Switch a model that runs transformers' SDPA attention to it wrapped by :func:`backbone.padding.pad_neutral`
+    (the CPU decode attention is registered wrapped). Returns whether the model's attention is now pad-neutral;
+    False where this transformers cannot (the model keeps its attention: padded rows then compute to float rounding
+    only)."""
+    try:
+        name = attn_implementation(model)
+        if name == "sdpa":
+            register_attention(PAD_NEUTRAL_SDPA, pad_neutral(sdpa_attention()))
+            set_attn_implementation(model, PAD_NEUTRAL_SDPA)
+            return True
+        return name in (PAD_NEUTRAL_SDPA, CPU_DECODE_ATTENTION)
+    except Exception:  # noqa: BLE001 - an older transformers: keep its attention
+        return False

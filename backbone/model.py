@@ -26,6 +26,7 @@ from backbone.cpu_attention import (
     RowAttention,
     cpu_decode_attention,
     use_cpu_decode_attention,
+    use_pad_neutral_attention,
 )
 from backbone.graph_decode import warm_up
 from backbone.kernels import (
@@ -58,7 +59,7 @@ from backbone.loading import (
 )
 from backbone.norms import FusedRMSNorm
 from backbone.options import FastPaths, fast_paths, using_fast_paths
-from backbone.padding import left_padded, use_pad_neutral_attention
+from backbone.padding import left_padded
 from backbone.precision import (
     CPU_FLOAT16_TAG,
     DEFAULT_CPU_PRECISION,

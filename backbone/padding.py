@@ -23,7 +23,6 @@ from contextvars import ContextVar
 
 import torch
 
-from backbone.hf_internals import attn_implementation, register_attention, sdpa_attention, set_attn_implementation
 from backbone.torch_internals import set_unregistered, unregistered
 
 # (per row: its leading pad positions, the mask's width) during a forward pass run with ``left_padded``; else None
@@ -133,20 +132,3 @@ def pad_neutral(inner):
     attention.pema_inner = inner
     return attention
 
-
-def use_pad_neutral_attention(model) -> bool:
-    """Switch a model that runs transformers' SDPA attention to it wrapped by :func:`pad_neutral` (the CPU decode
-    attention is registered wrapped: ``backbone.cpu_attention``). Returns whether the model's attention is now
-    pad-neutral; False where this transformers cannot (the model keeps its attention: padded rows then compute to
-    float rounding only)."""
-    from backbone.cpu_attention import CPU_DECODE_ATTENTION  # lazy: cpu_attention imports this module
-
-    try:
-        name = attn_implementation(model)
-        if name == "sdpa":
-            register_attention(PAD_NEUTRAL_SDPA, pad_neutral(sdpa_attention()))
-            set_attn_implementation(model, PAD_NEUTRAL_SDPA)
-            return True
-        return name in (PAD_NEUTRAL_SDPA, CPU_DECODE_ATTENTION)
-    except Exception:  # noqa: BLE001 - an older transformers: keep its attention
-        return False
