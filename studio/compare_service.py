@@ -41,6 +41,7 @@ from studio.several_service import parse_lines, reference_scores
 
 RECENT_PER_OWNER = 16  # comparisons an owner can still share (the newest)
 RECENT_COMPARISONS = 1024  # of all owners together
+RECENT_BYTES = 128_000_000  # and their JSON at most (a long comparison with token traces is large)
 LIVE_PER_OWNER, LIVE_TOTAL = 2, 8  # kept for slider moves (each holds its KV cache: ~7 MB per row on Gemma 3 270M)
 
 
@@ -78,18 +79,24 @@ class ComparisonStore:
     def __init__(self):
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, tuple[str, dict]] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # each kept comparison's JSON size
         self._live: OrderedDict[str, tuple[str, Any]] = OrderedDict()
         self._streams: OrderedDict[tuple, int] = OrderedDict()
 
     def keep_recent(self, owner: str, payload: dict) -> None:
         """Keep a finished comparison for its owner to share: the owner's newest ``RECENT_PER_OWNER`` (another
-        owner's comparisons never push one out), at most ``RECENT_COMPARISONS`` in all (oldest out first)."""
+        owner's comparisons never push one out), at most ``RECENT_COMPARISONS`` and ``RECENT_BYTES`` (their JSON)
+        in all, oldest out first."""
+        size = len(json.dumps(payload, default=str))
         with self._lock:
             self._recent[payload["id"]] = (owner, payload)
+            self._sizes[payload["id"]] = size
             for k in [k for k, (o, _) in self._recent.items() if o == owner][:-RECENT_PER_OWNER]:
                 del self._recent[k]
-            while len(self._recent) > RECENT_COMPARISONS:
+            while len(self._recent) > RECENT_COMPARISONS or (
+                    len(self._recent) > 1 and sum(self._sizes.get(k, 0) for k in self._recent) > RECENT_BYTES):
                 self._recent.popitem(last=False)
+            self._sizes = {k: self._sizes[k] for k in self._recent if k in self._sizes}
 
     def recent(self, comparison_id, owner: str) -> dict | None:
         """The owner's kept comparison, or None (gone, or another owner's)."""

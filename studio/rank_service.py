@@ -116,7 +116,6 @@ class RankService:
             fp = bb.fingerprint if bb is not None else row["fingerprint"]
             to_train = sum(find_trained(self.ctx.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp) is None
                            for m in names)
-            self._rank_quota(owner, to_train)
             args.update(memory_id=memory_id, to_train=to_train)
         with self.ctx.admission:
             self._rank_quota(owner, to_train)

@@ -375,3 +375,40 @@ def test_an_earlier_releases_arguments_get_the_new_ones_defaults(site):
     assert event == "complete", out  # null means the default
     r = post(site.url, "compare", [], site.ka)
     assert r.status_code == 400 and "'source' is missing" in r.json()["detail"], r.text
+
+
+@pytest.mark.browser
+def test_a_hostile_share_label_is_drawn_as_text_in_chromium(site):
+    from _server import browser_page, chromium_browser
+
+    p = call(site.url, "compare", ["the cat sleeps", "translation", ["base", site.pid], {}, 4, 1, 0], site.ka)[2]
+    label = HOSTILE[:110]
+    sid = call(site.url, "share", [p["id"], -1, {site.pid: label}], site.ka)[2]["id"]
+    with chromium_browser() as browser:
+        for page in browser_page(browser):
+            page.goto(f"{site.url}share/?c={sid}", wait_until="domcontentloaded")
+            page.wait_for_function("[...document.querySelectorAll('.js-plotly-plot .legendtext, .js-plotly-plot "
+                                   ".gtitle')].some(t => t.textContent.includes('Session expired'))")
+            found = page.evaluate("""() => {
+                const plots = [...document.querySelectorAll('.js-plotly-plot')];
+                const texts = plots.flatMap(p => [...p.querySelectorAll('.legendtext, .gtitle')]);
+                return {links: plots.flatMap(p => [...p.querySelectorAll('a[href*="evil"], a[*|href*="evil"]')])
+                                    .length,
+                        big: plots.flatMap(p => [...p.querySelectorAll('[style*="60px"]')]).length,
+                        bold: plots.flatMap(p => [...p.querySelectorAll('.legendtext tspan[style*="bold"]')])
+                                   .length,
+                        literal: texts.some(t => t.textContent.includes('<a href="https://evil.example/">'))};
+            }""")
+            assert found == {"links": 0, "big": 0, "bold": 0, "literal": True}, found
+
+
+def test_the_comparison_store_is_bounded_in_bytes_too(monkeypatch):
+    from studio import compare_service
+    from studio.compare_service import ComparisonStore
+
+    monkeypatch.setattr(compare_service, "RECENT_BYTES", 10_000)
+    store = ComparisonStore()
+    for i in range(50):  # 50 strangers, one ~1 kB comparison each: far under the count bound, over the bytes
+        store.keep_recent(f"owner-{i}", {"id": f"c-{i}", "trace": "x" * 1000})
+    kept = store.recent_owners()
+    assert 5 <= len(kept) <= 10 and "c-49" in kept and "c-0" not in kept
