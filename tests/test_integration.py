@@ -66,3 +66,58 @@ def test_pema_learns_its_memory_and_decodes_next_to_base_and_knn(gemma, wmt_memo
                 max_new_tokens=24)
     assert all(r.text for r in c.rows)
     assert c.row("knn").trace[0]["neighbours"]
+
+
+# --- formality on Gemma: the tuned settings neither loop nor go empty on informal chat ------------------------------
+FORMALITY_INPUTS = ["gonna be late, can u send me the file asap?", "hey can u send me the file asap thx",
+                    "lemme know if the package shows up", "u don't have permission to open this file lol"]
+
+
+def looped(text: str, n: int = 2, times: int = 3) -> bool:
+    """An output caught in a loop: one word ``n``-gram ``times`` times or more ("now its now its now its…")."""
+    from collections import Counter
+
+    words = text.lower().split()
+    grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    return bool(grams) and max(grams.values()) >= times
+
+
+def test_looped_detects_a_repeating_output():
+    assert looped("now its now its now its now")
+    assert not looped("I will be late; could you send me the file as soon as possible?")
+
+
+@pytest.fixture(scope="module")
+def formality_memory(gemma, tmp_path_factory):
+    """A memory of 200 pairs of the formality demo corpus (the catalogs' English made informal)."""
+    from backbone.tasks import task_prompt
+    from memories.corpora import available_corpora, load_corpus
+
+    if "formality-en" not in available_corpora():
+        pytest.skip("no gettext catalogs on this machine: no formality demo corpus")
+    samples = [Sample(r["src"], r["tgt"], i + 1) for i, r in enumerate(load_corpus("formality-en", limit=200))]
+    return build_memory(gemma, samples, tmp_path_factory.mktemp("gm") / "formality200", task="formality",
+                        prompt=task_prompt("formality", gemma), batch_size=16)
+
+
+def test_formality_pema_and_knn_at_tuned_settings_neither_loop_nor_go_empty(gemma, formality_memory, tmp_path):
+    """PEMA and kNN at the formality settings tuned for Gemma (plugins/tuned_defaults.json) answer informal chat
+    with a non-empty line that does not loop, next to the base model, in one batch."""
+    from plugins.settings import row_settings
+
+    pema, _ = train_plugin(gemma, formality_memory, "pema",
+                           {"max_epochs_rct": 3, "max_epochs_joint": 10, "rank": 256, "batch_size": 64, "lr": 3e-3},
+                           out_dir=tmp_path / "pema")
+    knn, _ = train_plugin(gemma, formality_memory, "knn", out_dir=tmp_path / "knn")
+    rows = [Row("base"), Row("pema", pema, row_settings(pema, "formality", gemma.name, calibrated=False)),
+            Row("knn", knn, row_settings(knn, "formality", gemma.name, calibrated=False))]
+    assert rows[1].settings["lambda_max"] == 0.3 and rows[2].settings["lambda"] == 0.05  # the tuned ones
+    outputs = {}
+    for src in FORMALITY_INPUTS:
+        c = compare(gemma, src, rows, formality_memory.prompt, max_new_tokens=48)
+        outputs[src] = {r.label: r.text for r in c.rows}
+    print(outputs)
+    for src, out in outputs.items():
+        for label, text in out.items():
+            assert text.strip(), (src, label, out)  # empty-output guard
+            assert not looped(text), (src, label, text)  # repetition guard
