@@ -42,6 +42,7 @@ from studio.several_service import parse_lines, reference_scores
 RECENT_PER_OWNER = 16  # comparisons an owner can still share (the newest)
 RECENT_COMPARISONS = 1024  # of all owners together
 RECENT_BYTES = 128_000_000  # and their JSON at most (a long comparison with token traces is large)
+PROMPT_BUILTIN = "builtin"  # a comparison's prompt_from: the task's built-in examples (else a memory id, or None)
 LIVE_PER_OWNER, LIVE_TOTAL = 2, 8  # kept for slider moves (each holds its KV cache: ~7 MB per row on Gemma 3 270M)
 
 
@@ -213,17 +214,47 @@ class CompareService:
         return out
 
     def prompt_for(self, task: str, rows) -> Any:
-        """The memory's prompt of the chosen plug-ins when it is for this task, else the task's tuned prompt."""
-        for r in rows:
-            meta = getattr(r.plugin, "memory_meta", None) or {}
-            if r.plugin is not None and meta.get("prompt") and meta.get("task") == task:
-                return Prompt.from_dict(meta["prompt"])
-        return task_prompt(task, self.backbone_svc.backbone)
+        """The memory's prompt of the chosen plug-ins when it is for this task, else the task's tuned prompt (an
+        evaluation's or a rank's: its methods are fixed for the run)."""
+        return self.base_prompt(task, rows)[0]
+
+    def base_prompt(self, task: str, rows, prompt_from: str | None = None, owner: str | None = None) -> tuple:
+        """``(prompt, what it is)``: the prompt of every row of a comparison that does not bring its own (the
+        retrieved examples do), chosen by ``prompt_from`` — ``"builtin"`` (the task's tuned prompt, its built-in
+        examples), one of the owner's memory ids (that memory's own examples), or None (``"auto"``: the memory of
+        the first chosen plug-in of this task, else the built-in). What it is: ``{"kind": "memory" | "builtin",
+        "label", "examples", "memory_id"}`` — the payload's ``prompt_source``; shares keep only ``kind`` and
+        ``examples``."""
+        if prompt_from in (None, "", "auto"):
+            for r in rows:
+                meta = getattr(r.plugin, "memory_meta", None) or {}
+                if r.plugin is not None and meta.get("prompt") and meta.get("task") == task:
+                    prompt = Prompt.from_dict(meta["prompt"])
+                    row = self.ctx.catalog.memory(str(meta.get("id") or ""), self.ctx.owner(owner))
+                    return prompt, self._prompt_source(prompt, row["id"] if row else None,
+                                                       row["name"] if row else None)
+        elif prompt_from != PROMPT_BUILTIN:
+            if not isinstance(prompt_from, str):
+                raise UserError('The prompt must be "builtin" or one of your memories\' ids.')
+            row = self.memory_svc.memory_row(prompt_from, owner)
+            if row.get("task") != task:
+                raise UserError(f"The memory {row['name']!r} holds {row.get('task')} examples, not {task}: choose "
+                                f"a {task} memory or the built-in examples for the prompt.")
+            prompt = self.memory_svc.load_memory(prompt_from, owner).prompt
+            return prompt, self._prompt_source(prompt, prompt_from, row["name"])
+        prompt = task_prompt(task, self.backbone_svc.backbone)
+        return prompt, self._prompt_source(prompt, kind="builtin")
+
+    @staticmethod
+    def _prompt_source(prompt, memory_id: str | None = None, name: str | None = None, kind: str = "memory") -> dict:
+        n = len(prompt.examples or [])
+        label = f"built-in examples ({n})" if kind == "builtin" else f"{name or 'the memory'}'s own examples ({n})"
+        return {"kind": kind, "label": label, "examples": n, "memory_id": memory_id}
 
     def compare(self, source: str, task: str = "translation", methods: list[str] | None = None,
                 settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
                 reference: str | None = None, *, owner: str | None = None, no_repeat_ngram: int | None = None,
-                global_defaults: bool = False) -> dict:
+                global_defaults: bool = False, prompt_from: str | None = None) -> dict:
         """Decode ``source`` with every chosen method (the owner's plug-ins) in one batch; return a JSON-able
         comparison payload, kept for its owner under ``payload["id"]``.
 
@@ -239,11 +270,16 @@ class CompareService:
         A plug-in calibrated on its memory (``eval.calibrate``) starts at its tuned settings (its row's ``tuned``
         says so: "tuned on N held-out samples of <memory>"); ``global_defaults`` starts every row at the global
         defaults instead.
+
+        ``prompt_from`` chooses the one prompt of every row that does not bring its own (``base_prompt``:
+        ``"builtin"``, a memory id, or None for the first chosen plug-in's memory); ticking or unticking methods
+        then changes no other row's tokens (a row that brings its own prompt, the retrieved examples, is prefilled
+        apart: ``plugins.decode.prefill``). The payload's ``prompt_source`` says which prompt it was.
         """
         payload = None
         for payload in self._compare_steps(source, task, methods, settings, max_new_tokens, num_beams, reference,
                                            owner=owner, no_repeat_ngram=no_repeat_ngram, partials=False,
-                                           global_defaults=global_defaults):
+                                           global_defaults=global_defaults, prompt_from=prompt_from):
             pass
         return payload
 
@@ -251,7 +287,7 @@ class CompareService:
                        settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1,
                        reference: str | None = None, *, owner: str | None = None,
                        no_repeat_ngram: int | None = None, stream: str | None = None,
-                       global_defaults: bool = False):
+                       global_defaults: bool = False, prompt_from: str | None = None):
         """``compare`` streamed: yields a partial payload (``"partial": True``: every row's tokens so far) after
         each decoding step — the first after the first step — then the final payload, the same as ``compare``'s.
 
@@ -273,7 +309,7 @@ class CompareService:
             try:
                 for p in self._compare_steps(source, task, methods, settings, max_new_tokens, num_beams, reference,
                                              owner=owner, no_repeat_ngram=no_repeat_ngram, should_stop=stopped,
-                                             global_defaults=global_defaults):
+                                             global_defaults=global_defaults, prompt_from=prompt_from):
                     items.put(("payload", p))
             except BaseException as e:  # noqa: BLE001 — handed over to the caller's thread as it is
                 items.put(("error", e))
@@ -299,7 +335,7 @@ class CompareService:
 
     def _compare_steps(self, source: str, task: str, methods, settings, max_new_tokens, num_beams, reference,
                        *, owner: str | None, no_repeat_ngram: int | None, should_stop=lambda: False,
-                       partials: bool = True, global_defaults: bool = False):
+                       partials: bool = True, global_defaults: bool = False, prompt_from: str | None = None):
         """The comparison as a generator of payloads (with ``partials``, one after each decoding step; the last is
         the final one), holding the backbone for the whole decode; ``should_stop()`` is asked between steps."""
         owner = self.ctx.owner(owner)
@@ -320,7 +356,7 @@ class CompareService:
             rows = self.rows(methods, task, settings, owner, calibrated=not global_defaults)
             tuned = self.tuned(rows, not global_defaults)
             t_load = time.time() - t0
-            prompt = self.prompt_for(task, rows)
+            prompt, prompt_source = self.base_prompt(task, rows, prompt_from, owner)
             src = source.strip()
             reuse = {"kind": "full decode", "forward_passes": None, "reused_steps": 0}
             if self.backbone_svc.offsite(bb):
@@ -339,19 +375,21 @@ class CompareService:
                 while not should_stop() and run.step():
                     if partials:
                         yield self._payload(run.partial()[0], methods, task, reference, bb, prompt, t0, t_load,
-                                            int(max_new_tokens), partial=True, reuse=so_far())
+                                            int(max_new_tokens), partial=True, reuse=so_far(),
+                                            prompt_source=prompt_source)
                 if not run.finished:  # stopped: what is kept stays as it was (a move commits when it finishes)
                     if live is not None:
                         self.store.keep_live(owner, live_id, live)
                     yield self._payload(run.partial()[0], methods, task, reference, bb, prompt, t0, t_load,
-                                        int(max_new_tokens), partial=True, cancelled=True, reuse=so_far())
+                                        int(max_new_tokens), partial=True, cancelled=True, reuse=so_far(),
+                                        prompt_source=prompt_source)
                     return
                 comp = run.result()[0]
                 new_live = run.live()  # what the next slider move reuses (either kind of run)
                 reuse = {"kind": "slider move" if moved else "full decode", "forward_passes": run.forwards,
                          "reused_steps": run.reused_steps if moved else 0}
         payload = self._payload(comp, methods, task, reference, bb, prompt, t0, t_load, int(max_new_tokens),
-                                reuse=reuse, tuned=tuned)
+                                reuse=reuse, tuned=tuned, prompt_source=prompt_source)
         self.store.keep_recent(owner, payload)
         if new_live is not None:
             self.store.keep_live(owner, payload["id"], new_live)
@@ -360,7 +398,7 @@ class CompareService:
     @staticmethod
     def _payload(comp, methods: list[str], task: str, reference, bb, prompt, t0: float, t_load: float,
                  max_new_tokens: int, partial: bool = False, cancelled: bool = False, reuse: dict | None = None,
-                 tuned: dict | None = None) -> dict:
+                 tuned: dict | None = None, prompt_source: dict | None = None) -> dict:
         total = time.time() - t0
         base = next((r for r in comp.rows if r.method == "base"), comp.rows[0])
         out_rows = []
@@ -375,6 +413,7 @@ class CompareService:
         n_tok = sum(len(r.tokens) for r in comp.rows)
         payload = {"id": secrets.token_urlsafe(12), "source": comp.source, "task": task,
                    "reference": reference or None, "backbone": bb.name, "prompt": prompt.to_dict(),
+                   "prompt_source": prompt_source,
                    "context_ids": comp.context_ids, "src_len": comp.src_len, "base_label": base.label,
                    "rows": out_rows, "steps": comp.steps, "num_beams": comp.num_beams,
                    "max_new_tokens": int(max_new_tokens),
@@ -443,7 +482,8 @@ class CompareService:
 
     def compare_several(self, text: str, task: str = "translation", methods: list[str] | None = None,
                         settings: dict | None = None, max_new_tokens: int = 48, num_beams: int = 1, *,
-                        owner: str | None = None, no_repeat_ngram: int | None = None) -> dict:
+                        owner: str | None = None, no_repeat_ngram: int | None = None,
+                        prompt_from: str | None = None) -> dict:
         """Decode every pasted line (``studio.several_service.parse_lines``) with every chosen method in one batch.
         ``methods`` and ``settings`` as ``compare``. Returns ``{"task", "backbone", "columns": [{"label", "method",
         "plugin_id", "settings"}], "lines": [{"line", "source", "reference", "outputs": [text per column],
@@ -469,7 +509,7 @@ class CompareService:
         t0 = time.time()
         with self.backbone_svc.interactive("several sentences") as bb:
             rows = self.rows(methods, task, settings, owner)
-            prompt = self.prompt_for(task, rows)
+            prompt, prompt_source = self.base_prompt(task, rows, prompt_from, owner)
             comps = decode_batch(bb, [ln["source"] for ln in lines], rows, prompt=prompt,
                                  max_new_tokens=max_new_tokens, num_beams=num_beams, trace=False)
         decode_s = comps[0].seconds if comps else 0.0
@@ -490,6 +530,7 @@ class CompareService:
                               "scores": [per_col[c][i] for c in range(len(columns))] if i in per_col[0] else None})
         n_tok = sum(len(r.tokens) for comp in comps for r in comp.rows)
         return {"task": task, "backbone": bb.name, "columns": columns, "lines": out_lines, "corpus": corpus,
+                "prompt_source": prompt_source,
                 "max_new_tokens": max_new_tokens, "num_beams": num_beams,
                 "timings": {"decode_s": round(decode_s, 3), "total_s": round(time.time() - t0, 3), "tokens": n_tok,
                             "tokens_per_s": round(n_tok / max(decode_s, 1e-9), 1), "sentences": len(lines)}}
@@ -554,9 +595,12 @@ class CompareService:
             "version": 2, "source": p["source"], "task": p["task"], "backbone": p["backbone"],
             "base_label": names[p["base_label"]], "steps": p["steps"], "num_beams": p["num_beams"],
             "max_new_tokens": p.get("max_new_tokens"), "timings": p["timings"],
+            # which prompt the rows without their own read: its kind and size, never the memory's name or id
+            "prompt_source": {k: (p.get("prompt_source") or {}).get(k) for k in ("kind", "examples")}
+            if p.get("prompt_source") else None,
             "rows": [{"label": names[r["label"]], "method": r["method"], "text": r["text"], "tokens": r["tokens"],
                       "token_texts": r["token_texts"], "settings": r["settings"], "score": r["score"],
-                      "n_tokens": r["n_tokens"], "diff": r["diff"],
+                      "n_tokens": r["n_tokens"], "diff": r["diff"], "own_prompt": bool(r.get("prompt")),
                       "trace": [shared_trace(t) for t in r["trace"]]} for r in p["rows"]],
             "attention": attention, "created": p["created"], "shared": time.time()}
         text = json.dumps(json_safe(payload), ensure_ascii=False)

@@ -383,3 +383,61 @@ def test_several_sentences_table_and_examples(page, app):
     assert text.count("BLEU") >= 2 * 2 + 2 and "corpus" in text and "2 sentences with a reference" in text
     page.locator("#several-panel").scroll_into_view_if_needed()
     page.screenshot(path=str(SHOTS / "compare-several.png"))
+
+
+# --- one base per comparison ----------------------------------------------------------------------------------------
+def test_the_base_row_stays_put_while_methods_are_ticked_and_unticked(page, app):
+    """The first comparison (the base model alone) reads the built-in examples and the prompt picker then shows them;
+    ticking kNN and the retrieved examples (a row with its own, longer prompt) and unticking them again re-decodes
+    every time, and the base row's output and prompt stay put. Choosing the memory's own examples moves every row
+    without its own prompt to them, and they too stay whatever is ticked."""
+    studio = app["studio"]
+    if not any(p["method"] == "retrieval_icl" for p in studio.plugins()):
+        job = studio.jobs.wait(studio.submit_train(app["memory_id"], "retrieval_icl", {}, "Retrieved demo"), 120)
+        assert job["state"] == "done", job
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Compare").click()
+    if page.locator("#compare-task input").input_value() != "translation":
+        choose(page, "#compare-task", "translation")
+    page.locator("#compare-source textarea").fill("the house is small")
+    for label in page.locator("#compare-methods label").all():  # the base model alone
+        if label.locator("input").is_checked() != ("Base model" in label.inner_text()):
+            label.click()
+    page.locator("#compare-run").click()
+    wait_decoded(page, 1)
+
+    def base_and_prompt():
+        used = page.locator("#compare-prompt-used").inner_text()
+        card = page.locator("#compare-outputs .pema-card.base")
+        text = card.locator(".pema-card-diff").inner_text().strip()
+        return used, text, card.locator(".pema-card-prompt").inner_text()
+
+    first = base_and_prompt()
+    assert "built-in examples" in first[0] and "built-in examples" in first[2]
+    page.wait_for_function("document.querySelector('#compare-prompt input')?.value === 'Built-in examples'")
+    for ticked, n in ((("kNN demo",), 2), (("kNN demo", "Retrieved demo"), 3), ((), 1)):
+        for label in page.locator("#compare-methods label").all():
+            text = label.inner_text()
+            want = "Base model" in text or any(t in text for t in ticked)
+            if label.locator("input").is_checked() != want:
+                label.click()
+                page.wait_for_timeout(300)
+        wait_decoded(page, n)
+        page.wait_for_timeout(500)
+        wait_decoded(page, n)
+        assert base_and_prompt() == first, ticked
+        if "Retrieved demo" in ticked:
+            own = page.locator("#compare-outputs .pema-card").filter(has_text="Retrieved demo")
+            assert "its own" in own.locator(".pema-card-prompt").inner_text()
+
+    choose(page, "#compare-prompt", "demo pairs's own examples")
+    page.locator("#compare-run").click()
+    page.wait_for_function("document.querySelector('#compare-prompt-used')?.innerText.includes('demo pairs')")
+    wait_decoded(page, 1)
+    chosen = base_and_prompt()
+    choose_methods(page, ("kNN demo",))
+    wait_decoded(page, 2)
+    page.wait_for_timeout(500)
+    wait_decoded(page, 2)
+    assert base_and_prompt() == chosen
+    page.screenshot(path=str(SHOTS / "compare-prompt.png"), full_page=True)

@@ -233,15 +233,19 @@ def _comparison_endpoints(studio) -> list:
     @_api
     def compare(source: str, task: str = "translation", methods: Optional[list] = None,
                 settings: Optional[dict] = None, max_new_tokens: int = 48, num_beams: int = 1,
-                no_repeat_ngram: int = 0, global_defaults: bool = False, request: gr.Request = None) -> dict:
+                no_repeat_ngram: int = 0, global_defaults: bool = False, prompt_from: Optional[str] = None,
+                request: gr.Request = None) -> dict:
         """Decode a sentence with "base" and/or your plug-in ids in one batch; the payload has an "id" to share.
         ``settings``: {method | plug-in id: {name: value}} (see /methods for each method's declared settings).
         ``no_repeat_ngram``: the repetition guard for every row, the base model's included (0 = off).
         A plug-in calibrated on its memory (/calibrate; after training PEMA or kNN) starts at its tuned settings
-        (its row's "tuned" says so); ``global_defaults``: at the global defaults instead."""
+        (its row's "tuned" says so); ``global_defaults``: at the global defaults instead.
+        ``prompt_from``: the prompt of every row without its own — "builtin" (the task's built-in examples) or one
+        of your memory ids (its own examples); empty: the first chosen plug-in's memory. The payload's
+        "prompt_source" says which."""
         return studio.compare(source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams,
                               owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
-                              global_defaults=bool(global_defaults))
+                              global_defaults=bool(global_defaults), prompt_from=prompt_from or None)
 
     @_api
     def share(comparison_id: str, layer: int = -1, labels: Optional[dict] = None, request: gr.Request = None) -> dict:

@@ -158,6 +158,11 @@ def _methods_panel(studio, c: SimpleNamespace) -> None:
     Task choice."""
     c.methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Methods (decoded together in one batch)",
                                  elem_id="compare-methods")
+    # one prompt for every row without its own (the retrieved examples bring theirs): chosen here, or set by the first
+    # comparison (the first ticked plug-in's memory, else the built-in examples) and then kept whatever is ticked
+    c.prompt_from = gr.Dropdown(PROMPT_CHOICES, value=None, label="Examples in the prompt", elem_id="compare-prompt",
+                                info="What every row without a prompt of its own reads; the first comparison sets "
+                                     "it, ticking methods never changes it")
     c.table = {m["method"]: m for m in studio.methods()}
     start = studio.start_settings("translation")
     c.live_keys = []  # (method, setting name) of every live control, in component order
@@ -343,14 +348,53 @@ def _wire_method_choice(studio, c: SimpleNamespace) -> None:
                      [*c.live_ctls, c.knob_hint, c.extra, c.extra_auto, c.starts], show_progress="hidden")
 
 
+PROMPT_CHOICES = [("Built-in examples", "builtin")]
+
+
+def prompt_choices(studio, me, task: str) -> list[tuple[str, str]]:
+    """The prompts a comparison of ``task`` may read: the built-in examples and each of the owner's memories of it."""
+    return PROMPT_CHOICES + [(f"{m['name']}'s own examples", m["id"]) for m in studio.memories(owner=me)
+                             if m["task"] == task and m["usable"]]
+
+
+def _pin_prompt(studio):
+    """After a comparison: the prompt it read (its ``prompt_source``) shown in the picker, so that the next
+    comparisons read the same whatever is ticked."""
+    def pin(p, tk, pf, request: gr.Request):
+        src = (p or {}).get("prompt_source") or {}
+        chosen = src.get("memory_id") or ("builtin" if src.get("kind") == "builtin" else None)
+        if not chosen or chosen == pf:
+            return gr.skip()
+        return gr.update(choices=prompt_choices(studio, owner_of(studio, request), tk), value=chosen)
+
+    return pin
+
+
+def _wire_prompt(studio, c: SimpleNamespace) -> None:
+    """The prompt picker lists the task's memories when opened; a new task starts it over (``_pin_prompt``: a
+    comparison shows its prompt there)."""
+    @user_errors
+    def on_open(tk, pf, request: gr.Request):
+        choices = prompt_choices(studio, owner_of(studio, request), tk)
+        return gr.update(choices=choices, value=pf if pf in [v for _l, v in choices] else None)
+
+    @user_errors
+    def on_task(tk, request: gr.Request):
+        return gr.update(choices=prompt_choices(studio, owner_of(studio, request), tk), value=None)
+
+    c.prompt_from.focus(on_open, [c.task, c.prompt_from], c.prompt_from, show_progress="hidden",
+                        api_visibility="private")
+    c.task.change(on_task, c.task, c.prompt_from, show_progress="hidden", api_visibility="private")
+
+
 def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
     """Compare (the button, Enter, every live control's move), Stop, and the controls' starts per task."""
     inputs = [c.source, c.task, c.methods, c.max_new, c.beams, c.extra, c.reference, c.row_pick, c.layer, c.glob,
-              c.starts, *c.comp_ctls, *c.live_ctls]
+              c.starts, c.prompt_from, *c.comp_ctls, *c.live_ctls]
     outputs = list(c.outputs)
     keys = c.comp_keys + c.live_keys
 
-    def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, gl, st, *values):
+    def do_compare(request: gr.Request, src, tk, ms, mx, bm, ex, ref, label, lay, gl, st, pf, *values):
         """Compare, streamed: the cards fill token by token as the batch decodes (a generator: one update per
         step); the final update fills the token views too. A newer decode of this tab or Stop ends it."""
         try:
@@ -360,7 +404,8 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
             settings = decode_settings_of(keys, values, ex, st, gl)
             p = None
             for p in studio.compare_stream(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs,
-                                           owner=me, stream=view_key(request), global_defaults=bool(gl)):
+                                           owner=me, stream=view_key(request), global_defaults=bool(gl),
+                                           prompt_from=pf or None):
                 if p.get("partial"):
                     yield CompareOutputs.skip(cards=streaming_cards(p))
             if p is None or p.get("partial"):  # stopped (Stop, or a newer move): the partial cards stay
@@ -400,10 +445,10 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
     for ctl in (c.task, c.glob):
         ctl.input(on_starts, [c.task, c.methods, c.glob, c.starts, *c.live_ctls], [*c.live_ctls, c.starts],
                   api_visibility="private", show_progress="hidden")
-    c.run.click(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
-                show_progress_on=c.cards)
-    c.source.submit(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
-                    show_progress_on=c.cards)
+    for ev in (c.run.click, c.source.submit):  # then the prompt it read is shown in the picker (``_wire_prompt``)
+        ev(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
+           show_progress_on=c.cards).then(_pin_prompt(studio), [c.payload, c.task, c.prompt_from], c.prompt_from,
+                                          show_progress="hidden", api_visibility="private")
     c.stop.click(stop_decode, None, None, api_visibility="private", queue=False, show_progress="hidden")
     for ctl in (*c.live_ctls, *c.comp_ctls, c.max_new, c.beams, c.methods):
         # A slider decodes once it settles (let go, or a key released: SLIDER_KEYS_JS), not at every step of a
@@ -517,6 +562,7 @@ def build(studio) -> SimpleNamespace:
     _wire_compare(studio, c, insp)
     _wire_inspector(studio, c, insp)
     _wire_heldout(studio, c)
+    _wire_prompt(studio, c)
     _wire_share(studio, c)
     _wire_task_filter(studio, c)
 

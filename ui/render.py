@@ -283,6 +283,10 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
             f"output: <ins>added</ins> <del>removed</del></div>")
     ref = (f"<div class='pema-ref'><span>Reference</span> {esc(payload['reference'])}</div>"
            if payload.get("reference") else "")
+    used = prompt_label(payload.get("prompt_source"))
+    if used:
+        head += (f"<div class='pema-help' id='{'shared' if shared else 'compare'}-prompt-used'>Prompt of every row "
+                 f"without its own: <b>{esc(used)}</b></div>")
     cards = []
     base = payload.get("base_label")
     # the user gave a reference (a held-out sample): each output's sentence-level sacreBLEU and chrF against it
@@ -302,6 +306,7 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
             f"<div class='pema-card{' base' if is_base else ''}'>"
             f"<div class='pema-card-head'><b title='{esc(r['label'])}'>{esc(r['label'])}</b>"
             f"<span class='pema-method'>{esc(r['method'])}</span></div>"
+            f"<div class='pema-card-prompt pema-muted'>{esc(_row_prompt(r, used))}</div>"
             f"<div class='pema-card-text pema-card-diff'>{body}</div>"
             f"<div class='pema-card-text pema-card-plain'>{plain}</div>"
             f"<div class='pema-card-foot'>{r.get('n_tokens', len(r.get('tokens', [])))} tokens · "
@@ -311,6 +316,27 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
             f"<div class='pema-card-actions'><button type='button' class='pema-act' data-pema-action='copy' "
             f"title='Copy this output to the clipboard'>Copy</button>{toggle}</div></div>")
     return f"{head}{ref}<div class='pema-cards'>{''.join(cards)}</div>"
+
+
+def prompt_label(source: dict | None) -> str:
+    """What the rows without their own prompt read (a payload's ``prompt_source``): the owner's label, or in a share
+    (kind and size only) a neutral one."""
+    if not source:
+        return ""
+    if source.get("label"):
+        return source["label"]
+    n = source.get("examples")
+    what = "built-in examples" if source.get("kind") == "builtin" else "the memory's own examples"
+    return f"{what} ({n})" if n is not None else what
+
+
+def _row_prompt(row: dict, used: str) -> str:
+    """One card's prompt: its own (the retrieved examples) or the comparison's."""
+    own = row.get("prompt")
+    if own or row.get("own_prompt"):
+        n = len((own or {}).get("examples") or []) if isinstance(own, dict) else None
+        return f"prompt: its own ({n} retrieved examples)" if n is not None else "prompt: its own"
+    return f"prompt: {used}" if used else ""
 
 
 def _reference_foot(scores: dict | None) -> str:
