@@ -175,12 +175,13 @@ def training_label(p: dict) -> str:
 
 
 def plugins_table(plugins: list[dict]) -> list[list]:
-    return [[p["name"], p["method"], training_label(p), p["memory"], f"{p['params']:,}",
+    return [[p["name"], p["method"], training_label(p), p["memory"] + (f" · {p['task']}" if p.get("task") else ""),
+             f"{p['params']:,}",
              _metric_summary(p.get("metrics") or {}), when(p["created"], short=True),
              p["backbone"] + ("" if p["usable"] else " ⚠")] for p in plugins]
 
 
-PLUGIN_HEADERS = ["name", "method", "training", "memory", "parameters", "metrics", "created", "backbone"]
+PLUGIN_HEADERS = ["name", "method", "training", "memory · task", "parameters", "metrics", "created", "backbone"]
 
 
 def plugin_status(p: dict | None) -> str:
