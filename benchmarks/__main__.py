@@ -15,6 +15,8 @@
                                             # beside a training process (benchmarks/wait_policy.py)
     python -m benchmarks domain-shift build --out DIR | prompts --split DIR   # a domain-shift split from gettext
                                             # catalogs; PEMA with built-in vs own prompt examples (domain_shift.py)
+    python -m benchmarks batchrows [--memory DIR]   # an evaluation's decode with batch-invariant rows vs one
+                                            # padded pass, paired (benchmarks/batch_rows.py)
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import sys
 OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
                "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu", "heldout": "benchmarks.heldout",
                "trainstep": "benchmarks.train_step", "waitpolicy": "benchmarks.wait_policy",
-               "domain-shift": "benchmarks.domain_shift"}
+               "domain-shift": "benchmarks.domain_shift", "batchrows": "benchmarks.batch_rows"}
 
 
 def main(argv: list[str] | None = None):
