@@ -52,8 +52,10 @@ def plugins(bb, tmp_path_factory):
                        tmp_path_factory.mktemp("inv") / "m", prompt=PROMPT, heldout_frac=0.2)
     out = {}
     for m in ("knn", "retrieval_icl", "pema", "adapter", "memory_tuning"):
-        out[m] = train_plugin(bb, mem, m, dict(available_methods()[m].quick_settings),
-                              out_dir=tmp_path_factory.mktemp(m) / "p")[0]
+        cfg = dict(available_methods()[m].quick_settings)
+        if m == "memory_tuning":  # the paper's unified variant: its prefix rides on the decode attention (RowKeys)
+            cfg["variant"] = "MT-MF"
+        out[m] = train_plugin(bb, mem, m, cfg, out_dir=tmp_path_factory.mktemp(m) / "p")[0]
     return out
 
 
