@@ -210,3 +210,19 @@ def test_token_view_picker_follows_the_comparison(page, app):
     page.keyboard.press("End")  # the token views answer for the row that is there
     time.sleep(1.0)
     assert not bad and not error_toasts(page), (bad, error_toasts(page))
+
+
+def test_the_tour_offers_the_formality_demo_corpus(page, app):
+    """Rank's first-run tour offers a demo per task: translation (software messages) and formality (synthetic
+    informal side); the formality tour builds its memory with the formality task."""
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Rank").click()
+    tour = page.locator("#rank-tour-task")
+    assert "Formality" in tour.inner_text() and "synthetic" in tour.inner_text()
+    assert tour.locator("input[value=translation]").is_checked()  # the default stays the translation demo
+    from studio.rank_service import TOUR_CORPORA
+
+    st = app["studio"]
+    build = st.submit_build(corpus=TOUR_CORPORA["formality"], limit=20, name="tour check")  # the tour's build call
+    assert st.jobs.wait(build, 120)["state"] == "done"
+    assert next(m for m in st.memories() if m["name"] == "tour check")["task"] == "formality"
