@@ -20,7 +20,8 @@ JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in PAIRS)
 SMALL_PEMA = {"rank": 16, "max_epochs_rct": 2, "max_epochs_joint": 2, "candidate_contexts": 64}
 API = ["status", "preview", "build", "job", "jobs", "cancel", "memories", "memory", "delete_memory", "methods",
        "train", "plugins", "continue_training", "compare", "share", "shared", "evaluate",
-       "export_plugin", "import_plugin", "calibrate", "rank", "leaderboard", "share_leaderboard"]
+       "export_plugin", "import_plugin", "calibrate", "rank", "leaderboard", "share_leaderboard", "shares",
+       "delete_share"]
 
 
 @pytest.fixture(scope="module")
