@@ -117,7 +117,7 @@ def phase(name: str, calls: int, threads: int, fn, url: str, pid: int, log=print
     import httpx
 
     marks = {0: rss_mb(pid)}
-    ok, lock, done = [0], threading.Lock(), [0]
+    ok, lock, done, failed = [0], threading.Lock(), [0], {}
     step = max(1, calls // 10)
     local = threading.local()
 
@@ -125,12 +125,15 @@ def phase(name: str, calls: int, threads: int, fn, url: str, pid: int, log=print
         if not hasattr(local, "h"):
             local.h = httpx.Client(base_url=url, timeout=60)
         local.h.cookies.clear()  # every call is a stranger's: no cookie kept from an earlier answer
+        why = "refused or incomplete"
         try:
             good = fn(local.h, i)
-        except httpx.HTTPError:
-            good = False
+        except httpx.HTTPError as e:
+            good, why = False, type(e).__name__
         with lock:
             ok[0] += bool(good)
+            if not good:
+                failed[why] = failed.get(why, 0) + 1
             done[0] += 1
             if done[0] % step == 0:
                 marks[done[0]] = rss_mb(pid)
@@ -143,7 +146,8 @@ def phase(name: str, calls: int, threads: int, fn, url: str, pid: int, log=print
     xs = sorted(marks)
     mid = min(xs, key=lambda x: abs(x - calls / 2))
     before, middle, after = marks[0], marks[mid], marks[calls]
-    out = {"calls": calls, "ok": ok[0], "wall_s": round(wall, 1), "calls_per_s": round(calls / max(wall, 1e-9), 1),
+    out = {"calls": calls, "ok": ok[0], "failed": failed, "wall_s": round(wall, 1),
+           "calls_per_s": round(calls / max(wall, 1e-9), 1),
            "rss_before_mb": round(before, 1), "rss_mid_mb": round(middle, 1), "rss_after_mb": round(after, 1),
            "mb_per_1000_first_half": round(1000 * (middle - before) / max(mid, 1), 1),
            "mb_per_1000_second_half": round(1000 * (after - middle) / max(calls - mid, 1), 1),

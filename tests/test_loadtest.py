@@ -34,3 +34,18 @@ def test_the_load_test_refuses_nonsense_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--owners", "0"])
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_a_scaled_down_memory_load_keeps_strangers_calls_out_of_the_server():
+    """``python -m eval.memload`` scaled down: every call served; 60 anonymous API calls (half never read) leave the
+    server's resident memory where it was (before issue 60 each kept about 1 MB: +60 MB)."""
+    from eval.memload import run
+
+    lines: list[str] = []
+    report = run(anonymous=60, cookies=10, shares=10, threads=4, settle_s=0, log=lines.append)
+    for phase, n in (("anonymous", 60), ("fresh_cookies", 10), ("share_loads", 10)):
+        assert report[phase]["calls"] == n and report[phase]["ok"] >= n - 1, report[phase]
+        assert report[phase]["rss_before_mb"] > 0
+    anon = report["anonymous"]
+    assert anon["rss_after_mb"] - anon["rss_before_mb"] < 20, anon
+    assert any(ln.startswith("anonymous:") for ln in lines)
