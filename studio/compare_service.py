@@ -223,8 +223,8 @@ class CompareService:
         retrieved examples do), chosen by ``prompt_from`` — ``"builtin"`` (the task's tuned prompt, its built-in
         examples), one of the owner's memory ids (that memory's own examples), or None (``"auto"``: the memory of
         the first chosen plug-in of this task, else the built-in). What it is: ``{"kind": "memory" | "builtin",
-        "label", "examples", "memory_id"}`` — the payload's ``prompt_source``; shares keep only ``kind`` and
-        ``examples``."""
+        "label", "examples", "memory_id"}`` — the payload's ``prompt_source``; a share keeps only the kind and
+        the number of examples (``base_examples``)."""
         if prompt_from in (None, "", "auto"):
             for r in rows:
                 meta = getattr(r.plugin, "memory_meta", None) or {}
@@ -595,12 +595,12 @@ class CompareService:
             "version": 2, "source": p["source"], "task": p["task"], "backbone": p["backbone"],
             "base_label": names[p["base_label"]], "steps": p["steps"], "num_beams": p["num_beams"],
             "max_new_tokens": p.get("max_new_tokens"), "timings": p["timings"],
-            # which prompt the rows without their own read: its kind and size, never the memory's name or id
-            "prompt_source": {k: (p.get("prompt_source") or {}).get(k) for k in ("kind", "examples")}
+            # which examples the rows without their own read: their kind and number, never the memory's name or id
+            "base_examples": {"kind": p["prompt_source"].get("kind"), "count": p["prompt_source"].get("examples")}
             if p.get("prompt_source") else None,
             "rows": [{"label": names[r["label"]], "method": r["method"], "text": r["text"], "tokens": r["tokens"],
                       "token_texts": r["token_texts"], "settings": r["settings"], "score": r["score"],
-                      "n_tokens": r["n_tokens"], "diff": r["diff"], "own_prompt": bool(r.get("prompt")),
+                      "n_tokens": r["n_tokens"], "diff": r["diff"], "own_examples": bool(r.get("prompt")),
                       "trace": [shared_trace(t) for t in r["trace"]]} for r in p["rows"]],
             "attention": attention, "created": p["created"], "shared": time.time()}
         text = json.dumps(json_safe(payload), ensure_ascii=False)

@@ -74,9 +74,10 @@ def test_a_share_says_which_prompt_without_naming_the_memory(studio):
     st, mid, ids, _formal = studio
     p = st.compare(SOURCE, methods=["base", ids["retrieval_icl"]], prompt_from=mid, max_new_tokens=4)
     shared = st.shared(st.share(p["id"]))
-    assert shared["prompt_source"] == {"kind": "memory", "examples": p["prompt_source"]["examples"]}
-    assert [r["own_prompt"] for r in shared["rows"]] == [False, True]
-    assert mid not in str(shared) and "pairs" not in str(shared["prompt_source"])
+    assert shared["base_examples"] == {"kind": "memory", "count": p["prompt_source"]["examples"]}
+    assert [r["own_examples"] for r in shared["rows"]] == [False, True]
+    assert mid not in str(shared) and "pairs" not in str(shared["base_examples"])
+    assert "prompt" not in str(shared)  # never the prompt (tests/test_owners.py), nor a key that reads like it
 
 
 def test_a_bad_prompt_choice_is_a_clear_error(studio):

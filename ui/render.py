@@ -284,7 +284,7 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
             f"output: <ins>added</ins> <del>removed</del></div>")
     ref = (f"<div class='pema-ref'><span>Reference</span> {esc(payload['reference'])}</div>"
            if payload.get("reference") else "")
-    used = prompt_label(payload.get("prompt_source"))
+    used = prompt_label(payload.get("prompt_source") or payload.get("base_examples"))
     if used:
         head += (f"<div class='pema-help' id='{'shared' if shared else 'compare'}-prompt-used'>Prompt of every row "
                  f"without its own: <b>{esc(used)}</b></div>")
@@ -321,12 +321,12 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
 
 def prompt_label(source: dict | None) -> str:
     """What the rows without their own prompt read (a payload's ``prompt_source``): the owner's label, or in a share
-    (kind and size only) a neutral one."""
+    (``base_examples``: kind and number only) a neutral one."""
     if not source:
         return ""
     if source.get("label"):
         return source["label"]
-    n = source.get("examples")
+    n = source.get("count")
     what = "built-in examples" if source.get("kind") == "builtin" else "the memory's own examples"
     return f"{what} ({n})" if n is not None else what
 
@@ -334,7 +334,7 @@ def prompt_label(source: dict | None) -> str:
 def _row_prompt(row: dict, used: str) -> str:
     """One card's prompt: its own (the retrieved examples) or the comparison's."""
     own = row.get("prompt")
-    if own or row.get("own_prompt"):
+    if own or row.get("own_examples"):
         n = len((own or {}).get("examples") or []) if isinstance(own, dict) else None
         return f"prompt: its own ({n} retrieved examples)" if n is not None else "prompt: its own"
     return f"prompt: {used}" if used else ""
