@@ -437,3 +437,36 @@ def test_each_decode_cost_is_its_own_methods(tiny, setup, monkeypatch):
                           max_new_tokens=CAP, configs={m: available_methods()[m].quick_settings for m in costs})
     assert timed == list(costs)
     assert {r["method"]: r["decode_cost"] for r in board["methods"] if r["method"] != "base"} == costs
+
+
+# --- a kept decode's rows -------------------------------------------------------------------------------------------
+def test_a_kept_decode_keeps_each_finished_rows_own_cache(tiny, tiny_memory):
+    """Rows that agree share one row of the forward pass, so a row's place in the cache is not its batch index: the
+    base model and kNN at λ = 0 share the first place and kNN at λ 0.9 (which finishes early) sits in the second,
+    while its batch index is 2. A slider move of that row must re-decode from its own kept cache, exactly as a full
+    decode does."""
+    from backbone.prompts import Prompt
+    from plugins.decode import Row, compare, start_compare
+    from plugins.knn import KNN, KNNConfig
+
+    knn = KNN(KNNConfig(), tiny)
+    knn.fit(tiny_memory)
+    prompt, source = Prompt.for_task("translation"), "the cat sleeps"
+
+    def rows(lam):
+        return [Row("base"), Row("knn off", knn, {"lambda": 0.0}), Row("knn", knn, {"lambda": lam})]
+
+    def run(r):
+        while r.step():
+            pass
+        return r.result()[0]
+
+    first = start_compare(tiny, source, rows(0.9), prompt, max_new_tokens=24)
+    kept = run(first)
+    assert len(kept.rows[2].tokens) < 24 <= len(kept.rows[0].tokens) and kept.rows[1].tokens == kept.rows[0].tokens
+    assert 2 in first.finished_caches  # finished early: its cache kept as it was
+    live = first.live()
+    for lam in (0.85, 0.7, 0.5):
+        got = run(start_compare(tiny, source, rows(lam), prompt, max_new_tokens=24, live=live))
+        full = compare(tiny, source, rows(lam), prompt, max_new_tokens=24)
+        assert [r.tokens for r in got.rows] == [r.tokens for r in full.rows], lam
