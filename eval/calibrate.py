@@ -207,8 +207,8 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
     Returns ``{"settings", "table", "n", "memory", "memory_id", "sample_ids", "seconds", "base", ...}`` (see the
     module docstring), or None for a plug-in that does not interpolate (nothing to calibrate). A UserError when the
     memory has too few held-out samples; ``Cancelled`` when ``should_stop()`` turns true. ``max_seconds`` (default
-    DEFAULT_SECONDS) stops taking new samples once MIN_TUNE are done and the time is spent; ``n`` says how many
-    were used."""
+    none: every sample) stops taking new samples once MIN_TUNE are done and the time is spent; ``n`` says how many
+    were used. The choice follows the evidence rule (module docstring); ``evidence`` records it."""
     if not plugin.interpolates or plugin.level != "output":  # declared on ``Plugin``
         return None
     progress = progress or _noop
