@@ -149,12 +149,13 @@ class CaptureWorker:
 
 
 class TrainWorker:
-    """A training worker (a threaded actor: ``poll`` and ``stop`` are answered while ``train`` runs)."""
+    """A training worker (a threaded actor: ``poll`` and ``stop`` are answered while ``train`` runs). It may train
+    one method after another (a rank's pool: one process start and backbone load for several trainings)."""
 
     def __init__(self, spec: dict, device: str | None = None):
         self.spec, self.device = spec, device
         self._lock = threading.Lock()
-        self._state = {"progress": 0.0, "message": "", "points": []}
+        self._state = {"progress": 0.0, "message": "", "points": [], "method": None}
         self._stop = threading.Event()
 
     def _progress(self, frac: float, message: str = "") -> None:
@@ -180,12 +181,16 @@ class TrainWorker:
     def train(self, memory_files: dict[str, bytes], memory_path: str, method: str, config: dict) -> dict:
         """Train on the shipped memory; the saved plug-in's files (its memory path is the head's), or
         ``{"error": kind, "message"}`` for a cancel or a user error."""
+        t_start = time.time()  # the worker process is up (its start is the cluster's cost, not the training's)
+        with self._lock:  # a new training: the last one's progress and points are not this one's
+            self._state = {"progress": 0.0, "message": "", "points": [], "method": method}
         import torch  # heavy: the worker's own thread count
 
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
         try:
             self._progress(0.0, "loading the backbone on a Ray worker")
             bb = worker_backbone(self.spec, self.device)
+            t_loaded = time.time()
             with tempfile.TemporaryDirectory(prefix="pema-ray-train-") as tmp:
                 mdir = Path(tmp) / Path(memory_path).name
                 mdir.mkdir()
@@ -212,7 +217,8 @@ class TrainWorker:
                 # plain JSON values only (the history list holds this actor's callback, and so its lock)
                 return {"files": files, "metrics": json.loads(json.dumps(result.metrics, default=str)),
                         "history": json.loads(json.dumps(list(result.history), default=str)),
-                        "params": plugin.trainable_parameters()}
+                        "params": plugin.trainable_parameters(),
+                        "clock": {"started": t_start, "backbone_loaded": t_loaded, "trained": time.time()}}
         except Cancelled:
             return {"error": "cancelled", "message": "Cancelled"}
         except UserError as e:
@@ -239,6 +245,7 @@ class RayExecutor:
         self._pool_busy = 0  # captures using the warm pool now
         self._pool_timer: threading.Timer | None = None
         self.captures: list[dict] = []  # one record per sharded capture (a build has two: training, held-out)
+        self.trainings: list[dict] = []  # one record per train_many: each worker's clock
 
     def start(self) -> "RayExecutor":
         ray = _ray()
@@ -500,63 +507,61 @@ class RayExecutor:
     # a rank's trainings -----------------------------------------------------------------------------------------
     def train_many(self, spec: dict, backbone, memory: Memory, jobs: list[dict], *, catalog, owner: str,
                    progress=None, should_stop=lambda: False) -> dict[str, dict]:
-        """Several trainings on one memory at once, each in a Ray actor of its own, ``training_slots()`` at a time
-        (the next starts when one ends): a rank's training phase across workers. ``jobs``: ``[{"method", "config"
-        (overrides), "name"}]``; ``progress(method, frac, msg)``. The memory's files go through the object store once
-        for all of them. Each plug-in is checked and published like a studio training's (``owner``'s); returns
-        ``{method: catalog row}``. A cancel stops every actor; a worker's UserError is raised (after the others
-        ended) with the method's name."""
+        """Several trainings on one memory at once: a rank's training phase across workers. ``training_slots()``
+        training actors (no more than there are jobs) each load the backbone once and train one job after another,
+        the next job going to the first actor that is free. ``jobs``: ``[{"method", "config" (overrides),
+        "name"}]``; ``progress(method, frac, msg)``. The memory's files go through the object store once for all of
+        them. Each plug-in is checked and published like a studio training's (``owner``'s); returns ``{method:
+        catalog row}``. A cancel stops every actor; a worker's UserError is raised (after the others ended) with the
+        method's name."""
         ray = _ray()
         self.release_pool(force=False)  # idle build workers' CPUs / GPUs go to the trainings
+        t0 = time.time()
         mdir = Path(memory.path)
         files = ray.put({f.name: f.read_bytes() for f in mdir.iterdir() if f.is_file() and not f.name.startswith(".")})
         report = progress or (lambda *a: None)
-        slots = self.training_slots()
         todo = list(jobs)
-        actors: dict[str, object] = {}
-        refs: dict = {}  # train ref -> method
+        actors = [self._training_actor(spec)[0] for _ in range(max(1, min(self.training_slots(), len(jobs))))]
+        free = list(actors)
+        running: dict = {}  # train ref -> (method, actor)
+        polls: dict = {}  # poll ref -> (method, actor) (an actor Ray has not started yet answers once it has)
+        outs: dict[str, dict] = {}
+        stopping, seen = False, {}
         try:
-            outs: dict[str, dict] = {}
-            polls: dict = {}  # poll ref -> method (an actor Ray has not started yet answers once it has)
-            stopping, seen = False, {}
             while len(outs) < len(jobs):
-                while todo and not stopping and len(actors) - len(outs) < slots:
-                    j = todo.pop(0)
-                    actors[j["method"]], _ = self._training_actor(spec)
-                    refs[actors[j["method"]].train.remote(files, str(mdir), j["method"], j.get("config") or {})] = \
-                        j["method"]
+                while todo and free and not stopping:
+                    j, actor = todo.pop(0), free.pop(0)
+                    running[actor.train.remote(files, str(mdir), j["method"], j.get("config") or {})] = \
+                        (j["method"], actor)
                 if stopping and todo:  # never started: nothing to stop
                     outs.update({j["method"]: {"error": "cancelled"} for j in todo})
                     todo.clear()
                     continue
-                ready, _ = ray.wait([r for r in refs if refs[r] not in outs], num_returns=1, timeout=POLL_SECONDS)
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_SECONDS)
                 for ref in ready:
-                    outs[refs[ref]] = ray.get(ref)
-                    try:
-                        ray.kill(actors[refs[ref]])  # its CPU / GPU goes to the next training
-                    except Exception:  # noqa: BLE001 — already gone
-                        pass
-                for m, actor in actors.items():
-                    if m not in outs and m not in polls.values():
-                        polls[actor.poll.remote()] = m
+                    m, actor = running.pop(ref)
+                    outs[m] = ray.get(ref)
+                    free.append(actor)
+                for m, actor in running.values():
+                    if all(a is not actor for _, a in polls.values()):
+                        polls[actor.poll.remote()] = (m, actor)
                 answered, _ = ray.wait(list(polls), num_returns=len(polls), timeout=0.05) if polls else ([], [])
                 for ref in answered:
-                    m = polls.pop(ref)
+                    m, _actor = polls.pop(ref)
                     try:
                         st = ray.get(ref)
                     except Exception:  # noqa: BLE001 — an actor that ended: its train ref says how
                         continue
                     now = (st["progress"], st["message"])
-                    if now != seen.get(m) and m not in outs:
+                    if st.get("method") == m and m not in outs and now != seen.get(m):
                         seen[m] = now
                         report(m, *now)
                 if not stopping and should_stop():
-                    for m, actor in actors.items():
-                        if m not in outs:
-                            actor.stop.remote()
+                    for _m, actor in running.values():
+                        actor.stop.remote()
                     stopping = True
         finally:
-            for actor in actors.values():
+            for actor in actors:
                 try:
                     ray.kill(actor)
                 except Exception:  # noqa: BLE001 — already gone
@@ -566,6 +571,9 @@ class RayExecutor:
         failed = [f"{get_method(m).title}: {o['message']}" for m, o in outs.items() if o.get("error")]
         if failed:
             raise UserError("Training on a Ray worker failed — " + "; ".join(failed))
+        # when each training began (for a worker's first: its process was up), had the backbone and ended, in seconds
+        # from the call (benchmarks ray --rank)
+        self.trainings.append({m: {k: round(v - t0, 2) for k, v in o["clock"].items()} for m, o in outs.items()})
         return {j["method"]: self._publish(catalog, owner, backbone, memory, outs[j["method"]], j["method"],
                                            j.get("name")) for j in jobs}
 
