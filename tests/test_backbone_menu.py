@@ -91,3 +91,22 @@ def test_the_header_shows_the_menu_only_on_a_gpu(studio, monkeypatch):
     choices, current = backbone_choices(studio.backbone_menu())
     assert ("Gemma 3 1B (pre-trained), multilingual · 1.0B (google/gemma-3-1b-pt)", "google/gemma-3-1b-pt") in choices
     assert current is None  # the tiny test backbone is not on the menu
+
+
+def test_the_repository_holds_gemma_3_1b_shapes_for_the_gpu_benchmark():
+    """``python -m benchmarks gpu --config-dir gemma-3-1b``: the config is Gemma 3 1B's (999.9 M parameters), with no
+    tokenizer of its own (the benchmark takes the embedded 270M's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.gpu import CONFIGS, has_tokenizer
+
+    cfg = AutoConfig.from_pretrained(CONFIGS / "gemma-3-1b")
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
+            cfg.sliding_window) == ("gemma3_text", 1152, 26, 4, 1, 256, 6912, 262144, 512)
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17, 23]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 999.9
+    assert not has_tokenizer(CONFIGS / "gemma-3-1b")
