@@ -75,12 +75,13 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
                  compact: bool = True) -> list[Comparison]:
     """Decode several sources × every row in one batch (left-padded prompts); one Comparison per source.
 
-    A single source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
+    Each source reuses the KV cache of the prompt's shared prefix (instruction and few-shot examples) from an
     earlier decode with the same prefill groups (``PREFIX_KV``), so only the source's own tokens are prefilled.
 
-    Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j (``Batch``). Left padding is masked
-    out; rotary position offsets cancel in attention scores, so a padded row computes what it would alone (up to
-    float rounding).
+    Batch layout: index ``(s * R + r) * B + j`` for source s, row r, beam j (``Batch``). Each context is prefilled
+    in a pass of its own and the left padding is neutral in the steps (``prefill``, ``backbone.padding``): a row
+    computes what it computes alone, bit for bit where the linears keep a row's bits in any batch (docs/evaluation.md,
+    "Batch-invariant rows").
 
     Repetition guard (``no_repeat_ngram``, a comparison setting: ``plugins.settings.COMPARISON_SETTINGS``; given
     here or in any row's settings): no row may repeat an n-gram of its own output tokens — every row alike, the
