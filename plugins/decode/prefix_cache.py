@@ -13,13 +13,14 @@ from backbone.torch_internals import version
 
 
 class PrefixKV:
-    """A small LRU of prompt-prefix KV caches for single-source decodes.
+    """A small LRU of prompt-prefix KV caches.
 
     Every comparison with the same prompt starts with the same instruction and few-shot examples (hundreds of
     tokens with the built-in prompts), and the app re-decodes the same rows each time a slider moves. The prefix's
     KV cache is kept per (backbone, prefill groups, prefix tokens); a group of in-network rows is keyed by its
     plug-in (held weakly, with its weights' version counters, so that a retrained or freed plug-in never matches)
-    and settings. Multi-source batches are left-padded and do not use it.
+    and settings. Every source of a batch reads it (each context is prefilled in a pass of its own:
+    ``plugins.decode.forward.prefill``), always at its own shared length.
     """
 
     MIN_TOKENS = 16  # shorter shared prefixes are not worth a cache entry
