@@ -446,6 +446,7 @@ def test_a_kept_decode_keeps_each_finished_rows_own_cache(tiny, tiny_memory):
     while its batch index is 2. A slider move of that row must re-decode from its own kept cache, exactly as a full
     decode does."""
     from backbone.prompts import Prompt
+    from plugins.api import new_plugin
     from plugins.decode import Row, compare, start_compare
     from plugins.knn import KNN, KNNConfig
 
@@ -469,4 +470,18 @@ def test_a_kept_decode_keeps_each_finished_rows_own_cache(tiny, tiny_memory):
     for lam in (0.85, 0.7, 0.5):
         got = run(start_compare(tiny, source, rows(lam), prompt, max_new_tokens=24, live=live))
         full = compare(tiny, source, rows(lam), prompt, max_new_tokens=24)
+        assert [r.tokens for r in got.rows] == [r.tokens for r in full.rows], lam
+    # a row that runs to the end in the second place, batch index 2: moved, it resumes from its own place
+    pema = new_plugin("pema", tiny, tiny_memory, {"seed": 1})  # untrained, random B: far from the LM
+
+    def pema_rows(lam):
+        return [Row("base"), Row("knn off", knn, {"lambda": 0.0}), Row("pema", pema, {"lambda_max": lam, "gu": False})]
+
+    first = start_compare(tiny, source, pema_rows(0.7), prompt, max_new_tokens=24)
+    kept = run(first)
+    assert kept.rows[2].tokens != kept.rows[0].tokens and len(kept.rows[2].tokens) == 24 and not first.finished_caches
+    live = first.live()
+    for lam in (0.75, 0.9, 0.6):
+        got = run(start_compare(tiny, source, pema_rows(lam), prompt, max_new_tokens=24, live=live))
+        full = compare(tiny, source, pema_rows(lam), prompt, max_new_tokens=24)
         assert [r.tokens for r in got.rows] == [r.tokens for r in full.rows], lam
