@@ -1,5 +1,6 @@
 """One-line changes that break the leaderboard's honesty rules, each run against the rule's tests in
-``tests/test_honesty_rules.py`` (docs/testing.md, "Honesty rules"): every one must make them fail.
+``tests/test_honesty_rules.py`` (a kept decode's also against ``tests/test_live_decode.py``'s slider moves;
+docs/testing.md, "Honesty rules"): every one must make them fail.
 
 Each change is made on a copy of the committed tree (``git archive HEAD``, so the working tree is never touched): the
 file is copied aside, the line replaced, the tests selected by ``-k`` run, the file copied back. Prints one line per
@@ -18,7 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-TESTS = "tests/test_honesty_rules.py"
+# the rules' tests; a kept decode's rows are also guarded by the slider-move tests of test_live_decode.py
+TESTS = ["tests/test_honesty_rules.py", "tests/test_live_decode.py"]
+LIVE = "finished_early or slider_moves"
 
 # (rule, file, the line's text, its broken text, the tests that guard it: a pytest -k expression)
 CHANGES = [
@@ -159,10 +162,10 @@ CHANGES = [
      '', 'plugin_is_reused'),
     ('kept-decode row aligned', 'plugins/decode/engine.py',
      'self.finished_caches.update({b: (snapshot, old[b]) for b in gone})',
-     'self.finished_caches.update({b: (snapshot, b) for b in gone})', 'kept_decode'),
+     'self.finished_caches.update({b: (snapshot, b) for b in gone})', 'kept_decode or slider_moves or finished_early'),
     ('kept-decode row aligned', 'plugins/decode/engine.py',
      'return self.cache, b if self.phys is None else self.phys_list[b]',
-     'return self.cache, b', 'kept_decode'),
+     'return self.cache, b', 'kept_decode or slider_moves or finished_early'),
 ]
 
 
@@ -177,8 +180,8 @@ def main(argv=None) -> int:
         archive = subprocess.run(["git", "archive", "HEAD"], cwd=repo, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        base = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TESTS], cwd=tmp,
-                              capture_output=True, text=True, env=env)
+        base = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k",
+                               f"test_honesty_rules or {LIVE}"], cwd=tmp, capture_output=True, text=True, env=env)
         if base.returncode != 0:  # a change can only be caught by tests that pass without it
             print(base.stdout[-2000:])
             print("the tests fail on the unchanged tree: nothing to check")
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
             shutil.copy(path, saved)
             try:
                 path.write_text(text.replace(old, new), encoding="utf-8")
-                r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", TESTS,
+                r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS,
                                     "-k", select], cwd=tmp, capture_output=True, text=True, env=env)
             finally:
                 shutil.copy(saved, path)
