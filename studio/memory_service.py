@@ -79,7 +79,7 @@ class MemoryService:
         if filename is not None and not isinstance(filename, str):
             raise UserError("The file name must be text.")
         if corpus:
-            samples, problems, fmt = self._corpus_samples(corpus, limit or 200), [], "demo corpus"
+            samples, problems, fmt = self._corpus_samples(corpus, limit or 200), [], f"demo corpus {corpus}"
         else:
             if data is None or (isinstance(data, (str, bytes)) and not data.strip()):
                 return {"count": 0, "monolingual": 0, "problems": ["Nothing to preview yet: upload a file or "

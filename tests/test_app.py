@@ -496,6 +496,22 @@ def test_plugin_choices_name_their_task_and_offer_only_the_chosen_tasks():
     assert hidden_plugins_note(st, None, None) == ""
 
 
+def test_the_method_pickers_line_is_cleared_when_nothing_is_hidden():
+    """Switching to a task whose plug-ins are all there clears the line (a None in an update would keep the old)."""
+    from types import SimpleNamespace
+
+    from ui.compare import methods_update
+    from ui.evaluate import eval_methods_update
+
+    rows = [{"id": "knn-1-aaaaaa", "name": "chat", "method": "knn", "usable": True, "task": "formality",
+             "calibration": None}]
+    st = SimpleNamespace(plugins=lambda owner=None: rows, best_methods=lambda owner=None: {})
+    for update in (methods_update, eval_methods_update):
+        assert update(st, None, "formality", ["base", rows[0]["id"]])["info"] == ""
+        hidden = update(st, None, "translation", ["base", rows[0]["id"]])
+        assert hidden["value"] == ["base"] and "1 plug-in of formality is hidden" in hidden["info"]
+
+
 def test_training_progress_names_its_losses():
     """A training objective with terms beyond the NLL (the memory adapter's) is not shown as if it were the held-out
     loss it sits beside."""

@@ -89,8 +89,11 @@ def test_formality_flow_from_the_demo_corpus_to_a_compare(page, app):
     open_app(page, app["url"])
     bad = refusals(page)
     page.locator("label").filter(has_text="Demo corpus").first.click()
-    choose(page, "#demo-corpus", "formality-en")
+    choose(page, "#demo-corpus", "formality-en")  # at once: the default corpus's preview may still be on its way
     page.wait_for_function("document.querySelector('#build-task input')?.value === 'formality'")
+    page.wait_for_function("document.querySelector('#preview-summary')?.innerText.includes('formality-en')")
+    time.sleep(3)  # the previews run in the order asked: the default corpus's does not land over this one
+    assert "(demo corpus formality-en)" in page.locator("#preview-summary").inner_text()
     size = page.locator("#demo-corpus-size input")
     size.fill("40")
     size.press("Tab")
@@ -164,7 +167,8 @@ def test_demo_corpus_after_a_build_from_an_upload(page, app, tmp_path):
     page.locator("#build-memory").click()
     page.wait_for_function("document.querySelector('#build-status')?.innerText.includes('done')", timeout=120_000)
     page.locator("label").filter(has_text="Demo corpus").first.click()
-    page.wait_for_function("document.querySelector('#preview-summary')?.innerText.includes('200 sample(s) parsed')")
+    page.wait_for_function("document.querySelector('#preview-summary')?.innerText.includes("
+                           "'200 sample(s) parsed (demo corpus gettext-de)')")
     size = page.locator("#demo-corpus-size input")
     size.fill("30")
     size.press("Tab")

@@ -518,10 +518,11 @@ def _wire_heldout(studio, c: SimpleNamespace) -> None:
 
 def methods_update(studio, me, task: str, current) -> dict:
     """The method picker for ``task``: that task's plug-ins only (a translation plug-in answers a formality input
-    in German), a ticked plug-in of another task unticked, and a line saying what is hidden."""
+    in German), a ticked plug-in of another task unticked, and a line saying what is hidden (an empty line, not
+    None, when nothing is: an update's None leaves the old line)."""
     choices = tuned_choices(studio, me, task)
     value = keep_value(choices, list(current or []))
-    return gr.update(choices=choices, value=value or ["base"], info=hidden_plugins_note(studio, me, task) or None)
+    return gr.update(choices=choices, value=value or ["base"], info=hidden_plugins_note(studio, me, task))
 
 
 def _wire_task_filter(studio, c: SimpleNamespace) -> None:

@@ -309,7 +309,7 @@ def eval_methods_update(studio, me, task: str, current) -> dict:
     """The methods to evaluate for ``task``: that task's plug-ins only, with a line saying what is hidden."""
     choices = method_choices(studio, me, task)
     value = keep_value(choices, list(current or []))
-    return gr.update(choices=choices, value=value or ["base"], info=hidden_plugins_note(studio, me, task) or None)
+    return gr.update(choices=choices, value=value or ["base"], info=hidden_plugins_note(studio, me, task))
 
 
 def _wire_task_filter(studio, c: SimpleNamespace) -> None:

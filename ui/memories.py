@@ -116,12 +116,19 @@ def _wire_preview(studio, c: SimpleNamespace) -> None:
     c.corpus.change(lambda k: gr.update(value=CORPUS_TASKS[k]) if k in CORPUS_TASKS else gr.skip(), c.corpus,
                     c.task, show_progress="hidden")  # a demo corpus is for one task: the memory's task follows it
     c.mode.change(lambda m: gr.update(info=MODE_HELP.get(m, "")), c.mode, c.mode, show_progress="hidden")
-    outs = [c.preview_html, c.preview_df]
-    c.upload.change(do_preview, [c.source, c.upload, c.paste, c.corpus, c.limit], outs, trigger_mode="always_last",
-                    show_progress="hidden")
+    def preview_file(src, path, request: gr.Request):
+        if src != SOURCES[0]:  # the file input was cleared because another source was chosen: nothing to show
+            return gr.skip(), gr.skip()
+        return do_preview(src, path, None, None, None, request)
+
+    # One queue for every preview, in the order asked: a slow preview (the first parse of a demo corpus) never
+    # lands after, and over, the one the user asked for next.
+    outs, one_queue = [c.preview_html, c.preview_df], {"concurrency_id": "memories-preview", "concurrency_limit": 1}
+    c.upload.change(preview_file, [c.source, c.upload], outs, trigger_mode="always_last", show_progress="hidden",
+                    **one_queue)
     for ev in (c.source.change, c.corpus.change, c.limit.change, c.paste.change):
         ev(preview_without_file, [c.source, c.paste, c.corpus, c.limit], outs, trigger_mode="always_last",
-           show_progress="hidden")
+           show_progress="hidden", **one_queue)
 
 
 def _wire_build(studio, c: SimpleNamespace) -> None:
