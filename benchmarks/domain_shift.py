@@ -147,7 +147,10 @@ def prompts_main(a) -> int:
     key = "hyps" if a.on == "test" else "hyps_heldout"
     hyps: dict[str, list[str]] = {}
     result = {"backbone": bb.name, "precision": getattr(bb, "precision", None), "on": a.on, "rows": {}}
-    for ex in EXAMPLES:
+    chosen = [x.strip() for x in a.examples.split(",") if x.strip()]
+    if not chosen or set(chosen) - set(EXAMPLES):
+        sys.exit(f"--examples: a comma-separated choice of {', '.join(EXAMPLES)}")
+    for ex in chosen:
         st = state.setdefault(ex, {})
         if not st.get("memory") or not Path(st["memory"]).is_dir():
             with progress_bar(f"memory ({ex})") as prog:
@@ -189,8 +192,9 @@ def prompts_main(a) -> int:
     result["n"] = len(test)
     refs = [t for _, t in test]
     scores = {k: bleu_chrf(v, refs) for k, v in hyps.items()}
-    pairs = [("base · builtin", "pema · builtin"), ("base · own", "pema · own"), ("base · builtin", "base · own"),
-             ("pema · builtin", "pema · own")]
+    pairs = [(x, y) for x, y in [("base · builtin", "pema · builtin"), ("base · own", "pema · own"),
+                                  ("base · builtin", "base · own"), ("pema · builtin", "pema · own")]
+             if x in hyps and y in hyps]
     result["scores"] = scores
     result["differences"] = []
     for x, y in pairs:
@@ -226,6 +230,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("prompts", help="PEMA with the built-in vs the memory's own prompt examples")
     p.add_argument("--split", required=True, help="a folder written by `build`")
     p.add_argument("--n", type=int, default=None, help="pairs used (default all)")
+    p.add_argument("--examples", default=",".join(EXAMPLES),
+                   help="which memories to build, train and decode (default both; an interrupted or split run "
+                        "reuses state.json)")
     p.add_argument("--on", default="test", choices=["test", "heldout"],
                    help="decode the test file (default) or the memory's own held-out samples (in-domain)")
     p.add_argument("--batch", type=int, default=8)
