@@ -24,6 +24,7 @@ import time
 
 import torch
 
+import plugins.decode.forward as forward
 from backbone.cli import load_backbone_from_args
 from backbone.model import Backbone
 from backbone.tasks import task_prompt
@@ -50,8 +51,6 @@ SENTENCES = [
 @contextlib.contextmanager
 def padded_mode():
     """The decode before batch-invariant rows: one left-padded prefill pass, masked padding in the steps."""
-    import plugins.decode.forward as forward
-
     per_context, forward_fc = forward._prefill_per_context, Backbone.forward_fc
     forward._prefill_per_context = lambda *a, **kw: None
     Backbone.forward_fc = lambda self, *a, **kw: forward_fc(self, *a, **{**kw, "pad_neutral": False})
