@@ -1151,11 +1151,12 @@ def test_memory_adapter_own_sentence_is_masked_out_of_each_training_rows_attenti
     assert p._exclusion(labels) is None  # outside training (decoding) nothing is masked
 
 
-def test_memory_adapter_phrase_length_cap_by_hand(tiny, tiny_memory, monkeypatch):
+def test_memory_adapter_phrase_length_cap_by_hand(tiny, tmp_path, monkeypatch):
     """The chunker's phrases are at most ``max_len`` words and the cap is inclusive: for Xu et al.'s marker chunking
     of this sentence the phrases are, written out by hand, (markers: Es, ein, über, den, von, zu; a marker-free run
     longer than the cap cut into windows; runs of whole chunks up to the cap); and the plug-in's
-    ``max_phrase_len_other`` is the cap its memory is built with."""
+    ``max_phrase_len_other`` is the cap its memory is built with (on a memory whose every target, whichever is held
+    out, chunks into "das X ist" at cap 3 and "das X", "ist Y" at cap 2)."""
     from memories.phrases import chunk_phrases
     from plugins.api import new_plugin
 
@@ -1167,11 +1168,16 @@ def test_memory_adapter_phrase_length_cap_by_hand(tiny, tiny_memory, monkeypatch
                                                    "von Gold", "von Gold zu führen", "zu führen"}
     assert set(chunk_phrases(gold, 2)) == words | {"Es war", "noch nie", "ein rationales", "von Gold", "zu führen"}
 
+    pairs = [("the house is small", "das Haus ist klein"), ("the car is red", "das Auto ist rot"),
+             ("the book is new", "das Buch ist neu"), ("the child is here", "das Kind ist hier")] * 3
+    mem = build_memory(tiny, [Sample(s, t, i + 1) for i, (s, t) in enumerate(pairs)], tmp_path / "m",
+                       prompt=Prompt.for_task("translation"))
+    assert 0 < len(mem.split_samples("heldout")) < len(pairs)
     _fast_back_translation(monkeypatch)
     longest = {}
     for cap in (2, 3):
-        p = new_plugin("memory_adapter", tiny, tiny_memory, {"max_phrase_len_other": cap, "max_translate": 64})
-        p.build_memory(tiny_memory)
+        p = new_plugin("memory_adapter", tiny, mem, {"max_phrase_len_other": cap, "max_translate": 64})
+        p.build_memory(mem)
         lengths = [len(ph["tgt"].split()) for ph in p.phrases]
         assert all(ph["length"] == n for ph, n in zip(p.phrases, lengths))
         longest[cap] = max(lengths)
