@@ -178,7 +178,7 @@ def test_identical_uploads_of_two_owners_never_collide(site):
     got = join(site.url, build, with_choices(site.blocks, build, file_data(pd)), headers={"X-Pema-Key": kd})
     assert got["success"], got["text"]
     assert not Path(pd).exists()  # D's build consumed D's upload…
-    preview = fn_indexes(site.blocks, "ui.memories", "do_preview")[0]
+    preview = fn_indexes(site.blocks, "ui.memories", "preview_file")[0]
     got = join(site.url, preview, event_inputs(site.blocks, preview, file_data(pc)), headers={"X-Pema-Key": kc})
     assert got["success"] and "das Haus" in got["text"], got  # …and C's is still C's
 
@@ -375,7 +375,7 @@ def test_an_unknown_event_or_endpoint_is_a_clean_404_on_both_apps(site):
 
 def test_a_file_value_without_its_marker_is_a_clean_400(site):
     path = upload(site.url, [("x.tsv", b"a\tb\n")], site.ka).json()[0]
-    index = fn_indexes(site.blocks, "ui.memories", "do_preview")[0]
+    index = fn_indexes(site.blocks, "ui.memories", "preview_file")[0]
     got = join(site.url, index, event_inputs(site.blocks, index, {"path": path}), headers={"X-Pema-Key": site.ka})
     assert got["status"] == 400 and "FileData" in got["text"], got
     got = join(site.url, index, event_inputs(site.blocks, index, {"path": path, "meta": None}),

@@ -40,7 +40,7 @@ from _server import (  # noqa: E402
 )
 
 JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in TINY_PAIRS)
-FILE_EVENTS = [("ui.memories", "do_preview"), ("ui.memories", "do_build"), ("ui.plugins", "import_plugin"),
+FILE_EVENTS = [("ui.memories", "preview_file"), ("ui.memories", "do_build"), ("ui.plugins", "import_plugin"),
                ("ui.evaluate", "do_run"), ("ui.evaluate", "do_sweep")]
 
 
@@ -103,7 +103,7 @@ def test_gradios_own_check_refuses_when_the_studios_is_off(hosted, monkeypatch):
     assert all(b.has_launched for b in hosted.served.blocks)
     assert str(hosted.data.resolve()) in hosted.blocks.blocked_paths
     before = files_under(hosted.cache)
-    index = fn_indexes(hosted.blocks, "ui.memories", "do_preview")[0]
+    index = fn_indexes(hosted.blocks, "ui.memories", "preview_file")[0]
     for path in server_paths(hosted)[:5]:
         got = join(hosted.url, index, event_inputs(hosted.blocks, index, file_data(path)),
                    headers={"X-Pema-Key": hosted.kb})
@@ -141,7 +141,7 @@ def test_an_upload_is_its_uploaders_alone(hosted):
         r = h.post("gradio_api/upload", files={"files": ("mine.tsv", src.read_bytes())})
     assert r.status_code == 200, r.text
     stored = r.json()[0]
-    index = fn_indexes(hosted.blocks, "ui.memories", "do_preview")[0]
+    index = fn_indexes(hosted.blocks, "ui.memories", "preview_file")[0]
     ok = join(hosted.url, index, event_inputs(hosted.blocks, index, file_data(stored)),
               headers={"X-Pema-Key": hosted.ka})
     assert ok["success"] and "Katze" in ok["text"], ok
@@ -181,7 +181,7 @@ def test_preview_needs_an_identity_and_every_event_has_a_concurrency_limit(hoste
 def test_request_bodies_are_bounded(hosted):
     import httpx
 
-    index = fn_indexes(hosted.blocks, "ui.memories", "do_preview")[0]
+    index = fn_indexes(hosted.blocks, "ui.memories", "preview_file")[0]
     body = {"data": ["Paste text", None, "x" * (hosted.studio.limits.request_bytes() + 10), None, 10],
             "fn_index": index, "session_hash": "s", "event_data": None, "trigger_id": None}
     r = httpx.post(hosted.url + "gradio_api/queue/join", json=body, headers={"X-Pema-Key": hosted.kb}, timeout=60)
