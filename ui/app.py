@@ -136,7 +136,7 @@ def _backbone_panel(studio, h: SimpleNamespace) -> None:
             load = gr.Button("Load", variant="primary", size="sm", scale=0, min_width=90, elem_id="backbone-load")
         msg = gr.HTML(elem_id="backbone-message")
 
-    def on_load(name):
+    def load_backbone(name):
         try:
             st = studio.set_backbone(name)
         except UserError as e:
@@ -144,7 +144,7 @@ def _backbone_panel(studio, h: SimpleNamespace) -> None:
         return (status_html(st), gr.Timer(active=True), f"<div class='pema-help'>Loading {render.esc(name)}: the "
                 f"header shows its progress. Reopen a tab to refresh its lists.</div>")
 
-    load.click(on_load, [choice], [h.status, h.status_timer, msg], show_progress="hidden", api_visibility="private")
+    load.click(load_backbone, [choice], [h.status, h.status_timer, msg], show_progress="hidden", api_visibility="private")
 
 
 def _tabs(studio) -> SimpleNamespace:
