@@ -474,14 +474,15 @@ def test_memory_profile_counts_tokens_and_projects_a_seeded_sample(studio, memor
     assert studio.memory_profile(memory_id) is prof  # computed once per memory
     mem = Memory.load(studio.catalog.memory(memory_id)["path"])
     ids, counts = np.unique(np.asarray(mem.values), return_counts=True)
-    assert (prof["entries"], prof["samples"], prof["heldout_samples"]) == (len(mem), 11, 1)
-    assert prof["distinct_tokens"] == len(ids) and prof["entries_per_sample"] == round(len(mem) / 11, 2)
+    # 4 sentences x 3 exact duplicates: the grouped split holds out one whole group of 3
+    assert (prof["entries"], prof["samples"], prof["heldout_samples"]) == (len(mem), 9, 3)
+    assert prof["distinct_tokens"] == len(ids) and prof["entries_per_sample"] == round(len(mem) / 9, 2)
     got = {t["token_id"]: t["count"] for t in prof["top_tokens"]}
     assert got == {int(i): int(c) for i, c in zip(ids, counts) if int(i) in got}
     assert [t["count"] for t in prof["top_tokens"]] == sorted(got.values(), reverse=True)
     assert prof["top_tokens"][0]["count"] == counts.max()
     newline = next(t for t in prof["top_tokens"] if t["text"] == "\n")  # every target ends with a line end
-    assert newline["count"] == 11
+    assert newline["count"] == 9
     proj = prof["projection"]
     assert proj["sample_size"] == len(mem) == len(proj["points"])  # a small memory: every key is on the map
     assert 1 >= proj["explained"][0] >= proj["explained"][1] >= 0
@@ -502,13 +503,22 @@ def test_memory_profile_counts_tokens_and_projects_a_seeded_sample(studio, memor
 
 def test_a_picked_token_shows_its_spread_and_its_sentences(studio, memory_id):
     prof = studio.memory_profile(memory_id)
-    haus = next(t for t in prof["top_tokens"] if t["text"] == " Ha")  # the tiny tokenizer: " Ha" "us"
-    info = studio.memory_token(memory_id, haus["token_id"])
-    assert info["count"] == haus["count"] == info["in_sample"] and info["spread"] == haus["spread"]
-    assert info["occurrences"] and all(o["match"] == haus["text"] for o in info["occurrences"])
+    train = studio.memory_svc.load_memory(memory_id).split_samples("train")  # the split decides which targets
+    targets = sorted({s["tgt"] for s in train})
+
+    def holders(text):
+        return [t for t in targets if text in " " + t]
+
+    # a word piece of one training target only (the tiny tokenizer: " Ha" "us", " Kat" "ze", " Mor" "gen")
+    picked = next(t for t in prof["top_tokens"] if len(t["text"].strip()) >= 2 and len(holders(t["text"])) == 1)
+    tgt = holders(picked["text"])[0]
+    info = studio.memory_token(memory_id, picked["token_id"])
+    assert info["count"] == picked["count"] == info["in_sample"] and info["spread"] == picked["spread"]
+    assert info["count"] == sum(s["tgt"] == tgt for s in train) > 0
+    assert info["occurrences"] and all(o["match"] == picked["text"] for o in info["occurrences"])
     for o in info["occurrences"]:
-        assert o["source"] == "the house is small"
-        assert (o["before"] + o["match"] + o["after"]).strip() == "das Haus ist klein"
+        assert o["source"] == next(s["src"] for s in train if s["tgt"] == tgt)
+        assert (o["before"] + o["match"] + o["after"]).strip() == tgt
     from ground.errors import UserError
 
     with pytest.raises(UserError, match="No memory"):  # another owner's memory does not exist for them
@@ -637,14 +647,15 @@ def test_the_views_of_profiles_maps_and_several_sentences(studio, memory_id, knn
     assert len(plots.token_frequencies(prof).data[0].y) == min(20, len(prof["top_tokens"]))
     detail = render.token_detail(studio.memory_token(memory_id, tid))
     assert "<mark>⏎</mark>" in detail
-    p = studio.compare("the house is small", "translation", ["base", knn_id], max_new_tokens=3)
+    src = studio.memory_svc.load_memory(memory_id).split_samples("train")[0]["src"]  # one the split left in training
+    p = studio.compare(src, "translation", ["base", knn_id], max_new_tokens=3)
     assert [r["label"] for r in mapped_rows(p)] == ["kNN for maps"]
     assert output_token_choices(mapped_rows(p)[0])[0][1] == 0
     m = studio.neighbour_map(p["id"], "kNN for maps", 0)
     fig = plots.neighbour_map(m)
     assert fig.data[-1].name == "query f(c)" and list(fig.data[-1].x) == [m["query"][0]]
     html = render.neighbour_list(m)
-    assert html.count("<mark>") == len(m["neighbours"]) and "the house is small" in html
+    assert html.count("<mark>") == len(m["neighbours"]) and src in html
     # several sentences: a column per method, scores under each output and the corpus row
     res = {"columns": [{"label": "Base model", "settings": {}}, {"label": "P <1>", "settings": {"lambda_max": 0.5}}],
            "lines": [{"line": 1, "source": "a", "reference": "b", "outputs": ["x", ""],
