@@ -13,6 +13,8 @@
                                             # policy, A/B on the same batches (benchmarks/train_step.py)
     python -m benchmarks waitpolicy MEMORY [--beside]   # decode steps under each OpenMP wait policy, alone or
                                             # beside a training process (benchmarks/wait_policy.py)
+    python -m benchmarks idle [--seconds 30] [--root CHECKOUT]   # an open tab with no running job: events sent,
+                                            # DOM mutations, browser and server CPU (benchmarks/idle.py)
     python -m benchmarks domain-shift build --out DIR | prompts --split DIR   # a domain-shift split from gettext
                                             # catalogs; PEMA with built-in vs own prompt examples (domain_shift.py)
     python -m benchmarks batchrows [--memory DIR]   # an evaluation's decode with batch-invariant rows vs one
@@ -25,7 +27,7 @@ import sys
 
 OWN_MODULES = {"live": "benchmarks.live", "explore": "benchmarks.explore", "ray": "benchmarks.ray_workers",
                "offsite": "benchmarks.offsite", "gpu": "benchmarks.gpu", "heldout": "benchmarks.heldout",
-               "trainstep": "benchmarks.train_step", "waitpolicy": "benchmarks.wait_policy",
+               "trainstep": "benchmarks.train_step", "waitpolicy": "benchmarks.wait_policy", "idle": "benchmarks.idle",
                "domain-shift": "benchmarks.domain_shift", "batchrows": "benchmarks.batch_rows"}
 
 

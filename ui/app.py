@@ -11,7 +11,7 @@ import gradio as gr
 
 from ground.errors import UserError
 from ui import api, compare, evaluate, memories, plugins, rank, render, shared, shares
-from ui.common import CSS, THEME, caller
+from ui.common import CSS, THEME, caller, idle_queue
 from ui.server import Served, serve
 
 INTRO = ("Customize a frozen language model with your own text — no fine-tuning: build an external memory of the "
@@ -258,6 +258,7 @@ def build_app(studio) -> gr.Blocks:
             if fn.api_name not in api.NAMES + api.TAB_NAMES:
                 fn.api_visibility = "private"
     demo.queue(default_concurrency_limit=1, max_size=studio.limits.queue_size or None)
+    idle_queue(demo)
     return demo
 
 

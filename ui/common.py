@@ -117,6 +117,20 @@ def poll_while_running(studio, timer, job_state, seen, any_job: bool = False) ->
         state.change(switch, [job_state, seen], timer, show_progress="hidden", api_visibility="private")
 
 
+# Gradio's queue looks for new events every 1 ms and for progress to send every 10 ms while nothing happens (Linux
+# defaults): ≈ 5–10 % of a core for an idle server (BENCHMARKS, "An idle tab"). 20 ms and 100 ms instead: an event
+# starts at most 20 ms later; what a handler streams (its yields) is sent as before, not by this loop.
+QUEUE_IDLE_S, QUEUE_PROGRESS_S = 0.02, 0.1
+
+
+def idle_queue(demo: gr.Blocks) -> gr.Blocks:
+    """``demo`` (after ``demo.queue()``) with its queue's idle loops at ``QUEUE_IDLE_S`` / ``QUEUE_PROGRESS_S``."""
+    q = demo._queue  # Gradio's Queue: these two are its own sleep intervals, read on every pass of its loops
+    q.sleep_when_free = max(q.sleep_when_free, QUEUE_IDLE_S)
+    q.progress_update_sleep_when_free = max(q.progress_update_sleep_when_free, QUEUE_PROGRESS_S)
+    return demo
+
+
 def memory_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
     return [(f"{m['name']} · {m['task']} · {m['samples']} samples" + ("" if m["usable"] else " (other backbone)"),
              m["id"]) for m in studio.memories(owner=owner)]

@@ -187,12 +187,14 @@ def views(board: dict | None) -> tuple:
 
 def leaderboard_components(prefix: str = "rank"):
     verdict = gr.HTML(verdict_html(None), elem_id=f"{prefix}-verdict")
+    # shares of the width, not the cells' lengths: the table wraps inside its column instead of running past the page
     df = gr.Dataframe(headers=HEADERS, interactive=False, wrap=True, label="Leaderboard", elem_id=f"{prefix}-table",
-                      show_search="none", max_height=420)
+                      show_search="none", max_height=420, column_widths=["4%", "26%", "14%", "21%", "14%", "21%"])
     with gr.Accordion("Costs and settings of each method (training time, trainable parameters, decode cost, tuned "
                       "settings)", open=False, elem_id=f"{prefix}-costs-fold"):
         costs = gr.Dataframe(headers=COST_HEADERS, interactive=False, wrap=True, show_label=False,
-                             elem_id=f"{prefix}-costs", show_search="none", max_height=420)
+                             elem_id=f"{prefix}-costs", show_search="none", max_height=420,
+                             column_widths=["4%", "24%", "12%", "12%", "10%", "38%"])
     with gr.Row(equal_height=True):
         p_time = gr.Plot(pareto_figure(None), show_label=False, elem_id=f"{prefix}-pareto-time")
         p_params = gr.Plot(pareto_figure(None), show_label=False, elem_id=f"{prefix}-pareto-params")
@@ -317,7 +319,7 @@ def _wire_ranking(studio, c: SimpleNamespace) -> None:
     c.share.click(do_share, c.job_id, c.share_link, api_visibility="private")
 
 
-RUNNING_NOTE = "<div class='pema-help'>A ranking is running: its card shows the time left.</div>"
+RUNNING_NOTE = "<div class='pema-help'>A ranking is running: its card says how long it has to go.</div>"
 
 
 def _job_view(studio, c: SimpleNamespace, job: dict | None, me, mid=None, ms=None, clear: bool = False) -> tuple:
