@@ -440,23 +440,34 @@ def test_knn_temperature_divides_the_distance_on_a_spread_out_softmax(tiny, tiny
     rms = tiny_memory.key_scale
     keys = np.asarray(tiny_memory.keys, dtype=np.float64) / rms
     vals = np.asarray(tiny_memory.values)
-    a = 5
-    b = next(j for j in np.argsort(((keys - keys[a]) ** 2).sum(1), kind="stable") if vals[j] != vals[a])
-    q_scaled = 0.6 * keys[a] + 0.4 * keys[b]
     k, T = 8, 10.0
-    d = ((keys - q_scaled) ** 2).sum(1)
-    nn_ids = np.argsort(d, kind="stable")[:k]
 
-    def p_by_hand(weight):
+    def between(a):
+        """The query 0.6 of the way from key a to its nearest key of another token; its distances to all keys."""
+        b = next(j for j in np.argsort(((keys - keys[a]) ** 2).sum(1), kind="stable") if vals[j] != vals[a])
+        q = 0.6 * keys[a] + 0.4 * keys[b]
+        return q, ((keys - q) ** 2).sum(1)
+
+    def p_by_hand(weight, d):
         p = np.zeros(tiny.vocab_size)
-        for j in nn_ids:
+        for j in np.argsort(d, kind="stable")[:k]:
             p[vals[j]] += weight(d[j])
         return p / p.sum()
 
-    want = p_by_hand(lambda dj: math.exp(-dj / T))
-    assert want.max() < 0.85 and np.sort(want)[-2] > 0.1  # far from one-hot
-    for wrong in (lambda dj: math.exp(-dj * T), lambda dj: math.exp(-dj), lambda dj: math.exp(-dj / T ** 2)):
-        assert np.abs(p_by_hand(wrong) - want).sum() > 0.1
+    right = lambda dj: math.exp(-dj / T)  # noqa: E731
+    wrongs = (lambda dj: math.exp(-dj * T), lambda dj: math.exp(-dj), lambda dj: math.exp(-dj / T ** 2))
+
+    def telling(d):
+        """p_kNN far from one-hot here, and each wrong weighting far from it."""
+        p = p_by_hand(right, d)
+        return (p.max() < 0.85 and np.sort(p)[-2] > 0.1
+                and all(np.abs(p_by_hand(w, d) - p).sum() > 0.1 for w in wrongs))
+
+    # the first stored key whose in-between query tells them apart (which keys the memory holds is the split's)
+    a = next(a for a in range(len(keys)) if telling(between(a)[1]))
+    q_scaled, d = between(a)
+    nn_ids = np.argsort(d, kind="stable")[:k]
+    want = p_by_hand(right, d)
 
     q = torch.tensor(q_scaled * rms, dtype=torch.float32, device=tiny.device)[None]
     lp, dist, _ = knn.knn_logprobs(q, k, T)
