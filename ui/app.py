@@ -144,7 +144,8 @@ def _backbone_panel(studio, h: SimpleNamespace) -> None:
         return (status_html(st), gr.Timer(active=True), f"<div class='pema-help'>Loading {render.esc(name)}: the "
                 f"header shows its progress. Reopen a tab to refresh its lists.</div>")
 
-    load.click(load_backbone, [choice], [h.status, h.status_timer, msg], show_progress="hidden", api_visibility="private")
+    load.click(load_backbone, [choice], [h.status, h.status_timer, msg], show_progress="hidden",
+               api_visibility="private")
 
 
 def _tabs(studio) -> SimpleNamespace:
