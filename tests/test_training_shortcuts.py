@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from backbone.torch_internals import forward_hook_count
 from plugins.api import new_plugin, train_plugin
-from plugins.decode import Row, plan_batch, prefill
+from plugins.decode import Row, forward_step, plan_batch, prefill
 from plugins.network import FullBatch, PreparedBatch, TrainingBatches
 from plugins.seqtrain import SeqData, length_buckets, memory_sequences, shared_prompt_len
 
@@ -293,16 +293,13 @@ def _decode_path_nll(bb, plugin, prompt, data, idx, sources_at_once: int) -> lis
                 for r, y in enumerate(targets):
                     if t < len(y):
                         tot[r] -= float(lp[r, y[t]])
-                step = torch.tensor([[y[t] if t < len(y) else 0] for y in targets], device=bb.device)
-                mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+                step = torch.tensor([y[t] if t < len(y) else 0 for y in targets], device=bb.device)
                 handles = plugin.attach(batch.net[0].rows, batch.net[0].settings, trace=False)
-                try:
-                    fc, o = bb.forward_fc(step, attention_mask=mask if len(chunk) > 1 else None,
-                                          past_key_values=cache, use_cache=True)
+                try:  # the decode's own step (pad-neutral: a left-padded row computes what it computes alone)
+                    fc_last, cache, mask = forward_step(bb, cache, mask, step, padded=len(chunk) > 1)
                 finally:
                     for h in handles:
                         h.remove()
-                fc_last, cache = fc[:, -1], o.past_key_values
         out += tot
     return out
 
@@ -329,25 +326,32 @@ DECODE_RTOL = 1e-6
 
 @pytest.mark.parametrize("method,extra", CASES, ids=IDS)
 def test_decode_path_is_the_training_path(tiny, shots_memory, method, extra, monkeypatch):
-    """Prompts whose shared prefixes differ in length, the prefix cache handing a prompt a shorter cached prefix
-    than its own, and samples of 3 to 90 own tokens left-padded together: every sample's NLL through the decode
-    path is its NLL through the training path (prepared batches: the prefix as the frozen past)."""
+    """Prompts whose shared prefixes differ in length (one a prefix of another's), the prefix cache reused, and
+    samples of 3 to 90 own tokens left-padded together: every sample's NLL through the decode path is its NLL
+    through the training path (prepared batches: the prefix as the frozen past); each pass reads exactly its
+    prompt's shared prefix, never a shorter one that an earlier prompt cached."""
     from backbone.prompts import Prompt
     from memories.build import target_ids
     from plugins.decode import forward
-    from plugins.decode.prefix_cache import PREFIX_KV
+    from plugins.decode.prefix_cache import PREFIX_KV, PrefixKV
 
     p = _perturbed(tiny, shots_memory, method, extra)
     assert p.frozen_prefix
-    seen = []
-    real = forward._cached_prefix
+    seen, hits = [], []
+    real, real_get = forward._cached_prefix, PREFIX_KV.get
 
-    def spy(bb, batch, ids):
-        P, past = real(bb, batch, ids)
-        seen.append((P, shared_prompt_len(bb, batch.prompt, batch.contexts[0])))
+    def spy(bb, batch, s, ids, use_prefix_cache):
+        P, past = real(bb, batch, s, ids, use_prefix_cache)
+        seen.append((P, shared_prompt_len(bb, batch.prompt, batch.contexts[s])))
         return P, past
 
+    def get_spy(*args, **kwargs):
+        got = real_get(*args, **kwargs)
+        hits.append(got[0])
+        return got
+
     monkeypatch.setattr(forward, "_cached_prefix", spy)
+    monkeypatch.setattr(PREFIX_KV, "get", get_spy)
     PREFIX_KV.clear()
     sources = [PAIRS[1], PAIRS[2], PAIRS[0]]  # 1, 22 and 4 words
     for template, shots in PROMPT_TEMPLATES:
@@ -361,7 +365,8 @@ def test_decode_path_is_the_training_path(tiny, shots_memory, method, extra, mon
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=DECODE_RTOL, atol=0.0,
                                        msg=lambda m: f"{template!r} {at_once}: {m}")
     PREFIX_KV.clear()
-    assert any(0 < P < own for P, own in seen)  # a cached prefix shorter than the prompt's shared prefix was used
+    assert all(P == (own if own >= PrefixKV.MIN_TOKENS else 0) for P, own in seen)
+    assert any(hits)  # a cached prefix was reused
     assert len({own for _, own in seen}) >= 3
 
 
