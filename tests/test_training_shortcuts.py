@@ -20,7 +20,7 @@ from backbone.torch_internals import forward_hook_count
 from plugins.api import new_plugin, train_plugin
 from plugins.decode import Row, forward_step, plan_batch, prefill
 from plugins.network import FullBatch, PreparedBatch, TrainingBatches
-from plugins.seqtrain import SeqData, length_buckets, memory_sequences, shared_prompt_len
+from plugins.seqtrain import SeqData, length_buckets, memory_sequences, shared_prompt_len, split_for_early_stopping
 
 LONG = ("the old man who lives in the small house near the river walks to the market every morning with his dog",
         "der alte Mann der im kleinen Haus am Fluss wohnt geht jeden Morgen mit seinem Hund zum Markt")
@@ -389,12 +389,21 @@ def test_reported_loss_is_the_decode_paths(tiny, shots_memory, method, extra, tm
     """A trained plug-in's reported early-stopping loss equals the NLL of the same samples recomputed through the
     decode path (one source with the prefix cache, and the early-stopping samples — of very different lengths —
     left-padded together)."""
-    plugin = _trained(tiny, shots_memory, method, extra, tmp_path)
+    def own_lengths(d):
+        return [len(d.contexts[i]) - d.shared[i] + len(d.targets[i]) for i in range(len(d))]
+
+    def spread(d):
+        return max(own_lengths(d)) > 3 * min(own_lengths(d))
+
+    # a seed whose early-stopping samples differ in length (which samples train is the grouped split's)
+    train = memory_sequences(tiny, shots_memory, "train")
+    seed = next(s for s in range(100) if spread(split_for_early_stopping(train, s, max_samples=4)[1]))
+    plugin = _trained(tiny, shots_memory, method, {**extra, "seed": seed}, tmp_path)
+    assert plugin.config.seed == seed
     info = plugin.train_info
     assert info["prompt_prefix"] == "frozen" and info["steps"] > 0
     _, held = plugin._data(shots_memory)
-    own = [len(held.contexts[i]) - held.shared[i] + len(held.targets[i]) for i in range(len(held))]
-    assert max(own) > 3 * min(own)  # left padding matters
+    assert spread(held)  # left padding matters
     n = sum(len(y) for y in held.targets)
     for at_once in (1, len(held)):
         got = sum(_decode_path_nll(tiny, plugin, shots_memory.prompt, held, list(range(len(held))), at_once)) / n
