@@ -124,7 +124,7 @@ def test_a_trained_toy_is_a_compare_choice_and_decodes(studio, toy_method):
     job = studio.jobs.wait(studio.submit_train(mid, toy_method, {"spread": 2.0}, "my toy"), 120)
     assert job["state"] == "done", job
     pid = job["result"]["plugin_id"]
-    assert (f"my toy [{toy_method}]", pid) in method_choices(studio)
+    assert (f"my toy [{toy_method}] · translation", pid) in method_choices(studio)  # the label names its task
     p = studio.compare("the house is small", methods=["base", pid], settings={toy_method: {"lambda": 0.0}},
                        max_new_tokens=4)
     base, toy = p["rows"]
