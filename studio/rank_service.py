@@ -299,6 +299,13 @@ class RankService:
                    "pareto": board.get("pareto"),
                    "phases": board.get("phases"), "bootstrap": board.get("bootstrap"), "alpha": board.get("alpha"),
                    "signatures": board.get("signatures"), "created": board.get("created"), "shared": time.time()}
+        if board.get("transfer"):  # a test file's transfer check and the held-out leaderboard beside it, no ids
+            payload["transfer"] = {k: board["transfer"].get(k) for k in ("measure", "inputs", "heldout", "farther",
+                                                                         "text")}
+        if board.get("heldout"):
+            h = board["heldout"]
+            payload["heldout"] = {"data": h.get("data"), "verdict": h.get("verdict"),
+                                  "methods": [{k: r.get(k) for k in SHARED_ROW_KEYS} for r in h["methods"]]}
         text = json.dumps(json_safe(payload), ensure_ascii=False)
         self.ctx.limits.check("share_bytes", len(text.encode("utf-8")), "The shared leaderboard's size in bytes")
         return self.ctx.catalog.save_comparison(text, backbone=board["backbone"], owner=owner)
