@@ -82,15 +82,19 @@ def serve(root: Path, data: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "app.py", "--backbone", "tiny", "--data-dir", str(data), "--port",
                              str(port), "--quiet"], cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/"
-    for _ in range(240):
+    return proc, wait_until_served(proc, f"http://127.0.0.1:{port}/", 240, "the studio")
+
+
+def wait_until_served(proc: subprocess.Popen, url: str, tries: int, what: str) -> str:
+    """``url`` once it answers (polled every 0.5 s, ``tries`` times); ``proc`` killed if it never does."""
+    for _ in range(tries):
         try:
             urllib.request.urlopen(url, timeout=2)
-            return proc, url
+            return url
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("the studio did not start")
+    raise RuntimeError(f"{what} did not start")
 
 
 def settle(proc: psutil.Process, below_pct: float = 3.0, window: float = 5.0, limit: float = 120.0) -> float:
@@ -110,15 +114,7 @@ def serve_empty() -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
     proc = subprocess.Popen([sys.executable, "-c", EMPTY, str(port)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/"
-    for _ in range(120):
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the empty Gradio page did not start")
+    return proc, wait_until_served(proc, f"http://127.0.0.1:{port}/", 120, "the empty Gradio page")
 
 
 def measure(url: str, server: psutil.Process, seconds: float, tab: str | None, page_settle_s: float) -> dict:

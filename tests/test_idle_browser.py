@@ -1,4 +1,4 @@
-"""The page as a newcomer meets it (issue #61), in headless Chromium on the tiny backbone: an idle page sends no event
+"""The page as a newcomer meets it, in headless Chromium on the tiny backbone: an idle page sends no event
 and redraws nothing (the job polls run only while a job runs); a ranking shows one ETA, in its card under the button
 just pressed, with the Rank buttons disabled until it ends; the leaderboard's row 1 is the verdict's ★ best and its
 rows follow the one order (``eval.rank.ordered``), in a table that fits a 1,200 px page; a slider drag decodes once,
@@ -138,7 +138,7 @@ def test_3_the_leaderboard_reads_in_one_order_with_the_star_on_row_1(page, app):
     table = page.locator("#rank-table")
     widths = table.evaluate("e => [e.scrollWidth, e.clientWidth, document.documentElement.scrollWidth,"
                             " [...e.querySelectorAll('.table-wrap, table')].map(t => [t.scrollWidth, t.clientWidth])]")
-    # no horizontal scroll: neither the page nor the table runs past the 1,214 px window (the issue's)
+    # no horizontal scroll: neither the page nor the table runs past the 1,214 px window
     assert widths[2] <= 1214 and all(w <= widths[1] + 1 for w, _ in widths[3]), widths
     # the plots name the methods as the table does, numbered like its rows
     legend = " ".join(page.locator("#rank-pareto-time .legend text").all_text_contents())

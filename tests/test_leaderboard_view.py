@@ -1,9 +1,9 @@
-"""The leaderboard's one order and how it reads (issue #61): the table's rows, its ★ and the verdict follow
+"""The leaderboard's one order and how it reads: the table's rows, its ★ and the verdict follow
 ``eval.rank.ordered``; metric disagreements are named; zero-cost methods are not drawn at a made-up position."""
 from eval.rank import ordered, verdict
 from ui import rank as ui_rank
 
-# the issue's leaderboard: the largest Δ chrF (memory-tuning) is not significant, the ★ method's is
+# a leaderboard where the largest Δ chrF (memory-tuning) is not significant, the ★ method's is
 ROWS = [{"method": "base", "title": "Base model", "chrf": 40.0, "sacrebleu": 10.0, "training_seconds": 0.0,
          "trainable_parameters": 0, "decode_cost": 1.0},
         {"method": "memory_tuning", "title": "Memory-Tuning", "chrf": 46.9, "sacrebleu": 9.0, "chrf_delta": 6.9,
