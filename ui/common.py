@@ -10,6 +10,7 @@ import gradio as gr
 from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from studio.identity import LOCAL, Caller
+from ui.gradio_internals import set_queue_idle_sleeps
 
 
 def hf_user(request) -> str | None:
@@ -125,9 +126,7 @@ QUEUE_IDLE_S, QUEUE_PROGRESS_S = 0.02, 0.1
 
 def idle_queue(demo: gr.Blocks) -> gr.Blocks:
     """``demo`` (after ``demo.queue()``) with its queue's idle loops at ``QUEUE_IDLE_S`` / ``QUEUE_PROGRESS_S``."""
-    q = demo._queue  # Gradio's Queue: these two are its own sleep intervals, read on every pass of its loops
-    q.sleep_when_free = max(q.sleep_when_free, QUEUE_IDLE_S)
-    q.progress_update_sleep_when_free = max(q.progress_update_sleep_when_free, QUEUE_PROGRESS_S)
+    set_queue_idle_sleeps(demo, QUEUE_IDLE_S, QUEUE_PROGRESS_S)
     return demo
 
 

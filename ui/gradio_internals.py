@@ -1,0 +1,186 @@
+"""Every use of a Gradio internal (a module below ``gradio``'s top level, a private attribute, an attribute of a
+``Blocks`` or of its queue that Gradio does not document, a method the server wraps) goes through this module, so
+that a Gradio upgrade has one place to check: ``tests/test_library_internals.py`` names the pinned version
+(requirements.txt) and checks the behaviour each function relies on.
+
+- the server: ``gradio.http_server.Server`` (uvicorn's server in a thread: ``run_in_thread()``, ``close()``,
+  ``thread``), the MIME types Gradio serves inline (``route_utils.XSS_SAFE_MIMETYPES``), its upload and cache
+  folder (``utils.get_upload_folder``);
+- a ``Blocks``' events: ``fns`` (index → ``BlockFunction`` with ``fn``, ``inputs``, ``outputs``, ``api_name``,
+  ``api_visibility``), the ``Api`` component of ``gr.api`` endpoints, and ``process_api(block_fn, inputs, state,
+  request, ..., session_hash=...)``, which runs every event and which the server wraps;
+- its queue (``_queue``): the events queued or running (``event_ids_to_events``: ``session_hash``, ``request``), the
+  messages kept per session (``pending_messages_per_session``, ``pending_event_ids_session``), its idle loops' sleep
+  intervals, its analytics bound, ``close()``;
+- its session states (``state_holder``: ``lock``, ``session_data``, ``time_last_used``), the bound on them
+  (``state_session_capacity``), the cache cleaning (``delete_cache``, ``upload_file_set``), ``has_launched``, and
+  what stops it (``is_running``, ``app.stop_event``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradio.http_server import Server
+from gradio.route_utils import XSS_SAFE_MIMETYPES
+from gradio.utils import get_upload_folder
+
+PINNED = "6.31.0"  # the gradio these internals are checked against (requirements.txt)
+
+__all__ = ["PINNED", "Server", "XSS_SAFE_MIMETYPES", "upload_folder"]
+
+
+# --- files -----------------------------------------------------------------------------------------------------------
+def upload_folder() -> str:
+    """Gradio's upload and cache folder (uploads and its copies of the files events return)."""
+    return get_upload_folder()
+
+
+def track_moved_uploads(blocks, old: list[str], new: list[str]) -> None:
+    """Tell ``blocks``' cache cleaning (which knows each upload by the path Gradio gave it) that the uploads ``old``
+    now lie at ``new``."""
+    files = getattr(blocks, "upload_file_set", None)
+    if isinstance(files, set):
+        files.difference_update(old)
+        files.update(new)
+
+
+# --- events ----------------------------------------------------------------------------------------------------------
+def event_functions(blocks) -> dict | None:
+    """``blocks``' events: index (``fn_index``) → ``BlockFunction`` (``fn``, ``inputs``, ``outputs``, ``api_name``);
+    None where ``blocks`` shows none."""
+    fns = getattr(blocks, "fns", None)
+    return fns if isinstance(fns, dict) else None
+
+
+def make_private(blocks, keep=()) -> None:
+    """Hide every event of ``blocks`` from its API page and its clients, except the endpoints named in ``keep``."""
+    for fn in blocks.fns.values():
+        if fn.api_name not in keep:
+            fn.api_visibility = "private"
+
+
+def is_api_endpoint(block_fn) -> bool:
+    """An event of ``gr.api`` (every input and output an ``Api`` component): it needs no session state."""
+    from gradio.components.api_component import Api
+
+    comps = [*getattr(block_fn, "inputs", []), *getattr(block_fn, "outputs", [])]
+    return bool(comps) and all(isinstance(c, Api) for c in comps)
+
+
+@dataclass
+class EventCall:
+    """What one run of an event is given: its ``BlockFunction``, its session state (None for some calls), its session
+    hash and its request (the first one, for a batch)."""
+    block_fn: object
+    state: object
+    session_hash: str | None
+    request: object
+
+
+def wrap_events(blocks, wrapper) -> None:
+    """Run every event of ``blocks`` through ``wrapper(run, call)``: ``call`` an :class:`EventCall`, ``run()`` the
+    awaitable of the event itself (its output: a dict with ``data``); what ``wrapper`` returns is the event's
+    output. Wrappers added later run outside earlier ones."""
+    process_api = blocks.process_api
+
+    async def process_api_wrapped(*args, **kwargs):
+        block_fn = kwargs.get("block_fn", args[0] if args else None)
+        if isinstance(block_fn, int):
+            block_fn = blocks.fns.get(block_fn)
+        request = kwargs.get("request", args[3] if len(args) > 3 else None)
+        request = request[0] if isinstance(request, list) and request else request
+        call = EventCall(block_fn, kwargs.get("state", args[2] if len(args) > 2 else None),
+                         kwargs.get("session_hash"), request)
+        return await wrapper(lambda: process_api(*args, **kwargs), call)
+
+    blocks.process_api = process_api_wrapped
+
+
+def forget_session(blocks, session: str, state) -> None:
+    """Drop ``blocks``' session state of ``session`` if it is still ``state``."""
+    holder = getattr(blocks, "state_holder", None)
+    if holder is None:
+        return
+    with holder.lock:
+        if holder.session_data.get(session) is state:
+            holder.session_data.pop(session, None)
+            holder.time_last_used.pop(session, None)
+
+
+# --- the queue -------------------------------------------------------------------------------------------------------
+def _queue(blocks):
+    return getattr(blocks, "_queue", None)
+
+
+def set_queue_idle_sleeps(blocks, idle_s: float, progress_s: float) -> None:
+    """Make the idle loops of ``blocks``' queue (after ``queue()``) sleep at least ``idle_s`` between looks for a new
+    event and ``progress_s`` between looks for progress to send (its own intervals, read on every pass)."""
+    q = blocks._queue
+    q.sleep_when_free = max(q.sleep_when_free, idle_s)
+    q.progress_update_sleep_when_free = max(q.progress_update_sleep_when_free, progress_s)
+
+
+def queue_idle_sleeps(blocks) -> tuple[float, float]:
+    """(idle, progress) sleep intervals of ``blocks``' queue."""
+    return blocks._queue.sleep_when_free, blocks._queue.progress_update_sleep_when_free
+
+
+def bound_analytics(blocks, events: int) -> None:
+    """Keep at most ``events`` events in the analytics of ``blocks``' queue (if it has one)."""
+    q = _queue(blocks)
+    if q is not None:
+        q.ANALYTICS_MAX_EVENTS = events
+
+
+def queued_events(blocks) -> list:
+    """The events queued or running in ``blocks`` (each with ``session_hash`` and ``request``)."""
+    q = _queue(blocks)
+    return list(getattr(q, "event_ids_to_events", {}).values()) if q is not None else []
+
+
+def sessions_with_messages(blocks) -> list[str]:
+    """The sessions whose messages (results not yet read, or an empty message queue) ``blocks``' queue keeps."""
+    q = _queue(blocks)
+    return list(q.pending_messages_per_session) if q is not None else []
+
+
+def drop_session_messages(blocks, session: str) -> None:
+    """Drop what ``blocks``' queue keeps for ``session`` (its messages, its pending event ids)."""
+    q = _queue(blocks)
+    if q is not None:
+        q.pending_messages_per_session.pop(session, None)
+        q.pending_event_ids_session.pop(session, None)
+
+
+# --- mounting and stopping -------------------------------------------------------------------------------------------
+def default_delete_cache(blocks, default: tuple[int, int]) -> None:
+    """``blocks``' cache cleaning (frequency, age in seconds; read when it is mounted), unless it set its own."""
+    blocks.delete_cache = blocks.delete_cache or default
+
+
+def set_session_capacity(blocks, sessions: int) -> None:
+    """The most session states ``blocks`` keeps (read when it is mounted)."""
+    blocks.state_session_capacity = int(sessions)
+
+
+def mark_launched(blocks) -> None:
+    """Say that a mounted ``blocks`` has launched: Gradio checks a page event's file inputs (only its own uploads)
+    and a handler's file outputs (never a blocked path) only in an app that says so, and ``mount_gradio_app`` never
+    says so by itself."""
+    blocks.has_launched = True
+
+
+def stop(blocks) -> None:
+    """Close ``blocks``' queue and end its heartbeat streams (``app.stop_event``: an asyncio.Event of the server's
+    loop, set from that loop when it runs)."""
+    try:
+        blocks._queue.close()
+        blocks.is_running = False
+        event = blocks.app.stop_event
+        loop = getattr(event, "_loop", None)
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(event.set)
+        else:
+            event.set()
+    except (AttributeError, RuntimeError):
+        pass
