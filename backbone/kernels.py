@@ -282,7 +282,7 @@ class _Fp16TrainingProduct(torch.autograd.Function):
     """x·Wᵀ (+ b) of a frozen :class:`Fp16WeightLinear` while training through it (gradients on): forward and the
     input's gradient g·W both on FBGEMM's float16 kernel — the same float16-rounded weight values that ``F.linear``
     would multiply in float32, with float32 accumulation (only the summation order differs): the kernel decoding already
-    uses, reading half the weight bytes (its effect on a step: BENCHMARKS, "OpenMP's wait policy in training").
+    uses, reading half the weight bytes (its effect on a step: BENCHMARKS §2d, "OpenMP's wait policy in training").
     The weight gets no gradient: it is frozen."""
 
     @staticmethod

@@ -1,6 +1,6 @@
 """``python -m benchmarks heldout``: the teacher-forced NLL of a memory's *held-out* samples (never trained on) under
-the base model and under each plug-in given — the quality column of BENCHMARKS.md's "training every method on 1,000
-pairs" table, cheaper than a decoded evaluation (``python -m eval run``) and on data no training loop saw. Full
+the base model and under each plug-in given: a quality check cheaper than a decoded evaluation (``python -m eval run``)
+and on data no training loop saw. Full
 softmax over the whole vocabulary; an in-network plug-in acts as it decodes (on the sample's own positions when it
 leaves the shared prompt prefix to the frozen backbone); an output-level plug-in (PEMA, kNN) mixes its distribution
 with the LM's at its decode defaults, so its NLL is the one it decodes with.

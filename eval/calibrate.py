@@ -7,7 +7,7 @@ whose rows are the base model and every setting (``plugins.decode.BatchDecode``)
 row of the forward pass (the compact layout), so a setting that changes no token costs nothing and the rows that
 part run together — the whole grid costs little more than one decode per sentence. (Re-decoding each setting as a
 slider move of one kept decode, ``LiveComparison``, gives the same outputs but ran the backbone once per changed
-setting: 4.4× the CPU time on Gemma for kNN's grid, BENCHMARKS.) The grid and the tuning samples set the cost, not
+setting: 4.4× the CPU time on Gemma for kNN's grid, BENCHMARKS §5f.) The grid and the tuning samples set the cost, not
 the clock: every tuning sample is decoded (``DEFAULT_TUNE`` at most) unless a caller gives a time budget, and a
 budget never stops calibration before ``MIN_TUNE`` samples.
 

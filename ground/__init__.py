@@ -7,8 +7,8 @@ import of ``ground`` does it; ``backbone`` and ``app`` import ``ground`` first):
 matmuls ~50x slower on 2 busy cores beside a spinning job), and a decode step runs its small work on one thread
 (docs/precision.md, "Threads"). A process that only trains, builds or ranks calls :func:`spin_briefly` first: its
 threads then spin for a short while before they sleep (``GOMP_SPINCOUNT``), because under PASSIVE each of a
-training step's thousands of parallel regions first wakes a sleeping thread (BENCHMARKS, "OpenMP's wait policy in
-training"). A user's own ``OMP_WAIT_POLICY`` or
+training step's thousands of parallel regions first wakes a sleeping thread (BENCHMARKS §2d, "OpenMP's wait policy
+in training"). A user's own ``OMP_WAIT_POLICY`` or
 ``GOMP_SPINCOUNT`` is left as it is."""
 import os
 import sys

@@ -46,8 +46,9 @@ __all__ = ["EVAL_COST", "PASSIVE_SLOWDOWN", "THROUGHPUT_PATH", "estimate", "for_
            "measure", "record_for", "save_measurements", "throughputs"]
 
 THROUGHPUT_PATH = Path(__file__).resolve().parents[1] / "backbone" / "training_throughput.json"
-# a residual adapter's whole default run under PASSIVE over a short spin on two AVX2 cores, ≈ 1.15 (its steps alone:
-# 1.10–1.41; BENCHMARKS, "OpenMP's wait policy in training": ``python -m benchmarks trainstep <memory> --policies``)
+# a residual adapter's whole default run under PASSIVE over a short spin on two AVX2 cores, ≈ 1.15 (its steps
+# alone: 1.10–1.41; BENCHMARKS §2d, "OpenMP's wait policy in training": ``python -m benchmarks trainstep <memory>
+# --policies``)
 PASSIVE_SLOWDOWN = 1.15
 
 

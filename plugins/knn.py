@@ -36,7 +36,7 @@ entries (``ivf_min_points``: FAISS's k-means needs that many points a centroid, 
 query with k = 1,024 re-ranks 1,024 stored keys and scatters 1,024 weights per row, and the exact search's certified
 scan re-checks at least k entries a query in float32 — the same scan of every key, a larger top-k and re-check.
 
-Quality (BENCHMARKS.md, "kNN's tuned starts on Gemma"): on Gemma 3 270M translation (a 1,000-pair WMT memory) no
+Quality (BENCHMARKS.md §5f, "kNN's tuned starts on Gemma"): on Gemma 3 270M translation (a 1,000-pair WMT memory) no
 setting beat the base model on the dev items it was tuned on (paired bootstrap); λ 0.2 (the earlier tuned start)
 and the declared defaults lowered chrF significantly there. The tuned start there is k 8, T 100, λ 0.05
 (``plugins/tuned_defaults.json``): level with the base on the tuning items, a small, unconfirmed gain on later ones —

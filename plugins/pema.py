@@ -11,7 +11,7 @@ Model (paper §3, public code ``pema``, ``train_rct_pd.py``'s ``LoraLinear``):
     (p = 0.2); the public code draws it separately for h_pd and for h_rct, and so does ``fit``.
     Init as the public code's ``reset_parameters``: A Kaiming-uniform (a = √5, bound 1/√d), B_rct and B_pd zero
     (``b_init="zeros"``); ``b_init="random"`` starts B like A.
-    **Defaults, measured one change at a time** (BENCHMARKS.md, "PEMA one change at a time", 1,000 WMT pairs,
+    **Defaults, measured one change at a time** (BENCHMARKS.md §5f, "PEMA one change at a time", 1,000 WMT pairs,
     10 epochs a phase as a step budget): from the shipped defaults (s = 1, i.e. ``lora_alpha=0``; random B; 256
     entries a step; f(c)/RMS; epoch-wise early stopping), s = 1/512 alone lowered the early-stopping CE of P_PEMA
     and the held-out mixture NLL; B = 0, 2,048 a step and the raw f(c) each raised them; the step-wise

@@ -380,7 +380,7 @@ def plugin_calibration(plugin) -> dict | None:
 
 
 # A calibration on fewer tuning samples than this says so in its label: on Gemma, kNN tuned on 14 held-out WMT samples
-# gained +15 chrF there and lost 4 chrF on 200 WMT dev items (BENCHMARKS, "Calibrated against global defaults").
+# gained +15 chrF there and lost 4 chrF on 200 WMT dev items (BENCHMARKS §5f, "Calibrated against global defaults").
 FEW_TUNING_SAMPLES = 30
 
 
