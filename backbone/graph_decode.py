@@ -15,7 +15,7 @@ on fixed buffers:
 A runner holds ``rows`` rows (a power of two at least the decode's rows: spare rows compute values nobody reads)
 and ``length`` positions. Models with sliding-window layers are served only while the whole decode fits inside the
 window (a static sliding layer's roll past its window is decided on the host, which a replay cannot do); longer
-decodes and beam search keep the eager path (``plugins.decode.engine``).
+decodes and beam search keep the eager path (``engine.engine``).
 
 In-network plug-ins' per-layer work is recorded too: a runner made for a set of them (``hooks``: an object whose
 ``on()`` / ``off()`` put their forward hooks on the backbone and take them off, and whose rows are device row masks

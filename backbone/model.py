@@ -348,7 +348,7 @@ def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_token
                     batch_size: int = 8, progress: Progress = no_progress,
                     should_stop: Callable[[], bool] | None = None) -> list[list[int]]:
     """Plain greedy continuation of many different contexts (left-padded batches, HF ``generate``), stopping each
-    at the end of its line. Used to make synthetic sources; comparisons use ``plugins.decode`` instead.
+    at the end of its line. Used to make synthetic sources; comparisons use ``engine`` instead.
 
     ``should_stop()`` is called before every batch and after every generated token (a job's checkpoint: it may
     hand the backbone to an interactive user there, so nobody waits longer than one step, and a cancel ends a long

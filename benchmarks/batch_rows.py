@@ -24,12 +24,12 @@ import time
 
 import torch
 
-import plugins.decode.forward as forward
+import engine.forward as forward
 from backbone.cli import load_backbone_from_args
 from backbone.model import Backbone
 from backbone.tasks import task_prompt
+from engine import Row, compare, decode_batch
 from ground.cli import add_common
-from plugins.decode import Row, compare, decode_batch
 
 # English sentences of different lengths (a software message, news, a greeting): padding within every chunk
 SENTENCES = [

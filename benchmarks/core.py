@@ -44,6 +44,8 @@ from backbone.model import (
     using_fast_paths,
 )
 from backbone.tasks import task_prompt
+from engine import Row, compare, start_compare
+from engine.protocol import mix_logprobs
 from eval.datasets import wmt_pairs
 from eval.metrics import bleu_chrf, paired_bootstrap
 from eval.run import evaluate
@@ -53,9 +55,7 @@ from memories.parse import Sample
 from memories.store import Memory
 from plugins.api import open_memory, train_plugin
 from plugins.base import load_plugin
-from plugins.decode import Row, compare, start_compare
 from plugins.knn import CertifiedL2Search, ProjectedL2Search
-from plugins.pema import mix_logprobs
 
 N_PAIRS = 200
 

@@ -126,6 +126,7 @@ def _save_state(path: Path, state: dict) -> None:
 def prompts_main(a) -> int:
     from backbone.cli import load_backbone_from_args  # heavy
     from backbone.tasks import task_prompt  # heavy
+    from engine import Row  # heavy
     from eval.metrics import bleu_chrf, paired_bootstrap  # heavy
     from eval.rank import memory_prompt  # heavy
     from eval.run import evaluate  # heavy
@@ -134,7 +135,6 @@ def prompts_main(a) -> int:
     from memories.parse import parse_samples_strict  # heavy
     from memories.store import Memory  # heavy
     from plugins.api import open_plugin, train_plugin  # heavy
-    from plugins.decode import Row  # heavy
     from plugins.settings import row_settings  # heavy
 
     folder = Path(a.split)

@@ -46,14 +46,14 @@ from backbone.graph_decode import RUNNERS, warm_up  # noqa: E402
 from backbone.model import Backbone, cpu_description, resolve_precision, set_precision  # noqa: E402
 from backbone.options import using_fast_paths  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
+from engine import Row, compare, start_compare, warm_comparison  # noqa: E402
+from engine.batch import plan_batch  # noqa: E402
+from engine.engine import BatchDecode  # noqa: E402
 from eval.datasets import wmt_pairs  # noqa: E402
 from ground.store import data_dir  # noqa: E402
 from memories.build import build_memory  # noqa: E402
 from memories.parse import Sample  # noqa: E402
 from plugins.api import train_plugin  # noqa: E402
-from plugins.decode import Row, compare, start_compare, warm_comparison  # noqa: E402
-from plugins.decode.batch import plan_batch  # noqa: E402
-from plugins.decode.engine import BatchDecode  # noqa: E402
 from plugins.registry import available_methods  # noqa: E402
 
 SIX = ("pema", "knn", "memory_adapter", "memory_tuning", "adapter", "lora")

@@ -17,9 +17,10 @@ import time
 import torch
 
 from backbone.cli import load_backbone_from_args
+from engine.protocol import MixInput
 from ground.cli import add_common
 from plugins.api import open_memory
-from plugins.base import MixInput, load_plugin
+from plugins.base import load_plugin
 from plugins.seqtrain import collate, memory_sequences
 
 

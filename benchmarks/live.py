@@ -8,10 +8,10 @@ full decode of the same comparison. Results in BENCHMARKS.md §3b.
 Setup: a memory of 200 WMT train pairs, a PEMA plug-in trained briefly (30 s budget) and a kNN plug-in (exact
 search); every comparison decodes base + PEMA + kNN together, greedy, up to ``--tokens`` new tokens (the studio's
 default, 48), with the prompt-prefix KV cache as in the studio. Per dev sentence (0, 1, …): one plain full decode
-(``plugins.decode.compare``: the reference time), one kept decode (what the studio runs: it also records what moves
+(``engine.compare``: the reference time), one kept decode (what the studio runs: it also records what moves
 need — its overhead is reported), then ``--moves`` random moves, each one live setting (from the methods'
 declarations: PEMA λ_max / GU, kNN k / T / λ) of one row set to a random value on its slider's grid, each timed from
-the request to the final comparison (``plugins.decode.start_compare`` with the kept comparison). The first
+the request to the final comparison (``engine.start_compare`` with the kept comparison). The first
 ``--check`` moves are also decoded in full with the new settings and compared token for token.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ from backbone import load_backbone
 from backbone.model import cpu_description
 from backbone.tasks import task_prompt
 from backbone.tiny import tiny_backbone
+from engine import LiveMove, Row, compare, start_compare
 from eval.datasets import wmt_pairs
 from memories.build import build_memory
 from memories.parse import Sample
 from plugins.api import train_plugin
-from plugins.decode import LiveMove, Row, compare, start_compare
 
 
 def random_value(s, rng: random.Random):

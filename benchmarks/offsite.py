@@ -8,7 +8,7 @@ Starts a model owner (``python -m offsite serve``) on 127.0.0.1 in its own proce
 (``--owner-in-process``: the owner's HTTP service runs in a thread of this process on the backbone loaded here —
 one copy of the weights, one heavy process on a shared machine; requests still go through loopback HTTP), then
 measures: the memory build (local vs through the owner; request + response body bytes per memory entry, sent and
-received), and greedy decodes of base + PEMA + kNN rows (local ``plugins.decode.compare`` vs
+received), and greedy decodes of base + PEMA + kNN rows (local ``engine.compare`` vs
 ``offsite.decode.compare_remote`` with each P_LM mode, interleaved sentence by sentence in a rotating order:
 generated tokens per second over all rows and its ratio to local, body bytes per decode step and sent / received
 per generated token, and whether every row's tokens equal the local ones). Body bytes exclude HTTP headers
@@ -34,6 +34,7 @@ import numpy as np
 from backbone.model import load_backbone  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
 from backbone.tiny import tiny_backbone  # noqa: E402
+from engine import Row, compare  # noqa: E402
 from memories.build import build_memory  # noqa: E402
 from memories.parse import Sample, parse_samples_strict  # noqa: E402
 from offsite.client import connect, wait_for_owner  # noqa: E402
@@ -42,7 +43,6 @@ from offsite.protocol import Limits  # noqa: E402
 from offsite.server import OwnerService, make_app  # noqa: E402
 from plugins.api import train_plugin  # noqa: E402
 from plugins.base import load_plugin  # noqa: E402
-from plugins.decode import Row, compare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WMT = ROOT.parent / "shared" / "data" / "wmt22-en-de" / "train.jsonl"

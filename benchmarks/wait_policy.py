@@ -52,9 +52,9 @@ def _child(argv) -> int:
     from backbone.model import load_backbone  # heavy (torch): after the wait policy is read from the environment
     from backbone.threads import wait_policy  # heavy, likewise
     from benchmarks.core import _decode_seconds, _FixedSteps  # heavy, likewise
+    from engine import Row, compare  # heavy, likewise
     from eval.datasets import wmt_pairs  # heavy, likewise
     from plugins.api import open_memory, open_plugin  # heavy, likewise
-    from plugins.decode import Row, compare  # heavy, likewise
 
     bb = load_backbone()
     catalog = Catalog()

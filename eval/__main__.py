@@ -38,6 +38,7 @@ if sys.argv[1:2] == ["rank"]:  # trainings, then evaluations: OpenMP threads spi
 from backbone.cli import load_backbone_from_args  # noqa: E402
 from backbone.model import DEFAULT_BACKBONE  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
+from engine import Row  # noqa: E402
 from eval import datasets  # noqa: E402
 from eval.calibrate import calibrate, describe_choice  # noqa: E402
 from eval.rank import format_leaderboard, rank  # noqa: E402
@@ -51,7 +52,6 @@ from offsite.cli import add_remote, remote_backbone_from_args  # noqa: E402
 from offsite.decode import decode_batch_remote, open_offsite_plugin  # noqa: E402
 from plugins.__main__ import plugin_rows, tuned_lines  # noqa: E402
 from plugins.api import open_memory, open_plugin, plugin_folder  # noqa: E402
-from plugins.decode import Row  # noqa: E402
 from plugins.settings import parse_sets, plugin_calibration  # noqa: E402
 from studio.ray_executor import RayExecutor  # noqa: E402
 

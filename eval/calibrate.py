@@ -3,7 +3,7 @@ its declared grid, ``plugins.settings.decode_grid``) on held-out samples of its 
 per dataset on a development set.
 
 Every setting is scored by the greedy decode Compare runs, sentence by sentence: one batched decode per sentence
-whose rows are the base model and every setting (``plugins.decode.BatchDecode``). Rows whose tokens agree share one
+whose rows are the base model and every setting (``engine.BatchDecode``). Rows whose tokens agree share one
 row of the forward pass (the compact layout), so a setting that changes no token costs nothing and the rows that
 part run together — the whole grid costs little more than one decode per sentence. (Re-decoding each setting as a
 slider move of one kept decode, ``LiveComparison``, gives the same outputs but ran the backbone once per changed
@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from engine import BatchDecode, Row, plan_batch
+from engine.protocol import MixInput
 from eval.metrics import bleu_chrf, holm, paired_bootstrap
 from ground.errors import Cancelled, UserError
 from ground.store import write_json_atomic
-from plugins.base import MixInput
-from plugins.decode import BatchDecode, Row, plan_batch
 from plugins.settings import (
     CALIBRATION_FILE,
     CALIBRATION_RULE,

@@ -30,6 +30,7 @@ import torch
 from backbone import load_backbone
 from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
+from engine.protocol import MixInput, mix_logprobs
 from eval.datasets import task_pairs
 from eval.run import format_table
 from ground.cli import progress_bar, run_main
@@ -38,7 +39,6 @@ from memories.build import build_memory
 from memories.parse import Sample
 from memories.store import Memory
 from plugins.api import open_memory, open_plugin
-from plugins.base import MixInput, mix_logprobs
 from plugins.settings import decode_grid
 
 # Scoring a setting costs little more than its λ_t (P_plugin is shared, see score_plugins), so the teacher-forced
@@ -76,7 +76,7 @@ def dev_memory(backbone, prompt, pairs: list[tuple[str, str]], cache_root: Path,
 
 
 def _extra_logits(backbone, plugin, fc_bb: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
-    """The logits of the plug-in's extra states, as a decode computes them (``plugins.decode``)."""
+    """The logits of the plug-in's extra states, as a decode computes them (``engine``)."""
     extra = plugin.extra_states(fc_bb, settings)
     if extra is None:
         return None

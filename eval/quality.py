@@ -27,6 +27,7 @@ from pathlib import Path
 
 from backbone import load_backbone
 from backbone.tasks import save_tuned_prompt, task_prompt
+from engine import Row
 from eval.datasets import task_pairs
 from eval.likelihood import tune_settings
 from eval.metrics import paired_bootstrap
@@ -37,7 +38,6 @@ from ground.store import Catalog, new_id, write_json_atomic
 from memories.build import MAX_TARGET_TOKENS, build_memory, register_memory, target_ids
 from memories.parse import Sample
 from plugins.api import open_memory, open_plugin, train_plugin
-from plugins.decode import Row
 from plugins.settings import decode_grid, save_tuned_decode_settings
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 
 from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
+from engine import Row, decode_batch
 from eval import calibrate
 from eval.metrics import holm, signatures
 from eval.run import MIN_BOOTSTRAP_N, evaluate
@@ -34,7 +35,6 @@ from eval.transfer import memory_transfer, side_by_side
 from ground.errors import Cancelled, UserError
 from ground.store import LOCAL_OWNER, Catalog
 from plugins.api import make_config, open_plugin, train_plugin
-from plugins.decode import Row, decode_batch
 from plugins.estimate import estimate
 from plugins.registry import available_methods, get_method
 from plugins.settings import row_settings

@@ -8,11 +8,11 @@ import time
 from typing import Callable
 
 from backbone.prompts import Prompt
+from engine import Row, decode_batch
 from eval.datasets import informal_pattern_counts
 from eval.metrics import bleu_chrf, bootstrap_ci, content_similarity, paired_bootstrap, sentence_chrf, signatures
 from eval.style import perplexity
 from ground.errors import Cancelled, UserError
-from plugins.decode import Row, decode_batch
 
 Progress = Callable[[float, str], None]
 
@@ -67,7 +67,7 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
     one, the paired-bootstrap difference and one-sided p-value (``sacrebleu_delta``, ``p_sacrebleu``, ...). The result
     holds sacreBLEU's ``signatures``.
     ``outputs``: one dict per pair with source, reference, every row's output (key: its label) and its sentence
-    chrF (key ``"chrF · " + label``). ``decode``: ``plugins.decode.decode_batch``, or a function called alike
+    chrF (key ``"chrF · " + label``). ``decode``: ``engine.decode_batch``, or a function called alike
     (``offsite.decode.decode_batch_remote``: through a model owner's service).
     ``reference_sl``: hand each reference's token length to the decode (``ref_lens``), for PEMA's GU
     ``gu_variant="code"``, whose SL the public code counts with the reference; off by default (a user's decode

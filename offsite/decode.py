@@ -1,11 +1,11 @@
-"""The data owner's decode: ``plugins.decode``'s batch plan, steps and token selection (``decode_loop``), with the
+"""The data owner's decode: ``engine``'s batch plan, steps and token selection (``decode_loop``), with the
 backbone's forward passes run by the model owner in a decode session.
 
 Per step the owner returns f(c) of every live row (and P_LM, by ``lm``); this side projects each output-level
 plug-in's extra states (PEMA's h_pd) through its own copy of the final norm and W_hd, lets the plug-in mix its rows
-(``plugins.decode.mix_step``: ``plugin_logprobs`` + ``mix_lambdas``, kNN's search over the private memory included),
+(``engine.mix_step``: ``plugin_logprobs`` + ``mix_lambdas``, kNN's search over the private memory included),
 picks the tokens (greedy, or beam search) and sends them back. With ``lm="none"`` the owner sends f(c) only and this
-side computes P_LM too, with ``plugins.decode.decode_step`` itself (the local arithmetic). The plug-ins never leave
+side computes P_LM too, with ``engine.decode_step`` itself (the local arithmetic). The plug-ins never leave
 this side. In-network plug-ins cannot be offsite (they act inside the owner's decoder).
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ import time
 import torch
 
 from backbone.prompts import Prompt
+from engine import PrefixKV, Row, decode_loop, plan_batch
 from ground.errors import UserError
 from offsite.client import NOT_OFFSITE, RemoteBackbone
 from offsite.protocol import LM_MODES
 from plugins.api import plugin_folder
 from plugins.base import Plugin, load_plugin
-from plugins.decode import PrefixKV, Row, decode_loop, plan_batch
 from plugins.registry import get_method
 
 
@@ -48,7 +48,7 @@ def compare_remote(backbone: RemoteBackbone, source: str, rows: list[Row], promp
                    max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
                    context_ids: list[int] | None = None, use_prefix_cache: bool = True,
                    no_repeat_ngram: int | None = None, lm: str = "full"):
-    """``plugins.decode.compare`` with the owner's decoder: one session of every row × beam, the same batch layout,
+    """``engine.compare`` with the owner's decoder: one session of every row × beam, the same batch layout,
     settings, mixing and selection, the same ``Comparison``. ``lm``: how P_LM comes (``offsite.protocol``)."""
     t0 = time.time()
     if lm not in LM_MODES:
@@ -91,7 +91,7 @@ def decode_batch_remote(backbone: RemoteBackbone, sources: list[str], rows: list
                         max_new_tokens: int = 64, num_beams: int = 1, trace: bool = True,
                         contexts: list[list[int]] | None = None, use_prefix_cache: bool = True,
                         no_repeat_ngram: int | None = None, lm: str = "none") -> list:
-    """``plugins.decode.decode_batch``'s call answered through the owner: one decode session per source
+    """``engine.decode_batch``'s call answered through the owner: one decode session per source
     (:func:`compare_remote`), so ``eval.run.evaluate`` scores base, PEMA and kNN rows offsite (``decode=``). Each
     source decodes alone, as the local ``decode_batch`` does with one source per batch."""
     if contexts is not None and len(contexts) != len(sources):

@@ -6,7 +6,7 @@ it in a FastAPI app behind one ASGI guard (request-rate bucket per client addres
 
 The arithmetic mirrors the local code exactly so that both sides get the same numbers: ``/v1/fc`` runs a
 right-padded batch over the shared prefix's KV cache as ``memories.build`` does, a session's prefill and steps
-are ``plugins.decode.prefill`` / ``forward_step`` for one source. One lock serialises every use of the model.
+are ``engine.prefill`` / ``forward_step`` for one source. One lock serialises every use of the model.
 Nothing here returns a decoder weight: the head file holds only the final norm's parameters and W_hd.
 """
 # No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations (``Request``) at runtime.
@@ -280,7 +280,7 @@ class OwnerService:
                                     f"close one, or wait: an idle session closes after {lim.session_idle_s:g} s",
                                {"Retry-After": str(max(1, math.ceil(lim.session_idle_s / 10)))})
             past = self.prefixes.get(bb, ctx[:P]) if P else None
-            with torch.no_grad():  # plugins.decode.prefill for one source: prefix cache, the rest, repeat over rows
+            with torch.no_grad():  # engine.prefill for one source: prefix cache, the rest, repeat over rows
                 fc, out = bb.forward_fc(torch.tensor([ctx[P:]], device=bb.device), past_key_values=past,
                                         use_cache=True)
                 cache = out.past_key_values
@@ -328,7 +328,7 @@ class OwnerService:
             if s.length >= lim.max_seq_len:
                 raise ApiError(413, f"the session's sequence has {s.length} tokens (limit {lim.max_seq_len})")
             try:
-                with torch.no_grad():  # plugins.decode.forward_step, one source (no padding)
+                with torch.no_grad():  # engine.forward_step, one source (no padding)
                     if reorder is not None:
                         s.cache.reorder_cache(torch.tensor(reorder, device=bb.device))
                     fc, out = bb.forward_fc(torch.tensor(toks, device=bb.device).unsqueeze(1),

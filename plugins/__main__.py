@@ -31,6 +31,7 @@ from backbone.cli import load_backbone_from_args  # noqa: E402
 from backbone.model import CPU_FLOAT16_TAG, FINGERPRINT_TAGS, PRECISIONS, resolve_name  # noqa: E402
 from backbone.prompts import TASKS, Prompt  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
+from engine import Row, compare  # noqa: E402
 from ground.cli import add_common, dump_json, print_table, progress_bar, run_main  # noqa: E402
 from ground.errors import UserError  # noqa: E402
 from ground.store import Catalog  # noqa: E402
@@ -38,7 +39,6 @@ from ground.text import printable  # noqa: E402
 from offsite.cli import add_remote, remote_backbone_from_args  # noqa: E402
 from offsite.decode import check_offsite_method, compare_remote, open_offsite_plugin  # noqa: E402
 from plugins.api import method_table, open_memory, open_plugin, plugin_folder, train_plugin  # noqa: E402
-from plugins.decode import Row, compare  # noqa: E402
 from plugins.estimate import estimate  # noqa: E402
 from plugins.hub import export_plugin, import_plugin, load_evaluation, push_plugin  # noqa: E402
 from plugins.registry import get_method  # noqa: E402

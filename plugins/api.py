@@ -1,6 +1,6 @@
 """The plain functions the CLI, the app's job worker, the benchmarks and the tests all call.
 
-samples → memory (``memories.build``) → plug-in (``train_plugin``) → decode (``plugins.decode.compare``).
+samples → memory (``memories.build``) → plug-in (``train_plugin``) → decode (``engine.compare``).
 """
 from __future__ import annotations
 

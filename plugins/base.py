@@ -30,11 +30,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.protocol import MixInput, MixOutput, mix_logprobs
 from ground.errors import UserError
 from ground.lock import writer_tag
+from ground.settings import Setting, coerce_all
 from ground.store import atomic_dir, write_json_atomic
 from plugins.registry import get_method
-from plugins.settings import Setting, coerce_all, config_settings
+from plugins.settings import config_settings
 from plugins.timing import sample_loops, sample_record
 
 Progress = Callable[[float, str], None]
@@ -106,28 +108,6 @@ class PluginConfig:
             raise UserError(msg)
 
 
-@dataclass
-class MixInput:
-    """What an output-level plug-in sees for its rows at one decoding step."""
-
-    fc: torch.Tensor            # (n, d) the step's f(c), pre-norm, backbone dtype
-    lm_logprobs: torch.Tensor   # (n, V) float32 log P_LM
-    extra_logits: torch.Tensor | None  # (n, V) float32 logits of the plug-in's extra states, if it asked for any
-    step: int                   # number of tokens generated so far in this row (0 for the first)
-    src_len: list[int]          # SL per row: token length of the row's input sentence (instruction excluded)
-    settings: list[dict]        # decode-time settings per row
-    ref_len: list[int | None] | None = None  # per row: the reference's token length, in evaluations that ask for it
-                                             # (PEMA's GU "code" variant, whose SL counts the reference); else None
-
-
-@dataclass
-class MixOutput:
-    logprobs: torch.Tensor              # (n, V) final log P
-    plugin_logprobs: torch.Tensor | None = None  # (n, V) the plug-in's own distribution, for the trace
-    lam: list[float] | None = None      # λ_t per row
-    extras: list[dict] | None = None    # per-row trace extras (e.g. kNN neighbours)
-
-
 class TrainingHistory(list):
     """A plug-in's training history: structured points (``{"phase", "step", "epoch", "loss" | "heldout_loss",
     ...}``). Each appended point is also handed to ``on_point`` — a job's live loss curve — so nobody has to parse
@@ -147,30 +127,6 @@ class TrainingHistory(list):
 class FitResult:
     metrics: dict = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)  # one row per logged step: {"step","phase","loss",...}
-
-
-def mix_logprobs(lm_logprobs: torch.Tensor, plugin_logprobs: torch.Tensor, lam: torch.Tensor,
-                 support: torch.Tensor | None = None) -> torch.Tensor:
-    """log(λ·P_plugin + (1−λ)·P_LM) row-wise, stable in log space; λ of 0 or 1 selects one side exactly.
-    Works on any column subset (e.g. only the reference token's column): each column is mixed on its own.
-
-    ``support`` (rows × s column ids): the only columns where ``plugin_logprobs`` may be above −inf (kNN's
-    neighbours' tokens). Elsewhere the mixture is log(1−λ) + log P_LM exactly — logaddexp(−inf, b) is b —, so only
-    those columns are mixed: the same result without vocabulary-wide logaddexp work."""
-    lam = lam.to(lm_logprobs).unsqueeze(1)
-    log_lam, log_rest = torch.log(lam.clamp_min(1e-30)), torch.log((1 - lam).clamp_min(1e-30))
-    if support is None:
-        out = torch.logaddexp(plugin_logprobs + log_lam, lm_logprobs + log_rest)
-    else:
-        out = lm_logprobs + log_rest
-        s = support.to(out.device)
-        out.scatter_(1, s, torch.logaddexp(plugin_logprobs.gather(1, s) + log_lam, out.gather(1, s)))
-    # λ of 1 or 0: that side's row as it is (row by row: no vocabulary-wide select)
-    for sel, side in ((lam[:, 0] >= 1.0, plugin_logprobs), (lam[:, 0] <= 0.0, lm_logprobs)):
-        if bool(sel.any()):
-            rows = sel.expand(out.shape[0]) if sel.shape[0] == 1 else sel
-            out[rows] = side.expand_as(out)[rows]
-    return out
 
 
 class Plugin(nn.Module):
@@ -273,7 +229,7 @@ class Plugin(nn.Module):
     def row_prompt(self, source: str, prompt, settings: dict):
         """Plug-ins of level "prompt" (the frozen model, prompted otherwise): the ``backbone.prompts.Prompt`` its
         row decodes ``source`` with, given the comparison's ``prompt`` (whose template it keeps). Such a row gets a
-        prefill row of its own in the one batched decode (``plugins.decode.batch``); its distribution is the
+        prefill row of its own in the one batched decode (``engine.batch``); its distribution is the
         model's. Default: the comparison's prompt."""
         return prompt
 

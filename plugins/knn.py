@@ -55,22 +55,15 @@ import torch
 
 from backbone.model import all_threads, fp16_weight_available, packed_bf16_available, packed_f32_available
 from backbone.torch_internals import fp16_linear, fp16_pack_linear, mkldnn_linear, mkldnn_pack_linear
+from engine.protocol import MixInput, MixOutput, mix_logprobs
 from ground.errors import UserError
 from ground.lock import temp_name
+from ground.settings import Setting
 from ground.store import write_json_atomic
 from memories.store import Memory
-from plugins.base import (
-    FitResult,
-    MixInput,
-    MixOutput,
-    Plugin,
-    PluginConfig,
-    file_sha256,
-    mix_logprobs,
-    plain_file_name,
-)
+from plugins.base import FitResult, Plugin, PluginConfig, file_sha256, plain_file_name
 from plugins.registry import register
-from plugins.settings import Preset, Setting, setting
+from plugins.settings import Preset, setting
 from plugins.timing import minutes
 
 _BF16_U = 2.0 ** -8          # bfloat16's unit roundoff (8 significant bits)

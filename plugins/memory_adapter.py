@@ -114,11 +114,13 @@ import torch
 from torch import nn
 
 from backbone.torch_internals import set_unregistered, unregistered
+from engine.protocol import MixInput, MixOutput
 from ground.errors import UserError
+from ground.settings import Setting
 from memories.build import target_ids
 from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_memory
 from memories.store import Memory
-from plugins.base import FitResult, MixInput, MixOutput
+from plugins.base import FitResult
 from plugins.knn import KNN, KNNConfig
 from plugins.memory_adapter_layers import LayerBlock, MemoryAdapter, allocate  # noqa: F401  (re-exported)
 from plugins.network import (
@@ -136,7 +138,7 @@ from plugins.network import (
 )
 from plugins.registry import register
 from plugins.seqtrain import SeqData
-from plugins.settings import Preset, Setting, setting
+from plugins.settings import Preset, setting
 
 SIDES = ("tgt", "src")
 

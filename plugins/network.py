@@ -15,7 +15,7 @@ position): a plug-in acts on a sample's own positions only — its source's toke
 prompt's instruction and few-shot examples, identical for every sample, to the frozen backbone. Training then
 computes that prefix's keys and values once per memory and gives them as the past of every sample
 (``FrozenPrefix``, ``PastPrefix``); decoding keeps the plug-in off the same positions (``Attachment.own_from``,
-set by ``plugins.decode.prefill``), so what a plug-in decodes with is what it was trained with. Training also runs
+set by ``engine.prefill``), so what a plug-in decodes with is what it was trained with. Training also runs
 the frozen layers below the lowest layer a plug-in touches once per fixed, length-bucketed mini-batch
 (``TrainingBatches``, ``PreparedBatch``). Both are exact (tests/test_training_shortcuts.py); ``"adapted"`` (and
 every plug-in saved before the setting existed) acts on every position, as the papers do. docs/training.md has the
@@ -36,10 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbone.torch_internals import hook_id, hook_tables, set_unregistered, unregistered, version
+from engine.protocol import row_span
 from ground.errors import UserError
+from ground.settings import Setting
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
-from plugins.settings import Setting, setting
+from plugins.settings import setting
 from plugins.timing import layers_scaled
 from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 from plugins.training_batches import (  # noqa: F401  (re-exported: plug-ins and tests import them from here)
@@ -226,23 +228,6 @@ def keep_before(new: torch.Tensor, old: torch.Tensor, starts: torch.Tensor | Non
     return torch.where(before[..., None], old.to(new.dtype), new)
 
 
-def row_span(rows: torch.Tensor) -> slice | None:
-    """``rows`` (a 1-D index tensor) as a slice when they are consecutive and ascending, else None: a step then reads
-    and writes those batch rows as views instead of through index operators. Kept on the tensor: an attachment's
-    rows are one tensor for every layer's hook and step, and reading them is a device-to-host copy (on a GPU, a
-    wait for every queued kernel) that would otherwise come once per hooked layer."""
-    kept = rows.__dict__.get("_pema_span")
-    if kept is not None and kept[0] == version(rows):
-        return kept[1]
-    r = rows.tolist()
-    span = slice(r[0], r[-1] + 1) if r and r == list(range(r[0], r[0] + len(r))) else None
-    try:
-        rows._pema_span = (version(rows), span)
-    except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
-        pass
-    return span
-
-
 _SUB_BATCH: ContextVar = ContextVar("pema_sub_batch", default=None)
 
 
@@ -251,7 +236,7 @@ def sub_batch(rows: torch.Tensor):
     """While inside, forward passes run on the *sub-batch rows* ``rows`` (indices of the whole pass's rows) only — a
     module re-run for one plug-in's rows (memory-tuning's prefixed attention) —, so every attachment's ``rows`` reads
     as positions within them: another method's hooks on the re-run's submodules (LoRA on ``o_proj``) act on none of
-    them, a hook for all rows (None) on all. (The decode's kinds of rows: ``plugins.decode``'s glossary.)"""
+    them, a hook for all rows (None) on all. (The decode's kinds of rows: ``engine``'s glossary.)"""
     token = _SUB_BATCH.set(rows)
     try:
         yield

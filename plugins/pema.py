@@ -79,9 +79,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.base import FitResult, MixInput, Plugin, PluginConfig, mix_logprobs  # noqa: F401 (re-export)
+from engine.protocol import MixInput
+from ground.settings import Setting
+from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
-from plugins.settings import Preset, Setting, setting
+from plugins.settings import Preset, setting
 from plugins.timing import budget_seconds, loop, loop_rate, minutes, split_sizes
 from plugins.training import LoopSettings, candidate_vocabulary, early_stopping_split, run_training
 

@@ -23,7 +23,7 @@ each side as the pool (a repeated pair once), tokenizes the sources and builds B
 second for thousands of samples. The pool is saved beside the config as ``retrieval_index.json`` (JSON, listed with
 its sha256 in ``plugin_config.json``, never pickle); a loaded plug-in rebuilds the postings from it on first use (as
 fast). At decode time each row gets its own prompt through ``Plugin.row_prompt`` (level "prompt"), so it decodes in
-the same batch as every other method (``plugins.decode.batch``: a prefill row of its own; such a batch is
+the same batch as every other method (``engine.batch``: a prefill row of its own; such a batch is
 left-padded, without the prompt-prefix cache and without a kept decode for slider moves).
 """
 from __future__ import annotations
@@ -37,9 +37,10 @@ from pathlib import Path
 
 from backbone.prompts import Prompt
 from ground.errors import UserError
+from ground.settings import Setting
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
-from plugins.settings import Preset, Setting, setting
+from plugins.settings import Preset, setting
 
 INDEX_FILE = "retrieval_index.json"
 INDEX_FORMAT = 1

@@ -4,7 +4,6 @@ memory's entries — through the frozen backbone with their hooks attached, mini
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from backbone.model import Backbone
-from backbone.prompts import Prompt, common_prefix_len
+from engine.protocol import shared_prompt_len
 from memories.build import target_ids
 from memories.store import Memory
 from plugins.training import early_stopping_split
@@ -38,24 +37,6 @@ class SeqData:
         idx = list(idx)
         return SeqData([self.contexts[i] for i in idx], [self.targets[i] for i in idx],
                        None if self.shared is None else [self.shared[i] for i in idx])
-
-
-_RENDERS: dict = {}  # (tokenizer, prompt) → the token ids of the prompt rendered for two unrelated sources
-
-
-def shared_prompt_len(backbone: Backbone, prompt: Prompt, ctx: list[int]) -> int:
-    """How many leading tokens of ``ctx`` (a source rendered by ``prompt``) the prompt renders the same for any
-    source: the instruction and few-shot examples. Tokens at the slot's edge may merge with the source's first
-    characters, so it is the prefix that ``ctx`` shares with the prompt rendered for two unrelated sources; at least
-    one token of ``ctx`` is left over. Training and decoding both use it to tell the shared prefix from a sample's
-    own positions."""
-    key = (id(backbone.tokenizer), backbone.chat, json.dumps(prompt.to_dict(), sort_keys=True))
-    others = _RENDERS.get(key)
-    if others is None:
-        if len(_RENDERS) > 64:
-            _RENDERS.clear()
-        others = _RENDERS[key] = [backbone.encode_context(prompt.render(s)) for s in ("0", "Xy")]
-    return max(0, min(common_prefix_len([ctx, *others]), len(ctx) - 1))
 
 
 def memory_sequences(backbone: Backbone, memory: Memory, split: str = "train") -> SeqData:

@@ -13,133 +13,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from engine.comparison import COMPARISON_NAMES, comparison_settings, split_comparison
 from ground.errors import UserError
+from ground.settings import Setting, coerce_all
 from ground.store import write_json_atomic
 
-
-@dataclass(frozen=True)
-class Setting:
-    """One declared setting: name, default (its type is the setting's type), range or choices, help text, and
-    how the UI and the tuners use it."""
-
-    name: str
-    default: Any
-    help: str = ""
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False        # the low bound itself is not allowed (e.g. a temperature > 0)
-    choices: tuple = ()
-    live: bool = False            # a Compare control: every move re-decodes
-    step: float | None = None     # the control's step (sliders)
-    label: str = ""               # short UI label (default: the name)
-    grid: tuple = ()              # values tried when tuning by decoding (eval.quality)
-    fine_grid: tuple = ()         # values tried when tuning teacher-forced (eval.likelihood); default: ``grid``
-    type: type | None = None      # default: the default's type
-
-    @property
-    def kind(self) -> type:
-        return self.type or (type(self.default) if self.default is not None else str)
-
-    @property
-    def title(self) -> str:
-        return self.label or self.name
-
-    def describe(self) -> dict:
-        """A JSON-able description (for UIs, ``python -m plugins methods --json`` and model cards)."""
-        return {"name": self.name, "type": self.kind.__name__, "default": self.default, "help": self.help,
-                "low": self.low, "high": self.high, "low_open": self.low_open, "choices": list(self.choices),
-                "live": self.live, "step": self.step, "label": self.title}
-
-    def range_text(self) -> str:
-        if self.choices:
-            return "one of " + ", ".join(map(str, self.choices))
-        if self.low is not None and self.high is not None:
-            return f"between {self.low} and {self.high}" + (f" (not {self.low})" if self.low_open else "")
-        if self.low is not None:
-            return f"{'>' if self.low_open else '≥'} {self.low}"
-        if self.high is not None:
-            return f"≤ {self.high}"
-        name = self.kind.__name__
-        return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-    def coerce(self, value: Any, owner: str = "") -> Any:
-        """``value`` as this setting's type, checked against its range/choices; a UserError naming the setting
-        otherwise (strings from forms and command lines are parsed)."""
-        where = f"{owner} setting {self.name!r}" if owner else f"Setting {self.name!r}"
-        if self.help:
-            where += f" ({self.help})"
-        bad = UserError(f"{where} must be {self.range_text()}; got {value!r}.")
-        kind = self.kind
-        if kind is bool:
-            if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-                value = value.strip().lower() in ("true", "1", "yes")
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) and value in (0, 1):
-                value = bool(value)
-            if not isinstance(value, bool):
-                raise bad
-        elif kind is int:
-            if isinstance(value, str):
-                try:
-                    value = int(value.strip())
-                except ValueError:
-                    raise bad from None
-            elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
-                value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**53:
-                raise bad
-        elif kind is float:
-            if isinstance(value, str):
-                try:
-                    value = float(value.strip())
-                except ValueError:
-                    raise bad from None
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise bad
-            value = float(value)
-            if not math.isfinite(value):
-                raise bad
-        elif not isinstance(value, kind):
-            raise bad
-        if self.choices and value not in self.choices:
-            raise bad
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            raise bad
-        if self.high is not None and value > self.high:
-            raise bad
-        return value
-
-
-# Settings of a whole comparison, not of one method: the decode engine applies them to every row of a batch alike
-# — the base model's row included — so they are declared once, here, and not in each method's decode_settings.
-# They are addressed like a method's settings, to the key ``ALL_ROWS`` ({"all": {"no_repeat_ngram": 3}},
-# ``--set no_repeat_ngram=3``); a row's recorded settings include them when they are on.
-COMPARISON_SETTINGS: tuple[Setting, ...] = (
-    Setting("no_repeat_ngram", 0, "repetition guard: no output repeats an n-gram of its own tokens of this size "
-            "(HF's no_repeat_ngram_size, over the output only); 0 = off, as in the papers — it changes their "
-            "decoding. Applies to every row alike, the base model's included", low=0, high=10, step=1,
-            label="No repeated n-gram"),
-)
-ALL_ROWS = "all"  # the settings key that addresses every row of a comparison
-_COMPARISON_NAMES = {s.name for s in COMPARISON_SETTINGS}
-
-
-def split_comparison(values: dict | None) -> tuple[dict, dict]:
-    """``(comparison settings, the rest)`` of one row's settings."""
-    values = dict(values or {})
-    return ({k: v for k, v in values.items() if k in _COMPARISON_NAMES},
-            {k: v for k, v in values.items() if k not in _COMPARISON_NAMES})
-
-
-def comparison_settings(values: dict | None) -> dict:
-    """Comparison settings checked against their declarations; only those that are on (not their default)."""
-    checked = coerce_all(COMPARISON_SETTINGS, dict(values or {}), "the comparison")
-    defaults = {s.name: s.default for s in COMPARISON_SETTINGS}
-    return {k: v for k, v in checked.items() if v != defaults[k]}
+ALL_ROWS = "all"  # the settings key that addresses every row of a comparison (``engine.comparison``)
 
 
 def setting(default: Any, help: str = "", **kw) -> Any:
@@ -200,17 +83,6 @@ def preset_values(config_cls, name: str | None) -> dict:
                       f"{config_cls.__name__} preset {name}")
 
 
-def coerce_all(declared: Iterable[Setting], values: dict, owner: str) -> dict:
-    """Check and convert ``values`` against ``declared``; an unknown name is an error that lists the known ones."""
-    by_name = {s.name: s for s in declared}
-    out = {}
-    for k, v in values.items():
-        if k not in by_name:
-            raise UserError(f"Unknown setting {k!r} for {owner}; its settings are: {', '.join(by_name) or 'none'}.")
-        out[k] = by_name[k].coerce(v, owner)
-    return out
-
-
 def parse_sets(items: list[str] | None) -> dict:
     """``key=value`` pairs from a command line; values parsed as JSON when they can be (numbers, true/false),
     else kept as strings (the declarations convert them)."""
@@ -239,7 +111,7 @@ def address_sets(sets: dict, rows: list[tuple[str, type]]) -> dict[str, dict]:
     keys = {k for k, _cls in rows} | set(methods)
     for name, value in sets.items():
         target, dot, rest = name.partition(".")
-        if name in _COMPARISON_NAMES or (target == ALL_ROWS and rest in _COMPARISON_NAMES):
+        if name in COMPARISON_NAMES or (target == ALL_ROWS and rest in COMPARISON_NAMES):
             out.setdefault(ALL_ROWS, {})[rest if target == ALL_ROWS else name] = value  # every row alike
             continue
         if dot and target in keys:
@@ -263,9 +135,9 @@ def resolve_row_settings(key_chain: Iterable[str], per_row: dict | None) -> dict
     if every is not None:
         if not isinstance(every, dict):
             raise UserError(f"The settings for {ALL_ROWS!r} must be an object of name: value pairs.")
-        other = sorted(set(every) - _COMPARISON_NAMES)
+        other = sorted(set(every) - COMPARISON_NAMES)
         if other:
-            raise UserError(f"Only settings of the whole comparison ({', '.join(sorted(_COMPARISON_NAMES))}) can "
+            raise UserError(f"Only settings of the whole comparison ({', '.join(sorted(COMPARISON_NAMES))}) can "
                             f"be given to {ALL_ROWS!r}; address {', '.join(other)} to a method instead.")
         out.update(every)
     for key in key_chain:

@@ -160,10 +160,10 @@ CHANGES = [
     ('plug-in reuse: this memory', 'eval/rank.py',
      ' or r["memory_id"] != memory_id',
      '', 'plugin_is_reused'),
-    ('kept-decode row aligned', 'plugins/decode/engine.py',
+    ('kept-decode row aligned', 'engine/engine.py',
      'self.finished_caches.update({b: (snapshot, old[b]) for b in gone})',
      'self.finished_caches.update({b: (snapshot, b) for b in gone})', 'kept_decode or slider_moves or finished_early'),
-    ('kept-decode row aligned', 'plugins/decode/engine.py',
+    ('kept-decode row aligned', 'engine/engine.py',
      'return self.cache, b if self.phys is None else self.phys_list[b]',
      'return self.cache, b', 'kept_decode or slider_moves or finished_early'),
 ]

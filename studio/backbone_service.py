@@ -17,11 +17,11 @@ from urllib.parse import urlsplit
 from backbone.graph_decode import RUNNERS
 from backbone.model import load_backbone, resolve_name
 from backbone.tiny import tiny_backbone
+from engine import warm_comparison
 from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
 from offsite.client import TOKEN_ENV, RemoteBackbone, connect
 from offsite.decode import check_offsite_method, decode_batch_remote
-from plugins.decode import warm_comparison
 from studio import backbone_menu as menus
 from studio.caches import LRU
 from studio.context import StudioContext
@@ -218,7 +218,7 @@ class BackboneService:
 
     @staticmethod
     def _warm(bb, progress) -> None:
-        """On a GPU, one short comparison before the studio says ready (``plugins.decode.warm_comparison``); a
+        """On a GPU, one short comparison before the studio says ready (``engine.warm_comparison``); a
         failure there leaves the first comparison cold, nothing else."""
         if bb.device.type != "cuda":
             return

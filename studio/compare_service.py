@@ -18,19 +18,13 @@ from typing import Any
 from backbone.attention import input_attention
 from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
+from engine import BatchDecode, Row, decode_batch, start_compare
+from engine.comparison import split_comparison
 from eval.metrics import bleu_chrf
 from ground.errors import UserError
 from offsite.decode import compare_remote
-from plugins.decode import BatchDecode, Row, decode_batch, start_compare
 from plugins.registry import get_method
-from plugins.settings import (
-    ALL_ROWS,
-    calibration_label,
-    plugin_calibration,
-    resolve_row_settings,
-    row_settings,
-    split_comparison,
-)
+from plugins.settings import ALL_ROWS, calibration_label, plugin_calibration, resolve_row_settings, row_settings
 from studio.backbone_service import REMOTE_LM, BackboneService
 from studio.context import StudioContext
 from studio.limits import Limits
@@ -260,11 +254,11 @@ class CompareService:
 
         ``methods``: "base" and/or plug-in ids. ``settings``: ``{method | plug-in id | label: {name: value}}``,
         each block given only to the rows it names (see ``_rows``), and ``{"all": {...}}`` for the settings of the
-        whole comparison (``plugins.settings.COMPARISON_SETTINGS``: the repetition guard ``no_repeat_ngram``, also
+        whole comparison (``engine.comparison.COMPARISON_SETTINGS``: the repetition guard ``no_repeat_ngram``, also
         a keyword here); each row's complete settings are in the payload.
 
         A slider move — the same sentence, methods and decode length as one of the owner's last comparisons, other
-        row settings — re-decodes only what changed (``plugins.decode.LiveComparison``; ``timings.reuse`` in the
+        row settings — re-decodes only what changed (``engine.LiveComparison``; ``timings.reuse`` in the
         payload says what was reused and how many backbone forward passes ran).
 
         A plug-in calibrated on its memory (``eval.calibrate``) starts at its tuned settings (its row's ``tuned``
@@ -274,7 +268,7 @@ class CompareService:
         ``prompt_from`` chooses the one prompt of every row that does not bring its own (``base_prompt``:
         ``"builtin"``, a memory id, or None for the first chosen plug-in's memory); ticking or unticking methods
         then changes no other row's tokens (a row that brings its own prompt, the retrieved examples, is prefilled
-        apart: ``plugins.decode.prefill``). The payload's ``prompt_source`` says which prompt it was.
+        apart: ``engine.prefill``). The payload's ``prompt_source`` says which prompt it was.
         """
         payload = None
         for payload in self._compare_steps(source, task, methods, settings, max_new_tokens, num_beams, reference,

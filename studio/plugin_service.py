@@ -14,13 +14,14 @@ from backbone.model import resolve_name
 from eval.calibrate import MIN_TUNE, TYPICAL_SECONDS, calibrate, describe_choice, split_heldout
 from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
+from ground.settings import coerce_all
 from ground.store import new_id
 from offsite.client import NOT_OFFSITE
 from plugins.api import make_config, method_table, open_memory, open_plugin, train_plugin
 from plugins.estimate import estimate
 from plugins.hub import check_package, export_plugin, import_plugin
 from plugins.registry import available_methods, get_method
-from plugins.settings import coerce_all, load_calibration, presets_table, tuned_decode_settings
+from plugins.settings import load_calibration, presets_table, tuned_decode_settings
 from plugins.training import optimizer_from_tensors, optimizer_tensors
 from studio.backbone_service import BackboneService
 from studio.caches import LRU

@@ -1,9 +1,10 @@
 """The floors of ARCHITECTURE.md, checked by walking every import of the project's own modules (AST, no import).
 
-1 ground · 2 backbone · 3 memories · 4 plugins · 5 eval, offsite · 6 studio · 7 ui, app.py, benchmarks and every
-CLI (``<package>/__main__.py``). A module may import its own floor and the floors below it, never one above; the
-module-level import graph has no cycle; a function-level import of a project module is allowed only with a comment
-on its line that says why (a heavy or optional dependency behind it).
+1 ground · 2 backbone · 3 engine · 4 memories · 5 plugins · 6 eval, offsite · 7 studio · 8 ui, app.py, benchmarks
+and every CLI (``<package>/__main__.py``). A module may import its own floor and the floors below it, never one
+above; the module-level import graph has no cycle; a function-level import of a project module is allowed only with
+a comment on its line that says why (a heavy or optional dependency behind it). The package holding the decode
+engine (``BatchDecode``) imports no method, memory, evaluation, offsite, studio or UI module, at any level.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = {"ground": 1, "backbone": 2, "memories": 3, "plugins": 4, "eval": 5, "offsite": 5, "studio": 6,
-          "ui": 7, "app": 7, "benchmarks": 7}
-ENTRY_FLOOR = 7
+FLOORS = {"ground": 1, "backbone": 2, "engine": 3, "memories": 4, "plugins": 5, "eval": 6, "offsite": 6,
+          "studio": 7, "ui": 8, "app": 8, "benchmarks": 8}
+ENTRY_FLOOR = 8
+ENGINE_MAY_NOT_IMPORT = ("plugins", "studio", "ui", "eval", "memories", "offsite")
 REASON_WORDS = ("heavy", "optional")
 
 
@@ -129,3 +131,55 @@ def test_the_checker_sees_a_violation(tmp_path):
     found = [(t, line, top) for t, line, top, _s in imports_of(modules["backbone.bad"], modules)]
     assert found == [("studio.service", 4, False)]
     assert floor_of("studio.service") > floor_of("backbone.bad")
+
+
+def package_defining(cls_name: str, modules: dict[str, Path]) -> str | None:
+    """The top-level package of the module that defines class ``cls_name`` (found by its AST, wherever it moves)."""
+    for mod, path in modules.items():
+        _lines, tree = parsed(path)
+        if any(isinstance(n, ast.ClassDef) and n.name == cls_name for n in tree.body):
+            return mod.split(".")[0]
+    return None
+
+
+def engine_imports_above(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Every import, at any level (module, function, ``if``), by a module of the package holding ``BatchDecode`` of a
+    module of a package it may not import."""
+    engine = package_defining("BatchDecode", modules)
+    assert engine is not None, "no module defines BatchDecode"
+    bad = []
+    for mod, path in modules.items():
+        if mod.split(".")[0] != engine:
+            continue
+        for target, line, _top, src in imports_of(path, modules):
+            if target.split(".")[0] in ENGINE_MAY_NOT_IMPORT:
+                bad.append(f"{path.relative_to(root)}:{line}: {src.strip()}")
+    return bad
+
+
+def test_the_engine_imports_no_method_studio_ui_eval_memories_or_offsite_module():
+    modules = project_modules()
+    assert package_defining("BatchDecode", modules) == "engine"
+    bad = engine_imports_above(modules)
+    assert not bad, "the engine imports what sits above it:\n" + "\n".join(bad)
+
+
+def test_the_engine_check_sees_an_import_of_a_method(tmp_path):
+    """The engine rule fails when the package holding ``BatchDecode`` imports a method, even inside a function, and
+    passes the same tree without that import."""
+    def tree(root: Path, mixing: str) -> dict[str, Path]:
+        for pkg in ("engine", "plugins"):
+            (root / pkg).mkdir(parents=True)
+            (root / pkg / "__init__.py").write_text("")
+        (root / "engine" / "loop.py").write_text("import torch\n\nclass BatchDecode:\n    pass\n")
+        (root / "engine" / "mixing.py").write_text(mixing)
+        (root / "plugins" / "base.py").write_text("class Plugin:\n    pass\n")
+        (root / "app.py").write_text("")
+        return project_modules(root)
+
+    bad = tree(tmp_path / "bad", "def f():\n    from plugins.base import Plugin  # heavy\n")
+    assert package_defining("BatchDecode", bad) == "engine"
+    assert engine_imports_above(bad, tmp_path / "bad") == [
+        "engine/mixing.py:2: from plugins.base import Plugin  # heavy"]
+    good = tree(tmp_path / "good", "import torch\n")
+    assert engine_imports_above(good, tmp_path / "good") == []

@@ -12,10 +12,10 @@ from backbone.model import DEFAULT_CPU_PRECISION, Backbone, set_precision
 from backbone.padding import left_pads, positions
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
+from engine import BatchDecode, Row, plan_batch
 from memories.build import build_memory
 from memories.parse import Sample
 from plugins.api import available_methods, train_plugin
-from plugins.decode import BatchDecode, Row, plan_batch
 
 PROMPT = Prompt.for_task("translation")
 PAIRS = [("the red car is fast", "das rote Auto ist schnell"), ("a blue house", "ein blaues Haus"),

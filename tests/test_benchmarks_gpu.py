@@ -30,7 +30,7 @@ def _config_dir(tmp_path, tiny, gz: bool):
 @pytest.mark.parametrize("gz", [False, True])
 def test_random_backbone_has_the_configs_shapes(tmp_path, tiny, gz):
     from benchmarks.gpu import random_backbone
-    from plugins.decode import Row, compare
+    from engine import Row, compare
 
     bb = random_backbone(_config_dir(tmp_path, tiny, gz), device="cpu", dtype="float32", layers=2)
     assert (bb.hidden_size, bb.num_layers, bb.vocab_size) == (64, 2, len(tiny.tokenizer))

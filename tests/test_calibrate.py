@@ -38,7 +38,7 @@ def setup(tiny, tmp_path_factory):
 def _outputs(bb, plugin, settings, sources, prompt):
     """Each source decoded alone, greedy, by the base model (``plugin`` None) or one plug-in row — the full decode
     Compare runs — with calibration's length cap."""
-    from plugins.decode import Row, compare
+    from engine import Row, compare
 
     row = Row("x") if plugin is None else Row("x", plugin, settings)
     return [compare(bb, s, [row], prompt, max_new_tokens=min(CAP, 2 * len(bb.encode_target(s)) + 16),
@@ -169,9 +169,9 @@ def test_cli_compare_and_run_start_tuned_and_global_defaults_go_back(tiny, setup
     starts differ."""
     import eval.__main__ as eval_cli
     import plugins.__main__ as cli
+    from engine import compare as real_compare
     from eval.calibrate import load_calibration
     from ground.store import write_json_atomic
-    from plugins.decode import compare as real_compare
     from plugins.settings import row_settings
 
     pema, mem = setup["pema"], setup["mem"]

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from backbone.prompts import Prompt, postprocess
+from engine import Row, compare
+from engine.protocol import mix_logprobs
 from ground.errors import UserError
 from ground.store import Catalog
 from memories.build import build_memory, target_ids
@@ -13,9 +15,8 @@ from memories.parse import Sample, parse_samples, parse_samples_strict
 from memories.store import Memory
 from plugins.api import make_config, open_plugin, train_plugin
 from plugins.base import load_plugin
-from plugins.decode import Row, compare
 from plugins.knn import KNN, KNNConfig
-from plugins.pema import PEMA, PEMAConfig, gu_lambda, mix_logprobs
+from plugins.pema import PEMA, PEMAConfig, gu_lambda
 
 PROMPT = Prompt.for_task("translation")
 
@@ -326,7 +327,7 @@ def test_compare_rejects_bad_requests(tiny):
 
 
 def test_decode_batch_of_sources_equals_one_at_a_time(tiny, tiny_memory):
-    from plugins.decode import decode_batch
+    from engine import decode_batch
 
     knn = KNN(KNNConfig(), tiny)
     knn.fit(tiny_memory)

@@ -9,8 +9,7 @@ import torch
 
 from backbone.prompts import Prompt
 from backbone.torch_internals import forward_hook_count
-from plugins.api import new_plugin
-from plugins.decode import (
+from engine import (
     Beams,
     GroupAttachments,
     Row,
@@ -22,6 +21,7 @@ from plugins.decode import (
     prefill,
     top_tokens,
 )
+from plugins.api import new_plugin
 from plugins.knn import KNN, KNNConfig
 
 PROMPT = Prompt.for_task("translation")
@@ -178,7 +178,7 @@ def test_every_head_product_goes_through_one_softcap(tiny, monkeypatch):
 def test_top_k_equals_a_stable_full_sort_on_vocabulary_sized_rows():
     """``top_k`` (two stages over chunks for long rows) gives exactly the first k of a stable descending sort — values
     and indices, ties broken by the lower index — on rows with many ties and −inf entries, 1-D and 2-D."""
-    from plugins.decode import top_k
+    from engine import top_k
 
     g = torch.Generator().manual_seed(0)
     for trial in range(24):
@@ -203,7 +203,7 @@ def test_output_group_rows_read_as_a_slice_when_consecutive():
     vocabulary-wide rows), as an index otherwise."""
     import torch
 
-    from plugins.decode import OutGroup
+    from engine import OutGroup
 
     assert OutGroup(None, torch.tensor([2, 3, 4]), [], []).row_index == slice(2, 5)
     scattered = OutGroup(None, torch.tensor([1, 3]), [], []).row_index

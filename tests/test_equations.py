@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbone.prompts import Prompt
+from engine.protocol import MixInput
 from memories.build import build_memory, heldout_split
 from memories.parse import Sample
 from memories.store import Memory
-from plugins.base import MixInput
 from plugins.knn import KNN, KNNConfig
 from plugins.pema import PEMA, PEMAConfig
 
@@ -282,7 +282,7 @@ def test_pema_on_its_candidates_mixes_as_over_the_whole_vocabulary(tiny):
     """Restricted to its candidate vocabulary, P_PEMA is the softmax over the candidates' logits (−inf elsewhere),
     and the mix runs on those columns only (``plugin_support``): the vocabulary-wide mix of that P_PEMA bit for bit,
     λ of 0 and 1 included."""
-    from plugins.base import mix_logprobs
+    from engine.protocol import mix_logprobs
 
     p = PEMA(PEMAConfig(rank=8), tiny, {"key_rms": 1.0}).to(tiny.device)
     g = torch.Generator().manual_seed(9)
@@ -331,9 +331,9 @@ def test_gradual_unrolling_code_variant_by_hand(tiny, lam_max, src, pct):
 def test_gradual_unrolling_code_variant_takes_the_reference_length_in_evaluation(tiny):
     """With references (evaluation only), the code variant's SL is the public code's own: instruction + source +
     the *reference's* tokens, handed from ``evaluate(reference_sl=True)`` through the batched decode to each row."""
+    from engine import Row, decode_batch
     from eval.run import evaluate
     from ground.errors import UserError
-    from plugins.decode import Row, decode_batch
 
     p = PEMA(PEMAConfig(rank=8, decode_vocab="full"), tiny, {"key_rms": 1.0, "prompt": PROMPT.to_dict()})
     p = p.to(tiny.device)
@@ -405,7 +405,7 @@ def test_knn_mixes_on_its_support_exactly_as_over_the_whole_vocabulary(tiny, tin
     """P_kNN is −inf beyond the neighbours' tokens, so kNN mixes only those columns (mix_logprobs(support=)): bit
     for bit the vocabulary-wide mix, rows of different k and λ of 0 and 1 included; the same on random rows of a
     262,144-token vocabulary."""
-    from plugins.base import mix_logprobs
+    from engine.protocol import mix_logprobs
 
     knn = KNN(KNNConfig(search="exact"), tiny)
     knn.fit(tiny_memory)

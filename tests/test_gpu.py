@@ -33,10 +33,10 @@ def saved_tiny(tmp_path_factory):
 def test_build_train_and_compare_on_cuda(saved_tiny, tiny_pairs, tmp_path, dtype):
     from backbone import load_backbone
     from backbone.prompts import Prompt
+    from engine import Row, compare
     from memories.build import build_memory
     from memories.parse import Sample
     from plugins.api import train_plugin
-    from plugins.decode import Row, compare
 
     bb = load_backbone(str(saved_tiny), device="cuda", dtype=dtype)
     assert bb.device.type == "cuda" and bb.dtype == getattr(torch, dtype)

@@ -12,8 +12,8 @@ import torch
 from backbone.graph_decode import RUNNERS, capacity
 from backbone.options import using_fast_paths
 from backbone.prompts import Prompt
+from engine import Row, compare, decode_batch, start_compare
 from plugins.api import new_plugin
-from plugins.decode import Row, compare, decode_batch, start_compare
 from plugins.knn import KNN, KNNConfig
 
 PROMPT = Prompt.for_task("translation")
@@ -124,7 +124,7 @@ def test_a_forgotten_model_leaves_the_pool(tiny, rows, mode):
 def test_the_start_up_comparison_runs_on_a_gpu_only_and_changes_no_later_comparison(tiny, rows, mode):
     """``warm_comparison`` (the studio's last start-up step on a GPU) decodes a short base row with another prompt;
     a user's comparison after it is what it would have been without it."""
-    from plugins.decode import warm_comparison
+    from engine import warm_comparison
 
     with using_fast_paths(graph_decode=mode):
         before = _runs([compare(tiny, "the red house", rows, PROMPT, max_new_tokens=6)])
@@ -135,7 +135,7 @@ def test_the_start_up_comparison_runs_on_a_gpu_only_and_changes_no_later_compari
     assert after == before
 
 
-# --- in-network rows on the static step (their hooks on fixed row masks: ``plugins.decode.fixed_rows``) -------------
+# --- in-network rows on the static step (their hooks on fixed row masks: ``engine.fixed_rows``) -------------
 def _perturbed(plugin, seed: int, std: float):
     """``plugin`` with seeded noise on every weight: the untrained adapter, LoRA and MT-F are the identity, and on the
     tiny model a small change leaves the next token's probability at 1, so the rows would show nothing."""
@@ -173,8 +173,8 @@ def _set_rows(rows, net, names):
 
 def _stepwise(tiny, rows, mode, stop=None, tokens=10):
     """A decode run step by step: (its comparison, each step's f(c) per live batch row, the decode)."""
-    from plugins.decode.batch import plan_batch
-    from plugins.decode.engine import BatchDecode
+    from engine.batch import plan_batch
+    from engine.engine import BatchDecode
 
     saved = tiny.stop_ids
     tiny.stop_ids = set(saved) | set(stop or ())
@@ -286,7 +286,7 @@ def test_the_step_with_every_in_network_hook_is_recordable(tiny, rows, net, monk
 def test_the_eager_path_serves_what_the_static_step_cannot_and_says_why(tiny, rows, net, monkeypatch, mode):
     """A plug-in without fixed-row hooks, or a step whose recording fails, decodes on the eager path — the same
     output — with the reason recorded; a plug-in whose weights change gets a runner of its own."""
-    from plugins.decode import fixed_rows
+    from engine import fixed_rows
 
     chosen = [rows[0], rows[2], Row("adapter", net["adapter"])]
     eager, _, _ = _stepwise(tiny, chosen, "off")

@@ -446,8 +446,8 @@ def test_a_kept_decode_keeps_each_finished_rows_own_cache(tiny, tiny_memory):
     while its batch index is 2. A slider move of that row must re-decode from its own kept cache, exactly as a full
     decode does."""
     from backbone.prompts import Prompt
+    from engine import Row, compare, start_compare
     from plugins.api import new_plugin
-    from plugins.decode import Row, compare, start_compare
     from plugins.knn import KNN, KNNConfig
 
     knn = KNN(KNNConfig(), tiny)

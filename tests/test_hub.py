@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from backbone.prompts import Prompt
+from engine import Row, compare
 from ground.errors import UserError
 from ground.store import Catalog, new_id
 from memories.build import build_memory
 from memories.parse import Sample
 from plugins.api import open_plugin, train_plugin
 from plugins.base import load_plugin
-from plugins.decode import Row, compare
 from plugins.registry import available_methods
 
 METHODS = sorted(available_methods())

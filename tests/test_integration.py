@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine import Row, compare
+from engine.protocol import mix_logprobs
 from memories.build import build_memory, target_ids
 from memories.parse import Sample
 from plugins.api import train_plugin
-from plugins.decode import Row, compare
-from plugins.pema import mix_logprobs
 
 pytestmark = pytest.mark.integration
 

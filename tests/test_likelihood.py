@@ -76,8 +76,8 @@ def test_apply_config_changes_a_field_and_rejects_bad_input(tiny, tiny_memory, t
 def test_interpolated_scores_equal_mixing_the_whole_vocabulary():
     import torch
 
+    from engine.protocol import mix_logprobs
     from eval.likelihood import interpolated_scores
-    from plugins.base import mix_logprobs
 
     g = torch.Generator().manual_seed(0)
     n, V = 64, 500

@@ -1,6 +1,6 @@
 """Slider moves that re-decode only what changed, and streamed decodes, on the tiny backbone.
 
-The reuse path (``plugins.decode.LiveComparison``) must give, token for token, what a full re-decode gives, for
+The reuse path (``engine.LiveComparison``) must give, token for token, what a full re-decode gives, for
 every live setting of every method that has live settings, over many random moves; a move that changes no token
 runs no backbone forward pass. A decode run step by step streams each row's tokens as a growing prefix of the
 batch decode's output, and its end is the batch decode's output.
@@ -16,17 +16,8 @@ from _server import build_tiny_memory, tiny_studio
 
 from backbone.prompts import Prompt
 from backbone.torch_internals import forward_hook_count
+from engine import BatchDecode, DecodeRun, LiveComparison, Row, compare, decode_batch, plan_batch, start_compare
 from plugins.api import new_plugin
-from plugins.decode import (
-    BatchDecode,
-    DecodeRun,
-    LiveComparison,
-    Row,
-    compare,
-    decode_batch,
-    plan_batch,
-    start_compare,
-)
 from plugins.knn import KNN, KNNConfig
 from plugins.registry import available_methods
 

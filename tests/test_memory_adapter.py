@@ -333,8 +333,8 @@ def test_save_load_round_trip(tiny, tiny_memory, trained, tmp_path):
 
 def test_batched_compare_matches_single_rows(tiny, tiny_memory, trained):
     from backbone.prompts import Prompt
+    from engine import Row, compare
     from plugins.api import new_plugin
-    from plugins.decode import Row, compare
 
     p, _ = trained
     knn = new_plugin("knn", tiny, tiny_memory)
@@ -395,7 +395,7 @@ def test_bad_config_and_settings(tiny, tiny_memory, trained):
 
 def test_trace_attention_sums_to_one(tiny, tiny_memory, trained):
     from backbone.prompts import Prompt
-    from plugins.decode import Row, compare
+    from engine import Row, compare
 
     p, _ = trained
     texts = p.phrase_texts()
@@ -476,7 +476,7 @@ def test_capture_phrase_states_stops_early_and_equals_a_full_pass(tiny):
 
 
 def test_knn_mix_over_the_same_memory(tiny, trained):
-    from plugins.base import MixInput
+    from engine.protocol import MixInput
 
     p, _ = trained
     V = tiny.vocab_size
@@ -494,7 +494,7 @@ def test_plus_knn_rows_in_the_batched_decode(tiny, trained):
     """The paper's "+ kNN": with λ = 1 and k = 1 every token is the nearest memory entry's value; with λ = 0 the row
     decodes exactly as the adapter alone."""
     from backbone.prompts import Prompt
-    from plugins.decode import Row, compare
+    from engine import Row, compare
 
     p, _ = trained
     prompt = Prompt.for_task("translation")

@@ -63,7 +63,7 @@ def test_a_memory_built_from_own_samples_records_its_examples(own_memory):
 
 
 def test_a_reloaded_plugin_decodes_with_the_memorys_prompt(tiny, own_memory, tmp_path):
-    from plugins.decode import Row, compare
+    from engine import Row, compare
 
     plugin, _ = train_plugin(tiny, own_memory, "knn", {}, out_dir=tmp_path / "knn")
     loaded = load_plugin(tmp_path / "knn", tiny)

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from backbone.prompts import Prompt
+from engine import Row, compare
+from engine.protocol import MixInput
 from ground.errors import UserError
 from plugins.api import train_plugin
-from plugins.base import MixInput, Plugin, contract_problems, load_plugin
-from plugins.decode import Row, compare
+from plugins.base import Plugin, contract_problems, load_plugin
 from plugins.registry import available_methods
 
 METHODS = sorted(available_methods())

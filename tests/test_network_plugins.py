@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from backbone.torch_internals import forward_hook_count
+from engine import Row, compare, decode_batch
 from ground.errors import UserError
 from plugins.api import make_config, new_plugin, train_plugin
 from plugins.base import load_plugin
-from plugins.decode import Row, compare, decode_batch
 from plugins.seqtrain import collate, heldout_nll, memory_sequences, target_logits
 
 METHODS = ["adapter", "lora", "memory_tuning"]
@@ -277,7 +277,7 @@ def test_prefix_kv_cache_decodes_as_a_full_prefill(tiny, tiny_memory, trained):
     """A single-source decode reuses the KV cache of the prompt's shared prefix (instruction + few-shot examples):
     same tokens as a full prefill, for base and in-network rows; a plug-in whose weights change gets a new entry."""
     from backbone.prompts import Prompt
-    from plugins.decode import PREFIX_KV
+    from engine import PREFIX_KV
 
     prompt = Prompt.for_task("translation", examples=[("the house is small", "das Haus ist klein"),
                                                       ("good morning", "Guten Morgen")])
@@ -390,8 +390,8 @@ def test_derived_tensors_are_rebuilt_exactly_when_a_source_changes():
 def test_a_decode_puts_back_the_hooks_of_its_last_step(tiny, tiny_memory, trained, monkeypatch):
     """A decode attaches each in-network plug-in once and puts its hooks back at every later step (``suspend`` /
     ``resume``), nothing attached between steps; it decodes exactly as attaching anew at every step does."""
+    from engine import BatchDecode, plan_batch
     from plugins import network
-    from plugins.decode import BatchDecode, plan_batch
 
     plugins = trained[0]
     rows = [Row("base")] + [Row(m, plugins[m][0]) for m in METHODS]
@@ -467,7 +467,7 @@ def test_rows_apply_changes_exactly_its_rows(rows):
 def test_two_decodes_taking_turns_keep_their_own_hooks(tiny, tiny_memory, trained):
     """Two users' decodes with the same plug-in objects take turns step by step (as the studio's backbone gate lets
     them): each step puts back only its own decode's hooks, so both decode as they do alone."""
-    from plugins.decode import BatchDecode, plan_batch
+    from engine import BatchDecode, plan_batch
 
     plugins = trained[0]
     rows_a = [Row("base"), Row("adapter", plugins["adapter"][0]), Row("mt", plugins["memory_tuning"][0])]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from backbone.prompts import Prompt
+from engine import Row, compare
 from ground.errors import UserError
 from memories.build import build_memory
 from memories.parse import Sample
@@ -28,7 +29,6 @@ from offsite.protocol import Limits, pack, unpack
 from offsite.server import ApiError, OwnerService, make_app
 from plugins.api import train_plugin
 from plugins.base import load_plugin
-from plugins.decode import Row, compare
 from plugins.registry import available_methods
 
 ROOT = Path(__file__).resolve().parents[1]

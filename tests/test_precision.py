@@ -23,11 +23,11 @@ from backbone.model import (
 from backbone.prompts import Prompt
 from backbone.tiny import tiny_backbone
 from backbone.torch_internals import mkldnn_linear
+from engine import Row, compare
 from ground.errors import UserError
 from memories.build import build_memory
 from memories.parse import Sample
 from memories.store import Memory
-from plugins.decode import Row, compare
 
 PROMPT = Prompt.for_task("translation")
 PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die Katze schlaeft"),
@@ -296,8 +296,8 @@ def test_bfloat16_backbone_masks_padding_in_batched_decodes(tiny):
 def test_memory_tuning_prefix_runs_on_the_bfloat16_cpu_attention(tmp_path):
     """MT-M hands its prefix to the attention as extra keys with an additive mask: the bfloat16 CPU decode
     attention takes it (a batched MT-M row decodes as it does alone)."""
+    from engine import decode_batch
     from plugins.api import train_plugin
-    from plugins.decode import decode_batch
 
     bb = tiny_in("bfloat16")
     mem = build_memory(bb, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], tmp_path / "m", prompt=PROMPT)
@@ -506,7 +506,7 @@ def test_vocabulary_wide_row_operations_of_a_step_take_every_thread_with_the_sam
     once it is large (``VOCAB_WIDE_ELEMENTS``; lowered here for the tiny vocabulary), and the comparison is bit for
     bit the one-thread one."""
     from backbone import threads as threads_module
-    from plugins.decode import beams as decode_module  # the token selection's top-k
+    from engine import beams as decode_module  # the token selection's top-k
 
     seen: list[int] = []
     real_top_k = decode_module.top_k

@@ -277,7 +277,7 @@ def test_decode_cost_times_the_base_beside_each_method(monkeypatch):
     the base takes 1 s for 10 tokens a sentence, the method 3 s for 12."""
     from types import SimpleNamespace
 
-    from plugins.decode import Row
+    from engine import Row
 
     clock = [0.0]
     calls = []

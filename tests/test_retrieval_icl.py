@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from backbone.prompts import Prompt
+from engine import Row, compare, decode_batch, plan_batch
 from memories.build import build_memory
 from memories.parse import Sample
 from plugins.api import method_table, train_plugin
 from plugins.base import load_plugin
-from plugins.decode import Row, compare, decode_batch, plan_batch
 from plugins.retrieval_icl import BM25Index, rerank_by_coverage, words
 
 PAIRS = [("the red car is fast", "das rote Auto ist schnell"), ("a blue house", "ein blaues Haus"),

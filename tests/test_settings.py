@@ -8,9 +8,10 @@ import io
 import pytest
 
 from ground.errors import UserError
+from ground.settings import Setting
 from plugins.api import method_table, new_plugin
 from plugins.knn import KNN
-from plugins.settings import Setting, address_sets, decode_grid, parse_sets, resolve_row_settings, row_settings, setting
+from plugins.settings import address_sets, decode_grid, parse_sets, resolve_row_settings, row_settings, setting
 
 PROBE = Setting("probe", 2, "a setting added for this test", low=1, high=5, live=True, step=1, grid=(1, 3))
 

@@ -221,7 +221,7 @@ def test_only_resumable_methods_continue(studio, memory_id):
 def test_ban_repeated_ngrams_bans_exactly_the_completing_tokens():
     import torch
 
-    from plugins.decode import ban_repeated_ngrams
+    from engine import ban_repeated_ngrams
 
     lp = torch.zeros(2, 10)
     n = ban_repeated_ngrams(lp, [[1, 2, 3, 1, 2], [4, 4]], 3)  # row 0: "1 2" → 3 would repeat "1 2 3"
@@ -233,7 +233,7 @@ def test_ban_repeated_ngrams_bans_exactly_the_completing_tokens():
 
 
 def test_the_guard_stops_a_looping_row_and_applies_to_every_row_alike(tiny):
-    from plugins.decode import Row, compare
+    from engine import Row, compare
 
     loop = compare(tiny, "the house is small", [Row("base")], max_new_tokens=24)
     assert has_repeated_ngram(loop.rows[0].tokens, 3), "the tiny model is expected to loop here"
@@ -252,9 +252,10 @@ def test_the_guard_stops_a_looping_row_and_applies_to_every_row_alike(tiny):
 
 
 def test_the_guard_is_declared_once_and_addressed_to_all_rows():
+    from engine.comparison import COMPARISON_SETTINGS
     from plugins.knn import KNN
     from plugins.pema import PEMA
-    from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS, address_sets, resolve_row_settings
+    from plugins.settings import ALL_ROWS, address_sets, resolve_row_settings
 
     assert [s.name for s in COMPARISON_SETTINGS] == ["no_repeat_ngram"] and COMPARISON_SETTINGS[0].default == 0
     assert address_sets({"no_repeat_ngram": 3, "pema.lambda_max": 0.5}, [("pema", PEMA), ("knn", KNN)]) == \
@@ -372,8 +373,8 @@ def test_the_evaluate_tab_tables(evaluation):
 
 def test_no_intervals_on_too_few_sentences(tiny):
     from backbone.prompts import Prompt
+    from engine import Row
     from eval.run import MIN_BOOTSTRAP_N, evaluate
-    from plugins.decode import Row
     from ui.evaluate import _table
 
     res = evaluate(tiny, PAIRS[:MIN_BOOTSTRAP_N - 1], [Row("base"), Row("again")], Prompt.for_task("translation"),

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from backbone.torch_internals import forward_hook_count
+from engine import Row, forward_step, plan_batch, prefill
+from engine.protocol import shared_prompt_len
 from plugins.api import new_plugin, train_plugin
-from plugins.decode import Row, forward_step, plan_batch, prefill
 from plugins.network import FullBatch, PreparedBatch, TrainingBatches
-from plugins.seqtrain import SeqData, length_buckets, memory_sequences, shared_prompt_len, split_for_early_stopping
+from plugins.seqtrain import SeqData, length_buckets, memory_sequences, split_for_early_stopping
 
 LONG = ("the old man who lives in the small house near the river walks to the market every morning with his dog",
         "der alte Mann der im kleinen Haus am Fluss wohnt geht jeden Morgen mit seinem Hund zum Markt")
@@ -331,9 +332,9 @@ def test_decode_path_is_the_training_path(tiny, shots_memory, method, extra, mon
     through the training path (prepared batches: the prefix as the frozen past); each pass reads exactly its
     prompt's shared prefix, never a shorter one that an earlier prompt cached."""
     from backbone.prompts import Prompt
+    from engine import forward
+    from engine.prefix_cache import PREFIX_KV, PrefixKV
     from memories.build import target_ids
-    from plugins.decode import forward
-    from plugins.decode.prefix_cache import PREFIX_KV, PrefixKV
 
     p = _perturbed(tiny, shots_memory, method, extra)
     assert p.frozen_prefix

@@ -11,9 +11,10 @@ from typing import Any, NamedTuple
 import gradio as gr
 
 from backbone.prompts import TASKS
+from engine.comparison import COMPARISON_SETTINGS
 from ground.errors import UserError
 from plugins.registry import get_method, shown_first
-from plugins.settings import ALL_ROWS, COMPARISON_SETTINGS
+from plugins.settings import ALL_ROWS
 from ui import inspect as neighbour_panel
 from ui import plots, render, several
 from ui.common import (
@@ -194,7 +195,7 @@ def _settings_panel(c: SimpleNamespace) -> None:
             c.max_new = gr.Slider(4, 128, 48, step=1, label="Max new tokens")
             c.beams = gr.Slider(1, 4, 1, step=1, label="Beams (1 = greedy)")
             # settings of the whole comparison (every row alike, the base model's included), declared once in
-            # plugins.settings.COMPARISON_SETTINGS: the repetition guard
+            # engine.comparison.COMPARISON_SETTINGS: the repetition guard
             c.comp_keys = [(ALL_ROWS, d.name) for d in COMPARISON_SETTINGS]
             c.comp_ctls = [setting_control(ALL_ROWS, d.describe(), d.default) for d in COMPARISON_SETTINGS]
         c.extra = gr.Code("{}", language="json", lines=4, max_lines=12,
@@ -426,7 +427,7 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
 
     def live(request: gr.Request, p, *args):
         """A live control moved: re-decode at once — once a comparison has been run (Compare pressed). The
-        service re-decodes only what the move changes (plugins.decode.LiveComparison)."""
+        service re-decodes only what the move changes (engine.LiveComparison)."""
         if not p or not args[0] or not args[0].strip() or not args[2]:
             yield CompareOutputs.skip()
             return

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from backbone.model import Backbone
-from plugins.base import MixInput, Plugin, mix_logprobs
-from plugins.decode.batch import Batch, OutGroup, plan_batch
-from plugins.decode.beams import repeated_ngram_ends
-from plugins.decode.prefix_cache import PrefixKV
-from plugins.decode.results import Comparison, Row, row_result
-from plugins.decode.step import decode_step
-from plugins.decode.stepping import DecodeRun
-from plugins.decode.topk import TOP, top_k, top_tokens
+from engine.batch import Batch, OutGroup, plan_batch
+from engine.beams import repeated_ngram_ends
+from engine.prefix_cache import PrefixKV
+from engine.protocol import MixInput, OutputMethod, mix_logprobs
+from engine.results import Comparison, Row, row_result
+from engine.step import decode_step
+from engine.stepping import DecodeRun
+from engine.topk import TOP, top_k, top_tokens
 
 KEEP_TOP = 64  # per step and row of a kept decode: the top tokens of P_LM and of P_plug-in (LiveComparison)
 
@@ -243,7 +243,7 @@ class LiveComparison:
         rec.set_step(t, fresh)
         return int(k[0]), v[0].cpu(), top_tokens(final, self.backbone) if self.trace else None, out.info[0]
 
-    def _new_distribution(self, plugin: Plugin, rec: StepRecords, settings: dict) -> list[dict] | None:
+    def _new_distribution(self, plugin: OutputMethod, rec: StepRecords, settings: dict) -> list[dict] | None:
         """The plug-in's distribution under ``settings`` for every kept step, from the kept f(c) alone (a plug-in
         without extra states through the LM head, e.g. kNN); refreshes the records' plug-in side (P_LM is known at
         its new top tokens only where the records had it). Returns each step's trace info, or None for a plug-in

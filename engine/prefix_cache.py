@@ -20,7 +20,7 @@ class PrefixKV:
     KV cache is kept per (backbone, prefill groups, prefix tokens); a group of in-network rows is keyed by its
     plug-in (held weakly, with its weights' version counters, so that a retrained or freed plug-in never matches)
     and settings. Every source of a batch reads it (each context is prefilled in a pass of its own:
-    ``plugins.decode.forward.prefill``), always at its own shared length.
+    ``engine.forward.prefill``), always at its own shared length.
     """
 
     MIN_TOKENS = 16  # shorter shared prefixes are not worth a cache entry

@@ -10,11 +10,10 @@ import torch
 
 from backbone.model import Backbone
 from backbone.prompts import Prompt
+from engine.comparison import comparison_settings, split_comparison
+from engine.protocol import NetworkMethod, OutputMethod, PromptMethod, row_span
+from engine.results import Row
 from ground.errors import UserError
-from plugins.base import Plugin
-from plugins.decode.results import Row
-from plugins.network import row_span
-from plugins.settings import comparison_settings, split_comparison
 
 
 def _key(settings: dict) -> str:
@@ -26,7 +25,7 @@ def _key(settings: dict) -> str:
 class NetGroup:
     """Rows with the same in-network plug-in and settings: one prefill row per source, one attachment of hooks."""
 
-    plugin: Plugin
+    plugin: NetworkMethod
     key: str                  # the settings as JSON (with the plug-in, what the prefix cache is keyed by)
     settings: dict
     members: list[int]        # its method rows
@@ -36,10 +35,10 @@ class NetGroup:
 
 @dataclass
 class PromptGroup:
-    """Rows whose plug-in prompts each source its own way (level "prompt", ``Plugin.row_prompt``) with the same
+    """Rows whose plug-in prompts each source its own way (level "prompt", ``PromptMethod.row_prompt``) with the same
     settings: one prefill row per source, from its own context; no hooks, no mix (the model's distribution)."""
 
-    plugin: Plugin
+    plugin: PromptMethod
     key: str
     settings: dict
     members: list[int]        # its method rows
@@ -52,7 +51,7 @@ class PromptGroup:
 class OutGroup:
     """Rows whose plug-in mixes the output distribution (output-level, or in-network with ``mixes_output``)."""
 
-    plugin: Plugin
+    plugin: OutputMethod
     rows: torch.Tensor        # its method rows' batch rows
     settings: list[dict]      # per batch row
     src_lens: list[int]       # per batch row
@@ -69,7 +68,7 @@ class OutGroup:
 @dataclass
 class Batch:
     """One batched decode: S sources × R method rows × B beams at batch row ``(s·R + r)·B + j``, the method rows'
-    settings and groups (the kinds of rows: ``plugins.decode``'s glossary). Prefill group 0 holds the method rows
+    settings and groups (the kinds of rows: ``engine``'s glossary). Prefill group 0 holds the method rows
     that decode the comparison's prompt without an in-network plug-in (when there are any: ``shared``), then one
     group per in-network group, then one per prompt group; prefill row ``s·G + g``, whose context is
     ``prefill_contexts[s·G + g]``."""
@@ -181,7 +180,7 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
             r.plugin.prepare_decode()
     net: dict[tuple, NetGroup] = {}
     own: dict[tuple, PromptGroup] = {}
-    out: dict[int, tuple[Plugin, list[int]]] = {}
+    out: dict[int, tuple[OutputMethod, list[int]]] = {}
     for i, r in enumerate(rows):
         if r.plugin is None:
             continue

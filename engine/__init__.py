@@ -8,6 +8,11 @@ independently at the end of the sentence line. The prompt is encoded once per di
 without in-network plug-ins share one prefill); the forward pass then runs one row per distinct live batch row
 (``BatchDecode``'s compact layout: rows that agree share, finished rows leave).
 
+The engine sits below the methods (floor 3 of ARCHITECTURE.md): it imports only ``backbone``, ``ground``, torch and
+the standard library, never a method (tests/test_architecture.py). What it needs of a method is typed in
+``protocol`` (``DecodeMethod``; ``OutputMethod``, ``NetworkMethod``, ``PromptMethod`` by the way it acts); the
+methods (``plugins``) import ``MixInput`` / ``MixOutput``, the mixing rule and the shared helpers from there.
+
 Glossary — "row" alone is never enough; each kind has one name, used in names and docstrings:
 
 - **method row** (``Row``; index ``r`` < R, ``batch.rows``): one method of the comparison — a label, a plug-in or
@@ -35,6 +40,9 @@ finished hypothesis scores at least as well as its best live one, which is exact
 
 The pieces, each usable (and tested) alone, in the order a decode runs them:
 
+- ``protocol``: what a method offers the engine, ``MixInput`` / ``MixOutput``, ``mix_logprobs``, ``row_span``,
+  ``shared_prompt_len``; ``comparison``: the settings every row of a comparison decodes with alike (the repetition
+  guard);
 - ``results``: ``Row`` (what a comparison asks for), ``Comparison`` / ``RowResult`` (what it returns);
 - ``batch``: ``plan_batch``, the request checked and laid out as a ``Batch``;
 - ``prefix_cache``: ``PREFIX_KV``, the prompt prefix's KV cache across decodes;
@@ -50,9 +58,9 @@ The pieces, each usable (and tested) alone, in the order a decode runs them:
   re-decodes a ``BatchDecode`` resumed at the first step that changes);
 - ``topk``: exact top-k over vocabulary-wide rows.
 """
-from plugins.decode.batch import Batch, NetGroup, OutGroup, plan_batch
-from plugins.decode.beams import Beams, ban_repeated_ngrams, repeated_ngram_ends
-from plugins.decode.engine import (
+from engine.batch import Batch, NetGroup, OutGroup, plan_batch
+from engine.beams import Beams, ban_repeated_ngrams, repeated_ngram_ends
+from engine.engine import (
     BatchDecode,
     ForwardDecode,
     compare,
@@ -62,13 +70,13 @@ from plugins.decode.engine import (
     start_compare,
     warm_comparison,
 )
-from plugins.decode.forward import forward_step, prefill
-from plugins.decode.live import KEEP_TOP, TRACE_OWN, LiveComparison, LiveMove, StepRecords
-from plugins.decode.prefix_cache import PREFIX_KV, PrefixKV
-from plugins.decode.results import Comparison, Row, RowResult, row_result
-from plugins.decode.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
-from plugins.decode.stepping import DecodeRun
-from plugins.decode.topk import TOP, top_k, top_tokens
+from engine.forward import forward_step, prefill
+from engine.live import KEEP_TOP, TRACE_OWN, LiveComparison, LiveMove, StepRecords
+from engine.prefix_cache import PREFIX_KV, PrefixKV
+from engine.results import Comparison, Row, RowResult, row_result
+from engine.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
+from engine.stepping import DecodeRun
+from engine.topk import TOP, top_k, top_tokens
 
 __all__ = ["Batch", "NetGroup", "OutGroup", "plan_batch", "Beams", "ban_repeated_ngrams", "repeated_ngram_ends",
            "BatchDecode", "ForwardDecode", "DecodeRun", "compare", "comparisons", "decode_batch", "decode_loop",

@@ -6,9 +6,9 @@ import torch
 
 from backbone.kv_cache import join_left_padded
 from backbone.model import Backbone, grow_kv_cache, relayout_kv_rows, small_work_threads
-from plugins.decode.batch import Batch
-from plugins.decode.prefix_cache import PREFIX_KV
-from plugins.seqtrain import shared_prompt_len
+from engine.batch import Batch
+from engine.prefix_cache import PREFIX_KV
+from engine.protocol import shared_prompt_len
 
 
 def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, trace: bool = True,

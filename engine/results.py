@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 from backbone.model import Backbone
 from backbone.prompts import postprocess
-from plugins.base import Plugin
+from engine.protocol import DecodeMethod
 
 
 @dataclass
@@ -13,7 +13,7 @@ class Row:
     """One method in a comparison: a label, a plug-in (None for the base model) and its decode-time settings."""
 
     label: str
-    plugin: Plugin | None = None
+    plugin: DecodeMethod | None = None
     settings: dict = field(default_factory=dict)
 
     @property

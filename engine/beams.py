@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from backbone.model import vocab_wide_threads
-from plugins.decode.topk import top_k
+from engine.topk import top_k
 
 
 class Beams:

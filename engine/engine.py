@@ -16,14 +16,14 @@ import torch
 from backbone.graph_decode import RUNNERS, graph_mode
 from backbone.model import Backbone, relayout_kv_rows, small_work_threads
 from backbone.prompts import Prompt
-from plugins.decode.batch import Batch, NetGroup, plan_batch
-from plugins.decode.beams import Beams, ban_repeated_ngrams
-from plugins.decode.fixed_rows import FixedRowHooks, fixed_rows_refusal, hooks_key
-from plugins.decode.forward import forward_step, prefill
-from plugins.decode.live import KEEP_TOP, LiveComparison, StepRecords, cache_view
-from plugins.decode.results import Comparison, Row, row_result
-from plugins.decode.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
-from plugins.decode.stepping import DecodeRun
+from engine.batch import Batch, NetGroup, plan_batch
+from engine.beams import Beams, ban_repeated_ngrams
+from engine.fixed_rows import FixedRowHooks, fixed_rows_refusal, hooks_key
+from engine.forward import forward_step, prefill
+from engine.live import KEEP_TOP, LiveComparison, StepRecords, cache_view
+from engine.results import Comparison, Row, row_result
+from engine.step import GroupAttachments, StepOutput, decode_step, mix_step, trace_item
+from engine.stepping import DecodeRun
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def decode_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt
     computes what it computes alone, bit for bit where the linears keep a row's bits in any batch (docs/evaluation.md,
     "Batch-invariant rows").
 
-    Repetition guard (``no_repeat_ngram``, a comparison setting: ``plugins.settings.COMPARISON_SETTINGS``; given
+    Repetition guard (``no_repeat_ngram``, a comparison setting: ``engine.comparison.COMPARISON_SETTINGS``; given
     here or in any row's settings): no row may repeat an n-gram of its own output tokens — every row alike, the
     base model's included. Off (0) by default.
 
@@ -294,7 +294,7 @@ class BatchDecode(DecodeRun):
 
     def _take_runner(self) -> None:
         """After the prefill: the static-cache step for a decode it can serve (greedy, compact, short enough:
-        ``backbone.graph_decode``; in-network groups' hooks on fixed row masks, ``plugins.decode.fixed_rows``),
+        ``backbone.graph_decode``; in-network groups' hooks on fixed row masks, ``engine.fixed_rows``),
         loaded with the prefill's cache. Else the eager step, and why (``path_reason``, logged)."""
         bb, batch = self.backbone, self.batch
         mode = graph_mode(bb.device)

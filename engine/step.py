@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from backbone.model import Backbone, small_work_threads, vocab_wide_threads
-from plugins.base import MixInput, MixOutput
-from plugins.decode.batch import Batch, NetGroup
-from plugins.decode.topk import top_tokens
+from engine.batch import Batch, NetGroup
+from engine.protocol import MixInput, MixOutput
+from engine.topk import top_tokens
 
 
 @dataclass
