@@ -10,7 +10,7 @@ import torch
 
 from backbone.prompts import Prompt
 from engine import Row, compare
-from engine.protocol import MixInput
+from engine.protocol import DecodeMethod, MixInput, NetworkMethod, OutputMethod, PromptMethod
 from ground.errors import UserError
 from plugins.api import train_plugin
 from plugins.base import Plugin, contract_problems, load_plugin
@@ -18,6 +18,7 @@ from plugins.registry import available_methods
 
 METHODS = sorted(available_methods())
 PROMPT = Prompt.for_task("translation")
+ENGINE_PROTOCOL = {"output": OutputMethod, "network": NetworkMethod, "prompt": PromptMethod}
 
 
 def quick_config(method: str) -> dict:
@@ -56,6 +57,44 @@ def check_contract(cls) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_keeps_its_declared_contracts(method):
     check_contract(available_methods()[method])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_offers_what_the_engine_calls_at_its_level(method, tiny):
+    """The engine reads a method through ``engine.protocol``: every method is a ``DecodeMethod``, and the protocol
+    of the way it acts (its level; an in-network one that mixes too is also an ``OutputMethod``) is fulfilled."""
+    cls = available_methods()[method]
+    plugin = cls(cls.Config(), tiny)
+    assert isinstance(plugin, DecodeMethod)
+    assert isinstance(plugin, ENGINE_PROTOCOL[cls.level]), f"{method} lacks what {cls.level!r} rows need"
+    if cls.mixes_output:
+        assert isinstance(plugin, OutputMethod)
+
+
+def test_the_engine_protocols_see_a_missing_member():
+    """The protocol check fails for an object without a member the engine calls (here ``mix``, ``attach``)."""
+
+    class NoMix:
+        method, level, mixes_output, interpolates, fingerprint = "half", "output", False, False, "f"
+        leaves_shared_prefix = False
+
+        def settings(self, overrides=None):
+            return {}
+
+        def prepare_decode(self):
+            pass
+
+        def parameters(self):
+            return iter(())
+
+        buffers = parameters
+        extra_states = head_vocab = plugin_logprobs = mix_lambdas = distribution_key = settings
+
+    half = NoMix()
+    assert isinstance(half, DecodeMethod)
+    assert not isinstance(half, OutputMethod) and not isinstance(half, NetworkMethod)
+    half.mix = lambda inp: None
+    assert isinstance(half, OutputMethod)
 
 
 @pytest.mark.parametrize("method", METHODS)
