@@ -32,6 +32,7 @@ import threading
 
 import torch
 
+from backbone.hf_internals import set_positions_seen
 from backbone.options import fast_paths
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -135,9 +136,7 @@ class GraphRunner:
             for dyn, st in zip(cache.layers, self.cache.layers):
                 st.keys[:rows, :, :length].copy_(dyn.keys)
                 st.values[:rows, :, :length].copy_(dyn.values)
-                st.cumulative_length.fill_(length)
-                if hasattr(st, "cumulative_length_int"):  # a sliding layer's host-side count (eager steps read it)
-                    st.cumulative_length_int = length
+                set_positions_seen(st, length)
             self.mask.zero_()
             self.mask[:rows, 0, 0, :length] = mask.to(self.device, torch.bool)
             self.pads.zero_()

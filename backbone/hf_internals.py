@@ -9,11 +9,16 @@ function relies on.
 - the dynamic cache's layer classes (``cache_utils.DynamicLayer`` / ``DynamicSlidingWindowLayer``: their
   ``keys``, ``values``, ``is_initialized``, ``cumulative_length``, ``sliding_window``, ``update``,
   ``reorder_cache``), which ``backbone.kv_cache`` subclasses, and rebuilding a layer as such a subclass in place;
+- the cache layers' position counters (a sliding layer's ``cumulative_length``; a static layer's device-side
+  ``cumulative_length`` tensor and a static sliding layer's host-side ``cumulative_length_int``), which a cache
+  filled or joined outside ``update`` must be told (``backbone.kv_cache``, ``backbone.graph_decode``);
 - a cache stand-in (``plugins.training_batches.PastPrefix``, ``plugins.memory_tuning.PrefixKV``), given to one
   attention module as its ``past_key_values`` by a pre-hook: the module calls ``update(key_states, value_states,
   layer_idx, ...)`` and attends over the keys and values it returns (nothing else of the cache is asked there).
 """
 from __future__ import annotations
+
+import torch
 
 PINNED = "5.23.0"  # the transformers these internals are checked against (requirements.txt)
 
@@ -71,3 +76,31 @@ def rebuilt_as(obj, cls: type):
     new = object.__new__(cls)
     new.__dict__.update(obj.__dict__)
     return new
+
+
+# --- the cache layers' position counters ---------------------------------------------------------------------------
+def positions_seen(layer) -> int | None:
+    """How many positions a dynamic sliding-window layer has been given (it keeps at most its window of them); None
+    for a layer that keeps every position (its keys' length says it)."""
+    count = getattr(layer, "cumulative_length", None)
+    return count if isinstance(count, int) else None
+
+
+def count_appended(layer, n: int) -> None:
+    """Count ``n`` positions appended to a dynamic layer without its ``update`` (a sliding layer's count; a full
+    layer keeps none)."""
+    if isinstance(getattr(layer, "cumulative_length", None), int):
+        layer.cumulative_length += n
+
+
+def set_positions_seen(layer, length: int) -> None:
+    """Make a cache layer filled outside ``update`` (keys and values copied in) count ``length`` positions: a
+    static layer's device-side counter (where its next ``update`` writes) and a static sliding layer's host-side
+    one (what eager steps read), a dynamic sliding layer's count; a full dynamic layer keeps none."""
+    count = getattr(layer, "cumulative_length", None)
+    if isinstance(count, torch.Tensor):
+        count.fill_(length)
+    elif isinstance(count, int):
+        layer.cumulative_length = length
+    if hasattr(layer, "cumulative_length_int"):
+        layer.cumulative_length_int = length

@@ -6,7 +6,14 @@ import torch
 from torch import nn
 
 from backbone.cpu_attention import CPU_DECODE_ATTENTION
-from backbone.hf_internals import attn_implementation, dynamic_layer_kinds, rebuilt_as
+from backbone.hf_internals import (
+    attn_implementation,
+    count_appended,
+    dynamic_layer_kinds,
+    positions_seen,
+    rebuilt_as,
+    set_positions_seen,
+)
 from backbone.options import fast_paths
 
 KV_BLOCK = 32  # a growing KV cache's buffers hold a multiple of this many positions
@@ -52,7 +59,7 @@ class GrowingKVLayer:
         n = key_states.shape[-2]
         window = getattr(self, "sliding_window", None)
         if (not fast_paths().growing_kv or not self.is_initialized or self.keys is None or self.keys.dim() != 4
-                or (window is not None and self.cumulative_length + n >= window)):
+                or (window is not None and positions_seen(self) + n >= window)):
             return super().update(key_states, value_states, *args, **kwargs)
         rows, L = self.keys.shape[0], self.keys.shape[-2]
         stores = self._store(rows, L)
@@ -66,8 +73,7 @@ class GrowingKVLayer:
         ks[:rows, :, L:L + n] = key_states
         vs[:rows, :, L:L + n] = value_states
         self._show(ks, vs, rows, L + n)
-        if window is not None:
-            self.cumulative_length += n
+        count_appended(self, n)
         return self.keys, self.values
 
     def relayout(self, gather: list[int], row_capacity: int) -> None:
@@ -146,8 +152,7 @@ def join_left_padded(caches: list, lengths: list[int], width: int):
             parts = [torch.nn.functional.pad(getattr(ls[i], name), (0, 0, width - n, 0))
                      for ls, n in zip(layers, lengths)]
             setattr(layer, name, torch.cat(parts))
-        if hasattr(layer, "cumulative_length"):  # a sliding layer below its window: every position it holds
-            layer.cumulative_length = width
+        set_positions_seen(layer, width)  # a sliding layer below its window: every position it holds
     return first
 
 

@@ -8,10 +8,15 @@ so that a torch upgrade has one place to check: ``tests/test_library_internals.p
 - unregistered attributes: a plain value kept in a module's instance ``__dict__`` (a hook's value for the module's
   next call, a cache of what a plug-in derives) — ``nn.Module.__setattr__`` costs more than the rest of a decode
   step's hook, and ``nn.Module.__getattr__`` raises for a missing one;
+- a module's forward replaced for a while: an instance attribute ``forward`` shadows the class's method, and
+  ``nn.Module.__call__`` calls it with the module's hooks around it (``plugins.training_batches`` reads the layers'
+  arguments without running them);
 - tensor version counters: whether a tensor changed in place (derived products kept until a source changes);
 - CPU kernels: oneDNN's packed linear, the float16 weight-only (FBGEMM) and int8 weight-only linears.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -73,6 +78,25 @@ def set_unregistered(module: nn.Module, name: str, value) -> None:
 def unregistered(module: nn.Module, name: str):
     """What ``set_unregistered`` kept on ``module`` under ``name`` (None: nothing)."""
     return module.__dict__.get(name)
+
+
+# --- a forward replaced ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def forward_replaced(modules, forward):
+    """Within the block, calling any of ``modules`` runs ``forward(*args, **kwargs)`` in place of its own forward,
+    its hooks still around it; afterwards each module's own forward is back (an instance-level one included)."""
+    modules = list(modules)
+    own = [m.__dict__.get("forward") for m in modules]
+    for m in modules:
+        m.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        for m, fwd in zip(modules, own):
+            if fwd is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = fwd
 
 
 # --- version counters ----------------------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ class MemoryTuning(NetworkPlugin):
         # decoding on the CPU decode attention: every layer's prefix in the backbone's dtype, looked up once
         row_keys = (self._all_prefixes(self.backbone.dtype) if self.use_attn and self.row_keys_in_attention
                     and att.forward_rows is not None and att.forward_rows.dtype != torch.bool
-                    and getattr(self.backbone.model.config, "_attn_implementation", None) == CPU_DECODE_ATTENTION
+                    and attn_implementation(self.backbone.model) == CPU_DECODE_ATTENTION
                     else None)
         for l, layer in enumerate(self.backbone.layers):
             trace = att.rows is not None and att.recording and l == L - 1

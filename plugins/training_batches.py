@@ -10,6 +10,7 @@ import time
 import torch
 
 from backbone.model import StopForward
+from backbone.torch_internals import forward_replaced
 from plugins.seqtrain import SeqData, collate, collate_own, length_buckets
 
 
@@ -166,11 +167,8 @@ def prepare_batch(backbone, data: SeqData, idx: list[int], prefix: FrozenPrefix 
     handles = [layer.register_forward_pre_hook(hook_for(l), with_kwargs=True) for l, layer in enumerate(above, l0)]
     # the layers from l0 up only show their arguments: running them would compute states nobody reads (for l0 = 0
     # with Gemma's first full-attention layer at 5, a third of a forward pass per batch)
-    own_forward = [layer.__dict__.get("forward") for layer in above]
-    for layer in above:
-        layer.forward = _pass_through
     try:
-        with torch.no_grad():
+        with torch.no_grad(), forward_replaced(above, _pass_through):
             past = prefix.cache(bb, len(idx)) if prefix is not None else None
             try:
                 bb.forward_fc(ids, attention_mask=mask, past_key_values=past, use_cache=past is not None,
@@ -180,11 +178,6 @@ def prepare_batch(backbone, data: SeqData, idx: list[int], prefix: FrozenPrefix 
     finally:
         for h in handles:
             h.remove()
-        for layer, fwd in zip(above, own_forward):
-            if fwd is None:
-                del layer.forward
-            else:
-                layer.forward = fwd
     if "h" not in hidden or not need <= set(got):
         return None
     keys = P + ids.shape[1]

@@ -183,3 +183,98 @@ def test_the_engine_check_sees_an_import_of_a_method(tmp_path):
         "engine/mixing.py:2: from plugins.base import Plugin  # heavy"]
     good = tree(tmp_path / "good", "import torch\n")
     assert engine_imports_above(good, tmp_path / "good") == []
+
+# --- library internals only in ``*_internals.py`` -------------------------------------------------------------------
+CACHE_COUNTERS = {"cumulative_length", "cumulative_length_int", "_seen_tokens"}  # a transformers cache's counts
+IN_PLACE = {"fill_", "add_", "sub_", "zero_", "copy_"}
+GRADIO_INTERNALS = {"_queue", "fns", "state_holder", "process_api", "upload_file_set", "has_launched", "stop_event",
+                    "state_session_capacity", "api_visibility"}  # the Blocks attributes ui/gradio_internals.py holds
+
+
+def library_internals_in(path: Path) -> list[tuple[int, str]]:
+    """(line, what) for every library internal used in ``path``: an import of a Gradio submodule, a Gradio ``Blocks``
+    attribute that ``ui/gradio_internals.py`` holds, ``_attn_implementation``, a write to a cache layer's position
+    counter, a module's ``forward`` replaced (assigned, deleted or set on anything but ``self`` or a class of the
+    project's own)."""
+    _lines, tree = parsed(path)
+    own_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+                 and n.module and n.module.split(".")[0] in FLOORS for a in n.names}
+    found = []
+
+    def attr_of(target):
+        return target.attr if isinstance(target, ast.Attribute) else None
+
+    def forward_owner_ok(target: ast.Attribute) -> bool:
+        return isinstance(target.value, ast.Name) and (target.value.id == "self" or target.value.id in own_names)
+
+    def written(target, line: int, verb: str):
+        name = attr_of(target)
+        if name in CACHE_COUNTERS:
+            found.append((line, f"{verb} a cache counter ({name})"))
+        elif name == "forward" and not (verb == "writes" and forward_owner_ok(target)):
+            found.append((line, f"{'replaces' if verb == 'writes' else 'deletes'} a module's forward"))
+        elif (isinstance(target, ast.Subscript) and attr_of(target.value) == "__dict__"
+              and isinstance(target.slice, ast.Constant) and target.slice.value in CACHE_COUNTERS | {"forward"}):
+            found.append((line, f"{verb} {target.slice.value} through __dict__"))
+
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [(line, f"imports {a.name}") for a in node.names if a.name.startswith("gradio.")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("gradio."):
+            found.append((line, f"imports from {node.module}"))
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    written(t, line, "writes")
+        elif isinstance(node, ast.Delete):
+            for t in node.targets:
+                written(t, line, "deletes")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if attr_of(func) in IN_PLACE and attr_of(func.value) in CACHE_COUNTERS:
+                found.append((line, f"writes a cache counter ({func.value.attr}.{func.attr})"))
+            elif (isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and node.args[1].value in CACHE_COUNTERS | {"forward"}):
+                found.append((line, f"{func.id}(…, {node.args[1].value!r})"))
+        elif isinstance(node, ast.Attribute) and node.attr == "_attn_implementation":
+            found.append((line, "_attn_implementation"))
+        elif isinstance(node, ast.Attribute) and node.attr in GRADIO_INTERNALS:
+            found.append((line, f"a Gradio internal (.{node.attr})"))
+        elif isinstance(node, ast.Constant) and node.value in ("_attn_implementation", *GRADIO_INTERNALS):
+            found.append((line, f"{node.value!r} (getattr by name)"))
+    return sorted(set(found))
+
+
+def test_library_internals_stay_in_the_internals_modules():
+    """A Gradio submodule, a Gradio ``Blocks``' internals, ``_attn_implementation``, a cache layer's counters and a
+    replaced ``forward`` appear only in ``backbone/hf_internals.py``, ``backbone/torch_internals.py`` and
+    ``ui/gradio_internals.py``, which tests/test_library_internals.py checks against the pinned versions."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {what}" for mod, path in project_modules().items()
+           if not path.name.endswith("_internals.py") for line, what in library_internals_in(path)]
+    assert not bad, ("library internals outside the *_internals.py modules (add a function there, checked in "
+                     "tests/test_library_internals.py, and call it):\n" + "\n".join(bad))
+
+
+def test_the_internals_check_sees_each_kind_of_internal(tmp_path):
+    """Each kind is found, and the project's own ``forward`` (a method of ``self``, a class of its own) is not."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("\n".join([
+        "from gradio.utils import get_upload_folder",
+        "import gradio.routes",
+        "impl = model.config._attn_implementation",
+        "layer.cumulative_length = 3",
+        "st.cumulative_length.fill_(3)",
+        "layer.forward = lambda h: h",
+        "del layer.forward",
+        "setattr(layer, 'forward', f)",
+        "q = demo._queue",
+        "h = getattr(demo, 'state_holder', None)",
+        "m.__dict__['forward'] = f",
+    ]) + "\n")
+    assert [line for line, _what in library_internals_in(bad)] == list(range(1, 12))
+    good = tmp_path / "good.py"
+    good.write_text("from backbone.kernels import Fp16WeightLinear\n\nimport gradio as gr\n\n"
+                    "class Decode:\n    def __init__(self, forward):\n        self.forward = forward\n\n"
+                    "Fp16WeightLinear.forward = None\nn = cache.get_seq_length()\nx = gr.Blocks()\n")
+    assert library_internals_in(good) == []

@@ -1,7 +1,8 @@
 """The library internals the project relies on, one module per library (``backbone/torch_internals.py``,
-``backbone/hf_internals.py``): each names the version it was checked against, which must be the one requirements.txt
-pins and the one installed; and each internal it uses is checked here for the behaviour the project relies on, so
-that an upgrade fails here — naming the internal — rather than as a wrong decode somewhere else."""
+``backbone/hf_internals.py``, ``ui/gradio_internals.py``; tests/test_architecture.py keeps them there): each names
+the version it was checked against, which must be the one requirements.txt pins and the one installed; and each
+internal it uses is checked here for the behaviour the project relies on, so that an upgrade fails here — naming
+the internal — rather than as a wrong decode (or an open door in the server) somewhere else."""
 from __future__ import annotations
 
 import re
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbone import hf_internals, torch_internals
+from ui import gradio_internals
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,9 +26,10 @@ def pinned(package: str) -> str:
     return m.group(1)
 
 
-@pytest.mark.parametrize("package,module", [("torch", torch_internals), ("transformers", hf_internals)])
+@pytest.mark.parametrize("package,module", [("torch", torch_internals), ("transformers", hf_internals),
+                                            ("gradio", gradio_internals)])
 def test_the_internals_are_checked_against_the_pinned_and_installed_version(package, module):
-    where = f"backbone/{module.__name__.split('.')[-1]}.py"
+    where = module.__name__.replace(".", "/") + ".py"
     pin = pinned(package)
     assert module.PINNED == pin, (
         f"requirements.txt pins {package}=={pin}, but {where} was checked against {package} {module.PINNED}: run "
@@ -119,6 +122,23 @@ def test_the_cpu_kernels_compute_a_linear():
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=0.5)
 
 
+def test_a_forward_is_replaced_for_a_while_with_the_hooks_still_around_it():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    own_b = lambda x: x * 10  # noqa: E731 — an instance-level forward of its own, put back afterwards
+    b.forward = own_b
+    calls = []
+    a.register_forward_pre_hook(lambda mod, args: calls.append("pre"))
+    x = torch.ones(1, 2)
+    want_a = a(x)
+    with torch_internals.forward_replaced([a, b], lambda h, *args, **kwargs: h + 1):
+        assert torch.equal(a(x), x + 1) and torch.equal(b(x), x + 1)
+        assert calls == ["pre", "pre"]  # the hook ran around the replacement
+    assert torch.equal(a(x), want_a) and torch.equal(b(x), x * 10) and "forward" not in a.__dict__
+    with pytest.raises(KeyError), torch_internals.forward_replaced([a], lambda h: h):
+        raise KeyError("put back on the way out")
+    assert torch.equal(a(x), want_a)
+
+
 # --- transformers --------------------------------------------------------------------------------------------------
 def test_the_attention_implementation_is_read_switched_and_registered(tiny):
     model = tiny.model
@@ -177,6 +197,33 @@ def test_a_cache_layer_is_rebuilt_as_a_subclass_holding_its_state():
     assert new.update(k, k)[0].shape[-2] == 4
 
 
+def test_a_cache_filled_outside_update_is_told_how_many_positions_it_holds():
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    full, sliding = hf_internals.dynamic_layer_kinds()
+    k = torch.randn(1, 1, 3, 4)
+    for kind in (StaticLayer(max_cache_len=8), StaticSlidingWindowLayer(max_cache_len=8, sliding_window=8)):
+        kind.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))  # allocates the buffers, counts 1
+        kind.keys[:, :, :3].copy_(k)  # filled outside update: three positions
+        hf_internals.set_positions_seen(kind, 3)
+        one = torch.ones(1, 1, 1, 4)
+        keys, _ = kind.update(one, one)  # the next position written is the fourth
+        assert torch.equal(keys[:, :, :3], k) and torch.equal(keys[:, :, 3:4], one), type(kind).__name__
+        assert int(kind.get_seq_length()) == 4
+    win = sliding(sliding_window=8)
+    win.update(k, k)
+    assert hf_internals.positions_seen(win) == 3
+    hf_internals.count_appended(win, 2)
+    assert hf_internals.positions_seen(win) == 5 == win.get_seq_length()
+    hf_internals.set_positions_seen(win, 7)
+    assert hf_internals.positions_seen(win) == 7
+    layer = full()
+    layer.update(k, k)
+    hf_internals.count_appended(layer, 2)
+    hf_internals.set_positions_seen(layer, 9)
+    assert hf_internals.positions_seen(layer) is None and layer.get_seq_length() == 3  # a full layer counts none
+
+
 def test_an_attention_module_attends_over_what_its_cache_stand_in_returns(tiny):
     """``PastPrefix`` / ``PrefixKV`` stand in for one attention module's cache: it calls ``update(k, v, layer_idx,
     ...)`` and reads what that returns."""
@@ -199,3 +246,131 @@ def test_an_attention_module_attends_over_what_its_cache_stand_in_returns(tiny):
         post.remove()
     assert calls and calls[0][1] == 0 and calls[0][0][-2] == 3
     assert outs and not outs[0].abs().any()
+
+
+# --- gradio --------------------------------------------------------------------------------------------------------
+def _demo_blocks():
+    import gradio as gr
+
+    with gr.Blocks(delete_cache=(5, 6)) as demo:
+        text, out = gr.Textbox(), gr.Textbox()
+        gr.Button().click(lambda x: x + "!", text, out, api_name="shout")
+
+        def add(a: int, b: int = 2) -> int:
+            return a + b
+
+        gr.api(add, api_name="add")
+    return demo
+
+
+def test_gradio_serves_from_its_folder_in_a_thread_and_inlines_only_safe_types():
+    import uvicorn
+
+    assert issubclass(gradio_internals.Server, uvicorn.Server)
+    assert all(callable(getattr(gradio_internals.Server, m, None)) for m in ("run_in_thread", "close"))
+    assert "image/png" in gradio_internals.XSS_SAFE_MIMETYPES
+    assert not {"text/html", "image/svg+xml", "application/javascript"} & set(gradio_internals.XSS_SAFE_MIMETYPES)
+    assert Path(gradio_internals.upload_folder()).is_absolute()
+
+
+def test_gradio_events_are_listed_recognised_as_api_endpoints_and_made_private():
+    demo = _demo_blocks()
+    fns = gradio_internals.event_functions(demo)
+    assert sorted(f.api_name for f in fns.values()) == ["add", "shout"]
+    shout = next(f for f in fns.values() if f.api_name == "shout")
+    assert shout.fn("a") == "a!" and len(shout.inputs) == 1 and len(shout.outputs) == 1
+    api = {f.api_name: gradio_internals.is_api_endpoint(f) for f in fns.values()}
+    assert api == {"add": True, "shout": False}
+    assert gradio_internals.event_functions(object()) is None
+    gradio_internals.make_private(demo, keep=("add",))
+    seen = {f.api_name: f.api_visibility for f in fns.values()}
+    assert seen["shout"] == "private" and seen["add"] != "private"
+    assert "shout" not in str(demo.get_api_info()) and "add" in str(demo.get_api_info())
+
+
+def test_gradio_events_run_through_a_wrapper_that_sees_their_call():
+    import asyncio
+
+    from gradio.state_holder import SessionState
+
+    demo = _demo_blocks()
+    seen = []
+
+    async def outer(run, call):
+        seen.append(("outer", call.block_fn.api_name, call.session_hash, call.state, call.request))
+        out = await run()
+        return {**out, "data": [out["data"][0] + "?"]}
+
+    gradio_internals.wrap_events(demo, outer)
+    state = SessionState(demo)
+    request = object()
+    index = next(i for i, f in demo.fns.items() if f.api_name == "shout")
+    out = asyncio.run(demo.process_api(block_fn=index, inputs=["a"], state=state, request=request,
+                                       session_hash="s1"))
+    assert out["data"] == ["a!?"] and seen == [("outer", "shout", "s1", state, request)]
+    out = asyncio.run(demo.process_api(demo.fns[index], ["b"], state, [request], session_hash="s2"))  # positional
+    assert out["data"] == ["b!?"] and seen[-1] == ("outer", "shout", "s2", state, request)
+
+
+def test_gradio_session_states_are_forgotten_only_when_still_the_same():
+    demo = _demo_blocks()
+    state = demo.state_holder["s1"]
+    assert "s1" in demo.state_holder.session_data
+    gradio_internals.forget_session(demo, "s1", object())  # another state: kept
+    assert "s1" in demo.state_holder.session_data
+    gradio_internals.forget_session(demo, "s1", state)
+    assert "s1" not in demo.state_holder.session_data and "s1" not in demo.state_holder.time_last_used
+
+
+def test_gradio_queue_shows_its_events_and_messages_and_takes_its_bounds():
+    import asyncio
+
+    from gradio.data_classes import PredictBodyInternal
+
+    demo = _demo_blocks()
+    demo.queue()
+    gradio_internals.set_queue_idle_sleeps(demo, 0.02, 0.1)
+    assert gradio_internals.queue_idle_sleeps(demo) == (0.02, 0.1)
+    gradio_internals.set_queue_idle_sleeps(demo, 0.001, 0.001)  # never shorter than it is
+    assert gradio_internals.queue_idle_sleeps(demo) == (0.02, 0.1)
+    gradio_internals.bound_analytics(demo, 64)
+    assert demo._queue.ANALYTICS_MAX_EVENTS == 64
+    assert gradio_internals.queued_events(demo) == [] and gradio_internals.sessions_with_messages(demo) == []
+
+    class Request:
+        headers, cookies = {"x-pema-key": "k"}, {}
+
+    index = next(i for i, f in demo.fns.items() if f.api_name == "shout")
+    body = PredictBodyInternal(session_hash="s1", fn_index=index, data=["a"])
+    ok, _, status = asyncio.run(demo._queue.push(body, Request(), None))  # the queue is not started: it waits
+    assert ok and status == "success"
+    (event,) = gradio_internals.queued_events(demo)
+    assert event.session_hash == "s1" and event.request.headers == {"x-pema-key": "k"}
+    assert gradio_internals.sessions_with_messages(demo) == ["s1"]
+    gradio_internals.drop_session_messages(demo, "s1")
+    assert gradio_internals.sessions_with_messages(demo) == [] and "s1" not in demo._queue.pending_event_ids_session
+    assert gradio_internals.queued_events(object()) == [] and gradio_internals.sessions_with_messages(object()) == []
+
+
+def test_gradio_mounting_reads_the_bounds_set_before_and_stop_ends_the_app():
+    import gradio as gr
+    from fastapi import FastAPI
+
+    demo, other = _demo_blocks(), _demo_blocks()
+    other.delete_cache = None
+    for b in (demo, other):
+        gradio_internals.default_delete_cache(b, (1, 2))
+        gradio_internals.set_session_capacity(b, 7)
+        b.queue()
+    assert demo.delete_cache == (5, 6) and other.delete_cache == (1, 2)  # an app's own setting is kept
+    gr.mount_gradio_app(FastAPI(), demo, path="/")
+    assert demo.state_holder.capacity == 7  # read when mounted
+    gradio_internals.mark_launched(demo)
+    assert demo.has_launched
+    assert isinstance(demo.upload_file_set, set)
+    demo.upload_file_set.add("/old")
+    gradio_internals.track_moved_uploads(demo, ["/old"], ["/new"])
+    assert demo.upload_file_set == {"/new"}
+    gradio_internals.stop(demo)
+    assert demo.app.stop_event.is_set() and demo._queue.stopped and not demo.is_running
+    gradio_internals.stop(object())  # nothing to stop: no error

@@ -12,6 +12,7 @@ import gradio as gr
 from ground.errors import UserError
 from ui import api, compare, evaluate, memories, plugins, rank, render, shared, shares
 from ui.common import CSS, THEME, caller, idle_queue
+from ui.gradio_internals import make_private
 from ui.server import Served, serve
 
 INTRO = ("Customize a frozen language model with your own text — no fine-tuning: build an external memory of the "
@@ -255,9 +256,7 @@ def build_app(studio) -> gr.Blocks:
         _wire_tab_refresh(t, kept)
         _wire_page_load(studio, demo, h, t, kept)
         # Only the explicit endpoints of ui/api.py are part of the API; the page's own events stay private.
-        for fn in demo.fns.values():
-            if fn.api_name not in api.NAMES + api.TAB_NAMES:
-                fn.api_visibility = "private"
+        make_private(demo, keep=api.NAMES + api.TAB_NAMES)
     demo.queue(default_concurrency_limit=1, max_size=studio.limits.queue_size or None)
     idle_queue(demo)
     return demo

@@ -24,16 +24,15 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI
-from gradio.http_server import Server
-from gradio.route_utils import XSS_SAFE_MIMETYPES
-from gradio.utils import get_upload_folder
 from starlette.responses import FileResponse
 
 from ground.errors import UserError
 from studio.identity import COOKIE, NO_KEY
 from studio.limits import hint
 from studio.uploads import NOT_YOURS, ServedFiles, TooManyParts, mark_downloads, own_folder, sweep_downloads
+from ui import gradio_internals as gri
 from ui.api import check_arguments
+from ui.gradio_internals import XSS_SAFE_MIMETYPES, EventCall, Server, is_api_endpoint
 
 COOKIE_MAX_AGE = 400 * 24 * 3600  # browsers cap cookie lifetimes at 400 days
 # Gradio's cache (its copies of uploaded files and of files it served): every hour, files older than a day go
@@ -248,7 +247,7 @@ def file_targets(path: str) -> list[str]:
 
 def in_cache(real: str) -> bool:
     """Under Gradio's upload and cache folder (where uploads and the copies of returned files live)."""
-    return Path(real).is_relative_to(os.path.realpath(get_upload_folder()))
+    return Path(real).is_relative_to(os.path.realpath(gri.upload_folder()))
 
 
 async def refuse(send, status: int, message: str) -> None:
@@ -417,8 +416,8 @@ class FileInputGuard:
     def _known(self, api_name: str | None, value, on_share: bool) -> bool:
         """Whether the event (``fn_index``) or endpoint (``api_name``) a request names exists in its app."""
         blocks = self.blocks[1 if on_share else 0] if len(self.blocks) > (1 if on_share else 0) else None
-        fns = getattr(blocks, "fns", None)
-        if not isinstance(fns, dict):
+        fns = gri.event_functions(blocks)
+        if fns is None:
             return True
         index = value.get("fn_index") if isinstance(value, dict) else None
         if isinstance(index, int) and not isinstance(index, bool):
@@ -432,8 +431,8 @@ class FileInputGuard:
         its declared range (``ui.api.check_arguments``); else None (nothing to change; page events are left
         alone)."""
         blocks = self.blocks[1 if on_share else 0] if len(self.blocks) > (1 if on_share else 0) else None
-        fns = getattr(blocks, "fns", None)
-        if not isinstance(fns, dict) or not isinstance(value, dict) or not isinstance(value.get("data"), list):
+        fns = gri.event_functions(blocks)
+        if fns is None or not isinstance(value, dict) or not isinstance(value.get("data"), list):
             return None
         index = value.get("fn_index")
         if isinstance(index, int) and not isinstance(index, bool):
@@ -474,8 +473,7 @@ class FileInputGuard:
         """Events of these owners (of callers with no identity, when empty) queued or running in the apps."""
         n = 0
         for blocks in self.blocks:
-            queue = getattr(blocks, "_queue", None)
-            for event in list(getattr(queue, "event_ids_to_events", {}).values()):
+            for event in gri.queued_events(blocks):
                 req = getattr(event, "request", None)
                 theirs = self.studio.identity.credentials(dict(getattr(req, "headers", {}) or {}),
                                                           dict(getattr(req, "cookies", {}) or {}))
@@ -565,11 +563,8 @@ class FileInputGuard:
                 stored = []
             stored = [p for p in stored if isinstance(p, str)] if isinstance(stored, list) else []
             moved = [own_folder(p, owners) for p in stored]
-            for blocks in self.blocks[:1]:  # Gradio's cache cleaning knows each upload by the path it gave it
-                files = getattr(blocks, "upload_file_set", None)
-                if isinstance(files, set):
-                    files.difference_update(stored)
-                    files.update(moved)
+            for blocks in self.blocks[:1]:
+                gri.track_moved_uploads(blocks, stored, moved)
             stored = moved
             self.studio.uploads.record(ticket, stored)
             body = json.dumps(stored).encode()
@@ -587,17 +582,7 @@ class Served:
 
     def close(self) -> None:
         for b in self.blocks:
-            try:
-                b._queue.close()
-                b.is_running = False
-                stop = b.app.stop_event  # ends the heartbeat streams; an asyncio.Event of the server's loop
-                loop = getattr(stop, "_loop", None)
-                if loop is not None and loop.is_running():
-                    loop.call_soon_threadsafe(stop.set)
-                else:
-                    stop.set()
-            except (AttributeError, RuntimeError):
-                pass
+            gri.stop(b)
         self.server.close()
 
     def block(self) -> None:
@@ -643,17 +628,15 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     app.add_middleware(OwnerCookieMiddleware, studio=studio, downloads=downloads,
                        blocks=[studio_blocks, share_blocks], served=files, allow_origins=allow_origins)
     for blocks in (studio_blocks, share_blocks):  # read by mount_gradio_app: each app cleans its own cache
-        blocks.delete_cache = blocks.delete_cache or DELETE_CACHE
+        gri.default_delete_cache(blocks, DELETE_CACHE)
         bound_sessions(blocks, studio.limits.sessions)
     common = dict(server_name=host, server_port=port, ssr_mode=False, show_error=True, theme=theme, css=css,
                   head=head, max_file_size=max_file_size, allowed_paths=None,
                   blocked_paths=blocked_paths(studio.root))
     gr.mount_gradio_app(app, share_blocks, path="/share", footer_links=[], run_history=False, **common)
     gr.mount_gradio_app(app, studio_blocks, path="/", footer_links=["api"], run_history=False, **common)
-    for blocks in (studio_blocks, share_blocks):
-        # Gradio checks a page event's file inputs (only its own uploads) and a handler's file outputs (never a
-        # blocked path) only in an app that says it has launched; mount_gradio_app never says so by itself.
-        blocks.has_launched = True
+    for blocks in (studio_blocks, share_blocks):  # Gradio checks events' files only in an app that has launched
+        gri.mark_launched(blocks)
     _check_port(host, port)
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                    timeout_graceful_shutdown=1))  # open event streams are cut after 1 s
@@ -664,40 +647,22 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     return served
 
 
-def is_api_endpoint(block_fn) -> bool:
-    """An event of ``gr.api`` (every input and output an ``Api`` component): it needs no session state."""
-    from gradio.components.api_component import Api
-
-    comps = [*getattr(block_fn, "inputs", []), *getattr(block_fn, "outputs", [])]
-    return bool(comps) and all(isinstance(c, Api) for c in comps)
-
-
 def forget_api_sessions(blocks: gr.Blocks) -> None:
     """Gradio makes a session state (a copy of the app's whole config: about 1 MB for the studio) for every session
     hash it sees, and raw-HTTP calls name a new one each time. An API endpoint needs none: after its event, the
     session goes unless a page event has used it (a browser tab's session stays, within ``Limits.sessions``)."""
-    process_api = blocks.process_api
 
-    async def process_api_forgetting(*args, **kwargs):
-        block_fn = kwargs.get("block_fn", args[0] if args else None)
-        if isinstance(block_fn, int):
-            block_fn = blocks.fns.get(block_fn)
-        state = kwargs.get("state", args[2] if len(args) > 2 else None)
-        session = kwargs.get("session_hash")
-        api = is_api_endpoint(block_fn)
-        if state is not None and not api:
-            state.pema_page = True
+    async def forgetting(run, call: EventCall):
+        api = is_api_endpoint(call.block_fn)
+        if call.state is not None and not api:
+            call.state.pema_page = True
         try:
-            return await process_api(*args, **kwargs)
+            return await run()
         finally:
-            holder = getattr(blocks, "state_holder", None)
-            if api and session and holder is not None and not getattr(state, "pema_page", False):
-                with holder.lock:
-                    if holder.session_data.get(session) is state:
-                        holder.session_data.pop(session, None)
-                        holder.time_last_used.pop(session, None)
+            if api and call.session_hash and not getattr(call.state, "pema_page", False):
+                gri.forget_session(blocks, call.session_hash, call.state)
 
-    blocks.process_api = process_api_forgetting
+    gri.wrap_events(blocks, forgetting)
 
 
 RESULT_KEEP_S = 120.0  # an event's result waits this long (at least) for its caller to read it
@@ -718,20 +683,16 @@ class ResultSweeper:
         """Drop what has waited long enough; the number of sessions dropped."""
         now, dropped = self.clock(), 0
         for blocks, idle in zip(self.blocks, self._idle):
-            queue = getattr(blocks, "_queue", None)
-            if queue is None:
-                continue
-            busy = {e.session_hash for e in list(queue.event_ids_to_events.values())}
-            pending = queue.pending_messages_per_session
+            busy = {e.session_hash for e in gri.queued_events(blocks)}
+            pending = set(gri.sessions_with_messages(blocks))
             for session in [s for s in idle if s not in pending or s in busy]:
                 idle.pop(session, None)
-            for session in list(pending):
+            for session in pending:
                 if session in busy:
                     continue
                 since = idle.setdefault(session, now)
                 if now - since >= self.keep_s:
-                    pending.pop(session, None)
-                    queue.pending_event_ids_session.pop(session, None)
+                    gri.drop_session_messages(blocks, session)
                     idle.pop(session, None)
                     dropped += 1
         return dropped
@@ -748,29 +709,25 @@ class ResultSweeper:
 def bound_sessions(blocks: gr.Blocks, sessions: int) -> None:
     """Gradio's bound on kept session states (``state_session_capacity``; read when the app is mounted) and on its
     event analytics (no page reads them: the monitoring route is off)."""
-    blocks.state_session_capacity = int(sessions) if sessions else 10000
-    queue = getattr(blocks, "_queue", None)
-    if queue is not None:
-        queue.ANALYTICS_MAX_EVENTS = 64
+    gri.set_session_capacity(blocks, int(sessions) if sessions else 10000)
+    gri.bound_analytics(blocks, 64)
     forget_api_sessions(blocks)
 
 
 def grant_returned_files(blocks: gr.Blocks, files: ServedFiles, identity) -> None:
     """Record every file an event of ``blocks`` returns (its copy in Gradio's cache) against the credentials of the
     request that ran the event, so the file route serves it to that owner alone."""
-    process_api = blocks.process_api
 
-    async def process_api_granting(*args, **kwargs):
-        out = await process_api(*args, **kwargs)
-        request = kwargs.get("request", args[3] if len(args) > 3 else None)
-        request = request[0] if isinstance(request, list) and request else request
+    async def granting(run, call: EventCall):
+        out = await run()
+        request = call.request
         paths = [f["path"] for f in returned_files(out.get("data") if isinstance(out, dict) else None)]
         if paths and request is not None:
             files.grant(paths, identity.credentials(dict(getattr(request, "headers", {}) or {}),
                                                     dict(getattr(request, "cookies", {}) or {})))
         return out
 
-    blocks.process_api = process_api_granting
+    gri.wrap_events(blocks, granting)
 
 
 def returned_files(value, depth: int = 0) -> list[dict]:
@@ -789,7 +746,7 @@ def blocked_paths(data_dir: Path) -> list[str]:
     """What Gradio must never read or serve: the data directory (catalog, memories, plug-ins, the owners' secret) —
     all of it, or, where Gradio's own upload folder lies inside it, everything in it but that folder."""
     root = Path(data_dir).resolve()
-    uploads = Path(get_upload_folder()).resolve()
+    uploads = Path(gri.upload_folder()).resolve()
     if not uploads.is_relative_to(root):
         return [str(root)]
     out, at = [], root

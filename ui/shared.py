@@ -12,6 +12,7 @@ from ground.errors import UserError
 from ui import plots, rank, render
 from ui.common import idle_queue
 from ui.compare import TOKEN_COLORS, TOKEN_HELP, row_of, token_views
+from ui.gradio_internals import make_private
 
 SETTINGS_HEADERS = ["method", "kind", "decode settings", "tokens"]
 
@@ -123,8 +124,7 @@ def build_app(studio) -> gr.Blocks:
                     *[gr.skip()] * (len(sh.outputs) - 3), *lb.show(board))
 
         demo.load(on_load, None, [*sh.outputs, *lb.outputs], show_progress="hidden")
-        for fn in demo.fns.values():
-            fn.api_visibility = "private"
+        make_private(demo)
     demo.queue(default_concurrency_limit=4, max_size=64)
     idle_queue(demo)
     return demo
