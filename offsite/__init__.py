@@ -9,5 +9,5 @@ The **data owner** (``offsite.client.RemoteBackbone``) builds its memory, trains
 project's own code (``memories.build``, ``plugins.api.train_plugin``, the plug-ins' ``mix``); its samples' targets,
 the memory and the plug-in never leave it (the contexts it asks f(c) of do: see docs/offsite.md).
 
-Floor 5 (beside ``eval``): imports ground, backbone, memories and plugins; only entry points import it.
+Floor 6 (beside ``eval``): imports ground, backbone, engine, memories and plugins; only entry points import it.
 """
