@@ -44,7 +44,8 @@ def cpu_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
 
     bfloat16: two small matrix products and a softmax, as transformers' eager attention computes them (scores in
     bfloat16, softmax in float32). torch's bfloat16 SDPA kernel for one query token is slow on an AVX-512 BF16 CPU
-    (a large share of a multi-row Gemma step in ``python -m benchmarks rows --dtype bfloat16``; BENCHMARKS §3).
+    (a large share of a multi-row Gemma step in ``python -m benchmarks rows --dtype bfloat16``;
+    BENCHMARKS.md, "Decode time per token").
 
     float32 (also float16 weight-only's activations): SDPA itself for every row (its kernel is the faster one there,
     and its bits are float32's reference), on the query heads of each KV head packed as that head's queries, as

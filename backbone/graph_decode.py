@@ -1,7 +1,7 @@
 """The frozen backbone's decode step replayed from a CUDA graph over a static KV cache.
 
-On a GPU a decode step of Gemma 3 270M is bound by the host: the eager forward pass launches ~850 small kernels a
-step (≈ 28 ms for one row on an H100, while the GPU is busy ≈ 4 ms of it: docs/gpu.md). A CUDA graph records the
+On a GPU a decode step of Gemma 3 270M is bound by the host: the eager forward pass launches hundreds of small
+kernels a step, and the GPU is idle most of the step's wall time (measured: docs/gpu.md). A CUDA graph records the
 step's kernels once and replays them with one launch. A graph replays fixed shapes and addresses, so the step runs
 on fixed buffers:
 

@@ -223,10 +223,11 @@ class Fp16WeightLinear(KernelLinear):
     through the frozen backbone) multiplies the very same weights.
 
     Why: on a CPU without native bfloat16 (AVX2 only) MKL's float32 products of 2-7 rows cost well over one row's;
-    FBGEMM's float16 kernel runs up to six rows in one pass over the weights (BENCHMARKS §3; ``python -m benchmarks
-    rows --dtype float16`` and ``anchor`` measure whole steps). The LM head too (a tied head rounds the input
-    embedding with it; ``python -m benchmarks head --dtype float16`` times it per row count: a block's float16→float32
-    conversions of every weight cost about as much as reading it, so seven rows — two blocks — cost twice six).
+    FBGEMM's float16 kernel runs up to six rows in one pass over the weights (BENCHMARKS.md, "Decode time per token";
+    ``python -m benchmarks rows --dtype float16`` and ``anchor`` measure whole steps). The LM head too (a tied head
+    rounds the input embedding with it; ``python -m benchmarks head --dtype float16`` times it per row count: a block's
+    float16→float32 conversions of every weight cost about as much as reading it, so seven rows — two blocks — cost
+    twice six).
 
     Row bits: FBGEMM splits a product into blocks of at most six rows, and a block of one or two rows rounds
     differently from the others (on an AVX2 EPYC: 1, 2, 7, 14, 31, 32, ... rows). So that a comparison row decodes
@@ -282,7 +283,8 @@ class _Fp16TrainingProduct(torch.autograd.Function):
     """x·Wᵀ (+ b) of a frozen :class:`Fp16WeightLinear` while training through it (gradients on): forward and the
     input's gradient g·W both on FBGEMM's float16 kernel — the same float16-rounded weight values that ``F.linear``
     would multiply in float32, with float32 accumulation (only the summation order differs): the kernel decoding already
-    uses, reading half the weight bytes (its effect on a step: BENCHMARKS §2d, "OpenMP's wait policy in training").
+    uses, reading half the weight bytes (its effect on a step: BENCHMARKS.md, "Training defaults, decided by
+    measurement", row "OpenMP's wait policy in training").
     The weight gets no gradient: it is frozen."""
 
     @staticmethod
@@ -344,7 +346,8 @@ class Int8Linear(KernelLinear):
     bfloat16's bytes read per token (a quarter of float32's). The rest of the model is bfloat16.
 
     Weight-only because quantizing each call's activations to 8 bits too (torch.ao's dynamic int8) loses badly on
-    Gemma 3's outlier channels (BENCHMARKS §3, quality guard); weights alone lose little."""
+    Gemma 3's outlier channels (BENCHMARKS.md, "Decode time per token", the quality guard of each precision); weights
+    alone lose little."""
 
     def _supports(self) -> bool:
         # torch's kernel needs the input width to be a multiple of 16 (other widths crash the process, torch 2.13);

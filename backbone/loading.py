@@ -135,7 +135,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
     ``dtype`` (:func:`resolve_precision`: float32, bfloat16, int8 on a CPU, float16). Returns the ``Backbone``'s
     fields: ``model``, ``tokenizer``, ``name``, ``chat``.
 
-    Embedded backbones are de-quantized from their GGUF once (about 95 s for Gemma) and cached as safetensors
+    Embedded backbones are de-quantized from their GGUF once (the slow first load) and cached as safetensors
     under ``<data_dir>/backbones/<name>``; later loads take seconds. ``device_map="auto"`` (accelerate) is used
     for hub/local models on CUDA so that models larger than one device still load.
     """
@@ -159,7 +159,7 @@ def load_model(name: str | None = None, device: str | None = None, dtype: str | 
         else:
             progress(0.05, f"Assembling the embedded {name} GGUF file")
             gguf = _embedded_gguf(name, cache)
-            progress(0.15, f"De-quantizing {name} (first load only, about 1-2 minutes on 2 CPU cores)")
+            progress(0.15, f"De-quantizing {name} (first load only; later loads take seconds)")
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             progress(0.85, f"Caching de-quantized weights in {cached}")

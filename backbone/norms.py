@@ -12,7 +12,7 @@ from backbone.torch_internals import version
 class FusedRMSNorm(nn.Module):
     """An RMSNorm run as torch's ``F.rms_norm`` (one operator instead of the ~10 of a model's Python forward:
     float32 cast, pow, mean, add, rsqrt, mul, weight cast, 1 + w, mul, cast — for 109 norms a Gemma decode step;
-    a small saving per step, within the noise of a whole step: BENCHMARKS §3).
+    a small saving per step, within the noise of a whole step: BENCHMARKS.md, "Decode time per token").
     Two formulations of the library's RMSNorm classes are known: Gemma's ``(x̂ · (1 + w))`` computed in float32
     then cast, and Llama's ``w · x̂`` with x̂ cast first. :meth:`swap_into` swaps a norm only where one of
     them gives bit-for-bit what the module's own forward gives on heavy-tailed test inputs, so outputs, memories

@@ -31,9 +31,9 @@ CPU_FLOAT16_TAG = "float16-weight-only-head"
 
 # The precision a CPU load gets when none is asked for (``--dtype`` / ``$PEMA_DTYPE``), each chosen from the quality
 # guard (the base model and the best plug-in's whole flow on WMT dev 1000–1199) and the decode benchmarks
-# (BENCHMARKS §3): bfloat16 where the CPU has it natively; else float16 weight-only where FBGEMM's kernel runs (x86
-# with AVX2: a comparison's multi-row steps, where float32's products of several rows are slow); else float32.
-# float32 stays the exact reference path (--dtype float32).
+# (BENCHMARKS.md, "Decode time per token"): bfloat16 where the CPU has it natively; else float16 weight-only where
+# FBGEMM's kernel runs (x86 with AVX2: a comparison's multi-row steps, where float32's products of several rows are
+# slow); else float32. float32 stays the exact reference path (--dtype float32).
 DEFAULT_CPU_PRECISION = ("bfloat16" if native_bf16_cpu() else "float16" if fp16_weight_available() else "float32")
 
 

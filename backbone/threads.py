@@ -15,11 +15,11 @@ from backbone.options import fast_paths
 def small_forward_threads(n_tokens: int) -> int | None:
     """How many threads a forward pass of ``n_tokens`` tokens (batch × length) should run on, or None to leave the
     count as it is. A decode step's products are small (Gemma 3 270M: 640-wide layers, 1-32 rows), and under
-    ``OMP_WAIT_POLICY=PASSIVE`` — the project's default, see ``ground`` — every parallel region first wakes a
-    sleeping thread: the 126 decoder linears of a bfloat16 step spent more waking threads than the second core gave
-    back. One thread for such a forward, the LM head (one large product, outside the decoder) on all of them
-    (``python -m benchmarks anchor``, BENCHMARKS §3). With spinning threads (policy not PASSIVE) the second core
-    wins, so the count is left alone; training (gradients on) is left alone too."""
+    ``OMP_WAIT_POLICY=PASSIVE`` — the project's default, see ``ground`` — every parallel region first wakes a sleeping
+    thread: the 126 decoder linears of a bfloat16 step spent more waking threads than the second core gave back. One
+    thread for such a forward, the LM head (one large product, outside the decoder) on all of them (``python -m
+    benchmarks anchor``, BENCHMARKS.md, "Decode time per token"). With spinning threads (policy not PASSIVE) the second
+    core wins, so the count is left alone; training (gradients on) is left alone too."""
     paths = fast_paths()
     if (not paths.small_forward_one_thread or n_tokens > paths.small_forward_max_tokens
             or torch.is_grad_enabled() or process_threads() <= 1

@@ -1,5 +1,5 @@
 """Slider benchmark: how long a live-control move takes when only what changed is re-decoded, against a
-full decode of the same comparison. Results in BENCHMARKS.md §3b.
+full decode of the same comparison. Results in BENCHMARKS.md, "Slider re-decode and streaming".
 
     python -m benchmarks live                          # Gemma 3 270M: 20 WMT dev sentences × 10 random moves
     python -m benchmarks live --backbone tiny          # the tiny in-process backbone (seconds)

@@ -2,7 +2,7 @@
 
     python -m benchmarks offsite --backbone tiny                      # the tests' tiny random model
     python -m benchmarks offsite --backbone gemma-3-270m --pairs 40   # the embedded Gemma (cached weights)
-    python -m benchmarks offsite --backbone gemma-3-270m --owner-in-process   # BENCHMARKS §10b: one Gemma in memory
+    python -m benchmarks offsite --backbone gemma-3-270m --owner-in-process   # one Gemma in memory
 
 Starts a model owner (``python -m offsite serve``) on 127.0.0.1 in its own process and loads the same backbone here
 (``--owner-in-process``: the owner's HTTP service runs in a thread of this process on the backbone loaded here —

@@ -116,7 +116,7 @@ class BatchDecode(DecodeRun):
     only at a step where a row parts or finishes. A row computes what it computes in a batch of any other size —
     bit for bit where the linears pad their products for steady bits (packed bfloat16, float16 weight-only), else to
     the rounding of a product over another row count (float32's BLAS): the same tokens (tested on the tiny model; on
-    Gemma, BENCHMARKS §3: ``python -m benchmarks rows``' whole comparisons).
+    Gemma, BENCHMARKS.md, "Decode time per token": ``python -m benchmarks rows``' whole comparisons).
 
     ``keep=True`` (one source, greedy): also record, per row and step, what a slider move needs
     (``StepRecords``), and keep each row's KV cache (``row_cache``) — ``live()`` is then the comparison's

@@ -2,14 +2,15 @@
 its declared grid, ``plugins.settings.decode_grid``) on held-out samples of its own memory, as the papers tune them
 per dataset on a development set.
 
-Every setting is scored by the greedy decode Compare runs, sentence by sentence: one batched decode per sentence
-whose rows are the base model and every setting (``engine.BatchDecode``). Rows whose tokens agree share one
-row of the forward pass (the compact layout), so a setting that changes no token costs nothing and the rows that
-part run together — the whole grid costs little more than one decode per sentence. (Re-decoding each setting as a
-slider move of one kept decode, ``LiveComparison``, gives the same outputs but ran the backbone once per changed
-setting: 4.4× the CPU time on Gemma for kNN's grid, BENCHMARKS §5f.) The grid and the tuning samples set the cost, not
-the clock: every tuning sample is decoded (``DEFAULT_TUNE`` at most) unless a caller gives a time budget, and a
-budget never stops calibration before ``MIN_TUNE`` samples.
+Every setting is scored by the greedy decode Compare runs, sentence by sentence: one batched decode per sentence whose
+rows are the base model and every setting (``engine.BatchDecode``). Rows whose tokens agree share one row of the forward
+pass (the compact layout), so a setting that changes no token costs nothing and the rows that part run together — the
+whole grid costs little more than one decode per sentence. (Re-decoding each setting as a slider move of one kept
+decode, ``LiveComparison``, gives the same outputs but ran the backbone once per changed setting: several times the CPU
+time on Gemma for kNN's grid, BENCHMARKS.md, "Starts, presets and calibration, checked on WMT dev items", row "a
+calibration's grid decoded as one batch against slider moves".) The grid and the tuning samples set the cost, not the
+clock: every tuning sample is decoded (``DEFAULT_TUNE`` at most) unless a caller gives a time budget, and a budget never
+stops calibration before ``MIN_TUNE`` samples.
 
 The evidence rule: the plug-in starts at the *global start* (the declared defaults ← the ones tuned for the task and
 backbone, ``row_settings(calibrated=False)``) unless another setting — λ = 0, the base model, included — beats the
@@ -58,8 +59,8 @@ MIN_TUNE = 8           # fewer tuning samples: no calibration (a choice on fewer
 MIN_REPORT = 20        # fewer report samples left after the tuning part: split_heldout warns
 DEFAULT_SECONDS = None  # no time budget by default: the grid and the tuning samples set the cost (a budget, when
 #                        given, is checked between samples once MIN_TUNE are done)
-# what one calibration at the default sizes takes on Gemma 3 270M, for progress shares and estimates only: the
-# 12-setting grids decode about 4 s a tuning sample on two loaded CPU cores (25 samples in 100 s), 40 samples
+# what one calibration at the default sizes takes on Gemma 3 270M, for progress shares and estimates only: its 40
+# tuning samples at the pace of the 12-setting grids on two loaded CPU cores (BENCHMARKS.md, "Ranking every method")
 TYPICAL_SECONDS = 160.0
 ALPHA = 0.05           # a setting leaves the global start when its Holm-adjusted one-sided p is below this
 BOOTSTRAP = 1000       # paired-bootstrap resamples of the evidence

@@ -14,7 +14,7 @@ token, so Gradual Unrolling's λ_t is the one a decode would use.
 
 What it cannot see: exposure bias (a free-running decode conditions on its own earlier choices), so the BLEU of
 the chosen setting is still measured by ``eval.quality`` on report items. Use it as a screen: on formality its
-top-1 choice (PEMA λ 0.4 without GU) collapsed the decode (BENCHMARKS.md §6).
+top-1 choice (PEMA λ 0.4 without GU) collapsed the decode (BENCHMARKS.md, "Formality").
 """
 from __future__ import annotations
 

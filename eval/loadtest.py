@@ -1,4 +1,4 @@
-"""A bounded loopback load test of the hosted studio (results in BENCHMARKS.md §11).
+"""A bounded loopback load test of the hosted studio (results in BENCHMARKS.md, "Load test").
 
     python -m eval.loadtest                              # tiny backbone: 20 owners × 5 comparisons during a build
     python -m eval.loadtest --backbone gemma-3-270m      # the real backbone (cached weights; ~/.cache/pema-studio)

@@ -44,7 +44,7 @@ LEADERBOARD_VERSION = 1
 ALPHA = 0.05  # a difference to the base model counts when its one-sided paired-bootstrap p is below this
 COST_SENTENCES = 4  # report sentences each method decodes alone to time its cost per token
 UNMEASURED_TRAIN_S = 120.0  # the ETA's guess for a method without a measured training throughput
-# a tuning sample's grid decode, in base-model sentences (the 1,000-pair rank's calibrations: BENCHMARKS §13,
+# a tuning sample's grid decode, in base-model sentences (the 1,000-pair rank's calibrations: BENCHMARKS.md,
 # "Ranking every method"); a time budget, when given, caps it
 CALIBRATION_SENTENCE_COST = 4.0
 # the ETA's prior: the plan's pace starts at 1 with the weight of this share of the planned seconds (at least
@@ -244,8 +244,8 @@ def decode_cost(backbone, sources: list[str], row: Row, prompt: Prompt, max_new_
                 should_stop: Callable[[], bool], decode: Callable = decode_batch) -> float:
     """``row``'s seconds per generated token over the base model's, each decoding ``sources`` alone, the two taking
     turns sentence by sentence: the base is timed beside the method, not once at another moment of a long run (a
-    base timed at the rank's start made every method look dearer: BENCHMARKS §13, "The cost column, timed in turns
-    with the base")."""
+    base timed at the rank's start made every method look dearer: BENCHMARKS.md, "Ranking every method", row "the
+    cost column, timed in turns with the base")."""
     secs, tokens = {"base": 0.0, "row": 0.0}, {"base": 0, "row": 0}
     for s in sources:
         for key, r in (("base", Row("base")), ("row", row)):

@@ -3,13 +3,13 @@ primitives and shared CLI pieces. It imports nothing of the project; every other
 
 It also chooses how OpenMP's idle threads wait, which must happen before torch loads its OpenMP runtime (the first
 import of ``ground`` does it; ``backbone`` and ``app`` import ``ground`` first): by default they sleep at once
-(``OMP_WAIT_POLICY=PASSIVE``): idle spinning threads starve other work on a small shared CPU (measured: small
-matmuls ~50x slower on 2 busy cores beside a spinning job), and a decode step runs its small work on one thread
-(docs/precision.md, "Threads"). A process that only trains, builds or ranks calls :func:`spin_briefly` first: its
-threads then spin for a short while before they sleep (``GOMP_SPINCOUNT``), because under PASSIVE each of a
-training step's thousands of parallel regions first wakes a sleeping thread (BENCHMARKS §2d, "OpenMP's wait policy
-in training"). A user's own ``OMP_WAIT_POLICY`` or
-``GOMP_SPINCOUNT`` is left as it is."""
+(``OMP_WAIT_POLICY=PASSIVE``): idle spinning threads starve other work on a small shared CPU (measured: BENCHMARKS.md,
+"Training defaults, decided by measurement", row "the studio's wait policy"), and a decode step runs its small work on
+one thread (docs/precision.md, "Threads"). A process that only trains, builds or ranks calls :func:`spin_briefly` first:
+its threads then spin for a short while before they sleep (``GOMP_SPINCOUNT``), because under PASSIVE each of a training
+step's thousands of parallel regions first wakes a sleeping thread (BENCHMARKS.md, "Training defaults, decided by
+measurement", row "OpenMP's wait policy in training"). A user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left as
+it is."""
 import os
 import sys
 

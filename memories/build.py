@@ -12,8 +12,8 @@ Two build modes:
 The default departs from the PEMA paper (docs/methods.md says so): a teacher-forced build is one batched forward pass
 per batch of samples where the paper's is one decode step per target token and sample, and its keys are the states
 the reference prefix gives — what PEMA is trained to map to the next reference token. On 300 WMT pairs the two
-builds gave PEMAs that are level on 200 dev items, the per-step build taking 15× as long (BENCHMARKS.md §5f,
-the memory built from the model's own greedy prefix).
+builds gave PEMAs that are level on 200 dev items, the per-step build taking many times as long (BENCHMARKS.md,
+"Starts, presets and calibration, checked on WMT dev items", row "the memory built from the model's own greedy prefix").
 
 Monolingual samples (no source) first get a synthetic source from the backbone itself (German → English for
 translation, styled → plain for rewriting), as the memory-augmented adapter paper builds pairs from target-side

@@ -68,9 +68,9 @@ def _components(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[float]]:
 def _top_directions(c: np.ndarray, k: int = 8, iterations: int = 10, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Singular values and right singular vectors of ``c`` (m×d), the largest first — the top ``k`` found by
     subspace iteration (a block power method, ``iterations`` rounds, then the SVD of the m×k projection). A full
-    SVD of a 2,000 × 640 sample took 10–17 s on this project's 2 busy CPU cores (the full d×d problem); this takes
-    well under a second, and on Gemma keys matches the full SVD's first two directions to 1e-9 (a test checks it
-    on the tiny backbone's)."""
+    SVD of a sample of thousands of keys solves the full d×d problem, slow on a busy CPU; this costs a few products
+    of the sample, and on Gemma keys matches the full SVD's first two directions (a test checks it on the tiny
+    backbone's)."""
     m, d = c.shape
     k = min(k, m, d)
     if k >= min(m, d):  # small: the exact SVD is as cheap

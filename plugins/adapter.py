@@ -34,15 +34,16 @@ How it is adapted to our decoder-only backbones (Llama, Gemma 3):
       adapts every position): the adapter acts on a sample's own positions, the instruction and few-shot examples
       are the frozen model's, computed once per memory (``plugins.network``; "adapted" = the paper's).
     * ``layers`` (default ``"all"``, the paper's every block): ``"top:N"`` etc. adapt fewer blocks, and training
-      runs the frozen blocks below once per batch. Faster, but measured worse (BENCHMARKS.md §2d, "Fewer
-      adapted layers tried and rejected").
+      runs the frozen blocks below once per batch. Faster, but measured worse (BENCHMARKS.md, "Training
+      defaults, decided by measurement", row "fewer adapted layers tried and rejected").
     * ``max_minutes`` bounds the training time; ``BudgetGuard`` evaluates once more just before the budget runs
       out, so a budget-stopped run keeps its last steps (``run_training`` alone restores the last *evaluated* best).
     * Training softmax over a candidate vocabulary by default (``softmax="candidates"``, as PEMA's fast mode): the
       memory's target tokens, the stop tokens and the LM's top tokens on sampled memory contexts instead of all V
       tokens — a sampled-softmax approximation of the paper's NLL (Gemma's LM head is 262k × 640: with every token it
       was a large share of a CPU step). Decoding always uses the full vocabulary. ``softmax="full"`` (and the ``paper``
-      preset) is the exact NLL. Measured on held-out data: BENCHMARKS.md §2d, "The candidate softmax as the default".
+      preset) is the exact NLL. Measured on held-out data: BENCHMARKS.md, "Training defaults, decided by
+      measurement", row "the candidate softmax as the default".
 
 The in-network machinery it shares with LoRA and memory-tuning (hooks restricted to a comparison's batch rows,
 sequence-level training) is in ``plugins.network``.

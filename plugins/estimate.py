@@ -46,9 +46,9 @@ __all__ = ["EVAL_COST", "PASSIVE_SLOWDOWN", "THROUGHPUT_PATH", "estimate", "for_
            "measure", "record_for", "save_measurements", "throughputs"]
 
 THROUGHPUT_PATH = Path(__file__).resolve().parents[1] / "backbone" / "training_throughput.json"
-# a residual adapter's whole default run under PASSIVE over a short spin on two AVX2 cores, ≈ 1.15 (its steps
-# alone: 1.10–1.41; BENCHMARKS §2d, "OpenMP's wait policy in training": ``python -m benchmarks trainstep <memory>
-# --policies``)
+# a residual adapter's whole default run under PASSIVE over a short spin on two AVX2 cores, as measured (BENCHMARKS.md,
+# "Training defaults, decided by measurement", row "OpenMP's wait policy in training": ``python -m benchmarks
+# trainstep <memory> --policies``)
 PASSIVE_SLOWDOWN = 1.15
 
 
@@ -144,9 +144,9 @@ def throughput_record(method: str, plugin, history: list[dict], wall_s: float, m
 def quiet_record(rec: dict, speedup: float) -> dict:
     """A record as on a quiet machine: rates × ``speedup`` and fixed seconds ÷ it, where ``speedup`` = wall seconds
     / CPU seconds of the measuring run. On a shared machine a run gets a fraction of the cores; the CPU time it used
-    is what it costs when it has the machine to itself (PEMA's joint phase on Gemma, measured with the machine at a
-    load of ~20 on 2 cores: 268 entries/s as measured, ~2,000 as CPU-time rate, ~2,100 expected from BENCHMARKS §2's
-    quiet run scaled to its candidate count — threads add little). Never slower than measured (speedup ≥ 1)."""
+    is what it costs when it has the machine to itself (PEMA's joint phase on Gemma, measured on a heavily loaded
+    machine: its CPU-time rate came close to what a quiet run, BENCHMARKS.md "Plug-in training", predicts, its wall
+    rate far below — threads add little). Never slower than measured (speedup ≥ 1)."""
     k = max(1.0, speedup)
     out = {}
     for key, v in rec.items():

@@ -8,15 +8,15 @@ Search: exact (keys held in RAM as float32; on a CPU from 4,096 entries a 16-bit
 certified equal to the float32 scan's, :class:`CertifiedL2Search`: bfloat16 where oneDNN's bfloat16 linear runs,
 else float16 keys through FBGEMM's float16 GEMM on x86 with AVX2 — over the keys' principal components where few
 carry most of their variance, :class:`ProjectedL2Search`, still certified —; else a
-chunked float32 scan — on a CPU from 4,096 entries by oneDNN's float32 linear on the keys packed once, ``packed_scan``:
-on an AVX2 EPYC kNN over 100k entries 1.13× a base step against the plain matmul's 1.25×, BENCHMARKS §3) up to
-``exact_max_entries``; beyond that FAISS
+chunked float32 scan — on a CPU from 4,096 entries by oneDNN's float32 linear on the keys packed once, ``packed_scan``,
+which costs a decode step less than the plain matmul: BENCHMARKS.md, "Decode time per token", row "exact kNN over
+100k entries alone") up to ``exact_max_entries``; beyond that FAISS
 IVF-PQ as in the kNN-LM code (index trained on a sample, written next to the memory with ``faiss.write_index``,
 never pickled, its file name keyed by every setting that changes it), keys left memory-mapped on disk. As kNN-LM
 does, the k neighbours the approximate index returns get their exact squared L2 distances recomputed from the
 stored keys (k rows per query) and are re-sorted by them, so P_kNN's weights are exact (``exact_rerank``, on by
-default; off uses the index's PQ distances — measured on a 1M-entry datastore in BENCHMARKS §3c,
-``python -m benchmarks knn1m <memory-id>``). ``search_kind`` says which search is in use.
+default; off uses the index's PQ distances — measured on a 1M-entry datastore in BENCHMARKS.md, "kNN over 1M
+entries", ``python -m benchmarks knn1m <memory-id>``). ``search_kind`` says which search is in use.
 
 The index file is written under a temporary name (``ground.lock.temp_name``: a crashed writer's leftovers are
 removed at the next start), fsynced and renamed into place, with ``<index>.json`` beside it holding its sha256; the
@@ -36,12 +36,12 @@ entries (``ivf_min_points``: FAISS's k-means needs that many points a centroid, 
 query with k = 1,024 re-ranks 1,024 stored keys and scatters 1,024 weights per row, and the exact search's certified
 scan re-checks at least k entries a query in float32 — the same scan of every key, a larger top-k and re-check.
 
-Quality (BENCHMARKS.md §5f, "kNN's tuned starts on Gemma"): on Gemma 3 270M translation (a 1,000-pair WMT memory) no
-setting beat the base model on the dev items it was tuned on (paired bootstrap); λ 0.2 (the earlier tuned start)
-and the declared defaults lowered chrF significantly there. The tuned start there is k 8, T 100, λ 0.05
-(``plugins/tuned_defaults.json``): level with the base on the tuning items, a small, unconfirmed gain on later ones —
-not a reason to raise λ. Formality alike: λ 0.2 lost to the base, λ 0.05 is level. λ 0.05 is in the tuning grid, so a
-tuning run can choose it where every larger λ hurts.
+Quality (BENCHMARKS.md, "Starts, presets and calibration, checked on WMT dev items", row "kNN's tuned starts on Gemma"):
+on Gemma 3 270M translation (a 1,000-pair WMT memory) no setting beat the base model on the dev items it was tuned on
+(paired bootstrap); λ 0.2 (the earlier tuned start) and the declared defaults lowered chrF significantly there. The
+tuned start there is k 8, T 100, λ 0.05 (``plugins/tuned_defaults.json``): level with the base on the tuning items, a
+small, unconfirmed gain on later ones — not a reason to raise λ. Formality alike: λ 0.2 lost to the base, λ 0.05 is
+level. λ 0.05 is in the tuning grid, so a tuning run can choose it where every larger λ hurts.
 """
 from __future__ import annotations
 
@@ -95,10 +95,10 @@ class CertifiedL2Search:
        the same entries and distances (up to float32 rounding) as a float32 scan of all keys, which no entry outside
        S can enter.
 
-    ``tests/test_knn.py`` checks it against a float64 scan; BENCHMARKS §3 times it (``python -m benchmarks rows``).
-    Centring the keys and using exact residual norms keeps S small (a bound from |q|·|k| and elementwise rounding
-    re-checked ~1,000 entries per query on the benchmark's 100k datastore). The low-precision keys are float16, which
-    every CPU converts natively."""
+    ``tests/test_knn.py`` checks it against a float64 scan; BENCHMARKS.md, "Decode time per token" times it
+    (``python -m benchmarks rows``). Centring the keys and using exact residual norms keeps S small (a bound from
+    |q|·|k| and elementwise rounding alone re-checks far more entries per query). The low-precision keys are
+    float16, which every CPU converts natively."""
 
     MIN_ENTRIES = 4096  # below this the float32 scan is already cheap and exactly as before
     _CHUNK = 65536      # keys centred and rounded per chunk (no second float32 copy of every key)
@@ -281,7 +281,8 @@ class KNNConfig(PluginConfig):
     nprobe: int = setting(32, "IVF lists searched per query", low=1, high=1000000)
     normalize_keys: bool = setting(True)
     exact_rerank: bool = setting(True, "FAISS only: recompute the k neighbours' exact L2 distances (kNN-LM); off: "
-                                       "the index's PQ distances (BENCHMARKS §3c measures the difference)")
+                                       "the index's PQ distances (BENCHMARKS.md, \"kNN over 1M entries\", measures the "
+                                       "difference)")
     max_neighbours_traced: int = setting(8)
 
     # kNN trains nothing: its paper's knobs are decode settings (k, T, λ: the Compare tab). "paper" searches with
@@ -543,7 +544,8 @@ class KNN(Plugin):
     def knn_support(self, fc: torch.Tensor, k: int, temperature: float):
         """(log P_kNN (n, V), its support (n, k): the neighbours' tokens — a token once per neighbour carrying it —,
         distances, entry ids). P_kNN is zero beyond the neighbours' tokens, so the log runs over their k columns and
-        the rest is −inf (a log over Gemma's 262,144 mostly-zero probabilities cost ~2-4 ms a row and step)."""
+        the rest is −inf (a log over all of Gemma's 262,144 mostly-zero probabilities is a noticeable share of a
+        row's step)."""
         dist, idx = self.search(fc.float() / float(self.key_scale), k)
         valid = idx >= 0
         w = torch.where(valid, -dist / temperature, torch.full_like(dist, float("-inf")))

@@ -34,7 +34,8 @@ How it is adapted to our decoder-only backbones and to the shared-backbone proto
     * Learning rate: 1e-2 (Adam), a named deviation from the PEMA paper's 1e-3 (the preset ``"paper"``). With α = 1
       and r = 512 the scaling α/r is 1/512, so the delta moves slowly: at one epoch of 1,000 WMT pairs on Gemma 3
       270M, lr 1e-2 scored significantly above lr 1e-3, which at that budget was still below the base model
-      (BENCHMARKS.md §5e; ``python -m plugins train … --method lora --set lr=…``).
+      (BENCHMARKS.md, "Translation quality", row "LoRA lr 1e-2 vs the paper's 1e-3"; ``python -m plugins train …
+      --method lora --set lr=…``).
     * The LM head dominates the cost of a step (Gemma's vocabulary is 262k), so the default ``softmax="candidates"``
       (see ``plugins.adapter``) makes LoRA steps several times faster on CPU at the price of a sampled softmax;
       decoding uses every token, and the ``paper`` preset trains with the full softmax.
@@ -86,7 +87,8 @@ class LoRAConfig(NetworkConfig):
     alpha: float = setting(1.0, "α (paper); the delta is scaled by α / r", low=0.0, high=1e6)
     dropout: float = setting(0.0, "LoRA dropout on the projection's input (peft ``lora_dropout``)", low=0.0, high=0.99)
     lr: float = setting(1e-2, "Adam; the PEMA paper's LoRA baseline uses 1e-3 (preset \"paper\"), 1e-2 measured "
-                                "better on WMT dev at equal steps (BENCHMARKS §5e)", low=0.0, low_open=True, high=1.0)
+                                "better on WMT dev at equal steps (BENCHMARKS.md, \"Translation quality\")",
+                        low=0.0, low_open=True, high=1.0)
     max_epochs: int = setting(3, "steps are cheap: only the last layer and the LM head run", low=0, high=1000)
 
     PRESETS = {
@@ -95,7 +97,7 @@ class LoRAConfig(NetworkConfig):
                         "(the paper: 10–30; the shipped default is 8), exact softmax"),
         "quick": Preset({"rank": 64, "softmax": "candidates", "max_epochs": 2, "max_heldout": 16,
                          "max_minutes": 3.0},
-                        "a short run for trying the studio: r 64, candidate softmax (≈8× faster steps), 2 epochs, "
+                        "a short run for trying the studio: r 64, candidate softmax (much faster steps), 2 epochs, "
                         "at most 3 minutes"),
     }
 

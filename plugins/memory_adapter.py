@@ -59,7 +59,8 @@ Adaptations (besides the decoder-only placement), recorded here and in ``train_i
     * layers: the top 4 by default (the paper: every layer, the ``paper`` preset); ``layers="all"``, ``"top:N"``,
       ``"bottom:N"``, ``"every:K"`` or ``"3,7,11"`` — d×d matrices cost 2·(5d²+d+1) ≈ 4.1 M parameters per layer at
       d = 640 (73.8 M for Gemma's 18 layers), and with the top layers only, the frozen layers below run once per
-      batch: a default step costs 2.1 CPU s where the top 4 with the full softmax cost 7.5 on Gemma (BENCHMARKS §2d);
+      batch: a default step costs a fraction of the top 4's with the full softmax on Gemma (BENCHMARKS.md, "Training
+      defaults, decided by measurement", row "the memory adapter's profile and its smaller default");
     * training softmax: over a candidate vocabulary by default (``softmax="candidates"``, below); the paper's full
       softmax in the ``paper`` preset;
     * training on the memory's samples (not on a parallel corpus), with the frozen backbone's teacher-forced

@@ -81,7 +81,7 @@ class MemoryAdapter(nn.Module):
         bfloat16 backbone W_1[:d]/s is packed for oneDNN's bfloat16 linear (bfloat16 inputs and weights, float32
         accumulation: the backbone's own linears' arithmetic): the adapter's one large product (d×d, 1.6 MB in
         float32, read twice per layer and step), the largest part of a memory-adapter row's hook time in float32
-        (BENCHMARKS §3). Returns (logit matrix, value matrix, anchor product, W_2, b_2)."""
+        (BENCHMARKS.md, "Decode time per token"). Returns (logit matrix, value matrix, anchor product, W_2, b_2)."""
         qk, v, vw, w1a = self.prepare(mem, temperature)
         w1a = w1a / scale
         if dtype == torch.bfloat16 and w1a.device.type == "cpu" and packed_bf16_available():

@@ -12,12 +12,13 @@ Table II, named: MT-F run alone keeps s = 16 where the table gives 32 (set ``slo
 are W_key and W_value (2s², plus W_query, W_o and M) where the table counts 3r²; MT-M trains P̃ directly, without the
 table's prefix MLP reparametrisation (m = 768). Learning rate: the paper's 1e-4 is the ``paper`` preset; the shipped
 default is the in-network plug-ins' 1e-3 (a CPU run here has a few hundred steps, where 1e-4 moves the weights a
-tenth as far; measured: BENCHMARKS §5f, "Memory-tuning below the base").
+tenth as far; measured: BENCHMARKS.md, "Starts, presets and calibration, checked on WMT dev items", row
+"memory-tuning below the base").
 
 Default variant (a departure): MT-F. The paper's unified MT-MF is the ``paper`` preset. MT-M's prefix, initialised
 from real tokens' keys and values, starts far from the frozen model and does not recover within the default two
 epochs, so MT-MF decoded below the base model; MT-F starts at the frozen model (W_o = 0) and gained on the same
-items (BENCHMARKS §5f, "Memory-tuning below the base").
+items (BENCHMARKS.md, "Starts, presets and calibration, checked on WMT dev items", row "memory-tuning below the base").
 
 MT-F, per layer (§III; the memory attention is unscaled — no 1/√s —, footnote 2):
 

@@ -300,7 +300,7 @@ class _Handle:
     def suspend(self) -> bool:
         """Take the hooks off the modules, keeping them for ``resume``: a decode's next step attaches the very same
         functions (same rows, settings and derived products) without building them anew — attaching a 7-row
-        comparison's in-network plug-ins is a noticeable share of a step (BENCHMARKS §3).
+        comparison's in-network plug-ins is a noticeable share of a step (BENCHMARKS.md, "Decode time per token").
         False (and the hooks removed for good) where a handle does not show its hook table (torch's
         ``RemovableHandle`` does: ``backbone.torch_internals.hook_tables``): attach anew then."""
         kept = []

@@ -4,18 +4,19 @@ Model (paper §3, public code ``pema``, ``train_rct_pd.py``'s ``LoraLinear``):
     h_rct = s · B_rct · A · drop(f(c)),   h_pd = s · B_pd · A · drop(f(c)),   A ∈ R^{r×d}, B_rct, B_pd ∈ R^{d×r}
     s = α/r (``lora_alpha`` / r): the public code multiplies both outputs by ``scaling = lora_alpha / r`` with
     ``lora_alpha=1`` and r = 512, i.e. s = 1/512 (the paper does not mention it). Adam's steps are ~lr whatever
-    the gradient's size, so with s = 1/512 B_rct needs ~10× the steps to reach a reconstruction (synthetic check in
+    the gradient's size, so with s = 1/512 B_rct needs many times the steps to reach a reconstruction (synthetic check:
     docs/methods.md; the public code trains up to 200 epochs); ``rct_init="pca"`` starts there for any s, and
     ``lora_alpha`` = r gives s = 1 (this project's earlier parametrisation). P_PEMA does not depend on s while
     mean(h_pd²) ≫ the final RMSNorm's ε (see "Adaptations"). ``drop`` is the dropout on the adapter input
     (p = 0.2); the public code draws it separately for h_pd and for h_rct, and so does ``fit``.
     Init as the public code's ``reset_parameters``: A Kaiming-uniform (a = √5, bound 1/√d), B_rct and B_pd zero
     (``b_init="zeros"``); ``b_init="random"`` starts B like A.
-    **Defaults, measured one change at a time** (BENCHMARKS.md §5f, "PEMA one change at a time", 1,000 WMT pairs,
-    10 epochs a phase as a step budget): from the shipped defaults (s = 1, i.e. ``lora_alpha=0``; random B; 256
-    entries a step; f(c)/RMS; epoch-wise early stopping), s = 1/512 alone lowered the early-stopping CE of P_PEMA
-    and the held-out mixture NLL; B = 0, 2,048 a step and the raw f(c) each raised them; the step-wise
-    rule changed nothing; the public code's regime as a whole (the ``paper`` preset) was far behind at that budget.
+    **Defaults, measured one change at a time** (BENCHMARKS.md, "Starts, presets and calibration, checked on WMT dev
+    items", row "PEMA one change at a time", 1,000 WMT pairs, 10 epochs a phase as a step budget): from the shipped
+    defaults (s = 1, i.e. ``lora_alpha=0``; random B; 256 entries a step; f(c)/RMS; epoch-wise early stopping),
+    s = 1/512 alone lowered the early-stopping CE of P_PEMA and the held-out mixture NLL; B = 0, 2,048 a step and
+    the raw f(c) each raised them; the step-wise rule changed nothing; the public code's regime as a whole (the
+    ``paper`` preset) was far behind at that budget.
     Decoded on WMT dev items never tuned on, s = 1/512 was not better than the shipped default (the scores are in
     that BENCHMARKS.md section), so the defaults stay; the public code's values are the ``paper`` preset.
     P_PEMA(w|c) = softmax(W_hd · norm(h_pd))   with the backbone's frozen final norm and LM head W_hd.
@@ -66,7 +67,8 @@ Adaptations, all recorded in the plug-in's ``train_info``:
       come from the *training* entries only (held-out targets never enter them).
     * ``batch_size`` 256 entries per step (default, measured with the other defaults above); the public scripts use
       2,048 (joint phase) to 20,480/40,960 (reconstruction). With the candidate softmax a joint step at Gemma's sizes
-      (d = 640, r = 512, ~7k candidates) runs ~2,100 entries/s on 2 CPU cores at either size. With
+      (d = 640, r = 512, a few thousand candidates) runs about as many entries a second at either size (its rate:
+      BENCHMARKS.md, "Plug-in training"). With
       ``softmax="full"`` a 2,048 × 262k float32 logit matrix is 2 GB (twice that with its gradient).
 """
 from __future__ import annotations
@@ -99,7 +101,7 @@ class PEMAConfig(PluginConfig):
     lr: float = setting(1e-3, "Adam, β (0.9, 0.999), eps 1e-8", low=0.0, low_open=True, high=1.0)
     dropout: float = setting(0.2, "on the adapter input", low=0.0, high=0.99)
     # entries per step. Public scripts: 2,048 (joint phase) to 20,480 / 40,960 (reconstruction); 2,048 is the
-    # joint-phase value; with the candidate softmax ~1 s/step on Gemma on 2 CPU cores (docstring, docs/methods.md).
+    # joint-phase value, whose steps cost far more on a CPU (timings: BENCHMARKS.md, "Plug-in training").
     batch_size: int = setting(256, "entries per step (public code: 2,048; 256 is the default: at an equal epoch "
                                    "budget 2,048 a step had the higher held-out loss, BENCHMARKS.md, \"PEMA one "
                                    "change at a time\")", low=1, high=65536)

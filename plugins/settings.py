@@ -252,7 +252,8 @@ def plugin_calibration(plugin) -> dict | None:
 
 
 # A calibration on fewer tuning samples than this says so in its label: on Gemma, kNN tuned on 14 held-out WMT samples
-# gained +15 chrF there and lost 4 chrF on 200 WMT dev items (BENCHMARKS §5f, "Calibrated against global defaults").
+# gained there and lost on 200 WMT dev items (BENCHMARKS.md, "Starts, presets and calibration, checked on WMT dev
+# items", row "per-memory calibration").
 FEW_TUNING_SAMPLES = 30
 
 

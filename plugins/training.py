@@ -208,7 +208,7 @@ def optimizer_from_tensors(tensors: dict[str, torch.Tensor]) -> dict:
 class BudgetGuard:
     """Keeps the progress of a run that the wall-clock budget would cut off between two held-out evaluations.
 
-    For in-network plug-ins a training step on the real backbone can take 10–80 s on a busy 2-core CPU; running
+    For in-network plug-ins a training step on the real backbone can take a minute on a busy CPU; running
     one more step past the budget and then evaluating (what ``run_training`` does) overshoots by a whole step. The
     guard wraps the held-out loss (mirroring the best state) and, when the *next* step would cross the budget,
     evaluates at the start of that step; ``restore()`` loads the best state it saw when that beats run_training's.

@@ -30,7 +30,7 @@ from studio.gate import BackboneGate
 TINY_NAMES = ("tiny", "tiny-llama")
 # P_LM under a remote backbone: computed here from the owner's f(c) with the final norm and W_hd this side holds —
 # exact (the local arithmetic), and per row and step ~2.5 KB on Gemma instead of ~1 MB for the owner's float32 P_LM
-# (BENCHMARKS §10).
+# (BENCHMARKS.md, "Offsite protocol").
 REMOTE_LM = "none"
 REMOTE_MULTI_USER = ("A remote backbone is set for the whole hosted studio by its operator (python app.py --remote "
                      "URL); there is no per-user remote in multi-user mode.")
@@ -236,7 +236,7 @@ class BackboneService:
         now = time.time()
         s["elapsed"] = round(now - s["started"], 1) if s["started"] else 0.0
         if s["state"] == "loading" and s["message"].startswith("De-quantizing"):
-            # The de-quantization step reports nothing for ~70 s: show an estimate so the bar moves.
+            # The de-quantization step reports nothing for a minute or more: show an estimate so the bar moves.
             stage = now - (s["stage_started"] or now)
             s["progress"] = min(0.84, 0.15 + 0.69 * stage / 90.0)
         bb = self._bb

@@ -51,7 +51,8 @@ def calibration_share(method: str, config: dict, backbone_name: str, memory) -> 
 
 
 # Declared ranges of a calibration's budgets (0: the defaults): a held-out split has at most a few thousand samples,
-# and an hour of the shared CPU is already far more than the grid needs (BENCHMARKS §5f, per-memory calibration).
+# and an hour of the shared CPU is already far more than the grid needs (BENCHMARKS.md,
+# "Starts, presets and calibration, checked on WMT dev items", row "per-memory calibration").
 CALIBRATE_MAX_SAMPLES = 5000
 CALIBRATE_MAX_SECONDS = 3600.0
 

@@ -37,7 +37,7 @@ TOUR_LIMIT = 1000  # its samples: 100 held out (40 tune, 60 report)
 # Decode seconds per sentence and row (greedy, ≈ 30 tokens) for the tour's estimate before any decode was timed.
 # seconds the base model takes to decode one held-out sentence alone, per backbone and kind of machine
 # (plugins.estimate.machine_kind), for the estimate said before a rank starts: a rank's decode-speed phase ÷ its
-# sentences (BENCHMARKS §13, "Ranking every method": both kinds' ranks)
+# sentences (BENCHMARKS.md, "Ranking every method": both kinds' ranks)
 DECODE_S_PER_SENTENCE = {"gemma-3-270m@cpu-bf16": 0.89, "gemma-3-270m@cpu-avx2": 1.5, "gemma-3-270m": 1.5}
 
 

@@ -73,7 +73,7 @@ def test_pema_init_is_the_public_codes_lora_init(tiny):
     p = PEMA(PEMAConfig(rank=16, seed=7, b_init="zeros"), tiny, {"key_rms": 1.0})
     assert torch.count_nonzero(p.B_rct) == 0 and torch.count_nonzero(p.B_pd) == 0
     assert p.A.abs().max() <= 1 / math.sqrt(d) and p.A.abs().max() > 0.5 / math.sqrt(d)
-    # the random start is the measured default (BENCHMARKS.md §5f, "PEMA one change at a time"), a named deviation
+    # the random start is the measured default (BENCHMARKS.md, "PEMA one change at a time" row), a named deviation
     q = PEMA(PEMAConfig(rank=16, seed=7), tiny, {"key_rms": 1.0})
     assert q.config.b_init == "random" and q.scaling == 1.0
     assert torch.count_nonzero(q.B_rct) == q.B_rct.numel()

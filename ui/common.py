@@ -119,8 +119,8 @@ def poll_while_running(studio, timer, job_state, seen, any_job: bool = False) ->
 
 
 # Gradio's queue looks for new events every 1 ms and for progress to send every 10 ms while nothing happens (Linux
-# defaults): ≈ 5–10 % of a core for an idle server (BENCHMARKS, "An idle tab"). 20 ms and 100 ms instead: an event
-# starts at most 20 ms later; what a handler streams (its yields) is sent as before, not by this loop.
+# defaults): a noticeable share of a core for an idle server (BENCHMARKS.md, "An idle tab"). 20 ms and 100 ms instead:
+# an event starts at most 20 ms later; what a handler streams (its yields) is sent as before, not by this loop.
 QUEUE_IDLE_S, QUEUE_PROGRESS_S = 0.02, 0.1
 
 
