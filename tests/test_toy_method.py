@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ground.settings import Setting
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
-from plugins.settings import Setting, setting
+from plugins.settings import setting
 
 
 @dataclass
