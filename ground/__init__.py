@@ -1,5 +1,6 @@
 """Floor 1, the ground: the data directory and its catalog, the user-error and cancellation types, background-job
-primitives, shared CLI pieces and the declared setting (``settings``). It imports nothing of the project; every other package may import it.
+primitives, shared CLI pieces and the declared setting (``settings``). It imports nothing of the project; every
+other package may import it.
 
 It also chooses how OpenMP's idle threads wait, which must happen before torch loads its OpenMP runtime (the first
 import of ``ground`` does it; ``backbone`` and ``app`` import ``ground`` first): by default they sleep at once
