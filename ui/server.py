@@ -648,7 +648,7 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
 
 
 def forget_api_sessions(blocks: gr.Blocks) -> None:
-    """Gradio makes a session state (a copy of the app's whole config: about 1 MB for the studio) for every session
+    """Gradio makes a session state (a copy of the app's whole config, large for the studio) for every session
     hash it sees, and raw-HTTP calls name a new one each time. An API endpoint needs none: after its event, the
     session goes unless a page event has used it (a browser tab's session stays, within ``Limits.sessions``)."""
 
