@@ -221,9 +221,8 @@ def _plugin_endpoints(studio) -> list:
         """Queue the calibration of one of your interpolating plug-ins (PEMA, kNN): its declared decode grid and
         λ = 0 decoded on its memory's held-out tuning samples, the best by chrF then sacreBLEU that never loses to
         the base is stored with it (0: the defaults — at most 40 samples, no time budget). Returns {"job_id"}."""
-        return {"job_id": studio.plugin_service.submit_calibrate(plugin_id, owner=owner_of(studio, request),
-                                                                 max_samples=max_samples or None,
-                                                                 max_seconds=max_seconds or None)}
+        return {"job_id": studio.submit_calibrate(plugin_id, owner=owner_of(studio, request),
+                                                  max_samples=max_samples or None, max_seconds=max_seconds or None)}
 
     return [methods, train, plugins, continue_training, calibrate]
 
