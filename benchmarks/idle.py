@@ -1,6 +1,8 @@
 """An open tab that idles: over a window on a page with no running job (one finished job listed), the events the page
-sends (timer polls), the DOM mutations it makes, and the CPU of the browser (Debian's Chromium, headless, driven by
-Playwright) and of the studio's server (its own process, tiny backbone).
+sends (timer polls), the DOM mutations it makes, its requestAnimationFrame calls, and the CPU of the browser (Debian's
+Chromium, headless, driven by Playwright) and of the studio's server (its own process, tiny backbone). Two floors are
+measured first in the same run: a blank page (``about:blank``: headless Chromium itself) and an empty ``gr.Blocks()``
+page as Gradio serves it.
 
     python -m benchmarks idle [--seconds 30] [--root CHECKOUT] [--tab Rank]
 
@@ -33,8 +35,8 @@ job = st.jobs.wait(st.submit_build(tsv, "pairs.tsv", name="idle pairs"), 120)
 assert job["state"] == "done", job
 st.close()
 """
-# Gradio's own floor: an empty Blocks page, served the same way (Gradio 6.31's frontend runs a requestAnimationFrame
-# loop on any page, ≈ 60 a second: the browser's CPU with nothing of the studio's on the page)
+# Gradio's own floor: an empty Blocks page as Gradio serves it (its loading screen's status tracker leaves a
+# requestAnimationFrame loop running, ≈ 60 a second, which the studio's server fixes: ui.gradio_internals)
 EMPTY = """
 import sys, time
 import gradio as gr
@@ -45,9 +47,15 @@ demo.launch(server_port=int(sys.argv[1]), prevent_thread_lock=True, quiet=True)
 while True:
     time.sleep(1)
 """
+# counts the page's requestAnimationFrame calls from its first script on (a frame loop keeps the browser drawing)
+COUNT_FRAMES = """(() => {
+  const raf = window.requestAnimationFrame.bind(window);
+  window.pemaFrames = 0;
+  window.requestAnimationFrame = (cb) => { window.pemaFrames += 1; return raf(cb); };
+})()"""
 # counts what the page does from now on: DOM mutation records, and the events it sends (fetch and XHR to the queue)
 OBSERVE = """() => {
-  window.pemaIdle = {mutations: 0};
+  window.pemaIdle = {mutations: 0, frames: window.pemaFrames};
   new MutationObserver((records) => { window.pemaIdle.mutations += records.length; })
     .observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
 }"""
@@ -117,13 +125,15 @@ def serve_empty() -> tuple[subprocess.Popen, str]:
     return proc, wait_until_served(proc, f"http://127.0.0.1:{port}/", 120, "the empty Gradio page")
 
 
-def measure(url: str, server: psutil.Process, seconds: float, tab: str | None, page_settle_s: float) -> dict:
+def measure(url: str, server: psutil.Process | None, seconds: float, tab: str | None, page_settle_s: float) -> dict:
+    """The window's figures on ``url`` (``server`` None: no server, e.g. ``about:blank``)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--headless", "--no-sandbox", "--disable-gpu"])
         page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.add_init_script(COUNT_FRAMES)
         page.goto(url, wait_until="domcontentloaded")
         if tab != "-":  # "-": Gradio's empty page (no studio header to wait for)
             page.wait_for_selector("#pema-status .pema-status.ok", timeout=120_000)
@@ -133,16 +143,19 @@ def measure(url: str, server: psutil.Process, seconds: float, tab: str | None, p
         sent = []
         page.on("request", lambda r: sent.append(r.url) if "/gradio_api/" in r.url else None)
         page.evaluate(OBSERVE)
-        procs = browser_processes({server.pid})
-        b0, s0, t0 = cpu_seconds(procs), cpu_seconds([server]), time.time()
+        servers = [server] if server is not None else []
+        procs = browser_processes({p.pid for p in servers})
+        b0, s0, t0 = cpu_seconds(procs), cpu_seconds(servers), time.time()
         page.wait_for_timeout(seconds * 1000)
-        b1, s1, wall = cpu_seconds(procs), cpu_seconds([server]), time.time() - t0
-        mutations = page.evaluate("window.pemaIdle.mutations")
+        b1, s1, wall = cpu_seconds(procs), cpu_seconds(servers), time.time() - t0
+        mutations, frames = page.evaluate("[window.pemaIdle.mutations, window.pemaFrames - window.pemaIdle.frames]")
         browser.close()
     events = [u for u in sent if "/queue/join" in u or "/run/" in u]
     return {"seconds": round(wall, 1), "events_sent": len(events), "events_per_s": round(len(events) / wall, 2),
             "dom_mutations": mutations, "dom_mutations_per_s": round(mutations / wall, 1),
-            "browser_cpu_pct": round(100 * (b1 - b0) / wall, 2), "server_cpu_pct": round(100 * (s1 - s0) / wall, 2),
+            "animation_frames": frames, "animation_frames_per_s": round(frames / wall, 1),
+            "browser_cpu_pct": round(100 * (b1 - b0) / wall, 2),
+            "server_cpu_pct": round(100 * (s1 - s0) / wall, 2) if servers else None,
             "browser_processes": len(procs)}
 
 
@@ -152,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="the checkout to serve")
     ap.add_argument("--tab", default=None, help="open this tab first (e.g. Plug-ins); default: the first")
     ap.add_argument("--page-settle", type=float, default=15.0, help="seconds between the page's load and the window")
-    ap.add_argument("--no-floor", action="store_true", help="skip Gradio's empty page (measured first by default)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the blank page and Gradio's empty page (measured first by default)")
     a = ap.parse_args(argv)
     if not a.no_floor:
+        blank = measure("about:blank", None, a.seconds, "-", a.page_settle)
+        print(json.dumps({"root": "about:blank (headless Chromium's floor)", **blank}))
         proc, url = serve_empty()
         try:
             server = psutil.Process(proc.pid)

@@ -374,3 +374,27 @@ def test_gradio_mounting_reads_the_bounds_set_before_and_stop_ends_the_app():
     gradio_internals.stop(demo)
     assert demo.app.stop_event.is_set() and demo._queue.stopped and not demo.is_running
     gradio_internals.stop(object())  # nothing to stop: no error
+
+
+def test_gradio_status_tracker_is_served_with_the_teardown_its_timer_loop_lacks():
+    """The pinned Gradio's built status tracker has the timer loop the fix ends (its effect on ``status``, the flag
+    its loop goes on with): the fix adds one effect and nothing else, served in place of Gradio's own file on every
+    mount; the browser tests (tests/test_idle_browser.py) check that it ends the loop."""
+    import gradio as gr
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    name, fixed = gradio_internals.status_tracker_fix()
+    original = (Path(gradio_internals.BUILD_PATH_LIB) / name).read_text(encoding="utf-8")
+    added = re.fullmatch(r"(.*\}\)),([\w$]+)\(\(\)=>\(\)=>\{([\w$]+)=!1\}\)(,.*)", fixed, re.DOTALL)
+    assert added and added[1] + added[4] == original, "the fix is one effect whose teardown clears a flag"
+    assert f"{added[3]}&&=!1" in original and re.search(rf"{re.escape(added[3])}&&[\w$]+\(\)\}}\)\}}", original)
+    app = FastAPI()
+    assert gradio_internals.serve_fixed_frontend(app, ["/share", "/"])
+    gr.mount_gradio_app(app, _demo_blocks(), path="/")
+    client = TestClient(app)
+    for url in (f"/assets/{name}", f"/share/assets/{name}"):
+        got = client.get(url)
+        assert got.status_code == 200 and got.text == fixed and "javascript" in got.headers["content-type"], url
+    assert client.get("/assets/" + next(p.name for p in Path(gradio_internals.BUILD_PATH_LIB).glob("index-*.js"))
+                      ).status_code == 200  # Gradio's other files are still Gradio's

@@ -14,14 +14,18 @@ that a Gradio upgrade has one place to check: ``tests/test_library_internals.py`
   intervals, its analytics bound, ``close()``;
 - its session states (``state_holder``: ``lock``, ``session_data``, ``time_last_used``), the bound on them
   (``state_session_capacity``), the cache cleaning (``delete_cache``, ``upload_file_set``), ``has_launched``, and
-  what stops it (``is_running``, ``app.stop_event``).
+  what stops it (``is_running``, ``app.stop_event``);
+- its frontend: the built status tracker (``templates/frontend/assets/statustracker-*.js``), served with the
+  teardown its timer loop lacks (:func:`serve_fixed_frontend`).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from gradio.http_server import Server
-from gradio.route_utils import XSS_SAFE_MIMETYPES
+from gradio.route_utils import BUILD_PATH_LIB, XSS_SAFE_MIMETYPES
 from gradio.utils import get_upload_folder
 
 PINNED = "6.31.0"  # the gradio these internals are checked against (requirements.txt)
@@ -184,3 +188,57 @@ def stop(blocks) -> None:
             event.set()
     except (AttributeError, RuntimeError):
         pass
+
+
+# --- the frontend ----------------------------------------------------------------------------------------------------
+# Gradio's status tracker (js/statustracker/static/index.svelte) counts a pending event's seconds in a
+# requestAnimationFrame loop, ``run()``, that goes on while ``_timer`` is set; only an effect on ``status`` clears it,
+# and nothing does when the tracker is destroyed. The page's loading screen (js/core/src/Index.svelte) shows a tracker
+# with status "pending" and removes it as the app becomes ready, so on every page that loop runs ≈ 60 times a second
+# for the life of the tab (and once more for every tracker removed while its event was pending). In the minified
+# bundle: the effect ``E(()=>{p.status===`pending`?start():untrack(()=>{stop()})})``, ``function stop(){…,T&&=!1}``
+# and ``function run(){raf(()=>{…,T&&run()})}``.
+_TIMER_EFFECT = re.compile(r"(?P<effect>[\w$]+)\(\(\)=>\{[\w$]+\.status===`pending`\?[\w$]+\(\):[\w$]+"
+                           r"\(\(\)=>\{(?P<stop>[\w$]+)\(\)\}\)\}\)")
+
+
+def status_tracker_fix() -> tuple[str, str] | None:
+    """(file name, text) of Gradio's built status tracker with one effect added whose teardown, run when a tracker
+    is destroyed, clears the timer loop's flag (the loop ends at its next frame); None where the bundle is not the
+    expected one (another Gradio: then it is served as it is)."""
+    found = sorted(Path(BUILD_PATH_LIB).glob("statustracker-*.js"))
+    if len(found) != 1:
+        return None
+    js = found[0].read_text(encoding="utf-8")
+    effects = list(_TIMER_EFFECT.finditer(js))
+    if len(effects) != 1:
+        return None
+    effect = effects[0]
+    stop = re.search(rf"function {re.escape(effect['stop'])}\(\)\{{[^{{}}]*?([\w$]+)&&=!1\}}", js)
+    if stop is None:
+        return None
+    flag = re.escape(stop[1])
+    if not re.search(rf"function ([\w$]+)\(\)\{{[\w$]+\(\(\)=>\{{[^{{}}]*?{flag}&&\1\(\)\}}\)\}}", js):
+        return None  # the flag is not the one the loop goes on with
+    teardown = f",{effect['effect']}(()=>()=>{{{stop[1]}=!1}})"
+    return found[0].name, js[:effect.end()] + teardown + js[effect.end():]
+
+
+def serve_fixed_frontend(app, mounts) -> bool:
+    """Serve :func:`status_tracker_fix` on ``app`` (a FastAPI app, before Gradio apps are mounted on it at the paths
+    ``mounts``) where each of those pages loads Gradio's own (``<mount>/assets/<name>``); whether it could."""
+    from starlette.responses import Response
+
+    fix = status_tracker_fix()
+    if fix is None:
+        return False
+    name, text = fix
+    body = text.encode("utf-8")
+
+    async def fixed_status_tracker():
+        return Response(body, media_type="text/javascript")
+
+    for mount in mounts:
+        app.add_api_route(f"{mount.rstrip('/')}/assets/{name}", fixed_status_tracker, methods=["GET"],
+                          include_in_schema=False)
+    return True

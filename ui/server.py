@@ -633,6 +633,9 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     common = dict(server_name=host, server_port=port, ssr_mode=False, show_error=True, theme=theme, css=css,
                   head=head, max_file_size=max_file_size, allowed_paths=None,
                   blocked_paths=blocked_paths(studio.root))
+    # before the mounts: Gradio's status tracker with the teardown its timer loop lacks (else an idle tab runs a
+    # requestAnimationFrame loop from its loading screen for as long as it stays open)
+    gri.serve_fixed_frontend(app, ["/share", "/"])
     gr.mount_gradio_app(app, share_blocks, path="/share", footer_links=[], run_history=False, **common)
     gr.mount_gradio_app(app, studio_blocks, path="/", footer_links=["api"], run_history=False, **common)
     for blocks in (studio_blocks, share_blocks):  # Gradio checks events' files only in an app that has launched
