@@ -263,7 +263,7 @@ def bench_knn_1m(bb, mem, work: Path, n: int = 1_000_000, report=(1000, 100), qu
     pq, _ = train_plugin(bb, big, "knn", {"exact_rerank": False}, out_dir=work / "knn-ivfpq-pq")
     res["search"] = {"exact": exact.search_kind, "faiss": ivf.search_kind, "faiss_pq": pq.search_kind}
     print(res, file=sys.stderr)
-    k = int(ivf.settings({})["k"])
+    k = ivf.settings().k
     # queries: held-out-like contexts, real keys moved by the same noise (never an entry's own key)
     q = real[torch.from_numpy(rng.choice(len(real), queries, replace=False))]
     q = q + torch.randn(q.shape, generator=torch.Generator().manual_seed(2)) * noise

@@ -45,7 +45,7 @@ def heldout_nll(bb, memory, plugin=None, batch_size: int = 8) -> dict:
                 f = fc[sel]
                 lp = torch.log_softmax(bb.logits_from_fc(f).float(), -1)
                 if plugin is not None and not net:
-                    settings = [dict(plugin.decode_defaults)] * f.shape[0]
+                    settings = [plugin.settings()] * f.shape[0]
                     extra = plugin.extra_states(f, settings)
                     vocab = plugin.head_vocab()
                     normed = None if extra is None else bb.final_norm(extra.to(bb.dtype))

@@ -11,14 +11,15 @@ import torch
 from backbone.model import Backbone
 from backbone.prompts import Prompt
 from engine.comparison import comparison_settings, split_comparison
-from engine.protocol import NetworkMethod, OutputMethod, PromptMethod, row_span
+from engine.protocol import NO_SETTINGS, NetworkMethod, OutputMethod, PromptMethod, row_span
 from engine.results import Row
 from ground.errors import UserError
+from ground.settings import SettingsRecord
 
 
-def _key(settings: dict) -> str:
+def _key(settings: SettingsRecord) -> str:
     """Settings as a key: rows with equal settings share an in-network group."""
-    return json.dumps(settings, sort_keys=True, default=str)
+    return json.dumps(settings.as_dict(), sort_keys=True, default=str)
 
 
 @dataclass
@@ -27,7 +28,7 @@ class NetGroup:
 
     plugin: NetworkMethod
     key: str                  # the settings as JSON (with the plug-in, what the prefix cache is keyed by)
-    settings: dict
+    settings: SettingsRecord
     members: list[int]        # its method rows
     prefill: int = 0          # its prefill group
     rows: torch.Tensor | None = None  # its method rows' batch rows
@@ -40,7 +41,7 @@ class PromptGroup:
 
     plugin: PromptMethod
     key: str
-    settings: dict
+    settings: SettingsRecord
     members: list[int]        # its method rows
     contexts: list[list[int]]  # per source: the row's context token ids
     prompts: list[Prompt]      # per source: the prompt they render
@@ -53,7 +54,7 @@ class OutGroup:
 
     plugin: OutputMethod
     rows: torch.Tensor        # its method rows' batch rows
-    settings: list[dict]      # per batch row
+    settings: list[SettingsRecord]  # per batch row
     src_lens: list[int]       # per batch row
     ref_lens: list[int | None] | None = None  # per batch row, when the request gave reference lengths
 
@@ -78,7 +79,7 @@ class Batch:
     prompt: Prompt
     contexts: list[list[int]]
     src_lens: list[int]
-    settings: list[dict]      # per method row, complete (the method's own settings)
+    settings: list[SettingsRecord]  # per method row, complete (the method's own settings, its typed record)
     num_beams: int
     net: list[NetGroup]
     out: list[OutGroup]
@@ -137,13 +138,17 @@ class Batch:
         return self.source_of(b) * self.G + self.group_of_row[self.method_row_of(b)]
 
 
-def _comparison_of(rows: list[Row], given: dict | None) -> tuple[dict, list[dict]]:
-    """The batch's comparison settings (``given``, else those in the rows' settings, which must agree: they apply
+def _comparison_of(rows: list[Row], given: dict | None) -> tuple[dict, list[SettingsRecord | dict]]:
+    """The batch's comparison settings (``given``, else those the rows ask for, which must agree: they apply
     to every row alike) and each row's own settings without them."""
     found: dict = dict(given or {})
     own = []
     for r in rows:
-        comp, rest = split_comparison(r.settings)
+        if isinstance(r.settings, SettingsRecord):
+            comp, rest = dict(r.comparison), r.settings
+        else:
+            comp, rest = split_comparison(r.settings)
+            comp = {**r.comparison, **comp}
         for k, v in comparison_settings(comp).items() if comp else ():
             if k in found and found[k] != v and not (given and k in given):
                 raise UserError(f"The setting {k!r} applies to every row of a comparison alike; rows ask for "
@@ -174,7 +179,7 @@ def plan_batch(backbone: Backbone, sources: list[str], rows: list[Row], prompt: 
     ctxs = contexts or [backbone.encode_context(prompt.render(s)) for s in sources]
     src_lens = [len(backbone.encode_target(s.strip())) for s in sources]
     comp, own = _comparison_of(rows, comparison)
-    settings = [r.plugin.settings(o) if r.plugin is not None else {} for r, o in zip(rows, own)]
+    settings = [r.plugin.settings(o) if r.plugin is not None else NO_SETTINGS for r, o in zip(rows, own)]
     for r in rows:
         if r.plugin is not None:
             r.plugin.prepare_decode()

@@ -36,7 +36,8 @@ def comparisons(backbone: Backbone, batch: Batch, beams: Beams, steps: int, seco
         results = []
         for r_i, row in enumerate(batch.rows):
             score, toks, tr = beams.best(s_i * batch.R + r_i)
-            results.append(row_result(backbone, row, toks, tr, {**batch.settings[r_i], **batch.comparison}, score,
+            settings = {**batch.settings[r_i].as_dict(), **batch.comparison}
+            results.append(row_result(backbone, row, toks, tr, settings, score,
                                       own[r_i].prompts[s_i].to_dict() if r_i in own else None))
         out.append(Comparison(source=source, context_ids=batch.contexts[s_i], src_len=batch.src_lens[s_i],
                               rows=results, seconds=seconds, steps=steps, num_beams=batch.B, backbone=backbone.name))

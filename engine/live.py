@@ -19,6 +19,7 @@ from engine.results import Comparison, Row, row_result
 from engine.step import decode_step
 from engine.stepping import DecodeRun
 from engine.topk import TOP, top_k, top_tokens
+from ground.settings import SettingsRecord
 
 KEEP_TOP = 64  # per step and row of a kept decode: the top tokens of P_LM and of P_plug-in (LiveComparison)
 
@@ -156,7 +157,7 @@ class LiveComparison:
         return LiveMove(self, batch, kept, tails, t0)
 
     # --- one row's kept steps under new settings ---------------------------------------------------------------
-    def _evaluate(self, i: int, settings: dict) -> tuple[int | None, list[dict], float, StepRecords]:
+    def _evaluate(self, i: int, settings: SettingsRecord) -> tuple[int | None, list[dict], float, StepRecords]:
         """Row ``i``'s kept steps under ``settings``: (the first step whose token changes or None, the trace
         entries and float32 score of the steps before it, the records refreshed for them)."""
         plugin, toks, old_traces = self.rows[i].plugin, self.tokens[i], self.traces[i]
@@ -226,7 +227,7 @@ class LiveComparison:
                          for tk, p in zip(ki[o5].tolist(), v5.exp().tolist())]
         return int(ki[int(cand.argmax())]), best, top_final
 
-    def _exact_step(self, i: int, rec: StepRecords, t: int, settings: dict, bad: set, score: torch.Tensor):
+    def _exact_step(self, i: int, rec: StepRecords, t: int, settings: SettingsRecord, bad: set, score: torch.Tensor):
         """Step ``t`` of row ``i`` recomputed from its f(c) (``decode_step`` on that row: LM head, plug-in, mix);
         refreshes the step's records. Returns (token, float32 score, top 5 of the final distribution, trace info)."""
         row = Row(self.rows[i].label, self.rows[i].plugin, settings)
@@ -243,7 +244,7 @@ class LiveComparison:
         rec.set_step(t, fresh)
         return int(k[0]), v[0].cpu(), top_tokens(final, self.backbone) if self.trace else None, out.info[0]
 
-    def _new_distribution(self, plugin: OutputMethod, rec: StepRecords, settings: dict) -> list[dict] | None:
+    def _new_distribution(self, plugin: OutputMethod, rec: StepRecords, settings: SettingsRecord) -> list[dict] | None:
         """The plug-in's distribution under ``settings`` for every kept step, from the kept f(c) alone (a plug-in
         without extra states through the LM head, e.g. kNN); refreshes the records' plug-in side (P_LM is known at
         its new top tokens only where the records had it). Returns each step's trace info, or None for a plug-in
@@ -370,7 +371,7 @@ class LiveMove(DecodeRun):
     def _comparison(self, seconds: float) -> Comparison:
         live, bb = self._live, self._live.backbone
         rows = self._rows()
-        results = [row_result(bb, row, toks, tr, {**self.batch.settings[i], **self.batch.comparison}, score)
+        results = [row_result(bb, row, toks, tr, {**self.batch.settings[i].as_dict(), **self.batch.comparison}, score)
                    for i, (row, (toks, tr, score)) in enumerate(zip(self.batch.rows, rows))]
         return Comparison(source=live.source, context_ids=live.context, src_len=live.src_len, rows=results,
                           seconds=seconds, steps=max(len(r.tokens) for r in results), num_beams=1,

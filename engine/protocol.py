@@ -18,6 +18,10 @@ import torch
 from backbone.model import Backbone
 from backbone.prompts import Prompt, common_prefix_len
 from backbone.torch_internals import version
+from ground.settings import SettingsRecord, settings_record
+
+# the settings of a row without a method of its own (the base model's): none
+NO_SETTINGS: SettingsRecord = settings_record("NoSettings", (), "the base model")()
 
 
 @dataclass
@@ -29,7 +33,7 @@ class MixInput:
     extra_logits: torch.Tensor | None  # (n, V) float32 logits of the plug-in's extra states, if it asked for any
     step: int                   # number of tokens generated so far in this row (0 for the first)
     src_len: list[int]          # SL per row: token length of the row's input sentence (instruction excluded)
-    settings: list[dict]        # decode-time settings per row
+    settings: list[SettingsRecord]  # decode-time settings per row: the method's typed record (``s.lambda_max``)
     ref_len: list[int | None] | None = None  # per row: the reference's token length, in evaluations that ask for it
                                              # (PEMA's GU "code" variant, whose SL counts the reference); else None
 
@@ -76,8 +80,8 @@ class DecodeMethod(Protocol):
     interpolates: bool    # its mix is λ_t·P_plugin + (1−λ_t)·P_LM: a slider move may re-mix kept steps
     fingerprint: str      # the backbone it was made for
 
-    def settings(self, overrides: dict | None = None) -> dict:
-        """A row's complete decode settings from its overrides (checked)."""
+    def settings(self, overrides: dict | SettingsRecord | None = None) -> SettingsRecord:
+        """A row's complete decode settings, its method's typed record, from its overrides (checked)."""
 
     def prepare_decode(self) -> None:
         """Called once per planned batch, before its first step."""
@@ -94,7 +98,7 @@ class OutputMethod(DecodeMethod, Protocol):
     """A method acting on the output distribution: it mixes its rows after the LM head (level "output", or an
     in-network one with ``mixes_output``)."""
 
-    def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
+    def extra_states(self, fc: torch.Tensor, settings: list[SettingsRecord]) -> torch.Tensor | None:
         """Pre-norm states to project through the LM head in the step's one product, or None."""
 
     def head_vocab(self) -> torch.Tensor | None:
@@ -109,7 +113,7 @@ class OutputMethod(DecodeMethod, Protocol):
     def mix_lambdas(self, inp: MixInput) -> list[float]:
         """An interpolating method's λ_t per row."""
 
-    def distribution_key(self, settings: dict) -> tuple:
+    def distribution_key(self, settings: SettingsRecord) -> tuple:
         """The part of ``settings`` that changes P_plugin (the rest changes only λ_t)."""
 
 
@@ -120,7 +124,7 @@ class NetworkMethod(DecodeMethod, Protocol):
 
     leaves_shared_prefix: bool  # it acts from each row's own tokens on: the prefill tells it where (``set_own_from``)
 
-    def attach(self, rows: torch.Tensor, settings: dict | None = None, trace: bool = True) -> list:
+    def attach(self, rows: torch.Tensor, settings: SettingsRecord | None = None, trace: bool = True) -> list:
         """Hooks on rows ``rows`` of the next forward passes; returns their handles."""
 
     def suspend(self, handles: list) -> bool:
@@ -140,7 +144,7 @@ class NetworkMethod(DecodeMethod, Protocol):
 class PromptMethod(DecodeMethod, Protocol):
     """A method that gives its row a prompt of its own (level "prompt"): a prefill row of its own, no hooks, no mix."""
 
-    def row_prompt(self, source: str, prompt: Prompt, settings: dict) -> Prompt:
+    def row_prompt(self, source: str, prompt: Prompt, settings: SettingsRecord) -> Prompt:
         """The prompt its row decodes ``source`` with, given the comparison's ``prompt``."""
 
 

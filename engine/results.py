@@ -6,15 +6,23 @@ from dataclasses import asdict, dataclass, field
 from backbone.model import Backbone
 from backbone.prompts import postprocess
 from engine.protocol import DecodeMethod
+from ground.settings import SettingsRecord
 
 
 @dataclass
 class Row:
-    """One method in a comparison: a label, a plug-in (None for the base model) and its decode-time settings."""
+    """One method in a comparison: a label, a plug-in (None for the base model), its decode-time settings and the
+    settings of the whole comparison it asks for.
+
+    ``settings``: the method's complete settings, its typed record (``plugins.settings.row_settings`` merges them), or
+    ``{name: value}`` overrides of its declared defaults (scripts, tests), which may also hold comparison settings;
+    the batch checks them against the method's declarations (``DecodeMethod.settings``). ``comparison``: settings
+    of the whole comparison (``engine.comparison``: the batch applies them to every row alike)."""
 
     label: str
     plugin: DecodeMethod | None = None
-    settings: dict = field(default_factory=dict)
+    settings: SettingsRecord | dict = field(default_factory=dict)
+    comparison: dict = field(default_factory=dict)
 
     @property
     def method(self) -> str:

@@ -283,10 +283,9 @@ def main(argv=None) -> int:
         if not pema:
             raise UserError("sweep needs a PEMA plug-in (--plugin <pema-id>).")
         with progress_bar("sweep") as prog:
-            settings = plugin_rows(pema[:1], args.task, bb.name, args.set,
-                                   calibrated=not args.global_defaults)[0].settings
+            row = plugin_rows(pema[:1], args.task, bb.name, args.set, calibrated=not args.global_defaults)[0]
             res = {"sweep": lambda_sweep(bb, pairs, pema[0], prompt, task=args.task, progress=prog, extra=extra,
-                                         settings=settings, batch_sources=args.batch,
+                                         settings=row.settings, comparison=row.comparison, batch_sources=args.batch,
                                          max_new_tokens=args.max_new_tokens, **decode)}
         for r in res["sweep"]:
             print(json.dumps(r))

@@ -100,7 +100,7 @@ def weight_setting(plugin) -> str | None:
     plug-in, not by name. None when there is none."""
     import torch
 
-    base = row_settings(plugin, None, None, calibrated=False)
+    base = row_settings(plugin, None, None, calibrated=False).as_dict()
     fc = torch.zeros(1, plugin.backbone.hidden_size)
     for s in plugin.decode_settings:
         if s.kind is not float or s.low != 0.0 or s.low_open or not s.grid:
@@ -121,14 +121,14 @@ def weight_setting(plugin) -> str | None:
 
 def _candidates(plugin, task: str | None) -> tuple[list[dict], dict, str]:
     """(the settings to try: the declared grid, plus the global start when the grid lacks it; the global start;
-    the weight setting's name)."""
+    the weight setting's name). Settings as plain ``{name: value}``: they go into the calibration file as they are."""
     weight = weight_setting(plugin)
     if weight is None:
         raise UserError(f"{plugin.title} declares no mixing weight that turns it off; nothing to calibrate.")
-    start = row_settings(plugin, task, plugin.backbone_name, calibrated=False)
+    start = row_settings(plugin, task, plugin.backbone_name, calibrated=False).as_dict()
     out, seen = [], set()
     for g in decode_grid(type(plugin)) + [start]:
-        full = plugin.settings({**start, **g})
+        full = plugin.settings({**start, **g}).as_dict()
         if float(full[weight]) == 0.0:
             continue  # the base row is decoded anyway
         key = tuple(sorted(full.items()))
@@ -253,7 +253,7 @@ def calibrate(backbone, plugin, memory, *, task: str | None = None, samples: lis
                                              f"{len(candidates) + 1} settings")
     n = len(refs)
     sc = bleu_chrf(base_h, refs)
-    base_settings = plugin.settings({**start, weight: 0.0})
+    base_settings = plugin.settings({**start, weight: 0.0}).as_dict()
     base = {"settings": base_settings, "chrf": round(sc["chrf"], 4), "bleu": round(sc["sacrebleu"], 4),
             "base": True, "changed": 0, "global_default": base_settings == start}
     table = []

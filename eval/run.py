@@ -13,6 +13,7 @@ from eval.datasets import informal_pattern_counts
 from eval.metrics import bleu_chrf, bootstrap_ci, content_similarity, paired_bootstrap, sentence_chrf, signatures
 from eval.style import perplexity
 from ground.errors import Cancelled, UserError
+from ground.settings import SettingsRecord
 
 Progress = Callable[[float, str], None]
 
@@ -137,15 +138,17 @@ def evaluate(backbone, pairs: list[tuple[str, str | None]], rows: list[Row], pro
 
 def lambda_sweep(backbone, pairs, plugin, prompt: Prompt, lambdas=(0.1, 0.3, 0.5, 0.7, 0.9), task="translation",
                  progress: Progress = _noop, should_stop=lambda: False, extra: dict | None = None,
-                 settings: dict | None = None, **kw) -> list[dict]:
+                 settings: SettingsRecord | dict | None = None, comparison: dict | None = None,
+                 **kw) -> list[dict]:
     """PEMA's λ_max curves with and without Gradual Unrolling (the paper's Figures 4–5), all in one batch.
-    ``settings``: the plug-in's other decode settings (λ_max and GU are swept). λ_max = 0 is the base model's row
-    (decoded once)."""
-    rows = [Row("base")]
+    ``settings``: the plug-in's other decode settings (λ_max and GU are swept); ``comparison``: settings of the
+    whole comparison (``engine.comparison``). λ_max = 0 is the base model's row (decoded once)."""
+    start = plugin.settings(settings)
+    rows = [Row("base", comparison=dict(comparison or {}))]
     for lam in sorted({float(x) for x in lambdas} - {0.0}):
         for gu in (True, False):
-            rows.append(Row(f"λ={lam} GU={'on' if gu else 'off'}", plugin,
-                            {**(settings or {}), "lambda_max": lam, "gu": gu}))
+            rows.append(Row(f"λ={lam} GU={'on' if gu else 'off'}", plugin, start.replace(lambda_max=lam, gu=gu),
+                            dict(comparison or {})))
     kw.setdefault("bootstrap", 0)  # a curve: no intervals per point unless asked
     res = evaluate(backbone, pairs, rows, prompt, task, progress=progress, should_stop=should_stop, extra=extra, **kw)
     keep = lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}  # noqa: E731

@@ -47,12 +47,12 @@ from plugins.settings import (  # noqa: E402
     calibration_label,
     describe_changes,
     load_calibration,
+    method_row,
     parse_sets,
     plugin_calibration,
     preset_values,
     presets_table,
     resolve_row_settings,
-    row_settings,
     tuned_decode_settings,
     tuned_start_changes,
 )
@@ -285,7 +285,7 @@ def tuned_lines(rows: list[Row], calibrated: bool) -> list[str]:
     for r in rows if calibrated else ():
         cal = plugin_calibration(r.plugin) if r.plugin is not None else None
         if cal:
-            vals = ", ".join(f"{k}={v}" for k, v in cal["settings"].items() if r.settings.get(k) == v)
+            vals = ", ".join(f"{k}={v}" for k, v in cal["settings"].items() if r.settings.as_dict().get(k) == v)
             out.append(f"{r.label}: {calibration_label(cal)} ({vals}; --global-defaults for the global ones)")
     return out
 
@@ -298,8 +298,8 @@ def plugin_rows(plugins: list, task: str, backbone_name: str, set_args: list[str
               for p in plugins]
     per_row = address_sets(parse_sets(set_args), [(p.plugin_path.name, type(p)) for p in plugins]
                            + [(lb, type(p)) for lb, p in zip(labels, plugins)])
-    return [Row(lb, p, row_settings(p, task, backbone_name, resolve_row_settings((p.method, p.plugin_path.name, lb),
-                                                                               per_row), calibrated))
+    return [method_row(lb, p, task, backbone_name, resolve_row_settings((p.method, p.plugin_path.name, lb), per_row),
+                       calibrated)
             for lb, p in zip(labels, plugins)]
 
 

@@ -288,7 +288,7 @@ def model_card(plugin: Plugin, *, name: str, memory: Memory | None, memory_hash:
           "one).", ""]
     tuned = tuned_decode_settings(plugin.method, task, plugin.backbone_name)
     try:
-        start = plugin.settings(tuned)
+        start = plugin.settings(tuned).as_dict()
     except UserError:
         start = plugin.decode_defaults
     if cls.decode_settings:

@@ -58,7 +58,7 @@ from backbone.torch_internals import fp16_linear, fp16_pack_linear, mkldnn_linea
 from engine.protocol import MixInput, MixOutput, mix_logprobs
 from ground.errors import UserError
 from ground.lock import temp_name
-from ground.settings import Setting
+from ground.settings import Setting, SettingsRecord
 from ground.store import write_json_atomic
 from memories.store import Memory
 from plugins.base import FitResult, Plugin, PluginConfig, file_sha256, plain_file_name
@@ -598,10 +598,10 @@ class KNN(Plugin):
         return plp, support, extras
 
     def mix_lambdas(self, inp: MixInput) -> list[float]:
-        return [float(s["lambda"]) for s in inp.settings]  # kNN-LM/MT: a constant λ
+        return [s.lambda_ for s in inp.settings]  # kNN-LM/MT: a constant λ
 
-    def distribution_key(self, settings: dict) -> tuple:
-        return int(settings["k"]), float(settings["temperature"])
+    def distribution_key(self, settings: SettingsRecord) -> tuple:
+        return settings.k, settings.temperature
 
     def extra_config(self) -> dict:
         extra = {"search": self.search_kind}

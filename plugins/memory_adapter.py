@@ -375,7 +375,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         rows while training, where ``att.state["keep"]`` (batch, layers) False drops a layer's memory)."""
         if not len(self.blocks):
             return []
-        preps = self._preps(float(att.settings["temperature"]), cached=att.forward_rows is not None)
+        preps = self._preps(att.settings.temperature, cached=att.forward_rows is not None)
         keep = att.state.get("keep")
         exclude = att.state.get("exclude") or {}  # layer → (B, n) items hidden from each row (training)
         recording: dict = {}  # layer → the newest position's memory attention, for the trace
@@ -442,7 +442,7 @@ class MemoryAdapterPlugin(NetworkPlugin):
         latest = att.trace
         if not latest:
             return {}
-        k = int(att.settings.get("trace_top_k", 5))
+        k = att.settings.trace_top_k
         out: dict[int, dict] = {}
         n_rows = next(iter(next(iter(latest.values())).values()))[0].shape[0]
         # every layer's top items of every row, then one copy to the host
@@ -648,10 +648,11 @@ class MemoryAdapterPlugin(NetworkPlugin):
 
     def mix(self, inp: MixInput) -> MixOutput:
         """"+ kNN" (paper): kNN-MT over the memory's datastore mixed into this row's distribution."""
-        lams = [float(s.get("knn_lambda", 0.0)) for s in inp.settings]
+        lams = [s.knn_lambda for s in inp.settings]
         if max(lams, default=0.0) <= 0:
             return MixOutput(logprobs=inp.lm_logprobs, lam=lams)
-        knn_settings = [{"k": int(s["knn_k"]), "temperature": float(s["knn_temperature"]),
-                         "lambda": float(s["knn_lambda"])} for s in inp.settings]
-        return self._knn_plugin().mix(MixInput(fc=inp.fc, lm_logprobs=inp.lm_logprobs, extra_logits=None,
-                                               step=inp.step, src_len=inp.src_len, settings=knn_settings))
+        knn = self._knn_plugin()
+        knn_settings = [knn.settings({"k": s.knn_k, "temperature": s.knn_temperature, "lambda": s.knn_lambda})
+                        for s in inp.settings]
+        return knn.mix(MixInput(fc=inp.fc, lm_logprobs=inp.lm_logprobs, extra_logits=None,
+                                step=inp.step, src_len=inp.src_len, settings=knn_settings))

@@ -38,7 +38,7 @@ from torch import nn
 from backbone.torch_internals import hook_id, hook_tables, set_unregistered, unregistered, version
 from engine.protocol import row_span
 from ground.errors import UserError
-from ground.settings import Setting
+from ground.settings import Setting, SettingsRecord
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
 from plugins.settings import setting
@@ -250,7 +250,7 @@ class Attachment:
     (``forward_rows``) index the rows of the forward passes it sees: a decode's prefill rows in the prefill, cache
     rows in a step (batch rows where the layout is not compact), every row in training (None)."""
 
-    def __init__(self, rows, settings: dict, state: dict | None = None, recording: bool = True):
+    def __init__(self, rows, settings: SettingsRecord, state: dict | None = None, recording: bool = True):
         # the forward pass's rows the hooks act on, indices of the whole pass (None: all; a bool tensor: a row mask,
         # ``NetworkPlugin.fixed_rows``, whose rows a decode changes in place between replays of a recorded step)
         self.forward_rows = rows
@@ -373,15 +373,14 @@ class NetworkPlugin(Plugin):
         return cls(config, backbone, memory_meta)
 
     # --- attaching ------------------------------------------------------------------------------------------
-    def attach(self, rows: torch.Tensor | None, settings: dict | None = None, trace: bool = True,
+    def attach(self, rows: torch.Tensor | None, settings: SettingsRecord | dict | None = None, trace: bool = True,
                own_from: torch.Tensor | None = None, **state) -> list:
         """Register this plug-in's forward hooks acting on batch rows ``rows`` (None: every row, as in training; a
         bool tensor: a row mask, ``fixed_rows``); return handles (pass them to ``network_trace``). ``trace`` False:
         nobody will ask for ``network_trace``, so the hooks need not record it (a decode without traces).
         ``own_from``: see ``set_own_from``. ``state``: per-pass inputs of a training forward."""
         self.to_backbone()
-        s = dict(self.decode_defaults)
-        s.update(settings or {})
+        s = self.settings(settings)  # a row's record, or overrides of the declared defaults (training: none)
         if rows is not None and not (isinstance(rows, torch.Tensor) and rows.dtype == torch.bool):
             rows = torch.as_tensor(rows, dtype=torch.long).flatten()
         att = Attachment(rows, s, state, recording=trace)
@@ -459,7 +458,7 @@ class NetworkPlugin(Plugin):
     # --- helpers for subclasses ---------------------------------------------------------------------------
     @staticmethod
     def _scale_of(att: Attachment) -> float:
-        return float(att.settings.get("scale", 1.0))
+        return att.settings.scale
 
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.parameters()]

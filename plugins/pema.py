@@ -82,7 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.protocol import MixInput
-from ground.settings import Setting
+from ground.settings import Setting, SettingsRecord
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
 from plugins.settings import Preset, setting
@@ -450,7 +450,7 @@ class PEMA(Plugin):
         return FitResult(metrics=metrics, history=history)
 
     # --- decoding ---------------------------------------------------------------------------------
-    def validate_settings(self, s: dict) -> None:
+    def validate_settings(self, s: SettingsRecord) -> None:
         pass  # every value is checked by its declaration
 
     def map_queries(self, fc: np.ndarray, memory) -> np.ndarray:
@@ -518,7 +518,9 @@ class PEMA(Plugin):
     def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, None]:
         return self.pema_logprobs_from_logits(inp.extra_logits), None
 
-    def settings(self, overrides: dict | None = None) -> dict:
+    def settings(self, overrides: dict | SettingsRecord | None = None) -> SettingsRecord:
+        if isinstance(overrides, SettingsRecord):
+            return super().settings(overrides)
         o = dict(overrides or {})
         if "gu_floor" in o:  # saved before gu_min replaced it: a floor f ≈ the code's minimum λ, p = 100·f
             floor = o.pop("gu_floor")
@@ -541,9 +543,9 @@ class PEMA(Plugin):
 
     def mix_lambdas(self, inp: MixInput) -> list[float]:
         refs = inp.ref_len or [None] * len(inp.src_len)
-        return [gu_lambda(inp.step, float(s["lambda_max"]), self.code_sl(sl, rl) if s["gu_variant"] == "code" else sl,
-                          bool(s["gu"]), s["gu_variant"], float(s["gu_min"]))
+        return [gu_lambda(inp.step, s.lambda_max, self.code_sl(sl, rl) if s.gu_variant == "code" else sl,
+                          s.gu, s.gu_variant, s.gu_min)
                 for s, sl, rl in zip(inp.settings, inp.src_len, refs)]
 
-    def distribution_key(self, settings: dict) -> tuple:
+    def distribution_key(self, settings: SettingsRecord) -> tuple:
         return ()  # P_PEMA depends on f(c) only; λ_max and GU set λ_t

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from backbone.prompts import Prompt
 from ground.errors import UserError
-from ground.settings import Setting
+from ground.settings import Setting, SettingsRecord
 from plugins.base import FitResult, Plugin, PluginConfig
 from plugins.registry import register
 from plugins.settings import Preset, setting
@@ -174,19 +174,19 @@ class RetrievalICL(Plugin):
                 raise UserError("This retrieval plug-in has no index: train it on a memory first.")
             self._set_pool(read_pool(Path(path)))
 
-    def examples(self, source: str, settings: dict) -> list[dict]:
+    def examples(self, source: str, settings: SettingsRecord) -> list[dict]:
         """The pool samples chosen for ``source``, in order of choice (most relevant first)."""
         self.prepare_decode()
-        q, k = words(source), int(settings["k"])
-        cand = self.index.top(q, max(k, int(settings["candidates"])))
-        chosen = rerank_by_coverage(q, self.index.docs, cand, k) if settings["rerank"] else cand[:k]
-        if settings["fill"]:
+        q, k = words(source), settings.k
+        cand = self.index.top(q, max(k, settings.candidates))
+        chosen = rerank_by_coverage(q, self.index.docs, cand, k) if settings.rerank else cand[:k]
+        if settings.fill:
             chosen += [c for c in cand if c not in chosen][:k - len(chosen)]
         return [self.pool[c] for c in chosen]
 
-    def row_prompt(self, source: str, prompt: Prompt, settings: dict) -> Prompt:
+    def row_prompt(self, source: str, prompt: Prompt, settings: SettingsRecord) -> Prompt:
         chosen = [(p["src"], p["tgt"]) for p in self.examples(source, settings)][::-1]  # the best one last
-        short = int(settings["k"]) - len(chosen) if settings["fill"] else 0
+        short = settings.k - len(chosen) if settings.fill else 0
         filler = list(prompt.examples[:max(0, short)])
         return Prompt(template=prompt.template, examples=filler + chosen, separator=prompt.separator,
                       chat=prompt.chat)

@@ -6,6 +6,11 @@ settings, the hyperparameter form, ``--set`` on the command lines, the tuning gr
 ``eval.likelihood``, and validation (types and ranges). A knob is always addressed to one row — by method name,
 plug-in id or row label — never by a bare name shared across methods (``resolve_row_settings``).
 
+A row's complete decode settings are a frozen, typed record generated from the method's declarations
+(``decode_record``: ``PEMASettings(lambda_max=0.8, gu=True, …)``), made in one place — declared ← tuned ← calibrated
+← the caller's (``row_settings``) — and carried by the row (``method_row``) to the method's ``mix`` and hooks, which
+read attributes. Plain dicts only at the edges (JSON, forms, ``--set``).
+
 Adding a decode setting to a method is one edit: a ``Setting`` in its ``decode_settings``.
 """
 from __future__ import annotations
@@ -18,8 +23,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from engine.comparison import COMPARISON_NAMES, comparison_settings, split_comparison
+from engine.results import Row
 from ground.errors import UserError
-from ground.settings import Setting, coerce_all
+from ground.settings import Setting, SettingsRecord, coerce_all, settings_record
 from ground.store import write_json_atomic
 
 ALL_ROWS = "all"  # the settings key that addresses every row of a comparison (``engine.comparison``)
@@ -41,6 +47,13 @@ def config_settings(config_cls) -> list[Setting]:
 
 
 _SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def decode_record(method_cls) -> type[SettingsRecord]:
+    """The frozen, typed record of a method's declared decode settings (``Plugin.decode_settings``), generated once
+    per declaration: ``PEMASettings``, ``KNNSettings``, …"""
+    name = f"{method_cls.__name__}Settings"
+    return settings_record(name, tuple(method_cls.decode_settings), str(getattr(method_cls, "title", "") or name))
 
 
 @dataclass(frozen=True)
@@ -192,15 +205,29 @@ def describe_changes(changes: dict[str, dict]) -> str:
 
 
 def row_settings(plugin, task: str | None, backbone_name: str | None, overrides: dict | None = None,
-                 calibrated: bool = True) -> dict:
-    """A row's complete decode settings — declared defaults ← tuned for (task, backbone) ← calibrated on the
-    plug-in's own memory (its ``calibration.json``; skipped with ``calibrated=False``: the global defaults) ←
-    ``overrides`` — checked against the method's declarations. The one place where defaults are merged (Compare,
-    Evaluate, CLIs, eval)."""
+                 calibrated: bool = True) -> SettingsRecord:
+    """A row's complete decode settings, the method's typed record (``decode_record``): the declared defaults
+    (``plugin.settings`` starts there) ← tuned on dev data for (task, backbone) ← calibrated on the plug-in's own
+    memory (its ``calibration.json``; skipped with ``calibrated=False``: the global defaults) ← the caller's
+    ``overrides`` (a form, ``--set``, a request) — checked against the method's declarations. The one place where
+    defaults are merged (Compare, Evaluate, CLIs, eval); settings of the whole comparison are not a method's
+    (``method_row`` takes them apart)."""
     tuned = tuned_decode_settings(plugin.method, task, backbone_name)
     cal = plugin_calibration(plugin) if calibrated else None
+    own = dict(overrides or {})
+    return plugin.settings({**tuned, **(cal or {}).get("settings", {}), **own})
+
+
+def method_row(label: str, plugin, task: str | None, backbone_name: str | None, overrides: dict | None = None,
+               calibrated: bool = True) -> Row:
+    """A comparison's row for ``plugin`` (None: the base model, which has no settings of its own) from the caller's
+    ``overrides`` for it (``resolve_row_settings``): the method's settings record (``row_settings``) and, apart, the
+    settings of the whole comparison among the overrides (checked; the batch applies them to every row alike)."""
     comparison, own = split_comparison(overrides)
-    return {**plugin.settings({**tuned, **(cal or {}).get("settings", {}), **own}), **comparison_settings(comparison)}
+    if plugin is None:
+        return Row(label, None, comparison=comparison_settings(comparison))
+    return Row(label, plugin, row_settings(plugin, task, backbone_name, own, calibrated),
+               comparison_settings(comparison))
 
 
 # --- per-memory calibration (written by ``eval.calibrate``) -------------------------------------------------------

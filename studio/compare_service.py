@@ -18,13 +18,12 @@ from typing import Any
 from backbone.attention import input_attention
 from backbone.prompts import Prompt
 from backbone.tasks import task_prompt
-from engine import BatchDecode, Row, decode_batch, start_compare
-from engine.comparison import split_comparison
+from engine import BatchDecode, decode_batch, start_compare
 from eval.metrics import bleu_chrf
 from ground.errors import UserError
 from offsite.decode import compare_remote
 from plugins.registry import get_method
-from plugins.settings import ALL_ROWS, calibration_label, plugin_calibration, resolve_row_settings, row_settings
+from plugins.settings import ALL_ROWS, calibration_label, method_row, plugin_calibration, resolve_row_settings
 from studio.backbone_service import REMOTE_LM, BackboneService
 from studio.context import StudioContext
 from studio.limits import Limits
@@ -179,8 +178,8 @@ class CompareService:
         for m in methods:
             if m in ("base", "", None):
                 # the base model has no settings of its own; the comparison's (repetition guard) apply to it too
-                rows.append(Row("Base model", None,
-                                split_comparison(resolve_row_settings(("base", "Base model"), settings))[0]))
+                rows.append(method_row("Base model", None, task, None,
+                                       resolve_row_settings(("base", "Base model"), settings)))
                 labels.add("Base model")
                 continue
             plugin = self.plugin_svc.load_plugin(m, owner)
@@ -190,8 +189,7 @@ class CompareService:
                 label = f"{label} [{m[-6:]}]"
             labels.add(label)
             own = resolve_row_settings((plugin.method, m, label), settings)
-            rows.append(Row(label, plugin, row_settings(plugin, task, self.backbone_svc.backbone.name, own,
-                                                    calibrated)))
+            rows.append(method_row(label, plugin, task, self.backbone_svc.backbone.name, own, calibrated))
         return rows
 
     @staticmethod
@@ -204,7 +202,8 @@ class CompareService:
             cal = plugin_calibration(r.plugin) if r.plugin is not None else None
             if cal:
                 out[r.label] = {"label": calibration_label(cal), "settings": cal["settings"],
-                                "at_tuned": all(r.settings.get(k) == v for k, v in cal["settings"].items())}
+                                "at_tuned": all(r.settings.as_dict().get(k) == v
+                                                for k, v in cal["settings"].items())}
         return out
 
     def prompt_for(self, task: str, rows) -> Any:

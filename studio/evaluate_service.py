@@ -151,7 +151,7 @@ class EvaluateService:
                 rows = self.compare_svc.rows([a["plugin_id"]], a["task"], a.get("settings"), owner, calibrated)
                 prompt = self.compare_svc.prompt_for(a["task"], rows)
                 sweep = eval_run.lambda_sweep(bb, pairs, plugin, prompt, a["lambdas"], task=a["task"],
-                                              settings=rows[0].settings,
+                                              settings=rows[0].settings, comparison=rows[0].comparison,
                                               max_new_tokens=a["max_new_tokens"], progress=job.progress,
                                               should_stop=job.should_stop, **self.backbone_svc.eval_decode(bb))
                 result = {"mode": "sweep", "sweep": json_safe(sweep), "plugin": rows[0].label}

@@ -92,7 +92,7 @@ def test_a_setting_that_helps_on_some_samples_and_hurts_on_others_does_not_move_
     cal = calibrate(tiny, pema, mem, samples=[{**s, "tgt": r} for s, r in zip(tune, refs)], store=False,
                     max_new_tokens=CAP)
     ev = cal["evidence"]
-    assert not ev["moved"] and cal["settings"] == start and not cal["is_base"]
+    assert not ev["moved"] and cal["settings"] == start.as_dict() and not cal["is_base"]
     assert ev["text"].startswith("the global start") and "kept" in ev["text"]
     assert all(r["p_vs_start_holm"] is None or r["p_vs_start_holm"] >= 0.05 or r["chrf_vs_start"] <= 0
                or r["bleu_vs_start"] < 0 for r in cal["table"])
@@ -111,7 +111,7 @@ def test_a_setting_that_helps_is_chosen_and_scores_as_a_full_decode(tiny, setup)
     assert refs != base, "the tiny PEMA must change some output at λ_max 0.9 for this test to mean anything"
     cal = calibrate(tiny, pema, mem, samples=[{**s, "tgt": r} for s, r in zip(tune, refs)], store=False,
                     max_new_tokens=CAP)
-    row = next(r for r in cal["table"] if r["settings"] == target)
+    row = next(r for r in cal["table"] if r["settings"] == target.as_dict())
     assert row["chrf"] == pytest.approx(100.0)  # (sacreBLEU of the tiny model's short outputs is often 0)
     assert not cal["is_base"] and cal["chrf"] == pytest.approx(100.0)
     assert cal["chrf"] >= cal["base"]["chrf"] and cal["bleu"] >= cal["base"]["bleu"]
@@ -149,9 +149,9 @@ def test_stored_settings_are_where_rows_start_and_global_defaults_go_back(tiny, 
     assert stored["sample_ids"] == [s["index"] for s in _tune(mem)]
     assert cal["label"] == "tuned on 16 held-out samples of cal-mem (few samples: a rough guide)"
     assert calibration_label({**cal, "n": 30}) == "tuned on 30 held-out samples of cal-mem"
-    assert row_settings(knn, "translation", tiny.name) == cal["settings"]
+    assert row_settings(knn, "translation", tiny.name).as_dict() == cal["settings"]
     assert row_settings(knn, "translation", tiny.name, calibrated=False) == glob
-    assert row_settings(knn, "translation", tiny.name, {"k": 3})["k"] == 3  # an override still wins
+    assert row_settings(knn, "translation", tiny.name, {"k": 3}).k == 3  # an override still wins
     # made for other weights (the plug-in trained again in place): not used
     path = knn.plugin_path / "calibration.json"
     saved = path.read_text(encoding="utf-8")
@@ -178,7 +178,7 @@ def test_cli_compare_and_run_start_tuned_and_global_defaults_go_back(tiny, setup
     cfg = json.loads((pema.plugin_path / "plugin_config.json").read_text(encoding="utf-8"))
     forced = pema.settings({"lambda_max": 0.9, "gu": False})
     write_json_atomic(pema.plugin_path / "calibration.json", {
-        "settings": forced, "table": [], "n": 16, "memory": "cal-mem", "memory_id": mem.id, "sample_ids": [],
+        "settings": forced.as_dict(), "table": [], "n": 16, "memory": "cal-mem", "memory_id": mem.id, "sample_ids": [],
         "backbone": tiny.name, "weights_sha256": cfg["files"]["plugin_model.safetensors"]["sha256"],
         "rule": CALIBRATION_RULE})
     assert load_calibration(pema.plugin_path) is not None

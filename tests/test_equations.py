@@ -546,7 +546,7 @@ def test_residual_adapter_is_h_plus_relu_ln_h_we_wd(tiny):
         ln = (H - mu) / torch.sqrt(var + a.ln.eps) * a.ln.weight + a.ln.bias
         return torch.relu(ln @ a.W_E.weight.T + a.W_E.bias) @ a.W_D.weight.T + a.W_D.bias
 
-    hook = ad._hook(0, Attachment(None, {"scale": 1.0}))
+    hook = ad._hook(0, Attachment(None, ad.settings({"scale": 1.0})))
     with torch.no_grad():
         # the paper's equation exactly: no biases, s_l = 1
         a.W_E.bias.zero_(), a.W_D.bias.zero_(), ad.out_scale.fill_(1.0)
@@ -572,7 +572,7 @@ def test_lora_delta_is_alpha_over_r_b_a_x(tiny):
     lo.to(tiny.device)
     proj = tiny.layers[-1].self_attn.o_proj
     x = torch.randn(2, 3, proj.in_features, generator=g).to(tiny.device)
-    handles = lo._register_hooks(Attachment(None, {"scale": 1.0}))
+    handles = lo._register_hooks(Attachment(None, lo.settings({"scale": 1.0})))
     try:
         with torch.no_grad():
             got = proj(x)
@@ -1230,7 +1230,7 @@ def test_memory_tuning_ffn_memory_attention_is_unscaled(tiny):
     assert tuple(mem.W_key.weight.shape) == tuple(mem.W_value.weight.shape) == (4, 4) and tuple(mem.M.shape) == (6, 4)
     X = (torch.randn(2, 3, tiny.hidden_size, generator=g) * 2).to(tiny.device)  # the FFN's input
     H = (torch.randn(2, 3, tiny.hidden_size, generator=g) * 2).to(tiny.device)  # the FFN's output
-    hook = p._ffn_hook(0, Attachment(None, {"scale": 1.0}), False, {})
+    hook = p._ffn_hook(0, Attachment(None, p.settings({"scale": 1.0})), False, {})
     with torch.no_grad():
         p.ffn_scale.fill_(1.0)  # the paper's equation exactly
         got = hook(None, (X,), H).double()
@@ -1242,7 +1242,7 @@ def test_memory_tuning_ffn_memory_attention_is_unscaled(tiny):
         got = hook(None, (X,), H).double()
         assert torch.allclose(got, H.double() + s.double() * _slot_read_by_hand(mem, H / s), atol=1e-4)
         # σ (decode-time ``scale``) multiplies ΔH
-        half = p._ffn_hook(0, Attachment(None, {"scale": 0.5}), False, {})(None, (X,), H).double()
+        half = p._ffn_hook(0, Attachment(None, p.settings({"scale": 0.5})), False, {})(None, (X,), H).double()
         assert torch.allclose(half, H.double() + 0.5 * s.double() * _slot_read_by_hand(mem, H / s), atol=1e-4)
 
 

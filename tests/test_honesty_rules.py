@@ -125,7 +125,7 @@ def test_a_budget_never_cuts_below_the_minimum_tuning_count(tiny, setup, monkeyp
 
 def test_the_global_start_and_lambda_zero_are_always_tried(tiny, setup, pema_cal):
     pema, cal = setup["pema"], pema_cal["cal"]
-    start = row_settings(pema, setup["mem"].task, tiny.name, calibrated=False)
+    start = row_settings(pema, setup["mem"].task, tiny.name, calibrated=False).as_dict()  # as calibration stores it
     assert start["lambda_max"] not in {g.get("lambda_max") for g in cal_mod.decode_grid(type(pema))}, \
         "the tiny PEMA's global start must lie off its grid for this test to mean anything"
     rows = cal["table"]
@@ -139,10 +139,10 @@ def test_the_global_start_and_lambda_zero_are_always_tried(tiny, setup, pema_cal
 def test_the_global_start_ignores_an_earlier_calibration(tiny, setup, tmp_path):
     """Calibrating again starts from the global start, not from where an earlier calibration left the plug-in."""
     pema = _copy_plugin(tiny, setup["pema"], tmp_path / "pema")
-    start = row_settings(pema, setup["mem"].task, tiny.name, calibrated=False)
-    _write_cal(pema, settings=pema.settings({"lambda_max": 0.9, "gu": False}), backbone=tiny.name,
+    start = row_settings(pema, setup["mem"].task, tiny.name, calibrated=False).as_dict()  # as calibration stores it
+    _write_cal(pema, settings=pema.settings({"lambda_max": 0.9, "gu": False}).as_dict(), backbone=tiny.name,
                weights_sha256=_sha(pema), rule=CALIBRATION_RULE)
-    assert row_settings(pema, setup["mem"].task, tiny.name) != start  # the earlier calibration is in force
+    assert row_settings(pema, setup["mem"].task, tiny.name).as_dict() != start  # the earlier calibration is in force
     candidates, cstart, _ = cal_mod._candidates(pema, setup["mem"].task)
     assert cstart == start and start in candidates
 
@@ -214,7 +214,7 @@ def test_a_calibration_is_used_only_with_its_weights_backbone_and_rule(tiny, set
     glob = row_settings(pema, "translation", tiny.name, calibrated=False)
     forced = pema.settings({"lambda_max": 0.9, "gu": False})
     assert forced != glob
-    good = {"settings": forced, "backbone": tiny.name, "weights_sha256": _sha(pema), "rule": CALIBRATION_RULE}
+    good = {"settings": forced.as_dict(), "backbone": tiny.name, "weights_sha256": _sha(pema), "rule": CALIBRATION_RULE}
     _write_cal(pema, **good)
     assert row_settings(pema, "translation", tiny.name) == forced
     for change in ({"weights_sha256": "0" * 64}, {"weights_sha256": None}, {"backbone": "another-backbone"},
@@ -229,19 +229,19 @@ def test_settings_precedence_declared_then_tuned_then_calibrated_then_the_caller
 
     pema = _copy_plugin(tiny, setup["pema"], tmp_path / "pema")
     declared = pema.settings({})
-    assert (declared["lambda_max"], declared["gu"]) == (0.8, True)
+    assert (declared.lambda_max, declared.gu) == (0.8, True)
     tuned_file = tmp_path / "tuned.json"
     tuned_file.write_text(json.dumps({"translation": {tiny.name: {"pema": {"lambda_max": 0.3, "gu": False}}}}),
                           encoding="utf-8")
     monkeypatch.setattr(settings_mod, "TUNED_PATH", tuned_file)
-    assert row_settings(pema, "translation", tiny.name) == {**declared, "lambda_max": 0.3, "gu": False}
+    assert row_settings(pema, "translation", tiny.name) == declared.replace(lambda_max=0.3, gu=False)
     _write_cal(pema, settings={"lambda_max": 0.5}, backbone=tiny.name, weights_sha256=_sha(pema),
                rule=CALIBRATION_RULE)
-    assert row_settings(pema, "translation", tiny.name) == {**declared, "lambda_max": 0.5, "gu": False}
-    assert row_settings(pema, "translation", tiny.name, calibrated=False)["lambda_max"] == 0.3
+    assert row_settings(pema, "translation", tiny.name) == declared.replace(lambda_max=0.5, gu=False)
+    assert row_settings(pema, "translation", tiny.name, calibrated=False).lambda_max == 0.3
     got = row_settings(pema, "translation", tiny.name, {"lambda_max": 0.6, "gu": True})
-    assert (got["lambda_max"], got["gu"]) == (0.6, True)
-    assert row_settings(pema, "style", tiny.name)["lambda_max"] == 0.5  # calibrated, over the declared
+    assert (got.lambda_max, got.gu) == (0.6, True)
+    assert row_settings(pema, "style", tiny.name).lambda_max == 0.5  # calibrated, over the declared
     (pema.plugin_path / "calibration.json").unlink()
     assert row_settings(pema, "style", tiny.name) == declared
 
@@ -253,7 +253,7 @@ def test_a_rank_reuses_a_calibration_only_when_made_on_exactly_its_tuning_sample
     fresh = []
     monkeypatch.setattr(rank_mod.calibrate, "calibrate", lambda *a, **k: fresh.append(k["samples"]) or
                         {"settings": {}, "n": len(k["samples"]), "fresh": True})
-    base = {"settings": knn.settings({}), "backbone": tiny.name, "weights_sha256": _sha(knn),
+    base = {"settings": knn.settings({}).as_dict(), "backbone": tiny.name, "weights_sha256": _sha(knn),
             "rule": CALIBRATION_RULE, "memory_id": mem.id}
     ids = [s["index"] for s in tune]
 

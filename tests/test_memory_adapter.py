@@ -390,7 +390,7 @@ def test_bad_config_and_settings(tiny, tiny_memory, trained):
         p.settings({"temperature": -1})
     with pytest.raises(UserError):
         p.settings({"knn_lambda": 1.5})
-    assert p.settings()["temperature"] == FAST.get("temperature", 0.5)
+    assert p.settings().temperature == FAST.get("temperature", 0.5)
 
 
 def test_trace_attention_sums_to_one(tiny, tiny_memory, trained):
@@ -482,8 +482,8 @@ def test_knn_mix_over_the_same_memory(tiny, trained):
     V = tiny.vocab_size
     lm = torch.log_softmax(torch.randn(2, V), -1)
     fc = torch.randn(2, tiny.hidden_size)
-    s = [{"knn_lambda": 0.0, "knn_k": 4, "knn_temperature": 10.0}, {"knn_lambda": 0.5, "knn_k": 4,
-                                                                    "knn_temperature": 10.0}]
+    s = [p.settings({"knn_lambda": 0.0, "knn_k": 4, "knn_temperature": 10.0}),
+         p.settings({"knn_lambda": 0.5, "knn_k": 4, "knn_temperature": 10.0})]
     out = p.mix(MixInput(fc=fc, lm_logprobs=lm, extra_logits=None, step=0, src_len=3, settings=s))
     assert torch.allclose(out.logprobs[0], lm[0])
     assert not torch.allclose(out.logprobs[1], lm[1])

@@ -60,15 +60,15 @@ def test_knn_temperature_never_reaches_the_memory_adapter(tiny, tiny_memory):
 
     knn = new_plugin("knn", tiny, tiny_memory, {})
     adapter = new_plugin("memory_adapter", tiny, tiny_memory, {})
-    own_temperature = adapter.settings()["temperature"]
+    own_temperature = adapter.settings().temperature
     assert own_temperature != 10.0
     live_keys = [("pema", "lambda_max"), ("knn", "k"), ("knn", "temperature"), ("knn", "lambda")]
     per_method = decode_settings_of(live_keys, [0.5, 8, 10.0, 0.3], "{}")
     knn_row = row_settings(knn, None, None, resolve_row_settings(("knn", "knn-1", "kNN"), per_method))
     adapter_row = row_settings(adapter, None, None,
                                resolve_row_settings(("memory_adapter", "ma-1", "Memory adapter"), per_method))
-    assert knn_row["temperature"] == 10.0 and knn_row["k"] == 8
-    assert adapter_row["temperature"] == own_temperature
+    assert knn_row.temperature == 10.0 and knn_row.k == 8
+    assert adapter_row.temperature == own_temperature
     # a setting addressed to a method that does not declare it is refused, not ignored
     with pytest.raises(UserError, match="Unknown setting 'k'"):
         adapter.settings({"k": 8})
@@ -91,7 +91,7 @@ def test_a_new_setting_in_one_declaration_reaches_ui_cli_and_grids(tiny, tiny_me
     grid_before = decode_grid(KNN)
     monkeypatch.setattr(KNN, "decode_settings", (*KNN.decode_settings, PROBE))
     knn = new_plugin("knn", tiny, tiny_memory, {})
-    assert knn.settings()["probe"] == 2 and knn.settings({"probe": "3"})["probe"] == 3
+    assert knn.settings().probe == 2 and knn.settings({"probe": "3"}).probe == 3
     with pytest.raises(UserError, match="between 1 and 5"):
         knn.settings({"probe": 9})
     assert address_sets(parse_sets(["probe=4"]), [("knn-1", KNN)]) == {"knn": {"probe": 4}}
@@ -137,3 +137,87 @@ def test_evaluation_csv_records_settings_n_and_backbone():
     rows = list(csv.DictReader(io.StringIO(EvaluateService.results_csv(result))))
     assert rows[1]["settings"] == '{"lambda_max": 0.2, "gu": false}'
     assert rows[1]["n"] == "12" and rows[1]["backbone"] == "tiny-llama"
+
+
+# --- the typed record a row carries (ground.settings.settings_record, plugins.settings.decode_record) ---------------
+def test_every_method_gets_a_frozen_typed_record_of_its_declarations():
+    import dataclasses
+
+    from plugins.registry import available_methods
+    from plugins.settings import decode_record
+
+    for name, cls in available_methods().items():
+        record = decode_record(cls)
+        assert decode_record(cls) is record, name  # generated once per declaration
+        assert {f.name: f.type for f in dataclasses.fields(record)} == \
+            {record.attrs[s.name]: s.kind for s in cls.decode_settings}, name
+        declared = record()
+        assert declared.as_dict() == {s.name: s.default for s in cls.decode_settings}, name
+        assert record.from_dict(declared.as_dict()) == declared and hash(record.from_dict({})) == hash(declared)
+
+
+def test_a_misspelt_setting_fails_where_it_is_written(tiny, tiny_memory):
+    import dataclasses
+
+    from plugins.settings import decode_record
+
+    knn = new_plugin("knn", tiny, tiny_memory, {})
+    record = decode_record(KNN)
+    with pytest.raises(UserError, match="Unknown setting 'lamda' for kNN-LM / kNN-MT; its settings are: k, "
+                                        "temperature, lambda"):
+        record(lamda=0.5)  # constructing one
+    with pytest.raises(UserError, match="Unknown setting 'lamda'"):
+        knn.settings({"lamda": 0.5})  # from a form, --set or a request
+    with pytest.raises(UserError, match="Unknown setting 'lambda_'"):
+        record.from_dict({"lambda_": 0.5})  # at the JSON edge, names as declared only
+    s = knn.settings({"lambda": "0.5", "k": 8.0})
+    assert (s.k, s.lambda_) == (8, 0.5) and type(s.k) is int and record(lambda_=0.5, k=8) == s
+    with pytest.raises(AttributeError, match="KNNSettings has no setting 'lamda'; its settings are: k, temperature, "
+                                             "lambda_"):
+        s.lamda  # reading one  # noqa: B018
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.k = 3
+    with pytest.raises(UserError, match="'k' .* must be between 1 and 1024"):
+        s.replace(k=0)
+    assert s.replace(k=4).as_dict() == {"k": 4, "temperature": 10.0, "lambda": 0.5}
+
+
+def test_row_settings_merges_declared_then_tuned_then_calibrated_then_the_callers(tiny, tiny_memory, monkeypatch,
+                                                                                  tmp_path):
+    """The one place the layers meet: each one overrides the one before, setting by setting, into the record."""
+    import json
+
+    from plugins import settings as settings_mod
+    from plugins.settings import decode_record
+
+    knn = new_plugin("knn", tiny, tiny_memory, {})
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps({"translation": {tiny.name: {"knn": {"k": 8, "temperature": 20.0}}}}),
+                     encoding="utf-8")
+    monkeypatch.setattr(settings_mod, "TUNED_PATH", tuned)
+    monkeypatch.setattr(settings_mod, "plugin_calibration", lambda p: {"settings": {"temperature": 30.0,
+                                                                                    "lambda": 0.1}})
+    declared = decode_record(KNN)()
+    assert row_settings(knn, "style", tiny.name, calibrated=False) == declared
+    assert row_settings(knn, "translation", tiny.name, calibrated=False) == declared.replace(k=8, temperature=20.0)
+    assert row_settings(knn, "translation", tiny.name) == declared.replace(k=8, temperature=30.0, lambda_=0.1)
+    assert row_settings(knn, "translation", tiny.name, {"lambda": 0.6, "k": 2}) == \
+        declared.replace(k=2, temperature=30.0, lambda_=0.6)
+
+
+def test_a_row_carries_its_record_to_mix_and_the_comparison_apart(tiny, tiny_memory, monkeypatch):
+    from engine import Row, compare
+    from plugins.settings import method_row
+
+    knn = new_plugin("knn", tiny, tiny_memory, {})
+    knn.fit(tiny_memory)
+    row = method_row("kNN", knn, None, None, {"k": 4, "no_repeat_ngram": 2})
+    assert row.settings == knn.settings({"k": 4}) and row.comparison == {"no_repeat_ngram": 2}
+    with pytest.raises(UserError, match="Unknown setting 'no_repeat_ngram'"):
+        row_settings(knn, None, None, {"no_repeat_ngram": 2})  # not a method's setting
+    seen = []
+    real_mix = knn.mix
+    monkeypatch.setattr(knn, "mix", lambda inp: seen.append(list(inp.settings)) or real_mix(inp))
+    res = compare(tiny, "the house is small", [Row("base"), row], max_new_tokens=3)
+    assert seen and all(s == [row.settings] for s in seen)  # the row's own record, step after step
+    assert res.rows[1].settings == {"k": 4, "temperature": 10.0, "lambda": 0.3, "no_repeat_ngram": 2}
