@@ -44,7 +44,7 @@ def heldout_nll(bb, memory, plugin=None, batch_size: int = 8) -> dict:
                 sel = labels != -100
                 f = fc[sel]
                 lp = torch.log_softmax(bb.logits_from_fc(f).float(), -1)
-                if plugin is not None and not net:
+                if plugin is not None and plugin.level == "output":  # a prompt-level row scores as the base
                     settings = [plugin.settings()] * f.shape[0]
                     extra = plugin.extra_states(f, settings)
                     vocab = plugin.head_vocab()

@@ -119,7 +119,7 @@ def score_plugins(backbone, jobs: list[tuple], keys: np.ndarray, values: np.ndar
     job's settings; one table per job, each starting with the base row.
 
     The LM head runs once per token for all jobs. An interpolating plug-in (PEMA, kNN) gets P_plugin once per
-    distribution (``Plugin.distribution_key``: PEMA has one for every λ_max/GU setting, kNN one per k/T) and each
+    distribution (``OutputPlugin.distribution_key``: PEMA has one for every λ_max/GU setting, kNN one per k/T) and each
     setting only its λ_t (``interpolated_scores``); any other output-level plug-in is scored through its full
     ``mix`` per setting."""
     prepared = []

@@ -57,7 +57,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugins.base import FitResult
+from plugins.card import MethodCard
 from plugins.network import (
+    NETWORK_ESTIMATE,
+    NETWORK_QUICK_SETTINGS,
     Attachment,
     NetworkConfig,
     NetworkPlugin,
@@ -123,12 +126,16 @@ class ResidualAdapter(nn.Module):
         return self.W_D(F.relu(self.W_E(self.ln(h))))
 
 
-@register
+CARD = MethodCard(
+    paper=("Lin, Madotto & Fung, Exploring Versatile Generative Language Model via Parameter-Efficient Transfer "
+           "Learning, Findings of EMNLP 2020"),
+    estimate=NETWORK_ESTIMATE, quick_settings=NETWORK_QUICK_SETTINGS)
+
+
+@register(CARD)
 class Adapter(NetworkPlugin):
     method = "adapter"
     title = "Residual adapter"
-    paper = ("Lin, Madotto & Fung, Exploring Versatile Generative Language Model via Parameter-Efficient Transfer "
-             "Learning, Findings of EMNLP 2020")
     Config = AdapterConfig
 
     def __init__(self, config: AdapterConfig, backbone, memory_meta: dict | None = None):

@@ -14,7 +14,7 @@ from ground.errors import UserError
 from ground.store import Catalog, new_id
 from memories.store import Memory
 from plugins.base import Plugin, load_plugin
-from plugins.registry import available_methods, get_method
+from plugins.registry import available_methods, get_method, method_card
 
 Progress = Callable[[float, str], None]
 
@@ -112,7 +112,7 @@ def open_memory(ref: str, backbone=None, catalog: Catalog | None = None) -> Memo
 def method_table() -> list[dict]:
     """Every registered method with its level, paper, and its declared settings: ``config`` / ``decode`` are the
     defaults, ``training_settings`` / ``decode_settings`` the full declarations (type, range, help, live)."""
-    return [{"method": name, "title": cls.title, "level": cls.level, "paper": cls.paper,
+    return [{"method": name, "title": cls.title, "level": cls.level, "paper": method_card(name).paper,
              "config": cls.Config().to_dict(), "decode": {s.name: s.default for s in cls.decode_settings},
              "training_settings": [s.describe() for s in cls.Config.declared()],
              "decode_settings": [s.describe() for s in cls.decode_settings]}

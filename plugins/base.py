@@ -1,13 +1,19 @@
 """The plug-in protocol shared by every method (in the spirit of PEFT's tuners: one config + one module each).
 
 A plug-in is trained from a memory (``fit``), saved as ``plugin_config.json`` + ``plugin_model.safetensors``
-(never pickle), loaded back only onto the backbone it was made for, and acts at decode time in one of two ways:
+(never pickle), loaded back only onto the backbone it was made for (``Plugin``), and acts at decode time in one
+of three ways, each one protocol of ``engine.protocol``:
 
-* **output-level** (PEMA, kNN): ``extra_states`` may return pre-norm states to be projected through the frozen
-  norm + LM head *in the same matrix product* as the backbone's own f(c) (the head's weight traffic dominates a
-  CPU decoding step); ``mix`` then turns the step's LM log-probabilities of its rows into the final ones.
-* **in-network** (adapters, memory-tuning, LoRA, ...): ``attach(rows)`` registers forward hooks that change the
-  hidden states of *its own batch rows only*, so several methods share one batched forward pass.
+* **output-level** (PEMA, kNN; ``OutputPlugin``): ``extra_states`` may return pre-norm states to be projected
+  through the frozen norm + LM head *in the same matrix product* as the backbone's own f(c) (the head's weight
+  traffic dominates a CPU decoding step); ``mix`` then turns the step's LM log-probabilities of its rows into the
+  final ones.
+* **in-network** (adapters, memory-tuning, LoRA, ...; ``plugins.network.NetworkPlugin``): ``attach(rows)`` registers
+  forward hooks that change the hidden states of *its own batch rows only*, so several methods share one batched
+  forward pass.
+* **prompt-level** (retrieved in-context examples): ``row_prompt`` gives the row a prompt of its own.
+
+``conformance_problems`` checks that a method class offers exactly its level's protocol.
 
 Saved plug-ins are checked on load: ``plugin_config.json`` lists the sha256 of its weight file (``files``) and the
 kNN plug-in the sha256 of its FAISS index; a mismatch, a truncated or unreadable file, NaN/inf weights (refused on
@@ -24,20 +30,18 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
-from engine.protocol import MixInput, MixOutput, mix_logprobs
+from engine.protocol import DecodeMethod, MixInput, MixOutput, NetworkMethod, OutputMethod, PromptMethod, mix_logprobs
 from ground.errors import UserError
 from ground.lock import writer_tag
-from ground.settings import Setting, SettingsRecord, coerce_all
+from ground.settings import Setting, coerce_all
 from ground.store import atomic_dir, write_json_atomic
 from plugins.registry import get_method
-from plugins.settings import config_settings, decode_record
-from plugins.timing import sample_loops, sample_record
+from plugins.settings import config_settings
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
@@ -130,33 +134,35 @@ class FitResult:
 
 
 class Plugin(nn.Module):
-    """Base class. Subclasses set ``method``, ``Config``, ``level``, ``decode_settings`` and implement ``fit``.
+    """Base of every method: its config, ``fit``, save and load, and what the engine reads of every method alike
+    (``engine.protocol.DecodeMethod``: name, level, settings, ``prepare_decode``). Subclasses set ``method``,
+    ``title``, ``Config``, ``level``, ``decode_settings`` and implement ``fit``.
 
-    Output-level plug-ins that *interpolate* (PEMA, kNN-LM/MT: P = λ_t·P_plugin + (1−λ_t)·P_LM) set
-    ``interpolates`` and implement ``plugin_logprobs`` and ``mix_lambdas``; the base ``mix`` combines them. The
-    split lets a scorer evaluate many λ settings on the same states while computing P_plugin once per
-    ``distribution_key`` (eval.likelihood).
+    How a method acts at decode time comes from the base of its level, each fulfilling one protocol of
+    ``engine.protocol``: ``OutputPlugin`` (below; ``OutputMethod``) mixes the output distribution,
+    ``plugins.network.NetworkPlugin`` (``NetworkMethod``) attaches inside the network, and a prompt-level method
+    subclasses ``Plugin`` and defines ``row_prompt`` (``PromptMethod``). What the studio, the time estimate and the
+    model card know of a method besides is its card (``plugins.card.MethodCard``), registered with the class
+    (``@register(CARD)``).
 
-    The declared contracts (class attributes read by the decode, the tuners and the studio; never looked up with a
-    default elsewhere) are checked for every registered method by ``contract_problems`` (tests/test_methods.py):
+    The declarations (class attributes read by the decode, the tuners and the studio; never looked up with a default
+    elsewhere) are checked for every registered method by ``conformance_problems`` (tests/test_methods.py), with
+    the protocol of its level:
 
-    - ``interpolates``: how the plug-in mixes. True: ``mix`` is λ_t·P_plugin + (1−λ_t)·P_LM from
+    - ``interpolates``: how an output plug-in mixes. True: ``mix`` is λ_t·P_plugin + (1−λ_t)·P_LM from
       ``plugin_logprobs`` and ``mix_lambdas`` (the slider moves, the likelihood tuner and calibration rely on it).
-      False: the plug-in's own ``mix`` (if any) says how. A class that defines ``plugin_logprobs`` or
-      ``mix_lambdas`` without declaring it would have the base ``mix`` return P_LM unchanged: refused.
+      False: the plug-in's own ``mix`` says how. A class that defines ``plugin_logprobs`` or ``mix_lambdas``
+      without declaring it would have ``OutputPlugin.mix`` return P_LM unchanged: refused.
+    - ``mixes_output``: an in-network plug-in whose ``mix`` also runs after the LM head (it is an ``OutputPlugin``
+      too).
     - ``resumable``: training can continue from a saved plug-in: ``fit`` then fills ``optimizer_state`` (saved by
       the studio as ``optimizer.safetensors``) and honours ``resume_state`` (set before ``fit`` from that file).
-    - ``leaves_shared_prefix``: an in-network plug-in that leaves the prompt's shared prefix to the frozen backbone;
-      the decode tells its attachments where each row's own tokens start (``set_own_from``).
-    - ``suspend`` / ``resume``: whether an in-network plug-in's attachment can be taken off between two forward
-      passes and put back as it was (default: no; the decode then attaches anew at every step).
     """
 
     method: ClassVar[str] = ""
     title: ClassVar[str] = ""
-    paper: ClassVar[str] = ""
     Config: ClassVar[type[PluginConfig]] = PluginConfig
-    level: ClassVar[str] = "output"  # "output" | "network" | "prompt" (``row_prompt``) | "none"
+    level: ClassVar[str] = ""  # "output" (``OutputPlugin``) | "network" (``NetworkPlugin``) | "prompt" (``row_prompt``)
     decode_settings: ClassVar[tuple[Setting, ...]] = ()  # declared once; UIs, CLIs and tuners are generated
     needs_memory_at_decode: ClassVar[bool] = False
     mixes_output: ClassVar[bool] = False  # an in-network plug-in whose ``mix`` also runs after the LM head
@@ -169,18 +175,6 @@ class Plugin(nn.Module):
     resume_state: dict | None = None
     # The folder it was saved to or loaded from (``load_plugin``, ``plugins.api.train_plugin``); None: never saved.
     plugin_path: Path | None = None
-    # Where the studio needs one method's row of several (Compare's token views, the training form), this one first.
-    shown_first: ClassVar[bool] = False
-    # A few steps of training on the tiny model: the per-method test suites' run (tests/test_methods.py).
-    quick_settings: ClassVar[dict] = {}
-    # The short run ``python -m plugins.estimate measure`` times (a few steps of every phase).
-    measure_settings: ClassVar[dict] = {}
-    # The neighbour map (the studio's Compare tab): (the query's short label, what the query is, what its neighbours
-    # are), or None for a method without one; ``map_queries`` places the query among the memory's scaled keys.
-    map_kinds: ClassVar[tuple[str, str, str] | None] = None
-    map_traced_neighbours: ClassVar[bool] = False  # the decode's trace names the neighbours (else: exact search)
-    # The model card's line when the package has no datastore ("" says nothing).
-    without_datastore_note: ClassVar[str] = ""
 
     def __init__(self, config: PluginConfig, backbone, memory_meta: dict | None = None):
         super().__init__()
@@ -213,120 +207,19 @@ class Plugin(nn.Module):
         """The declared decode settings' defaults (before any tuned value; see ``plugins.settings.row_settings``)."""
         return {s.name: s.default for s in self.decode_settings}
 
-    def settings(self, overrides: dict | SettingsRecord | None = None) -> SettingsRecord:
-        """This plug-in's complete decode settings, its method's typed record (``plugins.settings.decode_record``):
-        the declared defaults with ``overrides`` (a record of this method's, or ``{name: value}``) checked against
-        the declarations (an unknown name, a wrong type or a value out of range is a UserError naming it)."""
-        record = decode_record(type(self))
-        if not isinstance(overrides, record):
-            given = overrides.as_dict() if isinstance(overrides, SettingsRecord) else dict(overrides or {})
-            overrides = record.from_dict({**self.decode_defaults, **given})
-        self.validate_settings(overrides)
-        return overrides
+    def settings(self, overrides: dict | None = None) -> dict:
+        """This plug-in's complete decode settings: the declared defaults with ``overrides`` checked against the
+        declarations (an unknown name, a wrong type or a value out of range is a UserError naming it)."""
+        s = {**self.decode_defaults, **coerce_all(self.decode_settings, dict(overrides or {}), self.title)}
+        self.validate_settings(s)
+        return s
 
-    def validate_settings(self, s: SettingsRecord) -> None:
+    def validate_settings(self, s: dict) -> None:
         """Checks that involve several settings at once (single values are checked by their declarations)."""
-
-    def extra_states(self, fc: torch.Tensor, settings: list[SettingsRecord]) -> torch.Tensor | None:
-        return None
-
-    def row_prompt(self, source: str, prompt, settings: SettingsRecord):
-        """Plug-ins of level "prompt" (the frozen model, prompted otherwise): the ``backbone.prompts.Prompt`` its
-        row decodes ``source`` with, given the comparison's ``prompt`` (whose template it keeps). Such a row gets a
-        prefill row of its own in the one batched decode (``engine.batch``); its distribution is the
-        model's. Default: the comparison's prompt."""
-        return prompt
-
-    def head_vocab(self) -> torch.Tensor | None:
-        """Token ids the extra states' logits are needed for (others are −inf), or None for all of them. A
-        restricted vocabulary lets the decode project those states through only these rows of the LM head."""
-        return None
-
-    def mix(self, inp: MixInput) -> MixOutput:
-        if not self.interpolates:
-            return MixOutput(logprobs=inp.lm_logprobs)
-        plp, extras = self.plugin_logprobs(inp)
-        lams = self.mix_lambdas(inp)
-        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams), support=self.plugin_support(len(plp)))
-        return MixOutput(logprobs=out, plugin_logprobs=plp, lam=lams, extras=extras)
-
-    def plugin_support(self, n: int) -> torch.Tensor | None:
-        """Interpolating plug-ins whose P_plugin is zero outside a fixed set of tokens (PEMA restricted to its
-        candidate vocabulary): those token ids for ``n`` rows, (n, s), so that ``mix`` mixes only those columns
-        (``mix_logprobs(support=)``: the same result); None: every token may have mass."""
-        return None
-
-    def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, list[dict] | None]:
-        """Interpolating plug-ins: log P_plugin (n, V) of the rows, and per-row trace extras (or None)."""
-        raise NotImplementedError
-
-    def mix_lambdas(self, inp: MixInput) -> list[float]:
-        """Interpolating plug-ins: λ_t of every row at this step."""
-        raise NotImplementedError
-
-    def distribution_key(self, settings: SettingsRecord) -> tuple:
-        """The part of a row's settings that changes P_plugin (the rest changes only λ_t): rows with the same key
-        share one ``plugin_logprobs``. Default: all of them."""
-        return (settings,)
-
-    def attach(self, rows: torch.Tensor, settings: SettingsRecord | None = None, trace: bool = True) -> list:
-        """Register forward hooks acting on batch rows ``rows`` only; return the handles. ``trace`` False: no
-        ``network_trace`` will be asked of them."""
-        return []
-
-    def network_trace(self, handles: list) -> dict | None:
-        """What the attachment ``handles`` (returned by ``attach``) recorded in its latest forward pass, e.g. the
-        attention over memory items, as {position within its rows: dict}; None when it has none (yet)."""
-        return None
-
-    def suspend(self, handles: list) -> bool:
-        """Take the attachment ``handles`` (what ``attach`` returned) off the backbone between two forward passes,
-        keeping them for ``resume``: a decode's next step puts the very same hooks back instead of attaching anew.
-        False: they could not be kept and are removed for good. Default: removed."""
-        for h in handles:
-            h.remove()
-        return False
-
-    def resume(self, handles: list) -> bool:
-        """Put ``suspend``-ed ``handles`` back on the backbone; False: they cannot be (the caller removes them and
-        attaches anew). Default: False."""
-        return False
-
-    @property
-    def leaves_shared_prefix(self) -> bool:
-        """Whether the attachment leaves the prompt's shared prefix (instruction, few-shot examples) as the frozen
-        backbone computes it, acting only from each row's own tokens on: the decode's prefill then tells it where
-        those start (``set_own_from``). Default: False (it acts on every position)."""
-        return False
-
-    def set_own_from(self, handles: list, own_from: torch.Tensor | None) -> None:
-        """Tell the attachment ``handles`` (what ``attach`` returned) each of its batch rows' first position it acts
-        on in the next forward pass (None: every position); read by plug-ins that ``leaves_shared_prefix``."""
 
     def prepare_decode(self) -> None:
         """Called once before decoding (e.g. to move weights or build a search index)."""
         self.to_backbone()
-
-    # --- the studio's views ------------------------------------------------------------------------
-    def map_queries(self, fc: np.ndarray, memory) -> np.ndarray:
-        """The neighbour map's query for each of a row's output tokens (``fc``: n × d float32, their f(c)), in the
-        space of the memory's keys divided by their RMS. Default: f(c) scaled like the keys (what kNN searches
-        with)."""
-        return fc / np.float32(memory.key_scale)
-
-    # --- time estimate (plugins.estimate) ---------------------------------------------------------
-    @classmethod
-    def training_time(cls, config: PluginConfig, rec: dict, samples: int, entries: int) -> dict:
-        """How long training takes, from the measured throughput record ``rec`` of this method on a memory of
-        ``samples`` training samples / ``entries`` entries: ``{"setup_s", "loops", "budget_text"}`` (loops:
-        ``plugins.timing.loop``), or ``{"setup_s", "loops": [], "text"}`` for a method with nothing to train.
-        Default: one loop over the samples (the in-network methods)."""
-        return sample_loops(cls.method, config, rec, samples, entries)
-
-    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
-        """The record ``training_time`` reads, from a finished short run (``info``: ``train_info`` with the fit's
-        metrics over it; ``wall_s``: the whole run's seconds). Default: one loop over the samples."""
-        return sample_record(self.config, info, history, wall_s)
 
     # --- persistence ------------------------------------------------------------------------------
     def extra_config(self) -> dict:
@@ -383,50 +276,121 @@ class Plugin(nn.Module):
         return self if t is None or t.device == dev else self.to(device=dev)
 
 
+class OutputPlugin(Plugin):
+    """Base of the output-level plug-ins (``engine.protocol.OutputMethod``; PEMA, kNN), and of an in-network one that
+    also mixes (``mixes_output``). ``extra_states`` may return pre-norm states to be projected through the frozen
+    norm + LM head *in the same matrix product* as the backbone's own f(c) (the head's weight traffic dominates a
+    CPU decoding step); ``mix`` then turns the step's LM log-probabilities of its rows into the final ones.
+
+    Plug-ins that *interpolate* (PEMA, kNN-LM/MT: P = λ_t·P_plugin + (1−λ_t)·P_LM) set ``interpolates`` and
+    implement ``plugin_logprobs`` and ``mix_lambdas``; the base ``mix`` combines them. The split lets a scorer
+    evaluate many λ settings on the same states while computing P_plugin once per ``distribution_key``
+    (eval.likelihood)."""
+
+    level = "output"
+
+    def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
+        return None
+
+    def head_vocab(self) -> torch.Tensor | None:
+        """Token ids the extra states' logits are needed for (others are −inf), or None for all of them. A
+        restricted vocabulary lets the decode project those states through only these rows of the LM head."""
+        return None
+
+    def mix(self, inp: MixInput) -> MixOutput:
+        if not self.interpolates:
+            return MixOutput(logprobs=inp.lm_logprobs)
+        plp, extras = self.plugin_logprobs(inp)
+        lams = self.mix_lambdas(inp)
+        out = mix_logprobs(inp.lm_logprobs, plp, torch.tensor(lams), support=self.plugin_support(len(plp)))
+        return MixOutput(logprobs=out, plugin_logprobs=plp, lam=lams, extras=extras)
+
+    def plugin_support(self, n: int) -> torch.Tensor | None:
+        """Interpolating plug-ins whose P_plugin is zero outside a fixed set of tokens (PEMA restricted to its
+        candidate vocabulary): those token ids for ``n`` rows, (n, s), so that ``mix`` mixes only those columns
+        (``mix_logprobs(support=)``: the same result); None: every token may have mass."""
+        return None
+
+    def plugin_logprobs(self, inp: MixInput) -> tuple[torch.Tensor, list[dict] | None]:
+        """Interpolating plug-ins: log P_plugin (n, V) of the rows, and per-row trace extras (or None)."""
+        raise NotImplementedError
+
+    def mix_lambdas(self, inp: MixInput) -> list[float]:
+        """Interpolating plug-ins: λ_t of every row at this step."""
+        raise NotImplementedError
+
+    def distribution_key(self, settings: dict) -> tuple:
+        """The part of a row's settings that changes P_plugin (the rest changes only λ_t): rows with the same key
+        share one ``plugin_logprobs``. Default: all of them."""
+        return tuple(sorted(settings.items()))
+
+
 LEVELS = ("output", "network", "prompt", "none")
+LEVEL_PROTOCOLS = {"output": OutputMethod, "network": NetworkMethod, "prompt": PromptMethod}
 
 
-def _defines(cls: type, name: str) -> bool:
-    """Whether ``cls`` (or a base below ``Plugin``) overrides ``Plugin.<name>``."""
-    return getattr(cls, name, None) is not getattr(Plugin, name)
+def protocol_members(protocol: type) -> set[str]:
+    """The members one of ``engine.protocol``'s protocols asks for, its bases' included."""
+    out: set[str] = set()
+    for base in protocol.__mro__:
+        if getattr(base, "_is_protocol", False) and base is not Protocol:
+            out |= {n for n in (*vars(base), *getattr(base, "__annotations__", {})) if not n.startswith("_")}
+    return out
 
 
-def contract_problems(cls: type) -> list[str]:
-    """What a method class declares wrongly or not at all (the contracts of ``Plugin``'s docstring); empty when it
-    keeps them. A class that mixes without saying how (``plugin_logprobs`` / ``mix_lambdas`` without
-    ``interpolates``) would decode as the base model and pass every other test."""
+def _level_members(protocol: type) -> list[str]:
+    """What ``protocol`` adds to ``DecodeMethod`` (the members of one way of acting), in name order."""
+    return sorted(protocol_members(protocol) - protocol_members(DecodeMethod))
+
+
+def _overrides(cls: type, name: str) -> bool:
+    """Whether ``cls`` defines ``OutputPlugin.<name>`` itself (or in a base below ``OutputPlugin``)."""
+    return getattr(cls, name, None) is not getattr(OutputPlugin, name)
+
+
+def conformance_problems(cls: type) -> list[str]:
+    """How a method class fails its level's protocol (``engine.protocol``: exactly the members the engine calls on
+    rows of that level — an in-network one that ``mixes_output`` is an ``OutputMethod`` too — and none of another
+    level's) or declares wrongly (the declarations of ``Plugin``'s docstring); empty when it conforms. A class that
+    mixes without saying how (``plugin_logprobs`` / ``mix_lambdas`` without ``interpolates``) would decode as the
+    base model and pass every other test."""
     name = cls.__name__
-    out = []
     if not (isinstance(cls, type) and issubclass(cls, Plugin)):
         return [f"{name} is not a Plugin subclass"]
+    out = []
     if not cls.method:
         out.append(f"{name} declares no ``method`` name")
     if cls.level not in LEVELS:
         out.append(f"{name}.level is {cls.level!r}, not one of {', '.join(LEVELS)}")
-    parts = [m for m in ("plugin_logprobs", "mix_lambdas") if _defines(cls, m)]
+    wanted = {cls.level} | ({"output"} if cls.mixes_output else set())
+    for level, protocol in LEVEL_PROTOCOLS.items():
+        members = _level_members(protocol)
+        if level in wanted:
+            missing = [m for m in members if not hasattr(cls, m)]
+            if missing:
+                out.append(f"{name} is a {level}-level plug-in without {', '.join(missing)} "
+                           f"(engine.protocol.{protocol.__name__})")
+        else:
+            extra = [m for m in members if hasattr(cls, m)]
+            if extra:
+                out.append(f"{name} defines {', '.join(extra)} at level {cls.level!r}: the engine calls them only on "
+                           f"{level}-level rows ({protocol.__name__})")
+    mixes = "output" in wanted and issubclass(cls, OutputPlugin)
+    parts = [m for m in ("plugin_logprobs", "mix_lambdas") if mixes and _overrides(cls, m)]
     if cls.interpolates:
         missing = [m for m in ("plugin_logprobs", "mix_lambdas") if m not in parts]
         if missing:
             out.append(f"{name} declares interpolates = True but does not define {' and '.join(missing)}")
-        if cls.level != "output" and not cls.mixes_output:
+        if "output" not in wanted:
             out.append(f"{name} declares interpolates = True at level {cls.level!r}: only output-level plug-ins "
                        f"(or in-network ones with mixes_output) are mixed")
-    elif parts and not _defines(cls, "mix"):
+    elif parts and not _overrides(cls, "mix"):
         out.append(f"{name} defines {' and '.join(parts)} but neither declares interpolates = True nor defines "
                    f"its own mix: the base mix would return P_LM unchanged (the base model's tokens)")
-    if cls.level == "output" and not (cls.interpolates or _defines(cls, "mix")):
-        out.append(f"{name} is an output-level plug-in that does not mix: declare interpolates = True (with "
-                   f"plugin_logprobs and mix_lambdas) or define mix")
-    if cls.mixes_output and not (cls.interpolates or _defines(cls, "mix")):
-        out.append(f"{name} declares mixes_output = True but neither interpolates nor defines mix")
-    if cls.level == "network" and not _defines(cls, "attach"):
-        out.append(f"{name} is an in-network plug-in without attach (no hooks: it changes nothing)")
-    hooks = [m for m in ("attach", "set_own_from", "suspend", "resume") if _defines(cls, m)]
-    if cls.level != "network" and hooks:
-        out.append(f"{name} defines {', '.join(hooks)} at level {cls.level!r}: the decode attaches only in-network "
-                   f"plug-ins")
-    if cls.level == "prompt" and not _defines(cls, "row_prompt"):
-        out.append(f"{name} is a prompt-level plug-in without row_prompt (it prompts like the base row)")
+    if mixes and not (cls.interpolates or _overrides(cls, "mix")):
+        what = "declares mixes_output = True" if cls.mixes_output else "is an output-level plug-in"
+        out.append(f"{name} {what} but does not mix: declare interpolates = True (with plugin_logprobs and "
+                   f"mix_lambdas) or define mix")
     if not isinstance(cls.resumable, bool) or not isinstance(cls.interpolates, bool):
         out.append(f"{name}.resumable and {name}.interpolates must be True or False")
     return out

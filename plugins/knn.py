@@ -61,7 +61,8 @@ from ground.lock import temp_name
 from ground.settings import Setting, SettingsRecord
 from ground.store import write_json_atomic
 from memories.store import Memory
-from plugins.base import FitResult, Plugin, PluginConfig, file_sha256, plain_file_name
+from plugins.base import FitResult, OutputPlugin, PluginConfig, file_sha256, plain_file_name
+from plugins.card import MethodCard, NeighbourMap, TimeEstimate
 from plugins.registry import register
 from plugins.settings import Preset, setting
 from plugins.timing import minutes
@@ -297,11 +298,34 @@ class KNNConfig(PluginConfig):
 
 
 
-@register
-class KNN(Plugin):
+def knn_training_time(cls, config: KNNConfig, rec: dict, samples: int, entries: int) -> dict:
+    """Nothing to train: the index over the memory's entries."""
+    secs = rec.get("setup_s", 0.0) + entries / max(rec["entries_per_s"], 1e-9)
+    return {"setup_s": secs, "loops": [],
+            "text": f"Nothing to train: ≈ {minutes(secs)} to index {entries:,} entries."}
+
+
+def knn_throughput_record(plugin, info: dict, history: list[dict], wall_s: float, memory) -> dict:
+    """``memory`` is None for a saved run (``plugins.estimate record``): its ``train_info`` counts the entries."""
+    entries = len(memory) if memory is not None else int(info["entries"])
+    return {"entries_per_s": round(entries / max(wall_s, 1e-3), 1), "setup_s": 0.0}
+
+
+CARD = MethodCard(
+    paper="Khandelwal et al., Generalization through Memorization (ICLR 2020); Nearest Neighbor MT (ICLR 2021)",
+    estimate=TimeEstimate(measure_settings={}, training_time=knn_training_time,
+                          throughput_record=knn_throughput_record),
+    neighbour_map=NeighbourMap(
+        kinds=("query f(c)",
+               "f(c) / key RMS: the query kNN searches with (the backbone's pre-norm state before this token)",
+               "its k nearest memory entries, as the decode retrieved them"),
+        traced_neighbours=True))
+
+
+@register(CARD)
+class KNN(OutputPlugin):
     method = "knn"
     title = "kNN-LM / kNN-MT"
-    paper = "Khandelwal et al., Generalization through Memorization (ICLR 2020); Nearest Neighbor MT (ICLR 2021)"
     Config = KNNConfig
     level = "output"
     interpolates = True
@@ -325,22 +349,6 @@ class KNN(Plugin):
     # others; costs the keys' bytes once more in RAM, as the certified search's 16-bit copy costs half of them).
     certified_search: bool = True
     packed_scan: bool = True
-    map_kinds = ("query f(c)",
-                 "f(c) / key RMS: the query kNN searches with (the backbone's pre-norm state before this token)",
-                 "its k nearest memory entries, as the decode retrieved them")
-    map_traced_neighbours = True
-
-    @classmethod
-    def training_time(cls, config: KNNConfig, rec: dict, samples: int, entries: int) -> dict:
-        """Nothing to train: the index over the memory's entries."""
-        secs = rec.get("setup_s", 0.0) + entries / max(rec["entries_per_s"], 1e-9)
-        return {"setup_s": secs, "loops": [],
-                "text": f"Nothing to train: ≈ {minutes(secs)} to index {entries:,} entries."}
-
-    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
-        """``memory`` is None for a saved run (``plugins.estimate record``): its ``train_info`` counts the entries."""
-        entries = len(memory) if memory is not None else int(info["entries"])
-        return {"entries_per_s": round(entries / max(wall_s, 1e-3), 1), "setup_s": 0.0}
 
     def __init__(self, config: KNNConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)

@@ -53,6 +53,7 @@ How it is adapted to our decoder-only backbones and to the shared-backbone proto
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -65,8 +66,11 @@ from torch import nn
 from backbone.torch_internals import clear_module_hooks
 from ground.errors import UserError
 from plugins.base import FitResult
+from plugins.card import MethodCard
 from plugins.hub import hub_base_model
 from plugins.network import (
+    NETWORK_ESTIMATE,
+    NETWORK_QUICK_SETTINGS,
     Attachment,
     NetworkConfig,
     NetworkPlugin,
@@ -106,19 +110,23 @@ class LoRAConfig(NetworkConfig):
         self._check(self.alpha > 0, "LoRA α must be a positive number.")
 
 
-@register
+CARD = MethodCard(
+    paper="Hu et al., LoRA: Low-Rank Adaptation of Large Language Models, ICLR 2022 (as the PEMA paper's baseline)",
+    estimate=dataclasses.replace(NETWORK_ESTIMATE,
+                                 measure_settings={"max_epochs": 1, "max_minutes": 2.5, "patience": 1000}),
+    quick_settings={**NETWORK_QUICK_SETTINGS, "rank": 8})
+
+
+@register(CARD)
 class LoRA(NetworkPlugin):
     method = "lora"
     title = "LoRA (last layer's attention output)"
-    paper = "Hu et al., LoRA: Low-Rank Adaptation of Large Language Models, ICLR 2022 (as the PEMA paper's baseline)"
     Config = LoRAConfig
     # Continue training: ``resume_state`` (set before ``fit``; ``training.optimizer_from_tensors``) resumes Adam's
     # moments and the step count from the saved ``optimizer.safetensors``; ``fit`` starts from the plug-in's own
     # A and B, so a loaded plug-in continues where it stopped. ``optimizer_state`` holds the state after ``fit``.
     resumable = True
     resume_state: dict | None = None
-    quick_settings = {**NetworkPlugin.quick_settings, "rank": 8}
-    measure_settings = {"max_epochs": 1, "max_minutes": 2.5, "patience": 1000}
 
     def __init__(self, config: LoRAConfig, backbone, memory_meta: dict | None = None):
         super().__init__(config, backbone, memory_meta)

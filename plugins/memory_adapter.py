@@ -106,6 +106,7 @@ The attach/hook machinery (rows, handles, traces) and the training loop are ``Ne
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -121,10 +122,13 @@ from ground.settings import Setting
 from memories.build import target_ids
 from memories.phrases import capture_phrase_states, normalize, phrase_pairs_for_memory
 from memories.store import Memory
-from plugins.base import FitResult
+from plugins.base import FitResult, OutputPlugin
+from plugins.card import MethodCard
 from plugins.knn import KNN, KNNConfig
 from plugins.memory_adapter_layers import LayerBlock, MemoryAdapter, allocate  # noqa: F401  (re-exported)
 from plugins.network import (
+    NETWORK_ESTIMATE,
+    NETWORK_QUICK_SETTINGS,
     Attachment,
     FullBatch,
     NetworkConfig,
@@ -257,18 +261,21 @@ class MemoryAdapterConfig(NetworkConfig):
         parse_layers(self.layers, None)
 
 
-@register
-class MemoryAdapterPlugin(NetworkPlugin):
+CARD = MethodCard(
+    paper="Xu et al., Pluggable Neural Machine Translation Models via Memory-augmented Adapters, LREC-COLING 2024",
+    estimate=dataclasses.replace(NETWORK_ESTIMATE,
+                                 measure_settings={**NETWORK_ESTIMATE.measure_settings, "max_translate": 16}),
+    quick_settings={**NETWORK_QUICK_SETTINGS, "max_pairs": 40, "max_translate": 8},
+    without_datastore_note=("The memory's datastore is not included, so the '+ kNN' decode setting (`knn_lambda` > "
+                            "0) does not work with this package; export with `--include-datastore` for it."))
+
+
+@register(CARD)
+class MemoryAdapterPlugin(NetworkPlugin, OutputPlugin):
     method = "memory_adapter"
     title = "Memory-augmented adapter"
-    paper = ("Xu et al., Pluggable Neural Machine Translation Models via Memory-augmented Adapters, "
-             "LREC-COLING 2024")
     Config = MemoryAdapterConfig
     mixes_output: ClassVar[bool] = True  # "+ kNN": the decoder also calls mix() on this plug-in's rows
-    quick_settings = {**NetworkPlugin.quick_settings, "max_pairs": 40, "max_translate": 8}
-    measure_settings = {**NetworkPlugin.measure_settings, "max_translate": 16}
-    without_datastore_note = ("The memory's datastore is not included, so the '+ kNN' decode setting (`knn_lambda` > "
-                              "0) does not work with this package; export with `--include-datastore` for it.")
     decode_settings = (
         Setting("temperature", 0.5, "T of the attention over the phrase memory (default: the trained one)",
                 low=0.01, high=100.0, step=0.05, label="memory temperature"),

@@ -98,7 +98,10 @@ from backbone.padding import PAD_NEUTRAL_SDPA
 from backbone.torch_internals import set_unregistered
 from ground.errors import UserError
 from plugins.base import FitResult
+from plugins.card import MethodCard
 from plugins.network import (
+    NETWORK_ESTIMATE,
+    NETWORK_QUICK_SETTINGS,
     Attachment,
     NetworkConfig,
     NetworkPlugin,
@@ -273,12 +276,16 @@ def kv_layout(backbone) -> tuple[int, int]:
     return k_proj.out_features // hd, hd
 
 
-@register
+CARD = MethodCard(
+    paper=("Qi et al., Memory-Tuning: A Unified Parameter-Efficient Tuning Method for Pre-trained Language Models, "
+           "IEEE/ACM TASLP 2024"),
+    estimate=NETWORK_ESTIMATE, quick_settings=NETWORK_QUICK_SETTINGS)
+
+
+@register(CARD)
 class MemoryTuning(NetworkPlugin):
     method = "memory_tuning"
     title = "Memory-Tuning"
-    paper = ("Qi et al., Memory-Tuning: A Unified Parameter-Efficient Tuning Method for Pre-trained Language Models, "
-             "IEEE/ACM TASLP 2024")
     Config = MemoryTuningConfig
     # A decode step on the CPU decode attention hands the prefix to the attention for this method's rows only
     # (``RowKeys``) instead of re-running the attention; an option of the plug-in, so that a test or a benchmark

@@ -40,9 +40,10 @@ from engine.protocol import row_span
 from ground.errors import UserError
 from ground.settings import Setting, SettingsRecord
 from plugins.base import FitResult, Plugin, PluginConfig
+from plugins.card import TimeEstimate
 from plugins.seqtrain import SeqData, collate, memory_sequences, split_for_early_stopping
 from plugins.settings import setting
-from plugins.timing import layers_scaled
+from plugins.timing import layers_scaled, sample_loops, sample_record
 from plugins.training import BudgetGuard, LoopSettings, candidate_vocabulary, run_training
 from plugins.training_batches import (  # noqa: F401  (re-exported: plug-ins and tests import them from here)
     FrozenPrefix,
@@ -329,6 +330,32 @@ class _Handle:
         return True
 
 
+# The in-network methods' card parts (``plugins.card``): the per-method tests' short run and the time estimate.
+NETWORK_QUICK_SETTINGS = {"max_epochs": 1, "max_minutes": 0.0, "candidate_contexts": 16, "batch_size": 4,
+                          "patience": 1}
+
+
+def network_training_time(cls, config, rec: dict, samples: int, entries: int) -> dict:
+    """One loop over the memory's samples (``plugins.timing.sample_loops``), the record scaled to the layers
+    ``config`` adapts where they differ from the recorded run's (``plugins.timing.layers_scaled``)."""
+    L, made = rec.get("num_layers"), rec.get("lowest_layer")
+    now = cls.lowest_layer_of(config, L) if L and made is not None else None
+    if now is not None:
+        rec = layers_scaled(rec, L, made, now)
+    return sample_loops(cls.method, config, rec, samples, entries)
+
+
+def network_throughput_record(plugin, info: dict, history: list[dict], wall_s: float, memory) -> dict:
+    """The sample loop's record (``plugins.timing.sample_record``) with the layers the run adapted."""
+    return {**sample_record(plugin.config, info, history, wall_s), "num_layers": plugin.backbone.num_layers,
+            "lowest_layer": plugin.lowest_layer()}
+
+
+NETWORK_ESTIMATE = TimeEstimate(
+    measure_settings={"max_epochs": 1, "max_minutes": 1.5, "patience": 1000, "max_heldout": 8},
+    training_time=network_training_time, throughput_record=network_throughput_record)
+
+
 class NetworkPlugin(Plugin):
     """Base of the in-network plug-ins: per-row hooks, scale calibration, sequence-level training, traces.
 
@@ -352,8 +379,6 @@ class NetworkPlugin(Plugin):
     # init) is not redone. ``optimizer_state`` holds the state after ``fit`` (the Studio saves it as safetensors).
     resumable = True
     resume_state: dict | None = None
-    quick_settings = {"max_epochs": 1, "max_minutes": 0.0, "candidate_contexts": 16, "batch_size": 4, "patience": 1}
-    measure_settings = {"max_epochs": 1, "max_minutes": 1.5, "patience": 1000, "max_heldout": 8}
     decode_settings = (
         Setting("scale", 1.0, "multiplies the plug-in's change of the hidden states (1 = as trained, 0 = off)",
                 low=0.0, high=10.0, step=0.1, label="scale"),
@@ -421,20 +446,6 @@ class NetworkPlugin(Plugin):
         exists (the training-time estimate): the lowest of its ``layers`` setting; None for a method without one."""
         spec = getattr(config, "layers", None)
         return min(parse_layers(spec, num_layers), default=None) if spec is not None else None
-
-    @classmethod
-    def training_time(cls, config, rec: dict, samples: int, entries: int) -> dict:
-        """``Plugin.training_time`` with the record scaled to the layers ``config`` adapts where they differ from
-        the recorded run's (``plugins.timing.layers_scaled``)."""
-        L, made = rec.get("num_layers"), rec.get("lowest_layer")
-        now = cls.lowest_layer_of(config, L) if L and made is not None else None
-        if now is not None:
-            rec = layers_scaled(rec, L, made, now)
-        return super().training_time(config, rec, samples, entries)
-
-    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
-        return {**super().throughput_record(info, history, wall_s, memory), "num_layers": self.backbone.num_layers,
-                "lowest_layer": self.lowest_layer()}
 
     def _register_hooks(self, att: Attachment) -> list:
         raise NotImplementedError

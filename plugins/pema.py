@@ -83,7 +83,8 @@ from torch import nn
 
 from engine.protocol import MixInput
 from ground.settings import Setting, SettingsRecord
-from plugins.base import FitResult, Plugin, PluginConfig
+from plugins.base import FitResult, OutputPlugin, PluginConfig
+from plugins.card import MethodCard, NeighbourMap, TimeEstimate
 from plugins.registry import register
 from plugins.settings import Preset, setting
 from plugins.timing import budget_seconds, loop, loop_rate, minutes, split_sizes
@@ -189,11 +190,62 @@ def gu_lambda(step: int, lambda_max: float, src_len: int, gu: bool = True, varia
     return cs * cs if cs > 1e-12 else 0.0
 
 
-@register
-class PEMA(Plugin):
+def pema_map_queries(plugin: "PEMA", fc: np.ndarray, memory) -> np.ndarray:
+    """The neighbour map's query: h_pd of each f(c), rescaled to the keys' RMS (1 once divided by the key RMS)."""
+    with torch.no_grad():
+        h = plugin.h_pd(plugin.scaled(torch.from_numpy(fc).to(plugin.backbone.device))).float().cpu().numpy()
+    rms = np.sqrt((h ** 2).mean(1, keepdims=True))
+    return np.where(rms > 0, h / np.maximum(rms, 1e-30), h)
+
+
+def pema_training_time(cls, config: PEMAConfig, rec: dict, samples: int, entries: int) -> dict:
+    """Two loops over the memory's entries: the reconstruction phase and the joint phase."""
+    budget_s = budget_seconds(config)
+    sizes = split_sizes(samples, entries, 500)
+    conv = rec.get("converge_epochs") or {}
+    steps_per_epoch = max(1, math.ceil(sizes["train_entries"] / config.batch_size))
+    evals = steps_per_epoch / config.eval_every if config.eval_every else 1
+
+    def epochs(max_ep):  # the epoch limit, or fewer under a step budget
+        return min(max_ep, round(config.max_steps / steps_per_epoch, 2)) if config.max_steps else max_ep
+
+    loops = [loop(phase, sizes["train_entries"], sizes["stop_entries"], evals, rec[key], epochs(max_ep),
+                  conv.get(phase), budget_s)
+             for phase, key, max_ep in (("reconstruction", "rct_entries_per_s", config.max_epochs_rct),
+                                        ("joint", "joint_entries_per_s", config.max_epochs_joint))]
+    return {"setup_s": rec.get("setup_s", 0.0), "loops": loops,
+            "budget_text": f"your budget of {minutes(budget_s)} a phase"}
+
+
+def pema_throughput_record(plugin: "PEMA", info: dict, history: list[dict], wall_s: float, memory) -> dict:
+    rct, joint = info["reconstruction"], info["joint"]
+    stop = info["early_stop_entries"]
+    return {"rct_entries_per_s": loop_rate(rct, history, plugin.config.batch_size, stop),
+            "joint_entries_per_s": loop_rate(joint, history, plugin.config.batch_size, stop),
+            "setup_s": round(max(0.0, wall_s - rct["seconds"] - joint["seconds"]), 1),
+            "batch_size": plugin.config.batch_size, "candidates": info.get("candidates")}
+
+
+CARD = MethodCard(
+    paper="Kim et al., PEMA: An Offsite-Tunable Plug-in External Memory Adaptation for Language Models, NAACL 2024",
+    estimate=TimeEstimate(
+        measure_settings={"max_epochs_rct": 2, "max_epochs_joint": 2, "patience": 1000, "max_minutes": 1.5},
+        training_time=pema_training_time, throughput_record=pema_throughput_record),
+    quick_settings={"rank": 8, "max_epochs_rct": 1, "max_epochs_joint": 1, "max_minutes": 0.0,
+                    "candidate_contexts": 16, "batch_size": 4, "patience": 1},
+    neighbour_map=NeighbourMap(
+        kinds=("h_pd",
+               "h_pd = B_pd·A·(f(c) / key RMS), rescaled to the keys' RMS (P_PEMA = softmax(W·norm(h_pd)) does not "
+               "depend on its scale): the state PEMA's LM head reads, placed among the memory's keys",
+               "the memory entries whose keys are nearest to h_pd (exact squared L2 over every entry)"),
+        queries=pema_map_queries),
+    shown_first=True)
+
+
+@register(CARD)
+class PEMA(OutputPlugin):
     method = "pema"
     title = "PEMA (+ Gradual Unrolling)"
-    paper = "Kim et al., PEMA: An Offsite-Tunable Plug-in External Memory Adaptation for Language Models, NAACL 2024"
     Config = PEMAConfig
     level = "output"
     interpolates = True
@@ -202,14 +254,6 @@ class PEMA(Plugin):
     # weights; ``optimizer_state`` holds the joint phase's optimizer after ``fit``.
     resumable = True
     resume_state: dict | None = None
-    shown_first = True
-    quick_settings = {"rank": 8, "max_epochs_rct": 1, "max_epochs_joint": 1, "max_minutes": 0.0,
-                      "candidate_contexts": 16, "batch_size": 4, "patience": 1}
-    measure_settings = {"max_epochs_rct": 2, "max_epochs_joint": 2, "patience": 1000, "max_minutes": 1.5}
-    map_kinds = ("h_pd",
-                 "h_pd = B_pd·A·(f(c) / key RMS), rescaled to the keys' RMS (P_PEMA = softmax(W·norm(h_pd)) does not "
-                 "depend on its scale): the state PEMA's LM head reads, placed among the memory's keys",
-                 "the memory entries whose keys are nearest to h_pd (exact squared L2 over every entry)")
     decode_settings = (
         Setting("lambda_max", 0.8, "λ_max: P_PEMA's weight in the mix, at every token without GU; with GU (paper) "
                 "the first output token gets λ_max² and λ_t falls to 0 (the 'code' variant starts at λ_max itself); "
@@ -452,40 +496,6 @@ class PEMA(Plugin):
     # --- decoding ---------------------------------------------------------------------------------
     def validate_settings(self, s: SettingsRecord) -> None:
         pass  # every value is checked by its declaration
-
-    def map_queries(self, fc: np.ndarray, memory) -> np.ndarray:
-        """h_pd of each f(c), rescaled to the keys' RMS (1 once divided by the key RMS)."""
-        with torch.no_grad():
-            h = self.h_pd(self.scaled(torch.from_numpy(fc).to(self.backbone.device))).float().cpu().numpy()
-        rms = np.sqrt((h ** 2).mean(1, keepdims=True))
-        return np.where(rms > 0, h / np.maximum(rms, 1e-30), h)
-
-    @classmethod
-    def training_time(cls, config: PEMAConfig, rec: dict, samples: int, entries: int) -> dict:
-        """Two loops over the memory's entries: the reconstruction phase and the joint phase."""
-        budget_s = budget_seconds(config)
-        sizes = split_sizes(samples, entries, 500)
-        conv = rec.get("converge_epochs") or {}
-        steps_per_epoch = max(1, math.ceil(sizes["train_entries"] / config.batch_size))
-        evals = steps_per_epoch / config.eval_every if config.eval_every else 1
-
-        def epochs(max_ep):  # the epoch limit, or fewer under a step budget
-            return min(max_ep, round(config.max_steps / steps_per_epoch, 2)) if config.max_steps else max_ep
-
-        loops = [loop(phase, sizes["train_entries"], sizes["stop_entries"], evals, rec[key], epochs(max_ep),
-                      conv.get(phase), budget_s)
-                 for phase, key, max_ep in (("reconstruction", "rct_entries_per_s", config.max_epochs_rct),
-                                            ("joint", "joint_entries_per_s", config.max_epochs_joint))]
-        return {"setup_s": rec.get("setup_s", 0.0), "loops": loops,
-                "budget_text": f"your budget of {minutes(budget_s)} a phase"}
-
-    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
-        rct, joint = info["reconstruction"], info["joint"]
-        stop = info["early_stop_entries"]
-        return {"rct_entries_per_s": loop_rate(rct, history, self.config.batch_size, stop),
-                "joint_entries_per_s": loop_rate(joint, history, self.config.batch_size, stop),
-                "setup_s": round(max(0.0, wall_s - rct["seconds"] - joint["seconds"]), 1),
-                "batch_size": self.config.batch_size, "candidates": info.get("candidates")}
 
     def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor:
         return self.h_pd(self.scaled(fc))

@@ -1,4 +1,5 @@
-"""Method registry: ``@register`` a Plugin subclass under its ``method`` name (like PEFT's tuner mapping).
+"""Method registry: ``@register(CARD)`` a Plugin subclass under its ``method`` name (like PEFT's tuner mapping),
+with the method's card (``plugins.card.MethodCard``: its paper, time estimate, neighbour map, ...).
 
 A method is one module: every module of this package whose source registers a class (a line starting with
 ``@register``) is imported the first time the methods are asked for, and so is every such ``*.py`` file in the
@@ -16,17 +17,27 @@ import threading
 from pathlib import Path
 
 from ground.errors import UserError
+from plugins.card import MethodCard, NeighbourMap
 
 METHODS: dict[str, type] = {}
+CARDS: dict[str, MethodCard] = {}
 METHOD_PATH_ENV = "PEMA_METHOD_PATH"
 _REGISTERS = re.compile(r"^@register\b", re.MULTILINE)
 _scanned: set[str] = set()
 _lock = threading.RLock()
 
 
-def register(cls):
-    METHODS[cls.method] = cls
-    return cls
+def register(card: MethodCard):
+    """The class decorator that registers a method class with its card."""
+    if not isinstance(card, MethodCard):
+        raise TypeError("register a method with its card: @register(MethodCard(...))")
+
+    def add(cls):
+        METHODS[cls.method] = cls
+        CARDS[cls.method] = card
+        return cls
+
+    return add
 
 
 def get_method(name: str):
@@ -43,9 +54,21 @@ def available_methods() -> dict[str, type]:
     return dict(sorted(METHODS.items()))
 
 
+def method_card(name: str) -> MethodCard:
+    """The card a method was registered with (``plugins.card``)."""
+    get_method(name)
+    return CARDS[name]
+
+
+def neighbour_map_of(method: str) -> NeighbourMap | None:
+    """The neighbour map of a method's rows (``MethodCard.neighbour_map``); None for a method without one and for a
+    row of no method (the base model)."""
+    return CARDS[method].neighbour_map if method in available_methods() else None
+
+
 def shown_first(method: str) -> bool:
-    """Whether the studio shows this method's row first where it needs one (``Plugin.shown_first``)."""
-    return bool(getattr(available_methods().get(method), "shown_first", False))
+    """Whether the studio shows this method's row first where it needs one (``MethodCard.shown_first``)."""
+    return method in available_methods() and CARDS[method].shown_first
 
 
 def method_modules(folder: Path) -> list[Path]:

@@ -22,8 +22,8 @@ Nothing is learned: ``fit`` takes the training samples that have a source (synth
 each side as the pool (a repeated pair once), tokenizes the sources and builds BM25's postings — in well under a
 second for thousands of samples. The pool is saved beside the config as ``retrieval_index.json`` (JSON, listed with
 its sha256 in ``plugin_config.json``, never pickle); a loaded plug-in rebuilds the postings from it on first use (as
-fast). At decode time each row gets its own prompt through ``Plugin.row_prompt`` (level "prompt"), so it decodes in
-the same batch as every other method (``engine.batch``: a prefill row of its own; such a batch is
+fast). At decode time each row gets its own prompt through ``row_prompt`` (level "prompt", ``PromptMethod``), so
+it decodes in the same batch as every other method (``engine.batch``: a prefill row of its own; such a batch is
 left-padded, without the prompt-prefix cache and without a kept decode for slider moves).
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ from backbone.prompts import Prompt
 from ground.errors import UserError
 from ground.settings import Setting, SettingsRecord
 from plugins.base import FitResult, Plugin, PluginConfig
+from plugins.card import MethodCard, TimeEstimate
 from plugins.registry import register
 from plugins.settings import Preset, setting
 
@@ -116,12 +117,26 @@ class RetrievalICLConfig(PluginConfig):
     }
 
 
-@register
+def icl_training_time(cls, config, rec: dict, samples: int, entries: int) -> dict:
+    return {"setup_s": rec.get("setup_s", 0.0), "loops": [],
+            "text": f"Nothing to train: an index of {samples:,} sources (seconds)."}
+
+
+def icl_throughput_record(plugin, info: dict, history: list[dict], wall_s: float, memory) -> dict:
+    return {"setup_s": round(wall_s, 3)}
+
+
+CARD = MethodCard(
+    paper=("Agrawal et al., In-context Examples Selection for Machine Translation (Findings of ACL 2023): the base "
+           "model prompted with the memory samples nearest to the input (BM25 + n-gram coverage re-ranking)"),
+    estimate=TimeEstimate(measure_settings={}, training_time=icl_training_time,
+                          throughput_record=icl_throughput_record))
+
+
+@register(CARD)
 class RetrievalICL(Plugin):
     method = "retrieval_icl"
     title = "Retrieved in-context examples"
-    paper = ("Agrawal et al., In-context Examples Selection for Machine Translation (Findings of ACL 2023): the base "
-             "model prompted with the memory samples nearest to the input (BM25 + n-gram coverage re-ranking)")
     Config = RetrievalICLConfig
     level = "prompt"
     decode_settings = (
@@ -190,15 +205,6 @@ class RetrievalICL(Plugin):
         filler = list(prompt.examples[:max(0, short)])
         return Prompt(template=prompt.template, examples=filler + chosen, separator=prompt.separator,
                       chat=prompt.chat)
-
-    # --- time estimate ---------------------------------------------------------------------------------------------
-    @classmethod
-    def training_time(cls, config, rec: dict, samples: int, entries: int) -> dict:
-        return {"setup_s": rec.get("setup_s", 0.0), "loops": [],
-                "text": f"Nothing to train: an index of {samples:,} sources (seconds)."}
-
-    def throughput_record(self, info: dict, history: list[dict], wall_s: float, memory) -> dict:
-        return {"setup_s": round(wall_s, 3)}
 
 
 def read_pool(folder: Path) -> list[dict]:

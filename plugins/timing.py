@@ -1,5 +1,6 @@
 """The arithmetic of the training-time estimate (``plugins.estimate``), apart from the CLI so that each method's
-``Plugin.training_time`` / ``throughput_record`` hook can use it without importing the rest of the studio.
+card (``plugins.card.TimeEstimate``: ``training_time`` / ``throughput_record``) can use it without importing the rest
+of the studio.
 
 The model, per training loop: one epoch = (training units + evaluations × early-stopping units × ``EVAL_COST``)
 / units per second, where an evaluation (forward only) is counted as ``EVAL_COST`` of a training unit (forward and

@@ -8,7 +8,8 @@ import torch
 from ground.errors import UserError
 from memories.profile import highlighted_target, project, scaled_keys
 from memories.store import Memory
-from plugins.registry import available_methods
+from plugins.card import NeighbourMap
+from plugins.registry import neighbour_map_of
 from studio.backbone_service import BackboneService
 from studio.caches import LRU
 from studio.compare_service import CompareService
@@ -67,15 +68,16 @@ class NeighbourMapService:
             best_e, best_d = np.take_along_axis(e, keep, 1), np.take_along_axis(d, keep, 1)
         return best_e
 
-    def _map_queries(self, p: dict, row: dict, plugin, memory: Memory, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The map's query before each of a row's output tokens (``Plugin.map_queries``, among the scaled keys) and
+    def _map_queries(self, p: dict, row: dict, plugin, nmap: NeighbourMap, memory: Memory,
+                     k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The map's query before each of a row's output tokens (``NeighbourMap.queries``, among the scaled keys) and
         each one's ``k`` nearest entries: one pass over the memory's keys for all the tokens, cached per
         (comparison, row, k) — picking another token then costs nothing."""
         key = (p["id"], row["label"], row["method"], k)
         hit = self.queries.get(key)
         if hit is not None:
             return hit
-        h = plugin.map_queries(self._output_states(p, row), memory)
+        h = nmap.queries(plugin, self._output_states(p, row), memory)
         return self.queries.put(key, (h, self._nearest(memory, h, k)))
 
     def neighbour_map(self, comparison_id: str, label: str, token_index: int, *, owner: str | None = None,
@@ -89,8 +91,8 @@ class NeighbourMapService:
         row = next((r for r in p["rows"] if r["label"] == label), None)
         if row is None:
             raise UserError(f"No output {label!r} in this comparison.")
-        kinds = getattr(available_methods().get(row["method"]), "map_kinds", None)
-        if kinds is None or not row.get("plugin_id"):
+        nmap = neighbour_map_of(row["method"])
+        if nmap is None or not row.get("plugin_id"):
             raise UserError(f"The neighbour map is for kNN and PEMA rows; {label!r} is {row['method']}.")
         try:
             i = int(token_index)
@@ -119,12 +121,12 @@ class NeighbourMapService:
             raise UserError("The memory has no training entries to map.")
         prof = self.memory_svc.profile(memory)
         traced = (row["trace"][i].get("neighbours") or []) if i < len(row["trace"]) else []
-        if plugin.map_traced_neighbours:  # the neighbours the decode retrieved (an exact search if it traced none)
-            query = plugin.map_queries(self._output_states(p, row)[i:i + 1], memory)
+        if nmap.traced_neighbours:  # the neighbours the decode retrieved (an exact search if it traced none)
+            query = nmap.queries(plugin, self._output_states(p, row)[i:i + 1], memory)
             entries = [int(n["entry"]) for n in traced if n.get("entry") is not None][:k] \
                 or [int(e) for e in self._nearest(memory, query, k)[0]]
         else:
-            h, nearest = self._map_queries(p, row, plugin, memory, k)
+            h, nearest = self._map_queries(p, row, plugin, nmap, memory, k)
             query, entries = h[i:i + 1], [int(e) for e in nearest[i]]
         keys = scaled_keys(memory, np.asarray(entries, dtype=np.int64))
         dist = ((keys - query) ** 2).sum(1)
@@ -140,7 +142,7 @@ class NeighbourMapService:
                         "same_as_output": tid == out_tok, "distance": round(float(d), 4),
                         "decode_distance": decode_dist.get(e), "xy": [round(x_, 4), round(y_, 4)],
                         "source": memory.samples[h["sample"]].get("src") or "", **h})
-        query_label, query_kind, neighbour_kind = kinds
+        query_label, query_kind, neighbour_kind = nmap.kinds
         proj = prof["projection"]
         return {"comparison_id": p["id"], "label": label, "method": row["method"], "token_index": i,
                 "token_id": out_tok, "token": name(out_tok), "memory_id": memory.id, "memory_name": prof["name"],

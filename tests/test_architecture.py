@@ -184,6 +184,34 @@ def test_the_engine_check_sees_an_import_of_a_method(tmp_path):
     good = tree(tmp_path / "good", "import torch\n")
     assert engine_imports_above(good, tmp_path / "good") == []
 
+
+# --- a narrow method protocol ---------------------------------------------------------------------------------------
+# ``Plugin`` is config + fit + save/load + what the engine reads of every method; how a method acts comes from its
+# level's base (``OutputPlugin``, ``NetworkPlugin``), what the studio and the estimate know of it from its card
+# (``plugins.card``).
+PLUGIN_MAX_METHODS = 15
+
+
+def methods_of_class(path: Path, name: str) -> list[str]:
+    """The functions defined in the body of the top-level class ``name`` of ``path`` (properties, class and static
+    methods included; inherited ones not)."""
+    cls = next(n for n in parsed(path)[1].body if isinstance(n, ast.ClassDef) and n.name == name)
+    return [f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_plugin_has_at_most_15_methods():
+    methods = methods_of_class(ROOT / "plugins" / "base.py", "Plugin")
+    assert len(methods) <= PLUGIN_MAX_METHODS, f"Plugin defines {len(methods)} methods: {', '.join(methods)}"
+
+
+def test_the_method_count_sees_every_kind_of_method(tmp_path):
+    f = tmp_path / "base.py"
+    f.write_text("class Plugin:\n    x = 1\n\n    def a(self):\n        pass\n\n    @property\n    def b(self):\n"
+                 "        pass\n\n    @classmethod\n    def c(cls):\n        pass\n\n    async def d(self):\n"
+                 "        pass\n\n\nclass Output(Plugin):\n    def e(self):\n        pass\n")
+    assert methods_of_class(f, "Plugin") == ["a", "b", "c", "d"]
+
+
 # --- library internals only in ``*_internals.py`` -------------------------------------------------------------------
 CACHE_COUNTERS = {"cumulative_length", "cumulative_length_int", "_seen_tokens"}  # a transformers cache's counts
 IN_PLACE = {"fill_", "add_", "sub_", "zero_", "copy_"}

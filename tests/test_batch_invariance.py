@@ -15,7 +15,8 @@ from backbone.tiny import tiny_backbone
 from engine import BatchDecode, Row, plan_batch
 from memories.build import build_memory
 from memories.parse import Sample
-from plugins.api import available_methods, train_plugin
+from plugins.api import train_plugin
+from plugins.registry import method_card
 
 PROMPT = Prompt.for_task("translation")
 PAIRS = [("the red car is fast", "das rote Auto ist schnell"), ("a blue house", "ein blaues Haus"),
@@ -52,7 +53,7 @@ def plugins(bb, tmp_path_factory):
                        tmp_path_factory.mktemp("inv") / "m", prompt=PROMPT, heldout_frac=0.2)
     out = {}
     for m in ("knn", "retrieval_icl", "pema", "adapter", "memory_tuning"):
-        cfg = dict(available_methods()[m].quick_settings)
+        cfg = dict(method_card(m).quick_settings)
         if m == "memory_tuning":  # the paper's unified variant: its prefix rides on the decode attention (RowKeys)
             cfg["variant"] = "MT-MF"
         out[m] = train_plugin(bb, mem, m, cfg, out_dir=tmp_path_factory.mktemp(m) / "p")[0]

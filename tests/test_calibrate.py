@@ -24,14 +24,14 @@ def setup(tiny, tmp_path_factory):
     from memories.build import build_memory
     from memories.parse import Sample
     from plugins.api import train_plugin
-    from plugins.registry import available_methods
+    from plugins.registry import method_card
 
     root = tmp_path_factory.mktemp("cal")
     mem = build_memory(tiny, [Sample(s, t, i + 1) for i, (s, t) in enumerate(PAIRS)], root / "m",
                        prompt=Prompt.for_task("translation"), heldout_frac=0.4, name="cal-mem")
     out = {"mem": mem}
     for m in ("pema", "knn"):
-        out[m], _ = train_plugin(tiny, mem, m, dict(available_methods()[m].quick_settings), out_dir=root / m)
+        out[m], _ = train_plugin(tiny, mem, m, dict(method_card(m).quick_settings), out_dir=root / m)
     return out
 
 
@@ -217,9 +217,9 @@ def test_cli_compare_and_run_start_tuned_and_global_defaults_go_back(tiny, setup
 def test_too_few_heldout_samples_is_said_and_nothing_is_stored(tiny, tiny_memory, tmp_path):
     from eval.calibrate import calibrate, split_heldout
     from plugins.api import train_plugin
-    from plugins.registry import available_methods
+    from plugins.registry import method_card
 
-    knn, _ = train_plugin(tiny, tiny_memory, "knn", dict(available_methods()["knn"].quick_settings),
+    knn, _ = train_plugin(tiny, tiny_memory, "knn", dict(method_card("knn").quick_settings),
                           out_dir=tmp_path / "knn")
     assert split_heldout(tiny_memory)[2]["warning"]
     with pytest.raises(UserError, match="too few held-out samples"):
@@ -272,10 +272,10 @@ def calibrated_knn(studio):
     """A kNN plug-in trained by the studio's job on a memory of 160 pairs (16 held out: 8 to tune on)."""
     from _server import build_tiny_memory
 
-    from plugins.registry import available_methods
+    from plugins.registry import method_card
 
     mid = build_tiny_memory(studio, PAIRS * 2, "cal-studio-mem")
-    job = studio.jobs.wait(studio.submit_train(mid, "knn", dict(available_methods()["knn"].quick_settings),
+    job = studio.jobs.wait(studio.submit_train(mid, "knn", dict(method_card("knn").quick_settings),
                                                "knn-cal"), 300)
     assert job["state"] == "done", job
     return mid, job
@@ -333,14 +333,14 @@ def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(stu
 def test_calibrate_job_on_demand_and_too_few_samples(studio, calibrated_knn):
     from _server import build_tiny_memory
 
-    from plugins.registry import available_methods
+    from plugins.registry import method_card
 
     mid, job = calibrated_knn
     j = studio.jobs.wait(studio.submit_calibrate(job["result"]["plugin_id"], max_samples=8), 300)
     assert j["state"] == "done", j
     assert j["result"]["n"] == 8 and j["result"]["table"][0]["settings"]["lambda"] == 0.0
     small = build_tiny_memory(studio, PAIRS[:12], "cal-small")
-    t = studio.jobs.wait(studio.submit_train(small, "knn", dict(available_methods()["knn"].quick_settings), "s"), 300)
+    t = studio.jobs.wait(studio.submit_train(small, "knn", dict(method_card("knn").quick_settings), "s"), 300)
     assert t["state"] == "done", t
     assert t["result"]["calibration"]["skipped"] and "too few held-out samples" in t["result"]["message"]
     c = studio.jobs.wait(studio.submit_calibrate(t["result"]["plugin_id"]), 300)

@@ -43,14 +43,14 @@ def setup(tiny, tmp_path_factory):
     from memories.build import build_memory
     from memories.parse import Sample
     from plugins.api import train_plugin
-    from plugins.registry import available_methods
+    from plugins.registry import method_card
 
     root = tmp_path_factory.mktemp("honest")
     mem = build_memory(tiny, [Sample(s, t, i + 1) for i, (s, t) in enumerate(unique_pairs(60))], root / "m",
                        prompt=Prompt.for_task("translation"), heldout_frac=0.4, name="honest-mem")
     out = {"mem": mem, "root": root}
     for m in ("pema", "knn"):
-        out[m], _ = train_plugin(tiny, mem, m, dict(available_methods()[m].quick_settings), out_dir=root / m)
+        out[m], _ = train_plugin(tiny, mem, m, dict(method_card(m).quick_settings), out_dir=root / m)
     return out
 
 
@@ -420,7 +420,7 @@ def test_each_decode_cost_is_its_own_methods(tiny, setup, monkeypatch):
     carries its own method's cost."""
     from ground.store import Catalog
     from memories.build import memory_row
-    from plugins.registry import available_methods
+    from plugins.registry import method_card
 
     costs = {"knn": 2.5, "retrieval_icl": 7.5, "adapter": 1.5}
     timed = []
@@ -434,7 +434,7 @@ def test_each_decode_cost_is_its_own_methods(tiny, setup, monkeypatch):
     cat = Catalog(setup["root"] / "rank-data")
     cat.add_memory(memory_row(setup["mem"]))
     board = rank_mod.rank(tiny, setup["mem"], catalog=cat, methods=list(costs), bootstrap=20, cost_sentences=1,
-                          max_new_tokens=CAP, configs={m: available_methods()[m].quick_settings for m in costs})
+                          max_new_tokens=CAP, configs={m: method_card(m).quick_settings for m in costs})
     assert timed == list(costs)
     assert {r["method"]: r["decode_cost"] for r in board["methods"] if r["method"] != "base"} == costs
 

@@ -20,7 +20,7 @@ from memories.build import build_memory
 from memories.parse import Sample
 from plugins.api import open_plugin, train_plugin
 from plugins.base import load_plugin
-from plugins.registry import available_methods
+from plugins.registry import available_methods, method_card
 
 METHODS = sorted(available_methods())
 # LoRA with α = r (scaling 1) and a few epochs, so that it visibly changes the tiny model's logits
@@ -31,7 +31,7 @@ SOURCE = "the house is small"
 
 
 def quick_config(method: str) -> dict:
-    return dict(available_methods()[method].quick_settings)
+    return dict(method_card(method).quick_settings)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,7 +96,7 @@ def test_export_import_round_trip_decodes_the_same(method, tiny, home, trained, 
 
     meta = card_metadata((out / "README.md").read_text())
     info = meta["pema_studio"]
-    assert info["method"] == method and info["paper"] == type(plugin).paper
+    assert info["method"] == method and info["paper"] == method_card(method).paper
     assert info["memory_fingerprint"] == mem.fingerprint == tiny.fingerprint
     assert len(info["memory_sha256"]) == 64 and info["train_samples"] == mem.meta["stats"]["samples"]
     assert method in meta["tags"] and meta["library_name"] == ("peft" if method == "lora" else "pema-studio")

@@ -1,5 +1,6 @@
-"""The plug-in protocol, checked on every registered method alike (tiny model): the declared contracts
-(``plugins.base.contract_problems``: how it mixes, whether it resumes), save/load round trip, refusal of a foreign
+"""The plug-in protocol, checked on every registered method alike (tiny model): conformance to exactly its level's
+protocol and its declarations (``plugins.base.conformance_problems``: how it mixes, whether it resumes), save/load
+round trip, refusal of a foreign
 backbone, a batched row equals its own single decode, and the same seed gives the same plug-in."""
 from __future__ import annotations
 
@@ -10,19 +11,18 @@ import torch
 
 from backbone.prompts import Prompt
 from engine import Row, compare
-from engine.protocol import DecodeMethod, MixInput, NetworkMethod, OutputMethod, PromptMethod
+from engine.protocol import DecodeMethod, MixInput, NetworkMethod, OutputMethod
 from ground.errors import UserError
 from plugins.api import train_plugin
-from plugins.base import Plugin, contract_problems, load_plugin
-from plugins.registry import available_methods
+from plugins.base import LEVEL_PROTOCOLS, OutputPlugin, Plugin, conformance_problems, load_plugin
+from plugins.registry import available_methods, method_card
 
 METHODS = sorted(available_methods())
 PROMPT = Prompt.for_task("translation")
-ENGINE_PROTOCOL = {"output": OutputMethod, "network": NetworkMethod, "prompt": PromptMethod}
 
 
 def quick_config(method: str) -> dict:
-    return dict(available_methods()[method].quick_settings)
+    return dict(method_card(method).quick_settings)
 
 
 @pytest.fixture(scope="module")
@@ -48,27 +48,53 @@ def same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def check_contract(cls) -> None:
-    """The conformance check of a method class's declarations (fails naming each broken contract)."""
-    problems = contract_problems(cls)
+def check_conformance(cls) -> None:
+    """The conformance check of a method class (fails naming each protocol member or declaration it gets wrong)."""
+    problems = conformance_problems(cls)
     assert not problems, "; ".join(problems)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_keeps_its_declared_contracts(method):
-    check_contract(available_methods()[method])
+def test_every_method_conforms_to_its_levels_protocol(method):
+    check_conformance(available_methods()[method])
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_offers_what_the_engine_calls_at_its_level(method, tiny):
-    """The engine reads a method through ``engine.protocol``: every method is a ``DecodeMethod``, and the protocol
-    of the way it acts (its level; an in-network one that mixes too is also an ``OutputMethod``) is fulfilled."""
+def test_every_method_offers_exactly_what_the_engine_calls_at_its_level(method, tiny):
+    """The engine reads a method through ``engine.protocol``: every method is a ``DecodeMethod`` and fulfils the
+    protocol of the way it acts (its level; an in-network one that mixes too is also an ``OutputMethod``), and no
+    other level's: an output method is no ``NetworkMethod``, an in-network one no ``PromptMethod``."""
     cls = available_methods()[method]
     plugin = cls(cls.Config(), tiny)
     assert isinstance(plugin, DecodeMethod)
-    assert isinstance(plugin, ENGINE_PROTOCOL[cls.level]), f"{method} lacks what {cls.level!r} rows need"
-    if cls.mixes_output:
-        assert isinstance(plugin, OutputMethod)
+    wanted = {cls.level} | ({"output"} if cls.mixes_output else set())
+    for level, protocol in LEVEL_PROTOCOLS.items():
+        assert isinstance(plugin, protocol) == (level in wanted), f"{method} ({cls.level!r}) and {protocol.__name__}"
+
+
+def test_the_conformance_check_sees_another_levels_members_and_missing_ones(tiny):
+    """A prompt-level method that also attaches hooks, or an output-level one without ``mix``'s base, is refused."""
+
+    class Prompting(Plugin):  # built here, never registered
+        method, level = "prompting", "prompt"
+
+        def row_prompt(self, source, prompt, settings):
+            return prompt
+
+    check_conformance(Prompting)
+
+    class Hooking(Prompting):
+        def attach(self, rows, settings=None, trace=True):
+            return []
+
+    with pytest.raises(AssertionError, match="attach at level 'prompt'"):
+        check_conformance(Hooking)
+
+    class Bare(Plugin):
+        method, level, interpolates = "bare", "output", True
+
+    with pytest.raises(AssertionError, match="output-level plug-in without .*mix"):
+        check_conformance(Bare)
 
 
 def test_the_engine_protocols_see_a_missing_member():
@@ -106,11 +132,11 @@ def test_a_resumable_method_leaves_its_optimizer_state_after_fit(method, trained
         assert plugin.optimizer_state is None
 
 
-def test_the_contract_check_catches_a_method_that_mixes_without_declaring_how(tiny):
+def test_the_conformance_check_catches_a_method_that_mixes_without_declaring_how(tiny):
     """A new interpolating method that forgets ``interpolates = True`` decodes as the base model (the base ``mix``
     returns P_LM unchanged), so every decode test passes on it; the conformance check refuses it."""
 
-    class Forgetful(Plugin):  # built here, never registered
+    class Forgetful(OutputPlugin):  # built here, never registered
         method = "forgetful_uniform"
         level = "output"
 
@@ -129,12 +155,12 @@ def test_the_contract_check_catches_a_method_that_mixes_without_declaring_how(ti
                    settings=[{}, {}])
     assert torch.equal(Forgetful(Plugin.Config(), tiny).mix(inp).logprobs, lm)  # the silent failure
     with pytest.raises(AssertionError, match="interpolates"):
-        check_contract(Forgetful)
+        check_conformance(Forgetful)
 
     class Declared(Forgetful):
         interpolates = True
 
-    check_contract(Declared)
+    check_conformance(Declared)
     assert not torch.equal(Declared(Plugin.Config(), tiny).mix(inp).logprobs, lm)
 
 

@@ -36,14 +36,14 @@ def ranked(tiny, tmp_path_factory):
     from ground.store import Catalog
     from memories.build import build_memory, memory_row
     from memories.parse import Sample
-    from plugins.registry import available_methods
+    from plugins.registry import available_methods, method_card
 
     cat = Catalog(tmp_path_factory.mktemp("rank-data"))
     samples = [Sample(s, t, i + 1) for i, (s, t) in enumerate(unique_pairs(180))]
     mem = build_memory(tiny, samples, cat.root / "memories" / "m", prompt=Prompt.for_task("translation"),
                        heldout_frac=0.1)
     cat.add_memory(memory_row(mem))
-    configs = {m: cls.quick_settings for m, cls in available_methods().items()}
+    configs = {m: method_card(m).quick_settings for m in available_methods()}
     seen = {"calibrated": [], "evaluated": []}
     real_cal, real_eval = calibration.calibrate, rank_mod.evaluate
 

@@ -15,10 +15,10 @@ from test_rank import unique_pairs
 
 from eval import rank as rank_mod
 from plugins.api import train_plugin
-from plugins.registry import available_methods, get_method
+from plugins.registry import available_methods, get_method, method_card
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = {m: cls.quick_settings for m, cls in available_methods().items()}
+QUICK = {m: method_card(m).quick_settings for m in available_methods()}
 
 
 class InProcessTrainer:

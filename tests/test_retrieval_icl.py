@@ -92,10 +92,10 @@ def top_ids(row) -> list[list[int]]:
 
 def test_the_row_decodes_in_one_batch_as_alone_and_as_the_base_model_with_its_prompt(tiny, memory, plugin):
     p, path = plugin
-    from plugins.registry import get_method
+    from plugins.registry import method_card
 
     knn, _ = train_plugin(tiny, memory, "knn", {}, out_dir=path.parent / "knn")
-    adapter, _ = train_plugin(tiny, memory, "adapter", dict(get_method("adapter").quick_settings),
+    adapter, _ = train_plugin(tiny, memory, "adapter", dict(method_card("adapter").quick_settings),
                               out_dir=path.parent / "adapter")
     src = "the red car sleeps"
     alone = compare(tiny, src, [Row("ricl", p)], PROMPT, max_new_tokens=8).rows[0]

@@ -1,6 +1,7 @@
-"""A method is one file: a toy output-level method, written to a folder of its own and found through
-``PEMA_METHOD_PATH`` (no other file names it), appears in ``python -m plugins methods``, in the training form's
-declared settings, in Compare's choices once trained (and decodes there), and in the time estimate."""
+"""A method is one file: a toy output-level method — its class and, beside it, its card (``plugins.card``) —
+written to a folder of its own and found through ``PEMA_METHOD_PATH`` (no other file names it), appears in
+``python -m plugins methods``, in the training form's declared settings, in Compare's choices once trained (and
+decodes there), and in the time estimate (its card's)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from ground.settings import Setting
-from plugins.base import FitResult, Plugin, PluginConfig
+from plugins.base import FitResult, OutputPlugin, PluginConfig
+from plugins.card import MethodCard, TimeEstimate
 from plugins.registry import register
 from plugins.settings import setting
 
@@ -29,11 +31,19 @@ class ToyConfig(PluginConfig):
     spread: float = setting(1.0, "a training setting the form shows (not used)", low=0.0, high=4.0, step=0.5)
 
 
-@register
-class Toy(Plugin):
+def training_time(cls, config, rec, samples, entries):
+    return {"setup_s": rec.get("setup_s", 0.0), "loops": [], "text": f"Nothing to train ({entries} entries)."}
+
+
+CARD = MethodCard(paper="none (a test of the plug-in protocol)",
+                  estimate=TimeEstimate(measure_settings={}, training_time=training_time,
+                                        throughput_record=lambda plugin, info, history, wall_s, memory: {}))
+
+
+@register(CARD)
+class Toy(OutputPlugin):
     method = "toy_uniform"
     title = "Toy uniform smoothing"
-    paper = "none (a test of the plug-in protocol)"
     Config = ToyConfig
     level = "output"
     interpolates = True
@@ -53,10 +63,6 @@ class Toy(Plugin):
 
     def mix_lambdas(self, inp):
         return [float(s["lambda"]) for s in inp.settings]
-
-    @classmethod
-    def training_time(cls, config, rec, samples, entries):
-        return {"setup_s": rec.get("setup_s", 0.0), "loops": [], "text": f"Nothing to train ({entries} entries)."}
 '''
 
 
@@ -76,6 +82,7 @@ def toy_method(tmp_path_factory):
     else:
         os.environ[registry.METHOD_PATH_ENV] = old
     registry.METHODS.pop("toy_uniform", None)
+    registry.CARDS.pop("toy_uniform", None)
     registry._scanned.discard(str(folder))
     sys.modules.pop("pema_methods.toy_uniform", None)
 

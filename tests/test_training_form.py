@@ -230,7 +230,6 @@ def test_record_of_a_finished_run_gives_back_its_time(tiny, tiny_memory, tmp_pat
 
     from plugins.api import make_config, open_plugin, train_plugin
     from plugins.estimate import estimate, record_from_run, save_measurements, throughputs
-    from plugins.timing import sample_record
 
     plugin, _ = train_plugin(tiny, tiny_memory, "adapter", {"max_epochs": 2, "max_minutes": 0, "max_heldout": 4,
                                                             "patience": 1000}, out_dir=tmp_path / "p")
@@ -244,7 +243,9 @@ def test_record_of_a_finished_run_gives_back_its_time(tiny, tiny_memory, tmp_pat
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "history.json").write_text(json.dumps(
         [{"step": i * 25, "heldout_loss": 2.0} for i in range(8)]))
-    run = SimpleNamespace(train_info=info, throughput_record=lambda i, h, w, m: sample_record(cfg, i, h, w))
+    # a finished adapter run on every layer (``layers`` all: the lowest adapted is 0) of a backbone of 4
+    run = SimpleNamespace(method="adapter", config=cfg, train_info=info, backbone=SimpleNamespace(num_layers=4),
+                          lowest_layer=lambda: 0)
     rec = record_from_run(run, tmp_path / "run")
     path = save_measurements("bb@cpu-avx2", {"adapter": rec}, tmp_path / "t.json")
     est = estimate("adapter", settings, "bb", 900, 30000, table=throughputs(path), kind="cpu-avx2")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from ground.errors import UserError
-from plugins.registry import available_methods, shown_first
+from plugins.registry import neighbour_map_of, shown_first
 from ui import plots, render
 from ui.common import owner_of, user_errors
 
@@ -25,9 +25,8 @@ MAP_HELP = ("The map is the memory profile's (Memories tab): a PCA of a seeded s
 
 def mapped_rows(payload: dict | None) -> list[dict]:
     """The rows of a comparison that have a neighbour map (a kNN or PEMA plug-in), PEMA first."""
-    methods = available_methods()
     rows = [r for r in (payload or {}).get("rows") or []
-            if getattr(methods.get(r.get("method")), "map_kinds", None) and r.get("plugin_id")]
+            if neighbour_map_of(r.get("method")) is not None and r.get("plugin_id")]
     return sorted(rows, key=lambda r: (not shown_first(r["method"]), r["method"]))
 
 
