@@ -38,10 +38,10 @@ from torch import nn
 from engine.protocol import DecodeMethod, MixInput, MixOutput, NetworkMethod, OutputMethod, PromptMethod, mix_logprobs
 from ground.errors import UserError
 from ground.lock import writer_tag
-from ground.settings import Setting, coerce_all
+from ground.settings import Setting, SettingsRecord, coerce_all
 from ground.store import atomic_dir, write_json_atomic
 from plugins.registry import get_method
-from plugins.settings import config_settings
+from plugins.settings import config_settings, decode_record
 
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
@@ -207,14 +207,18 @@ class Plugin(nn.Module):
         """The declared decode settings' defaults (before any tuned value; see ``plugins.settings.row_settings``)."""
         return {s.name: s.default for s in self.decode_settings}
 
-    def settings(self, overrides: dict | None = None) -> dict:
-        """This plug-in's complete decode settings: the declared defaults with ``overrides`` checked against the
-        declarations (an unknown name, a wrong type or a value out of range is a UserError naming it)."""
-        s = {**self.decode_defaults, **coerce_all(self.decode_settings, dict(overrides or {}), self.title)}
-        self.validate_settings(s)
-        return s
+    def settings(self, overrides: dict | SettingsRecord | None = None) -> SettingsRecord:
+        """This plug-in's complete decode settings, its method's typed record (``plugins.settings.decode_record``):
+        the declared defaults with ``overrides`` (a record of this method's, or ``{name: value}``) checked against
+        the declarations (an unknown name, a wrong type or a value out of range is a UserError naming it)."""
+        record = decode_record(type(self))
+        if not isinstance(overrides, record):
+            given = overrides.as_dict() if isinstance(overrides, SettingsRecord) else dict(overrides or {})
+            overrides = record.from_dict({**self.decode_defaults, **given})
+        self.validate_settings(overrides)
+        return overrides
 
-    def validate_settings(self, s: dict) -> None:
+    def validate_settings(self, s: SettingsRecord) -> None:
         """Checks that involve several settings at once (single values are checked by their declarations)."""
 
     def prepare_decode(self) -> None:
@@ -289,7 +293,7 @@ class OutputPlugin(Plugin):
 
     level = "output"
 
-    def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
+    def extra_states(self, fc: torch.Tensor, settings: list[SettingsRecord]) -> torch.Tensor | None:
         return None
 
     def head_vocab(self) -> torch.Tensor | None:
@@ -319,10 +323,10 @@ class OutputPlugin(Plugin):
         """Interpolating plug-ins: λ_t of every row at this step."""
         raise NotImplementedError
 
-    def distribution_key(self, settings: dict) -> tuple:
+    def distribution_key(self, settings: SettingsRecord) -> tuple:
         """The part of a row's settings that changes P_plugin (the rest changes only λ_t): rows with the same key
         share one ``plugin_logprobs``. Default: all of them."""
-        return tuple(sorted(settings.items()))
+        return (settings,)
 
 
 LEVELS = ("output", "network", "prompt", "none")
