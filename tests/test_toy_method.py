@@ -62,7 +62,7 @@ class Toy(OutputPlugin):
         return torch.full((n, v), -float(torch.log(torch.tensor(float(v))))), None
 
     def mix_lambdas(self, inp):
-        return [float(s["lambda"]) for s in inp.settings]
+        return [s.lambda_ for s in inp.settings]  # a setting named like a keyword: its attribute ends in _
 '''
 
 
