@@ -227,16 +227,22 @@ class CompareService:
                     return prompt, self._prompt_source(prompt, row["id"] if row else None,
                                                        row["name"] if row else None)
         elif prompt_from != PROMPT_BUILTIN:
-            if not isinstance(prompt_from, str):
-                raise UserError('The prompt must be "builtin" or one of your memories\' ids.')
-            row = self.memory_svc.memory_row(prompt_from, owner)
-            if row.get("task") != task:
-                raise UserError(f"The memory {row['name']!r} holds {row.get('task')} examples, not {task}: choose "
-                                f"a {task} memory or the built-in examples for the prompt.")
+            row = self.prompt_memory(prompt_from, task, owner)
             prompt = self.memory_svc.load_memory(prompt_from, owner).prompt
             return prompt, self._prompt_source(prompt, prompt_from, row["name"])
         prompt = task_prompt(task, self.backbone_svc.backbone)
         return prompt, self._prompt_source(prompt, kind="builtin")
+
+    def prompt_memory(self, prompt_from, task: str, owner: str | None = None) -> dict:
+        """The owner's memory whose own examples ``prompt_from`` (a memory id) chooses, checked to be of ``task``
+        (an evaluation checks it when queued, ``base_prompt`` when it decodes)."""
+        if not isinstance(prompt_from, str):
+            raise UserError('The prompt must be "builtin" or one of your memories\' ids.')
+        row = self.memory_svc.memory_row(prompt_from, owner)
+        if row.get("task") != task:
+            raise UserError(f"The memory {row['name']!r} holds {row.get('task')} examples, not {task}: choose "
+                            f"a {task} memory or the built-in examples for the prompt.")
+        return row
 
     @staticmethod
     def _prompt_source(prompt, memory_id: str | None = None, name: str | None = None, kind: str = "memory") -> dict:

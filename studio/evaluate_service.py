@@ -14,7 +14,7 @@ from ground.jobs import JobContext
 from memories.parse import parse_samples_strict
 from plugins.settings import load_calibration
 from studio.backbone_service import BackboneService
-from studio.compare_service import CompareService, check_decode, with_comparison
+from studio.compare_service import PROMPT_BUILTIN, CompareService, check_decode, with_comparison
 from studio.context import StudioContext
 from studio.downloads import Downloads
 from studio.job_service import JobService
@@ -65,14 +65,18 @@ class EvaluateService:
                         sweep_plugin: str | None = None,
                         lambdas: list[float] | None = None, max_new_tokens: int = 48,
                         owner: str | None = None, no_repeat_ngram: int | None = None,
-                        global_defaults: bool = False) -> str:
+                        global_defaults: bool = False, prompt_from: str | None = None) -> str:
         """Queue an evaluation of ``methods`` (or, with ``sweep_plugin``, a λ_max sweep with and without GU) on one
         of the owner's memories' held-out split or an uploaded test file of source/reference pairs; the plug-ins
         must be the owner's. At most ``limits.eval_pairs`` pairs (``limit`` 0: all of them).
 
         A plug-in calibrated on its memory is evaluated at its tuned settings (``global_defaults``: at the global
         defaults); on that memory's held-out split, the samples it was tuned on are left out (never scored on the
-        samples a setting was chosen on), and the result says how many."""
+        samples a setting was chosen on), and the result says how many.
+
+        ``prompt_from`` chooses the prompt of every row without its own, as in Compare
+        (``CompareService.base_prompt``: "builtin", one of the owner's memory ids, or None for the first chosen
+        plug-in's memory, else the built-in examples); the result's ``prompt_source`` says which it was."""
         owner = self.ctx.owner(owner)
         self.ctx.limits.check_rate("evaluations_per_minute", owner)
         try:
@@ -87,6 +91,10 @@ class EvaluateService:
             raise UserError('Decode settings must be an object like {"pema": {"lambda_max": 0.5}}.')
         args: dict = {"task": task, "limit": limit, "settings": settings or {}, "max_new_tokens": max_new_tokens,
                       "global_defaults": bool(global_defaults)}
+        if prompt_from not in (None, "", "auto"):
+            if prompt_from != PROMPT_BUILTIN:
+                self.compare_svc.prompt_memory(prompt_from, task, owner)
+            args["prompt_from"] = prompt_from
         if test_data:
             pairs = read_test_pairs(self.ctx.limits, test_data, test_filename)
             n = min(limit, len(pairs)) if limit else len(pairs)
@@ -149,7 +157,7 @@ class EvaluateService:
             if a["mode"] == "sweep":
                 plugin = self.plugin_svc.load_plugin(a["plugin_id"], owner)
                 rows = self.compare_svc.rows([a["plugin_id"]], a["task"], a.get("settings"), owner, calibrated)
-                prompt = self.compare_svc.prompt_for(a["task"], rows)
+                prompt, prompt_source = self.compare_svc.base_prompt(a["task"], rows, a.get("prompt_from"), owner)
                 sweep = eval_run.lambda_sweep(bb, pairs, plugin, prompt, a["lambdas"], task=a["task"],
                                               settings=rows[0].settings, comparison=rows[0].comparison,
                                               max_new_tokens=a["max_new_tokens"], progress=job.progress,
@@ -158,7 +166,7 @@ class EvaluateService:
                 msg = f"λ sweep done: {len(sweep)} points on {len(pairs)} pairs"
             else:
                 rows = self.compare_svc.rows(a["methods"], a["task"], a.get("settings"), owner, calibrated)
-                prompt = self.compare_svc.prompt_for(a["task"], rows)
+                prompt, prompt_source = self.compare_svc.base_prompt(a["task"], rows, a.get("prompt_from"), owner)
                 res = eval_run.evaluate(bb, pairs, rows, prompt, a["task"], max_new_tokens=a["max_new_tokens"],
                                         progress=job.progress, should_stop=job.should_stop,
                                         **self.backbone_svc.eval_decode(bb))
@@ -169,7 +177,7 @@ class EvaluateService:
                                                                         owner=owner, input_label="your test inputs")
                 msg = f"Evaluated {len(rows)} method(s) on {len(pairs)} pairs"
         result.update(data=a.get("data"), pairs=len(pairs), message=msg, calibrated=calibrated,
-                      left_out_tuning_samples=left_out)
+                      left_out_tuning_samples=left_out, prompt_source=prompt_source)
         return result
 
     def _untuned_heldout(self, a: dict, owner: str, calibrated: bool) -> tuple[list[tuple], int]:
@@ -192,12 +200,12 @@ class EvaluateService:
     def results_csv(result: dict) -> str:
         """An evaluation result as CSV text (the methods table, or the λ sweep): one line per row with its metrics,
         confidence intervals and p-values, its complete decode settings, n, the data, the task, the backbone and
-        sacreBLEU's signatures."""
+        sacreBLEU's signatures and the prompt examples of the rows without their own (``base_examples``)."""
         rows = result.get("sweep") if result.get("mode") == "sweep" else result.get("methods")
         sig = result.get("signatures") or {}
         context = {"n": result.get("pairs", result.get("n")), "data": result.get("data"), "task": result.get("task"),
                    "backbone": result.get("backbone"), "bleu_signature": sig.get("sacrebleu"),
-                   "chrf_signature": sig.get("chrf")}
+                   "chrf_signature": sig.get("chrf"), "base_examples": (result.get("prompt_source") or {}).get("label")}
         rows = [{**{k: v for k, v in context.items() if v is not None}, **r} for r in rows or []]
         return _csv(rows)
 

@@ -88,3 +88,63 @@ def test_a_bad_prompt_choice_is_a_clear_error(studio):
         st.compare(SOURCE, methods=["base"], prompt_from="nope")
     with pytest.raises(UserError, match="prompt must be"):
         st.compare(SOURCE, methods=["base"], prompt_from=["builtin"])
+
+
+def _evaluated(st, **kw) -> dict:
+    job = st.jobs.wait(st.submit_evaluate(limit=3, max_new_tokens=6, **kw), 120)
+    assert job["state"] == "done", job
+    return job["result"]
+
+
+@pytest.mark.parametrize("chosen", ["builtin", "memory"])
+def test_evaluate_and_several_sentences_read_the_chosen_prompt(studio, chosen):
+    """Evaluate and several sentences take Compare's choice: their base row is Compare's base row with that prompt,
+    though without a choice they would read the other one (the memory's with kNN ticked, the built-in alone)."""
+    st, mid, ids, _formal = studio
+    prompt_from = mid if chosen == "memory" else "builtin"
+    methods = ["base", ids["knn"]] if chosen == "builtin" else ["base"]
+    res = _evaluated(st, methods=methods, memory_id=mid, prompt_from=prompt_from)
+    assert res["prompt_source"]["kind"] == chosen
+    assert res["prompt_source"]["memory_id"] == (mid if chosen == "memory" else None)
+    sources = [o["source"] for o in res["outputs"]]
+    compared = [_base(st.compare(s, methods=["base"], prompt_from=prompt_from,
+                                                 max_new_tokens=6))["text"]
+                for s in sources]
+    assert [o["Base model"] for o in res["outputs"]] == compared
+    several = st.compare_several("\n".join(sources), methods=methods, prompt_from=prompt_from,
+                                                 max_new_tokens=6)
+    assert several["prompt_source"] == res["prompt_source"]
+    assert [ln["outputs"][0] for ln in several["lines"]] == compared
+    auto = _evaluated(st, methods=methods, memory_id=mid)  # the choice is what moved it
+    assert auto["prompt_source"]["kind"] != chosen
+
+
+def test_evaluate_refuses_a_bad_prompt_choice_when_queued(studio):
+    st, mid, _ids, formal = studio
+    with pytest.raises(UserError, match="formality examples, not translation"):
+        st.submit_evaluate(methods=["base"], memory_id=mid, prompt_from=formal)
+    with pytest.raises(UserError, match="No memory"):
+        st.submit_evaluate(methods=["base"], memory_id=mid, prompt_from="nope")
+
+
+def test_the_page_passes_the_prompt_choice_to_evaluate_and_several_sentences(studio):
+    """The Evaluate tab's picker and Compare's reach the services (the events' handlers, called as the page
+    calls them)."""
+    from _server import fn_indexes
+
+    from ui.app import build_app
+
+    st, mid, _ids, _formal = studio
+    blocks = build_app(st)
+
+    def call(module: str, name: str, **values):
+        fn = blocks.fns[fn_indexes(blocks, module, name)[0]]
+        args = [values.get(getattr(c, "elem_id", None), c.value) for c in fn.inputs]
+        return fn.fn(None, *args), [getattr(c, "elem_id", None) for c in fn.inputs]
+
+    html, ids = call("ui.several", "do_several", **{"several-input": SOURCE, "compare-prompt": mid})  # (base alone)
+    assert "compare-prompt" in ids and "pairs&#x27;s own examples" in html
+    out, ids = call("ui.evaluate", "do_run", **{"eval-memory": mid, "eval-prompt": mid})  # (the base alone)
+    assert "eval-prompt" in ids
+    job = st.jobs.wait(out[0], 120)
+    assert job["state"] == "done" and job["result"]["prompt_source"]["kind"] == "memory", job

@@ -284,19 +284,20 @@ def _evaluation_endpoints(studio) -> list:
     def evaluate(methods: Optional[list] = None, memory_id: str = "", test_text: str = "",
                  test_filename: str = "test.tsv", task: str = "translation", limit: int = 50,
                  sweep_plugin: str = "", lambdas: Optional[list] = None, settings: Optional[dict] = None,
-                 no_repeat_ngram: int = 0, global_defaults: bool = False, request: gr.Request = None) -> dict:
+                 no_repeat_ngram: int = 0, global_defaults: bool = False, prompt_from: Optional[str] = None,
+                 request: gr.Request = None) -> dict:
         """Queue an evaluation (or a λ_max sweep with sweep_plugin) of your plug-ins; returns {"job_id"}.
         Calibrated plug-ins at their tuned settings (on their memory's held-out split without the samples they
         were tuned on), unless ``global_defaults``.
         ``settings`` and ``no_repeat_ngram`` as for /compare (default: the same tuned settings Compare starts
         from). The job's result holds per row n, backbone, decode settings, scores with 95% bootstrap intervals
         and paired-bootstrap p-values against the base model, sacreBLEU's signatures and the per-sentence outputs
-        with their chrF."""
+        with their chrF. ``prompt_from`` as for /compare; the result's "prompt_source" says which prompt it was."""
         jid = studio.submit_evaluate(methods=methods, memory_id=memory_id or None, test_data=test_text or None,
                                      test_filename=test_filename, task=task, limit=limit,
                                      sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings,
                                      owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
-                                     global_defaults=bool(global_defaults))
+                                     global_defaults=bool(global_defaults), prompt_from=prompt_from or None)
         return {"job_id": jid}
 
     @_api

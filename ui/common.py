@@ -118,6 +118,28 @@ def poll_while_running(studio, timer, job_state, seen, any_job: bool = False) ->
         state.change(switch, [job_state, seen], timer, show_progress="hidden", api_visibility="private")
 
 
+def disable_while_running(studio, buttons: dict, job_state, seen, kind: str | None = None) -> None:
+    """``buttons`` (``{button: (label, label while its job runs)}``) disabled, their label saying what runs, while
+    the tab's job (``job_state``; with ``kind``, any of the owner's jobs of that kind) is queued or running; back
+    when it ends, fails or is cancelled. Asked when ``poll_while_running`` asks (a job started, the page (re)loaded,
+    the poll drew), so a reload during the job finds the buttons disabled too."""
+    def update(jid, _last, request: gr.Request):
+        try:
+            me = owner_of(studio, request)
+            if kind is not None:
+                busy = bool(studio.list_jobs((kind,), 1, owner=me, states=("queued", "running")))
+            else:
+                busy = bool(jid) and studio.job(jid, owner=me)["state"] not in FINAL_STATES
+        except UserError:
+            busy = False
+        updates = tuple(gr.update(interactive=not busy, value=running if busy else label)
+                        for label, running in buttons.values())
+        return updates[0] if len(updates) == 1 else updates  # (a list or tuple is one output's value)
+
+    for state in (job_state, seen):
+        state.change(update, [job_state, seen], list(buttons), show_progress="hidden", api_visibility="private")
+
+
 # Gradio's queue looks for new events every 1 ms and for progress to send every 10 ms while nothing happens (Linux
 # defaults): a noticeable share of a core for an idle server (BENCHMARKS.md, "An idle tab"). 20 ms and 100 ms instead:
 # an event starts at most 20 ms later; what a handler streams (its yields) is sent as before, not by this loop.

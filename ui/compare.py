@@ -371,9 +371,9 @@ def _pin_prompt(studio):
     return pin
 
 
-def _wire_prompt(studio, c: SimpleNamespace) -> None:
-    """The prompt picker lists the task's memories when opened; a new task starts it over (``_pin_prompt``: a
-    comparison shows its prompt there)."""
+def wire_prompt(studio, c: SimpleNamespace) -> None:
+    """The prompt picker (``c.prompt_from``, of Compare or Evaluate) lists the task's (``c.task``) memories when
+    opened; a new task starts it over (``_pin_prompt``: a comparison shows its prompt there)."""
     @user_errors
     def on_open(tk, pf, request: gr.Request):
         choices = prompt_choices(studio, owner_of(studio, request), tk)
@@ -446,7 +446,7 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
     for ctl in (c.task, c.glob):
         ctl.input(on_starts, [c.task, c.methods, c.glob, c.starts, *c.live_ctls], [*c.live_ctls, c.starts],
                   api_visibility="private", show_progress="hidden")
-    for ev in (c.run.click, c.source.submit):  # then the prompt it read is shown in the picker (``_wire_prompt``)
+    for ev in (c.run.click, c.source.submit):  # then the prompt it read is shown in the picker (``wire_prompt``)
         ev(do_compare, inputs, outputs, api_visibility="private", concurrency_id="decode",
            show_progress_on=c.cards).then(_pin_prompt(studio), [c.payload, c.task, c.prompt_from], c.prompt_from,
                                           show_progress="hidden", api_visibility="private")
@@ -564,7 +564,7 @@ def build(studio) -> SimpleNamespace:
     _wire_compare(studio, c, insp)
     _wire_inspector(studio, c, insp)
     _wire_heldout(studio, c)
-    _wire_prompt(studio, c)
+    wire_prompt(studio, c)
     _wire_share(studio, c)
     _wire_task_filter(studio, c)
 
@@ -602,7 +602,8 @@ def build(studio) -> SimpleNamespace:
     def global_of(*vals) -> bool:  # the Global defaults switch among ``settings_inputs``' values
         return bool(vals[-2])
 
-    several.wire(studio, c.several_box, c.task, c.methods, c.max_new, c.beams, settings_inputs, settings_of)
+    several.wire(studio, c.several_box, c.task, c.methods, c.max_new, c.beams, c.prompt_from, settings_inputs,
+                 settings_of)
     return SimpleNamespace(refresh=refresh, refresh_keys=["compare_methods", "compare_memory", "compare_task"],
                            refresh_inputs=[c.methods, c.hmem, c.task], refresh_outputs=[c.methods, c.hmem],
                            on_load=on_load, load_outputs=[c.methods, c.hmem, c.layer],

@@ -17,6 +17,7 @@ from ui import plots, render
 from ui.common import (
     BASE_CHOICE,
     choices_update,
+    disable_while_running,
     hidden_plugins_note,
     job_poll_key,
     keep_value,
@@ -28,12 +29,14 @@ from ui.common import (
     read_upload,
     user_errors,
 )
+from ui.compare import PROMPT_CHOICES, wire_prompt
 
 SCORE_KEYS = ("label", "method", "n", "sacrebleu", "chrf")
 # Shown in their own columns (or not at all); every other number of a row is a metric of the task.
 _NOT_METRICS = {"n", "max_new_tokens", "num_beams", "no_repeat_ngram", "lambda_max", "sacrebleu", "chrf",
                 "sacrebleu_delta", "chrf_delta", "p_sacrebleu", "p_chrf"}
 SHOWN_OUTPUTS = 200
+RUN_LABEL, SWEEP_LABEL = "Evaluate in background", "Run the sweep in background"
 
 
 def _num(v, digits: int = 2):
@@ -139,6 +142,9 @@ def _notes(result: dict | None) -> str:
                  f"<code>{render.esc(sig.get('chrf'))}</code><br>95% CI: percentile bootstrap over the sentences "
                  f"(1000 resamples). vs base: the difference from the base model's row and the one-sided p-value "
                  f"of a paired bootstrap (Koehn 2004); p &lt; 0.05 is unlikely to be chance.")
+    used = render.prompt_label(result.get("prompt_source"))
+    if used:
+        text += f"<br><span id='eval-prompt-used'>Prompt of every row without its own: <b>{render.esc(used)}</b></span>"
     if result.get("mode") == "sweep":
         text += "<br>λ_max = 0 is the base model: one point, drawn at 0 on both curves."
     return f"<div class='pema-help' id='eval-notes-text'>{text}</div>" + render.transfer_note(result.get("transfer"))
@@ -176,14 +182,18 @@ def _test_data_panel(c: SimpleNamespace) -> None:
         c.max_new = gr.Number(48, label="Max tokens", precision=0, minimum=4)
     gr.Markdown("#### Methods")
     c.methods = gr.CheckboxGroup(BASE_CHOICE, value=["base"], label="Compare these", elem_id="eval-methods")
+    # the same choice as Compare's picker (``ui.compare.wire_prompt``), with the same default
+    c.prompt_from = gr.Dropdown(PROMPT_CHOICES, value=None, label="Examples in the prompt", elem_id="eval-prompt",
+                                info="What every row without a prompt of its own reads, as in Compare; empty: the "
+                                     "first chosen plug-in's memory, else the built-in examples")
     gr.Markdown("Decode settings: those of the **Compare** tab (its live controls and “More decode "
                 "settings”), so scores match what Compare shows; each row's settings are in the table and the "
                 "CSV.", elem_classes=["pema-help"])
-    c.run = gr.Button("Evaluate in background", variant="primary", elem_id="eval-run")
+    c.run = gr.Button(RUN_LABEL, variant="primary", elem_id="eval-run")
     gr.Markdown("#### λ_max sweep (with and without Gradual Unrolling)")
     c.sweep_plugin = gr.Dropdown([], label="PEMA plug-in")
     c.lambdas = gr.Textbox("0, 0.2, 0.4, 0.6, 0.8, 1.0", label="λ_max values")
-    c.sweep = gr.Button("Run the sweep in background")
+    c.sweep = gr.Button(SWEEP_LABEL, elem_id="eval-sweep")
 
 
 def _results_panel(c: SimpleNamespace) -> None:
@@ -251,17 +261,18 @@ def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of, g
     """Evaluate and the sweep: each submits a background job and clears the previous result; both decode as
     Compare does, at each plug-in's calibrated settings unless Compare's Global defaults is ticked."""
     @user_errors
-    def do_run(request: gr.Request, mem, path, tk, n, mx, ms, *svals):
+    def do_run(request: gr.Request, mem, path, tk, n, mx, ms, pf, *svals):
         me = owner_of(studio, request)
         data, fname = read_upload(studio, request, path)
         jid = studio.submit_evaluate(methods=list(ms or []), memory_id=None if data else mem, test_data=data,
                                      test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals))
+                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals),
+                                     prompt_from=pf or None)
         studio.uploads.consume(path)  # the job holds the pairs it read
         return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
 
     @user_errors
-    def do_sweep(request: gr.Request, mem, path, tk, n, mx, pid, lams, *svals):
+    def do_sweep(request: gr.Request, mem, path, tk, n, mx, pid, lams, pf, *svals):
         me = owner_of(studio, request)
         data, fname = read_upload(studio, request, path)
         if not pid:
@@ -272,14 +283,16 @@ def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of, g
             raise UserError("Write the λ_max values as numbers separated by commas, e.g. 0, 0.5, 1.") from None
         jid = studio.submit_evaluate(memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
                                      limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals))
+                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals),
+                                     prompt_from=pf or None)
         studio.uploads.consume(path)
         return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
 
-    c.run.click(do_run, [c.memory, c.test_file, c.task, c.limit, c.max_new, c.methods, *settings_inputs],
+    c.run.click(do_run, [c.memory, c.test_file, c.task, c.limit, c.max_new, c.methods, c.prompt_from,
+                         *settings_inputs],
                 [c.job_id, c.job_html, c.seen, *c.result_outputs], api_visibility="private")
     c.sweep.click(do_sweep, [c.memory, c.test_file, c.task, c.limit, c.max_new, c.sweep_plugin, c.lambdas,
-                             *settings_inputs],
+                             c.prompt_from, *settings_inputs],
                   [c.job_id, c.job_html, c.seen, *c.result_outputs], api_visibility="private")
 
 
@@ -343,6 +356,8 @@ def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: Fa
     _wire_runs(studio, c, settings_inputs, settings_of, global_of)
     _wire_poll(studio, c)
     poll_while_running(studio, c.timer, c.job_id, c.seen)
+    busy = "An evaluation is running… (its card says how far it is)"
+    disable_while_running(studio, {c.run: (RUN_LABEL, busy), c.sweep: (SWEEP_LABEL, busy)}, c.job_id, c.seen)
 
     @user_errors
     def on_memory(mid, request: gr.Request):
@@ -350,6 +365,7 @@ def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: Fa
 
     c.memory.change(on_memory, c.memory, c.memory_warn, show_progress="hidden")
     _wire_task_filter(studio, c)
+    wire_prompt(studio, c)
 
     def lists(me, current=None, mem_value=None, task=None):
         mchoices = memory_choices(studio, me)

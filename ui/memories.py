@@ -12,9 +12,18 @@ from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from memories.corpora import CORPUS_TASKS
 from ui import plots, render
-from ui.common import keep_value, memory_choices, owner_of, poll_while_running, read_upload, user_errors
+from ui.common import (
+    disable_while_running,
+    keep_value,
+    memory_choices,
+    owner_of,
+    poll_while_running,
+    read_upload,
+    user_errors,
+)
 
 SOURCES = ["Upload a file", "Paste text", "Demo corpus"]
+BUILD_LABEL = "Build memory"
 PASTE_HINT = ('One sample a line: {"src": "...", "tgt": "..."} JSON lines, "source<TAB>target", '
               "or plain target-side text (the backbone then writes a synthetic source).")
 SAMPLE_HEADERS = ["line", "split", "source", "synthetic?", "target"]
@@ -52,7 +61,7 @@ def _samples_panel(studio, c: SimpleNamespace) -> None:
                           elem_id="build-mode")
         c.skip = gr.Checkbox(False, label="Skip invalid lines", scale=1)
     with gr.Row():
-        c.build_btn = gr.Button("Build memory", variant="primary", elem_id="build-memory", scale=3)
+        c.build_btn = gr.Button(BUILD_LABEL, variant="primary", elem_id="build-memory", scale=3)
         c.cancel_btn = gr.Button("Cancel build", scale=1)
     c.build_status = gr.HTML(elem_id="build-status")
 
@@ -282,6 +291,8 @@ def build(studio) -> SimpleNamespace:
     _wire_build(studio, c)
     _wire_inspect(studio, c)
     poll_while_running(studio, c.timer, c.build_job, c.seen)
+    disable_while_running(studio, {c.build_btn: (BUILD_LABEL, "Building a memory… (Cancel build stops it)")},
+                          c.build_job, c.seen)
 
     def lists(me):
         choices = memory_choices(studio, me)

@@ -17,6 +17,7 @@ from studio.packages import without_temp_paths
 from ui import plots, render
 from ui.common import (
     choices_update,
+    disable_while_running,
     jobs_busy,
     keep_value,
     memory_choices,
@@ -26,6 +27,8 @@ from ui.common import (
     training_control,
     user_errors,
 )
+
+TRAIN_LABEL = "Train in background"
 
 
 def _method_info(m: dict | None, starts: dict | None = None) -> str:
@@ -99,7 +102,7 @@ def _training_form(studio, c: SimpleNamespace) -> None:
         c.reset = gr.Button("Reset to preset", size="sm", scale=1, min_width=120)
     c.note = gr.HTML(preset_note(methods.get(first), "default"))
     c.estimate = gr.HTML(elem_id="train-estimate")
-    c.train = gr.Button("Train in background", variant="primary", elem_id="train-plugin")
+    c.train = gr.Button(TRAIN_LABEL, variant="primary", elem_id="train-plugin")
     c.train_msg = gr.HTML()
     c.groups, c.controls = {}, {}
     with gr.Accordion("Hyperparameters — every setting of the method, with its help and range", open=False,
@@ -385,6 +388,8 @@ def build(studio) -> SimpleNamespace:
     _wire_jobs(studio, c)
     _wire_plugin_list(studio, c)
     poll_while_running(studio, c.timer, c.selected_job, c.seen, any_job=True)
+    disable_while_running(studio, {c.train: (TRAIN_LABEL, "A training is running… (Cancel job stops it)")},
+                          c.selected_job, c.seen, kind="train_plugin")
 
     def lists(me, mem_value=None):
         choices = memory_choices(studio, me)

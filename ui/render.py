@@ -591,5 +591,9 @@ def several_table(res: dict | None) -> str:
             f"{len(cols)} method(s): <b>{t.get('decode_s', 0):.2f}s</b> ({t.get('tokens', 0)} tokens, "
             f"{t.get('tokens_per_s', 0):.0f} tok/s) · scores: sacreBLEU (sentence level, effective order) and chrF "
             f"against each line's reference · hover a method's name for its settings</div>")
+    used = prompt_label(res.get("prompt_source"))
+    if used:
+        info += (f"<div class='pema-help' id='several-prompt-used'>Prompt of every column without its own: "
+                 f"<b>{esc(used)}</b></div>")
     return (f"{EXPLORE_CSS}<div class='pema-x' id='several-result'>{info}<div class='pema-x-scroll'>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div></div>")

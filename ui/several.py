@@ -55,16 +55,18 @@ def panel() -> SimpleNamespace:
     return SimpleNamespace(text=text, run=run, fill=fill, out=out)
 
 
-def wire(studio, p: SimpleNamespace, task, methods, max_new, beams, settings_inputs: list, settings_of) -> None:
-    """Compare all: the chosen methods with the tab's decode settings (``settings_of(*settings_inputs)``)."""
+def wire(studio, p: SimpleNamespace, task, methods, max_new, beams, prompt_from, settings_inputs: list,
+         settings_of) -> None:
+    """Compare all: the chosen methods with the tab's decode settings (``settings_of(*settings_inputs)``) and its
+    prompt choice (``prompt_from``, the picker Compare reads: every row without its own prompt reads the same)."""
 
     @user_errors
-    def do_several(request: gr.Request, text, tk, ms, mx, bm, *values):
+    def do_several(request: gr.Request, text, tk, ms, mx, bm, pf, *values):
         res = studio.compare_several(text, tk, list(ms or []), settings_of(*values), int(mx), int(bm),
-                                     owner=owner_of(studio, request))
+                                     owner=owner_of(studio, request), prompt_from=pf or None)
         return render.several_table(res)
 
-    p.run.click(do_several, [p.text, task, methods, max_new, beams, *settings_inputs], p.out,
+    p.run.click(do_several, [p.text, task, methods, max_new, beams, prompt_from, *settings_inputs], p.out,
                 api_visibility="private", concurrency_id="decode", show_progress_on=p.out)
     p.fill.click(lambda tk: "\n".join(f"{s} ||| {r}" for s, r in example_sentences(tk)), task, p.text,
                  show_progress="hidden", api_visibility="private", queue=False)
