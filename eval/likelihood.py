@@ -34,6 +34,7 @@ from engine.protocol import MixInput, mix_logprobs
 from eval.datasets import task_pairs
 from eval.run import format_table
 from ground.cli import progress_bar, run_main
+from ground.settings import SettingsRecord
 from ground.store import Catalog
 from memories.build import build_memory
 from memories.parse import Sample
@@ -75,7 +76,7 @@ def dev_memory(backbone, prompt, pairs: list[tuple[str, str]], cache_root: Path,
                         progress=progress or (lambda f, m: None))
 
 
-def _extra_logits(backbone, plugin, fc_bb: torch.Tensor, settings: list[dict]) -> torch.Tensor | None:
+def _extra_logits(backbone, plugin, fc_bb: torch.Tensor, settings: list[SettingsRecord]) -> torch.Tensor | None:
     """The logits of the plug-in's extra states, as a decode computes them (``engine``)."""
     extra = plugin.extra_states(fc_bb, settings)
     if extra is None:

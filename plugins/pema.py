@@ -497,7 +497,7 @@ class PEMA(OutputPlugin):
     def validate_settings(self, s: SettingsRecord) -> None:
         pass  # every value is checked by its declaration
 
-    def extra_states(self, fc: torch.Tensor, settings: list[dict]) -> torch.Tensor:
+    def extra_states(self, fc: torch.Tensor, settings: list[SettingsRecord]) -> torch.Tensor:
         return self.h_pd(self.scaled(fc))
 
     def head_vocab(self) -> torch.Tensor | None:
