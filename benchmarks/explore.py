@@ -42,30 +42,32 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-explore-") as tmp:
         st = Studio(tmp, backbone=a.backbone, backbone_cache=a.backbone_cache)
         try:
-            assert st.wait_ready(600), st.status()
+            assert st.backbone_service.wait_ready(600), st.backbone_service.status()
             src = Path(a.memory).expanduser()
             dst = Path(tmp) / "memories" / src.name
             shutil.copytree(src, dst)
             register_memory(st.catalog.owned_by("local"), Memory.load(dst))
             mid = src.name
-            knn = st.jobs.wait(st.submit_train(mid, "knn", {}, "kNN"), 1800)
-            pema = st.jobs.wait(st.submit_train(mid, "pema", SHORT_PEMA, "PEMA"), 1800)
+            knn = st.jobs.wait(st.plugin_service.submit_train(mid, "knn", {}, "kNN"), 1800)
+            pema = st.jobs.wait(st.plugin_service.submit_train(mid, "pema", SHORT_PEMA, "PEMA"), 1800)
             assert knn["state"] == "done" and pema["state"] == "done", (knn, pema)
             knn_id, pema_id = knn["result"]["plugin_id"], pema["result"]["plugin_id"]
-            prof, out["profile_first_s"] = _timed(lambda: st.memory_profile(mid))
-            _, out["profile_cached_s"] = _timed(lambda: st.memory_profile(mid))
+            prof, out["profile_first_s"] = _timed(lambda: st.memory_service.memory_profile(mid))
+            _, out["profile_cached_s"] = _timed(lambda: st.memory_service.memory_profile(mid))
             out.update(entries=prof["entries"], sample=prof["projection"]["sample_size"])
-            srcs = [s["src"] for s in st.heldout_samples(mid)][:a.sentences]
+            srcs = [s["src"] for s in st.memory_service.heldout_samples(mid)][:a.sentences]
             methods = ["base", knn_id, pema_id]
-            p = st.compare(srcs[0], prof["task"], methods, max_new_tokens=a.max_new_tokens)
+            p = st.compare_service.compare(srcs[0], prof["task"], methods, max_new_tokens=a.max_new_tokens)
             for r in p["rows"][1:]:
-                _, first = _timed(lambda: st.neighbour_map(p["id"], r["label"], 0))
-                _, other = _timed(lambda: st.neighbour_map(p["id"], r["label"], min(1, len(r["tokens"]) - 1)))
+                _, first = _timed(lambda: st.neighbour_map_service.neighbour_map(p["id"], r["label"], 0))
+                nxt = min(1, len(r["tokens"]) - 1)
+                _, other = _timed(lambda: st.neighbour_map_service.neighbour_map(p["id"], r["label"], nxt))
                 out[f"map_{r['method']}_first_token_s"], out[f"map_{r['method']}_next_token_s"] = first, other
-            several, out["several_batch_s"] = _timed(lambda: st.compare_several(
+            several, out["several_batch_s"] = _timed(lambda: st.compare_service.compare_several(
                 "\n".join(srcs), prof["task"], methods, max_new_tokens=a.max_new_tokens))
             t0 = time.perf_counter()
-            singles = [st.compare(s, prof["task"], methods, max_new_tokens=a.max_new_tokens) for s in srcs]
+            singles = [st.compare_service.compare(s, prof["task"], methods,
+                                                  max_new_tokens=a.max_new_tokens) for s in srcs]
             out["several_one_by_one_s"] = round(time.perf_counter() - t0, 3)
             out["several_speedup"] = round(out["several_one_by_one_s"] / max(out["several_batch_s"], 1e-9), 2)
             same = sum(ln["outputs"] == [r["text"] for r in one["rows"]] for ln, one in zip(several["lines"], singles))

@@ -29,9 +29,9 @@ BUILD = """
 import sys
 from studio.service import Studio
 st = Studio(sys.argv[1], backbone="tiny")
-assert st.wait_ready(120)
+assert st.backbone_service.wait_ready(120)
 tsv = "\\n".join(f"sentence number {i}\\tSatz Nummer {i}" for i in range(40))
-job = st.jobs.wait(st.submit_build(tsv, "pairs.tsv", name="idle pairs"), 120)
+job = st.jobs.wait(st.memory_service.submit_build(tsv, "pairs.tsv", name="idle pairs"), 120)
 assert job["state"] == "done", job
 st.close()
 """

@@ -56,9 +56,9 @@ class BackboneService:
     Receives the studio's context (owners, the data directory for the de-quantized weights) and the loaded plug-in
     cache, which it empties when the backbone changes (a loaded plug-in holds the old head)."""
 
-    def __init__(self, ctx: StudioContext, plugin_cache: LRU, name: str, *, device: str | None = None,
-                 dtype: str | None = None, cache: str | Path | None = None, busy_timeout: float = 120.0,
-                 remote: str | None = None, remote_token: str | None = None):
+    def __init__(self, ctx: StudioContext, plugin_cache: LRU, gate: BackboneGate, name: str, *,
+                 device: str | None = None, dtype: str | None = None, cache: str | Path | None = None,
+                 busy_timeout: float = 120.0, remote: str | None = None, remote_token: str | None = None):
         """``name``: "gemma-3-270m", a hub id, a local path, or "tiny". ``dtype``: its precision (None: the machine's
         default, ``backbone.precision.resolve_precision``; a remote backbone's is its owner's). ``cache``: another
         data directory whose ``backbones/`` may already hold the de-quantized weights. ``remote``: a model owner's
@@ -70,7 +70,7 @@ class BackboneService:
         self.device = device
         self.dtype = dtype
         self.busy_timeout = busy_timeout
-        self.gate = BackboneGate()
+        self.gate = gate
         # a model owner's service (offsite), else None: the backbone is loaded here; its token is kept in memory only
         self.remote_url: str | None = check_remote_url(remote) if remote else None
         self._remote_token: str | None = (remote_token or None) if remote else None
@@ -79,15 +79,26 @@ class BackboneService:
                       "finished": None, "stage_started": None}
         self._ready = threading.Event()
 
-    @property
-    def root(self) -> Path:
-        """The data directory (``studio.ray_executor.backbone_spec`` reads it)."""
-        return self.ctx.root
-
-    @property
-    def loaded(self):
+    def loaded_backbone(self):
         """The loaded backbone, or None while it loads (or failed): never waits, never raises."""
         return self._bb
+
+    def requested_name(self) -> str:
+        """The backbone this studio was asked to run (a menu name, hub id or local path; ``set_backbone`` changes
+        it), loaded or not: the name build batch sizes and tuned settings are looked up by."""
+        return self.backbone_name
+
+    def worker_spec(self) -> dict:
+        """How a Ray worker loads this studio's backbone (``studio.ray_executor``: its name, device, precision and
+        the data directory holding its de-quantized weights) and the fingerprint it must have."""
+        if self.remote_url:
+            raise UserError("A remote (offsite) backbone cannot be sharded over Ray workers; use the in-process "
+                            "queue.")
+        cache = self.ctx.root
+        if self.backbone_cache is not None and (Path(self.backbone_cache) / "backbones").is_dir():
+            cache = self.backbone_cache
+        return {"name": str(self.backbone_name), "device": self.device, "dtype": self.dtype,
+                "data_dir": str(cache), "fingerprint": self.backbone().fingerprint}
 
     # --- a model owner's backbone (offsite) ---------------------------------------------------------------------
     def offsite(self, bb=None) -> bool:
@@ -265,7 +276,6 @@ class BackboneService:
         self._ready.wait(timeout)
         return self._load["state"] == "ready"
 
-    @property
     def backbone(self):
         """The loaded backbone; a UserError saying what is happening when it is not ready."""
         if self._bb is not None:
@@ -283,7 +293,7 @@ class BackboneService:
             while not self._ready.wait(1.0):
                 if job.should_stop():
                     raise Cancelled()
-        return self.backbone
+        return self.backbone()
 
     @contextmanager
     def interactive(self, what: str):
@@ -292,5 +302,5 @@ class BackboneService:
         busy = (f"The backbone is busy ({self.gate.holder or 'a background job'}) and cannot pause: try again "
                 f"when it finishes, or cancel it in the Plug-ins tab.")
         with self.gate.use(timeout=self.busy_timeout, holder=what, busy=busy):
-            yield self.backbone
+            yield self.backbone()
 

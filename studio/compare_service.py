@@ -25,6 +25,7 @@ from offsite.decode import compare_remote
 from plugins.registry import get_method
 from plugins.settings import ALL_ROWS, calibration_label, method_row, plugin_calibration, resolve_row_settings
 from studio.backbone_service import REMOTE_LM, BackboneService
+from studio.caches import LRU
 from studio.context import StudioContext
 from studio.limits import Limits
 from studio.memory_service import MemoryService
@@ -150,14 +151,16 @@ class CompareService:
     unguessable ids).
 
     Receives the context, the backbone (exclusive use for each decode), the memories (a row's samples), the
-    plug-ins (each row's loaded plug-in) and the store of this process's comparisons."""
+    plug-ins (each row's loaded plug-in), the loaded plug-in cache (a row's neighbours read its memory without
+    loading it) and the store of this process's comparisons."""
 
     def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
-                 plugin_svc: PluginService, store: ComparisonStore):
+                 plugin_svc: PluginService, plugin_cache: LRU, store: ComparisonStore):
         self.ctx = ctx
         self.backbone_svc = backbone_svc
         self.memory_svc = memory_svc
         self.plugin_svc = plugin_svc
+        self.plugin_cache = plugin_cache
         self.store = store
 
     # --- comparing ----------------------------------------------------------------------------------------------
@@ -189,7 +192,7 @@ class CompareService:
                 label = f"{label} [{m[-6:]}]"
             labels.add(label)
             own = resolve_row_settings((plugin.method, m, label), settings)
-            rows.append(method_row(label, plugin, task, self.backbone_svc.backbone.name, own, calibrated))
+            rows.append(method_row(label, plugin, task, self.backbone_svc.backbone().name, own, calibrated))
         return rows
 
     @staticmethod
@@ -230,7 +233,7 @@ class CompareService:
             row = self.prompt_memory(prompt_from, task, owner)
             prompt = self.memory_svc.load_memory(prompt_from, owner).prompt
             return prompt, self._prompt_source(prompt, prompt_from, row["name"])
-        prompt = task_prompt(task, self.backbone_svc.backbone)
+        prompt = task_prompt(task, self.backbone_svc.backbone())
         return prompt, self._prompt_source(prompt, kind="builtin")
 
     def prompt_memory(self, prompt_from, task: str, owner: str | None = None) -> dict:
@@ -447,13 +450,13 @@ class CompareService:
         prow = self.ctx.catalog.plugin(row["plugin_id"], owner) if row.get("plugin_id") else None
         if prow is None:  # deleted since (or never the owner's): no samples
             return []
-        plugin = self.plugin_svc.plugin_cache.peek(row["plugin_id"])
+        plugin = self.plugin_cache.peek(row["plugin_id"])
         mem = getattr(plugin, "memory", None)
         if mem is None and self.ctx.catalog.memory(prow["memory_id"], owner):
             mem = self.memory_svc.load_memory(prow["memory_id"], owner)
         if mem is not None:
             samples = mem.samples
-        bb = self.backbone_svc.loaded
+        bb = self.backbone_svc.loaded_backbone()
         out = []
         for n in nb:
             s = samples[n["sample"]] if samples and 0 <= n.get("sample", -1) < len(samples) else {}
@@ -467,7 +470,7 @@ class CompareService:
         row = next((r for r in comparison["rows"] if r["label"] == label), None)
         if row is None:
             raise UserError(f"No output {label!r} in this comparison.")
-        loaded = self.backbone_svc.loaded
+        loaded = self.backbone_svc.loaded_backbone()
         if comparison.get("backbone") != (loaded.name if loaded else None):
             raise UserError("This comparison was made on another backbone.")
         if self.backbone_svc.offsite():
@@ -582,7 +585,7 @@ class CompareService:
                                     "shared comparisons")
         names = self.share_labels(p, labels)
         attention = {}
-        bb = self.backbone_svc.loaded
+        bb = self.backbone_svc.loaded_backbone()
         if bb is not None and p.get("backbone") == bb.name:
             lay = bb.num_layers - 1 if layer is None else int(layer)
             for r in p["rows"]:

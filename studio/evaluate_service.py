@@ -17,6 +17,7 @@ from studio.backbone_service import BackboneService
 from studio.compare_service import PROMPT_BUILTIN, CompareService, check_decode, with_comparison
 from studio.context import StudioContext
 from studio.downloads import Downloads
+from studio.gate import BackboneGate
 from studio.job_service import JobService
 from studio.limits import Limits
 from studio.memory_service import MemoryService
@@ -37,15 +38,16 @@ def read_test_pairs(limits: Limits, test_data, test_filename: str | None) -> lis
 class EvaluateService:
     """Evaluations (background jobs) and their CSV and JSON files.
 
-    Receives the context, the backbone (the job's decode), the memories (held-out splits), the plug-ins (the rows'
-    plug-ins), the comparisons (rows, prompts and settings are built as a comparison builds them), the job table
-    (a finished evaluation's result) and the downloads folder."""
+    Receives the context, the backbone service and its gate (the job's decode), the memories (held-out splits),
+    the plug-ins (the rows' plug-ins), the comparisons (rows, prompts and settings are built as a comparison
+    builds them), the job table (a finished evaluation's result) and the downloads folder."""
 
-    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
-                 plugin_svc: PluginService, compare_svc: CompareService, job_svc: JobService,
-                 downloads: Downloads):
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, gate: BackboneGate,
+                 memory_svc: MemoryService, plugin_svc: PluginService, compare_svc: CompareService,
+                 job_svc: JobService, downloads: Downloads):
         self.ctx = ctx
         self.backbone_svc = backbone_svc
+        self.gate = gate
         self.memory_svc = memory_svc
         self.plugin_svc = plugin_svc
         self.compare_svc = compare_svc
@@ -148,9 +150,8 @@ class EvaluateService:
         if not pairs:
             raise UserError("Every held-out sample of this memory was used to calibrate a chosen plug-in; evaluate "
                             "at the global defaults or on an uploaded test file.")
-        gate = self.backbone_svc.gate
-        with gate.use(holder="an evaluation"):
-            job.checkpoint = gate.checkpoint
+        with self.gate.use(holder="an evaluation"):
+            job.checkpoint = self.gate.checkpoint
             job.log(f"Evaluating on {len(pairs)} pairs ({a.get('data', '')})")
             if left_out:
                 job.log(f"Left out the {left_out} held-out samples a chosen plug-in was calibrated on")

@@ -24,8 +24,8 @@ from studio.backbone_menu import build_batch_size
 from studio.backbone_service import BackboneService
 from studio.caches import LRU
 from studio.context import StudioContext
+from studio.gate import BackboneGate
 from studio.payload import human_bytes
-from studio.ray_executor import backbone_spec
 
 MAX_PREVIEW_ROWS = 100
 UPLOAD_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt")
@@ -36,12 +36,14 @@ TOKEN_OCCURRENCES = 6   # a picked token's occurrences listed with their sentenc
 class MemoryService:
     """Memories: samples → a memory of hidden states (built as a background job, ``build_memory``).
 
-    Receives the context, the backbone (builds, token names), the loaded plug-in cache (a deleted memory's
-    plug-ins leave it) and the optional Ray executor (sharded builds)."""
+    Receives the context, the backbone service (builds, token names), its gate (a build holds it), the loaded
+    plug-in cache (a deleted memory's plug-ins leave it) and the optional Ray executor (sharded builds)."""
 
-    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, plugin_cache: LRU, executor=None):
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, gate: BackboneGate, plugin_cache: LRU,
+                 executor=None):
         self.ctx = ctx
         self.backbone_svc = backbone_svc
+        self.gate = gate
         self.plugin_cache = plugin_cache
         self.executor = executor
         self.profiles = LRU(PROFILE_CACHE)
@@ -165,16 +167,15 @@ class MemoryService:
                 samples = parse_samples_strict(upload.read_bytes(), a.get("filename"),
                                                skip_invalid=a.get("skip_invalid", False))
             bb = self.backbone_svc.for_job(job)
-            gate = self.backbone_svc.gate
-            with gate.use(holder=f"building memory {a['name']!r}"):
+            with self.gate.use(holder=f"building memory {a['name']!r}"):
                 # every phase calls should_stop at least once per batch; the checkpoint in it hands the backbone
                 # to a waiting comparison, so nobody waits longer than one batch
-                job.checkpoint = gate.checkpoint
+                job.checkpoint = self.gate.checkpoint
                 mid = new_id("mem-")
                 job.log(f"Building memory {a['name']!r} from {len(samples)} samples ({a['mode']} mode)")
                 # the folder and its catalog row appear in one step (nothing to clean up after a failure)
-                batch = build_batch_size(self.backbone_svc.backbone_name)  # a GPU menu backbone's is larger
-                capture = self.executor.capture(backbone_spec(self.backbone_svc), batch) if self.executor else None
+                batch = build_batch_size(self.backbone_svc.requested_name())  # a GPU menu backbone's is larger
+                capture = self.executor.capture(self.backbone_svc.worker_spec(), batch) if self.executor else None
                 mem = build_memory(bb, samples, self.ctx.root / "memories" / mid,
                                    prompt=task_prompt(a["task"], bb), task=a["task"], mode=a["mode"],
                                    name=a["name"], progress=job.progress, should_stop=job.should_stop,
@@ -192,7 +193,7 @@ class MemoryService:
 
     def memories(self, owner: str | None = None) -> list[dict]:
         """The owner's memories (catalog rows), with ``usable`` (built on the loaded backbone) and a readable size."""
-        bb = self.backbone_svc.loaded
+        bb = self.backbone_svc.loaded_backbone()
         fp = bb.fingerprint if bb is not None else None
         out = []
         for r in self.ctx.catalog.memories(self.ctx.owner(owner)):
@@ -266,7 +267,7 @@ class MemoryService:
     # --- a memory's profile and neighbour maps -------------------------------------------------------------------
     def token_namer(self, memory: Memory):
         """Token ids → text with the loaded backbone's tokenizer, when the memory was built on it (else "#id")."""
-        bb = self.backbone_svc.loaded
+        bb = self.backbone_svc.loaded_backbone()
         if bb is not None and bb.fingerprint == memory.fingerprint:
             return bb.token_str, bb.decode
         return (lambda t: f"#{int(t)}"), (lambda ids: " ".join(f"#{int(t)}" for t in ids))

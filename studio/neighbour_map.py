@@ -103,7 +103,7 @@ class NeighbourMapService:
             raise UserError(f"{label!r} has {len(row['tokens'])} output token(s); token {i} does not exist.")
         if not 1 <= k <= 64:
             raise UserError("k (neighbours on the map) must be between 1 and 64.")
-        bb = self.backbone_svc.loaded
+        bb = self.backbone_svc.loaded_backbone()
         if p.get("backbone") != (bb.name if bb is not None else None):
             raise UserError("This comparison was made on another backbone.")
         if self.backbone_svc.offsite():

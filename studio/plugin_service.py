@@ -27,6 +27,7 @@ from studio.backbone_service import BackboneService
 from studio.caches import LRU
 from studio.context import StudioContext
 from studio.downloads import Downloads
+from studio.gate import BackboneGate
 from studio.job_status import training_status
 from studio.limits import check_number
 from studio.memory_service import MemoryService
@@ -60,14 +61,15 @@ CALIBRATE_MAX_SECONDS = 3600.0
 class PluginService:
     """Plug-ins: methods, start settings, training jobs, loading (cached), deleting, packages.
 
-    Receives the context, the backbone (training, loading, the offsite rule), the memories (what a plug-in is
-    trained on), the loaded plug-in cache, the downloads folder (exported packages) and the optional Ray executor
-    (trainings as Ray tasks)."""
+    Receives the context, the backbone service (training, loading, the offsite rule), its gate (training and
+    calibrating hold it), the memories (what a plug-in is trained on), the loaded plug-in cache, the downloads
+    folder (exported packages) and the optional Ray executor (trainings as Ray tasks)."""
 
-    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
-                 plugin_cache: LRU, downloads: Downloads, executor=None):
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, gate: BackboneGate,
+                 memory_svc: MemoryService, plugin_cache: LRU, downloads: Downloads, executor=None):
         self.ctx = ctx
         self.backbone_svc = backbone_svc
+        self.gate = gate
         self.memory_svc = memory_svc
         self.plugin_cache = plugin_cache
         self.downloads = downloads
@@ -107,9 +109,9 @@ class PluginService:
         """Every method's decode settings as a comparison of ``task`` starts them: the declared defaults with the
         values tuned on dev data for this backbone (``plugins/tuned_defaults.json``, written by ``python -m
         eval.quality --save-defaults``). ``{method: {name: value}}``; Compare and Evaluate both start here."""
-        bb = self.backbone_svc.loaded
+        bb = self.backbone_svc.loaded_backbone()
         name = resolve_name(bb.name if bb is not None and self.backbone_svc.offsite(bb)
-                            else self.backbone_svc.backbone_name)  # owner's model
+                            else self.backbone_svc.requested_name())  # owner's model
         return {m: {**{s.name: s.default for s in cls.decode_settings},
                     **coerce_all(cls.decode_settings, tuned_decode_settings(m, task, name), cls.title)}
                 for m, cls in available_methods().items() if cls.decode_settings}
@@ -222,7 +224,7 @@ class PluginService:
         row = self.memory_svc.memory_row(a["memory_id"], job.owner)  # still there, still the owner's
         if self.executor is not None and self.executor.runs_training(a):
             # a Ray task (studio.ray_executor); no gate: not this backbone
-            res = self.executor.train(self.backbone_svc, job, row, self.ctx.catalog)
+            res = self.executor.train(self.backbone_svc.worker_spec(), bb, job, row, self.ctx.catalog)
             return self._calibrate_ray_trained(job, bb, row, res)
         self.backbone_svc.check_offsite(a["method"], bb)  # queued before the studio switched to a remote backbone
         mem = open_memory(row["path"], bb)
@@ -232,9 +234,8 @@ class PluginService:
         job_progress = job.progress
         if share < 1.0:
             job.progress = lambda f, m="": job_progress(float(f) * share, m)  # type: ignore[method-assign]
-        gate = self.backbone_svc.gate
-        with gate.use(holder=f"training {cls.title}"):
-            job.checkpoint = gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
+        with self.gate.use(holder=f"training {cls.title}"):
+            job.checkpoint = self.gate.checkpoint  # plug-ins attach their hooks per batch (none at should_stop)
             job.log(f"Training {cls.title} on {mem.meta.get('name', mem.id)!r} ({len(mem):,} entries)")
             if a.get("continue_from"):
                 plugin, row = self._continue_train(job, bb, mem, cls)
@@ -265,8 +266,8 @@ class PluginService:
         the global defaults and say so; the job still succeeds (the plug-in is saved)."""
         job.log(f"Calibrating {plugin.title} on held-out samples of {mem.meta.get('name', mem.id)!r}")
         try:
-            with self.backbone_svc.gate.use(holder=f"calibrating {plugin.title}"):
-                job.checkpoint = self.backbone_svc.gate.checkpoint
+            with self.gate.use(holder=f"calibrating {plugin.title}"):
+                job.checkpoint = self.gate.checkpoint
                 cal = calibrate(bb, plugin, mem, progress=lambda f, m: job.progress(start + (1 - start) * f, m),
                                 should_stop=job.should_stop)
         except UserError as e:
@@ -323,8 +324,8 @@ class PluginService:
         mrow = self.memory_svc.memory_row(prow["memory_id"], job.owner)
         mem = open_memory(mrow["path"], bb)
         plugin = open_plugin(prow["path"], bb)
-        with self.backbone_svc.gate.use(holder=f"calibrating {plugin.title}"):
-            job.checkpoint = self.backbone_svc.gate.checkpoint
+        with self.gate.use(holder=f"calibrating {plugin.title}"):
+            job.checkpoint = self.gate.checkpoint
             cal = calibrate(bb, plugin, mem, max_samples=a.get("max_samples"), max_seconds=a.get("max_seconds"),
                             progress=job.progress, should_stop=job.should_stop)
         msg = f"{prow['name']!r} {cal['label']}: {describe_choice(cal)}"
@@ -344,7 +345,7 @@ class PluginService:
     def plugins(self, owner: str | None = None) -> list[dict]:
         """The owner's plug-ins, each with its memory's name and task (None when the memory was deleted)."""
         owner = self.ctx.owner(owner)
-        bb = self.backbone_svc.loaded
+        bb = self.backbone_svc.loaded_backbone()
         fp = bb.fingerprint if bb is not None else None
         mems = {m["id"]: m for m in self.ctx.catalog.memories(owner)}
         out = []
@@ -403,7 +404,7 @@ class PluginService:
         self.backbone_svc.check_offsite(row["method"])  # an in-network plug-in cannot decode through a model owner
         plugin = self.plugin_cache.get(plugin_id)
         if plugin is None:
-            plugin = self.plugin_cache.put(plugin_id, open_plugin(row["path"], self.backbone_svc.backbone))
+            plugin = self.plugin_cache.put(plugin_id, open_plugin(row["path"], self.backbone_svc.backbone()))
         return plugin
 
     # --- plug-in packages: the Plug-ins tab's Export (zip download) and Import (zip upload) ----------------------
@@ -417,7 +418,7 @@ class PluginService:
         row = self.plugin_row(plugin_id, owner)
         folder = self.downloads.fresh_owner_dir(owner)
         with tempfile.TemporaryDirectory(prefix="pema-export-") as tmp:
-            pkg = export_plugin(row["path"], self.backbone_svc.backbone, Path(tmp) / "package",
+            pkg = export_plugin(row["path"], self.backbone_svc.backbone(), Path(tmp) / "package",
                                 catalog=self.ctx.catalog.owned_by(owner), include_datastore=bool(include_datastore))
             return zip_folder(pkg, folder / f"pema-plugin-{row['id']}.zip", f"pema-plugin-{row['id']}")
 
@@ -444,6 +445,6 @@ class PluginService:
             manifest = check_package(pkg)
             if manifest.get("datastore"):
                 self.memory_svc.memory_quota(owner)
-            row = import_plugin(str(pkg), self.backbone_svc.backbone, self.ctx.catalog.owned_by(owner), name=name)
+            row = import_plugin(str(pkg), self.backbone_svc.backbone(), self.ctx.catalog.owned_by(owner), name=name)
         return next(p for p in self.plugins(owner=owner) if p["id"] == row["id"])
 

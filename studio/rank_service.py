@@ -25,10 +25,11 @@ from studio.backbone_service import BackboneService
 from studio.caches import LRU
 from studio.context import StudioContext
 from studio.evaluate_service import read_test_pairs
+from studio.gate import BackboneGate
 from studio.limits import hint
 from studio.memory_service import MemoryService
 from studio.payload import json_safe
-from studio.ray_executor import RankTrainer, backbone_spec
+from studio.ray_executor import RankTrainer
 
 MAX_RESUMES = 2  # automatic resumes of one ranking after restarts
 TOUR_CORPUS = "gettext-de"  # the demo corpus the first-run tour ranks on
@@ -74,14 +75,16 @@ SHARED_ROW_KEYS = ("rank", "method", "title", "level", "chrf", "sacrebleu", "chr
 class RankService:
     """Rank jobs, leaderboards and their shares.
 
-    Receives the context, the backbone (the ranking job holds it), the memories (the memory ranked on; the tour's
-    build) and the loaded plug-in cache (a ranking recalibrates plug-ins: their loaded copies go); ``executor``: the
-    studio's Ray executor, when it runs with workers (a ranking's trainings then run at once on them)."""
+    Receives the context, the backbone service and its gate (the ranking job holds it), the memories (the memory
+    ranked on; the tour's build) and the loaded plug-in cache (a ranking recalibrates plug-ins: their loaded
+    copies go); ``executor``: the studio's Ray executor, when it runs with workers (a ranking's trainings then run
+    at once on them)."""
 
-    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, memory_svc: MemoryService,
-                 plugin_cache: LRU, executor=None):
+    def __init__(self, ctx: StudioContext, backbone_svc: BackboneService, gate: BackboneGate,
+                 memory_svc: MemoryService, plugin_cache: LRU, executor=None):
         self.ctx = ctx
         self.backbone_svc = backbone_svc
+        self.gate = gate
         self.memory_svc = memory_svc
         self.plugin_cache = plugin_cache
         self.executor = executor
@@ -112,7 +115,7 @@ class RankService:
             if not memory_id:
                 raise UserError("Choose a memory to rank the methods on.")
             row = self.memory_svc.memory_row(memory_id, owner)
-            bb = self.backbone_svc.loaded
+            bb = self.backbone_svc.loaded_backbone()
             fp = bb.fingerprint if bb is not None else row["fingerprint"]
             to_train = sum(find_trained(self.ctx.catalog, owner, memory_id, m, make_config(m, {}).to_dict(), fp) is None
                            for m in names)
@@ -174,8 +177,8 @@ class RankService:
         ``{"seconds", "text", "per_method"}``."""
         owner = self.ctx.owner(owner)
         names = self._rank_methods(methods)
-        bb = self.backbone_svc.loaded
-        bb_name = bb.name if bb is not None else self.backbone_svc.backbone_name
+        bb = self.backbone_svc.loaded_backbone()
+        bb_name = bb.name if bb is not None else self.backbone_svc.requested_name()
         if corpus:
             n = int(corpus_limit or TOUR_LIMIT)
             held = max(1, round(n * 0.1))
@@ -233,10 +236,9 @@ class RankService:
             job.log(f"Resuming the ranking interrupted by a restart ({a['resume_of']}): finished plug-ins and "
                     f"calibrations are reused.")
         test = [tuple(p) for p in a["pairs"]] if a.get("pairs") else None
-        gate = self.backbone_svc.gate
-        trainer = self.executor.rank_trainer(backbone_spec(self.backbone_svc)) if self.executor is not None else None
-        with gate.use(holder="ranking every method"):
-            job.checkpoint = gate.checkpoint
+        trainer = self.executor.rank_trainer(self.backbone_svc.worker_spec()) if self.executor is not None else None
+        with self.gate.use(holder="ranking every method"):
+            job.checkpoint = self.gate.checkpoint
             board = run_rank(bb, mem, catalog=self.ctx.catalog, owner=owner, methods=a["methods"], test_pairs=test,
                              test_name=a.get("data"), progress=job.progress, should_stop=job.should_stop,
                              log=job.log, trainer=trainer, s_per_sentence=decode_s_per_sentence(bb.name))

@@ -80,20 +80,6 @@ def _ray():
     return ray
 
 
-def backbone_spec(backbone_svc) -> dict:
-    """How a worker loads the studio's backbone (``studio.backbone_service.BackboneService``: its name, device, data
-    directory and de-quantized cache) and the fingerprint it must have."""
-    if backbone_svc.remote_url:
-        raise UserError("A remote (offsite) backbone cannot be sharded over Ray workers; use the in-process queue.")
-    bb = backbone_svc.backbone
-    cache = backbone_svc.root
-    bcache = backbone_svc.backbone_cache
-    if bcache is not None and (Path(bcache) / "backbones").is_dir():
-        cache = bcache
-    return {"name": str(backbone_svc.backbone_name), "device": backbone_svc.device, "dtype": backbone_svc.dtype,
-            "data_dir": str(cache), "fingerprint": bb.fingerprint}
-
-
 _WORKER_BACKBONES: dict[tuple, object] = {}
 
 
@@ -425,15 +411,13 @@ class RayExecutor:
         """Whether a training job goes to Ray: not "continue training", not a method with nothing to train."""
         return not args.get("continue_from") and not get_method(args["method"]).needs_memory_at_decode
 
-    def train(self, backbone_svc, job, mrow: dict, catalog) -> dict:
+    def train(self, spec: dict, bb, job, mrow: dict, catalog) -> dict:
         """A studio training job (``train_plugin``) as a Ray actor; returns the job's result like the in-process
-        handler. ``backbone_svc``: the studio's ``BackboneService`` (how a worker loads the same backbone);
+        handler. ``spec``: how a worker loads the studio's backbone ``bb`` (``BackboneService.worker_spec``);
         ``mrow``: the owner's memory row (checked by the caller); the plug-in lands in the owner's ``catalog``."""
         ray = _ray()
         self.release_pool(force=False)  # idle build workers' CPUs / GPUs go to the training
         a = job.args
-        spec = backbone_spec(backbone_svc)
-        bb = backbone_svc.backbone
         mdir = Path(mrow["path"])
         memory = Memory.load(mdir, bb)
         files = {f.name: f.read_bytes() for f in mdir.iterdir() if f.is_file() and not f.name.startswith(".")}
@@ -583,8 +567,8 @@ class RayExecutor:
 
 class RankTrainer:
     """``eval.rank.rank``'s ``trainer``: the methods that train run at once on the executor's Ray workers, each
-    loading the backbone of ``spec`` (``backbone_spec``, or a CLI's); kNN and retrieved examples, which only index
-    the memory in seconds, stay on the head (a worker's start would cost more)."""
+    loading the backbone of ``spec`` (``BackboneService.worker_spec``, or a CLI's); kNN and retrieved examples,
+    which only index the memory in seconds, stay on the head (a worker's start would cost more)."""
 
     def __init__(self, executor: RayExecutor, spec: dict):
         self.executor, self.spec = executor, spec

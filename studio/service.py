@@ -1,12 +1,12 @@
 """The Studio: everything the web app does, as plain methods of a few services (the ``ui/`` modules only call these).
 
-``Studio`` is a façade. It owns the data directory and its catalog, the request bounds, the job queue, the owners'
-identities and uploads, and builds one service per concern, each given what it shares explicitly (the table in
-ARCHITECTURE.md): ``backbone_svc`` (the backbone, loaded in a background thread so the page can show progress, and
-its gate), ``memory_svc``, ``plugin_svc`` (+ the loaded plug-in cache), ``job_svc`` (the job table),
-``compare_svc`` (comparisons, several sentences, shares; + the store of this process's comparisons), ``map_svc``
-(neighbour maps), ``eval_svc`` and ``rank_svc``. The UI and the API call the services' methods through the façade's
-one declared table, ``Studio.FORWARDED`` (``studio.compare(…)`` is ``studio.compare_svc.compare(…)``).
+``Studio`` owns the data directory and its catalog, the request bounds, the job queue, the owners' identities and
+uploads, and what several services share (the backbone's ``gate``, the loaded ``plugin_cache``, the ``downloads``
+folder, the comparisons' ``store``); it builds one service per concern and hands each what it needs through its
+constructor (the table in ARCHITECTURE.md): ``backbone_service`` (the backbone, loaded in a background thread so
+the page can show progress), ``memory_service``, ``plugin_service``, ``job_service`` (the job table),
+``compare_service`` (comparisons, several sentences, shares), ``neighbour_map_service``, ``evaluate_service`` and
+``rank_service``. The UI, the API and the CLIs call a service's methods by name: ``studio.compare_service.compare(…)``.
 
 Sharing the backbone between threads: the backbone is one frozen model, but decoding and training attach forward
 hooks to it (f(c) capture, in-network plug-ins), so two threads must never run it at the same time. A
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from backbone.model import DEFAULT_BACKBONE
 from ground.jobs import JobQueue
@@ -60,29 +59,7 @@ log = logging.getLogger("pema.studio")
 
 
 class Studio:
-    """The app's entry object: builds the services and forwards the public names of ``FORWARDED`` to them."""
-
-    # The one table of names the façade forwards: ``studio.<name>`` is ``studio.<service>.<name>``, for reading and
-    # for setting. Every name is defined by exactly one service (tests/test_studio_services.py checks it); code in
-    # ``studio/`` calls the services directly.
-    FORWARDED: dict[str, str] = {
-        **dict.fromkeys(("set_remote", "set_backbone", "backbone_menu", "load_backbone_async", "status", "wait_ready",
-                         "backbone", "gate", "backbone_name", "backbone_cache", "device", "remote_url", "busy_timeout"),
-                        "backbone_svc"),
-        **dict.fromkeys(("corpora", "preview", "submit_build", "memories", "memory_detail", "heldout_samples",
-                         "delete_memory", "memory_profile", "memory_token", "transfer_check"), "memory_svc"),
-        **dict.fromkeys(("methods", "training_estimate", "start_settings", "submit_train", "submit_continue",
-                         "submit_calibrate", "plugins", "plugin_detail", "delete_plugin", "export_plugin_zip",
-                         "import_plugin_zip"), "plugin_svc"),
-        **dict.fromkeys(("job", "list_jobs", "cancel_job"), "job_svc"),
-        **dict.fromkeys(("compare", "compare_stream", "cancel_compare", "compare_several", "recent", "neighbours",
-                         "attention", "share_labels", "share", "shared", "shares", "delete_share"), "compare_svc"),
-        **dict.fromkeys(("neighbour_map",), "map_svc"),
-        **dict.fromkeys(("submit_evaluate", "results_csv", "outputs_csv", "evaluation_files"), "eval_svc"),
-        **dict.fromkeys(("submit_rank", "rank_estimate", "leaderboard", "best_methods", "share_leaderboard",
-                         "shared_leaderboard"), "rank_svc"),
-        **dict.fromkeys(("downloads_root",), "downloads"),
-    }
+    """The app's entry object: the data directory, the job queue and the services that act on them."""
 
     def __init__(self, data_dir: str | Path | None = None, backbone: str | None = None, device: str | None = None,
                  workers: int = 1, load: bool = True, start_jobs: bool = True, busy_timeout: float = 120.0,
@@ -117,23 +94,25 @@ class Studio:
         self.read_only = not self.jobs.acquire()
         self.context = ctx = StudioContext(self.catalog, limits, self.jobs, self.multi_user, self.read_only)
 
+        # what several services share, made here and handed to each that needs it
         self.plugin_cache = LRU(PLUGIN_CACHE)
+        self.gate = gate = BackboneGate()
         self.downloads = Downloads()
         self.store = ComparisonStore()
-        self.backbone_svc = BackboneService(ctx, self.plugin_cache, backbone or DEFAULT_BACKBONE, device=device,
-                                            dtype=dtype, cache=backbone_cache, busy_timeout=busy_timeout,
-                                            remote=remote, remote_token=remote_token)
-        self.memory_svc = MemoryService(ctx, self.backbone_svc, self.plugin_cache, self.executor)
-        self.plugin_svc = PluginService(ctx, self.backbone_svc, self.memory_svc, self.plugin_cache, self.downloads,
-                                        self.executor)
-        self.job_svc = JobService(ctx)
-        self.compare_svc = CompareService(ctx, self.backbone_svc, self.memory_svc, self.plugin_svc, self.store)
-        self.map_svc = NeighbourMapService(ctx, self.backbone_svc, self.memory_svc, self.plugin_svc,
-                                           self.compare_svc)
-        self.eval_svc = EvaluateService(ctx, self.backbone_svc, self.memory_svc, self.plugin_svc, self.compare_svc,
-                                        self.job_svc, self.downloads)
-        self.rank_svc = RankService(ctx, self.backbone_svc, self.memory_svc, self.plugin_cache, self.executor)
-        for svc in (self.memory_svc, self.plugin_svc, self.eval_svc, self.rank_svc):
+        self.backbone_service = backbones = BackboneService(
+            ctx, self.plugin_cache, gate, backbone or DEFAULT_BACKBONE, device=device, dtype=dtype,
+            cache=backbone_cache, busy_timeout=busy_timeout, remote=remote, remote_token=remote_token)
+        self.memory_service = memories = MemoryService(ctx, backbones, gate, self.plugin_cache, self.executor)
+        self.plugin_service = plugins = PluginService(ctx, backbones, gate, memories, self.plugin_cache,
+                                                      self.downloads, self.executor)
+        self.job_service = JobService(ctx)
+        self.compare_service = comparisons = CompareService(ctx, backbones, memories, plugins, self.plugin_cache,
+                                                            self.store)
+        self.neighbour_map_service = NeighbourMapService(ctx, backbones, memories, plugins, comparisons)
+        self.evaluate_service = EvaluateService(ctx, backbones, gate, memories, plugins, comparisons,
+                                                self.job_service, self.downloads)
+        self.rank_service = RankService(ctx, backbones, gate, memories, self.plugin_cache, self.executor)
+        for svc in (self.memory_service, self.plugin_service, self.evaluate_service, self.rank_service):
             self.jobs.handlers.update(svc.job_handlers)
 
         self.repairs: list[str] = []  # what the start-up repair did (also logged)
@@ -143,34 +122,14 @@ class Studio:
                         "(no builds, trainings or evaluations) and repairs nothing.", self.root,
                         self.jobs.lock.describe_holder())
         else:
-            ranking = self.rank_svc.running_rankings()
+            ranking = self.rank_service.running_rankings()
             self.jobs.recover()  # before the clean-up: an interrupted job's upload goes with it
             self._clean_temporary_folders()
-            self.rank_svc.resume_rankings(ranking)  # they go on where they stopped (finished plug-ins are reused)
+            self.rank_service.resume_rankings(ranking)  # they go on where they stopped (finished plug-ins are reused)
             if start_jobs:
                 self.jobs.start()
         if load:
-            self.backbone_svc.load_backbone_async()
-
-    # --- the forwarding table -----------------------------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        """``studio.<name>`` for a name of ``FORWARDED`` (called only for names the façade itself lacks)."""
-        svc = type(self).FORWARDED.get(name)
-        if svc is None or svc not in self.__dict__:  # (before __init__ made the services: a plain miss)
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self.__dict__[svc], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Setting a name of ``FORWARDED`` sets it on its service (``studio.busy_timeout = 5``), so the façade never
-        holds a stale copy."""
-        svc = type(self).FORWARDED.get(name)
-        if svc is None:
-            super().__setattr__(name, value)
-        else:
-            setattr(getattr(self, svc), name, value)
-
-    def __dir__(self):
-        return sorted({*super().__dir__(), *type(self).FORWARDED})
+            self.backbone_service.load_backbone_async()
 
     @property
     def limits(self) -> Limits:

@@ -53,14 +53,14 @@ def tiny_studio(data_dir: Path):
     from studio.service import Studio
 
     st = Studio(data_dir, backbone="tiny")
-    assert st.wait_ready(120), st.status()
+    assert st.backbone_service.wait_ready(120), st.backbone_service.status()
     return st
 
 
 def build_tiny_memory(studio, pairs=TINY_PAIRS, name: str = "pairs") -> str:
     """Build a memory from sentence pairs through the studio's job (as an upload of a TSV would); its id."""
     tsv = "\n".join(f"{s}\t{t}" for s, t in pairs)
-    job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name=name), 120)
+    job = studio.jobs.wait(studio.memory_service.submit_build(tsv, "pairs.tsv", name=name), 120)
     assert job["state"] == "done", job
     return job["result"]["memory_id"]
 
@@ -80,7 +80,7 @@ def hosted_site(data_dir: Path, cache: Path, limits: list[str]):
     studio, served, url = app.start(["--backbone", "tiny", "--multi-user", "--port", str(free_port()), "--quiet",
                                      "--data-dir", str(data_dir), *limit_args], block=False)
     try:
-        assert studio.wait_ready(120), studio.status()
+        assert studio.backbone_service.wait_ready(120), studio.backbone_service.status()
         yield studio, served, url
     finally:
         served.close()

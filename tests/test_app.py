@@ -29,7 +29,7 @@ def served(tmp_path_factory):
     from gradio_client import Client
 
     studio, demo, url = start_app(tmp_path_factory.mktemp("studio-data"))
-    assert studio.wait_ready(120), studio.status()
+    assert studio.backbone_service.wait_ready(120), studio.backbone_service.status()
     client = Client(url, verbose=False)
     yield studio, client, url
     demo.close()
@@ -86,7 +86,7 @@ def test_build_and_train_leave_catalog_rows_and_history(flow):
     from backbone.tasks import task_prompt
 
     meta = json.loads((flow["studio"].root / "memories" / flow["memory_id"] / "meta.json").read_text())
-    assert meta["prompt"] == task_prompt("translation", flow["studio"].backbone).to_dict()
+    assert meta["prompt"] == task_prompt("translation", flow["studio"].backbone_service.backbone()).to_dict()
     assert meta["prompt"]["examples"]
     plugins = {p["id"]: p for p in client.predict(api_name="/plugins")}
     assert plugins[flow["pema_id"]]["params"] > 0 and plugins[flow["pema_id"]]["method"] == "pema"
@@ -114,7 +114,7 @@ def test_compare_is_one_batch_with_traces_and_diffs(flow):
 
 def test_owner_view_shows_neighbour_samples(flow):
     studio, c = flow["studio"], flow["comparison"]
-    nbs = studio.neighbours(c["id"], c["rows"][2]["label"], 0)
+    nbs = studio.compare_service.neighbours(c["id"], c["rows"][2]["label"], 0)
     assert nbs and all(n["target"] in {t for _, t in PAIRS} for n in nbs)
 
 
@@ -203,7 +203,7 @@ def test_bad_settings_and_unknown_ids_are_user_errors(flow):
 
 def test_failed_and_cancelled_jobs_leave_nothing_behind(flow):
     studio = flow["studio"]
-    mems, plugs = len(studio.memories()), len(studio.plugins())
+    mems, plugs = len(studio.memory_service.memories()), len(studio.plugin_service.plugins())
     orig = studio.jobs.handlers["build_memory"]
 
     def cancel_then_run(job):  # the user presses Cancel as soon as the job starts
@@ -212,7 +212,7 @@ def test_failed_and_cancelled_jobs_leave_nothing_behind(flow):
 
     studio.jobs.handlers["build_memory"] = cancel_then_run
     try:
-        job = studio.jobs.wait(studio.submit_build(JSONL, "again.jsonl", name="cancelled"), 60)
+        job = studio.jobs.wait(studio.memory_service.submit_build(JSONL, "again.jsonl", name="cancelled"), 60)
     finally:
         studio.jobs.handlers["build_memory"] = orig
     assert job["state"] == "cancelled" and "nothing was saved" in job["log"]
@@ -227,12 +227,12 @@ def test_failed_and_cancelled_jobs_leave_nothing_behind(flow):
 
     papi.train_plugin = boom
     try:
-        job = studio.jobs.wait(studio.submit_train(flow["memory_id"], "pema", SMALL_PEMA), 60)
+        job = studio.jobs.wait(studio.plugin_service.submit_train(flow["memory_id"], "pema", SMALL_PEMA), 60)
     finally:
         papi.train_plugin = real
     assert job["state"] == "failed" and job["error"] == "RuntimeError: simulated crash"
     assert "Traceback" in job["log"] and "simulated crash" in job["log"]
-    assert len(studio.memories()) == mems and len(studio.plugins()) == plugs
+    assert len(studio.memory_service.memories()) == mems and len(studio.plugin_service.plugins()) == plugs
     assert not list((studio.root / "memories").glob(".tmp-*")) and not list((studio.root / "plugins").glob(".tmp-*"))
 
 
@@ -244,7 +244,7 @@ def test_evaluate_job_scores_methods_and_sweeps(flow):
     assert job["state"] == "done", job
     res = job["result"]
     assert [m["method"] for m in res["methods"]] == ["base", "pema"] and "sacrebleu" in res["methods"][0]
-    assert "sacrebleu" in studio.results_csv(res).splitlines()[0]
+    assert "sacrebleu" in studio.evaluate_service.results_csv(res).splitlines()[0]
     jid = client.predict(None, flow["memory_id"], "", "test.tsv", "translation", 2, flow["pema_id"], [0.0, 1.0],
                          api_name="/evaluate")
     job = wait_job(client, jid["job_id"])
@@ -386,9 +386,9 @@ def test_figures_build_from_plain_data(flow):
     assert len(plots.lambda_curve(c["rows"], (pema["label"], 0)).data) >= 2  # PEMA and kNN lines (+ marker)
     bars = plots.token_bars(pema["trace"][0])
     assert [t.name for t in bars.data] == ["P_LM", "plug-in", "final"]
-    assert plots.neighbour_bars(flow["studio"].neighbours(c["id"], c["rows"][2]["label"], 0)).data
+    assert plots.neighbour_bars(flow["studio"].compare_service.neighbours(c["id"], c["rows"][2]["label"], 0)).data
     assert plots.loss_curve(flow["pema_job"]["metrics"]).data
-    att = flow["studio"].attention(c, pema["label"], 1)
+    att = flow["studio"].compare_service.attention(c, pema["label"], 1)
     assert len(att["matrix"]) == len(pema["tokens"]) and len(att["matrix"][0]) == len(att["input_tokens"])
     assert all(abs(sum(r) - 1) < 1e-2 for r in att["matrix"])
     assert plots.input_attention_heatmap(att).data
@@ -428,7 +428,7 @@ def test_real_backbone_build_train_compare_share(tmp_path, gemma, monkeypatch):
     monkeypatch.setattr("studio.backbone_service.load_backbone", lambda *a, **k: gemma)
     studio, demo, url = start_app(tmp_path / "data", backbone="gemma-3-270m")
     try:
-        assert studio.wait_ready(600), studio.status()
+        assert studio.backbone_service.wait_ready(600), studio.backbone_service.status()
         client = Client(url, verbose=False)
         job = wait_job(client, client.predict(JSONL, "mine.jsonl", "gemma memory", api_name="/build")["job_id"], 300)
         assert job["state"] == "done", job
@@ -460,7 +460,7 @@ def test_live_controls_start_from_the_tasks_tuned_settings(tmp_path):
     try:
         for task in ("translation", "formality", "style"):
             want = tuned[task]["gemma-3-270m"]
-            got = st.start_settings(task)
+            got = st.plugin_service.start_settings(task)
             assert {k: got["pema"][k] for k in want["pema"]} == want["pema"]
             assert {k: got["knn"][k] for k in want["knn"]} == want["knn"]
     finally:
@@ -470,7 +470,7 @@ def test_live_controls_start_from_the_tasks_tuned_settings(tmp_path):
         from plugins.knn import KNN
         from plugins.pema import PEMA
 
-        got = other.start_settings("translation")
+        got = other.plugin_service.start_settings("translation")
         assert got["pema"] == {s.name: s.default for s in PEMA.decode_settings}
         assert got["knn"] == {"k": 16, "temperature": 10.0, "lambda": 0.3} == {s.name: s.default
                                                                               for s in KNN.decode_settings}
@@ -486,7 +486,7 @@ def test_plugin_choices_name_their_task_and_offer_only_the_chosen_tasks():
     rows = [{"id": "knn-1-aaaaaa", "name": "software", "method": "knn", "usable": True, "task": "translation"},
             {"id": "pema-1-bbbbbb", "name": "chat", "method": "pema", "usable": True, "task": "formality"},
             {"id": "knn-1-cccccc", "name": "orphan", "method": "knn", "usable": True, "task": None}]
-    st = SimpleNamespace(plugins=lambda owner=None: rows)
+    st = SimpleNamespace(plugin_service=SimpleNamespace(plugins=lambda owner=None: rows))
     assert plugin_choices(st) == [("software [knn] · translation", rows[0]["id"]),
                                   ("chat [pema] · formality", rows[1]["id"]), ("orphan [knn]", rows[2]["id"])]
     assert [pid for _l, pid in plugin_choices(st, task="formality")] == [rows[1]["id"], rows[2]["id"]]
@@ -505,7 +505,8 @@ def test_the_method_pickers_line_is_cleared_when_nothing_is_hidden():
 
     rows = [{"id": "knn-1-aaaaaa", "name": "chat", "method": "knn", "usable": True, "task": "formality",
              "calibration": None}]
-    st = SimpleNamespace(plugins=lambda owner=None: rows, best_methods=lambda owner=None: {})
+    st = SimpleNamespace(plugin_service=SimpleNamespace(plugins=lambda owner=None: rows),
+                         rank_service=SimpleNamespace(best_methods=lambda owner=None: {}))
     for update in (methods_update, eval_methods_update):
         assert update(st, None, "formality", ["base", rows[0]["id"]])["info"] == ""
         hidden = update(st, None, "translation", ["base", rows[0]["id"]])
@@ -534,7 +535,7 @@ def test_plugin_choices_tell_variants_of_one_method_on_one_memory_apart():
     rows = [{"id": "pema-20261123-121815-fe6ca0", "name": "translation-1000", "method": "pema", "usable": True},
             {"id": "pema-20261123-122132-203c26", "name": "translation-1000", "method": "pema", "usable": True},
             {"id": "knn-20261123-122717-1d6993", "name": "translation-1000", "method": "knn", "usable": True}]
-    choices = plugin_choices(SimpleNamespace(plugins=lambda owner=None: rows))
+    choices = plugin_choices(SimpleNamespace(plugin_service=SimpleNamespace(plugins=lambda owner=None: rows)))
     assert choices == [("translation-1000 [pema · fe6ca0]", rows[0]["id"]),
                        ("translation-1000 [pema · 203c26]", rows[1]["id"]),
                        ("translation-1000 [knn]", rows[2]["id"])]

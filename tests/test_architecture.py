@@ -133,6 +133,135 @@ def test_the_checker_sees_a_violation(tmp_path):
     assert floor_of("studio.service") > floor_of("backbone.bad")
 
 
+# --- the studio's services ------------------------------------------------------------------------------------------
+# A service reaches a sibling only through its methods: what several services share (the gate, the plug-in cache, …)
+# each receives from its constructor (ARCHITECTURE.md, "The studio's services"); and nothing in ``studio/`` or ``ui/``
+# forwards names through ``__getattr__``, so go-to-definition lands on the method a caller names.
+FORWARDING_FREE = ("studio", "ui")
+ENTRY_MODULES = ("ui", "app.py")  # where ``studio`` is always the Studio instance
+
+
+def getattr_definitions(path: Path) -> list[int]:
+    """Lines where ``path`` defines ``__getattr__`` (a module's or a class's)."""
+    return [n.lineno for n in ast.walk(parsed(path)[1])
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "__getattr__"]
+
+
+def sibling_reads(source: str) -> list[str]:
+    """Reads of a service's attributes that are not method calls, in ``source``: ``self.<x>.<attr>`` where
+    ``self.<x>`` holds a service (set in ``__init__`` from a parameter annotated ``…Service``), and ``<p>.<attr>``
+    where ``<p>`` is a function's parameter that is a service (annotated ``…Service`` or named ``…_svc``)."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def is_service(arg: ast.arg) -> bool:
+        return arg.arg.endswith("_svc") or (arg.annotation is not None
+                                             and ast.unparse(arg.annotation).strip("'\"").endswith("Service"))
+
+    def reads(scope, holds) -> list[str]:
+        found = []
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and holds(node.value):
+                parent = parents.get(node)
+                if not (isinstance(parent, ast.Call) and parent.func is node):
+                    found.append(f"{node.lineno}: {ast.unparse(node)}")
+        return found
+
+    out = []
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+        if init is None:
+            continue
+        params = {a.arg for a in [*init.args.args, *init.args.kwonlyargs] if is_service(a)}
+        pairs = [(t, s.value) for s in ast.walk(init) if isinstance(s, ast.Assign) for t in s.targets]
+        pairs += [p for t, v in pairs if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple)
+                  for p in zip(t.elts, v.elts)]
+        held = {t.attr for t, v in pairs if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+                and isinstance(v, ast.Name) and v.id in params}
+        out += reads(cls, lambda v: isinstance(v, ast.Attribute) and v.attr in held and ast.unparse(v.value) == "self")
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        params = {a.arg for a in [*fn.args.args, *fn.args.kwonlyargs] if is_service(a)}
+        if params and fn.name != "__init__":
+            out += reads(fn, lambda v, p=params: isinstance(v, ast.Name) and v.id in p)
+    return sorted(set(out), key=lambda hit: (int(hit.split(":")[0]), hit))
+
+
+def studio_attributes(root: Path = ROOT) -> set[str]:
+    """What a ``Studio`` has: the names its class defines and the ``self.<name>`` it assigns."""
+    tree = parsed(root / "studio" / "service.py")[1]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Studio")
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        names |= {t.attr for t in targets if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"}
+    return names
+
+
+def unknown_studio_names(path: Path, known: set[str], root: Path = ROOT) -> list[str]:
+    """``studio.<name>`` in ``path`` where the Studio has no ``<name>`` (the façade forwards nothing)."""
+    return [f"{path.relative_to(root)}:{n.lineno}: studio.{n.attr}" for n in ast.walk(parsed(path)[1])
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "studio"
+            and n.attr not in known]
+
+
+def test_nothing_in_studio_or_ui_forwards_through_getattr():
+    found = [f"{p.relative_to(ROOT)}:{line}" for pkg in FORWARDING_FREE for p in sorted((ROOT / pkg).glob("*.py"))
+             for line in getattr_definitions(p)]
+    assert not found, "__getattr__ hides where a name is defined: " + ", ".join(found)
+
+
+def test_no_service_reads_a_siblings_attributes():
+    found = [f"studio/{p.name}:{r}" for p in sorted((ROOT / "studio").glob("*.py"))
+             for r in sibling_reads(p.read_text(encoding="utf-8"))]
+    assert not found, ("a service reads another service's attributes (give it what it needs through its "
+                       "constructor, or call a method):\n" + "\n".join(found))
+
+
+def test_the_ui_and_the_app_name_only_what_a_studio_has():
+    known = studio_attributes()
+    assert {"compare_service", "gate", "jobs", "limits"} <= known
+    paths = [p for entry in ENTRY_MODULES for p in sorted((ROOT / entry).glob("*.py") if (ROOT / entry).is_dir()
+                                                          else [ROOT / entry])]
+    found = [hit for p in paths for hit in unknown_studio_names(p, known)]
+    assert not found, "names a Studio does not have:\n" + "\n".join(found)
+
+
+def test_the_service_checks_see_each_kind_of_violation(tmp_path):
+    """The checks themselves work: a sibling's attribute read (not a call), one through a function's parameter, a
+    ``__getattr__``, and a forwarded name in the UI are each found; calls of a sibling's methods are not."""
+    source = '''
+class MemoryService:
+    def __init__(self, ctx, backbone_svc: BackboneService, gate: BackboneGate):
+        self.backbone_svc, self.gate = backbone_svc, gate
+        self.backbones = backbone_svc
+
+    def build(self):
+        with self.gate.use():
+            return self.backbone_svc.status(), self.backbones.loaded_backbone()
+
+    def bad(self):
+        return self.backbones.gate.use(), self.backbones.backbone_name
+
+def spec(backbone_svc):
+    return backbone_svc.remote_url, backbone_svc.worker_spec()
+'''
+    assert sibling_reads(source) == ["12: self.backbones.backbone_name", "12: self.backbones.gate",
+                                     "15: backbone_svc.remote_url"]
+    assert sibling_reads(source.replace("def bad", "def fine").replace(
+        "self.backbones.gate.use(), self.backbones.backbone_name", "self.backbone_svc.status()")) == [
+        "15: backbone_svc.remote_url"]
+    (tmp_path / "studio").mkdir()
+    (tmp_path / "studio" / "service.py").write_text(
+        "class Studio:\n    def __init__(self):\n        self.compare_service = 1\n\n    def __getattr__(self, n):\n"
+        "        return n\n")
+    (tmp_path / "ui.py").write_text("def f(studio):\n    return studio.compare_service.compare(), studio.compare()\n")
+    assert getattr_definitions(tmp_path / "studio" / "service.py") == [5]
+    known = studio_attributes(tmp_path)
+    assert known == {"__init__", "__getattr__", "compare_service"}
+    assert unknown_studio_names(tmp_path / "ui.py", known, tmp_path) == ["ui.py:2: studio.compare"]
+
+
 def package_defining(cls_name: str, modules: dict[str, Path]) -> str | None:
     """The top-level package of the module that defines class ``cls_name`` (found by its AST, wherever it moves)."""
     for mod, path in modules.items():

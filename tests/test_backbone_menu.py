@@ -35,32 +35,34 @@ def studio(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Hub path is kept but cannot be reached here
     st = Studio(tmp_path / "data", backbone="tiny")
-    assert st.wait_ready(60)
+    assert st.backbone_service.wait_ready(60)
     yield st
     st.close()
 
 
 def test_the_studio_offers_the_menu_only_on_a_gpu(studio, monkeypatch):
     monkeypatch.setattr(menus, "cuda_memory_gib", lambda: None)
-    assert studio.backbone_menu() == []
+    assert studio.backbone_service.backbone_menu() == []
     with pytest.raises(UserError, match="offered on a GPU machine"):
-        studio.set_backbone("google/gemma-3-1b-pt")
+        studio.backbone_service.set_backbone("google/gemma-3-1b-pt")
     monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
-    menu = studio.backbone_menu()
+    menu = studio.backbone_service.backbone_menu()
     assert "google/gemma-3-1b-pt" in [e["name"] for e in menu] and not any(e["current"] for e in menu)
     with pytest.raises(UserError, match="Not in this studio's backbone menu"):
-        studio.set_backbone("someone/huge-model")
-    assert studio.status()["ready"] and studio.backbone_name == "tiny"  # a refusal changes nothing
+        studio.backbone_service.set_backbone("someone/huge-model")
+    # a refusal changes nothing
+    assert studio.backbone_service.status()["ready"] and studio.backbone_service.backbone_name == "tiny"
 
 
 def test_switching_loads_the_hub_backbone_in_its_precision(studio, monkeypatch):
     monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
-    studio.set_backbone("google/gemma-3-1b-pt")
-    assert studio.backbone_name == "google/gemma-3-1b-pt" and studio.backbone_svc.dtype == "bfloat16"
-    assert not studio.wait_ready(120)  # offline here: the Hub id cannot load, and the header says why
-    st = studio.status()
+    studio.backbone_service.set_backbone("google/gemma-3-1b-pt")
+    bs = studio.backbone_service
+    assert bs.backbone_name == "google/gemma-3-1b-pt" and bs.dtype == "bfloat16"
+    assert not studio.backbone_service.wait_ready(120)  # offline here: the Hub id cannot load, and the header says why
+    st = studio.backbone_service.status()
     assert st["state"] == "failed" and "google/gemma-3-1b-pt" in st["message"]
-    assert [e["name"] for e in studio.backbone_menu() if e["current"]] == ["google/gemma-3-1b-pt"]
+    assert [e["name"] for e in studio.backbone_service.backbone_menu() if e["current"]] == ["google/gemma-3-1b-pt"]
 
 
 def test_a_hosted_studio_has_no_menu(tmp_path, monkeypatch):
@@ -69,9 +71,9 @@ def test_a_hosted_studio_has_no_menu(tmp_path, monkeypatch):
     monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
     st = Studio(tmp_path / "hosted", backbone="tiny", multi_user=True, load=False, start_jobs=False)
     try:
-        assert st.backbone_menu() == []
+        assert st.backbone_service.backbone_menu() == []
         with pytest.raises(UserError):
-            st.set_backbone("google/gemma-3-1b-pt", owner="someone")
+            st.backbone_service.set_backbone("google/gemma-3-1b-pt", owner="someone")
     finally:
         st.close()
 
@@ -88,7 +90,7 @@ def test_the_header_shows_the_menu_only_on_a_gpu(studio, monkeypatch):
     assert not _visible(build_app(studio), "pema-backbone-menu")
     monkeypatch.setattr(menus, "cuda_memory_gib", lambda: 80.0)
     assert _visible(build_app(studio), "pema-backbone-menu")
-    choices, current = backbone_choices(studio.backbone_menu())
+    choices, current = backbone_choices(studio.backbone_service.backbone_menu())
     assert ("Gemma 3 1B (pre-trained), multilingual · 1.0B (google/gemma-3-1b-pt)", "google/gemma-3-1b-pt") in choices
     assert current is None  # the tiny test backbone is not on the menu
 

@@ -47,15 +47,16 @@ def app(tmp_path_factory):
     # a formality memory first (the newest memory is the one the pickers start at) with a kNN plug-in: the pickers
     # offer a task's plug-ins only
     tsv = "\n".join(f"{s.lower()}\t{s.capitalize()}." for s, _t in PAIRS)
-    formal = studio.jobs.wait(studio.submit_build(tsv, "formal.tsv", name="formal pairs", task="formality"), 120)
+    formal = studio.jobs.wait(studio.memory_service.submit_build(tsv, "formal.tsv", name="formal pairs",
+                                                                 task="formality"), 120)
     assert formal["state"] == "done", formal
-    assert studio.jobs.wait(studio.submit_train(formal["result"]["memory_id"], "knn", {}, "kNN formal"),
+    assert studio.jobs.wait(studio.plugin_service.submit_train(formal["result"]["memory_id"], "knn", {}, "kNN formal"),
                             120)["state"] == "done"
     mid = build_tiny_memory(studio, PAIRS, "demo pairs")
-    budget = studio.jobs.wait(studio.submit_train(mid, "pema", BUDGET_PEMA, LONG_NAME), 180)
+    budget = studio.jobs.wait(studio.plugin_service.submit_train(mid, "pema", BUDGET_PEMA, LONG_NAME), 180)
     assert budget["state"] == "done" and budget["result"]["training"]["under_trained"], budget
-    pema = studio.jobs.wait(studio.submit_train(mid, "pema", STRONG_PEMA, "PEMA demo"), 180)
-    knn = studio.jobs.wait(studio.submit_train(mid, "knn", {}, "kNN demo"), 120)
+    pema = studio.jobs.wait(studio.plugin_service.submit_train(mid, "pema", STRONG_PEMA, "PEMA demo"), 180)
+    knn = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn", {}, "kNN demo"), 120)
     assert pema["state"] == "done" and knn["state"] == "done", (pema, knn)
     with served_page_app(studio) as url:
         yield {"url": url, "studio": studio, "memory_id": mid}
@@ -202,7 +203,7 @@ def test_under_trained_plugin_is_labelled(page, app):
     assert "stopped by time budget at" in table and "under-trained" in table
     assert "ran all" in table or "converged" in table  # the others say how they ended too
     # its job card says so instead of "done 100%"
-    job = next(j for j in app["studio"].list_jobs() if (j.get("training") or {}).get("under_trained"))
+    job = next(j for j in app["studio"].job_service.list_jobs() if (j.get("training") or {}).get("under_trained"))
     page.locator("#jobs-table").get_by_text(job["id"]).click()
     page.wait_for_function("document.querySelector('#job-card')?.innerText.includes('under-trained')")
     card = page.locator("#job-card").inner_text()
@@ -274,7 +275,7 @@ def test_hosted_browsers_each_see_only_their_own(browser, tmp_path):
     from studio.service import Studio
 
     studio = Studio(tmp_path / "hosted", backbone="tiny", multi_user=True)
-    assert studio.wait_ready(120), studio.status()
+    assert studio.backbone_service.wait_ready(120), studio.backbone_service.status()
     try:
         with served_page_app(studio) as url:
             ctx_a, ctx_b = browser.new_context(viewport=VIEWPORT), browser.new_context(viewport=VIEWPORT)
@@ -290,7 +291,8 @@ def test_hosted_browsers_each_see_only_their_own(browser, tmp_path):
             assert pa.locator("#pema-key input, #pema-key textarea").first.input_value() == key_a
             owner_a = studio.identity.owner_of_key(key_a)
             tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS)
-            job = studio.jobs.wait(studio.submit_build(tsv, "pairs.tsv", name="only for A", owner=owner_a), 120)
+            job = studio.jobs.wait(studio.memory_service.submit_build(tsv, "pairs.tsv", name="only for A",
+                                                                      owner=owner_a), 120)
             assert job["state"] == "done", job
             for pg in (pa, pb):
                 pg.reload(wait_until="domcontentloaded")
@@ -326,11 +328,11 @@ def test_memory_profile_renders_and_a_token_shows_its_spread(page, app):
     summary = page.locator("#memory-profile-summary").inner_text()
     assert "distinct value tokens" in summary and "PCA" in summary
     page.wait_for_function("document.querySelectorAll('#memory-map .scatterlayer .point').length > 0")
-    prof = app["studio"].memory_profile(app["memory_id"])
+    prof = app["studio"].memory_service.memory_profile(app["memory_id"])
     assert points(page, "#memory-map") == prof["projection"]["sample_size"]
     assert page.evaluate("document.querySelectorAll('#memory-token-freq .bars path').length") >= 5
     # a word piece of one training target (the tiny tokenizer: " Ha" "us", " Kat" "ze"; the split decides which train)
-    targets = {s["tgt"] for s in app["studio"].memory_svc.load_memory(app["memory_id"]).split_samples("train")}
+    targets = {s["tgt"] for s in app["studio"].memory_service.load_memory(app["memory_id"]).split_samples("train")}
     piece = next(t["text"] for t in prof["top_tokens"]
                  if len(t["text"].strip()) >= 2 and sum(t["text"] in " " + tgt for tgt in targets) == 1)
     choose(page, "#memory-token", f"“{piece}”")  # pick a token: its keys highlighted, its sentences listed
@@ -346,7 +348,7 @@ def test_memory_profile_renders_and_a_token_shows_its_spread(page, app):
 def test_neighbour_maps_for_knn_and_pema_rows(page, app):
     open_app(page, app["url"])
     page.get_by_role("tab", name="Compare").click()
-    src = app["studio"].memory_svc.load_memory(app["memory_id"]).split_samples("train")[0]["src"]  # one in training
+    src = app["studio"].memory_service.load_memory(app["memory_id"]).split_samples("train")[0]["src"]  # one in training
     page.locator("#compare-source textarea").fill(src)
     choose_methods(page, ("PEMA demo", "kNN demo"))
     page.locator("#compare-run").click()
@@ -396,8 +398,9 @@ def test_the_base_row_stays_put_while_methods_are_ticked_and_unticked(page, app)
     every time, and the base row's output and prompt stay put. Choosing the memory's own examples moves every row
     without its own prompt to them, and they too stay whatever is ticked."""
     studio = app["studio"]
-    if not any(p["method"] == "retrieval_icl" for p in studio.plugins()):
-        job = studio.jobs.wait(studio.submit_train(app["memory_id"], "retrieval_icl", {}, "Retrieved demo"), 120)
+    if not any(p["method"] == "retrieval_icl" for p in studio.plugin_service.plugins()):
+        job = studio.jobs.wait(studio.plugin_service.submit_train(app["memory_id"], "retrieval_icl", {},
+                                                                  "Retrieved demo"), 120)
         assert job["state"] == "done", job
     open_app(page, app["url"])
     page.get_by_role("tab", name="Compare").click()

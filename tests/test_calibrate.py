@@ -275,8 +275,9 @@ def calibrated_knn(studio):
     from plugins.registry import method_card
 
     mid = build_tiny_memory(studio, PAIRS * 2, "cal-studio-mem")
-    job = studio.jobs.wait(studio.submit_train(mid, "knn", dict(method_card("knn").quick_settings),
-                                               "knn-cal"), 300)
+    job = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn",
+                                                              dict(method_card("knn").quick_settings),
+                                                              "knn-cal"), 300)
     assert job["state"] == "done", job
     return mid, job
 
@@ -288,9 +289,9 @@ def test_training_job_calibrates_and_lists_show_it(studio, calibrated_knn):
         "tuned on 8 held-out samples of cal-studio-mem (few samples: a rough guide)"
     assert "tuned on 8 held-out samples" in res["message"]
     assert any("Calibrating" in line for line in job["log"]) if isinstance(job.get("log"), list) else True
-    row = next(p for p in studio.plugins() if p["id"] == res["plugin_id"])
+    row = next(p for p in studio.plugin_service.plugins() if p["id"] == res["plugin_id"])
     assert row["calibration"]["settings"] == res["calibration"]["settings"]
-    detail = studio.plugin_detail(res["plugin_id"])
+    detail = studio.plugin_service.plugin_detail(res["plugin_id"])
     assert len(detail["calibration"]["table"]) >= 13 and "weights_sha256" not in detail["calibration"]
 
 
@@ -299,16 +300,17 @@ def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(stu
 
     mid, job = calibrated_knn
     pid, cal = job["result"]["plugin_id"], job["result"]["calibration"]
-    p = studio.compare("the house is small", methods=["base", pid], max_new_tokens=8)
+    p = studio.compare_service.compare("the house is small", methods=["base", pid], max_new_tokens=8)
     row = next(r for r in p["rows"] if r["plugin_id"] == pid)
     assert row["settings"] == {**row["settings"], **cal["settings"]}
     assert row["tuned"]["label"] == "tuned on 8 held-out samples of cal-studio-mem (few samples: a rough guide)" \
         and row["tuned"]["at_tuned"]
-    g = studio.compare("the house is small", methods=["base", pid], max_new_tokens=8, global_defaults=True)
+    g = studio.compare_service.compare("the house is small", methods=["base", pid], max_new_tokens=8,
+                                       global_defaults=True)
     grow = next(r for r in g["rows"] if r["plugin_id"] == pid)
-    assert grow["tuned"] is None and grow["settings"] == studio.start_settings("translation")["knn"]
+    assert grow["tuned"] is None and grow["settings"] == studio.plugin_service.start_settings("translation")["knn"]
     # a share never carries the memory's name or the calibration
-    shared = json.dumps(studio.shared(studio.share(p["id"])))
+    shared = json.dumps(studio.compare_service.shared(studio.compare_service.share(p["id"])))
     assert "cal-studio-mem" not in shared and "tuned on" not in shared
     # the picker says where the plug-in starts
     label = dict((v, k) for k, v in tuned_choices(studio, None))[pid]
@@ -320,13 +322,14 @@ def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(stu
     assert decode_settings_of(keys, [cal["settings"]["k"], 0.7], "{}", starts, True) == \
         {"knn": {"k": cal["settings"]["k"], "lambda": 0.7}}
     # Evaluate on the memory: the 8 tuning samples are left out at the tuned settings, not at the global ones
-    ev = studio.jobs.wait(studio.submit_evaluate(methods=["base", pid], memory_id=mid, limit=0, max_new_tokens=8), 300)
+    ev = studio.jobs.wait(studio.evaluate_service.submit_evaluate(methods=["base", pid], memory_id=mid, limit=0,
+                                                                  max_new_tokens=8), 300)
     assert ev["state"] == "done", ev
     r = ev["result"]
     assert r["left_out_tuning_samples"] == 8 and r["pairs"] == 8 and r["tuned"]
     assert next(m for m in r["methods"] if m["method"] == "knn")["settings"]["lambda"] == cal["settings"]["lambda"]
-    ev = studio.jobs.wait(studio.submit_evaluate(methods=["base", pid], memory_id=mid, limit=0, max_new_tokens=8,
-                                                 global_defaults=True), 300)
+    ev = studio.jobs.wait(studio.evaluate_service.submit_evaluate(methods=["base", pid], memory_id=mid, limit=0,
+                                                                  max_new_tokens=8, global_defaults=True), 300)
     assert ev["result"]["left_out_tuning_samples"] == 0 and ev["result"]["pairs"] == 16
 
 
@@ -336,12 +339,13 @@ def test_calibrate_job_on_demand_and_too_few_samples(studio, calibrated_knn):
     from plugins.registry import method_card
 
     mid, job = calibrated_knn
-    j = studio.jobs.wait(studio.submit_calibrate(job["result"]["plugin_id"], max_samples=8), 300)
+    j = studio.jobs.wait(studio.plugin_service.submit_calibrate(job["result"]["plugin_id"], max_samples=8), 300)
     assert j["state"] == "done", j
     assert j["result"]["n"] == 8 and j["result"]["table"][0]["settings"]["lambda"] == 0.0
     small = build_tiny_memory(studio, PAIRS[:12], "cal-small")
-    t = studio.jobs.wait(studio.submit_train(small, "knn", dict(method_card("knn").quick_settings), "s"), 300)
+    t = studio.jobs.wait(studio.plugin_service.submit_train(small, "knn",
+                                                            dict(method_card("knn").quick_settings), "s"), 300)
     assert t["state"] == "done", t
     assert t["result"]["calibration"]["skipped"] and "too few held-out samples" in t["result"]["message"]
-    c = studio.jobs.wait(studio.submit_calibrate(t["result"]["plugin_id"]), 300)
+    c = studio.jobs.wait(studio.plugin_service.submit_calibrate(t["result"]["plugin_id"]), 300)
     assert c["state"] == "failed" and "too few held-out samples" in json.dumps(c)

@@ -19,7 +19,7 @@ def served(tmp_path_factory):
     from gradio_client import Client
 
     studio, served, url = start_app(tmp_path_factory.mktemp("client-api"))
-    assert studio.wait_ready(120), studio.status()
+    assert studio.backbone_service.wait_ready(120), studio.backbone_service.status()
     yield studio, Client(url, verbose=False), url
     served.close()
     studio.close()

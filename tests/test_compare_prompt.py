@@ -26,11 +26,11 @@ def studio(tmp_path_factory):
     mid = build_tiny_memory(st, PAIRS)
     ids = {}
     for method in ("knn", "retrieval_icl"):
-        job = st.jobs.wait(st.submit_train(mid, method, {}, method), 120)
+        job = st.jobs.wait(st.plugin_service.submit_train(mid, method, {}, method), 120)
         assert job["state"] == "done", job
         ids[method] = job["result"]["plugin_id"]
-    formal = st.jobs.wait(st.submit_build("hey there\tHello.\nthanks a lot\tThank you.\n" * 3, "f.tsv",
-                                          name="formal", task="formality"), 120)
+    formal = st.jobs.wait(st.memory_service.submit_build("hey there\tHello.\nthanks a lot\tThank you.\n" * 3, "f.tsv",
+                                                         name="formal", task="formality"), 120)
     assert formal["state"] == "done", formal
     yield st, mid, ids, formal["result"]["memory_id"]
     st.close()
@@ -45,7 +45,7 @@ def test_the_chosen_prompt_is_every_rows_whatever_is_ticked(studio, chosen):
     st, mid, ids, _formal = studio
     prompt_from = mid if chosen == "memory" else "builtin"
     ticks = [["base"], ["base", ids["knn"]], ["base", ids["retrieval_icl"]], ["base", ids["knn"], ids["retrieval_icl"]]]
-    runs = [st.compare(SOURCE, methods=m, prompt_from=prompt_from, max_new_tokens=6) for m in ticks]
+    runs = [st.compare_service.compare(SOURCE, methods=m, prompt_from=prompt_from, max_new_tokens=6) for m in ticks]
     first = runs[0]
     assert first["prompt_source"]["kind"] == ("memory" if chosen == "memory" else "builtin")
     assert first["prompt_source"]["memory_id"] == (mid if chosen == "memory" else None)
@@ -61,8 +61,8 @@ def test_auto_reads_the_first_plugins_memory_and_says_so(studio):
     """Without a choice (the API's default) the comparison reads the first chosen plug-in's memory, else the built-in
     examples: the two differ, which is why the page pins the first comparison's choice."""
     st, mid, ids, _formal = studio
-    alone = st.compare(SOURCE, methods=["base"], max_new_tokens=4)
-    with_knn = st.compare(SOURCE, methods=["base", ids["knn"]], max_new_tokens=4)
+    alone = st.compare_service.compare(SOURCE, methods=["base"], max_new_tokens=4)
+    with_knn = st.compare_service.compare(SOURCE, methods=["base", ids["knn"]], max_new_tokens=4)
     assert alone["prompt_source"]["kind"] == "builtin" and alone["prompt_source"]["label"].startswith("built-in")
     assert with_knn["prompt_source"] == {**with_knn["prompt_source"], "kind": "memory", "memory_id": mid}
     assert "pairs" in with_knn["prompt_source"]["label"]  # the memory's name, in the owner's view
@@ -72,8 +72,8 @@ def test_auto_reads_the_first_plugins_memory_and_says_so(studio):
 
 def test_a_share_says_which_prompt_without_naming_the_memory(studio):
     st, mid, ids, _formal = studio
-    p = st.compare(SOURCE, methods=["base", ids["retrieval_icl"]], prompt_from=mid, max_new_tokens=4)
-    shared = st.shared(st.share(p["id"]))
+    p = st.compare_service.compare(SOURCE, methods=["base", ids["retrieval_icl"]], prompt_from=mid, max_new_tokens=4)
+    shared = st.compare_service.shared(st.compare_service.share(p["id"]))
     assert shared["base_examples"] == {"kind": "memory", "count": p["prompt_source"]["examples"]}
     assert [r["own_examples"] for r in shared["rows"]] == [False, True]
     assert mid not in str(shared) and "pairs" not in str(shared["base_examples"])
@@ -83,15 +83,15 @@ def test_a_share_says_which_prompt_without_naming_the_memory(studio):
 def test_a_bad_prompt_choice_is_a_clear_error(studio):
     st, _mid, _ids, formal = studio
     with pytest.raises(UserError, match="formality examples, not translation"):
-        st.compare(SOURCE, methods=["base"], prompt_from=formal)
+        st.compare_service.compare(SOURCE, methods=["base"], prompt_from=formal)
     with pytest.raises(UserError, match="No memory"):
-        st.compare(SOURCE, methods=["base"], prompt_from="nope")
+        st.compare_service.compare(SOURCE, methods=["base"], prompt_from="nope")
     with pytest.raises(UserError, match="prompt must be"):
-        st.compare(SOURCE, methods=["base"], prompt_from=["builtin"])
+        st.compare_service.compare(SOURCE, methods=["base"], prompt_from=["builtin"])
 
 
 def _evaluated(st, **kw) -> dict:
-    job = st.jobs.wait(st.submit_evaluate(limit=3, max_new_tokens=6, **kw), 120)
+    job = st.jobs.wait(st.evaluate_service.submit_evaluate(limit=3, max_new_tokens=6, **kw), 120)
     assert job["state"] == "done", job
     return job["result"]
 
@@ -107,11 +107,11 @@ def test_evaluate_and_several_sentences_read_the_chosen_prompt(studio, chosen):
     assert res["prompt_source"]["kind"] == chosen
     assert res["prompt_source"]["memory_id"] == (mid if chosen == "memory" else None)
     sources = [o["source"] for o in res["outputs"]]
-    compared = [_base(st.compare(s, methods=["base"], prompt_from=prompt_from,
+    compared = [_base(st.compare_service.compare(s, methods=["base"], prompt_from=prompt_from,
                                                  max_new_tokens=6))["text"]
                 for s in sources]
     assert [o["Base model"] for o in res["outputs"]] == compared
-    several = st.compare_several("\n".join(sources), methods=methods, prompt_from=prompt_from,
+    several = st.compare_service.compare_several("\n".join(sources), methods=methods, prompt_from=prompt_from,
                                                  max_new_tokens=6)
     assert several["prompt_source"] == res["prompt_source"]
     assert [ln["outputs"][0] for ln in several["lines"]] == compared
@@ -122,9 +122,9 @@ def test_evaluate_and_several_sentences_read_the_chosen_prompt(studio, chosen):
 def test_evaluate_refuses_a_bad_prompt_choice_when_queued(studio):
     st, mid, _ids, formal = studio
     with pytest.raises(UserError, match="formality examples, not translation"):
-        st.submit_evaluate(methods=["base"], memory_id=mid, prompt_from=formal)
+        st.evaluate_service.submit_evaluate(methods=["base"], memory_id=mid, prompt_from=formal)
     with pytest.raises(UserError, match="No memory"):
-        st.submit_evaluate(methods=["base"], memory_id=mid, prompt_from="nope")
+        st.evaluate_service.submit_evaluate(methods=["base"], memory_id=mid, prompt_from="nope")
 
 
 def test_the_page_passes_the_prompt_choice_to_evaluate_and_several_sentences(studio):

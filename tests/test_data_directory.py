@@ -141,9 +141,9 @@ def test_a_monolingual_build_cancelled_mid_way_stops_within_seconds_and_leaves_n
 
     st = Studio(tmp_path / "d", backbone="tiny")
     try:
-        assert st.wait_ready(120), st.status()
+        assert st.backbone_service.wait_ready(120), st.backbone_service.status()
         before = {sub: folders(st.root, sub) for sub in ("memories", "plugins")}
-        jid = st.submit_build(MONO, "mono.txt", task="translation")
+        jid = st.memory_service.submit_build(MONO, "mono.txt", task="translation")
         t0 = time.time()
         while True:  # the synthetic-source step is under way
             job = st.jobs.get(jid)
@@ -157,7 +157,7 @@ def test_a_monolingual_build_cancelled_mid_way_stops_within_seconds_and_leaves_n
             waited = time.time() - t1
         assert waited < 5, waited
         t1 = time.time()
-        st.cancel_job(jid)
+        st.job_service.cancel_job(jid)
         job = st.jobs.wait(jid, 30, poll=0.02)
         assert job["state"] == "cancelled" and time.time() - t1 < 5, (job["state"], time.time() - t1)
         assert {sub: folders(st.root, sub) for sub in ("memories", "plugins")} == before
@@ -234,7 +234,7 @@ def test_a_second_studio_on_a_live_directory_runs_read_only_and_touches_nothing(
             assert jobs == {first: "running", second: "queued"}  # not interrupted, not taken
             assert (d / "memories" / tmp_name).is_dir()  # its temporary folder is left alone
             with pytest.raises(UserError, match="another PEMA Studio process owns"):
-                second_studio.submit_build(JSONL, "x.jsonl")
+                second_studio.memory_service.submit_build(JSONL, "x.jsonl")
             assert not (d / "uploads").exists() or not list((d / "uploads").iterdir())
             with pytest.raises(UserError, match=r"in use by another PEMA Studio \(process \d+"):
                 JobQueue(Catalog(d)).start()
@@ -295,7 +295,7 @@ def test_the_lock_is_released_on_close_and_taken_again(tmp_path):
     b = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)  # same process, second studio
     try:
         assert not a.read_only and b.read_only
-        assert not a.status()["read_only"] and b.status()["read_only"]
+        assert not a.backbone_service.status()["read_only"] and b.backbone_service.status()["read_only"]
     finally:
         b.close()
         a.close()
@@ -315,9 +315,9 @@ def test_a_read_only_studio_says_so_in_its_status_line_and_at_start_up(tmp_path,
     try:
         second = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
         try:
-            assert "Read-only" in status_header(second.status()) and "another PEMA Studio" in \
-                status_header(second.status())
-            assert "Read-only" not in status_header(owner.status())
+            assert "Read-only" in status_header(second.backbone_service.status()) and "another PEMA Studio" in \
+                status_header(second.backbone_service.status())
+            assert "Read-only" not in status_header(owner.backbone_service.status())
         finally:
             second.close()
 
@@ -408,9 +408,9 @@ def test_an_upload_goes_when_its_queued_job_is_cancelled(tmp_path):
 
     st = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
     try:
-        jid = st.submit_build(JSONL, "x.jsonl")
+        jid = st.memory_service.submit_build(JSONL, "x.jsonl")
         assert len(list((st.root / "uploads").iterdir())) == 1
-        assert st.cancel_job(jid)["state"] == "cancelled"
+        assert st.job_service.cancel_job(jid)["state"] == "cancelled"
         assert list((st.root / "uploads").iterdir()) == []
     finally:
         st.close()
@@ -421,9 +421,9 @@ def test_uploads_go_when_their_job_is_done_or_failed_and_old_downloads_go_by_age
 
     st = Studio(tmp_path, backbone="tiny", start_jobs=False)
     try:
-        assert st.wait_ready(60)
-        ok = st.submit_build(JSONL, "x.jsonl")
-        bad = st.submit_build(JSONL, "y.jsonl")
+        assert st.backbone_service.wait_ready(60)
+        ok = st.memory_service.submit_build(JSONL, "x.jsonl")
+        bad = st.memory_service.submit_build(JSONL, "y.jsonl")
         uploads = {Path(st.jobs.get(j)["args"]["upload"]) for j in (ok, bad)}
         assert set((st.root / "uploads").iterdir()) == uploads
         Path(st.jobs.get(bad)["args"]["upload"]).write_bytes(b"\x00 not text any more")  # its build will fail
@@ -431,19 +431,20 @@ def test_uploads_go_when_their_job_is_done_or_failed_and_old_downloads_go_by_age
         assert st.jobs.wait(ok, 120)["state"] == "done" and st.jobs.wait(bad, 120)["state"] == "failed"
         assert list((st.root / "uploads").iterdir()) == []  # both went as soon as their job ended
         # evaluation downloads: written per evaluation, and any older than a day is removed on the next write
-        stale = st.downloads_root() / "0123456789abcdef0123"
+        stale = st.downloads.downloads_root() / "0123456789abcdef0123"
         stale.mkdir(parents=True)
         (stale / "pema-eval-old.csv").write_text("old")
         os.utime(stale / "pema-eval-old.csv", (time.time() - 2 * 86400,) * 2)
         (stale / "pema-eval-recent.csv").write_text("recent")
-        ev = st.submit_evaluate(methods=["base"], test_data="\n".join(f"{s}\t{t}" for s, t in PAIRS[:4]),
-                                test_filename="t.tsv", limit=2, max_new_tokens=4)
+        ev = st.evaluate_service.submit_evaluate(methods=["base"],
+                                                 test_data="\n".join(f"{s}\t{t}" for s, t in PAIRS[:4]),
+                                                 test_filename="t.tsv", limit=2, max_new_tokens=4)
         assert st.jobs.wait(ev, 120)["state"] == "done"
-        files = st.evaluation_files(ev)
-        assert files and all(f.is_file() and f.parent.parent == st.downloads_root() for f in files)
+        files = st.evaluate_service.evaluation_files(ev)
+        assert files and all(f.is_file() and f.parent.parent == st.downloads.downloads_root() for f in files)
         assert sorted(p.name for p in stale.iterdir()) == ["pema-eval-recent.csv"]
         os.utime(stale / "pema-eval-recent.csv", (time.time() - 2 * 86400,) * 2)
-        st.evaluation_files(ev)
+        st.evaluate_service.evaluation_files(ev)
         assert not stale.exists()  # an emptied owner folder goes too
     finally:
         st.close()
@@ -583,21 +584,21 @@ def run(point, d):
     JobQueue._update = update
 
     st = Studio(d, backbone="tiny")
-    assert st.wait_ready(300), st.status()
+    assert st.backbone_service.wait_ready(300), st.backbone_service.status()
     if point == "build-synthetic":
-        jid = st.submit_build(MONO, "mono.txt")
+        jid = st.memory_service.submit_build(MONO, "mono.txt")
     elif point.startswith("build"):
-        jid = st.submit_build(JSONL, "pairs.jsonl")
+        jid = st.memory_service.submit_build(JSONL, "pairs.jsonl")
     else:
-        job = st.jobs.wait(st.submit_build(JSONL, "pairs.jsonl"), 120)
+        job = st.jobs.wait(st.memory_service.submit_build(JSONL, "pairs.jsonl"), 120)
         assert job["state"] == "done", job
         mid = job["result"]["memory_id"]
-        jid = st.submit_train(mid, "pema", QUICK)
+        jid = st.plugin_service.submit_train(mid, "pema", QUICK)
         if point.startswith("evaluate"):
             job = st.jobs.wait(jid, 120)
             assert job["state"] == "done", job
-            jid = st.submit_evaluate(methods=["base", job["result"]["plugin_id"]], memory_id=mid, limit=0,
-                                     max_new_tokens=6)
+            jid = st.evaluate_service.submit_evaluate(methods=["base", job["result"]["plugin_id"]], memory_id=mid,
+                                                      limit=0, max_new_tokens=6)
     say("JOB", point, jid)
     time.sleep(600)
 
@@ -703,7 +704,7 @@ def test_a_studio_killed_mid_job_restarts_clean(crashed, point):
         memories, plugins = len(st.catalog.memories()), len(st.catalog.plugins())
         expected = {"build": (0, 0), "train": (1, 0), "evaluate": (1, 1)}[point.split("-")[0]]
         assert (memories, plugins) == expected
-        assert not st.downloads_root().exists() or not any(st.downloads_root().iterdir())
+        assert not st.downloads.downloads_root().exists() or not any(st.downloads.downloads_root().iterdir())
     finally:
         st.close()
     assert_consistent(d)

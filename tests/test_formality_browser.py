@@ -34,7 +34,7 @@ def app(tmp_path_factory):
         pytest.skip(f"no gettext catalogs in {DEFAULT_LOCALE_DIR}: no formality demo corpus on this machine")
     studio = tiny_studio(tmp_path_factory.mktemp("formality-browser"))
     mid = build_tiny_memory(studio, TINY_PAIRS, "translation pairs")
-    knn = studio.jobs.wait(studio.submit_train(mid, "knn", {}, "kNN translation"), 120)
+    knn = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn", {}, "kNN translation"), 120)
     assert knn["state"] == "done", knn
     with served_page_app(studio) as url:
         yield {"url": url, "studio": studio}
@@ -102,9 +102,9 @@ def test_formality_flow_from_the_demo_corpus_to_a_compare(page, app):
     page.locator("#build-memory").click()
     page.wait_for_function("document.querySelector('#build-status')?.innerText.includes('done')", timeout=120_000)
     st = app["studio"]
-    mem = next(m for m in st.memories() if m["task"] == "formality")
+    mem = next(m for m in st.memory_service.memories() if m["task"] == "formality")
     assert mem["samples"] == 40
-    knn = st.jobs.wait(st.submit_train(mem["id"], "knn", {}, "kNN formality"), 120)
+    knn = st.jobs.wait(st.plugin_service.submit_train(mem["id"], "knn", {}, "kNN formality"), 120)
     assert knn["state"] == "done", knn
 
     page.get_by_role("tab", name="Compare").click()
@@ -126,9 +126,11 @@ def test_formality_flow_from_the_demo_corpus_to_a_compare(page, app):
 def test_pickers_offer_only_the_chosen_tasks_plugins(page, app):
     """Compare and Evaluate list, for a task, only the plug-ins trained for it, and say how many are hidden."""
     st = app["studio"]
-    if not any(p.get("task") == "formality" for p in st.plugins()):
-        mid = st.jobs.wait(st.submit_build(corpus="formality-en", limit=30, name="formality"), 120)["result"]
-        assert st.jobs.wait(st.submit_train(mid["memory_id"], "knn", {}, "kNN formality"), 120)["state"] == "done"
+    if not any(p.get("task") == "formality" for p in st.plugin_service.plugins()):
+        mid = st.jobs.wait(st.memory_service.submit_build(corpus="formality-en", limit=30, name="formality"),
+                           120)["result"]
+        assert st.jobs.wait(st.plugin_service.submit_train(mid["memory_id"], "knn", {}, "kNN formality"),
+                            120)["state"] == "done"
     open_app(page, app["url"])
     page.get_by_role("tab", name="Compare").click()
     page.wait_for_function("[...document.querySelectorAll('#compare-methods label')]"
@@ -227,6 +229,7 @@ def test_the_tour_offers_the_formality_demo_corpus(page, app):
     from studio.rank_service import TOUR_CORPORA
 
     st = app["studio"]
-    build = st.submit_build(corpus=TOUR_CORPORA["formality"], limit=20, name="tour check")  # the tour's build call
+    # the tour's build call
+    build = st.memory_service.submit_build(corpus=TOUR_CORPORA["formality"], limit=20, name="tour check")
     assert st.jobs.wait(build, 120)["state"] == "done"
-    assert next(m for m in st.memories() if m["name"] == "tour check")["task"] == "formality"
+    assert next(m for m in st.memory_service.memories() if m["name"] == "tour check")["task"] == "formality"

@@ -28,8 +28,10 @@ def site(tmp_path_factory):
     with hosted_site(data, cache, ["queue_size=64"]) as (studio, served, url):
         ka = studio.identity.new_browser_key()
         owner_a = studio.identity.owner_of_key(ka)
-        mid = studio.jobs.wait(studio.submit_build(JSONL, "a.jsonl", owner=owner_a), 120)["result"]["memory_id"]
-        pid = studio.jobs.wait(studio.submit_train(mid, "knn", {}, owner=owner_a), 120)["result"]["plugin_id"]
+        mid = studio.jobs.wait(studio.memory_service.submit_build(JSONL, "a.jsonl", owner=owner_a),
+                               120)["result"]["memory_id"]
+        pid = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn", {}, owner=owner_a),
+                               120)["result"]["plugin_id"]
         yield SimpleNamespace(studio=studio, served=served, url=url, ka=ka, owner_a=owner_a, mid=mid, pid=pid,
                               blocks=served.blocks[0], share_blocks=served.blocks[1])
 
@@ -311,9 +313,9 @@ def test_numbers_are_checked_by_the_service_too(site):
 
     for bad in (float("nan"), float("inf"), 1e9, -1, True, "lots"):
         with pytest.raises(UserError, match="max_seconds"):
-            site.studio.submit_calibrate(site.pid, owner=site.owner_a, max_seconds=bad)
+            site.studio.plugin_service.submit_calibrate(site.pid, owner=site.owner_a, max_seconds=bad)
     with pytest.raises(UserError, match="max_samples"):
-        site.studio.submit_calibrate(site.pid, owner=site.owner_a, max_samples=1e300)
+        site.studio.plugin_service.submit_calibrate(site.pid, owner=site.owner_a, max_samples=1e300)
 
 
 @pytest.mark.parametrize("methods", [[{"a": 1}], [["knn"]], [1.5], "knn", {"knn": 1}])

@@ -35,8 +35,10 @@ def site(tmp_path_factory):
     with hosted_site(data, cache, ["queue_size=64"]) as (studio, served, url):
         ka, kb = studio.identity.new_browser_key(), studio.identity.new_browser_key()
         owner_a = studio.identity.owner_of_key(ka)
-        mid = studio.jobs.wait(studio.submit_build(JSONL, "a.jsonl", owner=owner_a), 120)["result"]["memory_id"]
-        pid = studio.jobs.wait(studio.submit_train(mid, "knn", {}, owner=owner_a), 120)["result"]["plugin_id"]
+        mid = studio.jobs.wait(studio.memory_service.submit_build(JSONL, "a.jsonl", owner=owner_a),
+                               120)["result"]["memory_id"]
+        pid = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn", {}, owner=owner_a),
+                               120)["result"]["plugin_id"]
         yield SimpleNamespace(studio=studio, served=served, url=url, ka=ka, kb=kb, owner_a=owner_a, mid=mid,
                               pid=pid, cache=cache, data=data, blocks=served.blocks[0])
 
@@ -79,14 +81,14 @@ def drain(site, timeout: float = 120) -> None:
 def busy_decoder(site, monkeypatch):
     """The decoder is busy: every comparison waits for the gate (opened, and the queue drained, at the end)."""
     gate, running = threading.Event(), threading.Event()
-    real = site.studio.compare
+    real = site.studio.compare_service.compare
 
     def compare(*args, **kwargs):
         running.set()
         gate.wait(120)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(site.studio, "compare", compare)
+    monkeypatch.setattr(site.studio.compare_service, "compare", compare)
     yield running
     gate.set()
     drain(site)
@@ -250,7 +252,7 @@ def test_an_export_is_served_to_its_owner_alone(site):
 
     r = httpx.get(url, headers={"X-Pema-Key": site.ka}, timeout=30)
     assert r.status_code == 200 and zipfile.ZipFile(io.BytesIO(r.content)).namelist()
-    downloads = site.studio.downloads_root()
+    downloads = site.studio.downloads.downloads_root()
     theirs = next(downloads.rglob("*.zip"))
     assert fetch(site.url, "gradio_api/file=" + str(theirs), headers={"X-Pema-Key": site.ka}).status_code == 404
 
@@ -393,7 +395,8 @@ def zipped(files: dict) -> bytes:
 
 def damaged_export(site) -> bytes:
     """A's real export with one weight byte changed (its manifest hash no longer matches)."""
-    src = zipfile.ZipFile(site.studio.export_plugin_zip(site.pid, owner=site.owner_a, include_datastore=True))
+    src = zipfile.ZipFile(site.studio.plugin_service.export_plugin_zip(site.pid, owner=site.owner_a,
+                                                                       include_datastore=True))
     files = {n: src.read(n) for n in src.namelist()}
     name = next(n for n in files if n.endswith("plugin_model.safetensors"))
     files[name] = files[name][:-1] + bytes([files[name][-1] ^ 1])
@@ -448,7 +451,7 @@ def test_leftover_download_folders_are_swept_at_start(tmp_path, site):
     finally:
         live.kill()
         live.wait()
-    mine = site.studio.downloads_root()  # the running studio marked its own folder at start
+    mine = site.studio.downloads.downloads_root()  # the running studio marked its own folder at start
     marker = mine.with_name(mine.name + ".owner")
     assert marker.read_text().split() == [_host(), str(os.getpid())]
 

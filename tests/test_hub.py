@@ -403,7 +403,7 @@ def studio_home(home):
 
     cat, _ = home
     st = Studio(cat.root, backbone="tiny", start_jobs=False)
-    assert st.wait_ready(120), st.status()
+    assert st.backbone_service.wait_ready(120), st.backbone_service.status()
     yield st
     st.close()
 
@@ -415,21 +415,22 @@ def test_zip_export_import_through_the_service_is_owner_checked(tiny, studio_hom
 
     st = studio_home
     plugin, row = trained("lora")
-    path = st.export_plugin_zip(row["id"])
+    path = st.plugin_service.export_plugin_zip(row["id"])
     assert path.parent == st.downloads.owner_dir("local") and path.name == f"pema-plugin-{row['id']}.zip"
     with zipfile.ZipFile(path) as z:
         assert {n.split("/")[0] for n in z.namelist()} == {f"pema-plugin-{row['id']}"}
         assert {"plugin_config.json", "adapter_model.safetensors", "README.md", "pema_export.json"} <= \
             {n.split("/")[1] for n in z.namelist()}
     with pytest.raises(UserError, match="No plug-in"):
-        st.export_plugin_zip(row["id"], owner="mallory")  # another owner's plug-in reads as nonexistent
+        st.plugin_service.export_plugin_zip(row["id"], owner="mallory")  # another owner's plug-in reads as nonexistent
 
-    got = st.import_plugin_zip(path, "bob's copy", owner="bob")
+    got = st.plugin_service.import_plugin_zip(path, "bob's copy", owner="bob")
     assert got["name"] == "bob's copy" and got["method"] == "lora" and got["id"] != row["id"]
-    assert [p["id"] for p in st.plugins(owner="bob")] == [got["id"]]
-    assert got["id"] not in {p["id"] for p in st.plugins(owner="local")}
+    assert [p["id"] for p in st.plugin_service.plugins(owner="bob")] == [got["id"]]
+    assert got["id"] not in {p["id"] for p in st.plugin_service.plugins(owner="local")}
     assert tokens(tiny, open_plugin(st.catalog.plugin(got["id"])["path"], tiny)) == tokens(tiny, plugin)
-    assert st.import_plugin_zip(path.read_bytes(), owner="bob")["name"]  # the bytes of an upload work too
+    # the bytes of an upload work too
+    assert st.plugin_service.import_plugin_zip(path.read_bytes(), owner="bob")["name"]
 
     # a file changed inside the zip: the manifest's hash refuses it, nothing is added
     bad = tmp_path / "bad.zip"
@@ -440,8 +441,8 @@ def test_zip_export_import_through_the_service_is_owner_checked(tiny, studio_hom
                 data = data[:-4] + b"\0\0\0\1"
             dst.writestr(info, data)
     with pytest.raises(UserError, match="plugin_model.safetensors does not match its SHA-256"):
-        st.import_plugin_zip(bad, owner="carol")
-    assert st.plugins(owner="carol") == []
+        st.plugin_service.import_plugin_zip(bad, owner="carol")
+    assert st.plugin_service.plugins(owner="carol") == []
 
 
 def _zip(path, members: dict, symlink: str | None = None):

@@ -48,7 +48,7 @@ def app(tmp_path_factory):
     studio = tiny_studio(tmp_path_factory.mktemp("idle-browser-data"))
     mid = build_tiny_memory(studio, unique_pairs(110), "idle pairs")
     calls = []
-    real = studio.compare_stream
+    real = studio.compare_service.compare_stream
 
     def counted(*a, **kw):  # each decode the page asks for (a Compare, a slider move)
         calls.append(kw.get("settings"))
@@ -57,7 +57,7 @@ def app(tmp_path_factory):
             yield last
         calls[-1] = last
 
-    studio.compare_stream = counted
+    studio.compare_service.compare_stream = counted
     with served_page_app(studio) as url:
         yield {"url": url, "studio": studio, "memory_id": mid, "decodes": calls}
     studio.close()
@@ -204,8 +204,9 @@ def test_2_a_ranking_shows_one_eta_under_its_button_and_disables_rank(page, app)
 def ensure_ranked(app) -> None:
     """A finished ranking of PEMA and kNN on the memory (test 2 makes one in the browser; else the service)."""
     st = app["studio"]
-    if not st.list_jobs(("rank",), 1, states=("done",)):
-        assert st.jobs.wait(st.submit_rank(app["memory_id"], methods=["pema", "knn"]), 300)["state"] == "done"
+    if not st.job_service.list_jobs(("rank",), 1, states=("done",)):
+        assert st.jobs.wait(st.rank_service.submit_rank(app["memory_id"], methods=["pema", "knn"]),
+                            300)["state"] == "done"
 
 
 def test_3_the_leaderboard_reads_in_one_order_with_the_star_on_row_1(page, app):
@@ -214,7 +215,7 @@ def test_3_the_leaderboard_reads_in_one_order_with_the_star_on_row_1(page, app):
     open_app(page, app["url"])
     page.get_by_role("tab", name="Rank").click()
     page.wait_for_selector("#rank-verdict-text")
-    board = app["studio"].leaderboard(owner=None)
+    board = app["studio"].rank_service.leaderboard(owner=None)
     page.wait_for_selector(f"#rank-table [aria-rowcount='{len(board['methods']) + 1}']")
     titles = page.locator("#rank-table").evaluate(  # the method column's cells, row by row
         "e => [...e.querySelectorAll('[role=gridcell][data-col=\"1\"]')]"

@@ -162,7 +162,8 @@ API_TEXT = [
 @pytest.mark.parametrize("data,pattern", [a[1:] for a in API_TEXT], ids=[a[0] for a in API_TEXT])
 def test_text_through_the_api_gets_the_same_checks_as_bytes(studio, data, pattern):
     before = snapshot(studio.root)
-    for call in (lambda: studio.preview(data, "x.txt"), lambda: studio.submit_build(data, "x.txt")):
+    for call in (lambda: studio.memory_service.preview(data, "x.txt"),
+                 lambda: studio.memory_service.submit_build(data, "x.txt")):
         with pytest.raises(UserError, match=pattern):
             call()
     assert studio.jobs.list() == [] and snapshot(studio.root) == before
@@ -197,7 +198,7 @@ COMPARE_TEXT = [  # (id, source, reference, pattern): every text a comparison de
 def test_compare_text_gets_the_text_checks(studio, source, reference, pattern):
     before = snapshot(studio.root)
     with pytest.raises(UserError, match=pattern):
-        studio.compare(source, reference=reference, max_new_tokens=4)
+        studio.compare_service.compare(source, reference=reference, max_new_tokens=4)
     assert snapshot(studio.root) == before
 
 
@@ -205,7 +206,7 @@ def test_plain_compare_text_passes_the_checks(studio):
     """Tabs, line breaks, bidi marks and any script are text: the check lets them through (the backbone is not
     loaded here, so the comparison stops only when it would decode)."""
     with pytest.raises(UserError, match="still loading"):
-        studio.compare("שלום\u200f\tworld\n✓ é", reference="ok\r\n", max_new_tokens=4)
+        studio.compare_service.compare("שלום\u200f\tworld\n✓ é", reference="ok\r\n", max_new_tokens=4)
 
 
 EVAL_TEXT = [  # pairs pasted (or sent through the API) for an evaluation: the parser's checks, naming the line
@@ -226,7 +227,8 @@ def test_evaluation_pairs_get_the_text_checks(studio, text, pattern):
     studio.limits = dataclasses.replace(studio.limits, upload_bytes=3000)  # room for one over-long line
     before = snapshot(studio.root)
     with pytest.raises(UserError, match=pattern):
-        studio.submit_evaluate(methods=["base"], test_data=text, test_filename="t.tsv", limit=0, max_new_tokens=4)
+        studio.evaluate_service.submit_evaluate(methods=["base"], test_data=text, test_filename="t.tsv", limit=0,
+                                                max_new_tokens=4)
     assert studio.jobs.list() == [] and snapshot(studio.root) == before
 
 
@@ -236,18 +238,18 @@ def test_evaluation_pairs_get_the_text_checks(studio, text, pattern):
 def test_share_labels_are_checked_like_names(studio, label, pattern):
     p = {"rows": [{"label": "Base model", "method": "base"}]}
     with pytest.raises(UserError, match=pattern):
-        studio.share_labels(p, {"Base model": label})
-    assert studio.share_labels(p, {"Base model": " Mein Modell "}) == {"Base model": "Mein Modell"}
+        studio.compare_service.share_labels(p, {"Base model": label})
+    assert studio.compare_service.share_labels(p, {"Base model": " Mein Modell "}) == {"Base model": "Mein Modell"}
 
 
 def test_a_hostile_file_name_neither_breaks_nor_leaks_into_names(studio):
     with pytest.raises(UserError, match="file name must be text"):
-        studio.submit_build(JSONL, 12345)
-    jid = studio.submit_build(JSONL, "\x1b[2J\x1b]0;pwned\x07" + "n" * 300 + ".JSONL/../../x.exe")
+        studio.memory_service.submit_build(JSONL, 12345)
+    jid = studio.memory_service.submit_build(JSONL, "\x1b[2J\x1b]0;pwned\x07" + "n" * 300 + ".JSONL/../../x.exe")
     args = studio.jobs.get(jid)["args"]
     assert "\x1b" not in args["name"] and "\x07" not in args["name"] and len(args["name"]) <= 40
     assert Path(args["upload"]).parent == studio.root / "uploads" and Path(args["upload"]).suffix == ".txt"
-    studio.cancel_job(jid)
+    studio.job_service.cancel_job(jid)
     assert list((studio.root / "uploads").iterdir()) == []
 
 
@@ -274,12 +276,12 @@ NAMES = [
 @pytest.mark.parametrize("name,pattern", [n[1:] for n in NAMES], ids=[n[0] for n in NAMES])
 def test_hostile_names_are_refused(studio, name, pattern):
     with pytest.raises(UserError, match=pattern):
-        studio.submit_build(JSONL, "x.jsonl", name=name)
+        studio.memory_service.submit_build(JSONL, "x.jsonl", name=name)
     assert studio.jobs.list() == [] and not (studio.root / "uploads").exists()
 
 
 def test_plain_unicode_names_are_fine(studio):
-    jid = studio.submit_build(JSONL, "x.jsonl", name="  Fußnoten – 日本語 ✓  ")
+    jid = studio.memory_service.submit_build(JSONL, "x.jsonl", name="  Fußnoten – 日本語 ✓  ")
     assert studio.jobs.get(jid)["args"]["name"] == "Fußnoten – 日本語 ✓"
 
 
@@ -338,7 +340,7 @@ def test_hostile_decode_settings_are_refused(tiny, overrides):
 def test_hostile_train_requests_through_the_studio(studio, tiny_memory, method, config, pattern):
     studio.catalog.add_memory({"id": "mem-t", "name": "t", "path": str(tiny_memory.path)})
     with pytest.raises(UserError, match=pattern):
-        studio.submit_train("mem-t", method, config)
+        studio.plugin_service.submit_train("mem-t", method, config)
     assert studio.jobs.list() == []
 
 
@@ -562,9 +564,9 @@ def test_a_damaged_memory_through_the_studio_is_a_user_error(tiny, data, tmp_pat
         assert st.repairs == []  # its folder has its row: nothing to repair
         before = snapshot(tmp_path)
         with pytest.raises(UserError, match="samples.jsonl is unreadable"):
-            st.memory_detail("mem-s")
+            st.memory_service.memory_detail("mem-s")
         with pytest.raises(UserError, match="samples.jsonl is unreadable"):
-            st.heldout_samples("mem-s")
+            st.memory_service.heldout_samples("mem-s")
         assert snapshot(tmp_path) == before and st.catalog.integrity() == "ok"
     finally:
         st.close()

@@ -249,7 +249,8 @@ PAIRS = [("the house is small", "das Haus ist klein"), ("the cat sleeps", "die K
 @pytest.fixture(scope="module")
 def studio_knn(tmp_path_factory):
     st = tiny_studio(tmp_path_factory.mktemp("live-data"))
-    job = st.jobs.wait(st.submit_train(build_tiny_memory(st, PAIRS, "live pairs"), "knn", {}, "kNN"), 120)
+    job = st.jobs.wait(st.plugin_service.submit_train(build_tiny_memory(st, PAIRS, "live pairs"), "knn", {}, "kNN"),
+                       120)
     assert job["state"] == "done", job
     yield st, job["result"]["plugin_id"]
     st.close()
@@ -262,15 +263,15 @@ def _texts(p):
 def test_studio_slider_move_reuses_and_equals_a_fresh_decode(studio_knn):
     st, knn_id = studio_knn
     args = dict(methods=["base", knn_id], max_new_tokens=10)
-    first = st.compare(SOURCE, settings={"knn": {"lambda": 0.3}}, **args)
+    first = st.compare_service.compare(SOURCE, settings={"knn": {"lambda": 0.3}}, **args)
     assert first["timings"]["reuse"]["kind"] == "full decode"
-    moved = st.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
+    moved = st.compare_service.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
     assert moved["timings"]["reuse"]["kind"] == "slider move"
-    same = st.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
+    same = st.compare_service.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
     assert same["timings"]["reuse"] == {"kind": "slider move", "forward_passes": 0,
                                         "reused_steps": sum(len(r["tokens"]) for r in same["rows"])}
     st.store.forget_live()  # nothing kept: a full decode
-    fresh = st.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
+    fresh = st.compare_service.compare(SOURCE, settings={"knn": {"lambda": 0.9}}, **args)
     assert fresh["timings"]["reuse"]["kind"] == "full decode"
     assert _texts(moved) == _texts(same) == _texts(fresh)
     assert [r["trace"] for r in moved["rows"]][1][0]["lambda"] == 0.9
@@ -281,8 +282,8 @@ def test_a_streamed_slider_move_says_so_while_it_decodes(studio_knn):
     from the kept decode" only at its end: every partial payload of a move now carries the move's reuse."""
     st, knn_id = studio_knn
     args = dict(methods=["base", knn_id], max_new_tokens=10)
-    st.compare(SOURCE, settings={"knn": {"lambda": 0.0}}, **args)
-    items = list(st.compare_stream(SOURCE, settings={"knn": {"lambda": 1.0}}, **args))
+    st.compare_service.compare(SOURCE, settings={"knn": {"lambda": 0.0}}, **args)
+    items = list(st.compare_service.compare_stream(SOURCE, settings={"knn": {"lambda": 1.0}}, **args))
     partials = [p for p in items if p.get("partial")]
     assert partials, "the move changed no token: pick settings that do"
     assert all(p["timings"]["reuse"]["kind"] == "slider move" for p in items)
@@ -293,14 +294,14 @@ def test_studio_stream_ends_as_compare_and_stop_ends_it(studio_knn, monkeypatch)
     st, knn_id = studio_knn
     args = dict(methods=["base", knn_id], settings={"knn": {"k": 3}}, max_new_tokens=12)
     st.store.forget_live()
-    want = st.compare(SOURCE, **args)
+    want = st.compare_service.compare(SOURCE, **args)
     st.store.forget_live()
-    items = list(st.compare_stream(SOURCE, stream="tab-1", **args))
+    items = list(st.compare_service.compare_stream(SOURCE, stream="tab-1", **args))
     assert all(p["partial"] and not p["cancelled"] for p in items[:-1]) and "partial" not in items[-1]
     assert _texts(items[-1]) == _texts(want)
     assert all(len(r["tokens"]) == 1 for r in items[0]["rows"])  # the first update after one step
     # Stop, and a newer decode of the same tab, end a running decode between two steps
-    bb = st.backbone
+    bb = st.backbone_service.backbone()
     monkeypatch.setattr(bb, "stop_ids", set())  # no row ends early: the decode runs to its token limit
     slow = bb.forward_fc
 
@@ -310,14 +311,14 @@ def test_studio_stream_ends_as_compare_and_stop_ends_it(studio_knn, monkeypatch)
 
     monkeypatch.setattr(bb, "forward_fc", slow_forward)
     long = dict(args, max_new_tokens=60)
-    run = st.compare_stream("hello world", stream="tab-1", **long)
+    run = st.compare_service.compare_stream("hello world", stream="tab-1", **long)
     assert next(run)["partial"]
-    st.cancel_compare(stream="tab-1")
+    st.compare_service.cancel_compare(stream="tab-1")
     rest = list(run)
     assert rest[-1]["cancelled"] and len(rest[-1]["rows"][0]["tokens"]) < 60
-    older = st.compare_stream("good morning", stream="tab-2", **long)
+    older = st.compare_service.compare_stream("good morning", stream="tab-2", **long)
     assert next(older)["partial"]
-    newer = st.compare_stream("good morning", stream="tab-2", **dict(long, max_new_tokens=5))
+    newer = st.compare_service.compare_stream("good morning", stream="tab-2", **dict(long, max_new_tokens=5))
     first_new = next(newer)  # starting it stops the older one (which holds the backbone) after its step
     assert list(older)[-1]["cancelled"]
     final = [first_new, *newer][-1]

@@ -102,9 +102,9 @@ def test_the_studio_builds_with_own_examples_and_compare_uses_them(tmp_path):
         mid = build_tiny_memory(st, pairs=PAIRS, name="own examples")
         mem = Memory.load(st.catalog.memory(mid)["path"])
         assert mem.prompt_examples["source"] == "own"
-        job = st.jobs.wait(st.submit_train(mid, "retrieval_icl", {}, "nearest"), 120)
+        job = st.jobs.wait(st.plugin_service.submit_train(mid, "retrieval_icl", {}, "nearest"), 120)
         assert job["state"] == "done", job
-        p = st.compare("the red car", methods=["base", job["result"]["plugin_id"]], max_new_tokens=3)
+        p = st.compare_service.compare("the red car", methods=["base", job["result"]["plugin_id"]], max_new_tokens=3)
         assert [tuple(e) for e in p["prompt"]["examples"]] == mem.prompt.examples
         base, nearest = p["rows"]
         assert [base["method"], nearest["method"]] == ["base", "retrieval_icl"]
@@ -112,9 +112,10 @@ def test_the_studio_builds_with_own_examples_and_compare_uses_them(tmp_path):
         train = {(s["src"], s["tgt"]) for s in mem.split_samples("train")}
         assert base["prompt"] is None and nearest["prompt"]["examples"][-1] == ["the red car", "das rote Auto"]
         assert all(tuple(e) in train for e in nearest["prompt"]["examples"])
-        att = st.attention(p, nearest["label"])
+        att = st.compare_service.attention(p, nearest["label"])
         assert len(att["matrix"]) == len(nearest["tokens"])
-        shared = st.shared(st.share(p["id"]))  # a share never holds a prompt (the memory's samples)
+        # a share never holds a prompt (the memory's samples)
+        shared = st.compare_service.shared(st.compare_service.share(p["id"]))
         assert "the red car is fast" not in json.dumps(shared) and "das rote Auto" not in json.dumps(shared)
     finally:
         st.close()

@@ -263,10 +263,11 @@ def studios(owner, tmp_path_factory):
     from studio.service import Studio
 
     local = Studio(tmp_path_factory.mktemp("studio-local"), backbone="tiny")
-    assert local.wait_ready(120)  # one at a time: transformers' lazy imports are not safe across two loader threads
+    # one at a time: transformers' lazy imports are not safe across two loader threads
+    assert local.backbone_service.wait_ready(120)
     far = Studio(tmp_path_factory.mktemp("studio-remote"), backbone="tiny", remote=owner.url, remote_token=TOKEN)
     try:
-        assert far.wait_ready(120), far.status()["message"]
+        assert far.backbone_service.wait_ready(120), far.backbone_service.status()["message"]
         yield local, far
     finally:
         local.close()
@@ -275,12 +276,12 @@ def studios(owner, tmp_path_factory):
 
 def _studio_work(s) -> dict:
     """Build a memory, train PEMA and kNN on it, through the studio's jobs; their ids."""
-    job = s.jobs.wait(s.submit_build(STUDIO_TSV, "pairs.tsv", name="pairs"), 120)
+    job = s.jobs.wait(s.memory_service.submit_build(STUDIO_TSV, "pairs.tsv", name="pairs"), 120)
     assert job["state"] == "done", job
     mid = job["result"]["memory_id"]
     out = {"memory": mid}
     for method, cfg in (("pema", PEMA_FAST), ("knn", {})):
-        job = s.jobs.wait(s.submit_train(mid, method, cfg, method), 180)
+        job = s.jobs.wait(s.plugin_service.submit_train(mid, method, cfg, method), 180)
         assert job["state"] == "done", job
         out[method] = job["result"]["plugin_id"]
     return out
@@ -291,37 +292,41 @@ def test_the_studio_builds_trains_and_compares_through_the_owner_as_it_does_loca
     from ui.app import status_html
 
     local, far = studios
-    assert isinstance(far.backbone, RemoteBackbone) and not isinstance(local.backbone, RemoteBackbone)
+    assert isinstance(far.backbone_service.backbone(), RemoteBackbone)
+    assert not isinstance(local.backbone_service.backbone(), RemoteBackbone)
     holds = f"model weights: at {owner.url.split('//')[1]} (model owner); memory, plug-ins: here"
-    assert far.status()["remote"]["holds"] == holds and local.status()["remote"] is None
-    assert holds in status_html(far.status()) and "model owner" not in status_html(local.status())
+    far_status, local_status = far.backbone_service.status(), local.backbone_service.status()
+    assert far_status["remote"]["holds"] == holds and local_status["remote"] is None
+    assert holds in status_html(far_status) and "model owner" not in status_html(local_status)
     near_ids, far_ids = _studio_work(local), _studio_work(far)
 
-    a, b = (_arrays(Memory.load(s.memory_svc.memory_row(ids["memory"], None)["path"]))
+    a, b = (_arrays(Memory.load(s.memory_service.memory_row(ids["memory"], None)["path"]))
             for s, ids in ((local, near_ids), (far, far_ids)))
     for k in a:
         if k.endswith("keys"):
             np.testing.assert_allclose(a[k].astype(np.float32), b[k].astype(np.float32), atol=1e-3, rtol=1e-3)
         else:
             assert np.array_equal(a[k], b[k]), k
-    pa, pb = (load_plugin(s.plugin_svc.plugin_row(ids["pema"], None)["path"], local.backbone).state_dict()
+    bb = local.backbone_service.backbone()
+    pa, pb = (load_plugin(s.plugin_service.plugin_row(ids["pema"], None)["path"], bb).state_dict()
               for s, ids in ((local, near_ids), (far, far_ids)))
     assert pa.keys() == pb.keys() and all(torch.allclose(pa[k].float(), pb[k].float(), atol=1e-4) for k in pa)
 
     for src in SOURCES:
-        near = local.compare(src, methods=["base", near_ids["pema"], near_ids["knn"]], max_new_tokens=12)
-        away = far.compare(src, methods=["base", far_ids["pema"], far_ids["knn"]], max_new_tokens=12)
+        near = local.compare_service.compare(src, methods=["base", near_ids["pema"], near_ids["knn"]],
+                                             max_new_tokens=12)
+        away = far.compare_service.compare(src, methods=["base", far_ids["pema"], far_ids["knn"]], max_new_tokens=12)
         assert [r["label"] for r in near["rows"]] == [r["label"] for r in away["rows"]] == ["Base model", "pema",
                                                                                           "knn"]
         assert [r["tokens"] for r in near["rows"]] == [r["tokens"] for r in away["rows"]], src
         assert [r["settings"] for r in near["rows"]] == [r["settings"] for r in away["rows"]]
     with pytest.raises(UserError, match="Attention maps need the decoder's layers"):
-        far.attention(away, "pema")
+        far.compare_service.attention(away, "pema")
 
     evals = []  # the Evaluate tab's job: the held-out split, every row decoded through the owner's sessions
     for s, ids in ((local, near_ids), (far, far_ids)):
-        job = s.jobs.wait(s.submit_evaluate(methods=["base", ids["pema"], ids["knn"]], memory_id=ids["memory"],
-                                            limit=0, max_new_tokens=10), 120)
+        job = s.jobs.wait(s.evaluate_service.submit_evaluate(methods=["base", ids["pema"], ids["knn"]],
+                                                             memory_id=ids["memory"], limit=0, max_new_tokens=10), 120)
         assert job["state"] == "done", job
         evals.append(job["result"])
     assert evals[0]["outputs"] and evals[0]["outputs"] == evals[1]["outputs"]
@@ -330,18 +335,18 @@ def test_the_studio_builds_trains_and_compares_through_the_owner_as_it_does_loca
 
 def test_in_network_methods_are_unavailable_in_the_studio_under_a_remote_backbone(studios):
     local, far = studios
-    table, here = ({m["method"]: m for m in s.methods()} for s in (far, local))
+    table, here = ({m["method"]: m for m in s.plugin_service.methods()} for s in (far, local))
     network = [m for m, d in table.items() if d["level"] == "network"]
     assert network and all(not table[m]["offsite"] and "cannot be trained or decoded offsite"
                            in table[m]["unavailable"] for m in network)
     assert table["pema"]["offsite"] and "unavailable" not in table["pema"] and "unavailable" not in table["knn"]
     assert not any("unavailable" in d for d in here.values())
-    mems = far.memories() or [{"id": far.jobs.wait(far.submit_build(STUDIO_TSV, "pairs.tsv"), 120)["result"]
-                                     ["memory_id"]}]  # when this test runs alone
+    mems = far.memory_service.memories() or [  # when this test runs alone
+        {"id": far.jobs.wait(far.memory_service.submit_build(STUDIO_TSV, "pairs.tsv"), 120)["result"]["memory_id"]}]
     mid = mems[0]["id"]
     for m in network:
         with pytest.raises(UserError, match="cannot be trained or decoded offsite"):
-            far.submit_train(mid, m, {}, m)
+            far.plugin_service.submit_train(mid, m, {}, m)
 
 
 def test_app_py_takes_remote_and_the_token_from_the_environment(monkeypatch):
@@ -364,26 +369,28 @@ def test_the_remote_setting_switches_in_single_user_mode_only(owner, tmp_path):
 
     s = Studio(tmp_path / "one", backbone="tiny")
     try:
-        assert s.wait_ready(60) and s.status()["remote"] is None
+        assert s.backbone_service.wait_ready(60) and s.backbone_service.status()["remote"] is None
         with pytest.raises(UserError, match=r"http\(s\) URL"):
-            s.set_remote("ftp://owner:21")
-        s.set_remote(owner.url, TOKEN)
-        assert s.wait_ready(60), s.status()
-        assert isinstance(s.backbone, RemoteBackbone) and s.status()["remote"]["url"] == owner.url
-        assert TOKEN not in json.dumps(s.status())
-        s.set_remote(owner.url, "not-the-owners-token")
-        assert not s.wait_ready(60)
-        st = s.status()
+            s.backbone_service.set_remote("ftp://owner:21")
+        s.backbone_service.set_remote(owner.url, TOKEN)
+        assert s.backbone_service.wait_ready(60), s.backbone_service.status()
+        assert isinstance(s.backbone_service.backbone(), RemoteBackbone)
+        assert s.backbone_service.status()["remote"]["url"] == owner.url
+        assert TOKEN not in json.dumps(s.backbone_service.status())
+        s.backbone_service.set_remote(owner.url, "not-the-owners-token")
+        assert not s.backbone_service.wait_ready(60)
+        st = s.backbone_service.status()
         assert st["state"] == "failed" and "Could not connect to the model owner" in st["message"] \
             and "wrong bearer token" in st["message"]
-        s.set_remote("", None)  # back to the local backbone
-        assert s.wait_ready(60) and not isinstance(s.backbone, RemoteBackbone) and s.status()["remote"] is None
+        s.backbone_service.set_remote("", None)  # back to the local backbone
+        assert s.backbone_service.wait_ready(60) and not isinstance(s.backbone_service.backbone(), RemoteBackbone)
+        assert s.backbone_service.status()["remote"] is None
     finally:
         s.close()
     hosted = Studio(tmp_path / "many", backbone="tiny", multi_user=True, load=False, start_jobs=False)
     try:
         with pytest.raises(UserError, match="no per-user remote in multi-user mode"):
-            hosted.set_remote(owner.url, TOKEN, owner="someone")
+            hosted.backbone_service.set_remote(owner.url, TOKEN, owner="someone")
     finally:
         hosted.close()
 

@@ -93,7 +93,7 @@ def hosted(tmp_path_factory):
                                      "--data-dir", str(tmp_path_factory.mktemp("hosted"))], block=False)
     clients = []
     try:
-        assert studio.wait_ready(120), studio.status()
+        assert studio.backbone_service.wait_ready(120), studio.backbone_service.status()
         ka, kb = studio.identity.new_browser_key(), studio.identity.new_browser_key()
         a = Client(url, headers={"X-Pema-Key": ka}, verbose=False)
         b = Client(url, headers={"X-Pema-Key": kb}, verbose=False)
@@ -160,15 +160,18 @@ def test_the_service_itself_refuses_other_owners(hosted):
     from ground.errors import UserError
 
     st, b = hosted.studio, hosted.owner_b
-    for call in (lambda: st.memory_detail(hosted.mid, owner=b), lambda: st.heldout_samples(hosted.mid, owner=b),
-                 lambda: st.plugin_detail(hosted.pid, owner=b), lambda: st.delete_plugin(hosted.pid, owner=b),
-                 lambda: st.neighbours(hosted.cmp["id"], hosted.cmp["rows"][1]["label"], 0, owner=b),
-                 lambda: st.recent(hosted.cmp["id"], owner=b), lambda: st.job(hosted.job, owner=b)):
+    for call in (lambda: st.memory_service.memory_detail(hosted.mid, owner=b),
+                 lambda: st.memory_service.heldout_samples(hosted.mid, owner=b),
+                 lambda: st.plugin_service.plugin_detail(hosted.pid, owner=b),
+                 lambda: st.plugin_service.delete_plugin(hosted.pid, owner=b),
+                 lambda: st.compare_service.neighbours(hosted.cmp["id"], hosted.cmp["rows"][1]["label"], 0, owner=b),
+                 lambda: st.compare_service.recent(hosted.cmp["id"], owner=b),
+                 lambda: st.job_service.job(hosted.job, owner=b)):
         with pytest.raises(UserError, match="No |no longer"):
             call()
     with pytest.raises(UserError, match="does not say whose"):  # multi-user: no owner is no access
-        st.memories()
-    assert st.memories(owner=hosted.owner_a)[0]["id"] == hosted.mid
+        st.memory_service.memories()
+    assert st.memory_service.memories(owner=hosted.owner_a)[0]["id"] == hosted.mid
 
 
 def test_keys_that_are_missing_or_forged_are_refused(hosted):
@@ -241,8 +244,9 @@ def test_a_share_shows_the_comparison_and_nothing_private(hosted):
 
 def test_a_share_never_stores_the_reference_and_takes_the_owners_labels(hosted):
     st, me = hosted.studio, hosted.owner_a
-    c = st.compare(SOURCE, "translation", ["base", hosted.pid], reference="a held-out reference", owner=me)
-    p = st.shared(st.share(c["id"], owner=me, labels={hosted.pid: "my own label"}))
+    c = st.compare_service.compare(SOURCE, "translation", ["base", hosted.pid], reference="a held-out reference",
+                                   owner=me)
+    p = st.compare_service.shared(st.compare_service.share(c["id"], owner=me, labels={hosted.pid: "my own label"}))
     assert [r["label"] for r in p["rows"]] == ["Base model", "my own label"] and set(p["attention"]) == \
         {"Base model", "my own label"}
     assert "held-out reference" not in json.dumps(p)
@@ -258,7 +262,7 @@ def test_shares_made_before_neutral_labels_are_shown_neutral(tmp_path):
                "rows": [{"label": "Base model", "method": "base", "text": "y"},
                         {"label": f"kNN-LM / kNN-MT on {SECRET_STEM}", "method": "knn", "text": "z"}],
                "attention": {f"kNN-LM / kNN-MT on {SECRET_STEM}": {"matrix": []}}}
-        p = st.shared(st.catalog.save_comparison(old, backbone="tiny"))
+        p = st.compare_service.shared(st.catalog.save_comparison(old, backbone="tiny"))
         assert [r["label"] for r in p["rows"]] == ["Base model", "kNN-LM / kNN-MT"]
         assert SECRET_STEM not in json.dumps(p) and "secret ref" not in json.dumps(p)
     finally:
@@ -277,7 +281,7 @@ def bounded(tmp_path_factory):
                     jobs_total=4, share_bytes=400, eval_pairs=3, sweep_points=2, name_chars=10)
     st = Studio(tmp_path_factory.mktemp("bounded"), backbone="tiny", multi_user=True, limits=limits,
                 start_jobs=False)
-    assert st.wait_ready(60)
+    assert st.backbone_service.wait_ready(60)
     yield st
     st.close()
 
@@ -303,51 +307,54 @@ def test_each_bound_gives_a_clear_error(bounded):
         assert "limit" in msg and f"--limit {name}=" in msg and f"PEMA_LIMIT_{name.upper()}" in msg, msg
         return msg
 
-    assert "is 41; the limit is 40" in refused("input_chars", lambda: st.compare("x" * 41, owner="u1"))
-    refused("max_new_tokens", lambda: st.compare("hi", max_new_tokens=65, owner="u1"))
-    refused("beams", lambda: st.compare("hi", max_new_tokens=8, num_beams=3, owner="u1"))
-    refused("methods_per_comparison", lambda: st.compare("hi", methods=["base"] * 3, max_new_tokens=8, owner="u1"))
-    refused("upload_bytes", lambda: st.preview("a\tb\n" * 600, "big.tsv", owner="u1"))
-    refused("upload_bytes", lambda: st.submit_build("a\tb\n" * 600, "big.tsv", owner="u1"))
-    refused("samples", lambda: st.submit_build("\n".join(f"s{i}\tt{i}" for i in range(7)), "p.tsv", owner="u1"))
-    refused("name_chars", lambda: st.submit_build(small, "p.tsv", name="a much too long name", owner="u1"))
-    st.submit_build(small, "p.tsv", owner="u2")  # queued (the worker does not run): counts against the quota
-    refused("memories_per_owner", lambda: st.submit_build(small, "p.tsv", owner="u2"))
+    assert "is 41; the limit is 40" in refused("input_chars", lambda: st.compare_service.compare("x" * 41, owner="u1"))
+    refused("max_new_tokens", lambda: st.compare_service.compare("hi", max_new_tokens=65, owner="u1"))
+    refused("beams", lambda: st.compare_service.compare("hi", max_new_tokens=8, num_beams=3, owner="u1"))
+    refused("methods_per_comparison",
+            lambda: st.compare_service.compare("hi", methods=["base"] * 3, max_new_tokens=8, owner="u1"))
+    refused("upload_bytes", lambda: st.memory_service.preview("a\tb\n" * 600, "big.tsv", owner="u1"))
+    refused("upload_bytes", lambda: st.memory_service.submit_build("a\tb\n" * 600, "big.tsv", owner="u1"))
+    refused("samples", lambda: st.memory_service.submit_build("\n".join(f"s{i}\tt{i}" for i in range(7)), "p.tsv",
+                                                              owner="u1"))
+    refused("name_chars", lambda: st.memory_service.submit_build(small, "p.tsv", name="a much too long name",
+                                                                 owner="u1"))
+    # queued (the worker does not run): counts against the quota
+    st.memory_service.submit_build(small, "p.tsv", owner="u2")
+    refused("memories_per_owner", lambda: st.memory_service.submit_build(small, "p.tsv", owner="u2"))
     mid = fake_memory(st, "u3")
     with pytest.raises(UserError, match="kappa.*between 0.0 and 1.0"):  # declared training ranges
-        st.submit_train(mid, "pema", {"kappa": 3}, owner="u3")
-    st.submit_train(mid, "knn", {}, owner="u3")
-    refused("plugins_per_owner", lambda: st.submit_train(mid, "knn", {}, owner="u3"))
-    refused("eval_pairs", lambda: st.submit_evaluate(methods=["base"], test_data=small, test_filename="t.tsv",
-                                                     limit=0, max_new_tokens=8, owner="u4"))
-    st.submit_evaluate(methods=["base"], test_data=small, test_filename="t.tsv", limit=3, max_new_tokens=8,
-                       owner="u4")
-    refused("methods_per_comparison", lambda: st.submit_evaluate(methods=["base"] * 3, test_data=small,
-                                                                 test_filename="t.tsv", limit=2, max_new_tokens=8,
-                                                                 owner="u4"))
-    refused("max_new_tokens", lambda: st.submit_evaluate(methods=["base"], test_data=small, test_filename="t.tsv",
-                                                         limit=2, max_new_tokens=99, owner="u4"))
+        st.plugin_service.submit_train(mid, "pema", {"kappa": 3}, owner="u3")
+    st.plugin_service.submit_train(mid, "knn", {}, owner="u3")
+    refused("plugins_per_owner", lambda: st.plugin_service.submit_train(mid, "knn", {}, owner="u3"))
+    evaluate = st.evaluate_service.submit_evaluate
+    refused("eval_pairs", lambda: evaluate(methods=["base"], test_data=small, test_filename="t.tsv", limit=0,
+                                           max_new_tokens=8, owner="u4"))
+    evaluate(methods=["base"], test_data=small, test_filename="t.tsv", limit=3, max_new_tokens=8, owner="u4")
+    refused("methods_per_comparison", lambda: evaluate(methods=["base"] * 3, test_data=small, test_filename="t.tsv",
+                                                       limit=2, max_new_tokens=8, owner="u4"))
+    refused("max_new_tokens", lambda: evaluate(methods=["base"], test_data=small, test_filename="t.tsv", limit=2,
+                                               max_new_tokens=99, owner="u4"))
     # jobs (none runs here): u2, u3 and u4 have one queued each; u4's second fills the queue, a third is over the
     # per-owner bound, and nobody else may queue
-    st.submit_evaluate(methods=["base"], test_data=small, test_filename="t.tsv", limit=2, owner="u4")
-    refused("jobs_per_owner", lambda: st.submit_evaluate(methods=["base"], test_data=small, test_filename="t.tsv",
-                                                         limit=2, owner="u4"))
-    assert "queue is full" in refused("jobs_total", lambda: st.submit_evaluate(
-        methods=["base"], test_data=small, test_filename="t.tsv", limit=2, owner="u5"))
+    evaluate(methods=["base"], test_data=small, test_filename="t.tsv", limit=2, owner="u4")
+    refused("jobs_per_owner", lambda: evaluate(methods=["base"], test_data=small, test_filename="t.tsv", limit=2,
+                                               owner="u4"))
+    assert "queue is full" in refused("jobs_total", lambda: evaluate(methods=["base"], test_data=small,
+                                                                     test_filename="t.tsv", limit=2, owner="u5"))
 
 
 def test_share_bounds(bounded):
     from ground.errors import UserError
 
     st = bounded
-    c = st.compare("hi", max_new_tokens=2, owner="s1")
+    c = st.compare_service.compare("hi", max_new_tokens=2, owner="s1")
     with pytest.raises(UserError, match="size in bytes is .*; the limit is 400 .*--limit share_bytes="):
-        st.share(c["id"], owner="s1")
+        st.compare_service.share(c["id"], owner="s1")
     st.limits, old = dataclasses.replace(st.limits, share_bytes=0), st.limits
     try:
-        st.share(c["id"], owner="s1")
+        st.compare_service.share(c["id"], owner="s1")
         with pytest.raises(UserError, match="You have 1 shared comparisons .*limit per user is 1"):
-            st.share(c["id"], owner="s1")
+            st.compare_service.share(c["id"], owner="s1")
     finally:
         st.limits = old
 
@@ -359,24 +366,25 @@ def test_rate_limits_throttle_one_owner_and_not_another(tmp_path):
 
     st = Studio(tmp_path, backbone="tiny", multi_user=True, start_jobs=False,
                 limits=Limits(compares_per_minute=3, evaluations_per_minute=1))
-    assert st.wait_ready(60)
+    assert st.backbone_service.wait_ready(60)
     small = "\n".join(f"{s}\t{t}" for s, t in PAIRS[:5])
     try:
         for _ in range(3):
-            assert st.compare("hi", max_new_tokens=2, owner="rate-a")["rows"]
+            assert st.compare_service.compare("hi", max_new_tokens=2, owner="rate-a")["rows"]
         with pytest.raises(UserError) as e:
-            st.compare("hi", max_new_tokens=2, owner="rate-a")
+            st.compare_service.compare("hi", max_new_tokens=2, owner="rate-a")
         msg = str(e.value)
         assert re.match(r"Too many comparisons: at most 3 per minute per user; try again in \d+ s", msg), msg
         assert "--limit compares_per_minute=" in msg and "PEMA_LIMIT_COMPARES_PER_MINUTE" in msg
         wait = int(re.search(r"in (\d+) s", msg).group(1))
         assert 1 <= wait <= 60
-        assert st.compare("hi", max_new_tokens=2, owner="rate-b")["rows"]  # another owner is not throttled
+        # another owner is not throttled
+        assert st.compare_service.compare("hi", max_new_tokens=2, owner="rate-b")["rows"]
         ev = dict(methods=["base"], test_data=small, test_filename="t.tsv", limit=2, max_new_tokens=4)
-        st.submit_evaluate(**ev, owner="rate-a")
+        st.evaluate_service.submit_evaluate(**ev, owner="rate-a")
         with pytest.raises(UserError, match=r"Too many evaluations: at most 1 per minute per user"):
-            st.submit_evaluate(**ev, owner="rate-a")
-        st.submit_evaluate(**ev, owner="rate-b")
+            st.evaluate_service.submit_evaluate(**ev, owner="rate-a")
+        st.evaluate_service.submit_evaluate(**ev, owner="rate-b")
     finally:
         st.close()
 
@@ -465,9 +473,9 @@ def test_single_user_mode_is_the_local_owner_and_sees_everything_it_made(tmp_pat
     st = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
     try:
         assert not st.multi_user and "single-user mode" in mode_banner(st, "127.0.0.1")
-        jid = st.submit_build(JSONL, "p.jsonl")
-        assert st.job(jid)["owner"] == "local" and st.list_jobs()[0]["id"] == jid
-        assert st.job(jid, owner="local")["id"] == jid
+        jid = st.memory_service.submit_build(JSONL, "p.jsonl")
+        assert st.job_service.job(jid)["owner"] == "local" and st.job_service.list_jobs()[0]["id"] == jid
+        assert st.job_service.job(jid, owner="local")["id"] == jid
     finally:
         st.close()
 
@@ -492,8 +500,9 @@ def test_a_catalog_made_before_owners_is_migrated_to_the_local_user(tmp_path):
     assert cat.memory("mem-old")["owner"] == "local" and cat.memory("mem-old", "anon:x") is None
     st = Studio(tmp_path, backbone="tiny", load=False, start_jobs=False)
     try:
-        assert [m["id"] for m in st.memories()] == ["mem-old"] and st.job("job-old")["owner"] == "local"
-        assert st.memories(owner="anon:someone") == []
+        assert [m["id"] for m in st.memory_service.memories()] == ["mem-old"]
+        assert st.job_service.job("job-old")["owner"] == "local"
+        assert st.memory_service.memories(owner="anon:someone") == []
     finally:
         st.close()
 

@@ -350,7 +350,7 @@ def test_the_studio_gets_its_precision_as_an_argument(tmp_path, monkeypatch):
     assert app.parse_args([]).dtype is None
     st = Studio(tmp_path / "d", backbone="tiny", load=False, start_jobs=False, dtype="bfloat16")
     try:
-        assert st.backbone_svc.dtype == "bfloat16"
+        assert st.backbone_service.dtype == "bfloat16"
     finally:
         st.close()
 

@@ -165,7 +165,7 @@ def _studio(root):
     from studio.service import Studio
 
     st = Studio(root, backbone="tiny")
-    assert st.wait_ready(120), st.status()
+    assert st.backbone_service.wait_ready(120), st.backbone_service.status()
     return st
 
 
@@ -176,19 +176,19 @@ def test_restart_mid_ranking_resumes_and_reuses(tmp_path):
     st = _studio(tmp_path)
     try:
         mid = build_tiny_memory(st, pairs)
-        done = st.jobs.wait(st.submit_train(mid, "knn"), 60)  # what the interrupted run had finished
+        done = st.jobs.wait(st.plugin_service.submit_train(mid, "knn"), 60)  # what the interrupted run had finished
         assert done["state"] == "done"
         st.jobs.stop()
-        jid = st.submit_rank(mid, methods=["knn", "adapter"])
+        jid = st.rank_service.submit_rank(mid, methods=["knn", "adapter"])
         # the process dies while the ranking runs: its row is left "running"
         st.jobs._update(jid, state="running", started=1.0, progress=0.3, message="training: adapter")
     finally:
         st.close()
     st = _studio(tmp_path)
     try:
-        old = st.job(jid)
+        old = st.job_service.job(jid)
         assert old["state"] == "interrupted" and "resumed as" in old["message"]
-        new = [j for j in st.list_jobs(("rank",)) if j["args"].get("resume_of") == jid]
+        new = [j for j in st.job_service.list_jobs(("rank",)) if j["args"].get("resume_of") == jid]
         assert len(new) == 1
         job = st.jobs.wait(new[0]["id"], 120)
         assert job["state"] == "done", job
@@ -197,17 +197,17 @@ def test_restart_mid_ranking_resumes_and_reuses(tmp_path):
         assert rows["knn"]["reused"] is True and rows["knn"]["plugin_id"] == done["result"]["plugin_id"]
         assert rows["adapter"]["reused"] is False
         assert "Resuming the ranking" in job["log"]
-        board = st.leaderboard(memory_id=mid)
+        board = st.rank_service.leaderboard(memory_id=mid)
         assert board["job_id"] == job["id"]
-        best = st.best_methods()
+        best = st.rank_service.best_methods()
         assert all(pid in {r["plugin_id"] for r in rows.values()} for pid in best)
         # sharing: no id, name or key in what anyone with the link reads, and it survives a restart
-        sid = st.share_leaderboard(job["id"])
+        sid = st.rank_service.share_leaderboard(job["id"])
     finally:
         st.close()
     st = _studio(tmp_path)
     try:
-        shared = st.shared_leaderboard(sid)
+        shared = st.rank_service.shared_leaderboard(sid)
         text = json.dumps(shared)
         secrets = [mid, job["id"], jid, *(r["plugin_id"] for r in rows.values() if r.get("plugin_id")), "pairs",
                    str(tmp_path)]
@@ -219,7 +219,7 @@ def test_restart_mid_ranking_resumes_and_reuses(tmp_path):
         assert shared["verdict"] == board["verdict"]
         assert {r["method"] for r in shared["methods"]} == {"base", "knn", "adapter"}
         with pytest.raises(UserError):
-            st.shared_leaderboard("not-a-share")
+            st.rank_service.shared_leaderboard("not-a-share")
     finally:
         st.close()
 
@@ -228,15 +228,15 @@ def test_rank_submission_is_checked(tmp_path):
     st = _studio(tmp_path)
     try:
         with pytest.raises(UserError, match="Choose a memory"):
-            st.submit_rank(None)
+            st.rank_service.submit_rank(None)
         with pytest.raises(UserError, match="No memory"):
-            st.submit_rank("nope")
+            st.rank_service.submit_rank("nope")
         with pytest.raises(UserError, match="Unknown method"):
-            st.submit_rank("nope", methods=["not-a-method"])
+            st.rank_service.submit_rank("nope", methods=["not-a-method"])
         with pytest.raises(UserError, match="No memory"):
-            st.submit_rank("nope", owner="someone-else")
+            st.rank_service.submit_rank("nope", owner="someone-else")
         with pytest.raises(UserError, match="No finished ranking"):
-            st.leaderboard()
+            st.rank_service.leaderboard()
     finally:
         st.close()
 
@@ -247,25 +247,25 @@ def test_a_stranger_can_neither_rank_nor_read_nor_share_nor_calibrate_anothers_t
     from studio.service import Studio
 
     st = Studio(tmp_path, backbone="tiny", multi_user=True)
-    assert st.wait_ready(120), st.status()
+    assert st.backbone_service.wait_ready(120), st.backbone_service.status()
     try:
         tsv = "\n".join(f"{s}\t{t}" for s, t in TINY_PAIRS)
-        built = st.jobs.wait(st.submit_build(tsv, "pairs.tsv", name="a's", owner="a"), 120)
+        built = st.jobs.wait(st.memory_service.submit_build(tsv, "pairs.tsv", name="a's", owner="a"), 120)
         assert built["state"] == "done", built
         mid = built["result"]["memory_id"]
-        trained = st.jobs.wait(st.submit_train(mid, "knn", {}, "a's knn", owner="a"), 120)
+        trained = st.jobs.wait(st.plugin_service.submit_train(mid, "knn", {}, "a's knn", owner="a"), 120)
         assert trained["state"] == "done", trained
         pid = trained["result"]["plugin_id"]
         with pytest.raises(UserError, match="No memory"):
-            st.submit_rank(mid, owner="b")
+            st.rank_service.submit_rank(mid, owner="b")
         with pytest.raises(UserError):
-            st.rank_estimate(mid, owner="b")
-        for call in (st.leaderboard, st.share_leaderboard):
+            st.rank_service.rank_estimate(mid, owner="b")
+        for call in (st.rank_service.leaderboard, st.rank_service.share_leaderboard):
             with pytest.raises(UserError, match="No ranking"):
                 call(trained["id"], owner="b")
         with pytest.raises(UserError):
-            st.submit_calibrate(pid, owner="b")
-        assert st.best_methods(owner="b") == {}
+            st.plugin_service.submit_calibrate(pid, owner="b")
+        assert st.rank_service.best_methods(owner="b") == {}
         assert st.jobs.list(owner="b") == []
     finally:
         st.close()

@@ -21,7 +21,7 @@ browser = pytest.fixture(scope="module", name="browser")(browser_session)
 def app(tmp_path_factory):
     studio = tiny_studio(tmp_path_factory.mktemp("rank-browser-data"))
     mid = build_tiny_memory(studio, unique_pairs(110), "my pairs")
-    job = studio.jobs.wait(studio.submit_rank(mid, methods=METHODS), 300)
+    job = studio.jobs.wait(studio.rank_service.submit_rank(mid, methods=METHODS), 300)
     assert job["state"] == "done", job
     with served_page_app(studio) as url:
         yield {"url": url, "studio": studio, "memory_id": mid, "job": job}
@@ -47,7 +47,8 @@ def test_leaderboard_plot_verdict_and_share(page, app):
     assert "training time" in page.locator("#rank-pareto-time").inner_text()
     assert "trainable parameters" in page.locator("#rank-pareto-params").inner_text()
     assert "Wall time per phase" in page.locator("#rank-phases").inner_text()
-    if app["studio"].corpora().get("gettext-de"):  # the tour: the demo corpus, one click, a time estimate
+    # the tour: the demo corpus, one click, a time estimate
+    if app["studio"].memory_service.corpora().get("gettext-de"):
         page.wait_for_selector("#rank-tour-time")
         assert "Time estimate" in page.locator("#rank-tour-time").inner_text()
     page.screenshot(path=str(SHOTS / "rank.png"), full_page=True)

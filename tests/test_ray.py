@@ -128,7 +128,7 @@ def studio(executor, tmp_path_factory):
     from studio.service import Studio
 
     st = Studio(tmp_path_factory.mktemp("ray-studio"), backbone="tiny", executor=executor)
-    assert st.wait_ready(120), st.status()
+    assert st.backbone_service.wait_ready(120), st.backbone_service.status()
     yield st
     st.close()
 
@@ -137,12 +137,12 @@ def test_the_studio_builds_on_ray_and_trainings_run_as_ray_tasks(studio, tiny_pa
     st = studio
     assert st.executor.training_slots() == 2  # one per CPU of the local Ray (no GPU)
     text = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in tiny_pairs)
-    build = st.jobs.wait(st.submit_build(text, "pairs.jsonl", name="pairs"), timeout=300)
+    build = st.jobs.wait(st.memory_service.submit_build(text, "pairs.jsonl", name="pairs"), timeout=300)
     assert build["state"] == "done", build
     assert "Ray workers" in build["log"]  # the capture ran sharded
     mid = build["result"]["memory_id"]
-    j1 = st.submit_train(mid, "lora", LORA, "lora on ray")
-    j2 = st.submit_train(mid, "adapter", ADAPTER, "adapter on ray")
+    j1 = st.plugin_service.submit_train(mid, "lora", LORA, "lora on ray")
+    j2 = st.plugin_service.submit_train(mid, "adapter", ADAPTER, "adapter on ray")
     jobs = [st.jobs.wait(j, timeout=300) for j in (j1, j2)]
     for job in jobs:
         assert job["state"] == "done", job
@@ -150,30 +150,30 @@ def test_the_studio_builds_on_ray_and_trainings_run_as_ray_tasks(studio, tiny_pa
         assert job["metrics"] and job["progress"] == 1.0  # the loss curve and progress came back
     # both started before either finished: they ran side by side on the training lane
     assert max(j["started"] for j in jobs) < min(j["finished"] for j in jobs)
-    plugins = {p["id"]: p for p in st.plugins()}
+    plugins = {p["id"]: p for p in st.plugin_service.plugins()}
     for job in jobs:
         p = plugins[job["result"]["plugin_id"]]
         assert p["memory_id"] == mid and p["params"] > 0 and p["usable"]
         assert Path(st.catalog.plugin(p["id"])["path"]).parent == st.root / "plugins"
     lora = next(j for j in jobs if j["args"]["method"] == "lora")["result"]["plugin_id"]
-    assert st.plugin_detail(lora, owner=None)["history"]
-    out = st.compare("the house is small", "translation", ["base", lora], {}, 8)
+    assert st.plugin_service.plugin_detail(lora, owner=None)["history"]
+    out = st.compare_service.compare("the house is small", "translation", ["base", lora], {}, 8)
     assert len(out["rows"]) == 2 and out["rows"][1]["text"] is not None
 
 
 def test_cancel_reaches_a_running_ray_training(studio, tiny_pairs):
     st = studio
-    mid = next(m["id"] for m in st.memories())
+    mid = next(m["id"] for m in st.memory_service.memories())
     long = {**LORA, "max_epochs": 1000, "patience": 1000}
-    jid = st.submit_train(mid, "lora", long, "cancel me")
+    jid = st.plugin_service.submit_train(mid, "lora", long, "cancel me")
     t0 = time.time()
-    while st.job(jid)["progress"] < 0.1 and time.time() - t0 < 180:
+    while st.job_service.job(jid)["progress"] < 0.1 and time.time() - t0 < 180:
         time.sleep(0.2)
-    assert st.job(jid)["state"] == "running" and st.job(jid)["progress"] >= 0.1
-    st.cancel_job(jid)
+    assert st.job_service.job(jid)["state"] == "running" and st.job_service.job(jid)["progress"] >= 0.1
+    st.job_service.cancel_job(jid)
     job = st.jobs.wait(jid, timeout=120)
     assert job["state"] == "cancelled", job
-    assert "cancel me" not in {p["name"] for p in st.plugins()}
+    assert "cancel me" not in {p["name"] for p in st.plugin_service.plugins()}
 
 
 def test_a_studio_ranking_trains_on_the_ray_workers(studio):
@@ -183,11 +183,11 @@ def test_a_studio_ranking_trains_on_the_ray_workers(studio):
 
     st = studio
     text = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in unique_pairs(120))
-    build = st.jobs.wait(st.submit_build(text, "rank.jsonl", name="rank on ray"), timeout=300)
+    build = st.jobs.wait(st.memory_service.submit_build(text, "rank.jsonl", name="rank on ray"), timeout=300)
     assert build["state"] == "done", build
     mid = build["result"]["memory_id"]
-    assert "on 2 Ray worker(s)" in st.rank_estimate(mid, methods=["knn", "adapter"])["text"]
-    job = st.jobs.wait(st.submit_rank(mid, methods=["knn", "adapter"]), timeout=600)
+    assert "on 2 Ray worker(s)" in st.rank_service.rank_estimate(mid, methods=["knn", "adapter"])["text"]
+    job = st.jobs.wait(st.rank_service.submit_rank(mid, methods=["knn", "adapter"]), timeout=600)
     assert job["state"] == "done", job
     board = job["result"]["leaderboard"]
     assert board["workers"] == {"executor": "ray", "workers": 2, "address": None, "gpus": 0}

@@ -62,7 +62,8 @@ def hosted(tmp_path_factory):
             pid = studio.jobs.wait(a.predict(mid, "knn", {}, "", api_name="/train")["job_id"], 120)["result"][
                 "plugin_id"]
             mem_dir = Path(studio.catalog.memory(mid)["path"])
-            export = studio.export_plugin_zip(pid, owner=studio.identity.owner_of_key(ka), include_datastore=True)
+            export = studio.plugin_service.export_plugin_zip(pid, owner=studio.identity.owner_of_key(ka),
+                                                             include_datastore=True)
             yield SimpleNamespace(studio=studio, served=served, url=url, a=a, ka=ka, kb=kb, mid=mid, pid=pid,
                                   cache=cache, data=data, mem_dir=mem_dir, export=export,
                                   blocks=served.blocks[0])
@@ -198,7 +199,8 @@ def test_a_preview_or_build_past_the_sample_bound_stops_early(tmp_path):
     try:
         text = "a line of text\n" * 200_000
         t0 = time.perf_counter()
-        for call in (lambda: st.preview(text, "x.txt"), lambda: st.submit_build(text, "x.txt")):
+        for call in (lambda: st.memory_service.preview(text, "x.txt"),
+                     lambda: st.memory_service.submit_build(text, "x.txt")):
             with pytest.raises(UserError, match="more than 1,000 samples"):
                 call()
         assert time.perf_counter() - t0 < 20
@@ -311,7 +313,7 @@ def test_a_copied_data_directory_never_touches_the_original(tmp_path):
     st = tiny_studio(orig)
     try:
         mid = build_tiny_memory(st)
-        pid = st.jobs.wait(st.submit_train(mid, "knn", {}), 120)["result"]["plugin_id"]
+        pid = st.jobs.wait(st.plugin_service.submit_train(mid, "knn", {}), 120)["result"]["plugin_id"]
     finally:
         st.close()
     # a catalog of the earlier format, with absolute paths (what copies of older directories hold)
@@ -325,15 +327,15 @@ def test_a_copied_data_directory_never_touches_the_original(tmp_path):
     shutil.copytree(orig, copy)
     st2 = Studio(copy, backbone="tiny", start_jobs=False)
     try:
-        assert st2.wait_ready(60)
-        assert [m["id"] for m in st2.memories()] == [mid] and (copy / "memories" / mid).is_dir()
+        assert st2.backbone_service.wait_ready(60)
+        assert [m["id"] for m in st2.memory_service.memories()] == [mid] and (copy / "memories" / mid).is_dir()
         assert Path(st2.catalog.memory(mid)["path"]).resolve() == (copy / "memories" / mid).resolve()
         assert not any("removed a folder" in r for r in st2.repairs), st2.repairs
         # a kNN plug-in: it reads its memory's keys, from the copy's own folder
-        plugin = st2.plugin_svc.load_plugin(pid)
+        plugin = st2.plugin_service.load_plugin(pid)
         assert Path(plugin.memory_meta["path"]).resolve() == (copy / "memories" / mid).resolve()
-        st2.delete_plugin(pid)
-        st2.delete_memory(mid)
+        st2.plugin_service.delete_plugin(pid)
+        st2.memory_service.delete_memory(mid)
         assert not (copy / "memories" / mid).exists()
     finally:
         st2.close()

@@ -101,7 +101,7 @@ def test_a_new_setting_in_one_declaration_reaches_ui_cli_and_grids(tiny, tiny_me
     assert "probe" not in [d["name"] for d in table["pema"]["decode_settings"]]
     studio = Studio(tmp_path / "d", backbone="tiny", load=False, start_jobs=False)
     try:
-        assert studio.start_settings("translation")["knn"]["probe"] == 2
+        assert studio.plugin_service.start_settings("translation")["knn"]["probe"] == 2
         demo = build_app(studio)
         ids = {getattr(b, "elem_id", None): b for b in demo.blocks.values()}
         ctl = ids.get(setting_elem_id("knn", "probe"))

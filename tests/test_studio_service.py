@@ -47,7 +47,7 @@ def memory_id(studio):
 
 @pytest.fixture(scope="module")
 def budget_pema(studio, memory_id):
-    job = studio.jobs.wait(studio.submit_train(memory_id, "pema", BUDGET_PEMA, "PEMA on a budget"), 180)
+    job = studio.jobs.wait(studio.plugin_service.submit_train(memory_id, "pema", BUDGET_PEMA, "PEMA on a budget"), 180)
     assert job["state"] == "done", job
     return job
 
@@ -96,14 +96,14 @@ def test_a_budget_stopped_plugin_is_labelled_under_trained_everywhere(studio, bu
     res = budget_pema["result"]
     assert res["training"]["under_trained"] and "under-trained" in res["message"]
     assert "ready" not in res["message"]
-    job = studio.job(budget_pema["id"])
+    job = studio.job_service.job(budget_pema["id"])
     assert job["training"]["under_trained"] and job["elapsed_s"] >= 0 and job["eta_s"] is None
     card = render.job_card(job)
     assert "under-trained" in card and "stopped by time budget at" in card and "100%" not in card
     assert "ran " in card  # how long it ran
     row = render.jobs_table([job])[0]
     assert row[2] == "under-trained" and row[3] == "stopped early" and row[4].startswith("ran ")
-    plug = next(p for p in studio.plugins() if p["id"] == res["plugin_id"])
+    plug = next(p for p in studio.plugin_service.plugins() if p["id"] == res["plugin_id"])
     assert plug["training"]["under_trained"] and plug["can_continue"]
     line = render.plugins_table([plug])[0]
     assert line[render.PLUGIN_HEADERS.index("training")].startswith("⚠ stopped by time budget at ")
@@ -115,10 +115,10 @@ def test_every_phase_reports_progress_lora_precomputation_included(studio, memor
     used (steps and early-stopping evaluations report it), and every training loop reports its evaluations."""
     from plugins.api import open_memory, train_plugin
 
-    mem = open_memory(studio.catalog.memory(memory_id)["path"], studio.backbone)
+    mem = open_memory(studio.catalog.memory(memory_id)["path"], studio.backbone_service.backbone())
     seen: list[tuple[float, float, str]] = []
     with studio.gate.use(holder="test"):
-        train_plugin(studio.backbone, mem, "lora", {"rank": 8, "max_epochs": 2, "batch_size": 2},
+        train_plugin(studio.backbone_service.backbone(), mem, "lora", {"rank": 8, "max_epochs": 2, "batch_size": 2},
                      out_dir=studio.root / "lora-progress",
                      progress=lambda f, m: seen.append((time.time(), f, m)))
     msgs = [m for _, _, m in seen]
@@ -185,15 +185,15 @@ def test_continue_training_resumes_from_the_saved_optimizer(studio, memory_id, m
 
     from studio.plugin_service import OPTIMIZER_FILE
 
-    first = studio.jobs.wait(studio.submit_train(memory_id, method, config, f"{method} first"), 180)
+    first = studio.jobs.wait(studio.plugin_service.submit_train(memory_id, method, config, f"{method} first"), 180)
     assert first["state"] == "done", first
     pid = first["result"]["plugin_id"]
     folder = studio.root / "plugins" / pid
     saved = load_file(str(folder / OPTIMIZER_FILE))
     assert any("/exp_avg" in k for k in saved) and any(k.endswith("loop/steps") for k in saved)
     with pytest.raises(Exception, match="can change only"):
-        studio.submit_continue(pid, {"rank": 4})
-    jid = studio.submit_continue(pid, {"max_minutes": 0.5})
+        studio.plugin_service.submit_continue(pid, {"rank": 4})
+    jid = studio.plugin_service.submit_continue(pid, {"max_minutes": 0.5})
     job = studio.jobs.wait(jid, 180)
     assert job["state"] == "done", job
     new = job["result"]
@@ -205,16 +205,17 @@ def test_continue_training_resumes_from_the_saved_optimizer(studio, memory_id, m
     assert phase["continued_from_epochs"] == pytest.approx(before["epochs"], abs=0.01)
     assert phase["total_epochs"] > before["epochs"]
     assert (studio.root / "plugins" / new["plugin_id"] / OPTIMIZER_FILE).exists()
-    assert any(p["id"] == pid for p in studio.plugins())  # the original stays
-    c = studio.compare("the house is small", "translation", ["base", new["plugin_id"]], max_new_tokens=6)
+    assert any(p["id"] == pid for p in studio.plugin_service.plugins())  # the original stays
+    c = studio.compare_service.compare("the house is small", "translation", ["base", new["plugin_id"]],
+                                       max_new_tokens=6)
     assert len(c["rows"]) == 2
 
 
 def test_only_resumable_methods_continue(studio, memory_id):
-    job = studio.jobs.wait(studio.submit_train(memory_id, "knn", {}, "knn"), 120)
+    job = studio.jobs.wait(studio.plugin_service.submit_train(memory_id, "knn", {}, "knn"), 120)
     with pytest.raises(Exception, match="cannot continue training"):
-        studio.submit_continue(job["result"]["plugin_id"])
-    assert not next(p for p in studio.plugins() if p["id"] == job["result"]["plugin_id"])["can_continue"]
+        studio.plugin_service.submit_continue(job["result"]["plugin_id"])
+    assert not next(p for p in studio.plugin_service.plugins() if p["id"] == job["result"]["plugin_id"])["can_continue"]
 
 
 # --- the repetition guard ----------------------------------------------------------------------------------------
@@ -268,13 +269,15 @@ def test_the_guard_is_declared_once_and_addressed_to_all_rows():
 
 def test_studio_compare_applies_the_guard_to_the_base_row_too(studio, budget_pema):
     pid = budget_pema["result"]["plugin_id"]
-    plain = studio.compare("the house is small", "translation", ["base", pid], max_new_tokens=24)
+    plain = studio.compare_service.compare("the house is small", "translation", ["base", pid], max_new_tokens=24)
     assert all("no_repeat_ngram" not in r["settings"] for r in plain["rows"])
-    g = studio.compare("the house is small", "translation", ["base", pid], {"all": {"no_repeat_ngram": 3}},
-                       max_new_tokens=24)
+    g = studio.compare_service.compare("the house is small", "translation", ["base", pid],
+                                       {"all": {"no_repeat_ngram": 3}},
+                                       max_new_tokens=24)
     assert [r["settings"].get("no_repeat_ngram") for r in g["rows"]] == [3, 3]
     assert not any(has_repeated_ngram(r["tokens"], 3) for r in g["rows"])
-    kw = studio.compare("the house is small", "translation", ["base", pid], max_new_tokens=24, no_repeat_ngram=3)
+    kw = studio.compare_service.compare("the house is small", "translation", ["base", pid], max_new_tokens=24,
+                                        no_repeat_ngram=3)
     assert [r["tokens"] for r in kw["rows"]] == [r["tokens"] for r in g["rows"]]
 
 
@@ -300,9 +303,9 @@ def test_metrics_intervals_pvalues_signatures_and_sentence_chrf():
 @pytest.fixture(scope="module")
 def evaluation(studio, budget_pema):
     tsv = "\n".join(f"{s}\t{t}" for s, t in PAIRS[:6])
-    jid = studio.submit_evaluate(methods=["base", budget_pema["result"]["plugin_id"]], test_data=tsv,
-                                 test_filename="test.tsv", limit=6, max_new_tokens=16,
-                                 settings={"all": {"no_repeat_ngram": 2}})
+    jid = studio.evaluate_service.submit_evaluate(methods=["base", budget_pema["result"]["plugin_id"]], test_data=tsv,
+                                                  test_filename="test.tsv", limit=6, max_new_tokens=16,
+                                                  settings={"all": {"no_repeat_ngram": 2}})
     job = studio.jobs.wait(jid, 180)
     assert job["state"] == "done", job
     return job
@@ -325,13 +328,13 @@ def test_an_evaluation_reports_what_a_reviewer_needs(evaluation):
 
 
 def test_evaluation_files_are_per_owner_and_do_not_pile_up(studio, evaluation):
-    files = studio.evaluation_files(evaluation["id"])
+    files = studio.evaluate_service.evaluation_files(evaluation["id"])
     names = sorted(f.name for f in files)
     stem = f"pema-eval-{evaluation['id']}"
     assert names == sorted([f"{stem}-scores.csv", f"{stem}.json", f"{stem}-outputs.csv"])
-    root = studio.downloads_root()
+    root = studio.downloads.downloads_root()
     assert all(f.parent.parent == root for f in files)  # under the data directory, one folder per owner
-    again = studio.evaluation_files(evaluation["id"])
+    again = studio.evaluate_service.evaluation_files(evaluation["id"])
     assert again == files and len(list(files[0].parent.iterdir())) == 3  # the same files, nothing more
     scores = list(csv.DictReader(io.StringIO(files[[f.name for f in files].index(f"{stem}-scores.csv")]
                                               .read_text(encoding="utf-8"))))
@@ -347,10 +350,10 @@ def test_evaluation_files_are_per_owner_and_do_not_pile_up(studio, evaluation):
     old.parent.mkdir(parents=True, exist_ok=True)
     old.write_text("x")
     os.utime(old, (time.time() - 3 * 86400,) * 2)
-    studio.evaluation_files(evaluation["id"])
+    studio.evaluate_service.evaluation_files(evaluation["id"])
     assert not old.exists() and not old.parent.exists()
     with pytest.raises(Exception, match="No job"):
-        studio.evaluation_files(evaluation["id"], owner="someone-else")
+        studio.evaluate_service.evaluation_files(evaluation["id"], owner="someone-else")
 
 
 def test_the_evaluate_tab_tables(evaluation):
@@ -389,8 +392,9 @@ def test_a_sweep_has_one_base_point(studio, memory_id, budget_pema):
     from ui import plots
     from ui.evaluate import _table
 
-    jid = studio.submit_evaluate(memory_id=memory_id, limit=1, sweep_plugin=budget_pema["result"]["plugin_id"],
-                                 lambdas=[0.0, 0.5, 0.5, 1.0], max_new_tokens=8)
+    jid = studio.evaluate_service.submit_evaluate(memory_id=memory_id, limit=1,
+                                                  sweep_plugin=budget_pema["result"]["plugin_id"],
+                                                  lambdas=[0.0, 0.5, 0.5, 1.0], max_new_tokens=8)
     job = studio.jobs.wait(jid, 180)
     assert job["state"] == "done", job
     pts = job["result"]["sweep"]
@@ -407,13 +411,13 @@ def test_downloads_are_not_served_by_their_path(studio, evaluation):
 
     from ui.server import OwnerCookieMiddleware
 
-    f = studio.evaluation_files(evaluation["id"])[0]
+    f = studio.evaluate_service.evaluation_files(evaluation["id"])[0]
     called = []
 
     async def app(scope, receive, send):
         called.append(scope["path"])
 
-    mw = OwnerCookieMiddleware(app, studio, downloads=studio.downloads_root())
+    mw = OwnerCookieMiddleware(app, studio, downloads=studio.downloads.downloads_root())
     sent = []
 
     async def send(msg):
@@ -460,7 +464,7 @@ def test_output_cards_have_copy_and_view_buttons_and_explain_the_score():
 # --- memory profile, neighbour maps, several sentences, examples --------------------------------------------------
 @pytest.fixture(scope="module")
 def knn_id(studio, memory_id):
-    job = studio.jobs.wait(studio.submit_train(memory_id, "knn", {}, "kNN for maps"), 120)
+    job = studio.jobs.wait(studio.plugin_service.submit_train(memory_id, "knn", {}, "kNN for maps"), 120)
     assert job["state"] == "done", job
     return job["result"]["plugin_id"]
 
@@ -471,8 +475,8 @@ def test_memory_profile_counts_tokens_and_projects_a_seeded_sample(studio, memor
     from memories.profile import memory_profile, project, scaled_keys
     from memories.store import Memory
 
-    prof = studio.memory_profile(memory_id)
-    assert studio.memory_profile(memory_id) is prof  # computed once per memory
+    prof = studio.memory_service.memory_profile(memory_id)
+    assert studio.memory_service.memory_profile(memory_id) is prof  # computed once per memory
     mem = Memory.load(studio.catalog.memory(memory_id)["path"])
     ids, counts = np.unique(np.asarray(mem.values), return_counts=True)
     # 4 sentences x 3 exact duplicates: the grouped split holds out one whole group of 3
@@ -503,8 +507,8 @@ def test_memory_profile_counts_tokens_and_projects_a_seeded_sample(studio, memor
 
 
 def test_a_picked_token_shows_its_spread_and_its_sentences(studio, memory_id):
-    prof = studio.memory_profile(memory_id)
-    train = studio.memory_svc.load_memory(memory_id).split_samples("train")  # the split decides which targets
+    prof = studio.memory_service.memory_profile(memory_id)
+    train = studio.memory_service.load_memory(memory_id).split_samples("train")  # the split decides which targets
     targets = sorted({s["tgt"] for s in train})
 
     def holders(text):
@@ -513,7 +517,7 @@ def test_a_picked_token_shows_its_spread_and_its_sentences(studio, memory_id):
     # a word piece of one training target only (the tiny tokenizer: " Ha" "us", " Kat" "ze", " Mor" "gen")
     picked = next(t for t in prof["top_tokens"] if len(t["text"].strip()) >= 2 and len(holders(t["text"])) == 1)
     tgt = holders(picked["text"])[0]
-    info = studio.memory_token(memory_id, picked["token_id"])
+    info = studio.memory_service.memory_token(memory_id, picked["token_id"])
     assert info["count"] == picked["count"] == info["in_sample"] and info["spread"] == picked["spread"]
     assert info["count"] == sum(s["tgt"] == tgt for s in train) > 0
     assert info["occurrences"] and all(o["match"] == picked["text"] for o in info["occurrences"])
@@ -523,9 +527,9 @@ def test_a_picked_token_shows_its_spread_and_its_sentences(studio, memory_id):
     from ground.errors import UserError
 
     with pytest.raises(UserError, match="No memory"):  # another owner's memory does not exist for them
-        studio.memory_profile(memory_id, owner="someone-else")
+        studio.memory_service.memory_profile(memory_id, owner="someone-else")
     with pytest.raises(UserError, match="no entry with token"):
-        studio.memory_token(memory_id, 399)
+        studio.memory_service.memory_token(memory_id, 399)
 
 
 def test_neighbour_map_of_a_knn_row_is_the_decode_s_retrieval(studio, memory_id, knn_id):
@@ -533,11 +537,11 @@ def test_neighbour_map_of_a_knn_row_is_the_decode_s_retrieval(studio, memory_id,
 
     from memories.profile import project
 
-    p = studio.compare("the house is small", "translation", ["base", knn_id], max_new_tokens=6)
+    p = studio.compare_service.compare("the house is small", "translation", ["base", knn_id], max_new_tokens=6)
     row = next(r for r in p["rows"] if r["method"] == "knn")
-    prof = studio.memory_profile(memory_id)
+    prof = studio.memory_service.memory_profile(memory_id)
     for i in range(len(row["tokens"])):
-        m = studio.neighbour_map(p["id"], row["label"], i)
+        m = studio.neighbour_map_service.neighbour_map(p["id"], row["label"], i)
         traced = row["trace"][i]["neighbours"]
         assert [n["entry"] for n in m["neighbours"]] == [n["entry"] for n in traced][:len(m["neighbours"])]
         # the map's query is the decode's: its distances to the neighbours are the ones kNN computed
@@ -546,10 +550,10 @@ def test_neighbour_map_of_a_knn_row_is_the_decode_s_retrieval(studio, memory_id,
         assert m["token"] == row["token_texts"][i] and m["query_kind"].startswith("f(c) / key RMS")
         for n in m["neighbours"]:
             assert n["match"] == n["token"] and n["same_as_output"] == (n["token_id"] == row["tokens"][i])
-            assert n["source"] == studio.memory_svc.load_memory(memory_id).samples[n["sample"]]["src"]
+            assert n["source"] == studio.memory_service.load_memory(memory_id).samples[n["sample"]]["src"]
             assert len(n["xy"]) == 2
     # the sentence is in the memory: the first token's context is a stored key, so it sits on its neighbour
-    m0 = studio.neighbour_map(p["id"], row["label"], 0)
+    m0 = studio.neighbour_map_service.neighbour_map(p["id"], row["label"], 0)
     assert m0["neighbours"][0]["distance"] < 1e-3
     assert np.allclose(m0["query"], m0["neighbours"][0]["xy"], atol=1e-2)
     assert np.allclose(project(prof, np.zeros((1, len(prof["projection"]["mean"])))),
@@ -565,12 +569,12 @@ def test_neighbour_map_of_a_pema_row_places_h_pd_among_the_keys(studio, memory_i
     from memories.store import Memory
 
     pid = budget_pema["result"]["plugin_id"]
-    p = studio.compare("the cat sleeps", "translation", ["base", pid], max_new_tokens=4)
+    p = studio.compare_service.compare("the cat sleeps", "translation", ["base", pid], max_new_tokens=4)
     row = next(r for r in p["rows"] if r["method"] == "pema")
-    m = studio.neighbour_map(p["id"], row["label"], 1, k=5)
+    m = studio.neighbour_map_service.neighbour_map(p["id"], row["label"], 1, k=5)
     assert m["method"] == "pema" and m["query_kind"].startswith("h_pd") and len(m["neighbours"]) == 5
     # the exact 5 nearest keys to h_pd (rescaled to the keys' RMS), recomputed here from the plug-in itself
-    bb, plugin = studio.backbone, studio.plugin_svc.load_plugin(pid)
+    bb, plugin = studio.backbone_service.backbone(), studio.plugin_service.load_plugin(pid)
     ids = torch.tensor([p["context_ids"] + row["tokens"][:1]])
     with torch.no_grad():
         fc, _ = bb.forward_fc(ids)
@@ -585,13 +589,13 @@ def test_neighbour_map_of_a_pema_row_places_h_pd_among_the_keys(studio, memory_i
 def test_neighbour_maps_are_for_knn_and_pema_rows_of_the_owner(studio, knn_id):
     from ground.errors import UserError
 
-    p = studio.compare("good morning", "translation", ["base", knn_id], max_new_tokens=3)
+    p = studio.compare_service.compare("good morning", "translation", ["base", knn_id], max_new_tokens=3)
     with pytest.raises(UserError, match="for kNN and PEMA rows"):
-        studio.neighbour_map(p["id"], "Base model", 0)
+        studio.neighbour_map_service.neighbour_map(p["id"], "Base model", 0)
     with pytest.raises(UserError, match="does not exist"):
-        studio.neighbour_map(p["id"], "kNN for maps", 99)
+        studio.neighbour_map_service.neighbour_map(p["id"], "kNN for maps", 99)
     with pytest.raises(UserError, match="no longer in memory"):  # another owner's comparison
-        studio.neighbour_map(p["id"], "kNN for maps", 0, owner="someone-else")
+        studio.neighbour_map_service.neighbour_map(p["id"], "kNN for maps", 0, owner="someone-else")
 
 
 def test_several_sentences_one_batch_a_column_per_method_and_scores(studio, budget_pema):
@@ -608,7 +612,7 @@ def test_several_sentences_one_batch_a_column_per_method_and_scores(studio, budg
         parse_lines("a\n ||| b")
     pid = budget_pema["result"]["plugin_id"]
     text = "the house is small ||| das Haus ist klein\nthe cat sleeps\tdie Katze schlaeft\ngood morning"
-    res = studio.compare_several(text, "translation", ["base", pid], max_new_tokens=8)
+    res = studio.compare_service.compare_several(text, "translation", ["base", pid], max_new_tokens=8)
     assert [c["method"] for c in res["columns"]] == ["base", "pema"] and res["timings"]["sentences"] == 3
     assert [ln["reference"] for ln in res["lines"]] == ["das Haus ist klein", "die Katze schlaeft", None]
     assert res["lines"][2]["scores"] is None
@@ -618,26 +622,26 @@ def test_several_sentences_one_batch_a_column_per_method_and_scores(studio, budg
     assert [c["n"] for c in res["corpus"]] == [2, 2]
     # one batch computes what one comparison per sentence does
     for ln in res["lines"]:
-        one = studio.compare(ln["source"], "translation", ["base", pid], max_new_tokens=8)
+        one = studio.compare_service.compare(ln["source"], "translation", ["base", pid], max_new_tokens=8)
         assert ln["outputs"] == [r["text"] for r in one["rows"]]
     limits = studio.limits
     try:
         studio.limits = dataclasses.replace(limits, compare_lines=2, input_chars=30)
         with pytest.raises(UserError, match="number of sentences is 3; the limit is 2.*compare_lines"):
-            studio.compare_several(text, "translation", ["base"])
+            studio.compare_service.compare_several(text, "translation", ["base"])
         with pytest.raises(UserError, match="line 2's sentence's length"):
-            studio.compare_several("ok\n" + "x" * 31, "translation", ["base"])
+            studio.compare_service.compare_several("ok\n" + "x" * 31, "translation", ["base"])
     finally:
         studio.limits = limits
     with pytest.raises(UserError, match="No plug-in"):  # another owner's plug-in
-        studio.compare_several("a", "translation", ["base", pid], owner="someone-else")
+        studio.compare_service.compare_several("a", "translation", ["base", pid], owner="someone-else")
 
 
 def test_the_views_of_profiles_maps_and_several_sentences(studio, memory_id, knn_id):
     from ui import plots, render
     from ui.inspect import mapped_rows, output_token_choices
 
-    prof = studio.memory_profile(memory_id)
+    prof = studio.memory_service.memory_profile(memory_id)
     assert "entries" in render.profile_summary(prof) and "PCA" in render.profile_summary(prof)
     full = plots.memory_map(prof)
     assert sum(len(t.x) for t in full.data) == prof["projection"]["sample_size"]
@@ -646,13 +650,14 @@ def test_the_views_of_profiles_maps_and_several_sentences(studio, memory_id, knn
     assert [t.name for t in one.data] == ["other tokens", "“⏎”", "its centroid"]
     assert len(one.data[1].x) == prof["top_tokens"][0]["in_sample"]
     assert len(plots.token_frequencies(prof).data[0].y) == min(20, len(prof["top_tokens"]))
-    detail = render.token_detail(studio.memory_token(memory_id, tid))
+    detail = render.token_detail(studio.memory_service.memory_token(memory_id, tid))
     assert "<mark>⏎</mark>" in detail
-    src = studio.memory_svc.load_memory(memory_id).split_samples("train")[0]["src"]  # one the split left in training
-    p = studio.compare(src, "translation", ["base", knn_id], max_new_tokens=3)
+    # one the split left in training
+    src = studio.memory_service.load_memory(memory_id).split_samples("train")[0]["src"]
+    p = studio.compare_service.compare(src, "translation", ["base", knn_id], max_new_tokens=3)
     assert [r["label"] for r in mapped_rows(p)] == ["kNN for maps"]
     assert output_token_choices(mapped_rows(p)[0])[0][1] == 0
-    m = studio.neighbour_map(p["id"], "kNN for maps", 0)
+    m = studio.neighbour_map_service.neighbour_map(p["id"], "kNN for maps", 0)
     fig = plots.neighbour_map(m)
     assert fig.data[-1].name == "query f(c)" and list(fig.data[-1].x) == [m["query"][0]]
     html = render.neighbour_list(m)

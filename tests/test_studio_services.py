@@ -1,6 +1,6 @@
 """The studio as separate services: each built alone from what it is given (a context, its collaborators), the
-façade's one forwarding table, and the shape rules of ``studio/`` (one project base class at most, ≤ 40 methods a
-class, no state made lazily through ``__dict__``)."""
+studio handing each the objects they share (and forwarding nothing), and the shape rules of ``studio/`` (one project
+base class at most, ≤ 40 methods a class, no state made lazily through ``__dict__``)."""
 from __future__ import annotations
 
 import ast
@@ -62,35 +62,25 @@ def idle_studio(tmp_path_factory):
     st.close()
 
 
-def test_every_forwarded_name_is_on_exactly_one_service(idle_studio):
-    from studio.service import Studio
-
-    parts = sorted(set(Studio.FORWARDED.values()))
-    for name, part in Studio.FORWARDED.items():
-        holders = [p for p in parts if hasattr(type(idle_studio.__dict__[p]), name)
-                   or name in vars(idle_studio.__dict__[p])]
-        assert holders == [part], (name, holders)
-        assert name not in vars(Studio) and name not in vars(idle_studio), f"the façade itself defines {name!r}"
-
-
-def test_no_service_method_is_reachable_under_two_names(idle_studio):
-    from studio.service import Studio
-
-    funcs = {}
-    for name, part in Studio.FORWARDED.items():
-        target = inspect.getattr_static(idle_studio.__dict__[part], name)
-        if callable(target) or isinstance(target, (staticmethod, property)):
-            funcs.setdefault(id(target), []).append(name)
-    assert all(len(names) == 1 for names in funcs.values()), [n for n in funcs.values() if len(n) > 1]
-
-
-def test_the_facade_forwards_reads_and_writes_and_nothing_else(idle_studio):
+def test_the_studio_hands_each_service_the_objects_it_shares(idle_studio):
+    """One gate, one plug-in cache, one downloads folder: every service that uses one was given the studio's."""
     st = idle_studio
-    assert st.compare.__self__ is st.compare_svc and st.memories.__self__ is st.memory_svc
-    st.busy_timeout = 7.5  # a forwarded name is set on its service: the façade keeps no stale copy
-    assert st.backbone_svc.busy_timeout == 7.5 and "busy_timeout" not in vars(st)
-    with pytest.raises(AttributeError):
-        st._plugin  # noqa: B018 — a service's private name is not the façade's
+    for svc in (st.backbone_service, st.memory_service, st.plugin_service, st.evaluate_service, st.rank_service):
+        assert svc.gate is st.gate, type(svc).__name__
+    for svc in (st.backbone_service, st.memory_service, st.plugin_service, st.compare_service, st.rank_service):
+        assert svc.plugin_cache is st.plugin_cache, type(svc).__name__
+    assert st.plugin_service.downloads is st.evaluate_service.downloads is st.downloads
+    assert st.compare_service.store is st.store and st.evaluate_service.job_svc is st.job_service
+
+
+def test_the_studio_forwards_nothing(idle_studio):
+    """A service's method is reached through its service only (``studio.compare_service.compare``), so
+    go-to-definition and a reader land on the method itself."""
+    st = idle_studio
+    assert st.compare_service.compare.__self__ is st.compare_service
+    for name in ("compare", "memories", "status", "busy_timeout", "backbone"):
+        with pytest.raises(AttributeError):
+            getattr(st, name)
     old = st.limits
     st.limits = type(old)(input_chars=5)  # the context every service reads
     try:
@@ -102,51 +92,53 @@ def test_the_facade_forwards_reads_and_writes_and_nothing_else(idle_studio):
 # --- each service built alone ---------------------------------------------------------------------------------------
 @pytest.fixture
 def parts(tmp_path):
-    """A context (catalog, limits, a started job queue) and a loaded tiny backbone: what the services share."""
+    """A context (catalog, limits, a started job queue), the plug-in cache, the backbone's gate and a loaded tiny
+    backbone: what the services share."""
     from ground.jobs import JobQueue
     from ground.store import Catalog
     from studio.backbone_service import BackboneService
     from studio.caches import LRU
     from studio.context import StudioContext
+    from studio.gate import BackboneGate
     from studio.limits import Limits
 
     catalog = Catalog(tmp_path)
     jobs = JobQueue(catalog)
     assert jobs.acquire()
     ctx = StudioContext(catalog, Limits.configure(False, environ={}), jobs)
-    cache = LRU(4)
-    bb = BackboneService(ctx, cache, "tiny")
+    cache, gate = LRU(4), BackboneGate()
+    bb = BackboneService(ctx, cache, gate, "tiny")
     bb.load_backbone_async()
     assert bb.wait_ready(120), bb.status()
     jobs.start()
-    yield ctx, cache, bb
+    yield ctx, cache, gate, bb
     jobs.stop()
 
 
-def _memory(ctx, cache, bb):
+def _memory(ctx, cache, gate, bb):
     from studio.memory_service import MemoryService
 
-    memory_svc = MemoryService(ctx, bb, cache)
+    memory_svc = MemoryService(ctx, bb, gate, cache)
     ctx.jobs.handlers.update(memory_svc.job_handlers)
     job = ctx.jobs.wait(memory_svc.submit_build(PAIRS, "pairs.tsv", name="pairs"), 120)
     assert job["state"] == "done", job
     return memory_svc, job["result"]["memory_id"]
 
 
-def _plugins(ctx, cache, bb, memory_svc):
+def _plugins(ctx, cache, gate, bb, memory_svc):
     from studio.downloads import Downloads
     from studio.plugin_service import PluginService
 
-    return PluginService(ctx, bb, memory_svc, cache, Downloads())
+    return PluginService(ctx, bb, gate, memory_svc, cache, Downloads())
 
 
 def test_the_backbone_service_alone(parts):
-    ctx, cache, bb = parts
+    ctx, cache, gate, bb = parts
     cache.put("p", object())
     status = bb.status()
-    assert status["ready"] and status["backbone"] == bb.loaded.name and not status["read_only"]
+    assert status["ready"] and status["backbone"] == bb.loaded_backbone().name and not status["read_only"]
     with bb.interactive("a test") as model:
-        assert model is bb.loaded and bb.gate.holder == "a test"
+        assert model is bb.loaded_backbone() and gate.holder == "a test"
     assert not bb.offsite() and bb.eval_decode(model) == {}
 
 
@@ -158,9 +150,9 @@ def test_the_memory_service_alone(parts):
 
 
 def test_the_plugin_service_alone(parts):
-    ctx, cache, bb = parts
+    ctx, cache, gate, bb = parts
     memory_svc, mid = _memory(*parts)
-    plugin_svc = _plugins(ctx, cache, bb, memory_svc)
+    plugin_svc = _plugins(ctx, cache, gate, bb, memory_svc)
     ctx.jobs.handlers.update(plugin_svc.job_handlers)
     job = ctx.jobs.wait(plugin_svc.submit_train(mid, "knn", {}), 120)
     assert job["state"] == "done", job
@@ -187,13 +179,13 @@ def test_the_job_service_alone(tmp_path):
         svc.job(jid, owner="someone else")
 
 
-def _comparisons(ctx, cache, bb):
+def _comparisons(ctx, cache, gate, bb):
     from studio.compare_service import CompareService, ComparisonStore
     from studio.memory_service import MemoryService
 
-    memory_svc = MemoryService(ctx, bb, cache)
-    plugin_svc = _plugins(ctx, cache, bb, memory_svc)
-    return memory_svc, plugin_svc, CompareService(ctx, bb, memory_svc, plugin_svc, ComparisonStore())
+    memory_svc = MemoryService(ctx, bb, gate, cache)
+    plugin_svc = _plugins(ctx, cache, gate, bb, memory_svc)
+    return memory_svc, plugin_svc, CompareService(ctx, bb, memory_svc, plugin_svc, cache, ComparisonStore())
 
 
 def test_the_compare_service_alone(parts):
@@ -208,7 +200,7 @@ def test_the_compare_service_alone(parts):
 def test_the_neighbour_map_service_alone(parts):
     from studio.neighbour_map import NeighbourMapService
 
-    ctx, cache, bb = parts
+    ctx, cache, gate, bb = parts
     memory_svc, plugin_svc, compare_svc = _comparisons(*parts)
     maps = NeighbourMapService(ctx, bb, memory_svc, plugin_svc, compare_svc)
     p = compare_svc.compare("hello world", methods=["base"], max_new_tokens=2)
@@ -221,10 +213,10 @@ def test_the_evaluate_service_alone(parts):
     from studio.evaluate_service import EvaluateService
     from studio.job_service import JobService
 
-    ctx, cache, bb = parts
+    ctx, cache, gate, bb = parts
     memory_svc, plugin_svc, compare_svc = _comparisons(*parts)
     downloads = Downloads()
-    svc = EvaluateService(ctx, bb, memory_svc, plugin_svc, compare_svc, JobService(ctx), downloads)
+    svc = EvaluateService(ctx, bb, gate, memory_svc, plugin_svc, compare_svc, JobService(ctx), downloads)
     ctx.jobs.handlers.update(svc.job_handlers)
     try:
         jid = svc.submit_evaluate(methods=["base"], test_data=PAIRS, test_filename="t.tsv", limit=2,
@@ -239,9 +231,9 @@ def test_the_evaluate_service_alone(parts):
 def test_the_rank_service_alone(parts):
     from studio.rank_service import RankService
 
-    ctx, cache, bb = parts
+    ctx, cache, gate, bb = parts
     memory_svc, mid = _memory(*parts)
-    svc = RankService(ctx, bb, memory_svc, cache)
+    svc = RankService(ctx, bb, gate, memory_svc, cache)
     est = svc.rank_estimate(mid, methods=["knn"])
     assert est["seconds"] >= 0 and set(est["per_method"]) == {"knn"}
     with pytest.raises(Exception, match="No finished ranking"):

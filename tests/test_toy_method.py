@@ -107,7 +107,7 @@ def test_the_toy_is_listed_by_plugins_methods(toy_method, capsys):
 def test_the_training_form_is_generated_from_the_toys_declarations(studio, toy_method):
     from ui.plugins import form_config, preset_form_values
 
-    m = next(m for m in studio.methods() if m["method"] == toy_method)
+    m = next(m for m in studio.plugin_service.methods() if m["method"] == toy_method)
     assert [d["name"] for d in m["training_settings"]] == ["seed", "spread"]
     spread = m["training_settings"][1]
     assert (spread["low"], spread["high"], spread["default"]) == (0.0, 4.0, 1.0)
@@ -119,7 +119,7 @@ def test_the_time_estimate_asks_the_toy(studio, toy_method):
     from plugins.estimate import estimate
 
     mid = build_tiny_memory(studio, name="toy memory")
-    est = studio.training_estimate(mid, toy_method, {"spread": 2.0})
+    est = studio.plugin_service.training_estimate(mid, toy_method, {"spread": 2.0})
     assert est["measured"] is False and "Toy uniform smoothing was not measured" in est["text"]
     measured = estimate(toy_method, {}, "tiny", 10, 40, table={"tiny": {toy_method: {"setup_s": 1.0}}})
     assert measured["measured"] and measured["text"] == "Nothing to train (40 entries)."
@@ -129,12 +129,13 @@ def test_a_trained_toy_is_a_compare_choice_and_decodes(studio, toy_method):
     from ui.common import method_choices
 
     mid = build_tiny_memory(studio, name="toy pairs")
-    job = studio.jobs.wait(studio.submit_train(mid, toy_method, {"spread": 2.0}, "my toy"), 120)
+    job = studio.jobs.wait(studio.plugin_service.submit_train(mid, toy_method, {"spread": 2.0}, "my toy"), 120)
     assert job["state"] == "done", job
     pid = job["result"]["plugin_id"]
     assert (f"my toy [{toy_method}] · translation", pid) in method_choices(studio)  # the label names its task
-    p = studio.compare("the house is small", methods=["base", pid], settings={toy_method: {"lambda": 0.0}},
-                       max_new_tokens=4)
+    p = studio.compare_service.compare("the house is small", methods=["base", pid],
+                                       settings={toy_method: {"lambda": 0.0}},
+                                       max_new_tokens=4)
     base, toy = p["rows"]
     assert toy["method"] == toy_method and toy["tokens"] == base["tokens"]  # λ 0: the LM's own output
     assert toy["settings"]["lambda"] == 0.0

@@ -292,14 +292,14 @@ def memory_id(studio):
 
 
 def test_studio_estimate_before_training(studio, memory_id):
-    est = studio.training_estimate(memory_id, "adapter", {"max_minutes": 5})
+    est = studio.plugin_service.training_estimate(memory_id, "adapter", {"max_minutes": 5})
     assert est["measured"] and "epochs" in est["text"] and not est["under_trained"]
-    tight = studio.training_estimate(memory_id, "adapter", {"max_minutes": 1e-5, "max_epochs": 1000})
+    tight = studio.plugin_service.training_estimate(memory_id, "adapter", {"max_minutes": 1e-5, "max_epochs": 1000})
     assert tight["under_trained"] and "under-trained" in tight["text"]
     with pytest.raises(UserError, match="batch_size"):  # the form's values are validated as the CLI's
-        studio.training_estimate(memory_id, "adapter", {"batch_size": 0})
+        studio.plugin_service.training_estimate(memory_id, "adapter", {"batch_size": 0})
     with pytest.raises(UserError, match="No memory"):
-        studio.training_estimate(memory_id, "adapter", {}, owner="someone-else")
+        studio.plugin_service.training_estimate(memory_id, "adapter", {}, owner="someone-else")
 
 
 def test_generated_form_has_one_control_per_declared_setting(studio):
@@ -310,11 +310,11 @@ def test_generated_form_has_one_control_per_declared_setting(studio):
     with gr.Blocks() as demo:
         tab.build(studio)
     ids = {getattr(b, "elem_id", None) for b in demo.blocks.values()}
-    for m in studio.methods():
+    for m in studio.plugin_service.methods():
         assert {"default", "paper", "quick"} <= set(m["presets"]), m["method"]
         for d in m["training_settings"]:
             assert f"train-{m['method']}-{d['name']}".replace("_", "-") in ids, (m["method"], d["name"])
-    pema = next(m for m in studio.methods() if m["method"] == "pema")
+    pema = next(m for m in studio.plugin_service.methods() if m["method"] == "pema")
     vals = tab.preset_form_values(pema, "paper")
     assert vals["batch_size"] == 2048 and vals["kappa"] == pema["config"]["kappa"]
     order = [d["name"] for d in pema["training_settings"]]
@@ -361,13 +361,13 @@ def test_continue_training_resumes_optimizer_and_loss(tiny, tiny_memory, tmp_pat
 
 
 def test_studio_continues_a_residual_adapter(studio, memory_id):
-    job = studio.jobs.wait(studio.submit_train(memory_id, "adapter", SHORT, "adapter to continue"), 120)
+    job = studio.jobs.wait(studio.plugin_service.submit_train(memory_id, "adapter", SHORT, "adapter to continue"), 120)
     assert job["state"] == "done", job
-    assert "Time estimate: " in studio.job(job["id"])["log"]  # said in the job's log before training starts
+    assert "Time estimate: " in studio.job_service.job(job["id"])["log"]  # said in the job's log before training starts
     pid = job["result"]["plugin_id"]
-    assert next(p for p in studio.plugins() if p["id"] == pid)["can_continue"]
-    assert next(m for m in studio.methods() if m["method"] == "adapter")["resumable"]
-    cont = studio.jobs.wait(studio.submit_continue(pid, {"max_epochs": 2}), 120)
+    assert next(p for p in studio.plugin_service.plugins() if p["id"] == pid)["can_continue"]
+    assert next(m for m in studio.plugin_service.methods() if m["method"] == "adapter")["resumable"]
+    cont = studio.jobs.wait(studio.plugin_service.submit_continue(pid, {"max_epochs": 2}), 120)
     assert cont["state"] == "done", cont
     metrics = cont["result"]["metrics"]
     assert metrics["continued_from_epochs"] == pytest.approx(job["result"]["metrics"]["epochs"], abs=0.01)
@@ -414,16 +414,16 @@ def test_form_in_the_browser_preset_estimate_train(studio, memory_id):
             shots = Path(__file__).resolve().parents[1] / "screenshots"
             shots.mkdir(exist_ok=True)
             page.screenshot(path=str(shots / "plugins-form.png"), full_page=True)
-            n_before = len(studio.list_jobs())
+            n_before = len(studio.job_service.list_jobs())
             page.locator("#train-plugin").click()
             deadline = time.time() + 30
-            while len(studio.list_jobs()) == n_before:
+            while len(studio.job_service.list_jobs()) == n_before:
                 assert time.time() < deadline, "no job was queued"
                 time.sleep(0.2)
-            job = studio.list_jobs()[0]
+            job = studio.job_service.list_jobs()[0]
             cfg = job["args"]["config"]
             assert (cfg["rank"], cfg["batch_size"], cfg["b_init"], cfg["lora_alpha"]) == (16, 2048, "zeros", 1.0)
-            studio.cancel_job(job["id"])
+            studio.job_service.cancel_job(job["id"])
             b.close()
     finally:
         demo.close()
@@ -434,7 +434,7 @@ def test_method_info_says_where_a_comparison_starts_other_than_the_declared_defa
     tuned 0.2 / GU off: the tab now says which values a comparison starts at, per task, where they differ."""
     from ui import plugins as tab
 
-    pema = next(m for m in studio.methods() if m["method"] == "pema")
+    pema = next(m for m in studio.plugin_service.methods() if m["method"] == "pema")
     starts = {"translation": {"lambda_max": 0.2, "gu": False, "gu_min": 0.0}, "style": {"lambda_max": 0.8}}
     text = tab._method_info(pema, starts)
     assert "lambda_max=0.8 (live)" in text  # the declared defaults

@@ -103,7 +103,7 @@ def studio_knn(tmp_path_factory):
 
     st = tiny_studio(tmp_path_factory.mktemp("transfer-studio"))
     mid = build_tiny_memory(st, memory_pairs(120), "transfer pairs")  # 12 held out: 6 tune, 6 report
-    job = st.jobs.wait(st.submit_train(mid, "knn", {}, "kNN"), 120)
+    job = st.jobs.wait(st.plugin_service.submit_train(mid, "knn", {}, "kNN"), 120)
     assert job["state"] == "done", job
     yield st, job["result"]["plugin_id"]
     st.close()
@@ -114,15 +114,16 @@ def test_compare_and_evaluate_say_how_near_their_inputs_are(studio_knn):
     from ui.compare import transfer_html
 
     st, knn = studio_knn
-    assert st.transfer_check(["the house 7 is big"], ["base"]) is None  # no plug-in: no memory to measure against
-    near = st.transfer_check(["the house 7 is big"], ["base", knn], input_label="this sentence")
+    # no plug-in: no memory to measure against
+    assert st.memory_service.transfer_check(["the house 7 is big"], ["base"]) is None
+    near = st.memory_service.transfer_check(["the house 7 is big"], ["base", knn], input_label="this sentence")
     assert not near["farther"] and near["text"].startswith("This sentence is about as near")
     assert near["memory_name"] == "transfer pairs"
     html = transfer_html(st, FAR_TEST[0][0], ["base", knn], None)
     assert "pema-warn" in html and "This sentence is farther from the memory" in html
     tsv = "\n".join(f"{s}\t{t}" for s, t in FAR_TEST[:5])
-    job = st.jobs.wait(st.submit_evaluate(methods=["base", knn], test_data=tsv, test_filename="far.tsv",
-                                          max_new_tokens=4), 120)
+    job = st.jobs.wait(st.evaluate_service.submit_evaluate(methods=["base", knn], test_data=tsv,
+                                                           test_filename="far.tsv", max_new_tokens=4), 120)
     assert job["state"] == "done", job
     t = job["result"]["transfer"]
     assert t["farther"] and t["inputs"]["n"] == 5
@@ -166,17 +167,18 @@ def test_a_rank_job_on_a_test_file_shares_both_leaderboards_and_the_check_withou
     from ui import rank as rank_ui
 
     st, _ = studio_knn
-    mid = st.memories()[0]["id"]
+    mid = st.memory_service.memories()[0]["id"]
     tsv = "\n".join(f"{s}\t{t}" for s, t in FAR_TEST)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(calibration, "calibrate", lambda *a, **kw: None)  # the global defaults: fast
-        job = st.jobs.wait(st.submit_rank(mid, methods=["knn"], test_data=tsv, test_filename="far.tsv"), 300)
+        job = st.jobs.wait(st.rank_service.submit_rank(mid, methods=["knn"], test_data=tsv, test_filename="far.tsv"),
+                           300)
     assert job["state"] == "done", job
-    board = st.leaderboard(job["id"])
+    board = st.rank_service.leaderboard(job["id"])
     assert board["transfer"]["farther"] and board["heldout"]["methods"]
     html = rank_ui.verdict_html(board)
     assert "rank-transfer" in html and "rank-heldout-beside" in html
-    shared = st.shared_leaderboard(st.share_leaderboard(job["id"]))
+    shared = st.rank_service.shared_leaderboard(st.rank_service.share_leaderboard(job["id"]))
     assert shared["transfer"]["farther"] and "memory_id" not in shared["transfer"]
     assert {r["method"] for r in shared["heldout"]["methods"]} == {"base", "knn"}
     assert mid not in json.dumps(shared) and "rank-heldout-beside" in rank_ui.verdict_html(shared)

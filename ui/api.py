@@ -126,22 +126,22 @@ def _job_endpoints(studio) -> list:
     @_api
     def status() -> dict:
         """Backbone loading state: state (loading/ready/failed), progress 0-1, message."""
-        return studio.status()
+        return studio.backbone_service.status()
 
     @_api
     def job(job_id: str, request: gr.Request = None) -> dict:
         """One of your jobs: state, progress, message, log, error, result, metrics (loss history)."""
-        return studio.job(job_id, owner=owner_of(studio, request))
+        return studio.job_service.job(job_id, owner=owner_of(studio, request))
 
     @_api
     def jobs(limit: int = 30, request: gr.Request = None) -> list:
         """Your latest jobs, newest first."""
-        return studio.list_jobs(limit=limit, owner=owner_of(studio, request))
+        return studio.job_service.list_jobs(limit=limit, owner=owner_of(studio, request))
 
     @_api
     def cancel(job_id: str, request: gr.Request = None) -> dict:
         """Cancel one of your queued jobs, or ask a running one to stop."""
-        return studio.cancel_job(job_id, owner=owner_of(studio, request))
+        return studio.job_service.cancel_job(job_id, owner=owner_of(studio, request))
 
     return [status, job, jobs, cancel]
 
@@ -155,8 +155,8 @@ def _memory_endpoints(studio) -> list:
         """Parse samples (file contents as text, or a demo corpus) and report samples and per-line problems."""
         me = owner_of(studio, request)
         if corpus:
-            return studio.preview(corpus=corpus, limit=limit or 200, owner=me)
-        return studio.preview(text, filename or None, owner=me)
+            return studio.memory_service.preview(corpus=corpus, limit=limit or 200, owner=me)
+        return studio.memory_service.preview(text, filename or None, owner=me)
 
     @_api
     def build(text: str, filename: str = "samples.jsonl", name: str = "", task: str = "translation",
@@ -165,25 +165,26 @@ def _memory_endpoints(studio) -> list:
         """Validate samples and queue a memory build; returns {"job_id"}. Bad samples fail here (no job)."""
         me = owner_of(studio, request)
         if corpus:
-            jid = studio.submit_build(corpus=corpus, limit=limit or None, name=name, task=task, mode=mode, owner=me)
+            jid = studio.memory_service.submit_build(corpus=corpus, limit=limit or None, name=name, task=task,
+                                                     mode=mode, owner=me)
         else:
-            jid = studio.submit_build(text, filename or None, name=name, task=task, mode=mode,
-                                      skip_invalid=skip_invalid, owner=me)
+            jid = studio.memory_service.submit_build(text, filename or None, name=name, task=task, mode=mode,
+                                                     skip_invalid=skip_invalid, owner=me)
         return {"job_id": jid}
 
     @_api
     def memories(request: gr.Request = None) -> list:
         """Your memories with their statistics."""
-        return studio.memories(owner=owner_of(studio, request))
+        return studio.memory_service.memories(owner=owner_of(studio, request))
 
     @_api
     def memory(memory_id: str, request: gr.Request = None) -> dict:
         """One of your memories: summary, statistics, prompt, samples (incl. synthetic sources)."""
-        return studio.memory_detail(memory_id, owner=owner_of(studio, request))
+        return studio.memory_service.memory_detail(memory_id, owner=owner_of(studio, request))
 
     @_api
     def delete_memory(memory_id: str, request: gr.Request = None) -> dict:
-        return {"message": studio.delete_memory(memory_id, owner=owner_of(studio, request))}
+        return {"message": studio.memory_service.delete_memory(memory_id, owner=owner_of(studio, request))}
 
     return [preview, build, memories, memory, delete_memory]
 
@@ -194,35 +195,37 @@ def _plugin_endpoints(studio) -> list:
     @_api
     def methods() -> list:
         """Every plug-in method with its paper defaults and decode-time settings."""
-        return studio.methods()
+        return studio.plugin_service.methods()
 
     @_api
     def train(memory_id: str, method: str = "pema", config: Optional[dict] = None, name: str = "",
               request: gr.Request = None) -> dict:
         """Validate the settings and queue plug-in training on one of your memories; returns {"job_id"}."""
-        return {"job_id": studio.submit_train(memory_id, method, config or {}, name,
-                                              owner=owner_of(studio, request))}
+        return {"job_id": studio.plugin_service.submit_train(memory_id, method, config or {}, name,
+                                                             owner=owner_of(studio, request))}
 
     @_api
     def plugins(request: gr.Request = None) -> list:
         """Your trained plug-ins with metrics, trainable parameter counts and how training ended ("training":
         stopped_by, under_trained, label) and whether it can continue ("can_continue")."""
-        return studio.plugins(owner=owner_of(studio, request))
+        return studio.plugin_service.plugins(owner=owner_of(studio, request))
 
     @_api
     def continue_training(plugin_id: str, config: Optional[dict] = None, name: str = "",
                           request: gr.Request = None) -> dict:
         """Queue more training of one of your plug-ins (PEMA, LoRA) from its saved weights and optimizer state, as a
         new plug-in; ``config`` may change max_minutes, the epochs, patience and lr. Returns {"job_id"}."""
-        return {"job_id": studio.submit_continue(plugin_id, config or {}, name, owner=owner_of(studio, request))}
+        return {"job_id": studio.plugin_service.submit_continue(plugin_id, config or {}, name,
+                                                                owner=owner_of(studio, request))}
 
     @_api
     def calibrate(plugin_id: str, max_samples: int = 0, max_seconds: float = 0.0, request: gr.Request = None) -> dict:
         """Queue the calibration of one of your interpolating plug-ins (PEMA, kNN): its declared decode grid and
         λ = 0 decoded on its memory's held-out tuning samples, the best by chrF then sacreBLEU that never loses to
         the base is stored with it (0: the defaults — at most 40 samples, no time budget). Returns {"job_id"}."""
-        return {"job_id": studio.submit_calibrate(plugin_id, owner=owner_of(studio, request),
-                                                  max_samples=max_samples or None, max_seconds=max_seconds or None)}
+        return {"job_id": studio.plugin_service.submit_calibrate(plugin_id, owner=owner_of(studio, request),
+                                                                 max_samples=max_samples or None,
+                                                                 max_seconds=max_seconds or None)}
 
     return [methods, train, plugins, continue_training, calibrate]
 
@@ -243,9 +246,10 @@ def _comparison_endpoints(studio) -> list:
         ``prompt_from``: the prompt of every row without its own — "builtin" (the task's built-in examples) or one
         of your memory ids (its own examples); empty: the first chosen plug-in's memory. The payload's
         "prompt_source" says which."""
-        return studio.compare(source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams,
-                              owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
-                              global_defaults=bool(global_defaults), prompt_from=prompt_from or None)
+        return studio.compare_service.compare(
+            source, task, methods or ["base"], settings or {}, max_new_tokens, num_beams,
+            owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
+            global_defaults=bool(global_defaults), prompt_from=prompt_from or None)
 
     @_api
     def share(comparison_id: str, layer: int = -1, labels: Optional[dict] = None, request: gr.Request = None) -> dict:
@@ -254,25 +258,25 @@ def _comparison_endpoints(studio) -> list:
         ({row label | plug-in id | method: label}).
 
         (Not "path": gradio_client would take a dict with a "path" key for a file to download.)"""
-        sid = studio.share(comparison_id, None if layer < 0 else layer, owner=owner_of(studio, request),
-                           labels=labels)
+        sid = studio.compare_service.share(comparison_id, None if layer < 0 else layer, owner=owner_of(studio, request),
+                                           labels=labels)
         return {"id": sid, "link": f"/share/?c={sid}"}
 
     @_api
     def shared(share_id: str) -> dict:
         """The stored payload of a shared comparison."""
-        return studio.shared(share_id)
+        return studio.compare_service.shared(share_id)
 
     @_api
     def shares(request: gr.Request = None) -> list:
         """Your shares (comparisons and leaderboards), newest first: id, link, created, kind, the input."""
-        return studio.shares(owner=owner_of(studio, request))
+        return studio.compare_service.shares(owner=owner_of(studio, request))
 
     @_api
     def delete_share(share_id: str, request: gr.Request = None) -> dict:
         """Delete one of your shares (its id, or its link): the link stops working at once and it no longer counts
         against your limit of shares."""
-        return {"message": studio.delete_share(share_id, owner=owner_of(studio, request))}
+        return {"message": studio.compare_service.delete_share(share_id, owner=owner_of(studio, request))}
 
     return [compare, share, shared, shares, delete_share]
 
@@ -293,11 +297,11 @@ def _evaluation_endpoints(studio) -> list:
         from). The job's result holds per row n, backbone, decode settings, scores with 95% bootstrap intervals
         and paired-bootstrap p-values against the base model, sacreBLEU's signatures and the per-sentence outputs
         with their chrF. ``prompt_from`` as for /compare; the result's "prompt_source" says which prompt it was."""
-        jid = studio.submit_evaluate(methods=methods, memory_id=memory_id or None, test_data=test_text or None,
-                                     test_filename=test_filename, task=task, limit=limit,
-                                     sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings,
-                                     owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
-                                     global_defaults=bool(global_defaults), prompt_from=prompt_from or None)
+        jid = studio.evaluate_service.submit_evaluate(
+            methods=methods, memory_id=memory_id or None, test_data=test_text or None, test_filename=test_filename,
+            task=task, limit=limit, sweep_plugin=sweep_plugin or None, lambdas=lambdas, settings=settings,
+            owner=owner_of(studio, request), no_repeat_ngram=no_repeat_ngram or None,
+            global_defaults=bool(global_defaults), prompt_from=prompt_from or None)
         return {"job_id": jid}
 
     @_api
@@ -310,12 +314,12 @@ def _evaluation_endpoints(studio) -> list:
         leaderboard (also /leaderboard)."""
         me = owner_of(studio, request)
         if tour:
-            est = studio.rank_estimate(corpus=TOUR_CORPUS, methods=methods, owner=me)
-            jid = studio.submit_rank(corpus=TOUR_CORPUS, methods=methods, owner=me)
+            est = studio.rank_service.rank_estimate(corpus=TOUR_CORPUS, methods=methods, owner=me)
+            jid = studio.rank_service.submit_rank(corpus=TOUR_CORPUS, methods=methods, owner=me)
         else:
-            est = studio.rank_estimate(memory_id, methods=methods, owner=me)
-            jid = studio.submit_rank(memory_id, methods=methods, test_data=test_text or None,
-                                     test_filename=test_filename, owner=me)
+            est = studio.rank_service.rank_estimate(memory_id, methods=methods, owner=me)
+            jid = studio.rank_service.submit_rank(memory_id, methods=methods, test_data=test_text or None,
+                                                  test_filename=test_filename, owner=me)
         return {"job_id": jid, "estimate": est["text"]}
 
     @_api
@@ -323,12 +327,13 @@ def _evaluation_endpoints(studio) -> list:
         """One of your finished rankings (``job_id``), or the latest (for ``memory_id``): per method chrF,
         sacreBLEU, their 95% intervals, Δ vs the base model with p, training seconds, trainable parameters, decode
         cost per token relative to the base model, tuned settings; the verdict; the phases' wall times."""
-        return studio.leaderboard(job_id or None, memory_id=memory_id or None, owner=owner_of(studio, request))
+        return studio.rank_service.leaderboard(job_id or None, memory_id=memory_id or None,
+                                               owner=owner_of(studio, request))
 
     @_api
     def share_leaderboard(job_id: str, request: gr.Request = None) -> dict:
         """Store one of your leaderboards for read-only viewing (no ids, names or samples); returns {"id", "link"}."""
-        sid = studio.share_leaderboard(job_id, owner=owner_of(studio, request))
+        sid = studio.rank_service.share_leaderboard(job_id, owner=owner_of(studio, request))
         return {"id": sid, "link": f"/share/?c={sid}"}
 
     return [evaluate, rank, leaderboard, share_leaderboard]

@@ -76,8 +76,8 @@ def _header(studio) -> SimpleNamespace:
         gr.Markdown(f"# PEMA Studio\n{INTRO}", elem_id="pema-title")
         if studio.multi_user and oauth_enabled():
             gr.LoginButton(scale=0, min_width=220)
-    h.status = gr.HTML(status_html(studio.status()), elem_id="pema-status")
-    h.status_timer = gr.Timer(1.0, active=not studio.status()["ready"])
+    h.status = gr.HTML(status_html(studio.backbone_service.status()), elem_id="pema-status")
+    h.status_timer = gr.Timer(1.0, active=not studio.backbone_service.status()["ready"])
     with gr.Accordion("Your key (for the API)", open=False, visible=studio.multi_user, elem_id="pema-identity"):
         h.who = gr.Markdown(elem_id="pema-who")
         h.key = gr.Textbox(label="Your key", type="password", buttons=["copy"], interactive=False,
@@ -92,8 +92,8 @@ def _remote_panel(studio, h: SimpleNamespace) -> None:
                       elem_id="pema-remote"):
         gr.Markdown(REMOTE_HELP, elem_classes=["pema-help"])
         with gr.Row(equal_height=True):
-            remote_url = gr.Textbox(studio.remote_url or "", label="Model owner's service URL", scale=3,
-                                    placeholder="http://127.0.0.1:8765", elem_id="remote-url")
+            remote_url = gr.Textbox(studio.backbone_service.remote_url or "", label="Model owner's service URL",
+                                    scale=3, placeholder="http://127.0.0.1:8765", elem_id="remote-url")
             remote_token = gr.Textbox(label="Bearer token (empty: $PEMA_REMOTE_TOKEN)", type="password",
                                       scale=2, elem_id="remote-token")
             remote_apply = gr.Button("Apply", variant="primary", size="sm", scale=0, min_width=90,
@@ -102,7 +102,7 @@ def _remote_panel(studio, h: SimpleNamespace) -> None:
 
     def on_remote(url, token):
         try:
-            st = studio.set_remote(url, token)
+            st = studio.backbone_service.set_remote(url, token)
         except UserError as e:
             return gr.skip(), gr.skip(), f"<div class='pema-status err'>{render.esc(e)}</div>", gr.skip()
         where = f"the model owner at {st['remote']['host']}" if st.get("remote") else "the local backbone"
@@ -128,7 +128,7 @@ def backbone_choices(menu: list[dict]) -> tuple[list[tuple[str, str]], str | Non
 
 def _backbone_panel(studio, h: SimpleNamespace) -> None:
     """On a GPU, single-user mode: switch to a larger backbone (``studio.backbone_menu``); hidden without one."""
-    menu = studio.backbone_menu()
+    menu = studio.backbone_service.backbone_menu()
     choices, current = backbone_choices(menu)
     with gr.Accordion("Backbone (GPU)", open=False, visible=bool(menu), elem_id="pema-backbone-menu"):
         gr.Markdown(BACKBONE_HELP, elem_classes=["pema-help"])
@@ -139,7 +139,7 @@ def _backbone_panel(studio, h: SimpleNamespace) -> None:
 
     def load_backbone(name):
         try:
-            st = studio.set_backbone(name)
+            st = studio.backbone_service.set_backbone(name)
         except UserError as e:
             return gr.skip(), gr.skip(), f"<div class='pema-status err'>{render.esc(e)}</div>"
         return (status_html(st), gr.Timer(active=True), f"<div class='pema-help'>Loading {render.esc(name)}: the "
@@ -206,7 +206,7 @@ def _wire_page_load(studio, demo, h: SimpleNamespace, t: SimpleNamespace, kept: 
     rest = [*t.mem.load_outputs, *t.plug.load_outputs, *t.cmp.load_outputs, *t.ev.load_outputs, *t.rk.load_outputs]
 
     def on_load(request: gr.Request):
-        st = status_html(studio.status())
+        st = status_html(studio.backbone_service.status())
         try:
             me = caller(studio, request)
         except UserError as e:
@@ -247,7 +247,7 @@ def build_app(studio) -> gr.Blocks:
         api.register(studio)
 
         def on_status():  # the header follows the backbone's loading
-            st = studio.status()
+            st = studio.backbone_service.status()
             return status_html(st), gr.Timer(active=st["state"] == "loading")
 
         h.status_timer.tick(on_status, None, [h.status, h.status_timer], show_progress="hidden",
@@ -267,10 +267,10 @@ def launch_app(studio, host: str = "127.0.0.1", port: int = 7860, block: bool = 
     """Serve the studio at ``/`` and the share page at ``/share/``; ``block=False`` returns ``(served, url)`` at
     once (tests; ``served.close()`` stops it)."""
     limit = studio.limits.upload_bytes
-    studio.downloads_root().mkdir(parents=True, exist_ok=True)
+    studio.downloads.downloads_root().mkdir(parents=True, exist_ok=True)
     served = serve(studio, build_app(studio), shared.build_app(studio), host, port, theme=THEME, css=CSS,
                    max_file_size=limit + 1_000_000 if limit else None,  # + room for the form around the file
-                   downloads=studio.downloads_root())
+                   downloads=studio.downloads.downloads_root())
     if not quiet:
         print(f"PEMA Studio running on {served.url}")
     if block:

@@ -93,8 +93,8 @@ def jobs_busy(studio, owner, jid=None, drawn=True) -> bool:
     running, or has not been drawn yet (``drawn`` False)."""
     try:
         if jid is None:
-            return bool(studio.list_jobs(limit=1, owner=owner, states=("queued", "running"))) or not drawn
-        job = studio.job(jid, owner=owner)
+            return bool(studio.job_service.list_jobs(limit=1, owner=owner, states=("queued", "running"))) or not drawn
+        job = studio.job_service.job(jid, owner=owner)
     except UserError:
         return False
     return job["state"] not in FINAL_STATES or not drawn
@@ -127,9 +127,9 @@ def disable_while_running(studio, buttons: dict, job_state, seen, kind: str | No
         try:
             me = owner_of(studio, request)
             if kind is not None:
-                busy = bool(studio.list_jobs((kind,), 1, owner=me, states=("queued", "running")))
+                busy = bool(studio.job_service.list_jobs((kind,), 1, owner=me, states=("queued", "running")))
             else:
-                busy = bool(jid) and studio.job(jid, owner=me)["state"] not in FINAL_STATES
+                busy = bool(jid) and studio.job_service.job(jid, owner=me)["state"] not in FINAL_STATES
         except UserError:
             busy = False
         updates = tuple(gr.update(interactive=not busy, value=running if busy else label)
@@ -154,7 +154,7 @@ def idle_queue(demo: gr.Blocks) -> gr.Blocks:
 
 def memory_choices(studio, owner: str | None = None) -> list[tuple[str, str]]:
     return [(f"{m['name']} · {m['task']} · {m['samples']} samples" + ("" if m["usable"] else " (other backbone)"),
-             m["id"]) for m in studio.memories(owner=owner)]
+             m["id"]) for m in studio.memory_service.memories(owner=owner)]
 
 
 def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | None = None,
@@ -163,7 +163,7 @@ def plugin_choices(studio, usable_only: bool = True, methods: tuple[str, ...] | 
     only the plug-ins trained on a memory of that task (a translation plug-in answers a formality input in
     German)."""
     out, tasks = [], {}
-    for p in studio.plugins(owner=owner):
+    for p in studio.plugin_service.plugins(owner=owner):
         if usable_only and not p["usable"]:
             continue
         if methods and p["method"] not in methods:
@@ -182,7 +182,8 @@ def hidden_plugins_note(studio, owner: str | None, task: str | None) -> str:
     """The picker's info line when ``task`` hides plug-ins of other tasks (empty when none are hidden)."""
     if not task:
         return ""
-    hidden = [p["task"] for p in studio.plugins(owner=owner) if p["usable"] and p.get("task") not in (task, None)]
+    hidden = [p["task"] for p in studio.plugin_service.plugins(owner=owner)
+              if p["usable"] and p.get("task") not in (task, None)]
     if not hidden:
         return ""
     n = len(hidden)
@@ -246,7 +247,7 @@ BASE_CHOICE = [("Base model (no plug-in)", "base")]
 def method_choices(studio, owner: str | None = None, task: str | None = None) -> list[tuple[str, str]]:
     """The base model and the owner's plug-ins (with ``task``, only that task's); the best method of each memory's
     latest ranking marked ★."""
-    best = studio.best_methods(owner=owner)
+    best = studio.rank_service.best_methods(owner=owner)
     return BASE_CHOICE + [(f"{label} ★ {best[pid]}" if pid in best else label, pid)
                           for label, pid in plugin_choices(studio, owner=owner, task=task)]
 

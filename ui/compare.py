@@ -164,8 +164,8 @@ def _methods_panel(studio, c: SimpleNamespace) -> None:
     c.prompt_from = gr.Dropdown(PROMPT_CHOICES, value=None, label="Examples in the prompt", elem_id="compare-prompt",
                                 info="What every row without a prompt of its own reads; the first comparison sets "
                                      "it, ticking methods never changes it")
-    c.table = {m["method"]: m for m in studio.methods()}
-    start = studio.start_settings("translation")
+    c.table = {m["method"]: m for m in studio.plugin_service.methods()}
+    start = studio.plugin_service.start_settings("translation")
     c.live_keys = []  # (method, setting name) of every live control, in component order
     c.live_ctls = []
     with gr.Row(equal_height=True, elem_id="live-controls"):
@@ -217,7 +217,7 @@ def _outputs_panel(c: SimpleNamespace) -> None:
 def _token_panel(studio, c: SimpleNamespace) -> None:
     """Token by token (shown after a comparison): the chosen method's tokens, its λ curve and top tokens, the kNN
     neighbours, attention over the memory and over the input, the neighbour map."""
-    n_layers = max(1, int(studio.status().get("layers") or 1))
+    n_layers = max(1, int(studio.backbone_service.status().get("layers") or 1))
     with gr.Column(visible=False) as c.token_section:
         gr.Markdown("#### Token by token")
         with gr.Row(equal_height=True):
@@ -267,7 +267,7 @@ class TokenInspector:
         key = (p["id"], row["label"], int(lay))
         if key not in self.att_cache:
             try:
-                self.att_cache[key] = self.studio.attention(p, row["label"], int(lay))
+                self.att_cache[key] = self.studio.compare_service.attention(p, row["label"], int(lay))
             except UserError as e:
                 return plots.empty(str(e)[:120])
             while len(self.att_cache) > 32:
@@ -280,7 +280,7 @@ class TokenInspector:
         the neighbour and memory-attention panels show only when that method reports them."""
         def nbf(lb, i):
             try:
-                return self.studio.neighbours(p["id"], lb, i, owner=me)
+                return self.studio.compare_service.neighbours(p["id"], lb, i, owner=me)
             except UserError:  # the comparison is gone (restart, or not this owner's): no samples
                 return []
 
@@ -297,10 +297,10 @@ class TokenInspector:
 def _start_values(studio, live_keys, me, ids, tk, global_defaults: bool) -> dict:
     """Each live control's start: the tuned value of the first chosen plug-in of its method that has a calibration
     (unless ``global_defaults``), else the task's start value."""
-    base = studio.start_settings(tk if tk in TASKS else "translation")
+    base = studio.plugin_service.start_settings(tk if tk in TASKS else "translation")
     cal: dict[str, dict] = {}
     if not global_defaults:
-        by_id = {p["id"]: p for p in studio.plugins(owner=me)}
+        by_id = {p["id"]: p for p in studio.plugin_service.plugins(owner=me)}
         for i in ids or []:
             c = (by_id.get(i) or {}).get("calibration")
             if c and by_id[i]["method"] not in cal:
@@ -319,7 +319,7 @@ def _moved_to_start(live_keys, values, old: dict, new: dict) -> list:
 
 
 def _task_starts(studio, live_keys, tk) -> tuple:
-    t = studio.start_settings(tk)
+    t = studio.plugin_service.start_settings(tk)
     return tuple(gr.update(value=t[m][n]) for m, n in live_keys)
 
 
@@ -328,7 +328,7 @@ def _wire_method_choice(studio, c: SimpleNamespace) -> None:
     @user_errors
     def on_methods(request: gr.Request, ids, text, auto, tk, gl, old, *values):
         me = owner_of(studio, request)
-        by_id = {p["id"]: p["method"] for p in studio.plugins(owner=me)}
+        by_id = {p["id"]: p["method"] for p in studio.plugin_service.plugins(owner=me)}
         ms = [by_id[i] for i in ids or [] if i in by_id]
         other = {}
         for m in dict.fromkeys(ms):
@@ -354,7 +354,7 @@ PROMPT_CHOICES = [("Built-in examples", "builtin")]
 
 def prompt_choices(studio, me, task: str) -> list[tuple[str, str]]:
     """The prompts a comparison of ``task`` may read: the built-in examples and each of the owner's memories of it."""
-    return PROMPT_CHOICES + [(f"{m['name']}'s own examples", m["id"]) for m in studio.memories(owner=me)
+    return PROMPT_CHOICES + [(f"{m['name']}'s own examples", m["id"]) for m in studio.memory_service.memories(owner=me)
                              if m["task"] == task and m["usable"]]
 
 
@@ -404,9 +404,9 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
                     else None)
             settings = decode_settings_of(keys, values, ex, st, gl)
             p = None
-            for p in studio.compare_stream(src, tk, list(ms or []), settings, int(mx), int(bm), reference=refs,
-                                           owner=me, stream=view_key(request), global_defaults=bool(gl),
-                                           prompt_from=pf or None):
+            for p in studio.compare_service.compare_stream(src, tk, list(ms or []), settings, int(mx), int(bm),
+                                                           reference=refs, owner=me, stream=view_key(request),
+                                                           global_defaults=bool(gl), prompt_from=pf or None):
                 if p.get("partial"):
                     yield CompareOutputs.skip(cards=streaming_cards(p))
             if p is None or p.get("partial"):  # stopped (Stop, or a newer move): the partial cards stay
@@ -414,7 +414,7 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
             labels = [r["label"] for r in p["rows"]]
             keep = label if label in labels else row_of(p, None)["label"]
             n = max(1, len(row_of(p, keep)["trace"]))
-            top = max(0, int(studio.status().get("layers") or 1) - 1)
+            top = max(0, int(studio.backbone_service.status().get("layers") or 1) - 1)
             lay = min(int(lay), top)
             yield CompareOutputs(payload=p, cards=render.output_cards(p) + transfer_html(studio, src, ms, me),
                                  method=gr.update(choices=labels, value=keep),
@@ -435,7 +435,7 @@ def _wire_compare(studio, c: SimpleNamespace, insp: TokenInspector) -> None:
 
     def stop_decode(request: gr.Request):
         """Stop (or a control moved while a decode runs): the running decode of this tab ends after its step."""
-        studio.cancel_compare(owner=owner_of(studio, request), stream=view_key(request))
+        studio.compare_service.cancel_compare(owner=owner_of(studio, request), stream=view_key(request))
 
     @user_errors
     def on_starts(request: gr.Request, tk, ids, gl, old, *values):
@@ -495,10 +495,10 @@ def _wire_heldout(studio, c: SimpleNamespace) -> None:
             return gr.update(choices=[], value=None), ""
         me = owner_of(studio, request)
         try:
-            held = studio.heldout_samples(mid, owner=me)
+            held = studio.memory_service.heldout_samples(mid, owner=me)
         except UserError:
             held = []
-        m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None)
+        m = next((x for x in studio.memory_service.memories(owner=me) if x["id"] == mid), None)
         return (gr.update(choices=[((s["src"] or "")[:90], i) for i, s in enumerate(held)], value=None),
                 render.memory_warning(m, "heldout") if m and not held else "")
 
@@ -508,7 +508,7 @@ def _wire_heldout(studio, c: SimpleNamespace) -> None:
     def on_sample(mid, i, request: gr.Request):
         if mid is None or i is None:
             return gr.skip(), gr.skip()
-        held = studio.heldout_samples(mid, owner=owner_of(studio, request))
+        held = studio.memory_service.heldout_samples(mid, owner=owner_of(studio, request))
         if not 0 <= int(i) < len(held):
             return gr.skip(), gr.skip()
         s = held[int(i)]
@@ -534,7 +534,8 @@ def _wire_task_filter(studio, c: SimpleNamespace) -> None:
         return methods_update(studio, owner_of(studio, request), tk, ms)
 
     def memory_task(mid, request: gr.Request):
-        m = next((x for x in studio.memories(owner=owner_of(studio, request)) if x["id"] == mid), None) if mid else None
+        mems = studio.memory_service.memories(owner=owner_of(studio, request)) if mid else []
+        m = next((x for x in mems if x["id"] == mid), None)
         return gr.update(value=m["task"]) if m and m["task"] in TASKS else gr.skip()
 
     c.task.change(on_task, [c.task, c.methods], c.methods, show_progress="hidden", api_visibility="private")
@@ -546,7 +547,7 @@ def _wire_share(studio, c: SimpleNamespace) -> None:
     def do_share(p, lay, request: gr.Request):
         if not p:
             raise UserError("Run a comparison first, then share it.")
-        sid = studio.share(p["id"], int(lay), owner=owner_of(studio, request))
+        sid = studio.compare_service.share(p["id"], int(lay), owner=owner_of(studio, request))
         return share_url(request, sid)
 
     c.share_btn.click(do_share, [c.payload, c.layer], c.share_link, api_visibility="private")
@@ -577,7 +578,7 @@ def build(studio) -> SimpleNamespace:
         return lists(owner_of(studio, request), current, mem_value, task)
 
     def on_load(me):
-        st = studio.status()
+        st = studio.backbone_service.status()
         top = max(0, int(st.get("layers") or 1) - 1)
         lay = gr.update(maximum=max(1, top), value=top) if st["ready"] else gr.skip()
         return (*lists(me), lay)
@@ -618,7 +619,8 @@ def build(studio) -> SimpleNamespace:
 def transfer_html(studio, source: str, methods, owner: str | None) -> str:
     """The transfer check of the typed sentence against the first chosen plug-in's memory, under the cards."""
     try:
-        check = studio.transfer_check([source or ""], list(methods or []), owner=owner, input_label="this sentence")
+        check = studio.memory_service.transfer_check([source or ""], list(methods or []), owner=owner,
+                                                     input_label="this sentence")
     except UserError:
         return ""
     return render.transfer_note(check, "compare-transfer")
@@ -643,7 +645,8 @@ def tuned_choices(studio, owner: str | None, task: str | None = None) -> list[tu
     """The method picker's choices (with ``task``, only that task's plug-ins): each plug-in calibrated on its memory
     says where it starts — "· tuned: lambda_max=0.3, gu=False (15 held-out)", or "· tuned: λ = 0, the base was
     best" when no setting beat the base."""
-    cal = {p["id"]: (p["method"], p["calibration"]) for p in studio.plugins(owner=owner) if p.get("calibration")}
+    cal = {p["id"]: (p["method"], p["calibration"]) for p in studio.plugin_service.plugins(owner=owner)
+           if p.get("calibration")}
     out = []
     for label, pid in method_choices(studio, owner, task):
         if pid in cal:

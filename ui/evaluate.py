@@ -239,7 +239,7 @@ def _result_views(studio, job, me) -> tuple:
     else:
         fig_bar, fig_line = plots.eval_bars(res.get("methods") or []), plots.sweep_lines([])
     try:
-        files = [str(f) for f in studio.evaluation_files(job["id"], owner=me)]
+        files = [str(f) for f in studio.evaluate_service.evaluation_files(job["id"], owner=me)]
         dl = gr.update(visible=True, value=files)
     except UserError:
         dl = gr.update(visible=False, value=None)
@@ -253,7 +253,7 @@ def _result_views(studio, job, me) -> tuple:
 
 
 def _memory_warning(studio, mid, me) -> str:
-    m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
+    m = next((x for x in studio.memory_service.memories(owner=me) if x["id"] == mid), None) if mid else None
     return render.memory_warning(m, "heldout")
 
 
@@ -264,12 +264,12 @@ def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of, g
     def do_run(request: gr.Request, mem, path, tk, n, mx, ms, pf, *svals):
         me = owner_of(studio, request)
         data, fname = read_upload(studio, request, path)
-        jid = studio.submit_evaluate(methods=list(ms or []), memory_id=None if data else mem, test_data=data,
-                                     test_filename=fname, task=tk, limit=int(n or 50), max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals),
-                                     prompt_from=pf or None)
+        jid = studio.evaluate_service.submit_evaluate(
+            methods=list(ms or []), memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
+            limit=int(n or 50), max_new_tokens=int(mx or 48), settings=settings_of(*svals), owner=me,
+            global_defaults=global_of(*svals), prompt_from=pf or None)
         studio.uploads.consume(path)  # the job holds the pairs it read
-        return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
+        return (jid, render.job_card(studio.job_service.job(jid, owner=me)), None, *_cleared())
 
     @user_errors
     def do_sweep(request: gr.Request, mem, path, tk, n, mx, pid, lams, pf, *svals):
@@ -281,12 +281,12 @@ def _wire_runs(studio, c: SimpleNamespace, settings_inputs: list, settings_of, g
             vals = [float(x) for x in lams.replace(";", ",").split(",") if x.strip()]
         except ValueError:
             raise UserError("Write the λ_max values as numbers separated by commas, e.g. 0, 0.5, 1.") from None
-        jid = studio.submit_evaluate(memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk,
-                                     limit=int(n or 50), sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48),
-                                     settings=settings_of(*svals), owner=me, global_defaults=global_of(*svals),
-                                     prompt_from=pf or None)
+        jid = studio.evaluate_service.submit_evaluate(
+            memory_id=None if data else mem, test_data=data, test_filename=fname, task=tk, limit=int(n or 50),
+            sweep_plugin=pid, lambdas=vals, max_new_tokens=int(mx or 48), settings=settings_of(*svals), owner=me,
+            global_defaults=global_of(*svals), prompt_from=pf or None)
         studio.uploads.consume(path)
-        return (jid, render.job_card(studio.job(jid, owner=me)), None, *_cleared())
+        return (jid, render.job_card(studio.job_service.job(jid, owner=me)), None, *_cleared())
 
     c.run.click(do_run, [c.memory, c.test_file, c.task, c.limit, c.max_new, c.methods, c.prompt_from,
                          *settings_inputs],
@@ -304,7 +304,7 @@ def _wire_poll(studio, c: SimpleNamespace) -> None:
             return (*[gr.skip()] * n_out, last)
         try:
             me = owner_of(studio, request)
-            job = studio.job(jid, owner=me)
+            job = studio.job_service.job(jid, owner=me)
         except UserError:
             return (*[gr.skip()] * n_out, last)
         key = job_poll_key(job)
@@ -329,7 +329,8 @@ def _wire_task_filter(studio, c: SimpleNamespace) -> None:
     """A memory's held-out split is for the memory's task (the Task follows the memory); the Task filters the
     methods and the sweep's PEMA plug-ins."""
     def memory_task(mid, request: gr.Request):
-        m = next((x for x in studio.memories(owner=owner_of(studio, request)) if x["id"] == mid), None) if mid else None
+        mems = studio.memory_service.memories(owner=owner_of(studio, request)) if mid else []
+        m = next((x for x in mems if x["id"] == mid), None)
         return gr.update(value=m["task"]) if m and m["task"] in TASKS else gr.skip()
 
     @user_errors
@@ -381,7 +382,7 @@ def build(studio, settings_inputs: list, settings_of, global_of=lambda *vals: Fa
     def on_load(me):
         """Page (re)load for owner ``me``: lists and the latest evaluation (its result follows with the first
         timer tick)."""
-        last = studio.list_jobs(("evaluate",), 1, owner=me)
+        last = studio.job_service.list_jobs(("evaluate",), 1, owner=me)
         jid = last[0]["id"] if last else None
         return (*lists(me), jid, render.job_card(last[0]) if jid else render.job_card(None))
 

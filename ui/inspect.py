@@ -1,6 +1,7 @@
 """Compare tab: the neighbour map panel. For a kNN or PEMA row and one of its output tokens: where the query lands
 on the memory's 2-D map (the memory profile's projection) — kNN: f(c) / key RMS; PEMA: h_pd — with its nearest
-memory entries, each listed with its value token marked inside its sample's target (``Studio.neighbour_map``).
+memory entries, each listed with its value token marked inside its sample's target
+(``NeighbourMapService.neighbour_map``).
 
 ``mount(studio, payload)`` places the panel where it is called and follows the comparison in ``payload`` (a
 ``gr.State``): every new comparison refreshes the row and token choices, keeping the picked row and token when the
@@ -50,7 +51,7 @@ def mount(studio, payload) -> SimpleNamespace:
         if not p or label is None or idx is None:
             return plots.neighbour_map(None), render.neighbour_list(None)
         try:
-            m = studio.neighbour_map(p["id"], label, int(idx), owner=me)
+            m = studio.neighbour_map_service.neighbour_map(p["id"], label, int(idx), owner=me)
         except UserError as e:  # the comparison is gone (a restart), or a plug-in/memory was deleted since
             return plots.empty(str(e)[:140]), f"<div class='pema-error'>{render.esc(e)}</div>"
         return plots.neighbour_map(m), render.neighbour_list(m)
@@ -60,7 +61,7 @@ def mount(studio, payload) -> SimpleNamespace:
         me = owner_of(studio, request)
         if p:
             try:
-                studio.recent(p.get("id"), owner=me)
+                studio.compare_service.recent(p.get("id"), owner=me)
             except UserError:  # not a finished comparison of this owner (e.g. one still streaming): keep the map
                 return tuple(gr.skip() for _ in range(4))
         rows = mapped_rows(p)

@@ -44,7 +44,7 @@ def _samples_panel(studio, c: SimpleNamespace) -> None:
     c.upload = gr.File(label="JSONL, CSV/TSV pairs or plain text", type="filepath",
                        file_types=[".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".txt"])
     c.paste = gr.Textbox(label="Paste samples", lines=7, max_lines=14, visible=False, placeholder=PASTE_HINT)
-    corpora = studio.corpora()
+    corpora = studio.memory_service.corpora()
     with gr.Row(visible=False) as c.corpus_row:
         c.corpus = gr.Dropdown([(f"{k} — {v}", k) for k, v in corpora.items()],
                                value=next(iter(corpora), None), label="Demo corpus", scale=3, elem_id="demo-corpus",
@@ -101,13 +101,13 @@ def _wire_preview(studio, c: SimpleNamespace) -> None:
             me = owner_of(studio, request)
             if src == SOURCES[0]:
                 data, fname = read_upload(studio, request, path)
-                pv = studio.preview(data, fname, owner=me)
+                pv = studio.memory_service.preview(data, fname, owner=me)
             elif src == SOURCES[1]:
-                pv = studio.preview(text or "", None, owner=me)
+                pv = studio.memory_service.preview(text or "", None, owner=me)
             else:
                 if not corpus_name:
                     return render.preview_summary({}), gr.update(value=[])
-                pv = studio.preview(corpus=corpus_name, limit=int(n or 200), owner=me)
+                pv = studio.memory_service.preview(corpus=corpus_name, limit=int(n or 200), owner=me)
         except UserError as e:
             pv = {"count": 0, "problems": [str(e)], "problem_count": 1, "rows": [], "ok": False}
         return render.preview_summary(pv), gr.update(value=pv["rows"])
@@ -149,16 +149,18 @@ def _wire_build(studio, c: SimpleNamespace) -> None:
             data, fname = read_upload(studio, request, path)
             if data is None:
                 raise UserError("Upload a file first.")
-            jid = studio.submit_build(data, fname, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
+            jid = studio.memory_service.submit_build(data, fname, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
             studio.uploads.consume(path)  # the build job keeps its own copy: the file input lets go of it too
-            return jid, render.job_card(studio.job(jid, owner=me)), gr.update(value=None)
+            return jid, render.job_card(studio.job_service.job(jid, owner=me)), gr.update(value=None)
         elif src == SOURCES[1]:
-            jid = studio.submit_build(text or "", None, name=nm, task=tk, mode=md, skip_invalid=sk, owner=me)
+            jid = studio.memory_service.submit_build(text or "", None, name=nm, task=tk, mode=md, skip_invalid=sk,
+                                                     owner=me)
         else:
             if not corpus_name:
                 raise UserError("Pick a demo corpus first.")
-            jid = studio.submit_build(corpus=corpus_name, limit=int(n or 200), name=nm, task=tk, mode=md, owner=me)
-        return jid, render.job_card(studio.job(jid, owner=me)), gr.skip()
+            jid = studio.memory_service.submit_build(corpus=corpus_name, limit=int(n or 200), name=nm, task=tk,
+                                                     mode=md, owner=me)
+        return jid, render.job_card(studio.job_service.job(jid, owner=me)), gr.skip()
 
     c.build_btn.click(do_build, [c.source, c.upload, c.paste, c.corpus, c.limit, c.name, c.task, c.mode, c.skip],
                       [c.build_job, c.build_status, c.upload], api_visibility="private")
@@ -167,7 +169,7 @@ def _wire_build(studio, c: SimpleNamespace) -> None:
     def do_cancel(jid, request: gr.Request):
         if not jid:
             raise UserError("No memory is being built.")
-        return render.job_card(studio.cancel_job(jid, owner=owner_of(studio, request)))
+        return render.job_card(studio.job_service.cancel_job(jid, owner=owner_of(studio, request)))
 
     c.cancel_btn.click(do_cancel, c.build_job, c.build_status, api_visibility="private")
 
@@ -176,7 +178,7 @@ def _wire_build(studio, c: SimpleNamespace) -> None:
             return gr.skip(), gr.skip(), gr.skip(), last
         try:
             me = owner_of(studio, request)
-            job = studio.job(jid, owner=me)
+            job = studio.job_service.job(jid, owner=me)
         except UserError:
             return gr.skip(), gr.skip(), gr.skip(), last
         key = (jid, job["state"], round(job["progress"], 3), job["message"])
@@ -184,7 +186,7 @@ def _wire_build(studio, c: SimpleNamespace) -> None:
             return gr.skip(), gr.skip(), gr.skip(), last
         card = render.job_card(job)
         if job["state"] in FINAL_STATES and (last is None or last[1] not in FINAL_STATES or last[0] != jid):
-            table, choices = render.memories_table(studio.memories(owner=me)), memory_choices(studio, me)
+            table, choices = render.memories_table(studio.memory_service.memories(owner=me)), memory_choices(studio, me)
             new = (job.get("result") or {}).get("memory_id")
             return card, table, gr.update(choices=choices, value=new or keep_value(choices, None)), key
         return card, gr.skip(), gr.skip(), key
@@ -194,7 +196,7 @@ def _wire_build(studio, c: SimpleNamespace) -> None:
 
 
 def _detail_html(d: dict) -> str:
-    """A memory's summary line (``Studio.memory_detail``) with its size warnings."""
+    """A memory's summary line (``MemoryService.memory_detail``) with its size warnings."""
     s, st = d["summary"], d["stats"]
     shown, total = len(d["samples"]), d["total_samples"]
     more = f" · showing the first {shown} of {total} samples" if total > shown else ""
@@ -219,7 +221,7 @@ def _wire_inspect(studio, c: SimpleNamespace) -> None:
         if not mid:
             return "", []
         try:
-            d = studio.memory_detail(mid, owner=owner_of(studio, request))
+            d = studio.memory_service.memory_detail(mid, owner=owner_of(studio, request))
         except UserError as e:
             return f"<div class='pema-error'>{render.esc(e)}</div>", []
         rows = [[x["line"], x["split"], x["src"], "yes" if x["synthetic_src"] else "", x["tgt"]] for x in d["samples"]]
@@ -232,7 +234,7 @@ def _wire_inspect(studio, c: SimpleNamespace) -> None:
             return (render.profile_summary(None), plots.token_frequencies(None), plots.memory_map(None),
                     gr.update(choices=[], value=None), "")
         try:
-            prof = studio.memory_profile(mid, owner=owner_of(studio, request))
+            prof = studio.memory_service.memory_profile(mid, owner=owner_of(studio, request))
         except UserError as e:
             return (f"<div class='pema-error'>{render.esc(e)}</div>", plots.empty(), plots.empty(),
                     gr.update(choices=[], value=None), "")
@@ -248,10 +250,10 @@ def _wire_inspect(studio, c: SimpleNamespace) -> None:
             return gr.skip(), ""
         me = owner_of(studio, request)
         try:
-            prof = studio.memory_profile(mid, owner=me)
+            prof = studio.memory_service.memory_profile(mid, owner=me)
             if tid is None or int(tid) < 0:
                 return plots.memory_map(prof), ""
-            info = studio.memory_token(mid, int(tid), owner=me)
+            info = studio.memory_service.memory_token(mid, int(tid), owner=me)
         except UserError as e:
             return gr.skip(), f"<div class='pema-error'>{render.esc(e)}</div>"
         return plots.memory_map(prof, info["token_id"]), render.token_detail(info)
@@ -264,10 +266,11 @@ def _wire_inspect(studio, c: SimpleNamespace) -> None:
         if not mid:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         me = owner_of(studio, request)
-        msg = studio.delete_memory(mid, owner=me)
+        msg = studio.memory_service.delete_memory(mid, owner=me)
         gr.Info(msg)
         choices = memory_choices(studio, me)
-        return render.memories_table(studio.memories(owner=me)), gr.update(choices=choices, value=None), "", []
+        table = render.memories_table(studio.memory_service.memories(owner=me))
+        return table, gr.update(choices=choices, value=None), "", []
 
     c.delete_btn.click(do_delete, c.pick, [c.mem_df, c.pick, c.detail, c.samples_df],
                        js="(m) => (m && confirm('Delete this memory? This cannot be undone.')) ? m : null",
@@ -296,7 +299,7 @@ def build(studio) -> SimpleNamespace:
 
     def lists(me):
         choices = memory_choices(studio, me)
-        return render.memories_table(studio.memories(owner=me)), gr.update(choices=choices)
+        return render.memories_table(studio.memory_service.memories(owner=me)), gr.update(choices=choices)
 
     @user_errors
     def refresh(request: gr.Request):
@@ -304,7 +307,7 @@ def build(studio) -> SimpleNamespace:
 
     def on_load(me):
         """Page (re)load for owner ``me``: the memory list and the latest unfinished build job."""
-        active = studio.list_jobs(("build_memory",), 1, owner=me, states=("queued", "running"))
+        active = studio.job_service.list_jobs(("build_memory",), 1, owner=me, states=("queued", "running"))
         jid = active[0]["id"] if active else None
         table, dd = lists(me)
         where = ("" if studio.multi_user else  # where the data lives is the local user's business only

@@ -383,8 +383,8 @@ def memory_map(profile: dict | None, token_id: int | None = None, title: str = "
 
 
 def neighbour_map(m: dict | None, title: str = "") -> go.Figure:
-    """One output token's query and its nearest memory entries on the memory's map (``Studio.neighbour_map``);
-    the profile's sampled keys in grey behind them."""
+    """One output token's query and its nearest memory entries on the memory's map
+    (``NeighbourMapService.neighbour_map``); the profile's sampled keys in grey behind them."""
     if not m or not m.get("neighbours"):
         return empty("Pick a kNN or PEMA row and an output token")
     proj = m.get("projection") or {}

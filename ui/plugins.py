@@ -32,7 +32,7 @@ TRAIN_LABEL = "Train in background"
 
 
 def _method_info(m: dict | None, starts: dict | None = None) -> str:
-    """The method's summary; ``starts`` ({task: {setting: value}}, ``Studio.start_settings``) are the values a
+    """The method's summary; ``starts`` ({task: {setting: value}}, ``PluginService.start_settings``) are the values a
     comparison of each task starts this method at on this backbone — said where they differ from the declared
     defaults, so that this tab and Compare never show different numbers without saying why."""
     if not m:
@@ -54,7 +54,7 @@ def _method_info(m: dict | None, starts: dict | None = None) -> str:
 
 
 def preset_form_values(m: dict, preset: str | None) -> dict:
-    """The training form's values of method ``m`` (a ``Studio.methods()`` row) under ``preset``: the shipped
+    """The training form's values of method ``m`` (a ``PluginService.methods()`` row) under ``preset``: the shipped
     defaults with the preset's values over them."""
     presets = m.get("presets") or {}
     return {**m["config"], **(presets.get(preset or "default") or {}).get("values", {})}
@@ -151,21 +151,21 @@ def _plugin_list_panel(c: SimpleNamespace) -> None:
 
 def _method_info_now(studio, methods: dict, k: str | None) -> str:
     """The method's summary with the start values read now (a remote backbone may change them)."""
-    return _method_info(methods.get(k), {task: studio.start_settings(task).get(k, {}) for task in TASKS})
+    return _method_info(methods.get(k), {task: studio.plugin_service.start_settings(task).get(k, {}) for task in TASKS})
 
 
 def _memory_names(studio, me) -> dict:
-    return {m["id"]: m["name"] for m in studio.memories(owner=me)}
+    return {m["id"]: m["name"] for m in studio.memory_service.memories(owner=me)}
 
 
 def _job_choices(studio, me) -> list:
     return [(f"{render.KIND_LABEL.get(j['kind'], j['kind'])} · {j['state']} · {j['id']}", j["id"])
-            for j in studio.list_jobs(limit=30, owner=me)]
+            for j in studio.job_service.list_jobs(limit=30, owner=me)]
 
 
 def _get_job(studio, jid, me):
     try:
-        return studio.job(jid, owner=me) if jid else None
+        return studio.job_service.job(jid, owner=me) if jid else None
     except UserError:
         return None
 
@@ -180,7 +180,7 @@ def _show_job(studio, jid, me) -> tuple:
 
 
 def _memory_warning(studio, mid, me) -> str:
-    m = next((x for x in studio.memories(owner=me) if x["id"] == mid), None) if mid else None
+    m = next((x for x in studio.memory_service.memories(owner=me) if x["id"] == mid), None) if mid else None
     return render.memory_warning(m, "train")
 
 
@@ -226,8 +226,8 @@ def _wire_training_form(studio, c: SimpleNamespace) -> None:
         if not mid or m not in methods:
             return ""
         try:
-            est = studio.training_estimate(mid, m, form_config(methods[m], selected_values(m, values)),
-                                           owner=owner_of(studio, request))
+            est = studio.plugin_service.training_estimate(mid, m, form_config(methods[m], selected_values(m, values)),
+                                                          owner=owner_of(studio, request))
         except UserError as e:  # a value out of range while typing: say so where the estimate goes
             return f"<div class='pema-status err' id='train-estimate-text'>{render.esc(str(e))}</div>"
         return estimate_html(est)
@@ -247,8 +247,9 @@ def _wire_training_form(studio, c: SimpleNamespace) -> None:
         me = owner_of(studio, request)
         if m not in methods:
             raise UserError("Choose a method.")
-        jid = studio.submit_train(mem, m, form_config(methods[m], selected_values(m, values)), nm, owner=me)
-        job = studio.job(jid, owner=me)
+        jid = studio.plugin_service.submit_train(mem, m, form_config(methods[m], selected_values(m, values)), nm,
+                                                 owner=me)
+        job = studio.job_service.job(jid, owner=me)
         choices = _job_choices(studio, me)
         return (f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>.</div>", jid,
                 gr.update(choices=choices, value=jid), render.job_card(job), plots.loss_curve([]), "")
@@ -279,15 +280,16 @@ def _wire_jobs(studio, c: SimpleNamespace) -> None:
         if not jid:
             raise UserError("Choose a job to cancel.")
         me = owner_of(studio, request)
-        job = studio.cancel_job(jid, owner=me)
-        return render.job_card(job), render.jobs_table(studio.list_jobs(owner=me), _memory_names(studio, me))
+        job = studio.job_service.cancel_job(jid, owner=me)
+        jobs = studio.job_service.list_jobs(owner=me)
+        return render.job_card(job), render.jobs_table(jobs, _memory_names(studio, me))
 
     c.cancel.click(do_cancel, c.selected_job, [c.job_html, c.jobs_df], api_visibility="private")
 
     def tick(jid, last, request: gr.Request):
         try:
             me = owner_of(studio, request)
-            jobs = studio.list_jobs(limit=30, owner=me)
+            jobs = studio.job_service.list_jobs(limit=30, owner=me)
         except UserError:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), last
         # a running job's line also moves on with its elapsed time and ETA (every 5 s) between progress reports
@@ -312,7 +314,7 @@ def _wire_jobs(studio, c: SimpleNamespace) -> None:
         picker = (gr.update(choices=_job_choices(studio, me))
                   if last is None or len(last[0]) != len(digest) or finished_now else gr.skip())
         if finished_now:
-            plist = studio.plugins(owner=me)
+            plist = studio.plugin_service.plugins(owner=me)
             pdf, pdd = render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist])
         else:
             pdf, pdd = gr.skip(), gr.skip()
@@ -331,11 +333,11 @@ def _wire_plugin_list(studio, c: SimpleNamespace) -> None:
             return hidden, "", hidden, hidden
         me = owner_of(studio, request)
         try:
-            d = studio.plugin_detail(pid, owner=me)
+            d = studio.plugin_service.plugin_detail(pid, owner=me)
         except UserError as e:
             return gr.update(visible=True, value=json.dumps({"error": str(e)})), "", hidden, hidden
         d.pop("history", None)
-        p = next((x for x in studio.plugins(owner=me) if x["id"] == pid), {})
+        p = next((x for x in studio.plugin_service.plugins(owner=me) if x["id"] == pid), {})
         can = gr.update(visible=bool(p.get("can_continue")))
         return gr.update(visible=True, value=json.dumps(d, indent=2, default=str)), render.plugin_status(p), can, can
 
@@ -348,8 +350,8 @@ def _wire_plugin_list(studio, c: SimpleNamespace) -> None:
             raise UserError("Choose a plug-in to continue training.")
         me = owner_of(studio, request)
         cfg = {"max_minutes": float(minutes)} if minutes else {}
-        jid = studio.submit_continue(pid, cfg, owner=me)
-        job = studio.job(jid, owner=me)
+        jid = studio.plugin_service.submit_continue(pid, cfg, owner=me)
+        job = studio.job_service.job(jid, owner=me)
         return (jid, gr.update(choices=_job_choices(studio, me), value=jid), render.job_card(job),
                 plots.loss_curve([]), "",
                 f"<div class='pema-status ok'>Queued job <code>{render.esc(jid)}</code>: continues from the saved "
@@ -364,8 +366,8 @@ def _wire_plugin_list(studio, c: SimpleNamespace) -> None:
         if not pid:
             return gr.skip(), gr.skip(), gr.skip()
         me = owner_of(studio, request)
-        gr.Info(studio.delete_plugin(pid, owner=me))
-        plist = studio.plugins(owner=me)
+        gr.Info(studio.plugin_service.delete_plugin(pid, owner=me))
+        plist = studio.plugin_service.plugins(owner=me)
         return (render.plugins_table(plist), gr.update(choices=[(p["name"], p["id"]) for p in plist], value=None),
                 gr.update(visible=False))
 
@@ -374,7 +376,7 @@ def _wire_plugin_list(studio, c: SimpleNamespace) -> None:
 
 
 def build(studio) -> SimpleNamespace:
-    methods = {m["method"]: m for m in studio.methods()}
+    methods = {m["method"]: m for m in studio.plugin_service.methods()}
     c = SimpleNamespace(methods=methods, first=next((k for k in methods if shown_first(k)), next(iter(methods), None)),
                         selected_job=gr.State(None), seen=gr.State(None))
     with gr.Row(equal_height=False):
@@ -393,7 +395,7 @@ def build(studio) -> SimpleNamespace:
 
     def lists(me, mem_value=None):
         choices = memory_choices(studio, me)
-        plist = studio.plugins(owner=me)
+        plist = studio.plugin_service.plugins(owner=me)
         mem = keep_value(choices, mem_value)
         return (choices_update(choices, mem_value), render.plugins_table(plist),
                 gr.update(choices=[(p["name"], p["id"]) for p in plist]), _memory_warning(studio, mem, me))
@@ -406,7 +408,7 @@ def build(studio) -> SimpleNamespace:
 
     def on_load(me):
         """Page (re)load for owner ``me``: lists, and the running (else latest) job with its curve and log."""
-        jobs = studio.list_jobs(limit=30, owner=me)
+        jobs = studio.job_service.list_jobs(limit=30, owner=me)
         active = ([j for j in jobs if j["state"] == "running"]
                   or [j for j in jobs if j["kind"] == "train_plugin" and j["metrics"]]
                   or [j for j in jobs if j["kind"] == "train_plugin"])
@@ -443,7 +445,7 @@ PACKAGE_HELP = ("A package is what `python -m plugins export` writes — config,
 
 def build_packages(studio) -> None:
     """The Export / Import block of the Plug-ins tab: a plug-in package as a zip download, and a zip upload into the
-    caller's catalog (``Studio.export_plugin_zip`` / ``import_plugin_zip``). Its two events are API endpoints
+    caller's catalog (``PluginService.export_plugin_zip`` / ``import_plugin_zip``). Its two events are API endpoints
     (``/export_plugin``, ``/import_plugin``)."""
     with gr.Accordion("Export / import a plug-in package", open=False, elem_id="plugin-packages"):
         gr.Markdown(PACKAGE_HELP, elem_classes=["pema-help"])
@@ -463,7 +465,7 @@ def build_packages(studio) -> None:
 
     def choices(request: gr.Request):
         try:
-            plist = studio.plugins(owner=owner_of(studio, request))
+            plist = studio.plugin_service.plugins(owner=owner_of(studio, request))
         except UserError:
             return gr.skip()
         return gr.update(choices=[(f"{p['name']} · {p['method']}", p["id"]) for p in plist])
@@ -475,8 +477,8 @@ def build_packages(studio) -> None:
         """One of your plug-ins as a zipped package (a file to download)."""
         if not plugin_id:
             raise UserError("Choose a plug-in to export.")
-        return str(studio.export_plugin_zip(plugin_id, include_datastore=bool(include_datastore),
-                                            owner=owner_of(studio, request)))
+        return str(studio.plugin_service.export_plugin_zip(plugin_id, include_datastore=bool(include_datastore),
+                                                           owner=owner_of(studio, request)))
 
     export.click(export_plugin, [pick, with_datastore], exported, api_name="export_plugin")
 
@@ -488,7 +490,7 @@ def build_packages(studio) -> None:
         me = owner_of(studio, request)
         data, _ = read_upload(studio, request, package)
         try:
-            return studio.import_plugin_zip(data, name or "", owner=me)
+            return studio.plugin_service.import_plugin_zip(data, name or "", owner=me)
         except UserError as e:  # the package was unpacked in a temporary folder: its path says nothing to the user
             raise UserError(without_temp_paths(str(e))) from None
         finally:

@@ -247,7 +247,7 @@ def _estimate_text(studio, mid, ms, me) -> str:
     if not mid:
         return ""
     try:
-        e = studio.rank_estimate(mid, methods=list(ms or []) or None, owner=me)
+        e = studio.rank_service.rank_estimate(mid, methods=list(ms or []) or None, owner=me)
     except UserError as err:
         return f"<div class='pema-status err'>{render.esc(err)}</div>"
     return f"<div class='pema-help'>Time estimate before you start: {render.esc(e['text'])}</div>"
@@ -255,7 +255,7 @@ def _estimate_text(studio, mid, ms, me) -> str:
 
 def _tour_text(studio, me) -> str:
     try:
-        e = studio.rank_estimate(corpus=TOUR_CORPUS, owner=me)
+        e = studio.rank_service.rank_estimate(corpus=TOUR_CORPUS, owner=me)
     except UserError as err:
         return f"<div class='pema-status err'>{render.esc(err)}</div>"
     return (f"<div class='pema-help' id='rank-tour-time'>Time estimate on this machine: "
@@ -268,7 +268,7 @@ def _wire_ranking(studio, c: SimpleNamespace) -> None:
     def on_pick(mid, ms, jid, request: gr.Request):
         me = owner_of(studio, request)
         try:
-            running = bool(jid) and studio.job(jid, owner=me)["state"] not in FINAL_STATES
+            running = bool(jid) and studio.job_service.job(jid, owner=me)["state"] not in FINAL_STATES
         except UserError:
             running = False
         return RUNNING_NOTE if running else _estimate_text(studio, mid, ms, me)
@@ -277,20 +277,21 @@ def _wire_ranking(studio, c: SimpleNamespace) -> None:
     c.methods.input(on_pick, [c.memory, c.methods, c.job_id], c.estimate, show_progress="hidden")
 
     def started(jid, me):
-        return (jid, "", *_job_view(studio, c, studio.job(jid, owner=me), me, clear=True))
+        return (jid, "", *_job_view(studio, c, studio.job_service.job(jid, owner=me), me, clear=True))
 
     @user_errors
     def do_run(request: gr.Request, mid, ms, path):
         me = owner_of(studio, request)
         data, fname = read_upload(studio, request, path)
-        jid = studio.submit_rank(mid, methods=list(ms or []) or None, test_data=data, test_filename=fname, owner=me)
+        jid = studio.rank_service.submit_rank(mid, methods=list(ms or []) or None, test_data=data, test_filename=fname,
+                                              owner=me)
         studio.uploads.consume(path)
         return started(jid, me)
 
     @user_errors
     def do_tour(task, request: gr.Request):
         me = owner_of(studio, request)
-        return started(studio.submit_rank(corpus=TOUR_CORPORA.get(task, TOUR_CORPUS), owner=me), me)
+        return started(studio.rank_service.submit_rank(corpus=TOUR_CORPORA.get(task, TOUR_CORPUS), owner=me), me)
 
     outs = [c.job_id, c.share_link, *c.poll_outputs]
     # the card is where the eyes are: scrolled into view under the button just pressed
@@ -303,7 +304,7 @@ def _wire_ranking(studio, c: SimpleNamespace) -> None:
     def do_cancel(jid, request: gr.Request):
         if not jid:
             raise UserError("No ranking to cancel.")
-        return render.job_card(studio.cancel_job(jid, owner=owner_of(studio, request)))
+        return render.job_card(studio.job_service.cancel_job(jid, owner=owner_of(studio, request)))
 
     c.cancel.click(do_cancel, c.job_id, c.job_html, api_visibility="private")
 
@@ -311,7 +312,7 @@ def _wire_ranking(studio, c: SimpleNamespace) -> None:
     def do_share(jid, request: gr.Request):
         if not jid:
             raise UserError("Rank the methods first: there is no leaderboard to share.")
-        sid = studio.share_leaderboard(jid, owner=owner_of(studio, request))
+        sid = studio.rank_service.share_leaderboard(jid, owner=owner_of(studio, request))
         link = f"/share/?c={sid}"
         return (f"<div class='pema-help'>Read-only link (scores, settings and verdict; no ids, names or samples): "
                 f"<a id='rank-share-url' href='{render.esc(link)}' target='_blank'>{render.esc(link)}</a></div>")
@@ -347,7 +348,7 @@ def _wire_poll(studio, c: SimpleNamespace) -> None:
         skip = [gr.skip()] * (len(c.poll_outputs) - 1)
         try:
             me = owner_of(studio, request)
-            job = studio.job(jid, owner=me) if jid else None
+            job = studio.job_service.job(jid, owner=me) if jid else None
         except UserError:
             job = None
         if job is None:
@@ -365,7 +366,7 @@ def _wire_poll(studio, c: SimpleNamespace) -> None:
 
 def build(studio) -> SimpleNamespace:
     c = SimpleNamespace(job_id=gr.State(None), seen=gr.State(None))
-    _tour_panel(c, studio.corpora())
+    _tour_panel(c, studio.memory_service.corpora())
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=320):
             _ranking_panel(c)
@@ -385,7 +386,7 @@ def build(studio) -> SimpleNamespace:
     def last_rank(me):
         """The caller's latest rank job and its memory: the picker starts there, whether the page's load or the
         tab's refresh answers first (both use it, so neither undoes the other)."""
-        last = studio.list_jobs(("rank",), 1, owner=me)
+        last = studio.job_service.list_jobs(("rank",), 1, owner=me)
         return (last[0] if last else None), ((last[0].get("args") or {}).get("memory_id") if last else None)
 
     @user_errors

@@ -201,7 +201,7 @@ def plugin_status(p: dict | None) -> str:
 def memory_warning(m: dict | None, purpose: str) -> str:
     """A warning when a memory is too small for ``purpose`` ("train": a plug-in learns from its training
     samples and early-stops on a tenth of them; "heldout": Compare's samples and Evaluate need held-out samples);
-    empty when it is fine. ``m``: a row of ``Studio.memories``."""
+    empty when it is fine. ``m``: a row of ``MemoryService.memories``."""
     if not m:
         return ""
     held = int(m.get("heldout_samples") or 0)

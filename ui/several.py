@@ -1,6 +1,6 @@
 """Compare tab pieces: clickable example sentences per task, and several sentences at once (pasted lines → one
 batched decode → a table with one column per method; sentence-level sacreBLEU/chrF where a line gives a reference:
-``Studio.compare_several``).
+``CompareService.compare_several``).
 
 ``examples_row(source, task, reference)`` places the example buttons where it is called (a click fills the sentence
 box, and the example's reference, so the cards score the outputs against it); ``panel()`` places the
@@ -62,8 +62,8 @@ def wire(studio, p: SimpleNamespace, task, methods, max_new, beams, prompt_from,
 
     @user_errors
     def do_several(request: gr.Request, text, tk, ms, mx, bm, pf, *values):
-        res = studio.compare_several(text, tk, list(ms or []), settings_of(*values), int(mx), int(bm),
-                                     owner=owner_of(studio, request), prompt_from=pf or None)
+        res = studio.compare_service.compare_several(text, tk, list(ms or []), settings_of(*values), int(mx), int(bm),
+                                                     owner=owner_of(studio, request), prompt_from=pf or None)
         return render.several_table(res)
 
     p.run.click(do_several, [p.text, task, methods, max_new, beams, prompt_from, *settings_inputs], p.out,

@@ -25,7 +25,7 @@ def build(studio) -> SimpleNamespace:
 
     def read(sid):
         try:
-            return studio.shared(sid) if isinstance(sid, str) and sid else None
+            return studio.compare_service.shared(sid) if isinstance(sid, str) and sid else None
         except UserError:
             return None
     header = gr.HTML(elem_id="shared-header")
@@ -72,7 +72,7 @@ def build(studio) -> SimpleNamespace:
     def open_shared(sid: str):
         """Outputs for the whole view from the stored payload (or an error message)."""
         try:
-            p = studio.shared(sid)
+            p = studio.compare_service.shared(sid)
         except UserError as e:
             msg = f"<div class='pema-status err'>{render.esc(e)} <a href='../'>Open the studio</a></div>"
             e_fig = plots.empty("")
@@ -116,7 +116,7 @@ def build_app(studio) -> gr.Blocks:
         def on_load(request: gr.Request):
             sid = (dict(request.query_params).get("c") or "").strip() if request else ""
             try:
-                board = studio.shared_leaderboard(sid)
+                board = studio.rank_service.shared_leaderboard(sid)
             except UserError:
                 return (*sh.open(sid), *lb.hide())
             header = render.esc(f"Shared leaderboard · {board.get('task')} · {board.get('backbone')}")

@@ -16,7 +16,7 @@ HEADERS = ["id", "what", "shared", "input"]
 
 def rows(studio, owner) -> list[list]:
     return [[s["id"], s["kind"], render.when(s["created"], short=True), (s.get("source") or "")[:80]]
-            for s in studio.shares(owner=owner)]
+            for s in studio.compare_service.shares(owner=owner)]
 
 
 def build(studio) -> SimpleNamespace:
@@ -38,7 +38,7 @@ def build(studio) -> SimpleNamespace:
     def on_delete(sid, request: gr.Request):
         me = owner_of(studio, request)
         try:
-            msg = f"<div class='pema-status ok'>{render.esc(studio.delete_share(sid, owner=me))}</div>"
+            msg = f"<div class='pema-status ok'>{render.esc(studio.compare_service.delete_share(sid, owner=me))}</div>"
         except UserError as e:
             msg = f"<div class='pema-status err'>{render.esc(e)}</div>"
         try:
