@@ -1,6 +1,7 @@
 """Each measured number once: BENCHMARKS.md holds them, and the code points there by a section's heading or a table
 row's name, never by a section number (numbers move when BENCHMARKS is reorganised; a heading that moves is still
-found). Every such pointer in the project's Python files must name a heading or a row that BENCHMARKS.md has."""
+found). Every such pointer in the project's Python files must name a heading or a row that BENCHMARKS.md has. And
+docs/testing.md, the index of the tests, names every test file."""
 from __future__ import annotations
 
 import re
@@ -76,3 +77,20 @@ def test_the_pointer_checks_see_a_number_a_wrapped_pointer_and_a_missing_one():
     headings, cells = targets("## 3. Decode time per token\n\n| what | now |\n| --- | --- |\n"
                               "| exact kNN over 100k entries alone | 1.09× |\n")
     assert [found(n, headings, cells) for n in names] == [True, True, False]
+
+
+def unlisted_test_files(tests_dir: Path, testing_md: str) -> list[str]:
+    """The test files docs/testing.md does not name (by file name, in backticks)."""
+    return sorted(p.name for p in tests_dir.glob("test_*.py") if f"`{p.name}`" not in testing_md)
+
+
+def test_docs_testing_lists_every_test_file():
+    listed = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    missing = unlisted_test_files(ROOT / "tests", listed)
+    assert not missing, f"docs/testing.md does not list {missing}: add each to its component's row"
+
+
+def test_the_listing_check_sees_an_unlisted_file(tmp_path):
+    (tmp_path / "test_a.py").write_text("")
+    (tmp_path / "test_b.py").write_text("")
+    assert unlisted_test_files(tmp_path, "| x | `test_a.py` |") == ["test_b.py"]
