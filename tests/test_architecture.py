@@ -199,7 +199,7 @@ def studio_attributes(root: Path = ROOT) -> set[str]:
 
 
 def unknown_studio_names(path: Path, known: set[str], root: Path = ROOT) -> list[str]:
-    """``studio.<name>`` in ``path`` where the Studio has no ``<name>`` (the façade forwards nothing)."""
+    """``studio.<name>`` in ``path`` where the Studio has no ``<name>`` (it forwards nothing)."""
     return [f"{path.relative_to(root)}:{n.lineno}: studio.{n.attr}" for n in ast.walk(parsed(path)[1])
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "studio"
             and n.attr not in known]
