@@ -52,7 +52,7 @@ def disabled(page, sel: str, yes: bool = True) -> None:
 
 
 def latest(studio, kind: str) -> dict:
-    return studio.list_jobs((kind,), 1, owner=None)[0]
+    return studio.job_service.list_jobs((kind,), 1, owner=None)[0]
 
 
 def test_build_is_disabled_while_its_build_runs_and_after_a_reload(page, app):
@@ -76,7 +76,7 @@ def test_build_is_disabled_while_its_build_runs_and_after_a_reload(page, app):
     assert done["state"] == "done", done
     disabled(page, "#build-memory", yes=False)
     assert page.locator("#build-memory").inner_text().strip() == "Build memory"
-    st.delete_memory(done["result"]["memory_id"], owner=None)  # the pickers start at "busy pairs"
+    st.memory_service.delete_memory(done["result"]["memory_id"], owner=None)  # the pickers start at "busy pairs"
 
 
 def test_evaluate_and_train_are_disabled_while_their_jobs_run_and_back_when_cancelled_or_done(page, app):
