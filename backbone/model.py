@@ -59,7 +59,7 @@ from backbone.loading import (
 )
 from backbone.norms import FusedRMSNorm
 from backbone.options import FastPaths, fast_paths, using_fast_paths
-from backbone.padding import left_padded
+from backbone.padding import left_pad, left_padded
 from backbone.precision import (
     CPU_FLOAT16_TAG,
     DEFAULT_CPU_PRECISION,
@@ -371,19 +371,14 @@ def generate_greedy(backbone: Backbone, contexts: list[list[int]], max_new_token
         if should_stop is not None and should_stop():
             raise Cancelled()
         batch = contexts[b0:b0 + batch_size]
-        width = max(len(c) for c in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, c in enumerate(batch):
-            ids[i, width - len(c):] = torch.tensor(c)
-            mask[i, width - len(c):] = 1
+        ids, mask = left_pad(batch, pad)
         with torch.no_grad():
             gen = backbone.model.generate(input_ids=ids.to(backbone.device), attention_mask=mask.to(backbone.device),
                                           max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
                                           stopping_criteria=StoppingCriteriaList([StopAtLineEnd()]))
         if cancelled:
             raise Cancelled()
-        for row in gen[:, width:].tolist():
+        for row in gen[:, ids.shape[1]:].tolist():
             cut = next((i for i, t in enumerate(row) if t in backbone.stop_ids or t == pad), len(row))
             outs.append(row[:cut])
         progress(min(1.0, (b0 + len(batch)) / len(contexts)), f"generated {b0 + len(batch)}/{len(contexts)}")

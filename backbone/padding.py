@@ -31,6 +31,17 @@ ROW_ATTENTION = "pema_row_keys"  # the attention module's attribute a plug-in se
 PAD_NEUTRAL_SDPA = "pema_sdpa"  # transformers' SDPA attention, wrapped by ``pad_neutral``
 
 
+def left_pad(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token contexts left-padded with ``pad`` to one width, and their attention mask (1 on real tokens)."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for r, c in enumerate(contexts):
+        ids[r, width - len(c):] = torch.tensor(c)
+        mask[r, width - len(c):] = 1
+    return ids, mask
+
+
 def left_pads(mask: torch.Tensor | None) -> list[int] | None:
     """Per row of a 2-D attention mask (1: a real position), how many leading positions are padding; None when
     no row is padded or the mask is not left padding (a masked position after a real one)."""

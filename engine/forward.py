@@ -6,6 +6,7 @@ import torch
 
 from backbone.kv_cache import join_left_padded
 from backbone.model import Backbone, grow_kv_cache, relayout_kv_rows, small_work_threads
+from backbone.padding import left_pad
 from engine.batch import Batch
 from engine.prefix_cache import PREFIX_KV
 from engine.protocol import shared_prompt_len
@@ -29,7 +30,7 @@ def prefill(backbone: Backbone, batch: Batch, use_prefix_cache: bool = True, tra
     """
     dev = backbone.device
     contexts = batch.prefill_contexts
-    ids, mask = _left_padded(contexts, backbone.tokenizer.pad_token_id or 0)
+    ids, mask = left_pad(contexts, backbone.tokenizer.pad_token_id or 0)
     ids, mask = ids.to(dev), mask.to(dev)
     joined = None
     window = getattr(backbone.model.config, "sliding_window", None)
@@ -122,15 +123,6 @@ def _prefill_padded(backbone: Backbone, batch: Batch, ids: torch.Tensor, mask: t
     return fc[:, -1], out.past_key_values, attached
 
 
-def _left_padded(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill rows' contexts left-padded to one width, and their attention mask."""
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for r, c in enumerate(contexts):
-        ids[r, width - len(c):] = torch.tensor(c)
-        mask[r, width - len(c):] = 1
-    return ids, mask
 
 
 def _cached_prefix(backbone: Backbone, batch: Batch, s: int, ids: torch.Tensor, use_prefix_cache: bool):
