@@ -80,20 +80,14 @@ class Setting:
                 raise bad
         elif kind is int:
             if isinstance(value, str):
-                try:
-                    value = int(value.strip())
-                except ValueError:
-                    raise bad from None
+                value = _parsed(value, int, bad)
             elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
                 value = int(value)
             if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 2**53:
                 raise bad
         elif kind is float:
             if isinstance(value, str):
-                try:
-                    value = float(value.strip())
-                except ValueError:
-                    raise bad from None
+                value = _parsed(value, float, bad)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad
             value = float(value)
@@ -108,6 +102,14 @@ class Setting:
         if self.high is not None and value > self.high:
             raise bad
         return value
+
+
+def _parsed(text: str, kind: type, bad: Exception):
+    """A number typed as text (a form, ``--set``), or ``bad`` raised when it is not one."""
+    try:
+        return kind(text.strip())
+    except ValueError:
+        raise bad from None
 
 
 def coerce_all(declared: Iterable[Setting], values: dict, owner: str) -> dict:

@@ -218,6 +218,12 @@ def row_settings(plugin, task: str | None, backbone_name: str | None, overrides:
     return plugin.settings({**tuned, **(cal or {}).get("settings", {}), **own})
 
 
+def start_record(method_cls, task: str | None, backbone_name: str | None) -> SettingsRecord:
+    """A method's decode settings as a comparison of ``task`` on ``backbone_name`` starts them before a plug-in is
+    chosen (the controls' starting values): the first two layers of ``row_settings``, declared ← tuned on dev data."""
+    return decode_record(method_cls).from_dict(tuned_decode_settings(method_cls.method, task, backbone_name))
+
+
 def method_row(label: str, plugin, task: str | None, backbone_name: str | None, overrides: dict | None = None,
                calibrated: bool = True) -> Row:
     """A comparison's row for ``plugin`` (None: the base model, which has no settings of its own) from the caller's

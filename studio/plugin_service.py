@@ -14,14 +14,13 @@ from backbone.model import resolve_name
 from eval.calibrate import MIN_TUNE, TYPICAL_SECONDS, calibrate, describe_choice, split_heldout
 from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
-from ground.settings import coerce_all
 from ground.store import new_id
 from offsite.client import NOT_OFFSITE
 from plugins.api import make_config, method_table, open_memory, open_plugin, train_plugin
 from plugins.estimate import estimate
 from plugins.hub import check_package, export_plugin, import_plugin
 from plugins.registry import available_methods, get_method
-from plugins.settings import load_calibration, presets_table, tuned_decode_settings
+from plugins.settings import load_calibration, presets_table, start_record
 from plugins.training import optimizer_from_tensors, optimizer_tensors
 from studio.backbone_service import BackboneService
 from studio.caches import LRU
@@ -112,8 +111,7 @@ class PluginService:
         bb = self.backbone_svc.loaded_backbone()
         name = resolve_name(bb.name if bb is not None and self.backbone_svc.offsite(bb)
                             else self.backbone_svc.requested_name())  # owner's model
-        return {m: {**{s.name: s.default for s in cls.decode_settings},
-                    **coerce_all(cls.decode_settings, tuned_decode_settings(m, task, name), cls.title)}
+        return {m: start_record(cls, task, name).as_dict()
                 for m, cls in available_methods().items() if cls.decode_settings}
 
     def submit_train(self, memory_id: str, method: str, config: dict | None = None, name: str = "", *,
