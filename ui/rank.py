@@ -188,8 +188,9 @@ def views(board: dict | None) -> tuple:
 def leaderboard_components(prefix: str = "rank"):
     verdict = gr.HTML(verdict_html(None), elem_id=f"{prefix}-verdict")
     # shares of the width, not the cells' lengths: the table wraps inside its column instead of running past the page
+    # tall enough for every registered method and the base model (two lines a row) without an inner scroll bar
     df = gr.Dataframe(headers=HEADERS, interactive=False, wrap=True, label="Leaderboard", elem_id=f"{prefix}-table",
-                      show_search="none", max_height=420, column_widths=["4%", "26%", "14%", "21%", "14%", "21%"])
+                      show_search="none", max_height=640, column_widths=["4%", "26%", "14%", "21%", "14%", "21%"])
     with gr.Accordion("Costs and settings of each method (training time, trainable parameters, decode cost, tuned "
                       "settings)", open=False, elem_id=f"{prefix}-costs-fold"):
         costs = gr.Dataframe(headers=COST_HEADERS, interactive=False, wrap=True, show_label=False,
