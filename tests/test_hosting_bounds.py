@@ -126,6 +126,7 @@ def test_api_calls_keep_no_session_and_unread_results_are_swept(site):
     sweeper.clock = lambda: clock[0]
     try:
         sweeper._idle = [{} for _ in sweeper.blocks]
+        sweeper._last_event = {}  # noted on the real clock; the calls ended before the fake one starts
         sweeper.sweep()
         assert len(queue.pending_messages_per_session) >= 6  # kept a while for a slow reader
         clock[0] = sweeper.keep_s + 1
@@ -414,3 +415,32 @@ def test_the_comparison_store_is_bounded_in_bytes_too(monkeypatch):
         store.keep_recent(f"owner-{i}", {"id": f"c-{i}", "trace": "x" * 1000})
     kept = store.recent_owners()
     assert 5 <= len(kept) <= 10 and "c-49" in kept and "c-0" not in kept
+
+
+def test_a_page_polling_between_sweeps_keeps_its_messages(monkeypatch):
+    """A page whose events (a job's poll) run between two sweeps is never caught busy by one; its message queue must
+    stay while it polls (dropping it cut the open stream and froze the page's job card), and go once it stops."""
+    import asyncio
+
+    from ui import server
+
+    pending, dropped, clock = {"page", "unread"}, [], [0.0]
+    monkeypatch.setattr(server.gri, "queued_events", lambda blocks: [])
+    monkeypatch.setattr(server.gri, "sessions_with_messages", lambda blocks: sorted(pending))
+    monkeypatch.setattr(server.gri, "drop_session_messages",
+                        lambda blocks, session: (dropped.append(session), pending.discard(session)))
+    sweeper = server.ResultSweeper([object()], keep_s=120, clock=lambda: clock[0])
+
+    async def poll():
+        return {"data": []}
+
+    for t in range(0, 400, 5):  # a poll every 5 s, a sweep every 30 s: never at the same moment
+        clock[0] = float(t)
+        if t % 30 == 0:
+            sweeper.sweep()
+        else:
+            asyncio.run(sweeper.noting(poll, server.EventCall(None, None, "page", None)))
+    assert dropped == ["unread"]  # the unread result went after keep_s; the polling page kept its queue
+    clock[0] += sweeper.keep_s
+    sweeper.sweep()
+    assert dropped == ["unread", "page"]  # and a page that stopped polling goes too

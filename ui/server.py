@@ -615,6 +615,8 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     for blocks in (studio_blocks, share_blocks):
         grant_returned_files(blocks, files, studio.identity)
     sweeper = ResultSweeper([studio_blocks, share_blocks])
+    for blocks in (studio_blocks, share_blocks):
+        gri.wrap_events(blocks, sweeper.noting)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -681,23 +683,41 @@ class ResultSweeper:
     def __init__(self, blocks: list[gr.Blocks], keep_s: float = RESULT_KEEP_S, clock=time.monotonic):
         self.blocks, self.keep_s, self.clock = list(blocks), float(keep_s), clock
         self._idle: list[dict[str, float]] = [{} for _ in self.blocks]
+        self._last_event: dict[str, float] = {}  # session → when an event of it last started or ended
+
+    def note(self, session: str | None) -> None:
+        """An event of ``session`` starts or ends: its messages are in use (a page polling between two sweeps, or
+        an open stream about to read an event's result), so they do not count as waiting until ``keep_s`` after."""
+        if session:
+            self._last_event[session] = self.clock()
+
+    async def noting(self, run, call: EventCall):
+        """An events wrapper (``gri.wrap_events``) that notes each event's session when it starts and ends."""
+        self.note(call.session_hash)
+        try:
+            return await run()
+        finally:
+            self.note(call.session_hash)
 
     def sweep(self) -> int:
         """Drop what has waited long enough; the number of sessions dropped."""
-        now, dropped = self.clock(), 0
+        now, dropped, seen = self.clock(), 0, set()
         for blocks, idle in zip(self.blocks, self._idle):
             busy = {e.session_hash for e in gri.queued_events(blocks)}
             pending = set(gri.sessions_with_messages(blocks))
+            seen |= pending
             for session in [s for s in idle if s not in pending or s in busy]:
                 idle.pop(session, None)
             for session in pending:
                 if session in busy:
                     continue
-                since = idle.setdefault(session, now)
+                since = max(idle.setdefault(session, now), self._last_event.get(session, -math.inf))
                 if now - since >= self.keep_s:
                     gri.drop_session_messages(blocks, session)
                     idle.pop(session, None)
                     dropped += 1
+        for session in [s for s in self._last_event if s not in seen]:
+            del self._last_event[session]
         return dropped
 
     async def run(self, every: float = SWEEP_S) -> None:
