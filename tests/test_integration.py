@@ -111,7 +111,7 @@ def test_formality_pema_and_knn_at_tuned_settings_neither_loop_nor_go_empty(gemm
     knn, _ = train_plugin(gemma, formality_memory, "knn", out_dir=tmp_path / "knn")
     rows = [Row("base"), Row("pema", pema, row_settings(pema, "formality", gemma.name, calibrated=False)),
             Row("knn", knn, row_settings(knn, "formality", gemma.name, calibrated=False))]
-    assert rows[1].settings["lambda_max"] == 0.3 and rows[2].settings["lambda"] == 0.05  # the tuned ones
+    assert rows[1].settings.lambda_max == 0.3 and rows[2].settings.lambda_ == 0.05  # the tuned ones
     outputs = {}
     for src in FORMALITY_INPUTS:
         c = compare(gemma, src, rows, formality_memory.prompt, max_new_tokens=48)
