@@ -20,6 +20,7 @@ from _server import (
 from test_browser import choose_methods, wait_decoded
 from test_rank import unique_pairs
 
+from benchmarks.idle import COUNT_FRAMES, OBSERVE  # the benchmark's counters: the test counts what it measures
 from eval.rank import ordered
 from ui import gradio_internals
 
@@ -27,19 +28,6 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 pytestmark = pytest.mark.browser
 RANKED = ("PEMA", "kNN")  # the methods the browser ranks (checkbox labels)
-# the page's requestAnimationFrame calls, counted from its first script on (before Gradio's modules keep a reference)
-COUNT_FRAMES = """(() => {
-  const raf = window.requestAnimationFrame.bind(window);
-  window.pemaFrames = 0;
-  window.requestAnimationFrame = (cb) => { window.pemaFrames += 1; return raf(cb); };
-})()"""
-# what the page does from now on: DOM mutation records under the tabs, animation frames asked for
-OBSERVE = """() => {
-  window.pemaIdle = {mutations: 0, frames: window.pemaFrames};
-  new MutationObserver((r) => { window.pemaIdle.mutations += r.length; })
-    .observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
-}"""
-
 browser = pytest.fixture(scope="module", name="browser")(browser_session)
 
 
