@@ -167,11 +167,21 @@ class PluginService:
         cfg_path = Path(row["path"]) / "plugin_config.json"
         old = json.loads(cfg_path.read_text(encoding="utf-8")).get("config", {}) if cfg_path.exists() else {}
         cfg = make_config(row["method"], {**old, **config}).to_dict()
-        with self.ctx.admission:
+        with self.ctx.admission:  # checked and queued under one lock: two clicks never queue two continuations
+            self._refuse_second_continuation(plugin_id, row["name"], owner)
             self.plugin_quota(owner)
             return self.ctx.jobs.submit("train_plugin", {"memory_id": row["memory_id"], "method": row["method"],
                                                          "config": cfg, "name": name, "continue_from": plugin_id},
                                         owner=owner)
+
+    def _refuse_second_continuation(self, plugin_id: str, plugin_name: str, owner: str) -> None:
+        """Refuse to continue ``plugin_id`` while one of the owner's trainings already continues it (queued or
+        running): both would start from the same saved state, and with several training slots run at once."""
+        jobs = self.ctx.jobs.list(kinds=("train_plugin",), states=("queued", "running"), owner=owner, limit=1000)
+        job = next((j for j in jobs if (j.get("args") or {}).get("continue_from") == plugin_id), None)
+        if job is not None:
+            raise UserError(f"Plug-in {plugin_name!r} is already being continued by job {job['id']} ({job['state']}); "
+                            f"wait for it to end, or cancel it, before continuing it again.")
 
     def plugin_quota(self, owner: str, more: int = 1) -> None:
         """Refuse ``more`` plug-ins beyond the owner's quota, counting those the queued or running trainings and
