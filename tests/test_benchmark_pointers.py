@@ -1,7 +1,9 @@
 """Each measured number once: BENCHMARKS.md holds them, and the code points there by a section's heading or a table
 row's name, never by a section number (numbers move when BENCHMARKS is reorganised; a heading that moves is still
-found). Every such pointer in the project's Python files must name a heading or a row that BENCHMARKS.md has. And
-docs/testing.md, the index of the tests, names every test file."""
+found). Every such pointer in the project's Python files must name a heading or a row that BENCHMARKS.md has. The
+docs explain topics and link to a number's heading (`../BENCHMARKS.md#3-decode-time-per-token`, or the work log's,
+docs/benchmarks-history.md), never by "BENCHMARKS §3" or "the twelfth session"; every such link names a heading the
+file has. And docs/testing.md, the index of the tests, names every test file."""
 from __future__ import annotations
 
 import re
@@ -13,6 +15,11 @@ CODE_DIRS = ("ground", "backbone", "engine", "memories", "plugins", "eval", "off
 SECTION_NUMBER = re.compile(r"BENCHMARKS(\.md)?,?\s*§")
 POINTER = re.compile(r'BENCHMARKS\.md,?\s*"([^"]+)"(?:[^"]{0,40}?\brow\s*"([^"]+)")?')
 ROW_BEFORE = re.compile(r'BENCHMARKS\.md,?\s*row\s*"([^"]+)"')
+# In the docs: a link to a heading of BENCHMARKS.md or of its work log; a section number; a work session by number.
+BENCHMARK_LINK = re.compile(r"\]\(([^)#\s]*(?:BENCHMARKS|benchmarks-history)\.md)#([^)\s]+)\)")
+DOC_SECTION_NUMBER = re.compile(r"§\s*\d+[a-z]?")
+NTH_SESSION = re.compile(r"\b(?:[a-z]+-)?(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|"
+                         r"twelfth|[a-z]+teenth|[a-z]+tieth|\d+(?:st|nd|rd|th))\s+sessions?\b", re.IGNORECASE)
 
 
 def code_files() -> list[Path]:
@@ -39,15 +46,18 @@ def pointers(text: str) -> list[str]:
 
 
 def targets(benchmarks: str) -> tuple[list[str], list[str]]:
-    """(headings, table cells) of BENCHMARKS.md, lower-cased, without Markdown's code and emphasis marks."""
+    """(headings, table cells) of BENCHMARKS.md, lower-cased, without Markdown's code and emphasis marks; a paragraph's
+    bold lead ("**Quality guard of each precision** — …") counts as a heading."""
+    bold_leads = [m.group(1) for line in benchmarks.splitlines() if (m := re.match(r"\*\*([^*]+)\*\*", line))]
     benchmarks = re.sub(r"[`*]", "", benchmarks)
     headings = [line.lstrip("#").strip().lower() for line in benchmarks.splitlines() if line.startswith("#")]
+    headings += [re.sub(r"`", "", b).strip().lower() for b in bold_leads]
     cells = [c.strip().lower() for line in benchmarks.splitlines() if line.startswith("|") for c in line.split("|")]
     return headings, [c for c in cells if c]
 
 
 def found(name: str, headings: list[str], cells: list[str]) -> bool:
-    name = name.strip().lower()
+    name = re.sub(r"[`*]", "", name).strip().lower()
     return any(name in h for h in headings) or any(c.startswith(name) for c in cells)
 
 
@@ -77,6 +87,89 @@ def test_the_pointer_checks_see_a_number_a_wrapped_pointer_and_a_missing_one():
     headings, cells = targets("## 3. Decode time per token\n\n| what | now |\n| --- | --- |\n"
                               "| exact kNN over 100k entries alone | 1.09× |\n")
     assert [found(n, headings, cells) for n in names] == [True, True, False]
+
+
+def doc_files() -> list[Path]:
+    """The pages that explain topics: docs/*.md but the work log itself, README.md and ARCHITECTURE.md."""
+    docs = [f for f in sorted((ROOT / "docs").glob("*.md")) if f.name != "benchmarks-history.md"]
+    return docs + [f for f in (ROOT / "README.md", ROOT / "ARCHITECTURE.md") if f.is_file()]
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a file's headings: lower case, punctuation dropped, spaces to '-', '-1', '-2', … on
+    repeats; '#' lines inside fenced code are not headings."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def broken_benchmark_links(doc: Path, text: str) -> list[str]:
+    """The text's links to BENCHMARKS.md or its work log whose anchor names no heading of the file (relative to doc)."""
+    bad = []
+    for m in BENCHMARK_LINK.finditer(text):
+        target = (doc.parent / m.group(1)).resolve()
+        if not target.is_file() or m.group(2) not in github_anchors(target.read_text(encoding="utf-8")):
+            bad.append(f"{m.group(1)}#{m.group(2)}")
+    return bad
+
+
+def stale_pointers(text: str) -> list[str]:
+    """'BENCHMARKS §3', a bare '§3b' or 'the twelfth session' in the text's prose (link targets left out)."""
+    prose = re.sub(r"\]\([^)\s]*\)", "]", text)
+    patterns = (SECTION_NUMBER, DOC_SECTION_NUMBER, NTH_SESSION)
+    return [m.group(0) for pattern in patterns for m in pattern.finditer(prose)]
+
+
+def test_docs_link_to_benchmark_headings_that_exist():
+    pages = doc_files() + [ROOT / "BENCHMARKS.md", ROOT / "docs" / "benchmarks-history.md"]  # its "how" links too
+    bad = [f"{f.relative_to(ROOT)}: {link}" for f in pages
+           for link in broken_benchmark_links(f, f.read_text(encoding="utf-8"))]
+    assert not bad, "links to a heading BENCHMARKS.md or docs/benchmarks-history.md does not have:\n" + "\n".join(bad)
+
+
+def test_docs_point_by_link_not_by_section_number_or_session():
+    bad = [f"{f.relative_to(ROOT)}: {p!r}" for f in doc_files() for p in stale_pointers(f.read_text(encoding="utf-8"))]
+    assert not bad, ("docs point to a measured number by a link to its heading, e.g. "
+                     "[decode time per token](../BENCHMARKS.md#3-decode-time-per-token), not by a section number or a "
+                     "work session:\n" + "\n".join(bad))
+
+
+def test_docs_quoted_rows_and_headings_exist():
+    headings, cells = targets((ROOT / "BENCHMARKS.md").read_text(encoding="utf-8"))
+    bad = [f"{f.relative_to(ROOT)}: {name!r}" for f in doc_files()
+           for name in pointers(f.read_text(encoding="utf-8")) if not found(name, headings, cells)]
+    assert not bad, "docs quote a BENCHMARKS.md heading or row it does not have:\n" + "\n".join(bad)
+
+
+def test_the_doc_checks_see_old_pointers_and_a_missing_anchor(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "BENCHMARKS.md").write_text("# B\n```\n# 3. not a heading\n```\n## 3. Decode time per token\n")
+    (tmp_path / "docs" / "benchmarks-history.md").write_text(
+        "### Twelfth session: certified kNN on centred keys (issue #18)\n## Notes\n## Notes\n")
+    doc = tmp_path / "docs" / "methods.md"
+    text = ("entries 1.07–1.19× a base step, BENCHMARKS §3, twelfth session).\n"
+            "a 7-row step spent 2.7 ms; BENCHMARKS §3, fourteenth\n  session), and\n"
+            "| slider move (§3b) | the same, BENCHMARKS.md (§3d, \"Batch-invariant rows\") | sixteenth and eighteenth "
+            "sessions | twenty-first session |\n"
+            "[now](../BENCHMARKS.md#3-decode-time-per-token) [how](benchmarks-history.md#twelfth-session-certified-knn-"
+            "on-centred-keys-issue-18) [twice](benchmarks-history.md#notes-1) [gone](../BENCHMARKS.md#3-not-a-heading) "
+            "[renamed](benchmarks-history.md#thirteenth-session)\n")
+    assert broken_benchmark_links(doc, text) == ["../BENCHMARKS.md#3-not-a-heading",
+                                                 "benchmarks-history.md#thirteenth-session"]
+    assert stale_pointers(text) == ["BENCHMARKS §", "BENCHMARKS §", "§3", "§3", "§3b", "§3d", "twelfth session",
+                                    "fourteenth\n  session", "eighteenth sessions", "twenty-first session"]
+    assert stale_pointers("[how](benchmarks-history.md#twelfth-session-certified-knn) in this session") == []
+    headings, cells = targets("**Quality guard of each precision** — the base …\n")
+    assert found('Quality guard of each `precision`', headings, cells)
 
 
 def unlisted_test_files(tests_dir: Path, testing_md: str) -> list[str]:
