@@ -1,7 +1,8 @@
 """Buttons that start a job are disabled, their label saying what runs, while that job is queued or running — after
 a reload too — and back when it ends or is cancelled (``ui.common.disable_while_running``), in headless Chromium on
-the tiny backbone. The test holds the backbone from another thread, so a job that needs it stays running until the
-test lets go (``backbone_held``)."""
+the tiny backbone; "Continue training" with "Train in background" while any training of the owner runs. The test
+holds the backbone from another thread, so a job that needs it stays running until the test lets go
+(``backbone_held``)."""
 import contextlib
 import os
 import threading
@@ -110,3 +111,40 @@ def test_evaluate_and_train_are_disabled_while_their_jobs_run_and_back_when_canc
     disabled(page, "#eval-run", yes=False)
     disabled(page, "#eval-sweep", yes=False)
     assert page.locator("#eval-run").inner_text().strip() == "Evaluate in background"
+
+
+def choose(page, dropdown: str, option: str) -> None:
+    """Pick the option whose text contains ``option`` in the Gradio dropdown ``dropdown`` (a CSS selector)."""
+    page.locator(f"{dropdown} input").click()
+    page.get_by_role("option", name=option).first.click()
+
+
+def test_continue_training_is_disabled_while_a_training_runs_and_after_a_reload(page, app):
+    st = app["studio"]
+    short = {"max_epochs": 1, "patience": 1000, "max_minutes": 0.0}
+    trained = st.jobs.wait(st.plugin_service.submit_train(app["memory_id"], "adapter", short, "busy adapter"), 120)
+    assert trained["state"] == "done", trained
+    open_app(page, app["url"])
+    page.get_by_role("tab", name="Plug-ins").click()
+    choose(page, "#plugin-pick", "busy adapter")
+    page.locator("#continue-training").wait_for(state="visible", timeout=WAIT_MS)
+    assert page.locator("#continue-training").is_enabled()
+    with backbone_held(st):
+        page.locator("#continue-training").click()
+        disabled(page, "#continue-training")  # a second click would start a second training
+        assert "A training is running" in page.locator("#continue-training").inner_text()
+        disabled(page, "#train-plugin")
+        job = latest(st, "train_plugin")
+        assert job["state"] in ("queued", "running") and job["args"]["continue_from"] == trained["result"]["plugin_id"]
+        page.reload(wait_until="domcontentloaded")  # the page finds the training still running
+        open_app(page, app["url"])
+        page.get_by_role("tab", name="Plug-ins").click()
+        choose(page, "#plugin-pick", "busy adapter")
+        page.locator("#continue-training").wait_for(state="visible", timeout=WAIT_MS)
+        disabled(page, "#continue-training")
+        assert "A training is running" in page.locator("#continue-training").inner_text()
+    done = st.jobs.wait(job["id"], 120)
+    assert done["state"] == "done", done
+    disabled(page, "#continue-training", yes=False)
+    assert page.locator("#continue-training").inner_text().strip() == "Continue training"
+    disabled(page, "#train-plugin", yes=False)

@@ -29,6 +29,7 @@ from ui.common import (
 )
 
 TRAIN_LABEL = "Train in background"
+CONTINUE_LABEL = "Continue training"
 
 
 def _method_info(m: dict | None, starts: dict | None = None) -> str:
@@ -142,7 +143,7 @@ def _plugin_list_panel(c: SimpleNamespace) -> None:
         # shown for a plug-in that can continue (every in-network method and PEMA, saved with its optimizer)
         c.more_minutes = gr.Number(5, label="Budget (min)", precision=1, minimum=0.1, scale=1, min_width=110,
                                    elem_id="continue-minutes", visible=False)
-        c.plug_continue = gr.Button("Continue training", size="sm", scale=1, min_width=150,
+        c.plug_continue = gr.Button(CONTINUE_LABEL, size="sm", scale=1, min_width=150,
                                     elem_id="continue-training", visible=False)
         c.plug_delete = gr.Button("Delete plug-in", variant="stop", size="sm", scale=1, min_width=130)
     c.plug_status = gr.HTML(elem_id="plugin-status")
@@ -390,7 +391,9 @@ def build(studio) -> SimpleNamespace:
     _wire_jobs(studio, c)
     _wire_plugin_list(studio, c)
     poll_while_running(studio, c.timer, c.selected_job, c.seen, any_job=True)
-    disable_while_running(studio, {c.train: (TRAIN_LABEL, "A training is running… (Cancel job stops it)")},
+    # a continuation is a training too (the service also refuses a second continuation of one plug-in, API calls too)
+    disable_while_running(studio, {c.train: (TRAIN_LABEL, "A training is running… (Cancel job stops it)"),
+                                   c.plug_continue: (CONTINUE_LABEL, "A training is running…")},
                           c.selected_job, c.seen, kind="train_plugin")
 
     def lists(me, mem_value=None):
