@@ -214,7 +214,8 @@ def _plugin_endpoints(studio) -> list:
     def continue_training(plugin_id: str, config: Optional[dict] = None, name: str = "",
                           request: gr.Request = None) -> dict:
         """Queue more training of one of your plug-ins (PEMA, LoRA) from its saved weights and optimizer state, as a
-        new plug-in; ``config`` may change max_minutes, the epochs, patience and lr. Returns {"job_id"}."""
+        new plug-in; ``config`` may change max_minutes, the epochs, patience and lr. Returns {"job_id"}. Refused
+        while a continuation of the same plug-in is queued or running."""
         return {"job_id": studio.plugin_service.submit_continue(plugin_id, config or {}, name,
                                                                 owner=owner_of(studio, request))}
 
