@@ -9,8 +9,9 @@
     python -m benchmarks gpu [...]          # Gemma 3 270M's shapes with random weights: decode, build, training
                                             # speed on a GPU (or CPU-sized with --small; benchmarks/gpu.py)
     python -m benchmarks heldout MEMORY --plugin P   # teacher-forced NLL of a memory's held-out samples
-    python -m benchmarks trainstep MEMORY [--method M] [--policies]   # a training step's kernels and OpenMP wait
-                                            # policy, A/B on the same batches (benchmarks/train_step.py)
+    python -m benchmarks trainstep MEMORY [--method M] [--policies] [--threads]   # a training step's kernels,
+                                            # OpenMP wait policy, and one process on every core against one a
+                                            # core at once, A/B on the same batches (benchmarks/train_step.py)
     python -m benchmarks waitpolicy MEMORY [--beside]   # decode steps under each OpenMP wait policy, alone or
                                             # beside a training process (benchmarks/wait_policy.py)
     python -m benchmarks idle [--seconds 30] [--root CHECKOUT]   # an open tab with no running job: events sent,

@@ -6,7 +6,10 @@ CPU, two A/B timings on the same fixed mini-batches of a memory (the shipped def
   ``backbone.kernels.Fp16WeightLinear``) against MKL's float32 ``F.linear`` on the same rounded weights;
 * **wait policy** (``--policies``: a child process per condition, taking turns, each loading the backbone): OpenMP's
   idle threads sleeping at once (``OMP_WAIT_POLICY=PASSIVE``, the studio's) against a short spin
-  (``GOMP_SPINCOUNT``, what ``plugins train`` sets: ``ground.spin_briefly``).
+  (``GOMP_SPINCOUNT``, what ``plugins train`` sets: ``ground.spin_briefly``);
+* **threads** (``--threads``: child processes, taking turns): one process on every core against one process a core,
+  all at once, each on one thread — whether trainings side by side (a rank's ``--workers``) get more steps out of the
+  same cores than one after another. Its ratio is the throughput of the processes at once over the one process's.
 
 Each turn runs ``--steps`` training steps (forward, backward, Adam) over mini-batches spread over the memory's
 length buckets; the table gives every turn's seconds and the median. Ratios within one run are what to compare.
@@ -92,6 +95,25 @@ def policies(memory: str, method: str, steps: int, turns: int) -> dict:
     return {"seconds": times}
 
 
+def threads(memory: str, method: str, steps: int, turns: int) -> dict:
+    """Seconds of ``steps`` training steps: one child on every core, then one child a core at once (one thread each);
+    ``throughput_ratio``: the children's steps per second together over the single child's (median turns)."""
+    cores = max(1, os.cpu_count() or 1)
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    cmd = [sys.executable, "-m", "benchmarks.train_step", "_child", memory, "--method", method, "--steps", str(steps)]
+    times: dict[str, list[float]] = {f"1 process, {cores} threads": [], f"{cores} processes, 1 thread each": []}
+    for _ in range(turns):
+        out = subprocess.run(cmd, cwd=ROOT, env={**base, "GOMP_SPINCOUNT": "20000", "OMP_NUM_THREADS": str(cores)},
+                             capture_output=True, text=True, check=True)
+        times[f"1 process, {cores} threads"].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+        procs = [subprocess.Popen(cmd, cwd=ROOT, env={**base, "GOMP_SPINCOUNT": "20000", "OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.PIPE, text=True) for _ in range(cores)]
+        secs = [json.loads(p.communicate()[0].strip().splitlines()[-1])["seconds"] for p in procs]
+        times[f"{cores} processes, 1 thread each"].append(max(secs))
+    one, many = (statistics.median(v) for v in times.values())
+    return {"seconds": times, "throughput_ratio": round(cores * one / many, 3)}
+
+
 def _table(title: str, result: dict) -> str:
     rows = result["seconds"]
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -109,16 +131,26 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="training steps per turn")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--policies", action="store_true", help="also time the two OpenMP wait policies (children)")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the kernels' A/B (the policies or threads only)")
+    ap.add_argument("--threads", action="store_true",
+                    help="also time one process on every core against one process a core at once (children)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     import ground  # heavy callers below: the wait policy first (not heavy itself, but it must precede torch)
 
     ground.spin_briefly()  # the kernels' turns under the policy ``plugins train`` trains with
-    out = {"method": args.method, "kernels": kernels(args.memory, args.method, args.steps, args.turns)}
-    print(_table(f"{args.method}: {args.steps} steps a turn, kernels (one process)", out["kernels"]))
+    out: dict = {"method": args.method}
+    if not args.no_kernels:
+        out["kernels"] = kernels(args.memory, args.method, args.steps, args.turns)
+        print(_table(f"{args.method}: {args.steps} steps a turn, kernels (one process)", out["kernels"]))
     if args.policies:
         out["policies"] = policies(args.memory, args.method, args.steps, args.turns)
         print(_table(f"{args.method}: wait policy (a process a turn)", out["policies"]))
+    if args.threads:
+        out["threads"] = threads(args.memory, args.method, args.steps, args.turns)
+        print(_table(f"{args.method}: {args.steps} steps a process, threads (a turn each)", out["threads"]))
+        print("  steps per second of the processes at once over the one process's: "
+              f"{out['threads']['throughput_ratio']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 0
