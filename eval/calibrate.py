@@ -51,8 +51,9 @@ from plugins.settings import (
     row_settings,
 )
 
-__all__ = ["DEFAULT_TUNE", "MIN_TUNE", "MIN_REPORT", "DEFAULT_SECONDS", "ALPHA", "split_heldout", "calibrate",
-           "load_calibration", "calibration_label", "weight_setting", "choose", "evidence", "CALIBRATION_FILE"]
+__all__ = ["DEFAULT_TUNE", "MIN_TUNE", "MIN_REPORT", "DEFAULT_SECONDS", "ALPHA", "tuning_count", "split_heldout",
+           "calibrate", "load_calibration", "calibration_label", "weight_setting", "choose", "evidence",
+           "CALIBRATION_FILE"]
 
 DEFAULT_TUNE = 40      # tuning samples at most (the first of the held-out split)
 MIN_TUNE = 8           # fewer tuning samples: no calibration (a choice on fewer says nothing)
@@ -73,6 +74,11 @@ def _noop(*a) -> None:
     pass
 
 
+def tuning_count(heldout: int) -> int:
+    """How many of a memory's ``heldout`` held-out samples calibration tunes on by default (``split_heldout``)."""
+    return min(DEFAULT_TUNE, heldout // 2)
+
+
 def split_heldout(memory, n_tune: int | None = None) -> tuple[list[dict], list[dict], dict]:
     """The memory's held-out samples (in file order) split into a tuning part (the first ``n_tune``; default
     ``min(DEFAULT_TUNE, len // 2)``) and a report part (the rest). Each sample is its samples.jsonl dict with
@@ -82,7 +88,7 @@ def split_heldout(memory, n_tune: int | None = None) -> tuple[list[dict], list[d
             if s.get("split") == "heldout" and isinstance(s.get("src"), str) and s["src"].strip()
             and isinstance(s.get("tgt"), str)]
     if n_tune is None:
-        n_tune = min(DEFAULT_TUNE, len(held) // 2)
+        n_tune = tuning_count(len(held))
     n_tune = max(0, min(int(n_tune), len(held)))
     tune, report = held[:n_tune], held[n_tune:]
     warn = []

@@ -11,7 +11,15 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from backbone.model import resolve_name
-from eval.calibrate import MIN_TUNE, TYPICAL_SECONDS, calibrate, describe_choice, split_heldout
+from eval.calibrate import (
+    DEFAULT_TUNE,
+    MIN_TUNE,
+    TYPICAL_SECONDS,
+    calibrate,
+    describe_choice,
+    split_heldout,
+    tuning_count,
+)
 from ground.errors import Cancelled, UserError
 from ground.jobs import JobContext
 from ground.store import new_id
@@ -21,6 +29,7 @@ from plugins.estimate import estimate
 from plugins.hub import check_package, export_plugin, import_plugin
 from plugins.registry import available_methods, get_method
 from plugins.settings import load_calibration, presets_table, start_record
+from plugins.timing import minutes
 from plugins.training import optimizer_from_tensors, optimizer_tensors
 from studio.backbone_service import BackboneService
 from studio.caches import LRU
@@ -48,6 +57,27 @@ def calibration_share(method: str, config: dict, backbone_name: str, memory) -> 
         est = {}
     train_s = float(est.get("converge_s") or 30.0)
     return max(0.05, min(0.95, train_s / (train_s + TYPICAL_SECONDS)))
+
+
+def calibration_after_training(method: str, heldout_samples: int) -> dict | None:
+    """The calibration a training job of ``method`` runs after training, on a memory of ``heldout_samples``
+    held-out samples: ``{"samples", "seconds"}`` (its tuning part, at the typical pace of ``TYPICAL_SECONDS`` for
+    ``DEFAULT_TUNE`` samples); None when none follows (the method does not interpolate, too few samples)."""
+    cls = get_method(method)
+    n = tuning_count(int(heldout_samples or 0))
+    if not (cls.interpolates and cls.level == "output") or n < MIN_TUNE:
+        return None
+    return {"samples": n, "seconds": round(TYPICAL_SECONDS * n / DEFAULT_TUNE, 1)}
+
+
+def with_calibration(est: dict, cal: dict | None) -> dict:
+    """A training estimate with the calibration that follows training in the same job said after it (on a small
+    memory it takes longer than the training itself)."""
+    if not cal:
+        return est
+    return {**est, "calibration": cal,
+            "text": f"{est['text']} Then its decode settings are tuned on {cal['samples']} held-out samples "
+                    f"(≈ {minutes(cal['seconds'])})."}
 
 
 # Declared ranges of a calibration's budgets (0: the defaults): a held-out split has at most a few thousand samples,
@@ -102,7 +132,9 @@ class PluginService:
         row = self.memory_svc.memory_row(memory_id, self.ctx.owner(owner))
         if method not in available_methods():
             raise UserError(f"Unknown method {method!r}; choose one of {', '.join(sorted(available_methods()))}.")
-        return estimate(method, config or {}, row["backbone"], int(row["samples"] or 0), int(row["entries"] or 0))
+        est = estimate(method, config or {}, row["backbone"], int(row["samples"] or 0), int(row["entries"] or 0))
+        meta = json.loads(row.get("meta") or "{}")
+        return with_calibration(est, calibration_after_training(method, int(meta.get("heldout_samples") or 0)))
 
     def start_settings(self, task: str) -> dict[str, dict]:
         """Every method's decode settings as a comparison of ``task`` starts them: the declared defaults with the
@@ -248,8 +280,9 @@ class PluginService:
             if a.get("continue_from"):
                 plugin, row = self._continue_train(job, bb, mem, cls)
             else:
-                job.log("Time estimate: " + estimate(a["method"], a["config"], bb.name, len(mem.split_samples("train")),
-                                                     len(mem))["text"])
+                est = estimate(a["method"], a["config"], bb.name, len(mem.split_samples("train")), len(mem))
+                cal = calibration_after_training(a["method"], len(mem.split_samples("heldout")))
+                job.log("Time estimate: " + with_calibration(est, cal)["text"])
                 plugin, row = train_plugin(bb, mem, a["method"], a["config"],
                                            catalog=self.ctx.catalog.owned_by(job.owner), name=a.get("name", ""),
                                            progress=job.progress, should_stop=job.should_stop, on_metric=job.metric)

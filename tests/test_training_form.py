@@ -302,6 +302,32 @@ def test_studio_estimate_before_training(studio, memory_id):
         studio.plugin_service.training_estimate(memory_id, "adapter", {}, owner="someone-else")
 
 
+def test_estimate_says_the_calibration_that_follows_training(studio, memory_id):
+    """PEMA and kNN are tuned on held-out samples after training, in the same job (on a small memory it outlasts the
+    training): the form's estimate and the job's log say on how many and about how long; an in-network method, or a
+    memory with too few held-out samples to tune on, gets no such line."""
+    import random
+
+    from eval.calibrate import DEFAULT_TUNE, TYPICAL_SECONDS
+
+    rng = random.Random(0)
+    words = "house cat dog tree river city night music paper window garden light stone water bread".split()
+    pairs = [(" ".join(rng.sample(words, 6)), " ".join(rng.sample(words, 6))) for _ in range(200)]
+    mid = build_tiny_memory(studio, pairs, name="calibrated pairs")
+    n = min(DEFAULT_TUNE, len(studio.memory_service.heldout_samples(mid, limit=10**6)) // 2)
+    assert n >= 8
+    line = f"Then its decode settings are tuned on {n} held-out samples"
+    for method in ("pema", "knn"):
+        est = studio.plugin_service.training_estimate(mid, method, {})
+        assert line in est["text"], est["text"]
+        assert est["calibration"]["seconds"] == pytest.approx(TYPICAL_SECONDS * n / DEFAULT_TUNE, abs=0.1)
+    assert "calibration" not in studio.plugin_service.training_estimate(mid, "adapter", {"max_minutes": 5})
+    assert "tuned on" not in studio.plugin_service.training_estimate(memory_id, "knn", {})["text"]  # 12 samples
+    job = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn"), 120)
+    assert job["state"] == "done", job
+    assert any(line in ln and ln.split("] ", 1)[1].startswith("Time estimate:") for ln in job["log"].splitlines())
+
+
 def test_generated_form_has_one_control_per_declared_setting(studio):
     import gradio as gr
 
