@@ -297,6 +297,7 @@ def test_training_job_calibrates_and_lists_show_it(studio, calibrated_knn):
 
 def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(studio, calibrated_knn):
     from ui.compare import decode_settings_of, tuned_choices
+    from ui.evaluate import _notes
 
     mid, job = calibrated_knn
     pid, cal = job["result"]["plugin_id"], job["result"]["calibration"]
@@ -327,10 +328,12 @@ def test_compare_evaluate_and_picker_start_tuned_and_global_defaults_go_back(stu
     assert ev["state"] == "done", ev
     r = ev["result"]
     assert r["left_out_tuning_samples"] == 8 and r["pairs"] == 8 and r["tuned"]
+    assert "without the 8 held-out samples a chosen plug-in was tuned on" in _notes(r)  # why n is 8, not 16
     assert next(m for m in r["methods"] if m["method"] == "knn")["settings"]["lambda"] == cal["settings"]["lambda"]
     ev = studio.jobs.wait(studio.evaluate_service.submit_evaluate(methods=["base", pid], memory_id=mid, limit=0,
                                                                   max_new_tokens=8, global_defaults=True), 300)
     assert ev["result"]["left_out_tuning_samples"] == 0 and ev["result"]["pairs"] == 16
+    assert "tuned on" not in _notes(ev["result"])
 
 
 def test_calibrate_job_on_demand_and_too_few_samples(studio, calibrated_knn):

@@ -133,8 +133,11 @@ def _notes(result: dict | None) -> str:
     if not result:
         return ""
     n = result.get("pairs", result.get("n"))
-    parts = [f"<b>n = {n}</b> sentence pairs", f"data: {render.esc(result.get('data'))}",
-             f"backbone {render.esc(result.get('backbone'))}"]
+    data = f"data: {render.esc(result.get('data'))}"
+    left_out = result.get("left_out_tuning_samples")
+    if left_out:  # else n reads short of the memory's held-out split with no reason given
+        data += f" without the {left_out} held-out samples a chosen plug-in was tuned on"
+    parts = [f"<b>n = {n}</b> sentence pairs", data, f"backbone {render.esc(result.get('backbone'))}"]
     sig = result.get("signatures") or {}
     text = " · ".join(parts)
     if sig:
