@@ -455,7 +455,8 @@ def build_memory(backbone: Backbone, samples: list[Sample], out_dir: str | Path,
             raise Cancelled()
         write_json_atomic(tmp / "meta.json", meta)
     progress(1.0, f"Memory built: {stats['entries']} entries from {stats['samples']} samples "
-                  f"(+{stats['heldout_entries']} held-out) in {stats['build_seconds']}s")
+                  f"(+{stats['heldout_entries']} held-out entries from {stats['heldout_samples']} samples) "
+                  f"in {stats['build_seconds']}s")
     return Memory.load(out_dir)
 
 

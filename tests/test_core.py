@@ -50,6 +50,15 @@ def test_memory_split_stats_and_catalog(tiny, tiny_memory, tmp_path):
     assert cat.memory(tiny_memory.id)["entries"] == st["entries"]
 
 
+def test_build_progress_says_held_out_entries_and_samples_apart(tiny, tiny_pairs, tmp_path):
+    msgs = []
+    samples = [Sample(s, t, i + 1) for i, (s, t) in enumerate(tiny_pairs)]
+    m = build_memory(tiny, samples, tmp_path / "m", prompt=PROMPT, progress=lambda f, msg="": msgs.append(msg))
+    st = m.meta["stats"]
+    assert msgs[-1].startswith(f"Memory built: {st['entries']} entries from {st['samples']} samples "
+                               f"(+{st['heldout_entries']} held-out entries from {st['heldout_samples']} samples)")
+
+
 def test_offsite_mode_differs_and_is_recorded(tiny, tmp_path):
     samples = [Sample("the house is small", "das Haus ist klein", 1)]
     m = build_memory(tiny, samples, tmp_path / "off", prompt=PROMPT, mode="offsite", heldout_frac=0)
