@@ -113,10 +113,11 @@ def estimate(method: str, config: dict | None, backbone_name: str, samples: int,
     every = "its 1 epoch" if total_epochs == 1 else f"all {epochs_text(total_epochs)} epochs"
     what = (f"≈ {minutes(converge_s)} to converge (≈ {epochs_text(total_epochs)} epochs)" if measured else
             f"≈ {minutes(converge_s)} for {every} (max_epochs; early stopping may end it sooner)")
-    if len(loops) > 1:
-        what += " — " + ", ".join(f"{lp['phase']} {epochs_text(lp['epochs'])} epochs ≈ {minutes(lp['converge_s'])}"
-                                  for lp in loops)
-    if setup_s >= 60:  # LoRA's precomputation, the memory adapter's phrase memory: before the first step
+    if len(loops) > 1:  # the parts add up to the whole: what comes before the first step first (PEMA's vocabulary)
+        before = [f"≈ {minutes(setup_s)} before the first step"] if setup_s >= 1 else []
+        what += " — " + ", ".join(before + [f"{lp['phase']} {epochs_text(lp['epochs'])} epochs ≈ "
+                                            f"{minutes(lp['converge_s'])}" for lp in loops])
+    elif setup_s >= 60:  # LoRA's precomputation, the memory adapter's phrase memory: before the first step
         what += f", of which ≈ {minutes(setup_s)} before the first step"
     cut = [lp for lp in loops if lp["budget_stops"]]
     if cut:

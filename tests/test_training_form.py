@@ -130,6 +130,10 @@ def test_estimate_uses_measured_convergence_per_phase():
     est = estimate("pema", {"max_minutes": 60}, "bb", 1000, 30000, table=TABLE)
     assert [lp["epochs"] for lp in est["loops"]] == [10, 12]
     assert "to converge (≈ 22 epochs)" in est["text"] and "fits your budget of 60 min a phase" in est["text"]
+    # the parts add up to the whole: the measured 5 s before the first step (the candidate vocabulary) are said
+    parts = est["text"].split(" — ")[1].split(";")[0]
+    assert parts.startswith("≈ 5 s before the first step, reconstruction 10 epochs ≈ "), parts
+    assert est["converge_s"] == pytest.approx(est["setup_s"] + sum(lp["converge_s"] for lp in est["loops"]), abs=0.2)
     short = estimate("pema", {"max_minutes": 1}, "bb", 1000, 30000, table=TABLE)
     assert short["under_trained"] and "stops the reconstruction phase at" in short["text"]
     capped = estimate("pema", {"max_epochs_joint": 3, "max_minutes": 0}, "bb", 1000, 30000, table=TABLE)
