@@ -37,6 +37,7 @@ if sys.argv[1:2] == ["rank"]:  # trainings, then evaluations: OpenMP threads spi
 
 from backbone.cli import load_backbone_from_args  # noqa: E402
 from backbone.model import DEFAULT_BACKBONE  # noqa: E402
+from backbone.prompts import Prompt  # noqa: E402
 from backbone.tasks import task_prompt  # noqa: E402
 from engine import Row  # noqa: E402
 from eval import datasets  # noqa: E402
@@ -264,6 +265,13 @@ def main(argv=None) -> int:
     plugins = [(open_offsite_plugin if args.remote else open_plugin)(p, bb, cat) for p in args.plugin]
     decode = {"decode": partial(decode_batch_remote, lm=args.remote_lm)} if args.remote else {}
     prompt = task_prompt(args.task, bb, shots=args.shots)
+    meta = (getattr(plugins[0], "memory_meta", None) or {}) if plugins else {}
+    if args.memory and not args.test_file and args.shots is None and meta.get("prompt") \
+            and meta.get("task", args.task) == args.task:
+        # its own held-out split is read with the memory's own examples, as its calibration and the studio's
+        # Evaluate read it (the first plug-in's memory, else the built-in examples): the same sentences, the same scores
+        prompt = Prompt.from_dict(meta["prompt"])
+        print(f"prompt: the examples of {meta.get('name') or 'the memory'!r} ({len(prompt.examples)})", file=sys.stderr)
     extra = style_extra(args.task, bb.name)
     if args.cmd == "run":
         rows = [Row("base")] + plugin_rows(plugins, args.task, bb.name, args.set,

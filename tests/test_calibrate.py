@@ -197,12 +197,13 @@ def test_cli_compare_and_run_start_tuned_and_global_defaults_go_back(tiny, setup
     assert seen[-1]["pema"] == row_settings(pema, "translation", tiny.name, calibrated=False) != forced
     assert "tuned on" not in capsys.readouterr().out
 
-    used = []
+    used, prompts = [], []
     real_eval = eval_cli.evaluate
 
-    def eval_spy(bb, pairs, rows, *a, **k):
+    def eval_spy(bb, pairs, rows, prompt, *a, **k):
         used.append({r.label: r.settings for r in rows})
-        return real_eval(bb, pairs, rows, *a, **k)
+        prompts.append(prompt)
+        return real_eval(bb, pairs, rows, prompt, *a, **k)
 
     monkeypatch.setattr(eval_cli, "load_backbone_from_args", lambda args: tiny)
     monkeypatch.setattr(eval_cli, "evaluate", eval_spy)
@@ -211,6 +212,16 @@ def test_cli_compare_and_run_start_tuned_and_global_defaults_go_back(tiny, setup
         assert eval_cli.main(["run", "--memory", str(mem.path), "--plugin", str(pema.plugin_path), "--n", "3",
                               *extra]) == 0
         assert used[-1]["pema"] == want
+    # the memory's held-out split is read with the memory's own prompt (as its calibration and the studio's
+    # Evaluate read it), not the built-in examples; --shots asks for the built-in ones
+    from backbone.prompts import Prompt
+    from backbone.tasks import task_prompt
+
+    own, builtin = Prompt.from_dict(pema.memory_meta["prompt"]), task_prompt("translation", tiny)
+    assert own != builtin and prompts[-1] == own
+    assert eval_cli.main(["run", "--memory", str(mem.path), "--plugin", str(pema.plugin_path), "--n", "3",
+                          "--shots", str(len(builtin.examples))]) == 0
+    assert prompts[-1] == builtin
     (pema.plugin_path / "calibration.json").unlink()
 
 

@@ -234,8 +234,8 @@ def test_the_command_lines_work_through_the_owner(tiny, owner, tmp_path, capsys,
                    max_new_tokens=12)
     assert [r["tokens"] for r in far["rows"]] == [r.tokens for r in near.rows]
 
-    # python -m eval run --remote: the outputs and scores of the local evaluation (eval.run.evaluate)
-    from backbone.tasks import task_prompt
+    # python -m eval run --remote: the outputs and scores of the local evaluation (eval.run.evaluate), with the
+    # memory's own prompt on its held-out split
     from eval.__main__ import main as eval_main
     from eval.run import evaluate
     from plugins.__main__ import plugin_rows
@@ -245,7 +245,7 @@ def test_the_command_lines_work_through_the_owner(tiny, owner, tmp_path, capsys,
     far = json.loads((tmp_path / "far.json").read_text())
     pairs = [(o["source"], o["reference"]) for o in far["outputs"]]  # the memory's held-out split
     near = evaluate(tiny, pairs, [Row("base")] + plugin_rows([plug], "translation", tiny.name, None),
-                    task_prompt("translation", tiny), batch_sources=1, max_new_tokens=8)
+                    prompt, batch_sources=1, max_new_tokens=8)
     assert far["outputs"] and far["outputs"] == near["outputs"]
     assert [m["chrf"] for m in far["methods"]] == [m["chrf"] for m in near["methods"]]
 
