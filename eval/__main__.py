@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         # its own held-out split is read with the memory's own examples, as its calibration and the studio's
         # Evaluate read it (the first plug-in's memory, else the built-in examples): the same sentences, the same scores
         prompt = Prompt.from_dict(meta["prompt"])
-        print(f"prompt: the examples of {meta.get('name') or 'the memory'!r} ({len(prompt.examples)})", file=sys.stderr)
+        print(f"prompt: the memory's own examples ({len(prompt.examples)})", file=sys.stderr)
     extra = style_extra(args.task, bb.name)
     if args.cmd == "run":
         rows = [Row("base")] + plugin_rows(plugins, args.task, bb.name, args.set,
