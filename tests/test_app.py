@@ -405,6 +405,19 @@ def test_figures_build_from_plain_data(flow):
         assert not empty.data and empty.layout.annotations
 
 
+def test_a_job_that_is_no_training_says_no_loss_curve_is_coming(flow):
+    """Plug-ins → Show job lists every job: a build's plot says a loss curve is a training's, not "appears once
+    training starts"; a training's draws its loss."""
+    from ui.plugins import _show_job
+
+    studio = flow["studio"]
+    build = studio.job_service.list_jobs(("build_memory",), 1)[0]
+    _, fig, log = _show_job(studio, build["id"], None)
+    assert not fig.data and "training job only" in fig.layout.annotations[0].text and log
+    _, fig, _ = _show_job(studio, flow["pema_job"]["id"], None)
+    assert fig.data
+
+
 def test_html_escapes_user_text():
     from ui import render
 

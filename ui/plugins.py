@@ -176,6 +176,9 @@ def _show_job(studio, jid, me) -> tuple:
     job = _get_job(studio, jid, me)
     if job is None:
         return render.job_card(None), plots.loss_curve([]), ""
+    if job["kind"] != "train_plugin" and not job["metrics"]:  # a build, an evaluation: no curve is coming
+        return (render.job_card(job), plots.empty("A loss curve is drawn for a plug-in's training job only"),
+                job.get("log") or "")
     title = "Training loss" if job["kind"] == "train_plugin" else "Progress"
     return render.job_card(job), plots.loss_curve(job["metrics"], title), job.get("log") or ""
 
