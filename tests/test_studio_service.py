@@ -502,6 +502,22 @@ def test_output_cards_have_copy_and_view_buttons_and_explain_the_score():
     assert "title='A plug-in with a very long name that must not be cut'" in html
 
 
+def test_a_shared_comparison_shows_no_owner_timing():
+    """A recipient of a shared link saw the owner's last action ("Re-decoded 3 method(s) from the kept decode:
+    0.71s …"): the shared view says what was compared, not how long the owner's last slider move took."""
+    from ui import render
+
+    p = {"source": "s", "base_label": "Base model", "steps": 5,
+         "timings": {"decode_s": 0.71, "total_s": 0.9, "reuse": {"kind": "slider move", "reused_steps": 4}},
+         "rows": [{"label": "Base model", "method": "base", "text": "a b", "tokens": [1], "diff": [["a b", "same"]]},
+                  {"label": "pema", "method": "pema", "text": "a c", "tokens": [1],
+                   "diff": [["a", "same"], ["b", "removed"], ["c", "added"]]}]}
+    own, shared = render.output_cards(p), render.output_cards(p, shared=True)
+    assert "Re-decoded 2 method(s)" in own and "0.71s" in own
+    assert "Re-decoded" not in shared and "0.71s" not in shared and "0.90s" not in shared
+    assert "2 method(s), decoded in one batch" in shared and "<del>b</del>" in shared
+
+
 # --- memory profile, neighbour maps, several sentences, examples --------------------------------------------------
 @pytest.fixture(scope="module")
 def knn_id(studio, memory_id):

@@ -270,7 +270,9 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
     n = len(payload["rows"])
     loaded = f", plug-ins loaded in {t['load_plugins_s']:.2f}s" if t.get("load_plugins_s", 0) > 0.05 else ""
     reuse = t.get("reuse") or {}
-    if reuse.get("kind") == "slider move":  # answered from the kept decode: a token rate would mean nothing here
+    if shared:  # the owner's last action and its timing (a slider move, a re-decode) mean nothing to a recipient
+        head_text = f"{n} method(s), decoded in one batch ({payload.get('steps', 0)} steps)"
+    elif reuse.get("kind") == "slider move":  # answered from the kept decode: a token rate would mean nothing here
         passes = reuse.get("forward_passes") or 0
         what = (f"{passes} backbone forward pass(es) from the first changed step" if passes
                 else "no token changed, no forward pass")
@@ -280,7 +282,8 @@ def output_cards(payload: dict | None, shared: bool = False) -> str:
         head_text = (f"One batched decode of {n} method(s): <b>{t.get('decode_s', 0):.2f}s</b> "
                      f"({payload.get('steps', 0)} steps, {t.get('tokens', 0)} tokens, "
                      f"{t.get('tokens_per_s', 0):.0f} tok/s{loaded})")
-    head = (f"<div class='pema-timing'>{head_text} · total {t.get('total_s', 0):.2f}s · differences from the base "
+    total = "" if shared else f" · total {t.get('total_s', 0):.2f}s"
+    head = (f"<div class='pema-timing'>{head_text}{total} · differences from the base "
             f"output: <ins>added</ins> <del>removed</del></div>")
     ref = (f"<div class='pema-ref'><span>Reference</span> {esc(payload['reference'])}</div>"
            if payload.get("reference") else "")
