@@ -235,3 +235,25 @@ def browser_page(browser):
 def open_app(page, url: str) -> None:
     page.goto(url, wait_until="domcontentloaded")
     page.wait_for_selector("#pema-status .pema-status.ok")
+
+
+@contextlib.contextmanager
+def backbone_held(studio, seconds: float = 300):
+    """The backbone taken by another thread: a job that needs it waits (queued or running) until the block ends."""
+    import threading
+
+    taken, done = threading.Event(), threading.Event()
+
+    def hold():
+        with studio.gate.use(holder="the test"):
+            taken.set()
+            done.wait(seconds)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    assert taken.wait(30)
+    try:
+        yield
+    finally:
+        done.set()
+        t.join(30)

@@ -3,12 +3,19 @@ a reload too — and back when it ends or is cancelled (``ui.common.disable_whil
 the tiny backbone; "Continue training" with "Train in background" while any training of the owner runs. The test
 holds the backbone from another thread, so a job that needs it stays running until the test lets go
 (``backbone_held``)."""
-import contextlib
 import os
-import threading
 
 import pytest
-from _server import TINY_PAIRS, browser_page, browser_session, build_tiny_memory, open_app, served_page_app, tiny_studio
+from _server import (
+    TINY_PAIRS,
+    backbone_held,
+    browser_page,
+    browser_session,
+    build_tiny_memory,
+    open_app,
+    served_page_app,
+    tiny_studio,
+)
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -28,24 +35,6 @@ def app(tmp_path_factory):
     studio.close()
 
 
-@contextlib.contextmanager
-def backbone_held(studio):
-    """The backbone taken by another thread: a job that needs it waits (state running) until the block ends."""
-    taken, done = threading.Event(), threading.Event()
-
-    def hold():
-        with studio.gate.use(holder="the test"):
-            taken.set()
-            done.wait(300)
-
-    t = threading.Thread(target=hold, daemon=True)
-    t.start()
-    assert taken.wait(30)
-    try:
-        yield
-    finally:
-        done.set()
-        t.join(30)
 
 
 def disabled(page, sel: str, yes: bool = True) -> None:

@@ -17,7 +17,7 @@ import os
 import time
 
 import pytest
-from _server import build_tiny_memory, tiny_studio
+from _server import backbone_held, build_tiny_memory, tiny_studio
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -222,8 +222,6 @@ def test_a_plugin_is_never_continued_twice_at_once(studio, memory_id):
     """While a continuation of a plug-in is queued or running, a second one (the API does not see the disabled
     button) is refused with a UserError naming the job; another plug-in's continuation queues behind it; once the
     first ends, the plug-in continues again."""
-    import threading
-
     from ground.errors import UserError
 
     short = {"max_epochs": 1, "patience": 1000, "max_minutes": 0.0}
@@ -231,25 +229,12 @@ def test_a_plugin_is_never_continued_twice_at_once(studio, memory_id):
                     for name in ("adapter once", "adapter other"))
     assert first["state"] == "done" and other["state"] == "done", (first, other)
     pid, other_pid = first["result"]["plugin_id"], other["result"]["plugin_id"]
-    taken, release = threading.Event(), threading.Event()
-
-    def hold():  # the backbone held: the continuation waits for it, queued or running, until released
-        with studio.gate.use(holder="the test"):
-            taken.set()
-            release.wait(120)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert taken.wait(30)
-    try:
+    with backbone_held(studio, 120):  # the continuation waits for it, queued or running, until released
         jid = studio.plugin_service.submit_continue(pid, {"max_epochs": 2})
         assert studio.job_service.job(jid)["state"] in ("queued", "running")
         with pytest.raises(UserError, match=f"'adapter once' is already being continued by job {jid}"):
             studio.plugin_service.submit_continue(pid, {"max_epochs": 3})
         other_jid = studio.plugin_service.submit_continue(other_pid, {"max_epochs": 2})
-    finally:
-        release.set()
-        holder.join(30)
     assert studio.jobs.wait(jid, 120)["state"] == "done"
     assert studio.jobs.wait(other_jid, 120)["state"] == "done"
     conts = [j for j in studio.job_service.list_jobs(("train_plugin",), 50, owner=None)
