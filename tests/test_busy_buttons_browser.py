@@ -54,17 +54,21 @@ def test_build_is_disabled_while_its_build_runs_and_after_a_reload(page, app):
         page.get_by_placeholder("One sample a line", exact=False).fill(
             "\n".join(f"{s}\t{t}" for s, t in TINY_PAIRS))
         assert page.locator("#build-memory").is_enabled()
+        assert not page.locator("#cancel-build").is_enabled()  # nothing to cancel on an idle page
         page.locator("#build-memory").click()
         disabled(page, "#build-memory")
+        disabled(page, "#cancel-build", yes=False)
         assert "Building a memory" in page.locator("#build-memory").inner_text()
         job = latest(st, "build_memory")
         assert job["state"] in ("queued", "running"), job
         page.reload(wait_until="domcontentloaded")  # the page finds the build still running
         open_app(page, app["url"])
         disabled(page, "#build-memory")
+        disabled(page, "#cancel-build", yes=False)
     done = st.jobs.wait(job["id"], 120)
     assert done["state"] == "done", done
     disabled(page, "#build-memory", yes=False)
+    disabled(page, "#cancel-build")
     assert page.locator("#build-memory").inner_text().strip() == "Build memory"
     st.memory_service.delete_memory(done["result"]["memory_id"], owner=None)  # the pickers start at "busy pairs"
 

@@ -118,11 +118,14 @@ def poll_while_running(studio, timer, job_state, seen, any_job: bool = False) ->
         state.change(switch, [job_state, seen], timer, show_progress="hidden", api_visibility="private")
 
 
-def disable_while_running(studio, buttons: dict, job_state, seen, kind: str | None = None) -> None:
+def disable_while_running(studio, buttons: dict, job_state, seen, kind: str | None = None,
+                          stops: tuple = ()) -> None:
     """``buttons`` (``{button: (label, label while its job runs)}``) disabled, their label saying what runs, while
     the tab's job (``job_state``; with ``kind``, any of the owner's jobs of that kind) is queued or running; back
-    when it ends, fails or is cancelled. Asked when ``poll_while_running`` asks (a job started, the page (re)loaded,
-    the poll drew), so a reload during the job finds the buttons disabled too."""
+    when it ends, fails or is cancelled. ``stops``: buttons the other way round, enabled only while the job runs
+    (its Cancel: made with ``interactive=False``, so that an idle page offers nothing to cancel). Asked when
+    ``poll_while_running`` asks (a job started, the page (re)loaded, the poll drew), so a reload during the job finds
+    the buttons as the job has them too."""
     def update(jid, _last, request: gr.Request):
         try:
             me = owner_of(studio, request)
@@ -133,11 +136,12 @@ def disable_while_running(studio, buttons: dict, job_state, seen, kind: str | No
         except UserError:
             busy = False
         updates = tuple(gr.update(interactive=not busy, value=running if busy else label)
-                        for label, running in buttons.values())
+                        for label, running in buttons.values()) + tuple(gr.update(interactive=busy) for _ in stops)
         return updates[0] if len(updates) == 1 else updates  # (a list or tuple is one output's value)
 
     for state in (job_state, seen):
-        state.change(update, [job_state, seen], list(buttons), show_progress="hidden", api_visibility="private")
+        state.change(update, [job_state, seen], [*buttons, *stops], show_progress="hidden",
+                     api_visibility="private")
 
 
 # Gradio's queue looks for new events every 1 ms and for progress to send every 10 ms while nothing happens (Linux

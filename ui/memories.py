@@ -62,7 +62,7 @@ def _samples_panel(studio, c: SimpleNamespace) -> None:
         c.skip = gr.Checkbox(False, label="Skip invalid lines", scale=1)
     with gr.Row():
         c.build_btn = gr.Button(BUILD_LABEL, variant="primary", elem_id="build-memory", scale=3)
-        c.cancel_btn = gr.Button("Cancel build", scale=1)
+        c.cancel_btn = gr.Button("Cancel build", scale=1, interactive=False, elem_id="cancel-build")
     c.build_status = gr.HTML(elem_id="build-status")
 
 
@@ -295,7 +295,7 @@ def build(studio) -> SimpleNamespace:
     _wire_inspect(studio, c)
     poll_while_running(studio, c.timer, c.build_job, c.seen)
     disable_while_running(studio, {c.build_btn: (BUILD_LABEL, "Building a memory… (Cancel build stops it)")},
-                          c.build_job, c.seen)
+                          c.build_job, c.seen, stops=(c.cancel_btn,))
 
     def lists(me):
         choices = memory_choices(studio, me)
