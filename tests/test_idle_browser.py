@@ -1,6 +1,6 @@
 """The page as a newcomer meets it, in headless Chromium on the tiny backbone: an idle page sends no event, redraws
 nothing and asks for no animation frame (the job polls run only while a job runs); a ranking shows one ETA, in its
-card under the button just pressed, with the Rank buttons disabled until it ends; the leaderboard's row 1 is the
+card under the button just pressed, with the Rank buttons disabled and Cancel enabled until it ends; the leaderboard's row 1 is the
 verdict's ★ best and its rows follow the one order (``eval.rank.ordered``), in a table that fits a 1,200 px page; a
 slider drag decodes once, after it settles, and re-decodes only the row it moved."""
 import contextlib
@@ -170,8 +170,10 @@ def test_2_a_ranking_shows_one_eta_under_its_button_and_disables_rank(page, app)
     for label in page.locator("#rank-methods label").all():  # only PEMA and kNN: a short ranking
         if any(label.inner_text().startswith(n) for n in RANKED) != label.locator("input").is_checked():
             label.click()
+    assert page.locator("#rank-cancel").is_disabled()  # an idle page offers nothing to cancel
     page.locator("#rank-run").click()
     page.wait_for_function("document.querySelector('#rank-job').innerText.includes('(phase ')")
+    page.wait_for_function("!document.querySelector('#rank-cancel').disabled")
     text = " ".join(page.locator(x).first.inner_text() for x in ("#rank-tour", "#rank-estimate", "#rank-job")
                     if page.locator(x).count())
     assert "ETA" not in text  # the card's "… left" is the only time left on the page
@@ -184,6 +186,7 @@ def test_2_a_ranking_shows_one_eta_under_its_button_and_disables_rank(page, app)
     assert box is not None and 0 <= box["y"] and box["y"] + 20 <= page.viewport_size["height"]  # in view
     page.wait_for_function("document.querySelector('#rank-job').innerText.includes('done')", timeout=300_000)
     page.wait_for_function("!document.querySelector('#rank-run').disabled")
+    assert page.locator("#rank-cancel").is_disabled()
     assert "A ranking is running" not in page.locator("#rank-estimate").inner_text()
     settled(page)  # the poll ended with the job: the page falls quiet
 

@@ -233,7 +233,7 @@ def _run_panel(c: SimpleNamespace) -> None:
     c.estimate = gr.HTML(elem_id="rank-estimate")
     with gr.Row():
         c.run = gr.Button("Rank every method", variant="primary", elem_id="rank-run", scale=3)
-        c.cancel = gr.Button("Cancel", scale=1, elem_id="rank-cancel")
+        c.cancel = gr.Button("Cancel", scale=1, elem_id="rank-cancel", interactive=False)  # on while a ranking runs
     gr.Markdown("Trains each method with its defaults (a plug-in already trained with the same settings on "
                 "this memory is reused), tunes the interpolating ones on part of the held-out samples, "
                 "scores every method and the base model on the rest. One job; the trainings run one after "
@@ -325,22 +325,23 @@ RUNNING_NOTE = "<div class='pema-help'>A ranking is running: its card says how l
 
 
 def _job_view(studio, c: SimpleNamespace, job: dict | None, me, mid=None, ms=None, clear: bool = False) -> tuple:
-    """``c.poll_outputs`` for a ranking job: its card; while it runs, the Rank buttons disabled, the estimates
-    before a run replaced by a note (the card's ETA is the only one shown) and the poll on; once it ends, the
-    leaderboard, the buttons and estimates back and the poll off (an idle page polls nothing)."""
+    """``c.poll_outputs`` for a ranking job: its card; while it runs, the Rank buttons disabled and Cancel enabled,
+    the estimates before a run replaced by a note (the card's ETA is the only one shown) and the poll on; once it
+    ends (and with no job), the leaderboard, the buttons and estimates back, Cancel off and the poll off (an idle page
+    offers nothing to cancel and polls nothing)."""
     n = len(c.board_outputs)
     if job is None:
-        return (render.job_card(None), *[gr.skip()] * n, None, gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                gr.Timer(active=False))
+        return (render.job_card(None), *[gr.skip()] * n, None, gr.skip(), gr.skip(), gr.update(interactive=False),
+                gr.skip(), gr.skip(), gr.Timer(active=False))
     card, key, running = render.job_card(job), job_poll_key(job), job["state"] not in FINAL_STATES
     if running:
         off = gr.update(interactive=False)
-        return (card, *(views(None) if clear else [gr.skip()] * n), key, off, off, RUNNING_NOTE, RUNNING_NOTE,
-                gr.Timer(active=True))
+        return (card, *(views(None) if clear else [gr.skip()] * n), key, off, off, gr.update(interactive=True),
+                RUNNING_NOTE, RUNNING_NOTE, gr.Timer(active=True))
     board = (job.get("result") or {}).get("leaderboard") if job["state"] == "done" else None
     on = gr.update(interactive=True)
-    return (card, *views(board), key, on, on, _estimate_text(studio, mid, ms, me), _tour_text(studio, me),
-            gr.Timer(active=False))
+    return (card, *views(board), key, on, on, gr.update(interactive=False), _estimate_text(studio, mid, ms, me),
+            _tour_text(studio, me), gr.Timer(active=False))
 
 
 def _wire_poll(studio, c: SimpleNamespace) -> None:
@@ -358,7 +359,7 @@ def _wire_poll(studio, c: SimpleNamespace) -> None:
             return (*skip, gr.skip())
         if job["state"] not in FINAL_STATES:
             return (render.job_card(job), *[gr.skip()] * len(c.board_outputs), job_poll_key(job),
-                    *[gr.skip()] * 5)
+                    *[gr.skip()] * 6)
         return _job_view(studio, c, job, me, mid, ms)
 
     c.timer.tick(tick, [c.job_id, c.seen, c.memory, c.methods], c.poll_outputs, show_progress="hidden",
@@ -375,7 +376,8 @@ def build(studio) -> SimpleNamespace:
             _run_panel(c)
     c.board_outputs = leaderboard_components("rank")
     c.timer = gr.Timer(1.5, active=False)  # on only while a ranking runs
-    c.poll_outputs = [c.job_html, *c.board_outputs, c.seen, c.run, c.tour, c.estimate, c.tour_est, c.timer]
+    c.poll_outputs = [c.job_html, *c.board_outputs, c.seen, c.run, c.tour, c.cancel, c.estimate, c.tour_est,
+                      c.timer]
     _wire_ranking(studio, c)
     _wire_poll(studio, c)
 
