@@ -1,8 +1,8 @@
 """The page as a newcomer meets it, in headless Chromium on the tiny backbone: an idle page sends no event, redraws
 nothing and asks for no animation frame (the job polls run only while a job runs); a ranking shows one ETA, in its
-card under the button just pressed, with the Rank buttons disabled and Cancel enabled until it ends; the leaderboard's row 1 is the
-verdict's ★ best and its rows follow the one order (``eval.rank.ordered``), in a table that fits a 1,200 px page; a
-slider drag decodes once, after it settles, and re-decodes only the row it moved."""
+card under the button just pressed, with the Rank buttons disabled and Cancel enabled until it ends; the
+leaderboard's row 1 is the verdict's ★ best and its rows follow the one order (``eval.rank.ordered``), in a table
+that fits a 1,200 px page; a slider drag decodes once, after it settles, and re-decodes only the row it moved."""
 import contextlib
 import os
 import time
