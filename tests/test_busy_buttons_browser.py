@@ -2,7 +2,7 @@
 a reload too — and back when it ends or is cancelled (``ui.common.disable_while_running``), in headless Chromium on
 the tiny backbone; "Continue training" with "Train in background" while any training of the owner runs. The test
 holds the backbone from another thread, so a job that needs it stays running until the test lets go
-(``backbone_held``)."""
+(``backbone_held``). A Cancel is enabled only while its job runs."""
 import os
 
 import pytest
@@ -88,13 +88,16 @@ def test_evaluate_and_train_are_disabled_while_their_jobs_run_and_back_when_canc
 
         page.get_by_role("tab", name="Plug-ins").click()
         page.wait_for_function("(document.querySelector('#train-memory input') || {}).value?.startsWith('busy pairs')")
+        assert page.locator("#cancel-job").is_disabled()  # no job shown: nothing to cancel
         page.locator("#train-plugin").click()
         disabled(page, "#train-plugin")
+        disabled(page, "#cancel-job", yes=False)  # the job shown (the new training) is queued
         assert "A training is running" in page.locator("#train-plugin").inner_text()
         assert latest(st, "train_plugin")["state"] in ("queued", "running")
         # queued behind the evaluation, the training is cancelled at once
         page.get_by_role("button", name="Cancel job", exact=True).click()
         disabled(page, "#train-plugin", yes=False)
+        disabled(page, "#cancel-job")  # the job shown has ended
         assert latest(st, "train_plugin")["state"] == "cancelled"
         assert page.locator("#train-plugin").inner_text().strip() == "Train in background"
 

@@ -126,7 +126,9 @@ def _jobs_panel(c: SimpleNamespace) -> None:
                              elem_id="jobs-table", column_widths=["10%", "22%", "14%", "13%", "15%", "26%"])
     with gr.Row(equal_height=False, elem_classes="pema-actions"):
         c.job_pick = gr.Dropdown([], label="Show job", scale=4)
-        c.cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=1)
+        # on while the job shown is queued or running (``disable_while_running``'s stops)
+        c.cancel = gr.Button("Cancel job", variant="stop", size="sm", scale=1, elem_id="cancel-job",
+                             interactive=False)
     c.job_html = gr.HTML(render.job_card(None), elem_id="job-card")
     c.loss = gr.Plot(plots.loss_curve([]), show_label=False)
     c.log = gr.Textbox(label="Log", lines=6, max_lines=6, autoscroll=True, interactive=False)
@@ -398,6 +400,7 @@ def build(studio) -> SimpleNamespace:
     disable_while_running(studio, {c.train: (TRAIN_LABEL, "A training is running… (Cancel job stops it)"),
                                    c.plug_continue: (CONTINUE_LABEL, "A training is running…")},
                           c.selected_job, c.seen, kind="train_plugin")
+    disable_while_running(studio, {}, c.selected_job, c.seen, stops=(c.cancel,))
 
     def lists(me, mem_value=None):
         choices = memory_choices(studio, me)
