@@ -388,7 +388,8 @@ class KNN(OutputPlugin):
         if use_faiss:
             self._build_faiss(index_record, loading)
         else:
-            keys = torch.from_numpy(np.asarray(memory.keys, dtype=np.float32)).to(dev) / float(self.key_scale)
+            # one copy, divided in place (a float32 memory's keys are a read-only memory map: no view of them)
+            keys = torch.tensor(np.asarray(memory.keys), dtype=torch.float32, device=dev).div_(float(self.key_scale))
             self.keys = keys
             self.key_sqnorm = (keys * keys).sum(1)
             try:
