@@ -148,6 +148,36 @@ def sessions_with_messages(blocks) -> list[str]:
     return list(q.pending_messages_per_session) if q is not None else []
 
 
+def waiting_messages(blocks, session: str) -> int:
+    """How many messages ``blocks``' queue holds for ``session`` that nobody has read yet."""
+    q = _queue(blocks)
+    messages = q.pending_messages_per_session.get(session) if q is not None else None
+    return messages.qsize() if messages is not None else 0
+
+
+def drop_ended_messages(blocks, session: str, keep: int) -> int:
+    """Drop the oldest unread messages of ``session`` that belong to events which have ended (their result is among
+    them) until at most ``keep`` are left; how many went. The messages of an event still running always stay (a
+    stream is read as a chain of diffs), and so does the session's queue (an open stream waits on it)."""
+    q = _queue(blocks)
+    messages = q.pending_messages_per_session.get(session) if q is not None else None
+    if messages is None or messages.qsize() <= keep:
+        return 0
+    held = []
+    while not messages.empty():
+        held.append(messages.get_nowait())
+    ended = {getattr(m, "event_id", None) for m in held if getattr(m, "msg", None) == "process_completed"}
+    over, kept = len(held) - keep, []
+    for m in held:
+        if over > 0 and getattr(m, "event_id", None) in ended:
+            over -= 1
+        else:
+            kept.append(m)
+    for m in kept:
+        messages.put_nowait(m)
+    return len(held) - len(kept)
+
+
 def drop_session_messages(blocks, session: str) -> None:
     """Drop what ``blocks``' queue keeps for ``session`` (its messages, its pending event ids)."""
     q = _queue(blocks)

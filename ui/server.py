@@ -672,18 +672,27 @@ def forget_api_sessions(blocks: gr.Blocks) -> None:
 
 RESULT_KEEP_S = 120.0  # an event's result waits this long (at least) for its caller to read it
 SWEEP_S = 30.0
+UNREAD_PER_SESSION = 48  # messages one session's queue keeps unread (about 16 events' results), the oldest out first
+UNREAD_BYTES = 64_000_000  # all sessions' unread results together (their JSON), the oldest sessions' out first
 
 
 class ResultSweeper:
     """Gradio keeps an event's messages until its caller reads them, and an empty message queue per session hash
     after that, forever: a caller that never reads (or names a fresh session each time) grows the server. Every
     ``SWEEP_S`` seconds, in the server's event loop (so never between a join's steps), the messages of a session
-    with no event queued or running that have waited ``RESULT_KEEP_S`` go."""
+    with no event queued or running that have waited ``RESULT_KEEP_S`` go. Time alone does not bound them (a
+    session joined back to back is never idle; fresh sessions' results wait two minutes each), so when each event
+    starts (:meth:`trim`) a session keeps at most ``UNREAD_PER_SESSION`` unread messages of ended events, and while
+    all unread results together (their JSON, counted as each event ends) are over ``UNREAD_BYTES``, the session
+    whose unread results are oldest loses its ended events' messages. A reader with an open stream never has any
+    waiting, and the messages of a running event are never dropped."""
 
     def __init__(self, blocks: list[gr.Blocks], keep_s: float = RESULT_KEEP_S, clock=time.monotonic):
         self.blocks, self.keep_s, self.clock = list(blocks), float(keep_s), clock
         self._idle: list[dict[str, float]] = [{} for _ in self.blocks]
         self._last_event: dict[str, float] = {}  # session → when an event of it last started or ended
+        self.per_session, self.max_bytes = UNREAD_PER_SESSION, UNREAD_BYTES
+        self._unread: dict[str, list] = {}  # session → [when its oldest unread result came, bytes of its results]
 
     def note(self, session: str | None) -> None:
         """An event of ``session`` starts or ends: its messages are in use (a page polling between two sweeps, or
@@ -694,10 +703,42 @@ class ResultSweeper:
     async def noting(self, run, call: EventCall):
         """An events wrapper (``gri.wrap_events``) that notes each event's session when it starts and ends."""
         self.note(call.session_hash)
+        self.trim()
         try:
-            return await run()
+            out = await run()
         finally:
             self.note(call.session_hash)
+        self.count(call.session_hash, out)
+        return out
+
+    def count(self, session: str | None, out) -> None:
+        """An event of ``session`` returned ``out``: its result waits in the session's queue until read."""
+        if not session or not isinstance(out, dict):
+            return
+        try:
+            size = len(json.dumps(out.get("data"), default=str))
+        except (TypeError, ValueError, RecursionError):
+            return
+        self._unread.setdefault(session, [self.clock(), 0])[1] += size
+
+    def trim(self) -> int:
+        """Keep unread messages within ``per_session`` per session and ``max_bytes`` in all (class docstring); the
+        number of messages dropped."""
+        dropped, waiting = 0, set()
+        for blocks in self.blocks:
+            for session in gri.sessions_with_messages(blocks):
+                dropped += gri.drop_ended_messages(blocks, session, self.per_session)
+                if gri.waiting_messages(blocks, session):
+                    waiting.add(session)
+        for session in [s for s in self._unread if s not in waiting]:
+            del self._unread[session]  # read (or dropped): none of its results waits
+        total = sum(size for _, size in self._unread.values())
+        for session in sorted(self._unread, key=lambda s: self._unread[s][0])[:-1]:  # the newest always stays
+            if total <= self.max_bytes:
+                break
+            total -= self._unread.pop(session)[1]
+            dropped += sum(gri.drop_ended_messages(blocks, session, 0) for blocks in self.blocks)
+        return dropped
 
     def sweep(self) -> int:
         """Drop what has waited long enough; the number of sessions dropped."""
@@ -718,6 +759,7 @@ class ResultSweeper:
                     dropped += 1
         for session in [s for s in self._last_event if s not in seen]:
             del self._last_event[session]
+        self.trim()
         return dropped
 
     async def run(self, every: float = SWEEP_S) -> None:
