@@ -154,6 +154,22 @@ def test_verdict_names_the_best_the_level_and_the_worse():
     assert none["text"].startswith("On your 30 test pairs no method beats the base model")
 
 
+def test_verdict_needs_p_below_alpha_and_the_deltas_sign_and_leaves_out_rows_without_a_p():
+    """A Holm p of exactly ALPHA claims nothing; a gain needs a positive Δ and a loss a negative one (however small
+    the p); a small positive Δ with a small p is a gain; a row without a p (too few sentences) is not compared."""
+    base = {"method": "base", "title": "Base", "chrf": 50.0}
+    assert rank_mod.verdict([base, _row("up", 2.0, rank_mod.ALPHA)], 100)["level"] == ["up"]
+    assert rank_mod.verdict([base, _row("down", -2.0, 1 - rank_mod.ALPHA)], 100)["level"] == ["down"]
+    # Holm over the 5 rows with a p: each p of 0.001 (or of 0.999 the other way) adjusts to 0.005
+    rows = [base, _row("small", 0.3, 0.001), _row("zero", 0.0, 0.001), _row("zero_down", 0.0, 0.999),
+            _row("p_up_delta_down", -0.5, 0.001), _row("p_down_delta_up", 0.5, 0.999),
+            {"method": "no_p", "title": "NO_P", "chrf": 55.0}]
+    v = rank_mod.verdict(rows, 100)
+    assert v["better"] == ["small"] and v["worse"] == []
+    assert v["level"] == ["zero", "zero_down", "p_up_delta_down", "p_down_delta_up"]
+    assert "Holm-adjusted for 5 methods" in v["text"] and "NO_P" not in v["text"]
+
+
 def test_pareto_front_by_hand():
     rows = [{"method": "a", "chrf": 60, "t": 100}, {"method": "b", "chrf": 55, "t": 10},
             {"method": "c", "chrf": 50, "t": 50}, {"method": "d", "chrf": 55, "t": 0}]
