@@ -168,6 +168,18 @@ def test_verdict_needs_p_below_alpha_and_the_deltas_sign_and_leaves_out_rows_wit
     assert v["better"] == ["small"] and v["worse"] == []
     assert v["level"] == ["zero", "zero_down", "p_up_delta_down", "p_down_delta_up"]
     assert "Holm-adjusted for 5 methods" in v["text"] and "NO_P" not in v["text"]
+    assert rank_mod.verdict([base, rows[-1]], 3)["text"] == \
+        "On your 3 held-out samples: no method to compare with the base model."
+
+
+def test_a_test_file_of_min_bootstrap_n_pairs_is_ranked_and_one_under_twenty_is_warned(tiny_memory):
+    pairs = [(f"source {i}", f"target {i}") for i in range(20)]
+    n = rank_mod.MIN_BOOTSTRAP_N
+    assert rank_mod.split(tiny_memory, pairs[:n])["info"]["report"] == n
+    with pytest.raises(UserError, match=f"the test file has {n - 1} pairs"):
+        rank_mod.split(tiny_memory, pairs[:n - 1])
+    assert rank_mod.split(tiny_memory, pairs[:19])["info"]["warning"] == "Only 19 test pairs: intervals will be wide."
+    assert "test pairs" not in (rank_mod.split(tiny_memory, pairs)["info"]["warning"] or "")
 
 
 def test_pareto_front_by_hand():
