@@ -82,11 +82,18 @@ def json_depth(data: bytes) -> int:
     return int(np.cumsum(steps).max())
 
 
-def without_temp_paths(message: str) -> str:
-    """An error message without the server's temporary paths (an import unpacks into one): "The package at
-    /tmp/pema-import-…/package is damaged" → "The package is damaged"."""
+def without_temp_paths(message: str, *roots: str | os.PathLike) -> str:
+    """An import's error message as its caller sees it: on one line, without the server's temporary paths (an
+    import unpacks into one) or paths under ``roots`` (the data directory, where a package's datastore becomes a
+    memory): "The package at /tmp/pema-import-…/package is damaged" → "The package is damaged", "The memory at
+    /data/pema-studio/memories/… is damaged" → "The memory is damaged"."""
+    message = re.sub(r"\s*\n\s*", " ", message)  # a library's several-line text (torch's state_dict errors)
     tmp = re.escape(tempfile.gettempdir().rstrip("/"))
     message = re.sub(rf"\s+at\s+{tmp}/pema-import-[^\s/]+/package\b", "", message)
+    paths = {str(p).rstrip("/") for root in roots for p in (root, os.path.realpath(root))}
+    for root in sorted((p for p in paths if p), key=len, reverse=True):
+        message = re.sub(rf"\s+at\s+{re.escape(root)}/[^\s'\",;)]+", "", message)
+        message = re.sub(rf"{re.escape(root)}(/[^\s'\",;)]*)?", "(a file of the studio)", message)
     return re.sub(rf"{tmp}/[^\s'\",;)]+", "(a temporary file)", message)
 
 

@@ -5,6 +5,9 @@ backbone, raw HTTP): probes the earlier rounds (``tests/test_hosting_bounds.py``
 * Unread results are bounded by count and bytes, not only by time: a caller that joins events back to back into one
   session and never reads them, or that leaves the results of many fresh sessions unread, cannot pile them up in the
   server (each event's result waited for its caller for two minutes, and a busy session's never went at all).
+* A hostile plug-in package whose hashes are consistent (the attacker writes the manifest too) but whose contents are
+  not — NaN keys in a kNN datastore, LoRA weights of the wrong shape — is refused in one line that names no server
+  path (the data directory's was shown, and torch's several-line message).
 """
 import json
 import os
@@ -16,14 +19,27 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from _server import hosted_site  # noqa: E402
+from _server import TINY_PAIRS, file_data, hosted_site  # noqa: E402
+
+JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in TINY_PAIRS)
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
+    """A multi-user studio over HTTP; owner A has a memory, a kNN and a LoRA plug-in."""
     cache, data = tmp_path_factory.mktemp("gradio-cache"), tmp_path_factory.mktemp("site")
     with hosted_site(data, cache, ["queue_size=64"]) as (studio, served, url):
-        yield SimpleNamespace(studio=studio, served=served, url=url, blocks=served.blocks[0])
+        ka = studio.identity.new_browser_key()
+        owner_a = studio.identity.owner_of_key(ka)
+        mid = studio.jobs.wait(studio.memory_service.submit_build(JSONL, "a.jsonl", owner=owner_a),
+                               120)["result"]["memory_id"]
+        plugins = {}
+        for method, config in (("knn", {}), ("lora", {"max_epochs": 1})):
+            job = studio.jobs.wait(studio.plugin_service.submit_train(mid, method, config, owner=owner_a), 300)
+            assert job["state"] == "done", job
+            plugins[method] = job["result"]["plugin_id"]
+        yield SimpleNamespace(studio=studio, served=served, url=url, blocks=served.blocks[0], ka=ka, owner_a=owner_a,
+                              mid=mid, plugins=plugins)
 
 
 def api_index(blocks, name: str) -> int:
@@ -153,3 +169,92 @@ def test_only_ended_events_messages_are_dropped_and_in_order():
     assert gri.drop_ended_messages(blocks, "s", 0) == 2  # everything ended goes; the running event's stay
     assert gri.waiting_messages(blocks, "s") == 3 and gri.waiting_messages(blocks, "other") == 0
     assert gri.drop_ended_messages(object(), "s", 0) == 0
+
+
+# --- hostile packages with consistent hashes ------------------------------------------------------------------------
+def exported(site, method: str) -> dict[str, bytes]:
+    import zipfile
+
+    path = site.studio.plugin_service.export_plugin_zip(site.plugins[method], owner=site.owner_a,
+                                                        include_datastore=method == "knn")
+    with zipfile.ZipFile(path) as z:
+        return {n: z.read(n) for n in z.namelist()}
+
+
+def rehashed(files: dict[str, bytes]) -> bytes:
+    """The package zipped with every SHA-256 its plugin_config.json and manifest record made to fit again (what an
+    attacker who edits a file does)."""
+    import hashlib
+    import io
+    import zipfile
+
+    def named(name):
+        return next(n for n in files if n.endswith("/" + name))
+
+    config = json.loads(files[named("plugin_config.json")])
+    for name, record in (config.get("files") or {}).items():
+        record["sha256"] = hashlib.sha256(files[named(name)]).hexdigest()
+        record["bytes"] = len(files[named(name)])
+    files = {**files, named("plugin_config.json"): json.dumps(config).encode()}
+    manifest = json.loads(files[named("pema_export.json")])
+    for name in manifest.get("files") or {}:
+        manifest["files"][name] = hashlib.sha256(files[named(name)]).hexdigest()
+    files[named("pema_export.json")] = json.dumps(manifest).encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def with_tensors(files: dict[str, bytes], name: str, change) -> dict[str, bytes]:
+    from safetensors.numpy import load, save
+
+    full = next(n for n in files if n.endswith("/" + name))
+    tensors = load(files[full])
+    change(tensors)
+    return {**files, full: save(tensors)}
+
+
+def nan_keys(tensors):
+    import numpy as np
+
+    tensors["keys"] = np.full_like(tensors["keys"], np.nan)
+
+
+def wrong_shape(tensors):
+    import numpy as np
+
+    tensors[sorted(tensors)[-1]] = np.zeros((3,), np.float32)
+
+
+@pytest.mark.parametrize("method, file, change", [("knn", "datastore.safetensors", nan_keys),
+                                                  ("lora", "plugin_model.safetensors", wrong_shape)],
+                         ids=["knn NaN keys", "lora wrong shape"])
+def test_a_package_with_consistent_hashes_and_bad_contents_is_one_line_without_server_paths(
+        site, method, file, change, tmp_path, monkeypatch):
+    import tempfile
+
+    import httpx
+
+    # the data directory outside the temporary folder, as on the Space (/data/pema-studio)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = rehashed(with_tensors(exported(site, method), file, change))
+    before = (site.studio.catalog.count("plugins"), site.studio.catalog.count("memories"))
+    r = httpx.post(site.url + "gradio_api/upload", files=[("files", ("pkg.zip", data))],
+                   headers={"X-Pema-Key": site.ka}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(site.url + "gradio_api/call/import_plugin", json={"data": [file_data(r.json()[0]), ""]},
+                   headers={"X-Pema-Key": site.ka}, timeout=60)
+    assert r.status_code == 200, r.text
+    with httpx.Client(base_url=site.url, headers={"X-Pema-Key": site.ka}, timeout=120) as h:
+        with h.stream("GET", f"gradio_api/call/import_plugin/{r.json()['event_id']}") as stream:
+            lines = list(stream.iter_lines())
+    assert "event: error" in lines, lines
+    message = json.loads(lines[lines.index("event: error") + 1][5:])["error"]
+    assert "damaged" in message, message
+    assert "\n" not in message and "\t" not in message, message
+    root = str(site.studio.root)
+    for path in (root, os.path.realpath(root), str(tmp_path), tempfile.gettempdir(), "/memories/", "pema-import"):
+        assert path not in message, (path, message)
+    assert (site.studio.catalog.count("plugins"), site.studio.catalog.count("memories")) == before

@@ -500,8 +500,8 @@ def build_packages(studio) -> None:
         data, _ = read_upload(studio, request, package)
         try:
             return studio.plugin_service.import_plugin_zip(data, name or "", owner=me)
-        except UserError as e:  # the package was unpacked in a temporary folder: its path says nothing to the user
-            raise UserError(without_temp_paths(str(e))) from None
+        except UserError as e:  # unpacked in a temporary folder, its datastore in the data directory: no paths
+            raise UserError(without_temp_paths(str(e), studio.root)) from None
         finally:
             studio.uploads.consume(package)  # read, imported or refused: a retry uploads it again
 
