@@ -1,6 +1,6 @@
 """The leaderboard's one order and how it reads: the table's rows, its ★ and the verdict follow
 ``eval.rank.ordered``; metric disagreements are named; zero-cost methods are not drawn at a made-up position."""
-from eval.rank import ordered, verdict
+from eval.rank import disagreements, ordered, verdict
 from ui import rank as ui_rank
 
 # a leaderboard where the largest Δ chrF (memory-tuning) is not significant, the ★ method's is
@@ -49,6 +49,15 @@ def test_metric_disagreements_are_named_in_the_verdict():
     assert "chrF and sacreBLEU disagree in sign for Memory-Tuning (+6.9 chrF, -1.0 sacreBLEU) and kNN-LM / kNN-MT" \
            in text
     assert "Retrieved in-context examples (" not in text.split("disagree")[1]
+
+
+def test_a_zero_or_same_signed_delta_is_no_disagreement_and_chrf_ties_go_to_sacrebleu():
+    rows = [{"method": "base", "chrf": 40.0, "sacrebleu": 10.0},
+            {"method": "zero", "chrf": 40.0, "sacrebleu": 10.5, "chrf_delta": 0.0, "sacrebleu_delta": 0.5},
+            {"method": "both_up", "chrf": 40.5, "sacrebleu": 11.0, "chrf_delta": 0.5, "sacrebleu_delta": 1.0},
+            {"method": "split", "chrf": 40.5, "sacrebleu": 9.5, "chrf_delta": 0.5, "sacrebleu_delta": -0.5}]
+    assert [r["method"] for r in disagreements(rows)] == ["split"]
+    assert [r["method"] for r in ordered(rows, [])] == ["both_up", "split", "zero", "base"]
 
 
 def test_zero_cost_methods_sit_in_a_none_panel_named_like_the_table():

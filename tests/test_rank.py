@@ -186,6 +186,9 @@ def test_pareto_front_by_hand():
     rows = [{"method": "a", "chrf": 60, "t": 100}, {"method": "b", "chrf": 55, "t": 10},
             {"method": "c", "chrf": 50, "t": 50}, {"method": "d", "chrf": 55, "t": 0}]
     assert rank_mod.pareto(rows, "t") == {"a", "d"}
+    # the same cost and a higher chrF dominate; a row without a cost yet (its decode cost not timed) is left out
+    tie = [{"method": "a", "chrf": 60, "t": 10}, {"method": "b", "chrf": 55, "t": 10}, {"method": "c", "chrf": 70}]
+    assert rank_mod.pareto(tie, "t") == {"a"}
 
 
 # --- the studio -------------------------------------------------------------------------------------------------
