@@ -82,11 +82,12 @@ def json_depth(data: bytes) -> int:
     return int(np.cumsum(steps).max())
 
 
-def without_temp_paths(message: str, *roots: str | os.PathLike) -> str:
-    """An import's error message as its caller sees it: on one line, without the server's temporary paths (an
-    import unpacks into one) or paths under ``roots`` (the data directory, where a package's datastore becomes a
-    memory): "The package at /tmp/pema-import-…/package is damaged" → "The package is damaged", "The memory at
-    /data/pema-studio/memories/… is damaged" → "The memory is damaged"."""
+def without_server_paths(message: str, *roots: str | os.PathLike) -> str:
+    """An error message as a hosted studio's caller sees it (an import's, and every event's in multi-user mode): on
+    one line, without the server's temporary paths (an import unpacks into one) or paths under ``roots`` (the data
+    directory, where a package's datastore becomes a memory): "The package at /tmp/pema-import-…/package is
+    damaged" → "The package is damaged", "The memory at /data/pema-studio/memories/… is damaged" → "The memory is
+    damaged"."""
     message = re.sub(r"\s*\n\s*", " ", message)  # a library's several-line text (torch's state_dict errors)
     tmp = re.escape(tempfile.gettempdir().rstrip("/"))
     message = re.sub(rf"\s+at\s+{tmp}/pema-import-[^\s/]+/package\b", "", message)

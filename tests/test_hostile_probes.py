@@ -8,6 +8,8 @@ backbone, raw HTTP): probes the earlier rounds (``tests/test_hosting_bounds.py``
 * A hostile plug-in package whose hashes are consistent (the attacker writes the manifest too) but whose contents are
   not — NaN keys in a kNN datastore, LoRA weights of the wrong shape — is refused in one line that names no server
   path (the data directory's was shown, and torch's several-line message).
+* No error of a hosted studio names the data directory (the page hides it in multi-user mode; a kNN plug-in whose
+  memory its owner deleted said "…but /data/pema-studio/memories/mem-… is gone").
 """
 import json
 import os
@@ -258,3 +260,37 @@ def test_a_package_with_consistent_hashes_and_bad_contents_is_one_line_without_s
     for path in (root, os.path.realpath(root), str(tmp_path), tempfile.gettempdir(), "/memories/", "pema-import"):
         assert path not in message, (path, message)
     assert (site.studio.catalog.count("plugins"), site.studio.catalog.count("memories")) == before
+
+
+def test_no_error_names_the_data_directory(site, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the data directory outside it, as on the Space
+    key = site.studio.identity.new_browser_key()
+    owner = site.studio.identity.owner_of_key(key)
+    mid = site.studio.jobs.wait(site.studio.memory_service.submit_build(JSONL, "b.jsonl", owner=owner),
+                                120)["result"]["memory_id"]
+    pid = site.studio.jobs.wait(site.studio.plugin_service.submit_train(mid, "knn", {}, owner=owner),
+                                120)["result"]["plugin_id"]
+    site.studio.memory_service.delete_memory(mid, owner=owner)
+    status, event, payload = call(site.url, "compare", ["the house", "translation", ["base", pid], {}, 4], key)
+    assert (status, event) == (200, "error"), (status, event, payload)
+    message = payload["error"]
+    assert "is gone" in message, message
+    for path in (str(site.studio.root), os.path.realpath(site.studio.root), "/memories/"):
+        assert path not in message, (path, message)
+
+
+def call(url: str, api: str, data: list, key: str) -> tuple[int, str, object]:
+    """``POST …/gradio_api/call/<api>`` and its result stream: (status, event, payload)."""
+    import httpx
+
+    with httpx.Client(base_url=url, headers={"X-Pema-Key": key}, timeout=120) as h:
+        r = h.post(f"gradio_api/call/{api}", json={"data": data})
+        if r.status_code != 200:
+            return r.status_code, "", r.text
+        with h.stream("GET", f"gradio_api/call/{api}/{r.json()['event_id']}") as stream:
+            lines = list(stream.iter_lines())
+    events = [line[6:].strip() for line in lines if line.startswith("event:")]
+    data_lines = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line[5:].strip() != "null"]
+    return 200, events[-1] if events else "", data_lines[-1] if data_lines else None

@@ -13,7 +13,7 @@ from ground.errors import UserError
 from ground.jobs import FINAL_STATES
 from plugins.registry import shown_first
 from plugins.settings import describe_changes, tuned_start_changes
-from studio.packages import without_temp_paths
+from studio.packages import without_server_paths
 from ui import plots, render
 from ui.common import (
     choices_update,
@@ -501,7 +501,7 @@ def build_packages(studio) -> None:
         try:
             return studio.plugin_service.import_plugin_zip(data, name or "", owner=me)
         except UserError as e:  # unpacked in a temporary folder, its datastore in the data directory: no paths
-            raise UserError(without_temp_paths(str(e), studio.root)) from None
+            raise UserError(without_server_paths(str(e), studio.root)) from None
         finally:
             studio.uploads.consume(package)  # read, imported or refused: a retry uploads it again
 

@@ -29,6 +29,7 @@ from starlette.responses import FileResponse
 from ground.errors import UserError
 from studio.identity import COOKIE, NO_KEY
 from studio.limits import hint
+from studio.packages import without_server_paths
 from studio.uploads import NOT_YOURS, ServedFiles, TooManyParts, mark_downloads, own_folder, sweep_downloads
 from ui import gradio_internals as gri
 from ui.api import check_arguments
@@ -617,6 +618,8 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     sweeper = ResultSweeper([studio_blocks, share_blocks])
     for blocks in (studio_blocks, share_blocks):
         gri.wrap_events(blocks, sweeper.noting)
+        if studio.multi_user:
+            hide_server_paths(blocks, studio.root)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -650,6 +653,29 @@ def serve(studio, studio_blocks: gr.Blocks, share_blocks: gr.Blocks, host: str, 
     served = Served(server, [studio_blocks, share_blocks], f"http://{shown}:{port}/", files)
     served.sweeper = sweeper
     return served
+
+
+def hide_server_paths(blocks: gr.Blocks, root: Path) -> None:
+    """Multi-user mode: an event's error message names no path of the data directory and no temporary file, on one
+    line (where the data lives is the operator's business; a kNN plug-in whose memory its owner deleted said
+    "…but /data/pema-studio/memories/mem-… is gone"). Errors without such a path are left as they are."""
+
+    async def hiding(run, call: EventCall):
+        try:
+            return await run()
+        except gr.Error as e:
+            shown = without_server_paths(str(e.message), root)
+            if shown != e.message:
+                e.message = shown
+            raise
+        except Exception as e:  # noqa: BLE001 — an unexpected error is shown too (show_error): without the paths
+            text = str(e)
+            shown = without_server_paths(text, root)
+            if shown != text:
+                raise gr.Error(shown) from e
+            raise
+
+    gri.wrap_events(blocks, hiding)
 
 
 def forget_api_sessions(blocks: gr.Blocks) -> None:
