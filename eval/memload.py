@@ -1,20 +1,24 @@
 """Resident memory of a hosted studio under strangers' calls (results in BENCHMARKS.md, "Memory per caller").
 
-    python -m eval.memload                                   # 5,000 anonymous calls, 2,000 fresh cookies, 2,000 shares
+    python -m eval.memload                                   # 5,000 anonymous calls, 2,000 fresh cookies, 2,000 shares,
+                                                             # 300 unread results in one session
     python -m eval.memload --anonymous 500 --cookies 200 --shares 200   # scaled down (the test does this)
     python -m eval.memload --json out/memload.json           # the report as JSON too
 
 It starts ``python app.py --multi-user`` on the tiny backbone, bound to 127.0.0.1 on a free port with a fresh data
 directory (removed at the end), makes one share (a comparison of the base model, shared by one identity), then runs
-three phases from ``--threads`` threads, reading the studio process's resident memory (``VmRSS``) before each phase,
-at every tenth of it and after it:
+up to four phases from ``--threads`` threads, reading the studio process's resident memory (``VmRSS``) before each
+phase, at every tenth of it and after it:
 
 1. **anonymous API calls**: ``POST /gradio_api/call/status`` with neither cookie nor key; every other call reads its
    result stream, the rest never do (a careless or hostile client);
 2. **fresh-cookie calls**: a first visit (``GET /``: a new anonymous key in the ``pema_owner`` cookie), then
    ``POST /gradio_api/call/memories`` with that cookie, result read;
 3. **share-page loads**: what a browser does for ``/share/?c=<id>``: the page, then its load event joined with a
-   fresh session hash (``POST /share/gradio_api/queue/join?c=<id>``) and its result stream read to the end.
+   fresh session hash (``POST /share/gradio_api/queue/join?c=<id>``) and its result stream read to the end;
+4. **unread results in one session** (``--unread``): one owner with a memory of 500 long samples joins its
+   ``/memory`` event (~0.3 MB an answer) into one session hash, back to back, and never reads a result (the session
+   is never idle, so the two-minute sweep never takes them; the per-session bound does).
 
 Growth "levels off" when the last half of a phase adds little: the report gives each phase's RSS before, at its
 midpoint and after, and the MB per 1,000 calls of each half. Nothing here imports the studio: it is driven from
@@ -92,6 +96,35 @@ def share_page_load(h, i: int, share_id: str, fn_index: int) -> bool:
                                                 {"session_hash": session}) == "process_completed"
 
 
+def unread_join(h, i: int, key: str, session: str, fn_index: int, memory_id: str) -> bool:
+    """Join the ``/memory`` event into ``session`` and never read its result (a 429 for too many in flight: retried)."""
+    for _ in range(600):
+        r = h.post("gradio_api/queue/join", headers={"X-Pema-Key": key},
+                   json={"data": [memory_id], "fn_index": fn_index, "session_hash": session, "event_data": None,
+                         "trigger_id": None})
+        if r.status_code != 429:
+            return r.status_code == 200
+        time.sleep(0.05)
+    return False
+
+
+def unread_setup(url: str) -> tuple[str, str, int]:
+    """(key, memory id, fn_index of /memory) of a new owner with a memory of 500 long samples."""
+    import httpx
+
+    key = new_identity(url)
+    c = client(url, key)
+    text = "\n".join(json.dumps({"src": f"{i} " + "word " * 60, "tgt": f"{i} " + "Wort " * 60}) for i in range(500))
+    job_id = c.predict(text, "long.jsonl", api_name="/build")["job_id"]
+    while (job := c.predict(job_id, api_name="/job"))["state"] in ("queued", "running"):
+        time.sleep(0.5)
+    if job["state"] != "done":
+        raise RuntimeError(f"the memory for the unread phase was not built: {job['error']}")
+    config = httpx.get(url + "config", timeout=30).json()
+    index = next(d["id"] for d in config["dependencies"] if d.get("api_name") == "memory")
+    return key, job["result"]["memory_id"], index
+
+
 def load_event(url: str) -> int:
     """The share page's load event (its ``fn_index``), from the page's config."""
     import httpx
@@ -159,7 +192,7 @@ def phase(name: str, calls: int, threads: int, fn, url: str, pid: int, log=print
 
 
 def run(anonymous: int = 5000, cookies: int = 2000, shares: int = 2000, threads: int = 8, timeout: float = 3600.0,
-        settle_s: float = 5.0, log=print) -> dict:
+        settle_s: float = 5.0, log=print, unread: int = 0) -> dict:
     t_start = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="pema-memload-"))
     studio = Studio("tiny", tmp / "data", None, [])
@@ -176,6 +209,12 @@ def run(anonymous: int = 5000, cookies: int = 2000, shares: int = 2000, threads:
                              lambda h, i: share_page_load(h, i, share_id, fn_index))):
             if n > 0:
                 report[name] = phase(name, n, threads, fn, studio.url, pid, log)
+        if unread > 0:
+            key, memory_id, memory_event = unread_setup(studio.url)
+            session = uuid.uuid4().hex
+            report["unread_one_session"] = phase(
+                "unread_one_session", unread, threads,
+                lambda h, i: unread_join(h, i, key, session, memory_event, memory_id), studio.url, pid, log)
         time.sleep(settle_s)
         report["rss_end_mb"] = round(rss_mb(pid), 1)
         log(f"RSS {report['rss_end_mb']} MB {settle_s:.0f} s after the last call")
@@ -192,13 +231,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--anonymous", type=int, default=5000, help="anonymous POST /gradio_api/call/status calls")
     p.add_argument("--cookies", type=int, default=2000, help="first visits, each followed by a /memories call")
     p.add_argument("--shares", type=int, default=2000, help="share-page loads (page and load event)")
+    p.add_argument("--unread", type=int, default=300,
+                   help="/memory events joined into one session and never read (0: no such phase)")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--json", default=None, help="also write the report to this file")
     a = p.parse_args(argv)
-    if min(a.anonymous, a.cookies, a.shares) < 0 or a.threads < 1:
+    if min(a.anonymous, a.cookies, a.shares, a.unread) < 0 or a.threads < 1:
         p.error("the counts must be 0 or more and --threads at least 1")
-    report = run(a.anonymous, a.cookies, a.shares, a.threads, a.timeout)
+    report = run(a.anonymous, a.cookies, a.shares, a.threads, a.timeout, unread=a.unread)
     print(json.dumps(report, indent=1))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
