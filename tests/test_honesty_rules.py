@@ -271,6 +271,18 @@ def test_a_rank_reuses_a_calibration_only_when_made_on_exactly_its_tuning_sample
     assert all(s == tune for s in fresh)
 
 
+def test_a_rank_without_enough_tuning_samples_keeps_the_global_defaults_and_says_why(tiny, setup, tmp_path,
+                                                                                    monkeypatch):
+    knn, mem = _copy_plugin(tiny, setup["knn"], tmp_path / "knn"), setup["mem"]
+    tune = cal_mod.split_heldout(mem)[0][:cal_mod.MIN_TUNE - 1]
+    cal, note = rank_mod._calibrated(tiny, knn, mem, "translation", tune, None, lambda *a: None, lambda: False)
+    assert cal is None and note.startswith("not calibrated: Calibration skipped: too few held-out samples")
+    assert note.endswith("The global defaults are used.")
+    monkeypatch.setattr(rank_mod.calibrate, "calibrate", lambda *a, **k: None)  # nothing to calibrate: no note
+    assert rank_mod._calibrated(tiny, knn, mem, "translation", tune, None, lambda *a: None, lambda: False) == \
+        (None, None)
+
+
 # --- which plug-in a rank reuses --------------------------------------------------------------------------------
 def test_a_plugin_is_reused_only_with_identical_settings_on_the_same_backbone(tiny, setup, tmp_path):
     from ground.store import Catalog
@@ -294,6 +306,16 @@ def test_a_plugin_is_reused_only_with_identical_settings_on_the_same_backbone(ti
                     "created": (found.get("created") or 0) + 100,
                     "metrics": json.dumps({"train_info": {"continued_from": prow["id"]}})})
     assert rank_mod.find_trained(cat, "local", mem.id, "knn", cfg, tiny.fingerprint)["id"] == prow["id"]
+    # of two plug-ins trained alike, the newer, whatever order the catalog lists them in
+    newer = (found.get("created") or 0) + 200
+    cat.add_plugin({**cat.plugin(prow["id"]), "id": prow["id"] + "-newer", "created": newer})
+
+    class OldestFirst:
+        def plugins(self, owner):
+            return list(reversed(cat.plugins(owner)))
+
+    for c in (cat, OldestFirst()):
+        assert rank_mod.find_trained(c, "local", mem.id, "knn", cfg, tiny.fingerprint)["id"] == prow["id"] + "-newer"
 
 
 # --- prompt examples ------------------------------------------------------------------------------------------------
