@@ -99,6 +99,7 @@ def test_calibration_decodes_only_the_tuning_part(setup, pema_cal):
     held = [i for i, s in enumerate(mem.samples) if s["split"] == "heldout"]
     assert info["tune"] == len(tune) == 12 and info["report"] == len(report) == 12
     assert sorted(s["index"] for s in tune + report) == held  # every held-out sample on exactly one side
+    assert cal_mod.split_heldout(mem, 0)[:2] == ([], tune + report)  # n_tune 0: nothing tuned, all reported
     assert {s["index"] for s in tune}.isdisjoint({s["index"] for s in report})
     cal = pema_cal["cal"]
     assert cal["sample_ids"] == [s["index"] for s in tune]
@@ -316,6 +317,10 @@ def test_a_plugin_is_reused_only_with_identical_settings_on_the_same_backbone(ti
 
     for c in (cat, OldestFirst()):
         assert rank_mod.find_trained(c, "local", mem.id, "knn", cfg, tiny.fingerprint)["id"] == prow["id"] + "-newer"
+    # a stored config that is missing or does not load is never the same config
+    assert rank_mod.same_config("knn", cfg, cfg)
+    for stored in (None, "not a dict", {"no_such_field": 1}, {"exact_max_entries": "many"}):
+        assert rank_mod.same_config("knn", stored, cfg) is False, stored
 
 
 # --- prompt examples ------------------------------------------------------------------------------------------------
