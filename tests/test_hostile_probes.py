@@ -10,6 +10,8 @@ backbone, raw HTTP): probes the earlier rounds (``tests/test_hosting_bounds.py``
   path (the data directory's was shown, and torch's several-line message).
 * No error of a hosted studio names the data directory (the page hides it in multi-user mode; a kNN plug-in whose
   memory its owner deleted said "…but /data/pema-studio/memories/mem-… is gone").
+* Gradio's upload progress route keeps nothing per id once a stream ends, answers only callers with an identity and
+  short ids, and keeps at most a bound of finished uploads' progress (it kept an entry for every id anyone named).
 """
 import json
 import os
@@ -293,3 +295,88 @@ def call(url: str, api: str, data: list, key: str) -> tuple[int, str, object]:
     events = [line[6:].strip() for line in lines if line.startswith("event:")]
     data_lines = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line[5:].strip() != "null"]
     return 200, events[-1] if events else "", data_lines[-1] if data_lines else None
+
+
+# --- Gradio's upload progress --------------------------------------------------------------------------------------
+def progress_tables():
+    from gradio.routes import file_upload_statuses
+
+    return file_upload_statuses._statuses, file_upload_statuses._signals
+
+
+def test_upload_progress_asked_for_unknown_ids_keeps_nothing(site):
+    """``GET …/upload_progress?upload_id=<id>`` (a GET: no identity needed) left an entry in Gradio's progress
+    signals for every id anyone named, forever (600 requests with 16 kB ids: +600 entries)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    _, signals = progress_tables()
+    before = len(signals)
+    key = site.studio.identity.new_browser_key()
+
+    def ask(i):
+        return httpx.get(site.url + "gradio_api/upload_progress", params={"upload_id": f"probe{i}x"},
+                         headers={"X-Pema-Key": key}, timeout=30).status_code
+
+    with ThreadPoolExecutor(20) as pool:
+        codes = set(pool.map(ask, range(20)))
+    assert codes == {404}
+    assert len(signals) <= before, len(signals) - before
+    # an id that is not a short token, or a caller with no identity: refused at once, nothing kept
+    long_id = httpx.get(site.url + "gradio_api/upload_progress", params={"upload_id": "x" * 5000},
+                        headers={"X-Pema-Key": key}, timeout=30)
+    nobody = httpx.get(site.url + "gradio_api/upload_progress", params={"upload_id": "abc"}, timeout=30)
+    assert long_id.status_code == 404 and nobody.status_code == 404
+    assert len(signals) <= before
+
+
+def test_an_upload_with_its_progress_stream_still_works_and_leaves_nothing(site):
+    """What the page does for a file input: the progress stream opened first, then the upload with the same id."""
+    import threading
+
+    import httpx
+
+    statuses, signals = progress_tables()
+    key = site.studio.identity.new_browser_key()
+    messages = []
+
+    def stream():
+        with httpx.Client(timeout=30) as h:
+            with h.stream("GET", site.url + "gradio_api/upload_progress", params={"upload_id": "pageupload1"},
+                          headers={"X-Pema-Key": key}) as r:
+                messages.append(r.status_code)
+                messages.extend(line for line in r.iter_lines() if line.startswith("data:"))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.5)
+    r = httpx.post(site.url + "gradio_api/upload", params={"upload_id": "pageupload1"}, timeout=60,
+                   files=[("files", ("a.tsv", b"the cat\tdie Katze\n" * 4))], headers={"X-Pema-Key": key})
+    t.join(30)
+    assert r.status_code == 200 and len(r.json()) == 1, r.text
+    assert messages and messages[0] == 200 and any('"done"' in m for m in messages[1:]), messages
+    assert "pageupload1" not in signals and "pageupload1" not in statuses
+    # an upload whose progress nobody reads leaves its (finished) status behind only within a bound
+    bad = httpx.post(site.url + "gradio_api/upload", params={"upload_id": "y" * 5000}, timeout=60,
+                     files=[("files", ("b.tsv", b"x\ty\n"))], headers={"X-Pema-Key": key})
+    assert bad.status_code == 400, bad.text
+
+
+def test_gradios_upload_progress_tables_are_bounded():
+    from gradio.route_utils import FileUploadProgress
+
+    from ui import gradio_internals as gri
+
+    progress = FileUploadProgress()
+    for i in range(6):
+        progress.track(f"done{i}")
+        progress.set_done(f"done{i}")
+    progress.track("running")
+    for i in range(6):
+        progress._signals[f"asked{i}"]  # a progress stream asked about an id no upload carries
+    gri.forget_upload_progress("asked5", keep=3, progress=progress)
+    assert "asked5" not in progress._signals and "running" in progress._statuses
+    assert [k for k, st in progress._statuses.items() if st.is_done] == ["done3", "done4", "done5"]  # the newest
+    assert len(progress._signals) <= 3 + len(progress._statuses)
+    assert all(k in progress._signals for k in progress._statuses)  # a tracked upload keeps its signal

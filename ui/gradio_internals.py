@@ -48,6 +48,30 @@ def track_moved_uploads(blocks, old: list[str], new: list[str]) -> None:
         files.update(new)
 
 
+UPLOAD_PROGRESS_KEPT = 256  # uploads whose progress Gradio keeps (and ids a progress stream may wait on)
+
+
+def forget_upload_progress(upload_id: str | None, keep: int = UPLOAD_PROGRESS_KEPT, progress=None) -> None:
+    """Gradio keeps an upload's progress by its ``upload_id`` until a progress stream reads it to the end, and the
+    signal such a stream waits on for every id anyone asks about, forever: drop ``upload_id``'s signal unless an
+    upload of it is tracked, and keep at most ``keep`` finished uploads (the newest) and ``keep`` signals without an
+    upload (a stream waits on one at most 3 s)."""
+    if progress is None:
+        from gradio.routes import file_upload_statuses as progress
+    statuses, signals = getattr(progress, "_statuses", None), getattr(progress, "_signals", None)
+    if not isinstance(statuses, dict) or not isinstance(signals, dict):
+        return
+    if upload_id is not None and upload_id not in statuses:
+        signals.pop(upload_id, None)
+    done = [k for k, s in statuses.items() if getattr(s, "is_done", False)]
+    for k in done[:max(0, len(done) - keep)]:
+        statuses.pop(k, None)
+        signals.pop(k, None)
+    waiting = [k for k in signals if k not in statuses]
+    for k in waiting[:max(0, len(waiting) - keep)]:
+        signals.pop(k, None)
+
+
 # --- events ----------------------------------------------------------------------------------------------------------
 def event_functions(blocks) -> dict | None:
     """``blocks``' events: index (``fn_index``) → ``BlockFunction`` (``fn``, ``inputs``, ``outputs``, ``api_name``);

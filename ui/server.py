@@ -46,6 +46,8 @@ CROSS_SITE = ("This studio does not take requests from another site's pages (its
 # fetch URLs for a caller (proxy), or show the server's internals; all answer 404.
 UNUSED = re.compile(r"^/(gradio_api/)?(deep_link|proxy=.*|monitoring|run-history|runs|stream|process_recording|"
                     r"vibe-edit|undo-vibe-edit|vibe-code|vibe-starter-queries|dev|custom_component)(/.*)?$", re.I)
+# An upload's progress id, as the page makes one (a short random token): Gradio keeps a table entry per id
+UPLOAD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class OwnerCookieMiddleware:
@@ -100,6 +102,8 @@ class OwnerCookieMiddleware:
         cookies = parse_cookies(headers.get("cookie", ""))
         if is_file_route(path):
             return await self._serve_file(scope, receive, send, path, headers, cookies)
+        if route.rstrip("/").lower().endswith("/gradio_api/upload_progress"):
+            return await self._upload_progress(scope, receive, send, headers, cookies)
         if path in ("", "/", self.share_path) and method == "GET":
             c = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("c")
             if c or path == self.share_path:
@@ -139,6 +143,20 @@ class OwnerCookieMiddleware:
         if not in_cache(real) or (self.downloads is not None and Path(real).is_relative_to(self.downloads)):
             return ""
         return real if os.path.isfile(real) else ""
+
+    async def _upload_progress(self, scope, receive, send, headers: dict, cookies: dict):
+        """Gradio's upload progress stream, for a caller who may upload (an identity, in multi-user mode) and an id
+        such as the page makes; whatever Gradio kept for the id is dropped when the stream ends (it kept a signal
+        for every id anyone asked about, forever)."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        upload_id = (query.get("upload_id") or [""])[0]
+        if not UPLOAD_ID.fullmatch(upload_id) or (
+                self.studio.multi_user and not self.studio.identity.credentials(headers, cookies)):
+            return await refuse(send, 404, "Upload not found")
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            gri.forget_upload_progress(upload_id)
 
     # --- cross-origin ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -496,6 +514,9 @@ class FileInputGuard:
         boundary = multipart_boundary(headers.get("content-type", ""))
         if boundary is None:
             return await refuse(send, 400, "An upload is a multipart/form-data request.")
+        upload_id = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("upload_id")
+        if upload_id is not None and not UPLOAD_ID.fullmatch(upload_id[0]):
+            return await refuse(send, 400, "An upload's upload_id is a short token (letters, digits, - and _).")
         try:
             ticket = studio.uploads.admit(owners, declared or 0)
         except UserError as e:
@@ -532,6 +553,7 @@ class FileInputGuard:
         finally:
             spool.close()
             studio.uploads.release(ticket)
+            gri.forget_upload_progress(None)  # a finished upload's progress nobody reads: within the bound
 
     async def _store(self, scope, receive, send, spool, owners, ticket, app):
         """Hand the counted body to Gradio, move what it stored into folders of their own, record them, answer."""
