@@ -99,7 +99,15 @@ def test_calibration_decodes_only_the_tuning_part(setup, pema_cal):
     held = [i for i, s in enumerate(mem.samples) if s["split"] == "heldout"]
     assert info["tune"] == len(tune) == 12 and info["report"] == len(report) == 12
     assert sorted(s["index"] for s in tune + report) == held  # every held-out sample on exactly one side
-    assert cal_mod.split_heldout(mem, 0)[:2] == ([], tune + report)  # n_tune 0: nothing tuned, all reported
+    for n in (0, -1):  # nothing tuned, all reported
+        assert cal_mod.split_heldout(mem, n)[:2] == ([], tune + report)
+    assert cal_mod.split_heldout(mem, 100)[:2] == (tune + report, [])
+    # the warnings start below MIN_TUNE tuning and MIN_REPORT report samples, not at them
+    assert cal_mod.split_heldout(mem, cal_mod.MIN_TUNE)[2]["warning"] == \
+        f"only {24 - cal_mod.MIN_TUNE} held-out samples left to report on (fewer than {cal_mod.MIN_REPORT}: wide " \
+        f"intervals)"
+    assert cal_mod.split_heldout(mem, 24 - cal_mod.MIN_REPORT)[2]["warning"] == \
+        f"only {24 - cal_mod.MIN_REPORT} held-out samples to tune on (calibration needs {cal_mod.MIN_TUNE})"
     assert {s["index"] for s in tune}.isdisjoint({s["index"] for s in report})
     cal = pema_cal["cal"]
     assert cal["sample_ids"] == [s["index"] for s in tune]
