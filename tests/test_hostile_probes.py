@@ -12,6 +12,7 @@ backbone, raw HTTP): probes the earlier rounds (``tests/test_hosting_bounds.py``
   memory its owner deleted said "…but /data/pema-studio/memories/mem-… is gone").
 * Gradio's upload progress route keeps nothing per id once a stream ends, answers only callers with an identity and
   short ids, and keeps at most a bound of finished uploads' progress (it kept an entry for every id anyone named).
+* Gradio's component server (unused: no server functions) is closed: a stranger's call made a session state.
 """
 import json
 import os
@@ -380,3 +381,29 @@ def test_gradios_upload_progress_tables_are_bounded():
     assert [k for k, st in progress._statuses.items() if st.is_done] == ["done3", "done4", "done5"]  # the newest
     assert len(progress._signals) <= 3 + len(progress._statuses)
     assert all(k in progress._signals for k in progress._statuses)  # a tracked upload keeps its signal
+
+
+# --- Gradio's component server ---------------------------------------------------------------------------------------
+def server_functions(blocks) -> list:
+    return [(type(b).__name__, getattr(f, "__name__", "?")) for b in blocks.blocks.values()
+            for f in getattr(b, "server_fns", None) or []]
+
+
+def test_the_component_server_route_is_closed_and_makes_no_session(site):
+    """``POST …/component_server`` (no identity needed: not an event) made a Gradio session state (a copy of the
+    studio's page config, ~1.2 MB) for every session hash it named (100 calls: +100 sessions, +122 MB), pushing real
+    tabs' sessions out of the ``sessions`` bound, and answered 500 with a traceback on the share page. No component
+    of either app has a server function, so the route answers 404 before Gradio sees the request."""
+    import httpx
+
+    assert server_functions(site.blocks) == [] and server_functions(site.served.blocks[1]) == []
+    key = site.studio.identity.new_browser_key()
+    before = [len(b.state_holder.session_data) for b in site.served.blocks]
+    for prefix in ("", "share/"):
+        for headers in ({}, {"X-Pema-Key": key}):
+            for _ in range(5):
+                r = httpx.post(f"{site.url}{prefix}gradio_api/component_server", headers=headers, timeout=30,
+                               json={"session_hash": uuid.uuid4().hex, "component_id": 1, "fn_name": "ls",
+                                     "data": None})
+                assert r.status_code == 404, r.text
+    assert [len(b.state_holder.session_data) for b in site.served.blocks] == before

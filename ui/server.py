@@ -43,9 +43,11 @@ ALLOW_ORIGINS_ENV = "PEMA_ALLOW_ORIGINS"  # comma-separated origins that may cal
 CROSS_SITE = ("This studio does not take requests from another site's pages (its operator can allow an origin with "
               "--allow-origin).")
 # Gradio routes the studio does not use: some write a session's state where others can fetch it (deep links),
-# fetch URLs for a caller (proxy), or show the server's internals; all answer 404.
+# fetch URLs for a caller (proxy), show the server's internals, or make a session state for any session hash named
+# (component_server: no component of the studio has a server function); all answer 404.
 UNUSED = re.compile(r"^/(gradio_api/)?(deep_link|proxy=.*|monitoring|run-history|runs|stream|process_recording|"
-                    r"vibe-edit|undo-vibe-edit|vibe-code|vibe-starter-queries|dev|custom_component)(/.*)?$", re.I)
+                    r"vibe-edit|undo-vibe-edit|vibe-code|vibe-starter-queries|dev|custom_component|"
+                    r"component_server)(/.*)?$", re.I)
 # An upload's progress id, as the page makes one (a short random token): Gradio keeps a table entry per id
 UPLOAD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
