@@ -175,6 +175,9 @@ def test_evidence_is_adjusted_over_the_distinct_settings_tested(monkeypatch):
     assert cal_mod.evidence(start, rows, hyps, ["s"], ["r"]) == 5
     assert [r["p_vs_start"] for r in rows] == [None, 0.02, 0.02, 0.02, 0.02, 0.02, 0.02, None]
     assert [r["p_vs_start_holm"] for r in rows] == [None, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, None]
+    # the start and a setting with the start's outputs differ from it by nothing
+    assert [r["chrf_vs_start"] for r in rows] == [0.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 0.0]
+    assert [r["bleu_vs_start"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     assert cal_mod.choose(start, rows, "lam") is start  # raw p 0.02 would have moved it
 
 
@@ -187,6 +190,7 @@ def test_choose_needs_the_adjusted_p_below_alpha_a_gain_and_no_bleu_loss():
     assert cal_mod.choose(start, [start, row(0.5, 4.0, 1.0, cal_mod.ALPHA)], "lam") is start
     assert cal_mod.choose(start, [start, row(0.5, 4.0, -0.1, 0.001)], "lam") is start
     assert cal_mod.choose(start, [start, row(0.5, -1.0, 1.0, 0.001)], "lam") is start
+    assert cal_mod.choose(start, [start, row(0.5, 0.0, 1.0, 0.001)], "lam") is start  # no chrF gain, no move
     moved = row(0.5, 4.0, 0.0, 0.049)
     assert cal_mod.choose(start, [start, moved], "lam") is moved
     near = row(0.3, 4.0, 0.0, 0.049)
