@@ -161,6 +161,8 @@ def test_holm_by_hand():
     assert holm([0.01, 0.04, 0.03, None]) == [0.03, 0.06, 0.06, None]
     assert holm([0.5, 0.2]) == [0.5, 0.4]
     assert holm([0.02]) == [0.02]
+    assert holm([0.6, 0.7]) == [1.0, 1.0]  # capped at 1, not below
+    assert holm([0.0123]) == [0.0123]  # a bootstrap p's four decimals kept
 
 
 def test_evidence_is_adjusted_over_the_distinct_settings_tested(monkeypatch):
@@ -191,6 +193,7 @@ def test_choose_needs_the_adjusted_p_below_alpha_a_gain_and_no_bleu_loss():
     assert cal_mod.choose(start, [start, row(0.5, 4.0, -0.1, 0.001)], "lam") is start
     assert cal_mod.choose(start, [start, row(0.5, -1.0, 1.0, 0.001)], "lam") is start
     assert cal_mod.choose(start, [start, row(0.5, 0.0, 1.0, 0.001)], "lam") is start  # no chrF gain, no move
+    assert cal_mod.choose(start, [start, row(0.5, 4.0, 1.0, 0.06)], "lam") is start  # α is 0.05
     moved = row(0.5, 4.0, 0.0, 0.049)
     assert cal_mod.choose(start, [start, moved], "lam") is moved
     near = row(0.3, 4.0, 0.0, 0.049)
