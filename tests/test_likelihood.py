@@ -46,7 +46,7 @@ def test_score_settings_base_equals_lambda_zero_and_trained_pema_fits_its_traini
 
 
 def test_paired_bootstrap_separates_a_real_gain_from_chance():
-    from eval.metrics import paired_bootstrap
+    from eval.metrics import bleu_chrf, paired_bootstrap
 
     refs = [f"Das ist Satz Nummer {i} über das Wetter in der Stadt." for i in range(40)]
     bad = [f"Es regnet {i}." for i in range(40)]
@@ -55,6 +55,13 @@ def test_paired_bootstrap_separates_a_real_gain_from_chance():
     same = paired_bootstrap(bad, list(bad), refs, n_samples=200)
     assert better["sacrebleu"]["p_value"] < 0.05 and better["chrf"]["p_value"] < 0.05
     assert same["sacrebleu"]["p_value"] > 0.5 and same["chrf"]["p_value"] > 0.5
+    # Δ is the corpus difference; a gain under one chrF point on every sentence is as certain as a large one
+    refs = [f"Das ist Satz Nummer {i} über das Wetter in der Stadt und auf dem Land, am Morgen wie am Abend, im "
+            f"Sommer wie im Winter." for i in range(20)]
+    base, sys_ = [r[:-12] for r in refs], [r[:-11] for r in refs]
+    small = paired_bootstrap(base, sys_, refs, n_samples=200)
+    assert small["chrf"]["delta"] == round(bleu_chrf(sys_, refs)["chrf"] - bleu_chrf(base, refs)["chrf"], 2)
+    assert 0 < small["chrf"]["delta"] < 1 and small["chrf"]["p_value"] == 0.0
 
 
 def test_apply_config_changes_a_field_and_rejects_bad_input(tiny, tiny_memory, tmp_path):

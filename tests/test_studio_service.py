@@ -412,6 +412,9 @@ def test_no_intervals_on_too_few_sentences(tiny):
     assert res["methods"][0]["bleu_signature"]  # the signature is still there
     cols, rows = _table(res)
     assert rows[1][cols.index("BLEU 95% CI")] == f"— (n < {MIN_BOOTSTRAP_N})"
+    res = evaluate(tiny, PAIRS[:MIN_BOOTSTRAP_N], [Row("base"), Row("again")], Prompt.for_task("translation"),
+                   max_new_tokens=4, bootstrap=50)  # exactly MIN_BOOTSTRAP_N: intervals and p
+    assert all("chrf_ci95" in m for m in res["methods"]) and "p_chrf" in res["methods"][1]
 
 
 def test_a_sweep_has_one_base_point(studio, memory_id, budget_pema):
