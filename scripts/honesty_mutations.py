@@ -19,8 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-# the rules' tests; a kept decode's rows are also guarded by the slider-move tests of test_live_decode.py
-TESTS = ["tests/test_honesty_rules.py", "tests/test_live_decode.py"]
+# the rules' tests; a kept decode's rows are also guarded by the slider-move tests of test_live_decode.py, the
+# verdict's and the report's boundaries by test_rank.py
+TESTS = ["tests/test_honesty_rules.py", "tests/test_live_decode.py", "tests/test_rank.py"]
 LIVE = "finished_early or slider_moves"
 
 # (rule, file, the line's text, its broken text, the tests that guard it: a pytest -k expression)
@@ -146,8 +147,8 @@ CHANGES = [
      'cal = plugin_calibration(plugin) if calibrated else None',
      'cal = plugin_calibration(plugin)', 'precedence'),
     ('tuning only on the tuning part', 'eval/calibrate.py',
-     'n_tune = min(DEFAULT_TUNE, len(held) // 2)',
-     'n_tune = min(DEFAULT_TUNE, len(held))', 'decodes_only_the_tuning_part'),
+     'return min(DEFAULT_TUNE, heldout // 2)',
+     'return min(DEFAULT_TUNE, heldout)', 'decodes_only_the_tuning_part'),
     ('projected bound shrunk', 'plugins/knn.py',
      'self.shrink = 1.0 / (1.0 + float(',
      'self.shrink = 1.0 / (1.0 + 0 * float(', 'projected_lower_bound'),
@@ -166,6 +167,33 @@ CHANGES = [
     ('kept-decode row aligned', 'engine/engine.py',
      'return self.cache, b if self.phys is None else self.phys_list[b]',
      'return self.cache, b', 'kept_decode or slider_moves or finished_early'),
+    # boundaries that one-line changes passed before their tests pinned them (docs/testing.md, "Honesty rules")
+    ('verdict: a gain needs Holm p below α', 'eval/rank.py',
+     'if adj[r["method"]][0] < ALPHA and r[f"{metric}_delta"] > 0]',
+     'if adj[r["method"]][0] <= ALPHA and r[f"{metric}_delta"] > 0]', 'verdict_needs_p_below_alpha'),
+    ('verdict: a gain needs Δ > 0', 'eval/rank.py',
+     'if adj[r["method"]][0] < ALPHA and r[f"{metric}_delta"] > 0]',
+     'if adj[r["method"]][0] < ALPHA and r[f"{metric}_delta"] >= 0]', 'verdict_needs_p_below_alpha'),
+    ('verdict: a loss needs Holm p below α', 'eval/rank.py',
+     'if adj[r["method"]][1] < ALPHA and r[f"{metric}_delta"] < 0]',
+     'if adj[r["method"]][1] <= ALPHA and r[f"{metric}_delta"] < 0]', 'verdict_needs_p_below_alpha'),
+    ('report needs MIN_BOOTSTRAP_N sentences, not more', 'eval/rank.py',
+     'if len(report) < MIN_BOOTSTRAP_N:',
+     'if len(report) <= MIN_BOOTSTRAP_N:', 'min_bootstrap_n_pairs'),
+    ('a stored config that does not load is never the same', 'eval/rank.py',
+     """    except (UserError, TypeError, ValueError):
+        return False""",
+     """    except (UserError, TypeError, ValueError):
+        return True""", 'plugin_is_reused'),
+    ('tuning count clamped at 0', 'eval/calibrate.py',
+     'n_tune = max(0, min(int(n_tune), len(held)))',
+     'n_tune = min(int(n_tune), len(held))', 'decodes_only_the_tuning_part'),
+    ('evidence rule: a chrF gain', 'eval/calibrate.py',
+     'and r["chrf_vs_start"] > 0 and',
+     'and r["chrf_vs_start"] >= 0 and', 'evidence_is_adjusted or choose_needs'),
+    ('Holm capped at 1', 'eval/metrics.py',
+     'running = max(running, min(1.0, (m - rank) * float(p)))',
+     'running = max(running, (m - rank) * float(p))', 'holm_by_hand'),
 ]
 
 

@@ -527,3 +527,19 @@ def test_a_kept_decode_keeps_each_finished_rows_own_cache(tiny, tiny_memory):
         got = run(start_compare(tiny, source, pema_rows(lam), prompt, max_new_tokens=24, live=live))
         full = compare(tiny, source, pema_rows(lam), prompt, max_new_tokens=24)
         assert [r.tokens for r in got.rows] == [r.tokens for r in full.rows], lam
+
+
+def test_every_change_of_the_mutation_list_still_applies_once_to_the_code():
+    """``scripts/honesty_mutations.py`` breaks each rule by replacing one text of the code; a text the code no longer
+    has (or has twice) would be reported only when someone runs the script, so the list is checked here."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("honesty_mutations", root / "scripts" / "honesty_mutations.py")
+    mutations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutations)
+    assert len(mutations.CHANGES) >= 55
+    stale = [(rule, rel, old) for rule, rel, old, new, _ in mutations.CHANGES
+             if (root / rel).read_text(encoding="utf-8").count(old) != 1 or old == new]
+    assert not stale, stale
