@@ -6,7 +6,7 @@ Each change is made on a copy of the committed tree (``git archive HEAD``, so th
 file is copied aside, the line replaced, the tests selected by ``-k`` run, the file copied back. Prints one line per
 change and a count; exits 1 when a change is missed.
 
-    python scripts/honesty_mutations.py              # every change (about 25 min on 2 shared cores)
+    python scripts/honesty_mutations.py              # every change (about 10 min on 2 idle cores)
     python scripts/honesty_mutations.py -k kNN       # those whose rule mentions kNN
 """
 from __future__ import annotations
