@@ -67,6 +67,20 @@ def build_tiny_memory(studio, pairs=TINY_PAIRS, name: str = "pairs") -> str:
 
 # --- a public multi-user site, probed over raw HTTP ------------------------------------------------------------------
 
+def owner_with_plugin(studio, method: str = "knn", config: dict | None = None, pairs=TINY_PAIRS):
+    """``(key, owner, memory id, plug-in id)``: a new browser key whose owner built a memory from ``pairs`` (a JSONL
+    upload) and trained ``method`` on it."""
+    key = studio.identity.new_browser_key()
+    owner = studio.identity.owner_of_key(key)
+    jsonl = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in pairs)
+    build = studio.jobs.wait(studio.memory_service.submit_build(jsonl, "a.jsonl", owner=owner), 120)
+    assert build["state"] == "done", build
+    mid = build["result"]["memory_id"]
+    job = studio.jobs.wait(studio.plugin_service.submit_train(mid, method, config or {}, owner=owner), 300)
+    assert job["state"] == "done", job
+    return key, owner, mid, job["result"]["plugin_id"]
+
+
 @contextlib.contextmanager
 def hosted_site(data_dir: Path, cache: Path, limits: list[str]):
     """``(studio, served, url)`` of a multi-user studio on the tiny backbone serving ``data_dir``, with ``cache`` as

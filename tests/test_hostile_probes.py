@@ -24,7 +24,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from _server import TINY_PAIRS, file_data, hosted_site  # noqa: E402
+from _server import TINY_PAIRS, file_data, hosted_site, owner_with_plugin  # noqa: E402
 
 JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in TINY_PAIRS)
 
@@ -34,15 +34,10 @@ def site(tmp_path_factory):
     """A multi-user studio over HTTP; owner A has a memory, a kNN and a LoRA plug-in."""
     cache, data = tmp_path_factory.mktemp("gradio-cache"), tmp_path_factory.mktemp("site")
     with hosted_site(data, cache, ["queue_size=64"]) as (studio, served, url):
-        ka = studio.identity.new_browser_key()
-        owner_a = studio.identity.owner_of_key(ka)
-        mid = studio.jobs.wait(studio.memory_service.submit_build(JSONL, "a.jsonl", owner=owner_a),
-                               120)["result"]["memory_id"]
-        plugins = {}
-        for method, config in (("knn", {}), ("lora", {"max_epochs": 1})):
-            job = studio.jobs.wait(studio.plugin_service.submit_train(mid, method, config, owner=owner_a), 300)
-            assert job["state"] == "done", job
-            plugins[method] = job["result"]["plugin_id"]
+        ka, owner_a, mid, knn = owner_with_plugin(studio)
+        job = studio.jobs.wait(studio.plugin_service.submit_train(mid, "lora", {"max_epochs": 1}, owner=owner_a), 300)
+        assert job["state"] == "done", job
+        plugins = {"knn": knn, "lora": job["result"]["plugin_id"]}
         yield SimpleNamespace(studio=studio, served=served, url=url, blocks=served.blocks[0], ka=ka, owner_a=owner_a,
                               mid=mid, plugins=plugins)
 

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from _server import TINY_PAIRS, hosted_site  # noqa: E402
+from _server import TINY_PAIRS, hosted_site, owner_with_plugin  # noqa: E402
 
 JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in TINY_PAIRS)
 HOSTILE = ('<a href="https://evil.example/">Session expired: sign in</a><span style="font-size:60px">X</span>'
@@ -26,12 +26,7 @@ def site(tmp_path_factory):
     """A multi-user studio over HTTP; owner A has a memory and a kNN plug-in."""
     cache, data = tmp_path_factory.mktemp("gradio-cache"), tmp_path_factory.mktemp("site")
     with hosted_site(data, cache, ["queue_size=64"]) as (studio, served, url):
-        ka = studio.identity.new_browser_key()
-        owner_a = studio.identity.owner_of_key(ka)
-        mid = studio.jobs.wait(studio.memory_service.submit_build(JSONL, "a.jsonl", owner=owner_a),
-                               120)["result"]["memory_id"]
-        pid = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn", {}, owner=owner_a),
-                               120)["result"]["plugin_id"]
+        ka, owner_a, mid, pid = owner_with_plugin(studio)
         yield SimpleNamespace(studio=studio, served=served, url=url, ka=ka, owner_a=owner_a, mid=mid, pid=pid,
                               blocks=served.blocks[0], share_blocks=served.blocks[1])
 

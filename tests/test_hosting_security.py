@@ -22,7 +22,16 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from _server import TINY_PAIRS, event_inputs, file_data, files_under, fn_indexes, hosted_site, join  # noqa: E402,E501
+from _server import (  # noqa: E402
+    TINY_PAIRS,
+    event_inputs,
+    file_data,
+    files_under,
+    fn_indexes,
+    hosted_site,
+    join,
+    owner_with_plugin,
+)
 
 JSONL = "\n".join(json.dumps({"src": s, "tgt": t}) for s, t in TINY_PAIRS)
 EVIL = ("https://evil.example", "null")
@@ -33,12 +42,8 @@ def site(tmp_path_factory):
     """A multi-user studio over HTTP (queue of 64), its own Gradio folder; owner A has a memory and a kNN plug-in."""
     cache, data = tmp_path_factory.mktemp("gradio-cache"), tmp_path_factory.mktemp("site")
     with hosted_site(data, cache, ["queue_size=64"]) as (studio, served, url):
-        ka, kb = studio.identity.new_browser_key(), studio.identity.new_browser_key()
-        owner_a = studio.identity.owner_of_key(ka)
-        mid = studio.jobs.wait(studio.memory_service.submit_build(JSONL, "a.jsonl", owner=owner_a),
-                               120)["result"]["memory_id"]
-        pid = studio.jobs.wait(studio.plugin_service.submit_train(mid, "knn", {}, owner=owner_a),
-                               120)["result"]["plugin_id"]
+        ka, owner_a, mid, pid = owner_with_plugin(studio)
+        kb = studio.identity.new_browser_key()
         yield SimpleNamespace(studio=studio, served=served, url=url, ka=ka, kb=kb, owner_a=owner_a, mid=mid,
                               pid=pid, cache=cache, data=data, blocks=served.blocks[0])
 
